@@ -1,0 +1,97 @@
+"""Pure-torch paged attention: the reference every kernel is tested against, and the CPU path.
+
+Cache layouts (one tensor per layer):
+  - standard (MHA/GQA): k_cache, v_cache each (num_blocks, block_size, num_kv_heads, head_dim)
+  - MLA (DeepSeek): latent_cache (num_blocks, block_size, kv_lora_rank + rope_dim); each token keeps
+    its normalised compressed KV followed by its rotated shared key, nothing expanded.
+Shape legend: T packed query tokens, N query heads, G kv heads, H head dim, L kv_lora_rank, R rope dim.
+"""
+from __future__ import annotations
+
+import torch
+
+from attention.metadata import AttentionMetadata
+
+
+def write_kv(k_TGH: torch.Tensor, v_TGH: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping_T: torch.Tensor) -> None:
+    """Store each new token's K and V at its slot (block_id * block_size + offset)."""
+    nb, bs = k_cache.shape[:2]
+    k_cache.view(nb * bs, *k_cache.shape[2:]).index_copy_(0, slot_mapping_T, k_TGH.to(k_cache.dtype))
+    v_cache.view(nb * bs, *v_cache.shape[2:]).index_copy_(0, slot_mapping_T, v_TGH.to(v_cache.dtype))
+
+
+def write_latent(latent_TC: torch.Tensor, latent_cache: torch.Tensor, slot_mapping_T: torch.Tensor) -> None:
+    """MLA: store each new token's [compressed kv | rotated k_pe] row at its slot."""
+    nb, bs, c = latent_cache.shape
+    latent_cache.view(nb * bs, c).index_copy_(0, slot_mapping_T, latent_TC.to(latent_cache.dtype))
+
+
+def _gather(cache: torch.Tensor, table: torch.Tensor, n: int) -> torch.Tensor:
+    """The first n token rows of one sequence's context, gathered through its block table."""
+    bs = cache.shape[1]
+    nblocks = (n + bs - 1) // bs
+    return cache[table[:nblocks].long()].flatten(0, 1)[:n]
+
+
+def _causal_softmax_attend(scores_NQS: torch.Tensor, q_len: int, ctx_len: int) -> torch.Tensor:
+    # Query i sits at absolute position ctx_len - q_len + i and sees keys 0..that position.
+    q_pos = torch.arange(ctx_len - q_len, ctx_len, device=scores_NQS.device)
+    k_pos = torch.arange(ctx_len, device=scores_NQS.device)
+    mask = k_pos[None, :] > q_pos[:, None]
+    scores_NQS = scores_NQS.masked_fill(mask, float("-inf"))
+    return torch.softmax(scores_NQS, dim=-1)
+
+
+def paged_attention(q_TNH: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of the packed queries over their paged contexts (prefill, chunked, decode).
+
+    Returns (T, N, Hv) in q's dtype; scores and softmax are computed in float32.
+    """
+    T, N, _ = q_TNH.shape
+    G = k_cache.shape[2]
+    out = torch.empty(T, N, v_cache.shape[-1], dtype=q_TNH.dtype, device=q_TNH.device)
+    s = 0
+    for b in range(meta.num_seqs):
+        q_len = meta.query_lens_cpu[b]
+        ctx = meta.seq_lens_cpu[b]
+        if q_len == 0:
+            continue
+        k = _gather(k_cache, meta.block_tables[b], ctx).float()  # (S, G, H)
+        v = _gather(v_cache, meta.block_tables[b], ctx).float()
+        q = q_TNH[s:s + q_len].float()  # (Q, N, H)
+        # GQA: query head n reads kv head n // (N // G).
+        k = k.repeat_interleave(N // G, dim=1)
+        v = v.repeat_interleave(N // G, dim=1)
+        scores = torch.einsum("qnh,snh->nqs", q, k) * scale
+        p = _causal_softmax_attend(scores, q_len, ctx)
+        out[s:s + q_len] = torch.einsum("nqs,snh->qnh", p, v).to(out.dtype)
+        s += q_len
+    return out
+
+
+def mla_paged_attention(q_latent_TNL: torch.Tensor, q_pe_TNR: torch.Tensor, latent_cache: torch.Tensor,
+                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """MLA in its absorbed form over the compressed cache.
+
+    score(t, n, s) = (q_latent[t, n] . c_kv[s] + q_pe[t, n] . k_pe[s]) * scale, and the output is the
+    softmax-weighted sum of c_kv rows: (T, N, L). The caller maps it to values with W_UV; mapping the
+    query with W_UK beforehand is what makes this equal to attention over expanded K/V.
+    """
+    T, N, L = q_latent_TNL.shape
+    out = torch.empty(T, N, L, dtype=q_latent_TNL.dtype, device=q_latent_TNL.device)
+    s = 0
+    for b in range(meta.num_seqs):
+        q_len = meta.query_lens_cpu[b]
+        ctx = meta.seq_lens_cpu[b]
+        if q_len == 0:
+            continue
+        lat = _gather(latent_cache, meta.block_tables[b], ctx).float()  # (S, L+R)
+        c_kv, k_pe = lat[:, :L], lat[:, L:]
+        scores = (torch.einsum("qnl,sl->nqs", q_latent_TNL[s:s + q_len].float(), c_kv)
+                  + torch.einsum("qnr,sr->nqs", q_pe_TNR[s:s + q_len].float(), k_pe)) * scale
+        p = _causal_softmax_attend(scores, q_len, ctx)
+        out[s:s + q_len] = torch.einsum("nqs,sl->qnl", p, c_kv).to(out.dtype)
+        s += q_len
+    return out

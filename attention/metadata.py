@@ -1,0 +1,68 @@
+"""What an attention backend needs to know about one scheduled batch.
+
+Tokens of all sequences in a step are packed along one axis (T). Sequence b owns query rows
+query_start_loc[b] : query_start_loc[b+1]; those are the *last* q_len_b tokens of its context of
+seq_lens[b] tokens (earlier tokens are already in the paged cache: prefix hits, earlier chunks,
+earlier decode steps). Its cache blocks are block_tables[b, :ceil(seq_lens[b] / block_size)].
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    query_start_loc: torch.Tensor  # (B+1,) int32, on the model's device
+    seq_lens: torch.Tensor  # (B,) int32: context length including this step's tokens
+    block_tables: torch.Tensor  # (B, max_blocks) int32, unused entries are 0
+    slot_mapping: torch.Tensor  # (T,) int64: block_id * block_size + offset for each new token
+    block_size: int
+    # Host copies so reference paths and kernel launchers need no device->host sync.
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+    @staticmethod
+    def build(
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> "AttentionMetadata":
+        """Pack per-sequence host lists into tensors (one host->device copy per field)."""
+        B = len(query_lens)
+        qsl = [0]
+        for q in query_lens:
+            qsl.append(qsl[-1] + q)
+        max_blocks = max((len(t) for t in block_tables), default=0)
+        bt = torch.zeros((B, max(max_blocks, 1)), dtype=torch.int32)
+        slots: list[int] = []
+        for b in range(B):
+            table = block_tables[b]
+            if table:
+                bt[b, : len(table)] = torch.tensor(table, dtype=torch.int32)
+            for pos in range(seq_lens[b] - query_lens[b], seq_lens[b]):
+                slots.append(table[pos // block_size] * block_size + pos % block_size)
+        return AttentionMetadata(
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=bt.to(device),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            block_size=block_size,
+            query_lens_cpu=list(query_lens),
+            seq_lens_cpu=list(seq_lens),
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(seq_lens, default=0),
+        )

@@ -1,0 +1,1 @@
+"""Expert parallelism: router, dispatch/combine backends, the MoE layer, placement and its tuner."""

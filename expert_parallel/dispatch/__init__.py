@@ -1,0 +1,28 @@
+"""Dispatch/combine backends behind one interface; `make_dispatcher` picks one by name (lazy imports)."""
+from __future__ import annotations
+
+from expert_parallel.dispatch.base import Dispatcher, DispatchOutput
+
+BACKENDS = ("local", "all_to_all", "allgather", "deepep", "reference")
+
+
+def make_dispatcher(name: str, num_slots: int, rank: int = 0, world_size: int = 1, group=None) -> Dispatcher:
+    """Build the named backend. With world_size 1 every name but "reference" resolves to "local"."""
+    if name not in BACKENDS:
+        raise ValueError(f"all2all_backend={name!r} is not one of {BACKENDS}")
+    if world_size == 1 and name != "reference":
+        name = "local"
+    if name == "local":
+        from expert_parallel.dispatch.local import LocalDispatcher as cls
+    elif name == "all_to_all":
+        from expert_parallel.dispatch.all_to_all import AllToAllDispatcher as cls
+    elif name == "allgather":
+        from expert_parallel.dispatch.allgather import AllGatherDispatcher as cls
+    elif name == "deepep":
+        from expert_parallel.dispatch.deepep import DeepEPDispatcher as cls
+    else:
+        from expert_parallel.dispatch.reference import ReferenceDispatcher as cls
+    return cls(num_slots, rank, world_size, group)
+
+
+__all__ = ["Dispatcher", "DispatchOutput", "make_dispatcher", "BACKENDS"]

@@ -1,0 +1,62 @@
+"""The dispatch/combine interface every communication backend implements.
+
+Shape legend: T tokens on this rank, R tokens received by this rank, K top-k, D hidden size.
+
+Experts live in *physical slots*: slot s is held by rank s // slots_per_rank and is local expert
+s % slots_per_rank there. With no placement file, slots are the logical experts themselves.
+
+dispatch(x_TD, topk_ids_TK, topk_weights_TK) sends every token to each rank that holds at least one
+of its top-k slots (a token goes at most once to a rank) and returns what this rank received:
+    x_RD              the received tokens,
+    topk_ids_RK       each received token's slots as *local* expert ids, or -1 for slots held elsewhere,
+    topk_weights_RK   the matching routing weights (float32),
+    handle            whatever combine needs to send the results home.
+The grouped GEMM on (x_RD, topk_ids_RK, topk_weights_RK) yields y_RD, each row the weighted sum of its
+local experts' outputs. combine(y_RD, handle) returns y_TD: for every original token, the sum over ranks
+of those partial sums, in the original order. Every rank calls dispatch and combine for every MoE layer
+of every step, with T = 0 where it has no tokens (lockstep).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class DispatchOutput:
+    x_RD: torch.Tensor
+    topk_ids_RK: torch.Tensor
+    topk_weights_RK: torch.Tensor
+    handle: Any
+
+
+class Dispatcher(ABC):
+    """One backend's dispatch and combine for an expert-parallel group."""
+
+    name: str = "base"
+
+    def __init__(self, num_slots: int, rank: int = 0, world_size: int = 1, group: Any = None):
+        if num_slots % world_size != 0:
+            raise ValueError(f"num_slots={num_slots} is not divisible by the EP world size {world_size}")
+        self.num_slots = num_slots
+        self.rank = rank
+        self.world_size = world_size
+        self.group = group
+        self.slots_per_rank = num_slots // world_size
+
+    def to_local_ids(self, topk_ids_TK: torch.Tensor) -> torch.Tensor:
+        """Global slot ids -> local expert ids on this rank, -1 where the slot lives elsewhere."""
+        lo = self.rank * self.slots_per_rank
+        local = topk_ids_TK - lo
+        held = (local >= 0) & (local < self.slots_per_rank)
+        return torch.where(held, local, torch.full_like(local, -1))
+
+    @abstractmethod
+    def dispatch(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor,
+                 topk_weights_TK: torch.Tensor) -> DispatchOutput: ...
+
+    @abstractmethod
+    def combine(self, y_RD: torch.Tensor, handle: Any) -> torch.Tensor: ...
