@@ -1,0 +1,332 @@
+"""Triton paged attention: KV writes and attention over block tables, same API as `reference.py`.
+
+Shape legend: T packed query tokens, B sequences, N query heads, G kv heads, QH = N // G query heads
+per kv head, H head dim, Hv value head dim, L kv_lora_rank, R rope dim, S split-K partitions.
+Cache layouts are those of `reference.py`: k/v (num_blocks, block_size, G, H), latent
+(num_blocks, block_size, L + R).
+
+One attention kernel serves every case. A program owns a tile of BLOCK_Q query tokens of one
+sequence times BLOCK_QH query heads of one kv head, so a K/V tile loaded once feeds every query head
+that reads it (GQA; MLA is one shared kv head). Decode is the tile with BLOCK_Q = 1; prefill and
+chunked prefill use taller tiles with the causal mask applied against absolute positions. Keys are
+gathered token by token through the block table, so any block size and any table order (holes,
+shared prefix blocks) work. For decode with few sequences the key range is split over S programs
+whose partial results are merged by log-sum-exp in a second kernel (split-K / flash-decoding).
+MLA uses the same kernel with a rope part added to the scores and the latent tile reused as V.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from attention.metadata import AttentionMetadata
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _dot(a, b, acc, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    # The CPU interpreter multiplies bf16 tiles as raw uint16 bits; upcast there only.
+    if UPCAST:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc, input_precision=PREC)
+    return acc
+
+
+@triton.jit
+def _write_rows_kernel(src_ptr, cache_ptr, slot_ptr, R, C, block_size,
+                       stride_st, stride_sr, stride_sc, stride_cb, stride_cs, stride_cr, stride_cc,
+                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """cache[slot // block_size, slot % block_size] = src[t] for one token t; slots < 0 are padding."""
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    r = tl.arange(0, BLOCK_R)[:, None]
+    c = tl.arange(0, BLOCK_C)[None, :]
+    mask = (r < R) & (c < C)
+    row = tl.load(src_ptr + t * stride_st + r * stride_sr + c * stride_sc, mask=mask)
+    dst = cache_ptr + (slot // block_size) * stride_cb + (slot % block_size) * stride_cs
+    tl.store(dst + r * stride_cr + c * stride_cc, row.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _paged_attn_kernel(
+    q_ptr, qr_ptr, k_ptr, kr_ptr, v_ptr, out_ptr, lse_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_ptr,
+    scale_log2, num_q_tiles, QH, HD, HR, HV, block_size,
+    stride_qt, stride_qn, stride_qd, stride_qrt, stride_qrn, stride_qrd,
+    stride_kb, stride_ks, stride_kg, stride_kd, stride_krb, stride_krs, stride_krg, stride_krd,
+    stride_vb, stride_vs, stride_vg, stride_vd, stride_bt,
+    stride_ot, stride_on, stride_os, stride_od, stride_lt, stride_ln,
+    BLOCK_Q: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_HD: tl.constexpr, BLOCK_HR: tl.constexpr, BLOCK_HV: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HAS_ROPE: tl.constexpr, SHARED_KV: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Softmax(q . k [+ q_r . k_r]) v for a (BLOCK_Q tokens x BLOCK_QH heads) tile over one key split.
+
+    Grid: (B * num_q_tiles, G * cdiv(QH, BLOCK_QH), NUM_SPLITS). With NUM_SPLITS == 1 the normalised
+    output goes straight to out (T, N, Hv); otherwise out is the (T, N, S, Hv) fp32 workspace and
+    lse (T, N, S) receives each split's log2-sum-exp for the reduce kernel.
+    """
+    pid_q = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = pid_q // num_q_tiles
+    q_tile = pid_q % num_q_tiles
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    ctx = tl.load(seq_lens_ptr + seq)
+    head_tiles = tl.cdiv(QH, BLOCK_QH)
+    g = pid_h // head_tiles
+
+    # Row r of the tile is query token r // BLOCK_QH and head r % BLOCK_QH of kv head g.
+    rows = tl.arange(0, BLOCK_Q * BLOCK_QH)
+    q_local = q_tile * BLOCK_Q + rows // BLOCK_QH
+    h_local = (pid_h % head_tiles) * BLOCK_QH + rows % BLOCK_QH
+    row_mask = (q_local < q_len) & (h_local < QH)
+    tok = (q_start + q_local).to(tl.int64)
+    head = g * QH + h_local
+    q_pos = ctx - q_len + q_local  # absolute position: the query sees keys 0..q_pos
+
+    # Keys this tile can see at all, cut into NUM_SPLITS BLOCK_N-aligned ranges.
+    kv_len = ctx - q_len + tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len)
+    split_len = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    kv_start = split * split_len
+    kv_stop = tl.minimum(kv_start + split_len, kv_len)
+
+    offs_hd = tl.arange(0, BLOCK_HD)
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qn + offs_hd[None, :] * stride_qd,
+                mask=row_mask[:, None] & (offs_hd[None, :] < HD), other=0.0)
+    if HAS_ROPE:
+        offs_hr = tl.arange(0, BLOCK_HR)
+        q_r = tl.load(qr_ptr + tok[:, None] * stride_qrt + head[:, None] * stride_qrn
+                      + offs_hr[None, :] * stride_qrd,
+                      mask=row_mask[:, None] & (offs_hr[None, :] < HR), other=0.0)
+    offs_hv = tl.arange(0, BLOCK_HV)
+
+    m_i = tl.full((BLOCK_Q * BLOCK_QH,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_Q * BLOCK_QH,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_Q * BLOCK_QH, BLOCK_HV), dtype=tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for start in range(kv_start, kv_stop, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        k_mask = pos < kv_stop
+        page = tl.load(table + pos // block_size, mask=k_mask, other=0).to(tl.int64)
+        in_page = (pos % block_size).to(tl.int64)
+        k = tl.load(k_ptr + (page * stride_kb + in_page * stride_ks + g * stride_kg)[:, None]
+                    + offs_hd[None, :] * stride_kd,
+                    mask=k_mask[:, None] & (offs_hd[None, :] < HD), other=0.0).to(q.dtype)
+        s = _dot(q, tl.trans(k), tl.zeros((BLOCK_Q * BLOCK_QH, BLOCK_N), dtype=tl.float32), PREC, UPCAST)
+        if HAS_ROPE:
+            k_r = tl.load(kr_ptr + (page * stride_krb + in_page * stride_krs + g * stride_krg)[:, None]
+                          + offs_hr[None, :] * stride_krd,
+                          mask=k_mask[:, None] & (offs_hr[None, :] < HR), other=0.0).to(q_r.dtype)
+            s = _dot(q_r, tl.trans(k_r), s, PREC, UPCAST)
+        visible = k_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row with nothing visible yet keeps m = -inf; subtract 0 instead so no NaN (-inf - -inf).
+        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_base[:, None])
+        alpha = tl.exp2(m_i - m_base)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if SHARED_KV:
+            v = k  # MLA: the latent row is both the key (with its rope part) and the value
+        else:
+            v = tl.load(v_ptr + (page * stride_vb + in_page * stride_vs + g * stride_vg)[:, None]
+                        + offs_hv[None, :] * stride_vd,
+                        mask=k_mask[:, None] & (offs_hv[None, :] < HV), other=0.0).to(q.dtype)
+        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], PREC, UPCAST)
+        m_i = m_new
+
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_mask = row_mask[:, None] & (offs_hv[None, :] < HV)
+    o_ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_on + offs_hv[None, :] * stride_od
+    if NUM_SPLITS == 1:
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        # Every split stores, even an empty one (l = 0 -> o = 0, lse = -inf), so the reduce never
+        # reads an unwritten workspace entry.
+        tl.store(o_ptrs + split * stride_os, o, mask=o_mask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + tok * stride_lt + head * stride_ln + split, lse, mask=row_mask)
+
+
+@triton.jit
+def _reduce_splits_kernel(ws_ptr, lse_ptr, out_ptr, HV,
+                          stride_wt, stride_wn, stride_ws, stride_wd, stride_lt, stride_ln,
+                          stride_ot, stride_on, stride_od,
+                          NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_HV: tl.constexpr):
+    """out[t, n] = sum_s 2^(lse_s - max) * o_s / sum_s 2^(lse_s - max), one (token, head) per program."""
+    t = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_HV)
+    s_mask = offs_s < NUM_SPLITS
+    lse = tl.load(lse_ptr + t * stride_lt + n * stride_ln + offs_s, mask=s_mask, other=float("-inf"))
+    # Split 0 always holds key 0, which every query sees, so the max is finite.
+    w = tl.exp2(lse - tl.max(lse, 0))
+    o = tl.load(ws_ptr + t * stride_wt + n * stride_wn + offs_s[:, None] * stride_ws + offs_d[None, :] * stride_wd,
+                mask=s_mask[:, None] & (offs_d[None, :] < HV), other=0.0)
+    out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + t * stride_ot + n * stride_on + offs_d * stride_od, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HV)
+
+
+INTERPRETED = type(_paged_attn_kernel).__name__ == "InterpretedFunction"
+
+
+def _check_device(t: torch.Tensor) -> None:
+    if t.device.type == "cpu" and not INTERPRETED:
+        raise RuntimeError("Triton kernels need CUDA tensors; to run them on the CPU set "
+                           "TRITON_INTERPRET=1 before the kernel modules are imported")
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _write_rows(src_TRC: torch.Tensor, cache_BSRC: torch.Tensor, slot_mapping_T: torch.Tensor) -> None:
+    T, R, C = src_TRC.shape
+    if T == 0:
+        return
+    _check_device(src_TRC)
+    _write_rows_kernel[(T,)](
+        src_TRC, cache_BSRC, slot_mapping_T, R, C, cache_BSRC.shape[1],
+        *src_TRC.stride(), *cache_BSRC.stride(),
+        BLOCK_R=triton.next_power_of_2(R), BLOCK_C=triton.next_power_of_2(C))
+
+
+def write_kv(k_TGH: torch.Tensor, v_TGH: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping_T: torch.Tensor) -> None:
+    """Store each new token's K and V at its slot (block_id * block_size + offset).
+
+    Args:
+        k_TGH: (T, G, H) new keys; v_TGH: (T, G, Hv) new values (any strides, cast to the cache dtype).
+        k_cache: (num_blocks, block_size, G, H); v_cache: (num_blocks, block_size, G, Hv).
+        slot_mapping_T: (T,) int64 slots; a negative slot marks a padding token and is skipped.
+    """
+    _write_rows(k_TGH, k_cache, slot_mapping_T)
+    _write_rows(v_TGH, v_cache, slot_mapping_T)
+
+
+def write_latent(latent_TC: torch.Tensor, latent_cache: torch.Tensor, slot_mapping_T: torch.Tensor) -> None:
+    """MLA: store each new token's [compressed kv | rotated k_pe] row (T, L + R) at its slot.
+
+    latent_cache is (num_blocks, block_size, L + R); negative slots are skipped.
+    """
+    _write_rows(latent_TC[:, None, :], latent_cache[:, :, None, :], slot_mapping_T)
+
+
+def _choose_num_splits(meta: AttentionMetadata, programs: int, device: torch.device) -> int:
+    """Decode only: split each sequence's keys until about two programs per SM are in flight, keeping
+    at least 256 keys per split so the merge stays cheap next to the attention itself."""
+    if not meta.is_decode_only or device.type != "cuda":
+        return 1
+    want = triton.cdiv(2 * _num_sms(device.index or 0), max(programs, 1))
+    return max(1, min(want, triton.cdiv(meta.max_seq_len, 256), 64))
+
+
+def _attend(q, q_r, k, k_r, v, meta: AttentionMetadata, scale: float, HV: int, shared_kv: bool,
+            num_splits: int | None, out: torch.Tensor | None) -> torch.Tensor:
+    """Launch the attention (and reduce) kernels; k/k_r/v are 4-D (blocks, block_size, G, dim) views."""
+    T, N, HD = q.shape
+    G = k.shape[2]
+    if N % G:
+        raise ValueError(f"query heads N={N} must be a multiple of kv heads G={G}")
+    QH = N // G
+    if out is None:
+        out = torch.empty((T, N, HV), dtype=q.dtype, device=q.device)
+    if T == 0 or meta.num_seqs == 0:
+        return out
+    _check_device(q)
+    big = HD + (q_r.shape[-1] if q_r is not None else 0) > 256  # MLA-sized rows: smaller tiles
+    if meta.is_decode_only:
+        # One token per sequence: the tile is the query heads of one kv head (>= 16 rows for tl.dot).
+        BLOCK_Q, BLOCK_QH = 1, max(16, min(triton.next_power_of_2(QH), 32 if big else 64))
+    else:
+        BLOCK_QH = min(triton.next_power_of_2(QH), 16)
+        BLOCK_Q = (32 if big else 64) // BLOCK_QH  # 32-64 rows: BLOCK_QH <= 16 keeps BLOCK_Q >= 2
+    BLOCK_N = 32 if big else 64
+    num_q_tiles = triton.cdiv(meta.max_query_len, BLOCK_Q)
+    head_programs = G * triton.cdiv(QH, BLOCK_QH)
+    S = num_splits or _choose_num_splits(meta, meta.num_seqs * head_programs, q.device)
+    if S > 1:
+        ws = torch.empty((T, N, S, HV), dtype=torch.float32, device=q.device)
+        lse = torch.empty((T, N, S), dtype=torch.float32, device=q.device)
+        dst, dst_strides, lse_strides = ws, ws.stride(), lse.stride()[:2]
+    else:
+        lse = ws = None
+        dst, dst_strides, lse_strides = out, (out.stride(0), out.stride(1), 0, out.stride(2)), (0, 0)
+    has_rope = q_r is not None
+    if not has_rope:
+        q_r, k_r = q, k  # unused placeholders; HAS_ROPE=False compiles their loads away
+    HR = q_r.shape[-1] if has_rope else 0
+    _paged_attn_kernel[(meta.num_seqs * num_q_tiles, head_programs, S)](
+        q, q_r, k, k_r, v, dst, lse if lse is not None else dst,
+        meta.block_tables, meta.seq_lens, meta.query_start_loc,
+        scale * _LOG2E, num_q_tiles, QH, HD, HR, HV, meta.block_size,
+        *q.stride(), *q_r.stride(), *k.stride(), *k_r.stride(), *v.stride(), meta.block_tables.stride(0),
+        *dst_strides, *lse_strides,
+        BLOCK_Q=BLOCK_Q, BLOCK_QH=BLOCK_QH, BLOCK_N=BLOCK_N,
+        BLOCK_HD=max(16, triton.next_power_of_2(HD)), BLOCK_HR=max(16, triton.next_power_of_2(max(HR, 1))),
+        BLOCK_HV=max(16, triton.next_power_of_2(HV)), NUM_SPLITS=S, HAS_ROPE=has_rope, SHARED_KV=shared_kv,
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=INTERPRETED,
+        num_warps=8 if big else 4, num_stages=2)
+    if S > 1:
+        _reduce_splits_kernel[(T, N)](
+            ws, lse, out, HV, *ws.stride(), *lse.stride()[:2], *out.stride(),
+            NUM_SPLITS=S, BLOCK_S=triton.next_power_of_2(S), BLOCK_HV=triton.next_power_of_2(HV))
+    return out
+
+
+def paged_attention(q_TNH: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float, *, num_splits: int | None = None,
+                    out_TNH: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of the packed queries over their paged contexts (prefill, chunked, decode).
+
+    Args:
+        q_TNH: (T, N, H) queries, bf16 / fp16 / fp32; query head n reads kv head n // (N // G).
+        k_cache: (num_blocks, block_size, G, H); v_cache: (num_blocks, block_size, G, Hv); this step's
+            keys and values must already be written (write_kv) since queries attend to themselves.
+        meta: the batch's AttentionMetadata (query_start_loc, seq_lens, block_tables on q's device).
+        scale: softmax scale applied to q . k.
+        num_splits: split-K partitions per sequence; None chooses (decode on CUDA only).
+        out_TNH: optional (T, N, Hv) output buffer of q's dtype; rows of sequence tokens are overwritten.
+    Returns:
+        (T, N, Hv) in q's dtype; scores, softmax and accumulation are fp32.
+    """
+    return _attend(q_TNH, None, k_cache, None, v_cache, meta, scale, v_cache.shape[-1], False,
+                   num_splits, out_TNH)
+
+
+def mla_paged_attention(q_latent_TNL: torch.Tensor, q_pe_TNR: torch.Tensor, latent_cache: torch.Tensor,
+                        meta: AttentionMetadata, scale: float, *, num_splits: int | None = None,
+                        out_TNL: torch.Tensor | None = None) -> torch.Tensor:
+    """MLA in its absorbed form over the compressed cache (decode, prefill and chunked prefill).
+
+    Args:
+        q_latent_TNL: (T, N, L) queries already mapped through W_UK; q_pe_TNR: (T, N, R) rotated.
+        latent_cache: (num_blocks, block_size, L + R) rows of [c_kv | k_pe], written by write_latent.
+        meta, scale, num_splits: as in paged_attention.
+        out_TNL: optional (T, N, L) output buffer of q's dtype.
+    Returns:
+        (T, N, L): softmax((q_latent . c_kv + q_pe . k_pe) * scale) weighted sum of c_kv rows.
+    """
+    L = q_latent_TNL.shape[-1]
+    if latent_cache.shape[-1] != L + q_pe_TNR.shape[-1]:
+        raise ValueError(f"latent_cache row {latent_cache.shape[-1]} != L={L} + R={q_pe_TNR.shape[-1]}")
+    # The latent is one kv head shared by all N query heads; c_kv doubles as the value.
+    lat = latent_cache[:, :, None, :]
+    return _attend(q_latent_TNL, q_pe_TNR, lat[..., :L], lat[..., L:], lat[..., :L], meta, scale, L, True,
+                   num_splits, out_TNL)

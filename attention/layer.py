@@ -1,0 +1,59 @@
+"""Attention layers over the paged cache. Models build their q/k/v; these store and attend.
+
+The cache tensors are bound once by the model runner (`bind_kv_cache`); the batch's metadata is
+passed into every forward call (no hidden per-step global state).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from attention.backends import get_backend
+from attention.metadata import AttentionMetadata
+
+
+class PagedAttention(nn.Module):
+    """Multi-head / grouped-query attention: q (T, N, H), k and v (T, G, H) -> (T, N, Hv)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, backend: str = "torch",
+                 v_head_dim: int | None = None):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.v_head_dim = v_head_dim or head_dim
+        self.scale = scale
+        self.ops = get_backend(backend)
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def cache_shape(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:
+        return [(num_blocks, block_size, self.num_kv_heads, self.head_dim),
+                (num_blocks, block_size, self.num_kv_heads, self.v_head_dim)]
+
+    def bind(self, caches: list[torch.Tensor]) -> None:
+        self.k_cache, self.v_cache = caches
+
+    def forward(self, q_TNH, k_TGH, v_TGH, meta: AttentionMetadata) -> torch.Tensor:
+        self.ops.write_kv(k_TGH, v_TGH, self.k_cache, self.v_cache, meta.slot_mapping)
+        return self.ops.paged_attention(q_TNH, self.k_cache, self.v_cache, meta, self.scale)
+
+
+class PagedMLAAttention(nn.Module):
+    """MLA over a compressed cache of [c_kv (L) | k_pe (R)] per token, attended in absorbed form."""
+
+    def __init__(self, kv_lora_rank: int, rope_dim: int, scale: float, backend: str = "torch"):
+        super().__init__()
+        self.kv_lora_rank, self.rope_dim, self.scale = kv_lora_rank, rope_dim, scale
+        self.ops = get_backend(backend)
+        self.latent_cache: torch.Tensor | None = None
+
+    def cache_shape(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:
+        return [(num_blocks, block_size, self.kv_lora_rank + self.rope_dim)]
+
+    def bind(self, caches: list[torch.Tensor]) -> None:
+        (self.latent_cache,) = caches
+
+    def forward(self, q_latent_TNL, q_pe_TNR, latent_TC, meta: AttentionMetadata) -> torch.Tensor:
+        self.ops.write_latent(latent_TC, self.latent_cache, meta.slot_mapping)
+        return self.ops.mla_paged_attention(q_latent_TNL, q_pe_TNR, self.latent_cache, meta, self.scale)

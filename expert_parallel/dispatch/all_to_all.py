@@ -1,0 +1,134 @@
+"""Dispatch/combine with two uneven all-to-alls over torch.distributed (gloo on CPU, NCCL on CUDA).
+
+Shape legend: T tokens on this rank, K top-k, D hidden size, W EP world size, S (token, rank) pairs this
+rank sends, R tokens this rank receives, B bytes of one packed row.
+
+dispatch, in three steps:
+  1. layout: for every token, the set of ranks holding at least one of its slots (a token goes at most
+     once to each such rank); the send buffer is rank-major, tokens in original order inside a rank;
+  2. one small all_to_all_single of the int64 per-rank counts, so every rank knows what it receives;
+  3. one all_to_all_single of packed rows [x bytes | local ids int32 | weights float32] with uneven
+     splits. Packing into one uint8 row keeps the payload to one collective (one launch, one
+     rendezvous) instead of three, which is what matters at decode-sized batches.
+combine sends the partial sums back with the splits swapped and adds them into original order with
+index_add_ in float32, so a token's sum over ranks does not round after each rank.
+
+Host syncs: one .tolist() of the counts in dispatch (all_to_all_single takes the splits as Python
+lists and the output size must be known). combine has none.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from expert_parallel.dispatch.base import Dispatcher, DispatchOutput
+
+
+@dataclass
+class AllToAllHandle:
+    """What combine needs to send partial sums home.
+
+    src_token_S: (S,) int64, the original token index of each sent row, rank-major.
+    send_splits: rows sent to each rank (length W); combine receives this many back from each.
+    recv_splits: rows received from each rank (length W); combine sends this many back to each.
+    num_tokens: T, the number of tokens dispatch was called with.
+    """
+
+    src_token_S: torch.Tensor
+    send_splits: list[int]
+    recv_splits: list[int]
+    num_tokens: int
+
+
+def pack_rows(x_ND: torch.Tensor, ids_NK: torch.Tensor, weights_NK: torch.Tensor) -> torch.Tensor:
+    """(N, D) any dtype, (N, K) int ids, (N, K) weights -> (N, B) uint8 rows, B = D*elt + 8K."""
+    parts = [x_ND.contiguous().view(torch.uint8),
+             ids_NK.to(torch.int32).contiguous().view(torch.uint8),
+             weights_NK.to(torch.float32).contiguous().view(torch.uint8)]
+    return torch.cat(parts, dim=1)
+
+
+def unpack_rows(rows_NB: torch.Tensor, D: int, K: int, dtype: torch.dtype):
+    """Inverse of pack_rows: -> x (N, D) dtype, ids (N, K) int64, weights (N, K) float32."""
+    x_bytes = D * torch.empty((), dtype=dtype).element_size()
+    # Column slices are strided; .contiguous() gives each piece its own dense storage to view.
+    x_ND = rows_NB[:, :x_bytes].contiguous().view(dtype)
+    ids_NK = rows_NB[:, x_bytes:x_bytes + 4 * K].contiguous().view(torch.int32).to(torch.int64)
+    weights_NK = rows_NB[:, x_bytes + 4 * K:].contiguous().view(torch.float32)
+    return x_ND, ids_NK, weights_NK
+
+
+class AllToAllDispatcher(Dispatcher):
+    """Uneven all-to-all dispatch/combine; each token crosses the wire once per destination rank.
+
+    Args (constructor):
+        num_slots: physical expert slots in the EP group; must be divisible by world_size.
+        rank: this rank's index in `group`.
+        world_size: W, the size of `group`.
+        group: the torch.distributed process group of the EP ranks (None = the default group).
+    """
+
+    name = "all_to_all"
+
+    def dispatch(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor,
+                 topk_weights_TK: torch.Tensor) -> DispatchOutput:
+        """Send each token once to every rank holding one of its slots.
+
+        Args:
+            x_TD: (T, D) tokens, any float dtype; T may be 0.
+            topk_ids_TK: (T, K) int global slot ids in [0, num_slots); -1 entries are ignored.
+            topk_weights_TK: (T, K) routing weights, any float dtype.
+        Returns:
+            DispatchOutput with x_RD (R, D) in x's dtype, topk_ids_RK (R, K) int64 local ids or -1,
+            topk_weights_RK (R, K) float32, and an AllToAllHandle. Received rows are ordered by
+            source rank, then by the source's token order.
+        """
+        T, D = x_TD.shape
+        K = topk_ids_TK.shape[1]
+        W, spr, dev = self.world_size, self.slots_per_rank, x_TD.device
+        ids_TK = topk_ids_TK.to(torch.int64)
+
+        # Destination ranks of every token; -1 ids map to rank -1 and match no rank.
+        dest_TK = torch.where(ids_TK >= 0, ids_TK // spr, torch.full_like(ids_TK, -1))
+        in_rank_TW = (dest_TK.unsqueeze(2) == torch.arange(W, device=dev)).any(dim=1)
+        # nonzero on the (W, T) mask yields pairs sorted by rank, then token: the send layout.
+        dest_S, src_token_S = torch.nonzero(in_rank_TW.t(), as_tuple=True)
+        send_counts_W = in_rank_TW.sum(dim=0).to(torch.int64)
+
+        # The receiving rank's local ids: slot - first slot of the destination, -1 where not held.
+        local_SK = ids_TK[src_token_S] - (dest_S * spr).unsqueeze(1)
+        held_SK = (local_SK >= 0) & (local_SK < spr)
+        local_SK = torch.where(held_SK, local_SK, torch.full_like(local_SK, -1))
+        send_rows_SB = pack_rows(x_TD[src_token_S], local_SK, topk_weights_TK[src_token_S])
+
+        recv_counts_W = torch.empty_like(send_counts_W)
+        dist.all_to_all_single(recv_counts_W, send_counts_W, group=self.group)
+        counts = torch.cat([send_counts_W, recv_counts_W]).tolist()  # the one host sync
+        send_splits, recv_splits = counts[:W], counts[W:]
+
+        recv_rows_RB = send_rows_SB.new_empty((sum(recv_splits), send_rows_SB.shape[1]))
+        dist.all_to_all_single(recv_rows_RB, send_rows_SB, output_split_sizes=recv_splits,
+                               input_split_sizes=send_splits, group=self.group)
+        x_RD, ids_RK, weights_RK = unpack_rows(recv_rows_RB, D, K, x_TD.dtype)
+        handle = AllToAllHandle(src_token_S, send_splits, recv_splits, T)
+        return DispatchOutput(x_RD, ids_RK, weights_RK, handle)
+
+    def combine(self, y_RD: torch.Tensor, handle: AllToAllHandle) -> torch.Tensor:
+        """Send partial sums home and add them up in original token order.
+
+        Args:
+            y_RD: (R, D) each received token's weighted sum over this rank's experts, rows in the order
+                dispatch returned them.
+            handle: the AllToAllHandle from the matching dispatch.
+        Returns:
+            (T, D) in y's dtype: for each original token, the sum over ranks of their partial sums.
+        """
+        D = y_RD.shape[1]
+        back_SD = y_RD.new_empty((sum(handle.send_splits), D))
+        dist.all_to_all_single(back_SD, y_RD.contiguous(), output_split_sizes=handle.send_splits,
+                               input_split_sizes=handle.recv_splits, group=self.group)
+        out_TD = torch.zeros(handle.num_tokens, D, dtype=torch.float32, device=y_RD.device)
+        out_TD.index_add_(0, handle.src_token_S, back_SD.to(torch.float32))
+        return out_TD.to(y_RD.dtype)

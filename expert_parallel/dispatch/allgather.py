@@ -1,0 +1,127 @@
+"""Dispatch by all-gather, combine by reduce-scatter: cheap at small (decode-sized) batches.
+
+Shape legend: T tokens on this rank, K top-k, D hidden size, W EP world size, M the largest T over the
+group, G = W * M gathered rows, R rows kept on this rank, B bytes of one packed row.
+
+Every rank pads its tokens to M rows (M agreed with one small all_reduce MAX), packs them with their
+global slot ids and weights into uint8 rows, and all-gathers. Each rank keeps the gathered rows with
+at least one slot it holds, so its grouped GEMM sees exactly the tokens routed here. combine scatters
+the partial sums back into the (G, D) gathered layout (zeros elsewhere) and reduce-scatters, so rank
+r receives the sum over ranks of rows [r*M, (r+1)*M) and keeps the first T.
+
+Compared with all_to_all this sends every token to every rank (W-1 copies instead of at most
+min(K, W-1)) and needs no per-rank counts exchange; with tiny T the fixed latency of the collectives,
+not bytes, is the cost, and this path has fewer host-visible steps.
+
+reduce-scatter: torch >= 2.13 gloo implements it, older gloo builds raise "not supported". The first
+combine tries it and, if the backend refuses before any data moves (identical on every rank, since it
+is a property of the backend), falls back to all_reduce + slice for the rest of the process.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from expert_parallel.dispatch.all_to_all import pack_rows, unpack_rows
+from expert_parallel.dispatch.base import Dispatcher, DispatchOutput
+
+# torch 2.13 renamed the tensor forms; the old names still work but warn.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass
+class AllGatherHandle:
+    """What combine needs.
+
+    kept_R: (R,) int64 indices of this rank's kept rows in the gathered (G, D) layout.
+    rows_per_rank: M, the padded per-rank row count every rank used.
+    num_tokens: T on this rank.
+    """
+
+    kept_R: torch.Tensor
+    rows_per_rank: int
+    num_tokens: int
+
+
+class AllGatherDispatcher(Dispatcher):
+    """All-gather dispatch, reduce-scatter combine.
+
+    Args (constructor):
+        num_slots: physical expert slots in the EP group; must be divisible by world_size.
+        rank: this rank's index in `group`.
+        world_size: W, the size of `group`.
+        group: the torch.distributed process group of the EP ranks (None = the default group).
+    """
+
+    name = "allgather"
+
+    def __init__(self, num_slots: int, rank: int = 0, world_size: int = 1, group=None):
+        super().__init__(num_slots, rank, world_size, group)
+        self._reduce_scatter_ok: bool | None = None  # None until the first combine finds out
+
+    def dispatch(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor,
+                 topk_weights_TK: torch.Tensor) -> DispatchOutput:
+        """Gather every rank's tokens and keep those routed to a slot held here.
+
+        Args:
+            x_TD: (T, D) tokens, any float dtype; T may be 0.
+            topk_ids_TK: (T, K) int global slot ids in [0, num_slots); -1 entries are ignored.
+            topk_weights_TK: (T, K) routing weights, any float dtype.
+        Returns:
+            DispatchOutput with x_RD (R, D) in x's dtype, topk_ids_RK (R, K) int64 local ids or -1,
+            topk_weights_RK (R, K) float32, and an AllGatherHandle. Rows are ordered by source rank,
+            then by the source's token order.
+        """
+        T, D = x_TD.shape
+        K = topk_ids_TK.shape[1]
+        W, dev = self.world_size, x_TD.device
+
+        max_T = torch.tensor([T], dtype=torch.int64, device=dev)
+        dist.all_reduce(max_T, op=dist.ReduceOp.MAX, group=self.group)
+        M = int(max_T.item())
+
+        rows_TB = pack_rows(x_TD, topk_ids_TK, topk_weights_TK)
+        # Padding rows carry id -1 everywhere, so no rank keeps them. pack_rows stores ids as int32,
+        # so -1 is the byte pattern 0xff in each of the 4 id bytes.
+        padded_MB = torch.zeros(M, rows_TB.shape[1], dtype=torch.uint8, device=dev)
+        x_bytes = rows_TB.shape[1] - 8 * K
+        padded_MB[:, x_bytes:x_bytes + 4 * K] = 0xFF
+        padded_MB[:T] = rows_TB
+        gathered_GB = padded_MB.new_empty((W * M, padded_MB.shape[1]))
+        _all_gather_single(gathered_GB, padded_MB, group=self.group)
+
+        x_GD, ids_GK, weights_GK = unpack_rows(gathered_GB, D, K, x_TD.dtype)
+        local_GK = self.to_local_ids(ids_GK)
+        kept_R = torch.nonzero((local_GK >= 0).any(dim=1), as_tuple=True)[0]
+        handle = AllGatherHandle(kept_R, M, T)
+        return DispatchOutput(x_GD[kept_R], local_GK[kept_R], weights_GK[kept_R], handle)
+
+    def combine(self, y_RD: torch.Tensor, handle: AllGatherHandle) -> torch.Tensor:
+        """Reduce partial sums over ranks and return this rank's tokens.
+
+        Args:
+            y_RD: (R, D) each kept row's weighted sum over this rank's experts, in dispatch's order.
+            handle: the AllGatherHandle from the matching dispatch.
+        Returns:
+            (T, D) in y's dtype: for each original token, the sum over ranks of their partial sums.
+        """
+        W, M, D = self.world_size, handle.rows_per_rank, y_RD.shape[1]
+        # Reduce in float32 where y is narrower: W bf16 additions would round after each one.
+        full_GD = torch.zeros(W * M, D, dtype=torch.float32, device=y_RD.device)
+        full_GD[handle.kept_R] = y_RD.to(torch.float32)
+        mine_MD = full_GD.new_empty((M, D))
+        if self._reduce_scatter_ok is not False:
+            try:
+                _reduce_scatter_single(mine_MD, full_GD, group=self.group)
+                self._reduce_scatter_ok = True
+            except (RuntimeError, NotImplementedError):
+                if self._reduce_scatter_ok:  # it worked before: this is a real failure
+                    raise
+                self._reduce_scatter_ok = False
+        if self._reduce_scatter_ok is False:
+            dist.all_reduce(full_GD, group=self.group)
+            mine_MD = full_GD[self.rank * M:(self.rank + 1) * M]
+        return mine_MD[:handle.num_tokens].to(y_RD.dtype)

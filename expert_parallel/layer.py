@@ -1,0 +1,110 @@
+"""The MoE layer: router -> dispatcher.dispatch -> grouped experts -> dispatcher.combine.
+
+One composition for every EP size: with EP=1 the dispatcher is the local one and moves nothing.
+Shape legend: T tokens, D hidden, F expert intermediate size, E local expert slots, K top-k.
+
+Experts live in physical slots (see expert_parallel/dispatch/base.py). Without a placement there
+is one slot per logical expert; with one, hot experts have replicas and `replica_map` picks, for
+every (token, k), which replica serves it. This rank holds slots
+[rank * E, (rank + 1) * E) as w13 (E, 2F, D) and w2 (E, D, F).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from expert_parallel.dispatch.base import Dispatcher
+from kernels.grouped_gemm import fused_experts
+
+
+@dataclass
+class MoEContext:
+    """What every MoE layer of a model shares: how tokens move and which kernel runs the experts."""
+
+    dispatcher: Dispatcher
+    moe_backend: str = "torch"
+    # Per MoE layer (in layer order), the logical expert of each physical slot; None = identity.
+    physical_to_logical: list[list[int]] | None = None
+    # Called with (moe_layer_index, topk_ids_TK logical) when expert load is being recorded.
+    load_recorder: Callable[[int, torch.Tensor], None] | None = None
+    moe_layer_count: list[int] = field(default_factory=lambda: [0])  # running index while building
+
+    def next_layer_index(self) -> int:
+        i = self.moe_layer_count[0]
+        self.moe_layer_count[0] += 1
+        return i
+
+
+class GroupedExperts(nn.Module):
+    """This rank's expert slots as two stacked weight tensors, loaded by logical expert id."""
+
+    def __init__(self, num_local: int, hidden_size: int, intermediate_size: int, local_logical: list[int], dtype):
+        super().__init__()
+        self.F = intermediate_size
+        self.w13 = nn.Parameter(torch.empty(num_local, 2 * intermediate_size, hidden_size, dtype=dtype))
+        self.w2 = nn.Parameter(torch.empty(num_local, hidden_size, intermediate_size, dtype=dtype))
+        self.local_logical = local_logical
+        self.slots_of: dict[int, list[int]] = {}
+        for slot, e in enumerate(local_logical):
+            self.slots_of.setdefault(e, []).append(slot)
+
+    def holds(self, logical_id: int) -> bool:
+        return logical_id in self.slots_of
+
+    def load(self, logical_id: int, kind: str, w: torch.Tensor) -> None:
+        """kind: "gate" (F, D), "up" (F, D), "down" (D, F), "gate_up" (2F, D); copied to every replica."""
+        for s in self.slots_of.get(logical_id, ()):
+            if kind == "gate":
+                self.w13.data[s, : self.F].copy_(w)
+            elif kind == "up":
+                self.w13.data[s, self.F:].copy_(w)
+            elif kind == "gate_up":
+                self.w13.data[s].copy_(w)
+            elif kind == "down":
+                self.w2.data[s].copy_(w)
+            else:
+                raise ValueError(f"unknown expert weight kind {kind!r}")
+
+
+class MoE(nn.Module):
+    """Sparse MoE block; `shared_experts` (DeepSeek) run while routed tokens are away."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, router: nn.Module,
+                 ctx: MoEContext, dtype, shared_experts: nn.Module | None = None):
+        super().__init__()
+        self.ctx = ctx
+        self.layer_index = ctx.next_layer_index()
+        self.num_experts = num_experts
+        d = ctx.dispatcher
+        if ctx.physical_to_logical is not None:
+            p2l = ctx.physical_to_logical[self.layer_index]
+        else:
+            p2l = list(range(num_experts))
+        if len(p2l) != d.num_slots:
+            raise ValueError(f"MoE layer {self.layer_index}: {len(p2l)} physical slots but the dispatcher has {d.num_slots}")
+        lo = d.rank * d.slots_per_rank
+        self.gate = router
+        self.experts = GroupedExperts(d.slots_per_rank, hidden_size, intermediate_size,
+                                      p2l[lo: lo + d.slots_per_rank], dtype)
+        self.shared_experts = shared_experts
+        self.replica_map: Any = None  # logical ids -> physical slot ids; set when a placement is used
+        if ctx.physical_to_logical is not None:
+            from expert_parallel.placement import ReplicaMap
+
+            self.replica_map = ReplicaMap(p2l, num_experts)
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        w_TK, ids_TK = self.gate(x_TD)
+        if self.ctx.load_recorder is not None:
+            self.ctx.load_recorder(self.layer_index, ids_TK)
+        slots_TK = self.replica_map(ids_TK) if self.replica_map is not None else ids_TK
+        d = self.ctx.dispatcher
+        sent = d.dispatch(x_TD, slots_TK, w_TK)
+        shared = self.shared_experts(x_TD) if self.shared_experts is not None else None
+        y_RD = fused_experts(sent.x_RD, self.experts.w13, self.experts.w2, sent.topk_weights_RK,
+                             sent.topk_ids_RK, backend=self.ctx.moe_backend)
+        y_TD = d.combine(y_RD, sent.handle)
+        return y_TD if shared is None else y_TD + shared

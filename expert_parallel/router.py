@@ -1,0 +1,63 @@
+"""Routers: hidden states -> (top-k weights, top-k logical expert ids). Scores in float32.
+
+Shape legend: T tokens, D hidden, E logical experts, K top-k.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SoftmaxTopKRouter(nn.Module):
+    """Mixtral / Qwen3-MoE: softmax over all experts, keep the top k, optionally renormalise."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool, dtype=torch.float32):
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok={top_k} must be in [1, num_experts={num_experts}]")
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype))
+
+    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits_TE = F.linear(x_TD.to(torch.float32), self.weight.to(torch.float32))
+        probs_TE = torch.softmax(logits_TE, dim=-1)
+        w_TK, ids_TK = torch.topk(probs_TE, self.top_k, dim=-1)
+        if self.renormalize:
+            w_TK = w_TK / w_TK.sum(dim=-1, keepdim=True)
+        return w_TK, ids_TK
+
+
+class GroupLimitedSigmoidRouter(nn.Module):
+    """DeepSeek-V3: sigmoid scores; experts chosen by score + e_score_correction_bias within the
+    topk_group best of n_group groups (a group scores the sum of its 2 best); weights are the raw
+    scores of the chosen experts, renormalised if norm_topk_prob, times routed_scaling_factor."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, n_group: int, topk_group: int,
+                 renormalize: bool, routed_scaling_factor: float, dtype=torch.float32):
+        super().__init__()
+        if num_experts % n_group:
+            raise ValueError(f"n_routed_experts={num_experts} is not divisible by n_group={n_group}")
+        if not 1 <= topk_group <= n_group:
+            raise ValueError(f"topk_group={topk_group} must be in [1, n_group={n_group}]")
+        self.num_experts, self.top_k = num_experts, top_k
+        self.n_group, self.topk_group = n_group, topk_group
+        self.renormalize, self.scale = renormalize, routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32))
+
+    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        T = x_TD.shape[0]
+        scores_TE = torch.sigmoid(F.linear(x_TD.to(torch.float32), self.weight.to(torch.float32)))
+        choice_TE = scores_TE + self.e_score_correction_bias.to(torch.float32)
+        per_group = self.num_experts // self.n_group
+        group_scores = choice_TE.view(T, self.n_group, per_group).topk(min(2, per_group), dim=-1)[0].sum(-1)
+        group_idx = torch.topk(group_scores, self.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+        expert_mask = group_mask.unsqueeze(-1).expand(T, self.n_group, per_group).reshape(T, -1)
+        masked = choice_TE.masked_fill(expert_mask == 0, float("-inf"))
+        ids_TK = torch.topk(masked, self.top_k, dim=-1, sorted=False)[1]
+        w_TK = scores_TE.gather(1, ids_TK)
+        if self.renormalize:
+            w_TK = w_TK / (w_TK.sum(dim=-1, keepdim=True) + 1e-20)
+        return w_TK * self.scale, ids_TK

@@ -1,0 +1,208 @@
+"""Triton grouped GEMM for MoE experts: every expert in one launch per GEMM.
+
+Shape legend: T tokens, K top-k, P = T*K (token, k) pairs, D hidden size, F expert intermediate
+size, E experts on this rank, S padded pair slots (see align.py).
+
+Three launches, none of which syncs with the host:
+  1. gate/up GEMM with SiLU-and-mul fused: h[p] = silu(x[t] @ gate_e^T) * (x[t] @ up_e^T)  -> (P, F)
+  2. down GEMM with the router weight folded in: y[p] = w[p] * (h[p] @ w2_e^T)             -> (P, D)
+  3. top-k sum: out[t] = sum_k y[t*K + k] over pairs whose expert is held here (fp32)     -> (T, D)
+Row blocks of the GEMMs each hold one expert's pairs (align.py pads every expert's run to BLOCK_M),
+so a program loads one expert's weight tile and multiplies it against up to BLOCK_M gathered rows.
+Blocks past the real padded length belong to no expert and return before loading anything.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.grouped_gemm.align import align_block_size
+from kernels.grouped_gemm.config import get_config, validate_config
+
+
+@triton.jit
+def _dot(a, b, acc, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    # The CPU interpreter multiplies bf16 tiles as their raw uint16 bits; upcasting there (and only
+    # there) keeps interpreter results meaningful without touching the GPU code path.
+    if UPCAST:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc, input_precision=PREC)
+    return acc
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    a_ptr, b_ptr, c_ptr, weights_ptr,
+    sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+    N, Kdim, num_slots, num_pairs, a_row_div,
+    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+    GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+    BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """c[p, n] = sum_k a[p // a_row_div, k] * b[e, n, k] for the pairs p of each row block.
+
+    GATED: b holds 2N rows [gate | up]; c[p, n] = silu(gate . a) * (up . a).
+    MUL_WEIGHT: c[p, :] *= weights[p] before the cast to c's dtype.
+    """
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(num_slots, BLOCK_SIZE_M)
+    num_pid_n = tl.cdiv(N, BLOCK_SIZE_N)
+    # Grouped ordering: GROUP_SIZE_M consecutive row blocks sweep the N tiles together, so the
+    # activation rows they gather stay in L2 while each weight tile is read by a few programs at once.
+    num_pid_in_group = GROUP_SIZE_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_SIZE_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_SIZE_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    if pid_m * BLOCK_SIZE_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        return
+
+    offs_m = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)
+    pair = tl.load(sorted_ids_ptr + offs_m).to(tl.int64)  # S is a multiple of BLOCK_SIZE_M
+    row_mask = pair < num_pairs  # padding slots hold the sentinel num_pairs
+    a_row = pair // a_row_div
+    offs_n = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_SIZE_K)
+
+    a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :] * stride_ak
+    # int64 expert offset: E * 2F * D passes 2**31 for DeepSeek-sized layers.
+    b_ptrs = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk
+    acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+    if GATED:
+        up_ptrs = b_ptrs + N * stride_bn
+        acc_up = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+    for k_blk in range(0, tl.cdiv(Kdim, BLOCK_SIZE_K)):
+        k_mask = offs_k < Kdim - k_blk * BLOCK_SIZE_K
+        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = _dot(a, b, acc, PREC, UPCAST)
+        if GATED:
+            b_up = tl.load(up_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            acc_up = _dot(a, b_up, acc_up, PREC, UPCAST)
+            up_ptrs += BLOCK_SIZE_K * stride_bk
+        a_ptrs += BLOCK_SIZE_K * stride_ak
+        b_ptrs += BLOCK_SIZE_K * stride_bk
+
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * acc_up  # SiLU(gate) * up, in fp32 before the one rounding
+    if MUL_WEIGHT:
+        w = tl.load(weights_ptr + pair, mask=row_mask, other=0.0).to(tl.float32)
+        acc = acc * w[:, None]
+    c_ptrs = c_ptr + pair[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _topk_sum_kernel(y_ptr, ids_ptr, out_ptr, D, stride_yp, stride_ot, stride_od,
+                     TOP_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[t, :] = sum_k y[t*K + k, :] (fp32) over the k whose expert id is >= 0."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        expert = tl.load(ids_ptr + t * TOP_K + k)
+        # Rows of skipped pairs were never written: mask the load instead of multiplying by 0
+        # (a row limit of 0 masks the whole row).
+        d_limit = tl.where(expert >= 0, D, 0)
+        row = tl.load(y_ptr + (t * TOP_K + k) * stride_yp + offs_d, mask=offs_d < d_limit, other=0.0)
+        acc += row.to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + offs_d * stride_od, acc.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+# Kernels were decorated in interpreter mode iff TRITON_INTERPRET=1 was set when this module loaded.
+INTERPRETED = type(_grouped_gemm_kernel).__name__ == "InterpretedFunction"
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Workspace allocation; tests replace it to poison every buffer the kernels must overwrite."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def check_triton_device(t: torch.Tensor) -> None:
+    """Raise a clear error when a tensor can reach neither a GPU kernel nor the interpreter."""
+    if t.device.type == "cpu" and not INTERPRETED:
+        raise RuntimeError("Triton kernels need CUDA tensors; to run them on the CPU set "
+                           "TRITON_INTERPRET=1 before the kernel modules are imported")
+
+
+def fused_experts_triton(
+    x_TD: torch.Tensor,
+    w13_EFD: torch.Tensor,
+    w2_EDF: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    config: dict | None = None,
+    *,
+    out_TD: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """sum_k topk_weights[t, k] * SwiGLU-expert_{topk_ids[t, k]}(x[t]), experts grouped in one launch.
+
+    Args:
+        x_TD: (T, D) tokens, bf16 / fp16 / fp32.
+        w13_EFD: (E, 2F, D) gate rows then up rows of each expert, x's dtype.
+        w2_EDF: (E, D, F) down projection of each expert, x's dtype.
+        topk_weights_TK: (T, K) routing weights, any float dtype (used in fp32).
+        topk_ids_TK: (T, K) int expert ids in [0, E), or -1 for a pair whose expert is not here.
+        config: launch config (see config.py); None picks the tuned entry or the default.
+        out_TD: optional (T, D) output buffer of x's dtype; every element is overwritten.
+    Returns:
+        (T, D) in x's dtype; products accumulate in fp32, as does the top-k sum.
+    """
+    T, D = x_TD.shape
+    E, F2, D13 = w13_EFD.shape
+    F = F2 // 2
+    K = topk_ids_TK.shape[1] if topk_ids_TK.dim() == 2 else 0
+    if D13 != D or F2 != 2 * F or tuple(w2_EDF.shape) != (E, D, F):
+        raise ValueError(f"shapes do not match: x_TD={tuple(x_TD.shape)}, w13_EFD={tuple(w13_EFD.shape)}, "
+                         f"w2_EDF={tuple(w2_EDF.shape)}")
+    if tuple(topk_ids_TK.shape) != (T, K) or tuple(topk_weights_TK.shape) != (T, K):
+        raise ValueError(f"topk_ids_TK={tuple(topk_ids_TK.shape)} and topk_weights_TK="
+                         f"{tuple(topk_weights_TK.shape)} must both be (T, K) with T={T}")
+    if not (x_TD.dtype == w13_EFD.dtype == w2_EDF.dtype):
+        raise ValueError(f"dtypes differ: x {x_TD.dtype}, w13 {w13_EFD.dtype}, w2 {w2_EDF.dtype}")
+    out = out_TD if out_TD is not None else torch.empty((T, D), dtype=x_TD.dtype, device=x_TD.device)
+    if T == 0:
+        return out
+    check_triton_device(x_TD)
+    cfg = dict(config) if config is not None else get_config(E, F, D, x_TD.dtype, T, K, x_TD.device)
+    validate_config(cfg)
+
+    BM, BN, BK = cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"]
+    routing = align_block_size(topk_ids_TK, E, BM)
+    P, S = routing.num_pairs, routing.sorted_pair_ids_S.shape[0]
+    ids_TK = topk_ids_TK.contiguous()
+    weights_P = topk_weights_TK.contiguous().view(-1)
+    launch = dict(GROUP_SIZE_M=cfg["GROUP_SIZE_M"], BLOCK_SIZE_M=BM, BLOCK_SIZE_N=BN, BLOCK_SIZE_K=BK,
+                  PREC="ieee" if x_TD.dtype == torch.float32 else "tf32", UPCAST=INTERPRETED,
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    y_PD = _empty((P, D), x_TD.dtype, x_TD.device)
+    if S > 0:
+        h_PF = _empty((P, F), x_TD.dtype, x_TD.device)
+        _grouped_gemm_kernel[(S // BM * triton.cdiv(F, BN),)](
+            x_TD, w13_EFD, h_PF, weights_P,
+            routing.sorted_pair_ids_S, routing.expert_ids_B, routing.num_padded_D,
+            F, D, S, P, K,
+            x_TD.stride(0), x_TD.stride(1), w13_EFD.stride(0), w13_EFD.stride(1), w13_EFD.stride(2),
+            h_PF.stride(0), h_PF.stride(1),
+            GATED=True, MUL_WEIGHT=False, **launch)
+        _grouped_gemm_kernel[(S // BM * triton.cdiv(D, BN),)](
+            h_PF, w2_EDF, y_PD, weights_P,
+            routing.sorted_pair_ids_S, routing.expert_ids_B, routing.num_padded_D,
+            D, F, S, P, 1,
+            h_PF.stride(0), h_PF.stride(1), w2_EDF.stride(0), w2_EDF.stride(1), w2_EDF.stride(2),
+            y_PD.stride(0), y_PD.stride(1),
+            GATED=False, MUL_WEIGHT=True, **launch)
+    BLOCK_D = min(1024, triton.next_power_of_2(D))
+    _topk_sum_kernel[(T, triton.cdiv(D, BLOCK_D))](
+        y_PD, ids_TK, out, D, y_PD.stride(0), out.stride(0), out.stride(1), TOP_K=K, BLOCK_D=BLOCK_D)
+    return out

@@ -1,0 +1,115 @@
+"""Engine configuration: frozen dataclasses, every "auto" resolved before freezing.
+
+Errors name the field and the value that is wrong.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+def parse_dtype(value: str | torch.dtype, hf_config: dict | None = None) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        return value
+    if value == "auto":
+        hf_dtype = (hf_config or {}).get("torch_dtype") or (hf_config or {}).get("dtype") or "float32"
+        # float32 checkpoints are served in float32; half-precision ones in their own dtype.
+        return _DTYPES.get(hf_dtype, torch.float32)
+    if value not in _DTYPES:
+        raise ValueError(f"dtype={value!r} is not one of 'auto', {sorted(set(_DTYPES))}")
+    return _DTYPES[value]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str
+    hf: dict  # the checkpoint's config.json, as read
+    architecture: str
+    dtype: torch.dtype
+    max_model_len: int
+    load_format: str  # "safetensors" | "dummy"
+    seed: int = 0
+
+    @staticmethod
+    def from_path(path: str, dtype: str | torch.dtype = "auto", max_model_len: int | None = None,
+                  load_format: str = "auto", seed: int = 0) -> "ModelConfig":
+        cfg_file = os.path.join(path, "config.json")
+        if not os.path.isfile(cfg_file):
+            raise ValueError(f"model={path!r}: no config.json there (expected a Hugging Face checkpoint directory)")
+        with open(cfg_file) as f:
+            hf = json.load(f)
+        archs = hf.get("architectures") or []
+        from moe_serve.models.registry import supported_architectures
+
+        arch = next((a for a in archs if a in supported_architectures()), None)
+        if arch is None:
+            raise ValueError(f"architectures={archs} in {cfg_file} is not supported; "
+                             f"supported: {sorted(supported_architectures())}")
+        if load_format not in ("auto", "safetensors", "dummy"):
+            raise ValueError(f"load_format={load_format!r} is not one of 'auto', 'safetensors', 'dummy'")
+        limit = int(hf.get("max_position_embeddings", 4096))
+        if max_model_len is None:
+            max_model_len = limit
+        elif max_model_len < 1 or max_model_len > limit:
+            raise ValueError(f"max_model_len={max_model_len} must be in [1, max_position_embeddings={limit}]")
+        return ModelConfig(path=path, hf=hf, architecture=arch, dtype=parse_dtype(dtype, hf),
+                           max_model_len=max_model_len,
+                           load_format="safetensors" if load_format == "auto" else load_format, seed=seed)
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        for src in (self.hf.get("eos_token_id"), self._generation_config().get("eos_token_id")):
+            if isinstance(src, int):
+                ids.add(src)
+            elif isinstance(src, list):
+                ids.update(int(i) for i in src)
+        return frozenset(ids)
+
+    def _generation_config(self) -> dict:
+        p = os.path.join(self.path, "generation_config.json")
+        if os.path.isfile(p):
+            with open(p) as f:
+                return json.load(f)
+        return {}
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    num_blocks: int = 0  # 0: from the memory budget
+    kv_cache_memory: int = 0  # bytes; resolved
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    rank: int = 0
+    world_size: int = 1
+    all2all_backend: str = "all_to_all"
+    expert_placement: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    device: torch.device
+    moe_backend: str
+    attention_backend: str
+    extra: dict = field(default_factory=dict)

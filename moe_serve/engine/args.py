@@ -1,0 +1,84 @@
+"""User-facing engine settings (the LLM(...) keywords and the CLI flags), resolved into EngineConfig."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+
+from moe_serve import platform
+from moe_serve.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+
+
+@dataclass
+class EngineArgs:
+    model: str
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    load_format: str = "auto"
+    seed: int = 0
+    device: str = "auto"
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes; default: memory_fraction of what is free
+    num_kv_blocks: int | None = None  # exact block count, overriding the memory budget
+    memory_fraction: float = 0.9
+    enable_prefix_caching: bool = True
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    moe_backend: str = "auto"
+    attention_backend: str = "auto"
+    all2all_backend: str = "auto"
+    expert_placement: str | None = None
+    show_progress: bool = True
+
+    def create_engine_config(self, rank: int = 0, world_size: int = 1) -> EngineConfig:
+        mc = ModelConfig.from_path(self.model, self.dtype, self.max_model_len, self.load_format, self.seed)
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size={self.block_size} must be a power of two")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"memory_fraction={self.memory_fraction} must be in (0, 1]")
+        choice = platform.choose(self.device, self.moe_backend, self.attention_backend, self.all2all_backend,
+                                 world_size)
+        return EngineConfig(
+            model=mc,
+            cache=CacheConfig(self.block_size, self.num_kv_blocks or 0, self.kv_cache_memory or 0,
+                              self.enable_prefix_caching),
+            scheduler=SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs),
+            parallel=ParallelConfig(rank, world_size, choice.all2all_backend, self.expert_placement),
+            device=choice.device,
+            moe_backend=choice.moe_backend,
+            attention_backend=choice.attention_backend,
+        )
+
+    # --- CLI ------------------------------------------------------------------------------------
+    @staticmethod
+    def add_cli_args(p: argparse.ArgumentParser, model_required: bool = False) -> None:
+        g = p.add_argument_group("engine")
+        g.add_argument("--model", required=model_required, default=None,
+                       help="Hugging Face checkpoint directory (default: the built-in default model)")
+        g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+        g.add_argument("--max-model-len", type=int, default=None)
+        g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+        g.add_argument("--seed", type=int, default=0)
+        g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+        g.add_argument("--block-size", type=int, default=16)
+        g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache")
+        g.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV block count (overrides memory)")
+        g.add_argument("--memory-fraction", type=float, default=0.9)
+        g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+        g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+        g.add_argument("--max-num-seqs", type=int, default=64)
+        g.add_argument("--moe-backend", default="auto", choices=["auto", "torch", "triton"])
+        g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+        g.add_argument("--all2all-backend", default="auto",
+                       choices=["auto", "all_to_all", "allgather", "deepep", "reference"])
+        g.add_argument("--expert-placement", default=None, help="placement JSON from `moe-serve placement tune`")
+
+    @classmethod
+    def from_cli(cls, ns: argparse.Namespace, model: str) -> "EngineArgs":
+        kw = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)}
+        kw["model"] = model
+        return cls(**kw)

@@ -1,0 +1,97 @@
+"""The offline API, shaped like vLLM's: LLM(model=...).generate(prompts, SamplingParams(...))."""
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import replace
+
+from tqdm import tqdm
+
+from moe_serve.engine.args import EngineArgs
+from moe_serve.engine.core import EngineCore
+from moe_serve.outputs import CompletionOutput, Logprob, RequestOutput
+from moe_serve.sampling_params import SamplingParams
+
+log = logging.getLogger("moe_serve.llm")
+
+
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The i-th of n samples: a single sequence; a seeded request gets seed + i so samples differ."""
+    seed = None if params.seed is None else params.seed + index
+    return replace(params, n=1, seed=seed)
+
+
+class LLM:
+    """Offline batched generation on one process (EP=1).
+
+    Keywords are those of `EngineArgs` (dtype, max_model_len, max_num_batched_tokens, max_num_seqs,
+    kv_cache_memory, block_size, enable_prefix_caching, moe_backend, attention_backend, load_format, ...).
+    """
+
+    def __init__(self, model: str, **kwargs):
+        self.args = EngineArgs(model=model, **kwargs)
+        cfg = self.args.create_engine_config()
+        self.engine = EngineCore(cfg, self.args.kv_cache_memory, self.args.memory_fraction,
+                                 show_progress=self.args.show_progress)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return None, list(prompt["prompt_token_ids"])
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        raise ValueError(f"a prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for every prompt; returns RequestOutputs in the prompts' order.
+
+        All prompts are validated before any runs, so one bad prompt raises ValueError and leaves
+        the engine untouched.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        parsed = [self._prompt_ids(p) for p in prompts]
+        for (_, ids), sp in zip(parsed, params):
+            self.engine.validate(ids, sp)
+        outputs: list[RequestOutput] = []
+        index: dict[str, tuple[int, int]] = {}
+        for (text, ids), sp in zip(parsed, params):
+            rid = str(next(self._ids))
+            ro = RequestOutput(rid, text, ids)
+            for i in range(sp.n):
+                cid = f"{rid}-{i}"
+                ro.outputs.append(CompletionOutput(i, "", [], 0.0 if sp.logprobs is not None else None,
+                                                   [] if sp.logprobs is not None else None))
+                index[cid] = (len(outputs), i)
+                self.engine.add_request(cid, ids, child_params(sp, i))
+            outputs.append(ro)
+        bar = tqdm(total=len(index), desc="Generating", disable=not use_tqdm)
+        while self.engine.has_unfinished():
+            for eo in self.engine.step():
+                oi, ci = index[eo.request_id]
+                co = outputs[oi].outputs[ci]
+                co.token_ids.extend(eo.new_token_ids)
+                co.text += eo.new_text
+                outputs[oi].num_cached_tokens = eo.num_cached_tokens
+                if eo.logprobs is not None:
+                    for lp in eo.logprobs:
+                        d = {tid: Logprob(v, self.tokenizer.decode([tid], False)) for tid, v in lp.top}
+                        d[lp.token_id] = Logprob(lp.logprob, self.tokenizer.decode([lp.token_id], False))
+                        co.logprobs.append(d)
+                        co.cumulative_logprob += lp.logprob
+                if eo.finished:
+                    co.finish_reason, co.stop_reason = eo.finish_reason, eo.stop_reason
+                    bar.update(1)
+        bar.close()
+        for ro in outputs:
+            ro.finished = all(c.finish_reason is not None for c in ro.outputs)
+        return outputs

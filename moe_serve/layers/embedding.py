@@ -1,0 +1,30 @@
+"""Token embedding and the LM head (optionally tied to it)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, dtype=torch.float32):
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype))
+
+    def forward(self, ids_T: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids_T, self.weight)
+
+
+class LMHead(nn.Module):
+    """Logits in float32 for the rows that are sampled (the last token of each sequence)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dtype=torch.float32):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype))
+
+    def tie_to(self, embedding: Embedding) -> None:
+        self.weight = embedding.weight
+
+    def forward(self, h_BD: torch.Tensor) -> torch.Tensor:
+        return F.linear(h_BD, self.weight).to(torch.float32)

@@ -1,0 +1,68 @@
+"""What every model shares: the decoder stack's outer loop, logits, and checkpoint name handling.
+
+A model file builds its layers from shared modules (attention, MoE, linear, norm) and names them as
+the Hugging Face checkpoint does, so most tensors load by name; expert tensors are routed to the
+MoE layer's stacked weights by `weights.py`.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from attention.metadata import AttentionMetadata
+from moe_serve.layers.embedding import Embedding, LMHead
+from moe_serve.layers.norm import RMSNorm
+
+
+class DecoderStack(nn.Module):
+    """model.embed_tokens -> layers -> model.norm, with HF's module names."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, layers: list[nn.Module], eps: float, dtype):
+        super().__init__()
+        self.embed_tokens = Embedding(vocab_size, hidden_size, dtype)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(hidden_size, eps, dtype)
+
+    def forward(self, ids_T, positions_T, meta: AttentionMetadata) -> torch.Tensor:
+        h = self.embed_tokens(ids_T)
+        for layer in self.layers:
+            h = layer(h, positions_T, meta)
+        return self.norm(h)
+
+
+class CausalLM(nn.Module):
+    """Base of every model: `forward` gives hidden states, `compute_logits` the sampled rows' logits."""
+
+    # (pattern, replacement) rewrites applied to checkpoint names before matching our parameters.
+    name_rewrites: tuple[tuple[str, str], ...] = ()
+
+    def __init__(self, hf: dict, model: DecoderStack, dtype):
+        super().__init__()
+        self.hf = hf
+        self.model = model
+        self.num_hidden_layers = hf["num_hidden_layers"]
+        self.lm_head = LMHead(hf["vocab_size"], hf["hidden_size"], dtype)
+        self.tie_word_embeddings = bool(hf.get("tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def forward(self, ids_T, positions_T, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(ids_T, positions_T, meta)
+
+    def compute_logits(self, h_BD: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(h_BD)
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """Map a checkpoint tensor name to ours; None for tensors that are not used (skipped)."""
+        if "rotary_emb.inv_freq" in name:
+            return None
+        m = re.match(r"model\.layers\.(\d+)\.", name)
+        if m and int(m.group(1)) >= self.num_hidden_layers:
+            return None  # e.g. DeepSeek-V3's multi-token-prediction layer(s) after the last layer
+        if self.tie_word_embeddings and name == "lm_head.weight":
+            return None
+        for pat, rep in self.name_rewrites:
+            name = re.sub(pat, rep, name)
+        return name

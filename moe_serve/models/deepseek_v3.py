@@ -1,0 +1,91 @@
+"""DeepSeek-V3 (DeepseekV3ForCausalLM): multi-head latent attention over a compressed paged cache,
+dense first layers, routed + shared experts, group-limited sigmoid routing, yarn RoPE with mscale.
+
+MLA shape legend: T tokens, N heads, P qk_nope_head_dim, R qk_rope_head_dim, V v_head_dim,
+L kv_lora_rank. The cache keeps [c_kv (L) | k_pe (R)] per token; attention runs in the absorbed
+form: q_latent = q_nope @ W_UK, scores against c_kv, and the output mapped through W_UV.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from attention.layer import PagedMLAAttention
+from attention.metadata import AttentionMetadata
+from expert_parallel.layer import MoE, MoEContext
+from expert_parallel.router import GroupLimitedSigmoidRouter
+from moe_serve.layers.linear import DenseMLP, Linear
+from moe_serve.layers.norm import RMSNorm
+from moe_serve.layers.rotary import RotaryEmbedding, rope_config, yarn_get_mscale
+from moe_serve.models.base import CausalLM, DecoderStack
+from moe_serve.models.decoder_layer import DecoderLayer
+
+
+class MLASelfAttention(nn.Module):
+    def __init__(self, hf: dict, rotary: RotaryEmbedding, attention_backend: str, dtype):
+        super().__init__()
+        D, self.N = hf["hidden_size"], hf["num_attention_heads"]
+        self.P, self.R, self.V = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"], hf["v_head_dim"]
+        self.L = hf["kv_lora_rank"]
+        eps = hf.get("rms_norm_eps", 1e-6)
+        bias = bool(hf.get("attention_bias", False))
+        qk = self.P + self.R
+        self.q_lora_rank = hf.get("q_lora_rank")
+        if self.q_lora_rank:
+            self.q_a_proj = Linear(D, self.q_lora_rank, bias=bias, dtype=dtype)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps, dtype)
+            self.q_b_proj = Linear(self.q_lora_rank, self.N * qk, dtype=dtype)
+        else:
+            self.q_proj = Linear(D, self.N * qk, dtype=dtype)
+        self.kv_a_proj_with_mqa = Linear(D, self.L + self.R, bias=bias, dtype=dtype)
+        self.kv_a_layernorm = RMSNorm(self.L, eps, dtype)
+        self.kv_b_proj = Linear(self.L, self.N * (self.P + self.V), dtype=dtype)
+        self.o_proj = Linear(self.N * self.V, D, bias=bias, dtype=dtype)
+        self.rotary = rotary
+        rope = rope_config(hf)
+        scale = qk ** -0.5
+        if rope["rope_type"] != "default" and rope.get("mscale_all_dim"):
+            m = yarn_get_mscale(rope["factor"], rope["mscale_all_dim"])
+            scale = scale * m * m
+        self.attn = PagedMLAAttention(self.L, self.R, scale, attention_backend)
+
+    def forward(self, x_TD: torch.Tensor, positions_T: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        T = x_TD.shape[0]
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_TD))) if self.q_lora_rank else self.q_proj(x_TD)
+        q_nope, q_pe = q.view(T, self.N, self.P + self.R).split([self.P, self.R], dim=-1)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x_TD).split([self.L, self.R], dim=-1)
+        c_kv = self.kv_a_layernorm(c_kv)
+        cos, sin = self.rotary.cos_sin(positions_T)
+        q_pe = self.rotary.apply(q_pe, cos, sin)
+        k_pe = self.rotary.apply(k_pe.reshape(T, 1, self.R), cos, sin).reshape(T, self.R)
+        w_kv = self.kv_b_proj.weight.view(self.N, self.P + self.V, self.L)
+        w_uk_NPL, w_uv_NVL = w_kv[:, : self.P], w_kv[:, self.P:]
+        q_latent_TNL = torch.einsum("tnp,npl->tnl", q_nope, w_uk_NPL)
+        o_TNL = self.attn(q_latent_TNL, q_pe, torch.cat([c_kv, k_pe], dim=-1), meta)
+        o_TNV = torch.einsum("tnl,nvl->tnv", o_TNL, w_uv_NVL)
+        return self.o_proj(o_TNV.reshape(T, self.N * self.V))
+
+
+class DeepseekV3ForCausalLM(CausalLM):
+    expert_names = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+
+    def __init__(self, hf: dict, moe: MoEContext, attention_backend: str, dtype):
+        D, E = hf["hidden_size"], hf.get("n_routed_experts")
+        eps = hf.get("rms_norm_eps", 1e-6)
+        rotary = RotaryEmbedding(hf["qk_rope_head_dim"], rope_config(hf), hf.get("max_position_embeddings", 4096),
+                                 interleaved=bool(hf.get("rope_interleave", True)))
+        first_dense, freq = hf.get("first_k_dense_replace", 0), hf.get("moe_layer_freq", 1) or 1
+        layers = []
+        for i in range(hf["num_hidden_layers"]):
+            attn = MLASelfAttention(hf, rotary, attention_backend, dtype)
+            if E and i >= first_dense and i % freq == 0:
+                router = GroupLimitedSigmoidRouter(
+                    D, E, hf["num_experts_per_tok"], hf.get("n_group") or 1, hf.get("topk_group") or 1,
+                    bool(hf.get("norm_topk_prob", True)), float(hf.get("routed_scaling_factor", 1.0)))
+                n_shared = hf.get("n_shared_experts") or 0
+                shared = DenseMLP(D, hf["moe_intermediate_size"] * n_shared, dtype) if n_shared else None
+                ffn = MoE(D, hf["moe_intermediate_size"], E, router, moe, dtype, shared_experts=shared)
+            else:
+                ffn = DenseMLP(D, hf["intermediate_size"], dtype)
+            layers.append(DecoderLayer(D, eps, attn, ffn, "mlp", dtype))
+        super().__init__(hf, DecoderStack(hf["vocab_size"], D, layers, eps, dtype), dtype)

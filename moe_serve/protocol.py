@@ -1,0 +1,60 @@
+"""Every message that crosses a process boundary (engine <-> front end, rank 0 <-> other ranks) is a
+typed msgspec Struct declared here. Nothing is pickled."""
+from __future__ import annotations
+
+import msgspec
+
+
+class SamplingSpec(msgspec.Struct, frozen=True):
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+
+class NewRequest(msgspec.Struct, tag="new"):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingSpec
+
+
+class AbortRequest(msgspec.Struct, tag="abort"):
+    request_id: str
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    reason: str = ""
+
+
+class TokenLogprob(msgspec.Struct, array_like=True):
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+class EngineOutput(msgspec.Struct):
+    """New tokens and text of one request since its previous output."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+ControlMessage = NewRequest | AbortRequest | Shutdown

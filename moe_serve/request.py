@@ -1,0 +1,86 @@
+"""A request as the scheduler sees it: token ids and counters, no tensors.
+
+Invariant: the first `num_computed_tokens` of `all_token_ids` have their K/V in the request's cache
+blocks. A step schedules `num_scheduled` more; when those include the last known token, the step
+produces one new token for the request.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from moe_serve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_new_tokens: int
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    block_ids: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+    first_token_time: float | None = None
+    # A seeded request's own random stream: it advances once per sampled token, so the same seed
+    # gives the same text whatever else is in the batch (and across preemption).
+    generator: object | None = None
+    logprobs: list = field(default_factory=list)  # per output token: (chosen logprob, {id: logprob})
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def check_stop_token(self) -> bool:
+        """Set the finish status from the newest token and the length limit; True if finished."""
+        if not self.output_token_ids:
+            return False
+        last = self.output_token_ids[-1]
+        enough = self.num_output_tokens >= self.params.min_tokens
+        if enough and not self.params.ignore_eos and last in self.eos_token_ids:
+            self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, None
+            return True
+        if enough and last in self.params.stop_token_ids:
+            self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, last
+            return True
+        if self.num_output_tokens >= self.max_new_tokens:
+            self.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False

@@ -1,0 +1,203 @@
+"""Token-level scheduler. Pure Python: it moves Request objects and integer block ids, never tensors.
+
+Each step gets a token budget (max_num_batched_tokens). Running requests go first, in arrival
+order: a decoding request needs 1 token, a request in the middle of a chunked prefill needs the
+rest of its prompt, cut to what the budget allows. Waiting requests are then admitted first come,
+first served, each taking its prompt (minus prefix-cache hits) in chunks that fit the budget.
+When KV blocks run out, the most recently arrived running request is preempted: its blocks are
+freed and it goes back to the front of the queue to be recomputed later (its prefix blocks usually
+come back from the prefix cache).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from attention.blocks import BlockAllocator, hash_block
+from moe_serve.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_tokens: int  # tokens computed for this request in this step
+    samples: bool  # whether this step reaches the end of the known tokens and so yields a new token
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    num_preempted: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, allocator: BlockAllocator, max_num_batched_tokens: int, max_num_seqs: int,
+                 max_model_len: int):
+        self.alloc = allocator
+        self.block_size = allocator.block_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._hashes: dict[str, list[bytes]] = {}  # full-block hashes of each live request, in order
+        self._registered: dict[str, int] = {}  # how many of a request's blocks are registered
+        self.num_preemptions = 0
+
+    # --- queue ----------------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        self._hashes[req.request_id] = []
+        self.waiting.append(req)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """End a request now (abort, or a stop string found by the detokenizer); frees its blocks."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        req.status = status
+        self._release(req)
+        return req
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- one step -------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        # 1) running requests: decodes and unfinished prefill chunks.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self._grow(req, n):
+                victim = self.running.pop()  # latest arrival among the running
+                self._preempt(victim)
+                out.num_preempted += 1
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens + n == req.num_tokens))
+                budget -= n
+                i += 1
+                continue
+            break  # req itself was preempted: nothing after it can run either
+        # 2) admit waiting requests in order; stop at the first that does not fit (FCFS).
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.num_preempted:
+            req = self.waiting[0]
+            if not req.block_ids:
+                self._attach_prefix(req)
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._grow(req, n):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens + n == req.num_tokens))
+            budget -= n
+        out.num_batched_tokens = self.max_num_batched_tokens - budget
+        return out
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance the scheduled requests; append sampled tokens; return those that finished."""
+        finished = []
+        for s in out.scheduled:
+            req = s.request
+            if req.is_finished:  # aborted while the step ran
+                continue
+            req.num_computed_tokens += s.num_tokens
+            if s.samples:
+                req.output_token_ids.append(sampled[req.request_id])
+            self._register_full_blocks(req)
+            if s.samples and req.check_stop_token():
+                self.running.remove(req)
+                self._release(req)
+                finished.append(req)
+        return finished
+
+    # --- blocks ---------------------------------------------------------------------------------
+    def _grow(self, req: Request, n: int) -> bool:
+        """Make room for n more tokens of req; False (and nothing changed) when blocks run out."""
+        need = self.alloc.blocks_needed(req.num_computed_tokens + n) - len(req.block_ids)
+        if need <= 0:
+            return True
+        if need > self.alloc.num_free_blocks:
+            return False
+        req.block_ids.extend(self.alloc.allocate(need))
+        return True
+
+    def _attach_prefix(self, req: Request) -> None:
+        """Reuse cached blocks for the longest cached prefix. At least one token is always left to
+        compute, since the step that computes the last known token is the one that samples."""
+        tokens = req.all_token_ids
+        hashes = self._hashes[req.request_id]
+        nfull = len(tokens) // self.block_size
+        parent = hashes[-1] if hashes else None
+        for b in range(len(hashes), nfull):
+            parent = hash_block(parent, tokens[b * self.block_size:(b + 1) * self.block_size])
+            hashes.append(parent)
+        hits = self.alloc.lookup_prefix(hashes, (len(tokens) - 1) // self.block_size)
+        req.block_ids = hits
+        self._registered[req.request_id] = len(hits)
+        req.num_computed_tokens = len(hits) * self.block_size
+        if req.num_preemptions == 0:
+            req.num_cached_prompt_tokens = req.num_computed_tokens
+            self.alloc.record_lookup(len(tokens), req.num_computed_tokens)
+
+    def _register_full_blocks(self, req: Request) -> None:
+        """Hash and register the blocks that became full since the last call (once each)."""
+        if not self.alloc.enable_prefix_caching:
+            return
+        hashes = self._hashes[req.request_id]
+        nfull = req.num_computed_tokens // self.block_size
+        done = self._registered.get(req.request_id, 0)
+        if nfull <= done:
+            return
+        tokens = req.all_token_ids
+        parent = hashes[-1] if hashes else None
+        for b in range(len(hashes), nfull):
+            parent = hash_block(parent, tokens[b * self.block_size:(b + 1) * self.block_size])
+            hashes.append(parent)
+        for b in range(done, nfull):
+            self.alloc.register(req.block_ids[b], hashes[b])
+        self._registered[req.request_id] = nfull
+
+    def _preempt(self, req: Request) -> None:
+        self.alloc.free(req.block_ids)
+        req.block_ids = []
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self._registered[req.request_id] = 0
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _release(self, req: Request) -> None:
+        self.alloc.free(req.block_ids)
+        req.block_ids = []
+        self.requests.pop(req.request_id, None)
+        self._hashes.pop(req.request_id, None)
+        self._registered.pop(req.request_id, None)

@@ -1,0 +1,110 @@
+"""Tokenizer (the checkpoint's tokenizer.json via `tokenizers`), chat template, and incremental
+detokenization that never emits half of a multi-byte character."""
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime
+
+_REPLACEMENT = "\ufffd"
+
+
+class Tokenizer:
+    def __init__(self, path: str):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        tj = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(tj):
+            raise ValueError(f"model={path!r}: no tokenizer.json (a fast tokenizer file is required)")
+        self._tok = HFTokenizer.from_file(tj)
+        cfg_path = os.path.join(path, "tokenizer_config.json")
+        self.config: dict = {}
+        if os.path.isfile(cfg_path):
+            with open(cfg_path) as f:
+                self.config = json.load(f)
+        self.chat_template: str | None = self.config.get("chat_template")
+        tmpl_file = os.path.join(path, "chat_template.jinja")
+        if self.chat_template is None and os.path.isfile(tmpl_file):
+            with open(tmpl_file) as f:
+                self.chat_template = f.read()
+        if isinstance(self.chat_template, list):  # named templates: take "default"
+            self.chat_template = next((t["template"] for t in self.chat_template if t.get("name") == "default"),
+                                      self.chat_template[0]["template"])
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.bos_token = self._token_str(self.config.get("bos_token"))
+        self.eos_token = self._token_str(self.config.get("eos_token"))
+        self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        self._compiled = None
+
+    @staticmethod
+    def _token_str(v) -> str | None:
+        return v.get("content") if isinstance(v, dict) else v
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, i: int) -> str | None:
+        return self._tok.id_to_token(i)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        if not self.chat_template:
+            raise ValueError("this model's tokenizer has no chat template; use the completions API")
+        if self._compiled is None:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            def raise_exception(msg):
+                raise ValueError(msg)
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = raise_exception
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
+            self._compiled = env.from_string(self.chat_template)
+        return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+
+    def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        # The template writes any BOS itself, so special tokens are not added a second time.
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas.
+
+    Decoding the window tokens[prefix:] and subtracting the already-emitted tokens[prefix:read]
+    keeps the cost per token constant and lets merges across the boundary (spaces, multi-byte
+    characters) render as they would in a full decode. A delta ending in U+FFFD is held back until
+    the next token completes the character.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
+        self.tok = tokenizer
+        self.skip = skip_special_tokens
+        self.ids: list[int] = list(prompt_ids[-6:])  # a little left context for correct spacing
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset], self.skip)
+        full = self.tok.decode(self.ids[self.prefix_offset:], self.skip)
+        if len(full) > len(prefix) and not full.endswith(_REPLACEMENT):
+            delta = full[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            self.text += delta
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """At the end of generation, emit whatever is still held back (even an incomplete char)."""
+        full = self.tok.decode(self.ids[self.prefix_offset:], self.skip)
+        prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset], self.skip)
+        delta = full[len(prefix):] if full.startswith(prefix) else ""
+        self.read_offset = len(self.ids)
+        self.prefix_offset = self.read_offset
+        self.text += delta
+        return delta

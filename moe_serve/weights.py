@@ -1,0 +1,127 @@
+"""Checkpoint loading: stream safetensors tensors into the model, one tensor at a time.
+
+Names follow the Hugging Face checkpoint. Expert tensors go to the MoE layers' stacked weights,
+in either layout found on disk: per expert (`...experts.{j}.gate_proj.weight`, Mixtral's w1/w2/w3)
+or fused 3-D (`...experts.gate_up_proj` (E, 2F, D) and `...experts.down_proj` (E, D, F), as
+transformers 5 writes them). A rank reads only the experts it holds: per-expert tensors of other
+experts are never read, and fused tensors are sliced on disk (`get_slice`) to the rows it holds.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from expert_parallel.layer import GroupedExperts
+
+log = logging.getLogger("moe_serve.weights")
+
+_PER_EXPERT = re.compile(r"^(?P<prefix>.*)\.experts\.(?P<e>\d+)\.(?P<proj>\w+)\.weight$")
+_FUSED = re.compile(r"^(?P<prefix>.*)\.experts\.(?P<proj>gate_up_proj|down_proj)$")
+
+
+def checkpoint_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise ValueError(f"model={path!r}: no *.safetensors files found")
+    return [os.path.join(path, f) for f in files]
+
+
+def load_weights(model: nn.Module, path: str, dtype: torch.dtype, show_progress: bool = True) -> None:
+    """Fill every parameter of `model` from the checkpoint at `path`; errors name the tensor."""
+    from safetensors import safe_open
+
+    params = dict(model.named_parameters(remove_duplicate=True))
+    experts = {name[: -len(".experts")]: m for name, m in model.named_modules()
+               if isinstance(m, GroupedExperts) and name.endswith(".experts")}
+    loaded: set[str] = set()
+    files = checkpoint_files(path)
+    names_by_file = []
+    for fp in files:
+        with safe_open(fp, framework="pt") as f:
+            names_by_file.append((fp, list(f.keys())))
+    total = sum(len(n) for _, n in names_by_file)
+    bar = tqdm(total=total, desc="Loading weights", unit="tensor", disable=not show_progress)
+    for fp, names in names_by_file:
+        with safe_open(fp, framework="pt") as f:
+            for raw in names:
+                bar.update(1)
+                name = model.checkpoint_name(raw)
+                if name is None:
+                    continue
+                m = _PER_EXPERT.match(name)
+                if m and m.group("prefix") in experts:
+                    kind = model.expert_names.get(m.group("proj"))
+                    if kind is None:
+                        raise ValueError(f"unexpected expert tensor {raw!r} in {fp}")
+                    ex = experts[m.group("prefix")]
+                    e = int(m.group("e"))
+                    if ex.holds(e):  # other ranks' experts are never read
+                        ex.load(e, kind, f.get_tensor(raw).to(dtype))
+                    loaded.add(f"{m.group('prefix')}.experts.{'w2' if kind == 'down' else 'w13'}")
+                    continue
+                m = _FUSED.match(name)
+                if m and m.group("prefix") in experts:
+                    _load_fused(experts[m.group("prefix")], m.group("proj"), f.get_slice(raw), dtype, raw)
+                    loaded.add(f"{m.group('prefix')}.experts.{'w2' if m.group('proj') == 'down_proj' else 'w13'}")
+                    continue
+                if name not in params:
+                    raise ValueError(f"unexpected tensor {raw!r} in {fp}: the model has no parameter {name!r}")
+                t = f.get_tensor(raw)
+                p = params[name]
+                if tuple(t.shape) != tuple(p.shape):
+                    raise ValueError(f"tensor {raw!r} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
+                p.data.copy_(t.to(p.dtype))
+                loaded.add(name)
+    bar.close()
+    missing = sorted(n for n in params if n not in loaded and not _tied(model, n))
+    if missing:
+        raise ValueError(f"checkpoint {path!r} is missing tensor(s): {', '.join(missing[:8])}"
+                         + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+
+
+def _tied(model: nn.Module, name: str) -> bool:
+    return name == "lm_head.weight" and getattr(model, "tie_word_embeddings", False)
+
+
+def _load_fused(ex: GroupedExperts, proj: str, sl, dtype: torch.dtype, raw: str) -> None:
+    shape = tuple(sl.get_shape())
+    E_local, twoF, D = ex.w13.shape
+    F = twoF // 2
+    for e, slots in ex.slots_of.items():
+        w = sl[e].to(dtype)  # reads only expert e's rows from disk
+        if proj == "gate_up_proj":
+            if tuple(w.shape) == (D, 2 * F):  # (E, D, 2F) layout: transpose to (2F, D)
+                w = w.t()
+            if tuple(w.shape) != (2 * F, D):
+                raise ValueError(f"tensor {raw!r} has shape {shape}, expected (E, {2 * F}, {D})")
+            ex.load(e, "gate_up", w)
+        else:
+            if tuple(w.shape) == (F, D) and F != D:
+                w = w.t()
+            if tuple(w.shape) != (D, F):
+                raise ValueError(f"tensor {raw!r} has shape {shape}, expected (E, {D}, {F})")
+            ex.load(e, "down", w)
+
+
+def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """load_format='dummy': random weights (small normal, norms at 1) for a config alone."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight") or "layernorm" in name:
+            p.data.fill_(1.0)
+        elif "e_score_correction_bias" in name:
+            p.data.zero_()
+        else:
+            fan_in = p.shape[-1]
+            p.data.copy_((torch.randn(p.shape, generator=g) * fan_in ** -0.5).to(p.dtype))

@@ -1,0 +1,121 @@
+"""Tiny random checkpoints of every supported architecture, written by transformers itself.
+
+Weights are widened from transformers' 0.02 init (normal with std fan_in^-0.5, norms near 1) so
+the top logits are not nearly tied and a token mismatch means a bug. Each checkpoint also
+exercises one loading variant: Mixtral uses Hub-style `rope_theta`/`rope_scaling` keys and sharded
+files with an index; Qwen3-MoE stores experts as fused 3-D tensors; DeepSeek-V3 carries a
+multi-token-prediction layer after its last layer and yarn RoPE scaling.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from moe_serve.default_model.tokenizer_train import special_token_ids, train_tokenizer
+
+VOCAB = 512
+
+
+def widen_(model: torch.nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            elif p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+            else:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if "e_score_correction_bias" in name:
+                b.copy_(0.05 * torch.randn(b.shape, generator=g))
+
+
+def _tokenizer(path: str) -> dict[str, int]:
+    train_tokenizer(path, VOCAB)
+    return special_token_ids(path)
+
+
+def build_mixtral(path: str) -> str:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    special = _tokenizer(path)
+    cfg = MixtralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=6, num_experts_per_tok=2,
+                        max_position_embeddings=1024, rope_theta=10000.0, eos_token_id=special["<|im_end|>"],
+                        bos_token_id=None, pad_token_id=special["<|endoftext|>"])
+    torch.manual_seed(0)
+    m = MixtralForCausalLM(cfg).eval()
+    widen_(m, 1)
+    m.save_pretrained(path, max_shard_size="200KB")
+    assert os.path.isfile(os.path.join(path, "model.safetensors.index.json"))
+    # Hub-style RoPE keys, as older configs have them.
+    with open(os.path.join(path, "config.json")) as f:
+        c = json.load(f)
+    c.pop("rope_parameters", None)
+    c["rope_theta"], c["rope_scaling"] = 10000.0, None
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(c, f, indent=2)
+    return path
+
+
+def build_qwen3_moe(path: str) -> str:
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    special = _tokenizer(path)
+    cfg = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=48,
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         num_experts=8, num_experts_per_tok=3, norm_topk_prob=True, mlp_only_layers=[1],
+                         max_position_embeddings=1024, eos_token_id=special["<|im_end|>"],
+                         pad_token_id=special["<|endoftext|>"], tie_word_embeddings=False)
+    torch.manual_seed(0)
+    m = Qwen3MoeForCausalLM(cfg).eval()
+    widen_(m, 2)
+    m.save_pretrained(path)
+    # Rewrite the experts in the fused 3-D layout: gate_up_proj (E, 2F, D), down_proj (E, D, F).
+    sd = load_file(os.path.join(path, "model.safetensors"))
+    out = {k: v for k, v in sd.items() if ".experts." not in k}
+    for i in (0, 2):
+        pre = f"model.layers.{i}.mlp.experts"
+        E = cfg.num_experts
+        out[f"{pre}.gate_up_proj"] = torch.stack(
+            [torch.cat([sd[f"{pre}.{e}.gate_proj.weight"], sd[f"{pre}.{e}.up_proj.weight"]]) for e in range(E)])
+        out[f"{pre}.down_proj"] = torch.stack([sd[f"{pre}.{e}.down_proj.weight"] for e in range(E)])
+    save_file({k: v.contiguous() for k, v in out.items()}, os.path.join(path, "model.safetensors"),
+              metadata={"format": "pt"})
+    return path
+
+
+def build_deepseek_v3(path: str) -> str:
+    from safetensors.torch import load_file, save_file
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    special = _tokenizer(path)
+    cfg = DeepseekV3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                           num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                           n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=3, n_group=4, topk_group=2,
+                           first_k_dense_replace=1, routed_scaling_factor=2.5, q_lora_rank=32, kv_lora_rank=32,
+                           qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, max_position_embeddings=1024,
+                           rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                            "original_max_position_embeddings": 256, "beta_fast": 32,
+                                            "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+                           eos_token_id=special["<|im_end|>"], bos_token_id=None,
+                           pad_token_id=special["<|endoftext|>"])
+    torch.manual_seed(0)
+    m = DeepseekV3ForCausalLM(cfg).eval()
+    widen_(m, 3)
+    m.save_pretrained(path)
+    # Real DeepSeek-V3 checkpoints carry a multi-token-prediction layer numbered after the last layer.
+    sd = load_file(os.path.join(path, "model.safetensors"))
+    for k in [k for k in sd if k.startswith("model.layers.2.")]:
+        sd[k.replace("model.layers.2.", "model.layers.3.")] = sd[k].clone()
+    sd["model.layers.3.eh_proj.weight"] = torch.randn(64, 128)
+    save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(path, "model.safetensors"),
+              metadata={"format": "pt"})
+    return path
+
+
+BUILDERS = {"mixtral": build_mixtral, "qwen3_moe": build_qwen3_moe, "deepseek_v3": build_deepseek_v3}

@@ -1,0 +1,150 @@
+"""Triton paged attention and KV writes against the references, evaluated in float64.
+
+Runs under the Triton interpreter on the CPU (conftest.py sets TRITON_INTERPRET=1 before the kernel
+modules are imported). Block tables come from a shuffled pool larger than needed (holes), sequences
+may share prefix blocks, contexts span many blocks, and query heads outnumber kv heads (GQA).
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton: see conftest.py
+
+import pytest
+import torch
+
+from attention.backends import reference as ref
+from attention.backends import triton_paged as tp
+from attention.metadata import AttentionMetadata
+
+DEVICE = "cpu" if tp.INTERPRETED or not torch.cuda.is_available() else "cuda"
+# Norm-wise relative error against float64. The bf16 bound allows for the interpreter truncating
+# fp32 -> bf16 (GPUs round to nearest) on the probabilities and the output.
+RTOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
+NUM_BLOCKS = 64
+
+
+def make_meta(query_lens, seq_lens, block_size, gen, shared_prefix_blocks=0):
+    """Metadata whose tables draw blocks from a shuffled pool; with shared_prefix_blocks > 0 every
+    sequence starts with the same blocks (a prefix-cache hit), the rest are private."""
+    pool = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
+    shared, pool = pool[:shared_prefix_blocks], pool[shared_prefix_blocks:]
+    tables = []
+    for s in seq_lens:
+        n = -(-s // block_size) - shared_prefix_blocks
+        tables.append(shared + pool[:n])
+        pool = pool[n:]
+    return AttentionMetadata.build(query_lens, seq_lens, tables, block_size, device=DEVICE)
+
+
+def rel_err(out, expect):
+    return ((out.double().cpu() - expect).norm() / expect.norm()).item()
+
+
+def rand(gen, *shape, dtype=torch.float32):
+    return torch.randn(*shape, generator=gen).to(dtype).to(DEVICE)
+
+
+# ---- KV writes ------------------------------------------------------------------------------------
+
+def test_write_kv_and_latent_match_reference():
+    gen = torch.Generator().manual_seed(0)
+    bs, G, H, Hv, T = 4, 3, 10, 6, 9
+    # Non-contiguous sources: views of a fused projection, as models produce them.
+    # Same dtype as the cache: the interpreter truncates fp32 -> bf16 where torch rounds.
+    kv = rand(gen, T, G, H + Hv, dtype=torch.bfloat16)
+    k, v = kv[..., :H], kv[..., H:]
+    slots = torch.randperm(NUM_BLOCKS * bs, generator=gen)[:T].to(DEVICE)
+    caches = [torch.full((NUM_BLOCKS, bs, G, d), float("nan"), dtype=torch.bfloat16, device=DEVICE) for d in (H, Hv)]
+    expect = [c.clone() for c in caches]
+    tp.write_kv(k, v, *caches, slots)
+    ref.write_kv(k, v, *expect, slots)
+    for got, want in zip(caches, expect):
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+
+    lat = rand(gen, T, 20)
+    cache = torch.full((NUM_BLOCKS, bs, 20), float("nan"), device=DEVICE)
+    want = cache.clone()
+    tp.write_latent(lat, cache, slots)
+    ref.write_latent(lat, want, slots)
+    assert torch.equal(cache.nan_to_num(), want.nan_to_num()) and torch.equal(cache.isnan(), want.isnan())
+    # Padding tokens (slot -1) are skipped, not written anywhere.
+    before = cache.clone()
+    tp.write_latent(lat[:2], cache, torch.tensor([-1, -1], device=DEVICE))
+    assert torch.equal(cache.nan_to_num(), before.nan_to_num())
+
+
+# ---- paged attention ------------------------------------------------------------------------------
+
+CASES = {
+    # name: (query_lens, seq_lens, block_size, N, G, H, Hv, shared prefix blocks, num_splits)
+    "decode_gqa_many_blocks": ([1, 1, 1], [3, 70, 133], 8, 8, 2, 32, 32, 0, None),
+    "decode_split_k": ([1, 1], [150, 37], 16, 4, 1, 24, 24, 0, 4),
+    "decode_shared_prefix_split": ([1, 1, 1], [40, 41, 66], 5, 6, 3, 16, 20, 3, 3),
+    "prefill_causal": ([19], [19], 16, 4, 2, 32, 32, 0, None),
+    "chunked_prefill_mixed": ([7, 1, 12], [30, 48, 12], 8, 8, 4, 20, 16, 0, None),
+    "chunked_prefill_shared_split": ([9, 3], [33, 27], 8, 2, 2, 16, 16, 2, 2),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", list(CASES))
+def test_paged_attention_matches_reference(case, dtype):
+    qlens, slens, bs, N, G, H, Hv, shared, splits = CASES[case]
+    gen = torch.Generator().manual_seed(len(case))
+    meta = make_meta(qlens, slens, bs, gen, shared)
+    k_cache = rand(gen, NUM_BLOCKS, bs, G, H, dtype=dtype)
+    v_cache = rand(gen, NUM_BLOCKS, bs, G, Hv, dtype=dtype)
+    q = rand(gen, sum(qlens), N, H, dtype=dtype)
+    out = torch.full((sum(qlens), N, Hv), float("nan"), dtype=dtype, device=DEVICE)
+    got = tp.paged_attention(q, k_cache, v_cache, meta, H ** -0.5, num_splits=splits, out_TNH=out)
+    expect = ref.paged_attention(q.double().cpu(), k_cache.double().cpu(), v_cache.double().cpu(),
+                                 _cpu(meta), H ** -0.5)
+    assert got is out and rel_err(got, expect) < RTOL[dtype]
+
+
+def test_fp16_decode_with_default_splits():
+    gen = torch.Generator().manual_seed(3)
+    meta = make_meta([1, 1], [90, 17], 16, gen)
+    kc, vc = (rand(gen, NUM_BLOCKS, 16, 2, 16, dtype=torch.float16) for _ in range(2))
+    q = rand(gen, 2, 4, 16, dtype=torch.float16)
+    got = tp.paged_attention(q, kc, vc, meta, 0.25)
+    expect = ref.paged_attention(q.double().cpu(), kc.double().cpu(), vc.double().cpu(), _cpu(meta), 0.25)
+    assert rel_err(got, expect) < RTOL[torch.float16]
+
+
+MLA_CASES = {
+    # name: (query_lens, seq_lens, block_size, N, L, R, num_splits)
+    "decode": ([1, 1, 1], [9, 64, 100], 16, 4, 64, 16, None),
+    "decode_split_many_heads": ([1, 1], [77, 5], 8, 40, 32, 16, 3),
+    "chunked_prefill": ([6, 1], [20, 35], 8, 3, 32, 16, None),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", list(MLA_CASES))
+def test_mla_paged_attention_matches_reference(case, dtype):
+    qlens, slens, bs, N, L, R, splits = MLA_CASES[case]
+    gen = torch.Generator().manual_seed(10 + len(case))
+    meta = make_meta(qlens, slens, bs, gen)
+    cache = rand(gen, NUM_BLOCKS, bs, L + R, dtype=dtype)
+    q_lat = rand(gen, sum(qlens), N, L, dtype=dtype)
+    q_pe = rand(gen, sum(qlens), N, R, dtype=dtype)
+    out = torch.full((sum(qlens), N, L), float("nan"), dtype=dtype, device=DEVICE)
+    scale = (L + R) ** -0.5
+    got = tp.mla_paged_attention(q_lat, q_pe, cache, meta, scale, num_splits=splits, out_TNL=out)
+    expect = ref.mla_paged_attention(q_lat.double().cpu(), q_pe.double().cpu(), cache.double().cpu(),
+                                     _cpu(meta), scale)
+    assert got is out and rel_err(got, expect) < RTOL[dtype]
+
+
+def test_empty_batch_returns_empty():
+    gen = torch.Generator().manual_seed(4)
+    meta = make_meta([], [], 8, gen)
+    kc = rand(gen, NUM_BLOCKS, 8, 1, 16)
+    assert tp.paged_attention(rand(gen, 0, 2, 16), kc, kc, meta, 1.0).shape == (0, 2, 16)
+
+
+def _cpu(meta: AttentionMetadata) -> AttentionMetadata:
+    """The same metadata with its tensors on the CPU, for the float64 reference."""
+    return AttentionMetadata(meta.query_start_loc.cpu(), meta.seq_lens.cpu(), meta.block_tables.cpu(),
+                             meta.slot_mapping.cpu(), meta.block_size, meta.query_lens_cpu, meta.seq_lens_cpu,
+                             meta.max_query_len, meta.max_seq_len)
