@@ -41,7 +41,7 @@ _ERROR_DECAY = 0.8
 # and only cost refinement steps.
 _MIN_GAIN = 1e-4
 # Traffic weights of the "spill" candidates: tokens of imbalance one token sent off-node is worth.
-SPILL_WEIGHTS = (4.0, 1.0, 0.25)
+SPILL_WEIGHTS = (8.0, 4.0, 2.0)
 
 
 @dataclass(frozen=True)
@@ -137,19 +137,21 @@ def _scores(m, v, hedge):
     return m + hedge * np.sqrt(np.maximum(v, 0.0))
 
 
-def pack(mean_R, var_R, label_R, num_bins: int, hedge: float, *, node_B=None, home_R=None,
-         traffic_weight: float = 0.0, max_swaps: int = 4000) -> np.ndarray:
+def pack(mean_R, var_R, label_R, num_bins: int, hedge: float, *, label_cap: int = 1, node_B=None,
+         home_R=None, traffic_weight: float = 0.0, start_R=None, max_swaps: int = 4000) -> np.ndarray:
     """Put R items into num_bins bins of R / num_bins items each, minimising the worst bin score.
 
-    A bin's score is sum(mean) + hedge * sqrt(sum(var)). Items with equal labels (replicas of one
-    expert) never share a bin while another bin has room. Greedy start (heaviest first, into the
+    A bin's score is sum(mean) + hedge * sqrt(sum(var)). At most label_cap items with equal labels
+    (replicas of one expert) share a bin, unless no bin with room is under the cap. Greedy start (heaviest first, into the
     bin whose score grows least), then swaps between the worst bin and any other while that
-    lowers the worst by _MIN_GAIN.
+    lowers the worst by _MIN_GAIN. Given start_R, the greedy start is skipped.
 
     Locality, given node_B (node of each bin) and home_R (the node each item would like): an item
     off its home costs traffic_weight * its mean, in the same token units as the score. The greedy
-    start adds that cost to each choice, and among swaps that lower the worst bin the refinement
-    takes the one with the least worst + cost change. traffic_weight 0 ignores locality.
+    start adds that cost to each choice. Among swaps that lower the worst bin, the refinement takes
+    the best one adding no off-home tokens; failing that, the one with the most gain per cost,
+    and it stops when no swap gains as many tokens on the worst bin as it costs.
+    traffic_weight 0 ignores locality.
     Returns bin_R (int64).
     """
     mean_R, var_R = np.asarray(mean_R, np.float64), np.asarray(var_R, np.float64)
@@ -160,11 +162,14 @@ def pack(mean_R, var_R, label_R, num_bins: int, hedge: float, *, node_B=None, ho
         node_B, home_R, traffic_weight = np.zeros(num_bins, np.int64), np.zeros(R, np.int64), 0.0
     off_cost = traffic_weight * mean_R  # what item i costs on any bin outside its home node
     holds = np.zeros((num_bins, int(label_R.max()) + 1), dtype=np.int64)
-    bin_R = np.empty(R, dtype=np.int64)
+    bin_R = np.empty(R, dtype=np.int64) if start_R is None else np.array(start_R, dtype=np.int64)
     m, v, n = np.zeros(num_bins), np.zeros(num_bins), np.zeros(num_bins, dtype=np.int64)
-    for i in np.argsort(-_scores(mean_R, var_R, hedge), kind="stable"):
+    if start_R is not None:
+        np.add.at(holds, (bin_R, label_R), 1)
+        m, v = np.bincount(bin_R, mean_R, num_bins), np.bincount(bin_R, var_R, num_bins)
+    for i in np.argsort(-_scores(mean_R, var_R, hedge), kind="stable") if start_R is None else ():
         room = n < per_bin
-        free = room & (holds[:, label_R[i]] == 0)
+        free = room & (holds[:, label_R[i]] < label_cap)
         cand = np.flatnonzero(free if free.any() else room)
         cost = _scores(m[cand] + mean_R[i], v[cand] + var_R[i], hedge) + off_cost[i] * (node_B[cand] != home_R[i])
         b = cand[np.argmin(cost)]
@@ -180,7 +185,8 @@ def pack(mean_R, var_R, label_R, num_bins: int, hedge: float, *, node_B=None, ho
         dv = var_R[ib][None, :] - var_R[ia][:, None]
         worst = np.maximum(_scores(m[a] + dm, v[a] + dv, hedge), _scores(m[b] - dm, v[b] - dv, hedge))
         ok = (label_R[ia][:, None] != label_R[ib][None, :]) \
-            & (holds[b[None, :], label_R[ia][:, None]] == 0) & (holds[a, label_R[ib]][None, :] == 0)
+            & (holds[b[None, :], label_R[ia][:, None]] < label_cap) \
+            & (holds[a, label_R[ib]][None, :] < label_cap)
         # Strict improvement of the pair's max: the sorted score vector falls, so this terminates.
         ok &= worst < score[a] * (1 - _MIN_GAIN)
         if not ok.any():
@@ -188,7 +194,18 @@ def pack(mean_R, var_R, label_R, num_bins: int, hedge: float, *, node_B=None, ho
         na, nb, hi, hj = node_B[a], node_B[b][None, :], home_R[ia][:, None], home_R[ib][None, :]
         d_cost = off_cost[ia][:, None] * ((nb != hi).astype(float) - (na != hi)) \
             + off_cost[ib][None, :] * ((na != hj).astype(float) - (nb != hj))
-        k = int(np.argmin(np.where(ok, worst + d_cost, np.inf)))
+        free = ok & (d_cost <= 0)
+        if free.any():  # adds no off-home tokens: take the best
+            k = int(np.argmin(np.where(free, worst, np.inf)))
+        else:
+            # Else the most gain per weighted off-home token, if at least 1 (gain and cost are both
+            # in tokens); among those within 10% of the best ratio, the biggest gain, so the walk
+            # takes few steps rather than many tiny cheap ones.
+            gain = np.where(ok, score[a] - worst, 0.0)
+            ratio = gain / np.maximum(d_cost, 1e-12)
+            if ratio.max() < 1.0:
+                break
+            k = int(np.argmax(np.where(ratio >= 0.9 * ratio.max(), gain, -1.0)))
         i, j = ia[k // len(ib)], ib[k % len(ib)]
         bj = bin_R[j]
         for item, src, dst in ((i, a, bj), (j, bj, a)):
@@ -223,7 +240,7 @@ def _align_nodes(gpu_R, mean_R, home_R, gpus: int, nodes: int) -> np.ndarray:
     return new_id[gpu_R]
 
 
-def _check_shape(num_experts: int, slots: int, gpus: int, nodes: int, groups: int | None) -> None:
+def check_shape(num_experts: int, slots: int, gpus: int, nodes: int, groups: int | None) -> None:
     if gpus <= 0 or nodes <= 0 or slots <= 0:
         raise ValueError(f"gpus={gpus}, nodes={nodes} and slots={slots} must be positive")
     if gpus % nodes:
@@ -263,8 +280,18 @@ def _candidates(mean, var, gpus, nodes, slots, groups, config):
     m_R, v_R = mean[e_R] / r, var[e_R] / r**2
     if nodes > 1:
         for w in SPILL_WEIGHTS:
+            # Nodes first, trading balance against off-home tokens at weight w; an expert may put
+            # one replica on each GPU of a node, and the per-node pack then spreads them.
+            node_R = pack(m_R, v_R, e_R, nodes, z, label_cap=gpn, node_B=np.arange(nodes),
+                          home_R=home_E[e_R], traffic_weight=w, max_swaps=swaps)
+            g_R = np.empty_like(e_R)
+            for n in range(nodes):
+                on = np.flatnonzero(node_R == n)
+                g_R[on] = pack(m_R[on], v_R[on], e_R[on], gpn, z, max_swaps=swaps) + n * gpn
+            # Node totals balance, but a node's big replicas may not split evenly over its GPUs:
+            # a last round of swaps across all GPUs, at the same traffic weight.
             g_R = pack(m_R, v_R, e_R, gpus, z, node_B=node_B, home_R=home_E[e_R], traffic_weight=w,
-                       max_swaps=swaps)
+                       start_R=g_R, max_swaps=swaps)
             yield f"spill:{w:g}", e_R, g_R, m_R, v_R
     g_R = pack(m_R, v_R, e_R, gpus, z, max_swaps=swaps)
     yield "global", e_R, _align_nodes(g_R, m_R, home_E[e_R], gpus, nodes) if nodes > 1 else g_R, m_R, v_R
@@ -284,7 +311,7 @@ def tune_layer(history_WE, gpus: int, nodes: int, slots: int, groups: int | None
     """
     h = np.asarray(history_WE, dtype=np.float64)
     E = h.shape[1]
-    _check_shape(E, slots, gpus, nodes, groups)
+    check_shape(E, slots, gpus, nodes, groups)
     mean, rel_err, decay = forecast(h, config.decay)
     var = (rel_err * mean) ** 2
     layouts, predicted = {}, {}
@@ -337,7 +364,7 @@ def greedy_layout(load_LE, gpus: int, nodes: int, slots: int, groups: int | None
     groups divide evenly over the nodes, global otherwise. Returns physical_to_logical_LS."""
     load = np.asarray(load_LE, dtype=np.float64)
     L, E = load.shape
-    _check_shape(E, slots, gpus, nodes, groups)
+    check_shape(E, slots, gpus, nodes, groups)
     if not groups or groups % nodes:
         groups, nodes = 1, 1
     per_group, spn, gpn = E // groups, slots // nodes, gpus // nodes

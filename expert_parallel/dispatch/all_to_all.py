@@ -14,7 +14,8 @@ combine sends the partial sums back with the splits swapped and adds them into o
 index_add_ in float32, so a token's sum over ranks does not round after each rank.
 
 Host syncs: one .tolist() of the counts in dispatch (all_to_all_single takes the splits as Python
-lists and the output size must be known). combine has none.
+lists and the output size must be known); the send layout is built after it with nonzero_static, so
+no second sync. combine has none.
 """
 from __future__ import annotations
 
@@ -93,20 +94,21 @@ class AllToAllDispatcher(Dispatcher):
         # Destination ranks of every token; -1 ids map to rank -1 and match no rank.
         dest_TK = torch.where(ids_TK >= 0, ids_TK // spr, torch.full_like(ids_TK, -1))
         in_rank_TW = (dest_TK.unsqueeze(2) == torch.arange(W, device=dev)).any(dim=1)
-        # nonzero on the (W, T) mask yields pairs sorted by rank, then token: the send layout.
-        dest_S, src_token_S = torch.nonzero(in_rank_TW.t(), as_tuple=True)
         send_counts_W = in_rank_TW.sum(dim=0).to(torch.int64)
+        recv_counts_W = torch.empty_like(send_counts_W)
+        dist.all_to_all_single(recv_counts_W, send_counts_W, group=self.group)
+        counts = torch.cat([send_counts_W, recv_counts_W]).tolist()  # the one host sync
+        send_splits, recv_splits = counts[:W], counts[W:]
 
+        # Nonzero on the (W, T) mask yields pairs sorted by rank, then token: the send layout. The
+        # static form with the now-known size avoids the second host sync plain nonzero has on CUDA.
+        pairs_S2 = torch.nonzero_static(in_rank_TW.t(), size=sum(send_splits))
+        dest_S, src_token_S = pairs_S2[:, 0], pairs_S2[:, 1]
         # The receiving rank's local ids: slot - first slot of the destination, -1 where not held.
         local_SK = ids_TK[src_token_S] - (dest_S * spr).unsqueeze(1)
         held_SK = (local_SK >= 0) & (local_SK < spr)
         local_SK = torch.where(held_SK, local_SK, torch.full_like(local_SK, -1))
         send_rows_SB = pack_rows(x_TD[src_token_S], local_SK, topk_weights_TK[src_token_S])
-
-        recv_counts_W = torch.empty_like(send_counts_W)
-        dist.all_to_all_single(recv_counts_W, send_counts_W, group=self.group)
-        counts = torch.cat([send_counts_W, recv_counts_W]).tolist()  # the one host sync
-        send_splits, recv_splits = counts[:W], counts[W:]
 
         recv_rows_RB = send_rows_SB.new_empty((sum(recv_splits), send_rows_SB.shape[1]))
         dist.all_to_all_single(recv_rows_RB, send_rows_SB, output_split_sizes=recv_splits,

@@ -11,7 +11,7 @@ r receives the sum over ranks of rows [r*M, (r+1)*M) and keeps the first T.
 
 Compared with all_to_all this sends every token to every rank (W-1 copies instead of at most
 min(K, W-1)) and needs no per-rank counts exchange; with tiny T the fixed latency of the collectives,
-not bytes, is the cost, and this path has fewer host-visible steps.
+not bytes, is the cost. Host syncs: the agreed M (.item()) and the kept-row selection (nonzero).
 
 reduce-scatter: torch >= 2.13 gloo implements it, older gloo builds raise "not supported". The first
 combine tries it and, if the backend refuses before any data moves (identical on every rank, since it
@@ -27,9 +27,17 @@ import torch.distributed as dist
 from expert_parallel.dispatch.all_to_all import pack_rows, unpack_rows
 from expert_parallel.dispatch.base import Dispatcher, DispatchOutput
 
-# torch 2.13 renamed the tensor forms; the old names still work but warn.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+def _all_gather_single(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    # torch 2.13 renamed the tensor forms (the old names warn); looked up per call so wrappers
+    # installed on torch.distributed (the byte counter in bench/dispatch.py) see the call.
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, inp, group=group)
+
+
+def _reduce_scatter_single(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, inp, group=group)
 
 
 @dataclass

@@ -5,10 +5,11 @@ Shape legend: T tokens on this rank, K top-k, D hidden size, W EP world size, E 
 received.
 
 NOT RUN IN THIS REPOSITORY'S CI: DeepEP needs Hopper-class GPUs, NVSHMEM and (across nodes) RDMA NICs.
-The calls below follow deep_ep/buffer.py (Buffer, get_dispatch_layout, dispatch, combine,
+It targets DeepEP's V1 `deep_ep.Buffer` API (not the later ElasticBuffer). The calls follow
+deep_ep/buffer.py (Buffer, get_dispatch_layout, dispatch, combine,
 clean_low_latency_buffer, low_latency_dispatch, low_latency_combine, get_low_latency_rdma_size_hint,
-Config.get_nvl_buffer_size_hint / get_rdma_buffer_size_hint); check them against tests/dist when a
-multi-GPU machine is available.
+Config.get_nvl_buffer_size_hint / get_rdma_buffer_size_hint); tests/dist/test_dispatch.py
+(test_deepep_matches_reference) checks them against the reference on a multi-GPU machine.
 
 Two modes, one Buffer (created with low_latency_mode=True so it can serve both; DeepEP requires
 clean_low_latency_buffer after normal kernels before the next low-latency kernel, which we track):
@@ -19,7 +20,8 @@ clean_low_latency_buffer after normal kernels before the next low-latency kernel
   low_latency  (decode-sized batches, T <= max_low_latency_tokens on every rank) low_latency_dispatch
                returns an expert-major layout (E, C, D) with recv_count_E valid rows per expert: a
                token appears once per local expert it chose, not once per rank. We present it as
-               x_RD = (E*C, D) (a view, no copy), topk_ids_RK = (E*C, 1) holding e for the first
+               x_RD = (E*C, D) (for bf16 x a view into DeepEP's buffer, which the next-but-one
+               low-latency call overwrites: consume it before then), topk_ids_RK = (E*C, 1) holding e for the first
                recv_count_E[e] rows of expert e and -1 for the rest, and topk_weights_RK = 1.
                low_latency_combine applies the routing weights itself, so y_RD rows must be
                *unweighted* expert outputs, which a GEMM given weight 1 produces. A masked grouped
@@ -117,10 +119,12 @@ class DeepEPDispatcher(Dispatcher):
         if low_latency:
             num_rdma_bytes = max(num_rdma_bytes, Buffer.get_low_latency_rdma_size_hint(
                 self.max_low_latency_tokens, hidden, self.world_size, self.num_slots))
-        # Low-latency mode wants one queue pair per local expert.
-        qps = self.slots_per_rank if low_latency else 1
+        # Queue pairs: low-latency kernels want one per local expert, normal internode kernels one
+        # per SM channel; a buffer serving both takes the larger.
+        qps = {"normal": Buffer.num_sms, "low_latency": self.slots_per_rank,
+               "auto": max(Buffer.num_sms, self.slots_per_rank)}[self.mode]
         self._buffer = Buffer(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode=low_latency,
-                              num_qps_per_rank=max(qps, 1))
+                              num_qps_per_rank=qps)
         self._buffer_hidden = hidden
         return self._buffer
 

@@ -1,17 +1,19 @@
 """Triton grouped GEMM and its routing alignment against the float64 oracle.
 
-Runs under the Triton interpreter on the CPU (conftest.py sets TRITON_INTERPRET=1 before the kernel
-modules are imported); shapes are small and odd because the interpreter is slow and edges are where
-masking bugs live.
+Without a GPU the kernels run under the Triton interpreter on the CPU (TRITON_INTERPRET=1 is set
+before the kernel modules are imported; see conftest.py); with one they are compiled and run on it.
+Shapes are small and odd: the interpreter is slow, and edges are where masking bugs live.
 """
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton: see conftest.py
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel modules: see conftest.py
 
 import json
 
 import pytest
-import torch
 
 from kernels.grouped_gemm import config as cfg_mod
 from kernels.grouped_gemm import fused_experts
@@ -140,17 +142,19 @@ def test_public_op_and_strided_input():
     x, w13, w2 = layer(6, 32, 16, 5, torch.float32, gen)
     x_strided = torch.randn(6, 64, generator=gen)[:, ::2]  # non-unit column stride
     weights, ids = routing(6, 5, 2, gen, 0.2)
-    got = fused_experts(x_strided, w13, w2, weights, ids.long(), backend="triton")
+    got = fused_experts(x_strided.to(DEVICE), w13.to(DEVICE), w2.to(DEVICE), weights.to(DEVICE),
+                        ids.long().to(DEVICE), backend="triton")
     assert rel_err(got, fused_experts_float64(x_strided, w13, w2, weights, ids)) < RTOL[torch.float32]
 
 
 def test_shape_errors_name_the_arguments():
-    x, w13, w2 = layer(2, 16, 8, 3, torch.float32, torch.Generator().manual_seed(0))
-    ids = torch.zeros(2, 1, dtype=torch.int32)
+    x, w13, w2 = (t.to(DEVICE) for t in layer(2, 16, 8, 3, torch.float32, torch.Generator().manual_seed(0)))
+    ids = torch.zeros(2, 1, dtype=torch.int32, device=DEVICE)
+    ones = torch.ones(2, 1, device=DEVICE)
     with pytest.raises(ValueError, match="w2_EDF"):
-        tk.fused_experts_triton(x, w13, w2[:, :, :4], torch.ones(2, 1), ids)
+        tk.fused_experts_triton(x, w13, w2[:, :, :4], ones, ids)
     with pytest.raises(ValueError, match="BLOCK_SIZE_N=24"):
-        tk.fused_experts_triton(x, w13, w2, torch.ones(2, 1), ids, {**SMALL, "BLOCK_SIZE_N": 24})
+        tk.fused_experts_triton(x, w13, w2, ones, ids, {**SMALL, "BLOCK_SIZE_N": 24})
 
 
 # ---- configs and the tuner ------------------------------------------------------------------------

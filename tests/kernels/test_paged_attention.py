@@ -1,15 +1,17 @@
 """Triton paged attention and KV writes against the references, evaluated in float64.
 
-Runs under the Triton interpreter on the CPU (conftest.py sets TRITON_INTERPRET=1 before the kernel
-modules are imported). Block tables come from a shuffled pool larger than needed (holes), sequences
+Without a GPU the kernels run under the Triton interpreter on the CPU (TRITON_INTERPRET=1 is set
+before the kernel modules are imported; see conftest.py); with one they are compiled. Block tables come from a shuffled pool larger than needed (holes), sequences
 may share prefix blocks, contexts span many blocks, and query heads outnumber kv heads (GQA).
 """
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton: see conftest.py
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel modules: see conftest.py
 
 import pytest
-import torch
 
 from attention.backends import reference as ref
 from attention.backends import triton_paged as tp

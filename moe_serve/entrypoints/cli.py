@@ -1,0 +1,95 @@
+"""The `moe-serve` command: serve, default-model, placement, launch."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+log = logging.getLogger("moe_serve.cli")
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    from moe_serve.engine.args import EngineArgs
+
+    EngineArgs.add_cli_args(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=os.environ.get("MOE_SERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (or set MOE_SERVE_API_KEY)")
+    g.add_argument("--served-model-name", default=None, help="name in /v1/models (default: the model path)")
+    g.add_argument("--max-waiting-requests", type=int, default=1024,
+                   help="beyond this many waiting requests, answer 503 at once")
+    g.add_argument("--shutdown-grace", type=float, default=10.0,
+                   help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
+    g.add_argument("--log-interval", type=float, default=10.0, help="seconds between throughput log lines")
+    g.add_argument("--expert-load-record", default=None,
+                   help="record expert load per window and write it to this JSON file at shutdown")
+    g.add_argument("--expert-load-window", type=int, default=100, help="steps per expert-load window")
+
+
+def resolve_model(model: str | None) -> tuple[str, str]:
+    """The checkpoint to serve and a one-line description; no --model means the built-in default."""
+    if model:
+        return model, model
+    from moe_serve.default_model.smollm2 import ensure_default_model
+
+    path, description = ensure_default_model()
+    log.info("no --model given: serving the built-in default model at %s (%s)", path, description)
+    return path, description
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from moe_serve.entrypoints.openai.launch import run_single_process_server
+
+    return run_single_process_server(ns)
+
+
+def cmd_default_model(ns: argparse.Namespace) -> int:
+    from moe_serve.default_model.smollm2 import build_smollm2_moe
+    from moe_serve.default_model.tiny import build_tiny_model
+
+    if ns.tiny:
+        build_tiny_model(ns.out)
+    else:
+        build_smollm2_moe(ns.out)
+    print(ns.out)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=os.environ.get("MOE_SERVE_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser(prog="moe-serve", description="Serve mixture-of-experts language models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("serve", help="run the OpenAI-compatible server")
+    add_serve_args(p)
+    p.set_defaults(fn=cmd_serve)
+    p = sub.add_parser("default-model", help="write the built-in default checkpoint to a folder")
+    p.add_argument("--out", required=True)
+    p.add_argument("--tiny", action="store_true", help="the tiny random model instead of SmolLM2-MoE")
+    p.set_defaults(fn=cmd_default_model)
+    try:
+        from expert_parallel.placement_cli import add_placement_parser, run_placement
+
+        add_placement_parser(sub)
+        sub.choices["placement"].set_defaults(fn=run_placement)
+    except ImportError:  # pragma: no cover - the placement tools are part of the package
+        pass
+    try:
+        from launcher.cli import add_launch_parser
+
+        add_launch_parser(sub)
+    except ImportError:
+        pass
+    ns = parser.parse_args(argv)
+    try:
+        return ns.fn(ns)
+    except ValueError as e:  # configuration errors: one clear line, no traceback
+        print(f"moe-serve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

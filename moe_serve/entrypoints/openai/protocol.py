@@ -1,0 +1,177 @@
+"""OpenAI request bodies as msgspec Structs (decoded with msgspec, not pydantic).
+
+Unknown fields are ignored, as OpenAI's own API does for fields it does not know; wrong types are
+rejected by msgspec with the path of the offending field, which becomes the error's `param`.
+"""
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+
+class StreamOptions(msgspec.Struct, omit_defaults=True):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Common(msgspec.Struct, omit_defaults=True):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    n: int = 1
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+
+class CompletionRequest(_Common):
+    # One array-like per union is all msgspec allows; shapes are checked when the prompt is parsed.
+    prompt: Union[str, list[Union[str, int, list[int]]], None] = None
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+class ChatMessage(msgspec.Struct):
+    role: str
+    content: Union[str, list[dict], None] = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = []
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    echo: bool = False
+    chat_template_kwargs: dict | None = None
+
+
+class ErrorInfo(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None
+    code: str | int | None
+
+
+class ErrorResponse(msgspec.Struct):
+    error: ErrorInfo
+
+
+# --- responses --------------------------------------------------------------------------------
+class UsageInfo(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(msgspec.Struct):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    object: str = "text_completion"
+
+
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[ChatTokenLogprob] | None
+
+
+class ChatMessageOut(msgspec.Struct):
+    role: str
+    content: str | None
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    object: str = "chat.completion"
+
+
+class Delta(msgspec.Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(msgspec.Struct):
+    index: int
+    delta: Delta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+    object: str = "chat.completion.chunk"
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+    created: int
+    owned_by: str = "moe-serve"
+    root: str | None = None
+    max_model_len: int | None = None
+    object: str = "model"
+
+
+class ModelList(msgspec.Struct):
+    data: list[ModelCard]
+    object: str = "list"

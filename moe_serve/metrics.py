@@ -1,0 +1,68 @@
+"""Prometheus metrics in the text exposition format (vLLM-style names under the moe_serve: prefix)."""
+from __future__ import annotations
+
+import bisect
+import threading
+
+
+class Histogram:
+    def __init__(self, name: str, help_: str, buckets: list[float]):
+        self.name, self.help, self.buckets = name, help_, buckets
+        self.counts = [0] * (len(buckets) + 1)
+        self.sum = 0.0
+        self.count = 0
+        self._lock = threading.Lock()
+
+    def observe(self, v: float) -> None:
+        with self._lock:
+            self.counts[bisect.bisect_left(self.buckets, v)] += 1
+            self.sum += v
+            self.count += 1
+
+    def render(self, model: str) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        acc = 0
+        for b, c in zip(self.buckets, self.counts):
+            acc += c
+            lines.append(f'{self.name}_bucket{{model_name="{model}",le="{b}"}} {acc}')
+        lines.append(f'{self.name}_bucket{{model_name="{model}",le="+Inf"}} {self.count}')
+        lines.append(f'{self.name}_sum{{model_name="{model}"}} {self.sum}')
+        lines.append(f'{self.name}_count{{model_name="{model}"}} {self.count}')
+        return lines
+
+
+_LAT = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+
+
+class EngineMetrics:
+    def __init__(self):
+        self.ttft = Histogram("moe_serve:time_to_first_token_seconds", "Time to first token.", _LAT)
+        self.tpot = Histogram("moe_serve:time_per_output_token_seconds", "Time per output token after the first.", _LAT)
+        self.e2e = Histogram("moe_serve:e2e_request_latency_seconds", "End-to-end request latency.", _LAT)
+        self.snapshot: dict = {}
+
+    def update_from(self, stats: dict) -> None:
+        self.snapshot = dict(stats)
+
+    def render(self, model: str, stats: dict) -> str:
+        s = stats or self.snapshot
+        gauges = [
+            ("moe_serve:num_requests_running", "Requests running on the engine.", s.get("num_running", 0)),
+            ("moe_serve:num_requests_waiting", "Requests waiting to be scheduled.", s.get("num_waiting", 0)),
+            ("moe_serve:kv_cache_usage_perc", "Share of KV blocks in use (1 = full).", s.get("kv_cache_usage", 0.0)),
+            ("moe_serve:prefix_cache_hit_rate", "Prompt tokens served from the prefix cache.",
+             s.get("prefix_cache_hit_rate", 0.0)),
+        ]
+        counters = [
+            ("moe_serve:prompt_tokens_total", "Prompt tokens computed.", s.get("prompt_tokens", 0)),
+            ("moe_serve:generation_tokens_total", "Tokens generated.", s.get("generation_tokens", 0)),
+            ("moe_serve:num_preemptions_total", "Requests preempted for lack of KV blocks.", s.get("num_preemptions", 0)),
+        ]
+        lines: list[str] = []
+        for name, h, v in gauges:
+            lines += [f"# HELP {name} {h}", f"# TYPE {name} gauge", f'{name}{{model_name="{model}"}} {v}']
+        for name, h, v in counters:
+            lines += [f"# HELP {name} {h}", f"# TYPE {name} counter", f'{name}{{model_name="{model}"}} {v}']
+        for hist in (self.ttft, self.tpot, self.e2e):
+            lines += hist.render(model)
+        return "\n".join(lines) + "\n"
