@@ -182,6 +182,7 @@ def _reduce_splits_kernel(ws_ptr, lse_ptr, out_ptr, HV,
              mask=offs_d < HV)
 
 
+# Kernels were decorated in interpreter mode iff TRITON_INTERPRET=1 was set when this module loaded.
 INTERPRETED = type(_paged_attn_kernel).__name__ == "InterpretedFunction"
 
 

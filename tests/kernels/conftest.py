@@ -1,10 +1,12 @@
 """Kernel tests: compiled kernels on a CUDA GPU when there is one, else the Triton interpreter.
 
-Triton decides between compiling and interpreting when a kernel is decorated (@triton.jit runs at
-module import), reading TRITON_INTERPRET at that moment (checked for Triton 3.6 and 3.9). pytest
-imports this conftest before any test module in this folder, so setting the variable here covers
-every kernel module the tests import afterwards; a kernel module imported earlier without it (by
-another test folder) is reloaded so its kernels are decorated again in interpreter mode.
+Triton picks compile or interpret per function when it is decorated: @triton.jit reads
+TRITON_INTERPRET at that moment (Triton 3.6 and 3.9 alike). That happens for our kernels when their
+module is imported, and for triton.language's own @jit helpers (tl.cdiv, tl.max, tl.sum, tl.zeros,
+...) when triton is first imported. pytest imports this conftest before the test modules of this
+folder, so normally setting the variable here is enough. If a module collected earlier (another
+test folder) already imported triton or a kernel module without it, `_switch_to_interpreter`
+re-decorates what was decorated too early, so the result holds whatever order pytest imports in.
 TRITON_INTERPRET=1 forces the interpreter on a GPU machine too (Triton 3.6's interpreter needs
 numpy < 2.4 for kernels with runtime loop bounds).
 """
@@ -19,8 +21,24 @@ if not torch.cuda.is_available():
 
 _KERNEL_MODULES = ("kernels.grouped_gemm.triton_kernel", "attention.backends.triton_paged")
 
+
+def _switch_to_interpreter() -> None:
+    if "triton" in sys.modules:
+        import triton.language as tl
+        from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.jit import JITFunction
+
+        # Swap triton.language's compiled-mode helpers for interpreted ones, in every namespace a
+        # kernel or another helper looks them up in.
+        for mod in (tl, tl.standard, tl.core, tl.math):
+            for name, obj in list(vars(mod).items()):
+                if isinstance(obj, JITFunction):
+                    setattr(mod, name, InterpretedFunction(obj.fn))
+    for name in _KERNEL_MODULES:
+        mod = sys.modules.get(name)
+        if mod is not None and not mod.INTERPRETED:
+            importlib.reload(mod)
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
-    for _name in _KERNEL_MODULES:
-        _mod = sys.modules.get(_name)
-        if _mod is not None and not _mod.INTERPRETED:
-            importlib.reload(_mod)
+    _switch_to_interpreter()

@@ -130,11 +130,25 @@ def build_app(engine: AsyncEngine, served_model_name: str, max_model_len: int, a
 def serve(app: FastAPI, engine: AsyncEngine, host: str, port: int, grace_s: float) -> int:
     """Run uvicorn until SIGINT/SIGTERM; then stop accepting, let requests finish for up to grace_s,
     abort the rest and return 0."""
+    import signal
+
     import uvicorn
+
+    class Server(uvicorn.Server):
+        # uvicorn re-raises the signal after a graceful shutdown, so the process would die by
+        # SIGTERM; we handle it ourselves and exit 0 once everything is closed.
+        @contextlib.contextmanager
+        def capture_signals(self):
+            prev = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for s, h in prev.items():
+                    signal.signal(s, h)
 
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=grace_s,
                             access_log=False, lifespan="on")
-    server = uvicorn.Server(config)
+    server = Server(config)
     log.info("serving %s on http://%s:%d/v1", engine.model_name, host, port)
     server.run()
     engine.shutdown(grace_s=0.0)
