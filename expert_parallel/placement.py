@@ -215,7 +215,8 @@ class ReplicaMap:
         if self.is_identity:
             self.num_slots = E
             return
-        p2l = torch.as_tensor(physical_to_logical_S, dtype=torch.int64).cpu()
+        # Built on the CPU whatever the default device (models are built under `with torch.device`).
+        p2l = torch.as_tensor(physical_to_logical_S, dtype=torch.int64, device="cpu")
         if p2l.ndim != 1 or ((p2l < 0) | (p2l >= E)).any():
             raise PlacementError(f"physical_to_logical must be one layer's slots with ids in [0, {E})")
         counts_E = torch.bincount(p2l, minlength=E)
@@ -225,15 +226,23 @@ class ReplicaMap:
         # table_EM[e, i] = slot of e's i-th replica (slots ascending); padding is never read.
         order = torch.sort(p2l, stable=True).indices
         first = torch.cumsum(counts_E, 0) - counts_E
-        rank = torch.arange(len(p2l)) - first[p2l[order]]
-        table_EM = torch.zeros(E, int(counts_E.max()), dtype=torch.int64)
+        rank = torch.arange(len(p2l), device="cpu") - first[p2l[order]]
+        table_EM = torch.zeros(E, int(counts_E.max()), dtype=torch.int64, device="cpu")
         table_EM[p2l[order], rank] = order
         self.num_slots = len(p2l)
-        self.counts_E, self.table_EM = counts_E.to(device), table_EM.to(device)
+        self.counts_E, self.table_EM = counts_E, table_EM
+        if device is not None:
+            self.to(device)
 
     @classmethod
     def identity(cls, num_logical_experts: int) -> "ReplicaMap":
         return cls(None, num_logical_experts)
+
+    def to(self, device: "torch.device | str") -> "ReplicaMap":
+        """Move the tables (a call also moves them to its ids' device the first time)."""
+        if not self.is_identity:
+            self.counts_E, self.table_EM = self.counts_E.to(device), self.table_EM.to(device)
+        return self
 
     def __call__(self, topk_ids_TK: "torch.Tensor", offset: int = 0) -> "torch.Tensor":
         """Slots for logical ids.
@@ -251,6 +260,8 @@ class ReplicaMap:
         if self.is_identity:
             return topk_ids_TK
         E = self.num_logical_experts
+        if self.table_EM.device != topk_ids_TK.device:
+            self.to(topk_ids_TK.device)
         flat = topk_ids_TK.reshape(-1).to(torch.int64)
         e = torch.where(flat >= 0, flat, E)  # padding sorts into its own bucket E, after the experts
         order = torch.sort(e, stable=True).indices  # stable: ties keep token-major order

@@ -47,7 +47,7 @@ SPILL_WEIGHTS = (8.0, 4.0, 2.0)
 @dataclass(frozen=True)
 class TuneConfig:
     decay: float | None = None        # None: chosen per layer by backtest among DECAY_CHOICES
-    hedge: float = 2.0                # z of the upper quantile a GPU is scored by: mean + hedge * std
+    hedge: float = 1.0                # z of the upper quantile a GPU is scored by: mean + hedge * std
     locality_tolerance: float = 0.02  # balance (relative) we give up to keep groups in a node
     max_swaps: int = 4000             # bound on the refinement (it converges long before)
 
