@@ -139,7 +139,8 @@ def run_checks() -> list[dict]:
     # Align on this device must agree exactly with the CPU path.
     ids = moe_inputs(300, 64, 40, 8, 16, 16, torch.float32)[4]
     a, b = align_block_size(ids, 40, 64), align_block_size(ids.cpu(), 40, 64)
-    same = all(torch.equal(getattr(a, f).cpu(), getattr(b, f)) for f in ("sorted_pair_ids_S", "expert_ids_B", "num_padded_D"))
+    fields = ("sorted_pair_ids_S", "expert_ids_B", "num_padded")
+    same = all(torch.equal(getattr(a, f).cpu(), getattr(b, f)) for f in fields)
     record("align_block_size device == cpu", 0.0 if same else 1.0, 0.5)
 
     for dtype in (torch.bfloat16, torch.float32):
@@ -148,7 +149,8 @@ def run_checks() -> list[dict]:
             meta, (q, k, v) = attn_inputs(B, ctx, q_len, N, G, H, bs, dtype, seed=ctx)
             out = torch.full(q.shape, float("nan"), dtype=dtype, device=DEV)
             triton_paged.paged_attention(q, k, v, meta, H ** -0.5, out_TNH=out)
-            expect = attn_ref.paged_attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), _cpu_meta(meta), H ** -0.5)
+            expect = attn_ref.paged_attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), _cpu_meta(meta),
+                                              H ** -0.5)
             record(f"paged_attention B={B} ctx={ctx} q={q_len} N={N} G={G} H={H} {dtype}", rel_err(out, expect),
                    CHECK_RTOL[dtype])
         for B, ctx, q_len, N in [(2, 700, 1, 16), (1, 100, 30, 8)]:

@@ -206,11 +206,17 @@ class ReplicaMap:
     """
 
     def __init__(self, physical_to_logical_S: "Sequence[int] | torch.Tensor | None", num_logical_experts: int,
-                 device: "torch.device | str | None" = None):
-        """physical_to_logical_S: (S,) logical id of each slot; None for the identity (slot e = expert e)."""
+                 device: "torch.device | str | None" = None, offset: int = 0):
+        """
+        Args:
+            physical_to_logical_S: (S,) logical id of each slot; None for the identity (slot e = expert e).
+            device: where the tables live (default: moved to the ids' device on the first call).
+            offset: the default offset of __call__; give each data-parallel rank its own (its rank).
+        """
         import torch
 
         self.num_logical_experts = E = num_logical_experts
+        self.offset = offset
         self.is_identity = physical_to_logical_S is None
         if self.is_identity:
             self.num_slots = E
@@ -244,14 +250,15 @@ class ReplicaMap:
             self.counts_E, self.table_EM = self.counts_E.to(device), self.table_EM.to(device)
         return self
 
-    def __call__(self, topk_ids_TK: "torch.Tensor", offset: int = 0) -> "torch.Tensor":
+    def __call__(self, topk_ids_TK: "torch.Tensor", offset: int | None = None) -> "torch.Tensor":
         """Slots for logical ids.
 
         Args:
             topk_ids_TK: (T, K) integer logical expert ids; negative ids (padding) pass unchanged.
-            offset: rotates every expert's first replica. Pass something that differs between the
-                data-parallel ranks (the rank itself): each rank maps its own batch, and with small
-                decode batches an offset of 0 everywhere would load every expert's first replica.
+            offset: rotates every expert's first replica (default: the one given at construction).
+                It should differ between data-parallel ranks (use the rank): each rank maps its
+                own batch, and with small decode batches one offset everywhere would send most
+                tokens to every expert's first replica.
         Returns:
             (T, K) slot ids, same dtype and device as topk_ids_TK (the input itself for the identity).
         """
@@ -271,5 +278,5 @@ class ReplicaMap:
         nth = torch.empty_like(e)
         nth[order] = torch.arange(e.numel(), device=e.device) - first[e[order]]
         e = e.clamp(max=E - 1)  # padding rows gather something harmless and are put back below
-        slots = self.table_EM[e, (nth + offset) % self.counts_E[e]]
+        slots = self.table_EM[e, (nth + (self.offset if offset is None else offset)) % self.counts_E[e]]
         return torch.where(flat >= 0, slots, flat).reshape(topk_ids_TK.shape).to(topk_ids_TK.dtype)

@@ -54,7 +54,7 @@ class GroupLimitedSigmoidRouter(nn.Module):
         group_scores = choice_TE.view(T, self.n_group, per_group).topk(min(2, per_group), dim=-1)[0].sum(-1)
         group_idx = torch.topk(group_scores, self.topk_group, dim=-1, sorted=False)[1]
         group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
-        expert_mask = group_mask.unsqueeze(-1).expand(T, self.n_group, per_group).reshape(T, -1)
+        expert_mask = group_mask.unsqueeze(-1).expand(T, self.n_group, per_group).reshape(T, self.num_experts)
         masked = choice_TE.masked_fill(expert_mask == 0, float("-inf"))
         ids_TK = torch.topk(masked, self.top_k, dim=-1, sorted=False)[1]
         w_TK = scores_TE.gather(1, ids_TK)

@@ -176,6 +176,26 @@ def pack(mean_R, var_R, label_R, num_bins: int, hedge: float, *, label_cap: int 
         bin_R[i] = b
         m[b] += mean_R[i]; v[b] += var_R[i]; n[b] += 1
         holds[b, label_R[i]] += 1
+    # The greedy start can run out of bins without a label, late in the order; a swap per surplus
+    # item repairs that (some always exists when the counts allow: deal the items out by label).
+    for i in np.flatnonzero(holds[bin_R, label_R] > label_cap):
+        a = bin_R[i]
+        if holds[a, label_R[i]] <= label_cap:
+            continue  # an earlier swap already took one of its twins away
+        js = np.flatnonzero((holds[bin_R, label_R[i]] < label_cap) & (holds[a, label_R] < label_cap))
+        if len(js):
+            b = bin_R[js]
+            worst = np.maximum(_scores(m[a] - mean_R[i] + mean_R[js], v[a] - var_R[i] + var_R[js], hedge),
+                               _scores(m[b] + mean_R[i] - mean_R[js], v[b] + var_R[i] - var_R[js], hedge))
+            _swap(i, js[np.argmin(worst)], bin_R, label_R, mean_R, var_R, m, v, holds)
+    fits = np.bincount(label_R, minlength=holds.shape[1]) <= label_cap * num_bins  # labels that can be kept apart
+    if (holds[:, fits] > label_cap).any():
+        # Rarely single swaps do not do: deal the items out label by label, which cannot put a
+        # label in a bin too often, and leave the balance to the swaps below (they keep it so).
+        bin_R[np.lexsort((-mean_R, label_R))] = np.arange(R) % num_bins
+        holds[:] = 0
+        np.add.at(holds, (bin_R, label_R), 1)
+        m, v = np.bincount(bin_R, mean_R, num_bins), np.bincount(bin_R, var_R, num_bins)
     for _ in range(max_swaps):
         score = _scores(m, v, hedge)
         a = int(np.argmax(score))
@@ -206,13 +226,17 @@ def pack(mean_R, var_R, label_R, num_bins: int, hedge: float, *, label_cap: int 
             if ratio.max() < 1.0:
                 break
             k = int(np.argmax(np.where(ratio >= 0.9 * ratio.max(), gain, -1.0)))
-        i, j = ia[k // len(ib)], ib[k % len(ib)]
-        bj = bin_R[j]
-        for item, src, dst in ((i, a, bj), (j, bj, a)):
-            m[src] -= mean_R[item]; v[src] -= var_R[item]; m[dst] += mean_R[item]; v[dst] += var_R[item]
-            holds[src, label_R[item]] -= 1; holds[dst, label_R[item]] += 1
-            bin_R[item] = dst
+        _swap(ia[k // len(ib)], ib[k % len(ib)], bin_R, label_R, mean_R, var_R, m, v, holds)
     return bin_R
+
+
+def _swap(i, j, bin_R, label_R, mean_R, var_R, m, v, holds) -> None:
+    """Exchange the bins of items i and j, keeping the per-bin sums and label counts in step."""
+    a, b = bin_R[i], bin_R[j]
+    for item, src, dst in ((i, a, b), (j, b, a)):
+        m[src] -= mean_R[item]; v[src] -= var_R[item]; m[dst] += mean_R[item]; v[dst] += var_R[item]
+        holds[src, label_R[item]] -= 1; holds[dst, label_R[item]] += 1
+        bin_R[item] = dst
 
 
 # ----------------------------------------------------------------------------------- one layer
@@ -260,7 +284,9 @@ def _candidates(mean, var, gpus, nodes, slots, groups, config):
     # Each expert's home node: its group's node in the hierarchical split when there is one, else
     # the checkpoint's block of experts per node (the no-replica layout's).
     home_E = np.arange(E) * nodes // E
-    if groups and nodes > 1 and groups % nodes == 0:
+    # Hierarchical when groups split evenly over nodes and a node's slots fit its experts without
+    # putting one expert on a GPU twice (which would waste the slot).
+    if groups and nodes > 1 and groups % nodes == 0 and slots // nodes <= E // nodes * gpn:
         # Groups onto nodes first (equal group count per node), then each node on its own.
         per_group, spn = E // groups, slots // nodes
         g_mean, g_var = mean.reshape(groups, per_group).sum(1), var.reshape(groups, per_group).sum(1)

@@ -58,3 +58,22 @@ class EngineOutput(msgspec.Struct):
 
 
 ControlMessage = NewRequest | AbortRequest | Shutdown
+
+
+class StepPlan(msgspec.Struct):
+    """Rank 0 -> every rank, once per engine-loop turn: what each rank must apply, and whether the
+    turn runs a model step (all ranks together, lockstep) or is only a heartbeat."""
+
+    per_rank: list[list[NewRequest | AbortRequest]]
+    run_step: bool
+    shutdown: bool = False
+
+
+class StepReport(msgspec.Struct):
+    """Every rank -> rank 0 after a plan: its new outputs, load and state."""
+
+    rank: int
+    outputs: list[EngineOutput]
+    stats: dict[str, float]
+    has_work: bool
+    wants_shutdown: bool = False

@@ -1,7 +1,8 @@
 """Sort (token, k) pairs by expert and pad each expert's run to the GEMM row block.
 
-Shape legend: T tokens, K top-k, P = T*K (token, k) pairs, E experts on this rank, M = BLOCK_M,
-S = padded length of the sorted pair list (an upper bound known on the host, see below).
+Shape legend: T tokens, K top-k, P = T*K (token, k) pairs, E experts on this rank, S = padded
+length of the sorted pair list (an upper bound known on the host, see below), B = S // BLOCK_M row
+blocks.
 
 The grouped GEMM runs one program per (row block, column block). Each row block must hold pairs of a
 single expert, so every expert's run of pairs is padded up to a multiple of BLOCK_M with a sentinel
@@ -29,14 +30,14 @@ class AlignedRouting:
             are also P.
         expert_ids_B: (S // block_m,) int32 expert of each row block; -1 for blocks that hold no expert
             (past the real padded length), which the kernels skip.
-        num_padded_D: (1,) int32 the real padded length (sum over experts of their padded run).
+        num_padded: (1,) int32 the real padded length (sum over experts of their padded run).
         block_m: the row block size the runs are padded to.
         num_pairs: P = T*K, also the sentinel value.
     """
 
     sorted_pair_ids_S: torch.Tensor
     expert_ids_B: torch.Tensor
-    num_padded_D: torch.Tensor
+    num_padded: torch.Tensor
     block_m: int
     num_pairs: int
 
@@ -97,7 +98,7 @@ def align_block_size(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int) 
     return AlignedRouting(
         sorted_pair_ids_S=sorted_ids[:S],
         expert_ids_B=expert_B,
-        num_padded_D=padded_end_E[-1:].to(torch.int32),
+        num_padded=padded_end_E[-1:].to(torch.int32),
         block_m=block_m,
         num_pairs=P,
     )

@@ -190,14 +190,14 @@ def fused_experts_triton(
         h_PF = _empty((P, F), x_TD.dtype, x_TD.device)
         _grouped_gemm_kernel[(S // BM * triton.cdiv(F, BN),)](
             x_TD, w13_EFD, h_PF, weights_P,
-            routing.sorted_pair_ids_S, routing.expert_ids_B, routing.num_padded_D,
+            routing.sorted_pair_ids_S, routing.expert_ids_B, routing.num_padded,
             F, D, S, P, K,
             x_TD.stride(0), x_TD.stride(1), w13_EFD.stride(0), w13_EFD.stride(1), w13_EFD.stride(2),
             h_PF.stride(0), h_PF.stride(1),
             GATED=True, MUL_WEIGHT=False, **launch)
         _grouped_gemm_kernel[(S // BM * triton.cdiv(D, BN),)](
             h_PF, w2_EDF, y_PD, weights_P,
-            routing.sorted_pair_ids_S, routing.expert_ids_B, routing.num_padded_D,
+            routing.sorted_pair_ids_S, routing.expert_ids_B, routing.num_padded,
             D, F, S, P, 1,
             h_PF.stride(0), h_PF.stride(1), w2_EDF.stride(0), w2_EDF.stride(1), w2_EDF.stride(2),
             y_PD.stride(0), y_PD.stride(1),

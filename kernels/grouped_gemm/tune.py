@@ -21,6 +21,7 @@ import torch
 from kernels.grouped_gemm.config import CONFIG_DIR, DTYPE_NAMES, config_file_name, device_name
 
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+DEVICE = "cuda"
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 1536, 2048, 3072, 4096, 8192)
 
 
@@ -48,11 +49,11 @@ def candidates(T: int, E: int, top_k: int, dtype: torch.dtype, smem_bytes: int, 
 
 def make_inputs(T: int, E: int, N: int, K: int, top_k: int, dtype: torch.dtype, seed: int = 0):
     """Random layer inputs scaled so activations stay O(1), with softmax top-k routing."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(T, K, device="cuda", generator=g).to(dtype)
-    w13 = (torch.randn(E, 2 * N, K, device="cuda", generator=g) / K ** 0.5).to(dtype)
-    w2 = (torch.randn(E, K, N, device="cuda", generator=g) / N ** 0.5).to(dtype)
-    logits = torch.randn(T, E, device="cuda", generator=g)
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    x = torch.randn(T, K, device=DEVICE, generator=g).to(dtype)
+    w13 = (torch.randn(E, 2 * N, K, device=DEVICE, generator=g) / K ** 0.5).to(dtype)
+    w2 = (torch.randn(E, K, N, device=DEVICE, generator=g) / N ** 0.5).to(dtype)
+    logits = torch.randn(T, E, device=DEVICE, generator=g)
     weights, ids = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
     return x, w13, w2, weights, ids.to(torch.int32)
 

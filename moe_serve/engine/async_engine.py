@@ -117,6 +117,7 @@ class AsyncEngine:
         self._log_interval = log_interval_s
         self._stats: dict = {}
         self.dead: str | None = None
+        self.on_fatal = lambda: None  # called (from the engine thread) if the loop dies
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -177,7 +178,8 @@ class AsyncEngine:
         self._inbox.put(Shutdown("server shutdown"))
         self._wake.set()
         self._thread.join(timeout=30)
-        self.stepper.close()
+        if not self.dead:
+            self.stepper.close()
 
     # --- the loop (engine thread) ---------------------------------------------------------------
     def _loop(self) -> None:
@@ -202,6 +204,9 @@ class AsyncEngine:
                 if not msgs and not self.stepper.has_work():
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
+                    idle = getattr(self.stepper, "idle", None)
+                    if idle is not None:  # multi-rank: a heartbeat turn keeps every rank answering
+                        self._deliver(idle())
                     self._stats = self.stepper.stats()
                     continue
                 outs = self.stepper.step(msgs)
@@ -222,6 +227,7 @@ class AsyncEngine:
                 items = list(self._queues.items())
             for cid, (loop, q) in items:
                 loop.call_soon_threadsafe(q.put_nowait, EngineOutput(cid, [], "", True, "abort", self.dead))
+            self.on_fatal()
 
     def _deliver(self, outs: list[EngineOutput]) -> None:
         with self._lock:

@@ -90,9 +90,13 @@ class EngineCore:
         return self.scheduler.has_work()
 
     # --- one step -------------------------------------------------------------------------------
-    def step(self) -> list[EngineOutput]:
+    def step(self, lockstep: bool = False) -> list[EngineOutput]:
+        """One engine step. With lockstep (expert parallelism), a rank with nothing scheduled still
+        runs an empty forward so that every rank enters every MoE layer's collectives."""
         out = self.scheduler.schedule()
         if out.is_empty:
+            if lockstep:
+                self.runner.execute_empty()
             return []
         self.num_steps += 1
         result = self.runner.execute(out)

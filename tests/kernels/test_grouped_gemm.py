@@ -73,7 +73,7 @@ def test_align_invariants(T, E, K, block_m, skip):
     S = r.sorted_pair_ids_S.shape[0]
     sorted_ids = r.sorted_pair_ids_S.tolist()
     experts = r.expert_ids_B.tolist()
-    total = int(r.num_padded_D)
+    total = int(r.num_padded)
     flat = ids.reshape(-1).tolist()
     counts = [sum(1 for e in flat if e == x) for x in range(E)]
     assert r.num_pairs == P and S == max_padded_pairs(P, E, block_m) and S % block_m == 0
@@ -127,8 +127,8 @@ def test_fused_experts_matches_oracle(case, dtype, poisoned_workspace):
 def test_zero_tokens_and_all_skipped(poisoned_workspace):
     gen = torch.Generator().manual_seed(1)
     x, w13, w2 = layer(3, 24, 16, 4, torch.float32, gen)
-    empty = tk.fused_experts_triton(x[:0].to(DEVICE), w13.to(DEVICE), w2.to(DEVICE),
-                                    torch.empty(0, 2, device=DEVICE), torch.empty(0, 2, dtype=torch.int32, device=DEVICE))
+    empty = tk.fused_experts_triton(x[:0].to(DEVICE), w13.to(DEVICE), w2.to(DEVICE), torch.empty(0, 2, device=DEVICE),
+                                    torch.empty(0, 2, dtype=torch.int32, device=DEVICE))
     assert empty.shape == (0, 24)
     ids = torch.full((3, 2), -1, dtype=torch.int32)
     out = torch.full((3, 24), float("nan"), device=DEVICE)
@@ -185,3 +185,29 @@ def test_tune_exits_2_without_a_gpu(capsys):
 
     assert main(["--E", "8", "--N", "64", "--K", "64", "--dtype", "bf16"]) == 2
     assert "CUDA" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not tk.INTERPRETED, reason="checks the interpreter set-up")
+def test_interpreter_switch_survives_an_earlier_triton_import():
+    """conftest.py must work even when triton and a kernel module were imported in compiled mode first."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import os, sys, torch\n"
+        "import triton, kernels.grouped_gemm.triton_kernel as tk\n"
+        "assert not tk.INTERPRETED\n"
+        "os.environ['TRITON_INTERPRET'] = '1'\n"
+        "import tests.kernels.conftest\n"
+        "tk = sys.modules['kernels.grouped_gemm.triton_kernel']\n"
+        "x, w13, w2 = torch.randn(3, 16), torch.randn(2, 32, 16), torch.randn(2, 16, 16)\n"
+        "ids, w = torch.tensor([[0], [1], [-1]]), torch.ones(3, 1)\n"
+        "from kernels.grouped_gemm.reference import fused_experts_reference as ref\n"
+        "assert torch.allclose(tk.fused_experts_triton(x, w13, w2, w, ids), ref(x, w13, w2, w, ids), atol=1e-4)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -1,8 +1,9 @@
 """Triton paged attention and KV writes against the references, evaluated in float64.
 
 Without a GPU the kernels run under the Triton interpreter on the CPU (TRITON_INTERPRET=1 is set
-before the kernel modules are imported; see conftest.py); with one they are compiled. Block tables come from a shuffled pool larger than needed (holes), sequences
-may share prefix blocks, contexts span many blocks, and query heads outnumber kv heads (GQA).
+before the kernel modules are imported; see conftest.py); with one they are compiled. Block tables
+come from a shuffled pool larger than needed (holes), sequences may share prefix blocks, contexts
+span many blocks, and query heads outnumber kv heads (GQA).
 """
 import os
 
@@ -55,7 +56,8 @@ def test_write_kv_and_latent_match_reference():
     kv = rand(gen, T, G, H + Hv, dtype=torch.bfloat16)
     k, v = kv[..., :H], kv[..., H:]
     slots = torch.randperm(NUM_BLOCKS * bs, generator=gen)[:T].to(DEVICE)
-    caches = [torch.full((NUM_BLOCKS, bs, G, d), float("nan"), dtype=torch.bfloat16, device=DEVICE) for d in (H, Hv)]
+    caches = [torch.full((NUM_BLOCKS, bs, G, d), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+              for d in (H, Hv)]
     expect = [c.clone() for c in caches]
     tp.write_kv(k, v, *caches, slots)
     ref.write_kv(k, v, *expect, slots)

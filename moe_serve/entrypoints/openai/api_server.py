@@ -149,8 +149,14 @@ def serve(app: FastAPI, engine: AsyncEngine, host: str, port: int, grace_s: floa
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=grace_s,
                             access_log=False, lifespan="on")
     server = Server(config)
+    # An engine that died cannot serve: stop the server and exit non-zero (under torchrun this
+    # stops the whole job).
+    engine.on_fatal = lambda: setattr(server, "should_exit", True)
     log.info("serving %s on http://%s:%d/v1", engine.model_name, host, port)
     server.run()
     engine.shutdown(grace_s=0.0)
+    if engine.dead:
+        log.error("server stopped: the engine failed (%s)", engine.dead)
+        return 1
     log.info("server stopped")
     return 0

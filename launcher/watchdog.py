@@ -1,0 +1,80 @@
+"""Turn a dead or hung rank into a prompt, named error instead of a silent hang.
+
+Every rank publishes, in the job's key-value store, the number of the engine turn it has started.
+A watchdog thread on every rank checks the others: when this rank has been waiting in turn n for
+longer than `timeout_s` and some rank has not started turn n (or its heartbeat thread stopped, i.e.
+the process is gone), the watchdog logs which rank it is and ends this process with exit code 1;
+torchrun then stops the rest of the job and reports the failure.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+import torch.distributed as dist
+
+log = logging.getLogger("moe_serve.watchdog")
+
+
+class Watchdog:
+    def __init__(self, rank: int, world_size: int, timeout_s: float):
+        self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
+        self.turn = 0
+        self.turn_started = time.monotonic()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.store = None
+        if world_size > 1 and dist.is_initialized():
+            try:
+                from torch.distributed.distributed_c10d import _get_default_store
+
+                self.store = _get_default_store()
+            except Exception as e:  # no store: collective timeouts still bound the wait
+                log.warning("watchdog disabled: no key-value store (%s)", e)
+
+    def beat(self, turn: int) -> None:
+        self.turn = turn
+        self.turn_started = time.monotonic()
+        if self.store is not None:
+            self.store.set(f"moe_serve/turn/{self.rank}", str(turn))
+
+    def start(self) -> None:
+        if self.store is None:
+            return
+        self._thread = threading.Thread(target=self._run, name="rank-watchdog", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        period = min(1.0, self.timeout_s / 4)
+        while not self._stop.wait(period):
+            now = time.monotonic()
+            try:
+                self.store.set(f"moe_serve/alive/{self.rank}", str(time.time()))
+                if now - self.turn_started < self.timeout_s:
+                    continue
+                behind = []
+                for r in range(self.world_size):
+                    if r == self.rank:
+                        continue
+                    if not self.store.check([f"moe_serve/turn/{r}", f"moe_serve/alive/{r}"]):
+                        behind.append((r, 0, float("inf")))  # never checked in
+                        continue
+                    t = int(self.store.get(f"moe_serve/turn/{r}").decode())
+                    alive = float(self.store.get(f"moe_serve/alive/{r}").decode())
+                    if t < self.turn or time.time() - alive > self.timeout_s:
+                        behind.append((r, t, time.time() - alive))
+            except Exception as e:  # the store itself is gone: the job is going down anyway
+                if self._stop.is_set():
+                    return
+                log.error("rank %d: lost the job's key-value store (%s); exiting", self.rank, e)
+                os._exit(1)
+            if behind:
+                names = ", ".join(f"rank {r} (at turn {t}, last heartbeat {age:.0f}s ago)" for r, t, age in behind)
+                log.error("rank %d waited %.0fs in turn %d for %s: dead or hung; stopping the job", self.rank,
+                          now - self.turn_started, self.turn, names)
+                os._exit(1)

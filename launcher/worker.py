@@ -1,0 +1,99 @@
+"""One rank of a multi-process job: process groups, this rank's engine (its KV cache, scheduler and
+share of the experts), then the HTTP front end on global rank 0 or the follower loop elsewhere."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+log = logging.getLogger("moe_serve.launcher")
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    from moe_serve.entrypoints.cli import add_serve_args
+
+    p = argparse.ArgumentParser(prog="python -m launcher", description="one rank of a moe-serve job (use torchrun)")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="serve with experts sharded over all ranks")
+    add_serve_args(s)
+    s.add_argument("--dist-timeout", type=float, default=60.0,
+                   help="seconds a rank may fall behind before the job stops with an error naming it")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    rank_env = os.environ.get("RANK", "0")
+    logging.basicConfig(level=os.environ.get("MOE_SERVE_LOG_LEVEL", "INFO"),
+                        format=f"%(asctime)s %(levelname)s [rank {rank_env}] %(name)s: %(message)s")
+    ns = parse(sys.argv[1:] if argv is None else argv)
+    try:
+        return run(ns)
+    except ValueError as e:
+        print(f"moe-serve (rank {rank_env}): error: {e}", file=sys.stderr)
+        return 2
+
+
+def run(ns: argparse.Namespace) -> int:
+    from expert_parallel.groups import destroy_process_groups, init_process_groups
+    from launcher.watchdog import Watchdog
+    from moe_serve import platform
+    from moe_serve.engine.args import EngineArgs
+    from moe_serve.engine.core import EngineCore
+    from moe_serve.engine.dp import DistributedStepper, RankEngine, agree_max_model_len, worker_loop
+    from moe_serve.entrypoints.cli import resolve_model
+
+    dev = platform.resolve_device(ns.device)
+    groups = init_process_groups("nccl" if dev.type == "cuda" else "gloo", timeout_s=max(ns.dist_timeout * 2, 120))
+    rank, world = groups.rank, groups.world_size
+    log.info("rank %d of %d (local rank %d, pid %d, device %s)", rank, world, groups.local_rank, os.getpid(),
+             groups.device)
+    watchdog = Watchdog(rank, world, ns.dist_timeout)
+    # Every rank resolves the model itself (the default one is built under a lock, once per machine),
+    # so nodes without a shared filesystem work too.
+    path, _ = resolve_model(ns.model)
+    ns.device = str(groups.device)
+    args = EngineArgs.from_cli(ns, path)
+    args.show_progress = rank == 0
+    cfg = args.create_engine_config(rank, world)
+    placement = None
+    if ns.expert_placement:
+        from expert_parallel.placement import load_placement_for_model
+
+        placement = load_placement_for_model(ns.expert_placement, cfg, world)
+    recorder = _recorder(ns, cfg, groups)
+    core = EngineCore(cfg, args.kv_cache_memory, args.memory_fraction, ep_group=groups.ep_group,
+                      physical_to_logical=placement, load_recorder=recorder.record if recorder else None,
+                      show_progress=rank == 0)
+    max_len = agree_max_model_len(core, groups.cpu_group)
+    re = RankEngine(core, rank, world, groups.cpu_group, recorder)
+    re.on_turn = watchdog.beat
+    watchdog.start()
+    try:
+        if rank != 0:
+            return worker_loop(re)
+        from moe_serve.engine.async_engine import AsyncEngine
+        from moe_serve.entrypoints.openai.api_server import build_app, serve
+        from moe_serve.entrypoints.openai.launch import expert_load_routes
+
+        stepper = DistributedStepper(re)
+        name = ns.served_model_name or (ns.model or "moe-serve-default")
+        engine = AsyncEngine(stepper, core.tokenizer, name, ns.max_waiting_requests, ns.log_interval)
+        app = build_app(engine, name, max_len, ns.api_key, [expert_load_routes(recorder)] if recorder else [])
+        log.info("data-parallel attention on %d ranks, experts sharded %d ways (%s dispatch)", world, world,
+                 cfg.parallel.all2all_backend)
+        rc = serve(app, engine, ns.host, ns.port, ns.shutdown_grace)
+        if recorder and ns.expert_load_record:
+            recorder.dump(ns.expert_load_record)
+        return rc
+    finally:
+        watchdog.stop()
+        destroy_process_groups(groups)
+
+
+def _recorder(ns, cfg, groups):
+    if not getattr(ns, "expert_load_record", None):
+        return None
+    from moe_serve.entrypoints.openai.launch import make_load_recorder
+
+    return make_load_recorder(ns, cfg, groups)
