@@ -38,6 +38,17 @@ class MoEContext:
         return i
 
 
+def num_default_slots(num_experts: int, world_size: int) -> int:
+    """Slots when no placement is given: the experts, rounded up to a multiple of the EP size."""
+    return -(-num_experts // world_size) * world_size
+
+
+def default_physical_to_logical(num_experts: int, num_slots: int) -> list[int]:
+    """Slot e holds expert e; slots beyond the expert count (when the EP size does not divide it)
+    hold replicas of experts 0, 1, ... so every rank holds the same number of slots."""
+    return [s % num_experts for s in range(num_slots)]
+
+
 class GroupedExperts(nn.Module):
     """This rank's expert slots as two stacked weight tensors, loaded by logical expert id."""
 
@@ -80,9 +91,12 @@ class MoE(nn.Module):
         self.num_experts = num_experts
         d = ctx.dispatcher
         if ctx.physical_to_logical is not None:
+            if self.layer_index >= len(ctx.physical_to_logical):
+                raise ValueError(f"expert placement has {len(ctx.physical_to_logical)} layers; the model has more "
+                                 f"MoE layers")
             p2l = ctx.physical_to_logical[self.layer_index]
         else:
-            p2l = list(range(num_experts))
+            p2l = default_physical_to_logical(num_experts, d.num_slots)
         if len(p2l) != d.num_slots:
             raise ValueError(f"MoE layer {self.layer_index}: {len(p2l)} physical slots but the dispatcher has {d.num_slots}")
         lo = d.rank * d.slots_per_rank
@@ -90,11 +104,12 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(d.slots_per_rank, hidden_size, intermediate_size,
                                       p2l[lo: lo + d.slots_per_rank], dtype)
         self.shared_experts = shared_experts
-        self.replica_map: Any = None  # logical ids -> physical slot ids; set when a placement is used
-        if ctx.physical_to_logical is not None:
+        self.replica_map: Any = None  # logical ids -> physical slot ids when any expert has replicas
+        if p2l != list(range(num_experts)):
             from expert_parallel.placement import ReplicaMap
 
-            self.replica_map = ReplicaMap(p2l, num_experts)
+            # Each data-parallel rank starts its round-robin over replicas at its own offset.
+            self.replica_map = ReplicaMap(p2l, num_experts, offset=d.rank)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         w_TK, ids_TK = self.gate(x_TD)

@@ -25,7 +25,8 @@ How a layer is tuned:
    node costs a traffic weight (SPILL_WEIGHTS) in the greedy start and the swaps; global packing
    (GPUs then renumbered so replicas sit near home, which changes no GPU's load). Among candidates
    whose predicted worst GPU is within locality_tolerance of the best, the one with the least
-   predicted cross-node share wins.
+   predicted cross-node share wins. Without expert groups only balance counts: a router free to
+   pick any expert sends a token's copies to every node whatever the placement.
 """
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ _ERROR_DECAY = 0.8
 # A swap must lower the worst GPU by this fraction: smaller gains are below the forecast's precision
 # and only cost refinement steps.
 _MIN_GAIN = 1e-4
-# Traffic weights of the "spill" candidates: tokens of imbalance one token sent off-node is worth.
+# Traffic weights of the "spill" candidates: how many tokens a swap must take off the worst GPU for
+# each token it moves off its home node (higher = more local).
 SPILL_WEIGHTS = (8.0, 4.0, 2.0)
 
 
@@ -137,76 +139,80 @@ def _scores(m, v, hedge):
     return m + hedge * np.sqrt(np.maximum(v, 0.0))
 
 
+@dataclass
+class _Bins:
+    """Packing state: each item's bin, and per bin the sums of mean and var and the label counts."""
+    bin_R: np.ndarray
+    m: np.ndarray
+    v: np.ndarray
+    holds: np.ndarray  # (bins, labels)
+
+    @classmethod
+    def of(cls, bin_R, mean_R, var_R, label_R, num_bins, num_labels) -> "_Bins":
+        holds = np.zeros((num_bins, num_labels), dtype=np.int64)
+        np.add.at(holds, (bin_R, label_R), 1)
+        return cls(bin_R, np.bincount(bin_R, mean_R, num_bins), np.bincount(bin_R, var_R, num_bins), holds)
+
+    def swap(self, i, j, mean_R, var_R, label_R) -> None:
+        a, b = self.bin_R[i], self.bin_R[j]
+        for item, src, dst in ((i, a, b), (j, b, a)):
+            self.m[src] -= mean_R[item]; self.v[src] -= var_R[item]
+            self.m[dst] += mean_R[item]; self.v[dst] += var_R[item]
+            self.holds[src, label_R[item]] -= 1; self.holds[dst, label_R[item]] += 1
+            self.bin_R[item] = dst
+
+
 def pack(mean_R, var_R, label_R, num_bins: int, hedge: float, *, label_cap: int = 1, node_B=None,
          home_R=None, traffic_weight: float = 0.0, start_R=None, max_swaps: int = 4000) -> np.ndarray:
     """Put R items into num_bins bins of R / num_bins items each, minimising the worst bin score.
 
-    A bin's score is sum(mean) + hedge * sqrt(sum(var)). At most label_cap items with equal labels
-    (replicas of one expert) share a bin, unless no bin with room is under the cap. Greedy start (heaviest first, into the
-    bin whose score grows least), then swaps between the worst bin and any other while that
-    lowers the worst by _MIN_GAIN. Given start_R, the greedy start is skipped.
+    A bin's score is sum(mean) + hedge * sqrt(sum(var)). At most label_cap items with one label
+    (replicas of one expert) share a bin, unless the label has more items than that allows.
+    Greedy start (heaviest first, into the bin whose score grows least; skipped given start_R),
+    then swaps between the worst bin and any other while that lowers the worst by _MIN_GAIN.
 
     Locality, given node_B (node of each bin) and home_R (the node each item would like): an item
     off its home costs traffic_weight * its mean, in the same token units as the score. The greedy
     start adds that cost to each choice. Among swaps that lower the worst bin, the refinement takes
-    the best one adding no off-home tokens; failing that, the one with the most gain per cost,
-    and it stops when no swap gains as many tokens on the worst bin as it costs.
-    traffic_weight 0 ignores locality.
+    the best one adding no off-home tokens; failing that, the one with the most gain per cost, and
+    it stops when no swap gains as many tokens on the worst bin as it costs. traffic_weight 0
+    ignores locality.
     Returns bin_R (int64).
     """
     mean_R, var_R = np.asarray(mean_R, np.float64), np.asarray(var_R, np.float64)
     label_R = np.asarray(label_R, np.int64)
-    R = len(mean_R)
-    per_bin = R // num_bins
+    R, labels = len(mean_R), int(label_R.max()) + 1
     if home_R is None or traffic_weight == 0:
         node_B, home_R, traffic_weight = np.zeros(num_bins, np.int64), np.zeros(R, np.int64), 0.0
     off_cost = traffic_weight * mean_R  # what item i costs on any bin outside its home node
-    holds = np.zeros((num_bins, int(label_R.max()) + 1), dtype=np.int64)
-    bin_R = np.empty(R, dtype=np.int64) if start_R is None else np.array(start_R, dtype=np.int64)
-    m, v, n = np.zeros(num_bins), np.zeros(num_bins), np.zeros(num_bins, dtype=np.int64)
-    if start_R is not None:
-        np.add.at(holds, (bin_R, label_R), 1)
-        m, v = np.bincount(bin_R, mean_R, num_bins), np.bincount(bin_R, var_R, num_bins)
-    for i in np.argsort(-_scores(mean_R, var_R, hedge), kind="stable") if start_R is None else ():
-        room = n < per_bin
-        free = room & (holds[:, label_R[i]] < label_cap)
-        cand = np.flatnonzero(free if free.any() else room)
-        cost = _scores(m[cand] + mean_R[i], v[cand] + var_R[i], hedge) + off_cost[i] * (node_B[cand] != home_R[i])
-        b = cand[np.argmin(cost)]
-        bin_R[i] = b
-        m[b] += mean_R[i]; v[b] += var_R[i]; n[b] += 1
-        holds[b, label_R[i]] += 1
-    # The greedy start can run out of bins without a label, late in the order; a swap per surplus
-    # item repairs that (some always exists when the counts allow: deal the items out by label).
-    for i in np.flatnonzero(holds[bin_R, label_R] > label_cap):
-        a = bin_R[i]
-        if holds[a, label_R[i]] <= label_cap:
-            continue  # an earlier swap already took one of its twins away
-        js = np.flatnonzero((holds[bin_R, label_R[i]] < label_cap) & (holds[a, label_R] < label_cap))
-        if len(js):
-            b = bin_R[js]
-            worst = np.maximum(_scores(m[a] - mean_R[i] + mean_R[js], v[a] - var_R[i] + var_R[js], hedge),
-                               _scores(m[b] + mean_R[i] - mean_R[js], v[b] + var_R[i] - var_R[js], hedge))
-            _swap(i, js[np.argmin(worst)], bin_R, label_R, mean_R, var_R, m, v, holds)
-    fits = np.bincount(label_R, minlength=holds.shape[1]) <= label_cap * num_bins  # labels that can be kept apart
-    if (holds[:, fits] > label_cap).any():
-        # Rarely single swaps do not do: deal the items out label by label, which cannot put a
-        # label in a bin too often, and leave the balance to the swaps below (they keep it so).
-        bin_R[np.lexsort((-mean_R, label_R))] = np.arange(R) % num_bins
-        holds[:] = 0
-        np.add.at(holds, (bin_R, label_R), 1)
-        m, v = np.bincount(bin_R, mean_R, num_bins), np.bincount(bin_R, var_R, num_bins)
+    if start_R is None:
+        st = _Bins(np.empty(R, np.int64), np.zeros(num_bins), np.zeros(num_bins),
+                   np.zeros((num_bins, labels), np.int64))
+        n = np.zeros(num_bins, dtype=np.int64)
+        for i in np.argsort(-_scores(mean_R, var_R, hedge), kind="stable"):
+            room = n < R // num_bins
+            free = room & (st.holds[:, label_R[i]] < label_cap)
+            cand = np.flatnonzero(free if free.any() else room)
+            cost = _scores(st.m[cand] + mean_R[i], st.v[cand] + var_R[i], hedge) \
+                + off_cost[i] * (node_B[cand] != home_R[i])
+            b = cand[np.argmin(cost)]
+            st.bin_R[i] = b
+            st.m[b] += mean_R[i]; st.v[b] += var_R[i]; n[b] += 1
+            st.holds[b, label_R[i]] += 1
+        st = _keep_labels_apart(st, mean_R, var_R, label_R, num_bins, hedge, label_cap)
+    else:
+        st = _Bins.of(np.array(start_R, dtype=np.int64), mean_R, var_R, label_R, num_bins, labels)
     for _ in range(max_swaps):
-        score = _scores(m, v, hedge)
+        score = _scores(st.m, st.v, hedge)
         a = int(np.argmax(score))
-        ia, ib = np.flatnonzero(bin_R == a), np.flatnonzero(bin_R != a)
-        b = bin_R[ib]
+        ia, ib = np.flatnonzero(st.bin_R == a), np.flatnonzero(st.bin_R != a)
+        b = st.bin_R[ib]
         dm = mean_R[ib][None, :] - mean_R[ia][:, None]  # (items on a) x (items elsewhere): j in, i out
         dv = var_R[ib][None, :] - var_R[ia][:, None]
-        worst = np.maximum(_scores(m[a] + dm, v[a] + dv, hedge), _scores(m[b] - dm, v[b] - dv, hedge))
+        worst = np.maximum(_scores(st.m[a] + dm, st.v[a] + dv, hedge), _scores(st.m[b] - dm, st.v[b] - dv, hedge))
         ok = (label_R[ia][:, None] != label_R[ib][None, :]) \
-            & (holds[b[None, :], label_R[ia][:, None]] < label_cap) \
-            & (holds[a, label_R[ib]][None, :] < label_cap)
+            & (st.holds[b[None, :], label_R[ia][:, None]] < label_cap) \
+            & (st.holds[a, label_R[ib]][None, :] < label_cap)
         # Strict improvement of the pair's max: the sorted score vector falls, so this terminates.
         ok &= worst < score[a] * (1 - _MIN_GAIN)
         if not ok.any():
@@ -218,25 +224,40 @@ def pack(mean_R, var_R, label_R, num_bins: int, hedge: float, *, label_cap: int 
         if free.any():  # adds no off-home tokens: take the best
             k = int(np.argmin(np.where(free, worst, np.inf)))
         else:
-            # Else the most gain per weighted off-home token, if at least 1 (gain and cost are both
-            # in tokens); among those within 10% of the best ratio, the biggest gain, so the walk
-            # takes few steps rather than many tiny cheap ones.
+            # The most gain per weighted off-home token, if at least 1 (both are tokens); among
+            # those within 10% of the best ratio the biggest gain, so that the walk takes a few
+            # useful steps rather than many tiny cheap ones.
             gain = np.where(ok, score[a] - worst, 0.0)
             ratio = gain / np.maximum(d_cost, 1e-12)
             if ratio.max() < 1.0:
                 break
             k = int(np.argmax(np.where(ratio >= 0.9 * ratio.max(), gain, -1.0)))
-        _swap(ia[k // len(ib)], ib[k % len(ib)], bin_R, label_R, mean_R, var_R, m, v, holds)
-    return bin_R
+        st.swap(ia[k // len(ib)], ib[k % len(ib)], mean_R, var_R, label_R)
+    return st.bin_R
 
 
-def _swap(i, j, bin_R, label_R, mean_R, var_R, m, v, holds) -> None:
-    """Exchange the bins of items i and j, keeping the per-bin sums and label counts in step."""
-    a, b = bin_R[i], bin_R[j]
-    for item, src, dst in ((i, a, b), (j, b, a)):
-        m[src] -= mean_R[item]; v[src] -= var_R[item]; m[dst] += mean_R[item]; v[dst] += var_R[item]
-        holds[src, label_R[item]] -= 1; holds[dst, label_R[item]] += 1
-        bin_R[item] = dst
+def _keep_labels_apart(st: _Bins, mean_R, var_R, label_R, num_bins, hedge, label_cap) -> _Bins:
+    """Undo the greedy start's label surpluses (late items can find only bins holding their label)."""
+    # One swap per surplus item, the one that leaves the pair's worst score lowest.
+    for i in np.flatnonzero(st.holds[st.bin_R, label_R] > label_cap):
+        a = st.bin_R[i]
+        if st.holds[a, label_R[i]] <= label_cap:
+            continue  # an earlier swap already took one of its twins away
+        js = np.flatnonzero((st.holds[st.bin_R, label_R[i]] < label_cap) & (st.holds[a, label_R] < label_cap))
+        if len(js):
+            b = st.bin_R[js]
+            worst = np.maximum(
+                _scores(st.m[a] - mean_R[i] + mean_R[js], st.v[a] - var_R[i] + var_R[js], hedge),
+                _scores(st.m[b] + mean_R[i] - mean_R[js], st.v[b] + var_R[i] - var_R[js], hedge))
+            st.swap(i, js[np.argmin(worst)], mean_R, var_R, label_R)
+    fits = np.bincount(label_R, minlength=st.holds.shape[1]) <= label_cap * num_bins
+    if (st.holds[:, fits] > label_cap).any():
+        # Rarely, single swaps do not do. Dealing the items out label by label cannot exceed the
+        # cap for a label that fits; the refinement then restores balance (it keeps labels apart).
+        bin_R = np.empty_like(st.bin_R)
+        bin_R[np.lexsort((-mean_R, label_R))] = np.arange(len(label_R)) % num_bins
+        st = _Bins.of(bin_R, mean_R, var_R, label_R, num_bins, st.holds.shape[1])
+    return st
 
 
 # ----------------------------------------------------------------------------------- one layer
@@ -349,7 +370,10 @@ def tune_layer(history_WE, gpus: int, nodes: int, slots: int, groups: int | None
         predicted[name] = (float(worst), cross)
     best = min(w for w, _ in predicted.values())
     # Least cross-node traffic among those close enough to the best balance; ties: most local first.
-    close = [n for n, (w, _) in predicted.items() if w <= best * (1 + config.locality_tolerance)]
+    # Without groups the router may send a token to any expert, so no placement keeps its copies
+    # on one node: only balance counts.
+    tolerance = config.locality_tolerance if groups else 0.0
+    close = [n for n, (w, _) in predicted.items() if w <= best * (1 + tolerance)]
     mode = min(close, key=lambda n: predicted[n][1])
     return layouts[mode], {"mode": mode, "decay": decay, "predicted": predicted}
 

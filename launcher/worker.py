@@ -88,7 +88,22 @@ def run(ns: argparse.Namespace) -> int:
         return rc
     finally:
         watchdog.stop()
-        destroy_process_groups(groups)
+        if clean_exit(groups):
+            destroy_process_groups(groups)
+
+
+def clean_exit(groups) -> bool:
+    """Meet every rank before tearing the groups down: one rank destroying its communicator while
+    another still uses it aborts the process. False when the others are not there to meet."""
+    import torch.distributed as dist
+
+    if groups.world_size == 1:
+        return True
+    try:
+        dist.barrier(group=groups.cpu_group)
+        return True
+    except Exception:  # a peer is gone: leave teardown to process exit
+        return False
 
 
 def _recorder(ns, cfg, groups):

@@ -6,7 +6,7 @@ import time
 
 from attention.blocks import BlockAllocator
 from expert_parallel.dispatch import make_dispatcher
-from expert_parallel.layer import MoEContext
+from expert_parallel.layer import MoEContext, num_default_slots
 from moe_serve.config import EngineConfig
 from moe_serve.model_runner import ModelRunner
 from moe_serve.protocol import EngineOutput, TokenLogprob
@@ -25,7 +25,8 @@ class EngineCore:
         mc, par = cfg.model, cfg.parallel
         from moe_serve.models.registry import num_logical_experts
 
-        num_slots = len(physical_to_logical[0]) if physical_to_logical else num_logical_experts(mc.architecture, mc.hf)
+        num_slots = (len(physical_to_logical[0]) if physical_to_logical else
+                     num_default_slots(num_logical_experts(mc.architecture, mc.hf), par.world_size))
         dispatcher = make_dispatcher(par.all2all_backend, num_slots, par.rank, par.world_size, ep_group)
         self.moe_ctx = MoEContext(dispatcher, cfg.moe_backend, physical_to_logical, load_recorder)
         self.runner = ModelRunner(cfg, self.moe_ctx, kv_cache_memory, memory_fraction, show_progress)
