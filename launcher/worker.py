@@ -42,6 +42,7 @@ def run(ns: argparse.Namespace) -> int:
     from moe_serve.engine.core import EngineCore
     from moe_serve.engine.dp import DistributedStepper, RankEngine, agree_max_model_len, worker_loop
     from moe_serve.entrypoints.cli import resolve_model
+    from moe_serve.entrypoints.openai.launch import expert_load_routes, load_placement_arg
 
     dev = platform.resolve_device(ns.device)
     groups = init_process_groups("nccl" if dev.type == "cuda" else "gloo", timeout_s=max(ns.dist_timeout * 2, 120))
@@ -56,17 +57,11 @@ def run(ns: argparse.Namespace) -> int:
     args = EngineArgs.from_cli(ns, path)
     args.show_progress = rank == 0
     cfg = args.create_engine_config(rank, world)
-    placement = None
-    if ns.expert_placement:
-        from expert_parallel.placement import load_placement_for_model
-
-        placement = load_placement_for_model(ns.expert_placement, cfg, world)
-    recorder = _recorder(ns, cfg, groups)
     core = EngineCore(cfg, args.kv_cache_memory, args.memory_fraction, ep_group=groups.ep_group,
-                      physical_to_logical=placement, load_recorder=recorder.record if recorder else None,
-                      show_progress=rank == 0)
+                      physical_to_logical=load_placement_arg(ns.expert_placement, world), show_progress=rank == 0)
+    recorder = core.enable_load_recording(ns.expert_load_window, groups.ep_group, start=bool(ns.expert_load_record))
     max_len = agree_max_model_len(core, groups.cpu_group)
-    re = RankEngine(core, rank, world, groups.cpu_group, recorder)
+    re = RankEngine(core, rank, world, groups.cpu_group)
     re.on_turn = watchdog.beat
     watchdog.start()
     try:
@@ -74,17 +69,16 @@ def run(ns: argparse.Namespace) -> int:
             return worker_loop(re)
         from moe_serve.engine.async_engine import AsyncEngine
         from moe_serve.entrypoints.openai.api_server import build_app, serve
-        from moe_serve.entrypoints.openai.launch import expert_load_routes
 
         stepper = DistributedStepper(re)
         name = ns.served_model_name or (ns.model or "moe-serve-default")
         engine = AsyncEngine(stepper, core.tokenizer, name, ns.max_waiting_requests, ns.log_interval)
-        app = build_app(engine, name, max_len, ns.api_key, [expert_load_routes(recorder)] if recorder else [])
+        app = build_app(engine, name, max_len, ns.api_key, [expert_load_routes(engine, recorder)])
         log.info("data-parallel attention on %d ranks, experts sharded %d ways (%s dispatch)", world, world,
                  cfg.parallel.all2all_backend)
         rc = serve(app, engine, ns.host, ns.port, ns.shutdown_grace)
-        if recorder and ns.expert_load_record:
-            recorder.dump(ns.expert_load_record)
+        if ns.expert_load_record:
+            recorder.dump(ns.expert_load_record, metadata={"model": name})
         return rc
     finally:
         watchdog.stop()
@@ -104,11 +98,3 @@ def clean_exit(groups) -> bool:
         return True
     except Exception:  # a peer is gone: leave teardown to process exit
         return False
-
-
-def _recorder(ns, cfg, groups):
-    if not getattr(ns, "expert_load_record", None):
-        return None
-    from moe_serve.entrypoints.openai.launch import make_load_recorder
-
-    return make_load_recorder(ns, cfg, groups)

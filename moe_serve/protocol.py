@@ -32,6 +32,12 @@ class AbortRequest(msgspec.Struct, tag="abort"):
     request_id: str
 
 
+class LoadRecordControl(msgspec.Struct, tag="load"):
+    """Start or stop expert-load recording; applied by every rank at the same turn."""
+
+    action: str  # "start" | "stop"
+
+
 class Shutdown(msgspec.Struct, tag="shutdown"):
     reason: str = ""
 
@@ -57,14 +63,14 @@ class EngineOutput(msgspec.Struct):
     num_output_tokens: int = 0
 
 
-ControlMessage = NewRequest | AbortRequest | Shutdown
+ControlMessage = NewRequest | AbortRequest | LoadRecordControl | Shutdown
 
 
 class StepPlan(msgspec.Struct):
     """Rank 0 -> every rank, once per engine-loop turn: what each rank must apply, and whether the
     turn runs a model step (all ranks together, lockstep) or is only a heartbeat."""
 
-    per_rank: list[list[NewRequest | AbortRequest]]
+    per_rank: list[list[NewRequest | AbortRequest | LoadRecordControl]]
     run_step: bool
     shutdown: bool = False
 

@@ -17,7 +17,8 @@ from typing import Protocol
 
 from moe_serve.engine.llm import child_params
 from moe_serve.metrics import EngineMetrics
-from moe_serve.protocol import AbortRequest, ControlMessage, EngineOutput, NewRequest, SamplingSpec, Shutdown
+from moe_serve.protocol import (AbortRequest, ControlMessage, EngineOutput, LoadRecordControl, NewRequest, SamplingSpec,
+                                Shutdown)
 from moe_serve.sampling_params import SamplingParams
 
 log = logging.getLogger("moe_serve.async_engine")
@@ -69,22 +70,20 @@ def apply_control(core, msgs: list[ControlMessage]) -> list[EngineOutput]:
             o = core.abort_request(m.request_id)
             if o is not None:
                 outs.append(o)
+        elif isinstance(m, LoadRecordControl) and core.load_recorder is not None:
+            core.load_recorder.start() if m.action == "start" else core.load_recorder.stop()
     return outs
 
 
 class LocalStepper:
     """Steps one in-process EngineCore."""
 
-    def __init__(self, core, load_recorder=None):
+    def __init__(self, core):
         self.core = core
-        self.load_recorder = load_recorder  # closes a load window every N steps when recording
 
     def step(self, msgs: list[ControlMessage]) -> list[EngineOutput]:
         outs = apply_control(self.core, msgs)
-        outs += self.core.step()
-        if self.load_recorder is not None:
-            self.load_recorder.end_step()
-        return outs
+        return outs + self.core.step()
 
     def has_work(self) -> bool:
         return self.core.has_unfinished()
@@ -151,6 +150,11 @@ class AsyncEngine:
                                            to_spec(child_params(params, i))))
         self._wake.set()
         return stream
+
+    def control(self, msg: ControlMessage) -> None:
+        """Queue a control message for the engine loop (applied on every rank at one turn)."""
+        self._inbox.put(msg)
+        self._wake.set()
 
     def _abort(self, child_ids) -> None:
         for cid in child_ids:

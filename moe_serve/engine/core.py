@@ -20,7 +20,7 @@ log = logging.getLogger("moe_serve.engine")
 
 class EngineCore:
     def __init__(self, cfg: EngineConfig, kv_cache_memory: int | None = None, memory_fraction: float = 0.9,
-                 ep_group=None, physical_to_logical=None, load_recorder=None, show_progress: bool = True):
+                 ep_group=None, physical_to_logical=None, show_progress: bool = True):
         self.cfg = cfg
         mc, par = cfg.model, cfg.parallel
         from moe_serve.models.registry import num_logical_experts
@@ -28,7 +28,8 @@ class EngineCore:
         num_slots = (len(physical_to_logical[0]) if physical_to_logical else
                      num_default_slots(num_logical_experts(mc.architecture, mc.hf), par.world_size))
         dispatcher = make_dispatcher(par.all2all_backend, num_slots, par.rank, par.world_size, ep_group)
-        self.moe_ctx = MoEContext(dispatcher, cfg.moe_backend, physical_to_logical, load_recorder)
+        self.moe_ctx = MoEContext(dispatcher, cfg.moe_backend, physical_to_logical)
+        self.load_recorder = None  # set by enable_load_recording
         self.runner = ModelRunner(cfg, self.moe_ctx, kv_cache_memory, memory_fraction, show_progress)
         self.tokenizer = Tokenizer(mc.path)
         # The context cannot be longer than the cache can hold for one request.
@@ -98,6 +99,8 @@ class EngineCore:
         if out.is_empty:
             if lockstep:
                 self.runner.execute_empty()
+                if self.load_recorder is not None:
+                    self.load_recorder.end_step()
             return []
         self.num_steps += 1
         result = self.runner.execute(out)
@@ -108,6 +111,8 @@ class EngineCore:
                 self.num_prompt_tokens += min(s.num_tokens, s.request.num_prompt_tokens - s.request.num_computed_tokens)
         now = time.monotonic()
         self.scheduler.update(out, sampled)
+        if self.load_recorder is not None:
+            self.load_recorder.end_step()
         outputs = []
         for r, lp in zip(sampled_reqs, result.logprobs):
             if r.status == RequestStatus.FINISHED_ABORTED:
@@ -155,6 +160,27 @@ class EngineCore:
             if i != -1 and (best is None or i < best[0]):
                 best = (i, s)
         return best
+
+    # --- expert load ----------------------------------------------------------------------------
+    def enable_load_recording(self, window_steps: int, ep_group=None, start: bool = False):
+        """Count routed tokens per (MoE layer, logical expert) in windows of `window_steps` steps.
+        With expert parallelism every window is summed over the ranks (one all_reduce per window,
+        at the same step on every rank)."""
+        from expert_parallel.load_stats import ExpertLoadRecorder
+        from moe_serve.models.registry import num_logical_experts
+
+        reduce_fn = None
+        if self.cfg.parallel.world_size > 1:
+            import torch.distributed as dist
+
+            reduce_fn = lambda t: dist.all_reduce(t, group=ep_group)  # noqa: E731
+        rec = ExpertLoadRecorder(self.moe_ctx.moe_layer_count[0], num_logical_experts(self.cfg.model.architecture,
+                                 self.cfg.model.hf), window_steps, reduce_fn=reduce_fn, device=self.cfg.device)
+        self.load_recorder = rec
+        self.moe_ctx.load_recorder = rec.record
+        if start:
+            rec.start()
+        return rec
 
     # --- stats ----------------------------------------------------------------------------------
     def stats(self) -> dict:

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from moe_serve.engine.async_engine import apply_control
-from moe_serve.protocol import AbortRequest, ControlMessage, EngineOutput, NewRequest, StepPlan, StepReport
+from moe_serve.protocol import (AbortRequest, ControlMessage, EngineOutput, LoadRecordControl, NewRequest, StepPlan,
+                                StepReport)
 
 log = logging.getLogger("moe_serve.dp")
 
@@ -52,9 +53,8 @@ def all_gather_bytes(data: bytes, group, world_size: int) -> list[bytes]:
 class RankEngine:
     """What every rank does with a plan: apply its messages, step (or not), report."""
 
-    def __init__(self, core, rank: int, world_size: int, cpu_group, load_recorder=None):
+    def __init__(self, core, rank: int, world_size: int, cpu_group):
         self.core, self.rank, self.world_size, self.group = core, rank, world_size, cpu_group
-        self.load_recorder = load_recorder
         self.wants_shutdown = False
         self.turns = 0
         self.on_turn = lambda n: None  # the watchdog's heartbeat: called as each turn starts
@@ -64,8 +64,6 @@ class RankEngine:
         outs: list[EngineOutput] = apply_control(self.core, plan.per_rank[self.rank])
         if plan.run_step:
             outs += self.core.step(lockstep=True)
-            if self.load_recorder is not None:
-                self.load_recorder.end_step()
         report = StepReport(self.rank, outs, {k: float(v) for k, v in self.core.stats().items()},
                             self.core.has_unfinished(), self.wants_shutdown)
         return [_report_dec.decode(b) for b in all_gather_bytes(_enc.encode(report), self.group, self.world_size)]
@@ -105,6 +103,9 @@ class DistributedStepper:
                 log.info("request %s -> rank %d", m.request_id, r)
             elif isinstance(m, AbortRequest) and m.request_id in self.owner:
                 per_rank[self.owner[m.request_id]].append(m)
+            elif isinstance(m, LoadRecordControl):
+                for lst in per_rank:
+                    lst.append(m)
         return StepPlan(per_rank, run_step, shutdown)
 
     def _turn(self, plan: StepPlan) -> list[EngineOutput]:

@@ -117,3 +117,40 @@ def test_sigterm_on_follower_rank_stops_job_cleanly(checkpoints):
         assert "rank 1 asked to shut down" in job.log()
     finally:
         job.kill()
+
+
+def test_moe_serve_launch_wrapper_with_allgather_dispatch(checkpoints, tmp_path):
+    """`moe-serve launch --nproc-per-node 2 -- <serve flags>` is torchrun + `launcher serve`."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.e2e.server import free_port
+
+    path = checkpoints["deepseek_v3"]
+    want = expected_texts(path, PROMPTS, 5)
+    port = free_port()
+    log = tmp_path / "launch.log"
+    cmd = [sys.executable, "-m", "moe_serve.entrypoints.cli", "launch", "--nproc-per-node", "2", "--master-port",
+           str(free_port()), "--", "--model", path, "--port", str(port), "--all2all-backend", "allgather", *ARGS]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        assert asyncio.run(_complete_all(f"http://127.0.0.1:{port}", PROMPTS, 5)) == want
+        assert "allgather dispatch" in log.read_text()
+        pid0 = next(int(line.split("pid ")[1].split(",")[0]) for line in log.read_text().splitlines()
+                    if "rank 0 of 2" in line)
+        os.kill(pid0, signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

@@ -1,10 +1,51 @@
-"""Start the single-process server: build the engine, the app, and run until SIGTERM."""
+"""Server start-up shared by the single-process server and rank 0 of a multi-process job:
+placement loading, expert-load recording and its HTTP routes."""
 from __future__ import annotations
 
 import argparse
 import logging
 
+from fastapi.responses import JSONResponse
+
+from moe_serve.protocol import LoadRecordControl
+
 log = logging.getLogger("moe_serve.launch")
+
+
+def load_placement_arg(path: str | None, world_size: int):
+    """--expert-placement: per MoE layer, the logical expert of every physical slot (or None)."""
+    if not path:
+        return None
+    from expert_parallel.placement import load_placement
+
+    p = load_placement(path)
+    if p.slots % world_size:
+        raise ValueError(f"expert placement {path}: slots={p.slots} is not divisible by the {world_size} ranks")
+    if p.gpus != world_size:
+        log.warning("expert placement %s was tuned for gpus=%d; serving it on %d ranks (%d slots each)", path,
+                    p.gpus, world_size, p.slots // world_size)
+    log.info("expert placement %s: %d MoE layers, %d slots", path, p.num_layers, p.slots)
+    return [list(map(int, layer)) for layer in p.physical_to_logical]
+
+
+def expert_load_routes(engine, recorder):
+    """POST /expert_load/start | /expert_load/stop, GET or POST /expert_load/dump."""
+    def add(app):
+        @app.post("/expert_load/start")
+        async def start():
+            engine.control(LoadRecordControl("start"))
+            return JSONResponse({"recording": True})
+
+        @app.post("/expert_load/stop")
+        async def stop():
+            engine.control(LoadRecordControl("stop"))
+            return JSONResponse({"recording": False})
+
+        @app.api_route("/expert_load/dump", methods=["GET", "POST"])
+        async def dump():
+            return JSONResponse(recorder.dump(metadata={"model": engine.model_name}))
+
+    return add
 
 
 def run_single_process_server(ns: argparse.Namespace) -> int:
@@ -17,28 +58,14 @@ def run_single_process_server(ns: argparse.Namespace) -> int:
     path, _ = resolve_model(ns.model)
     args = EngineArgs.from_cli(ns, path)
     cfg = args.create_engine_config()
-    recorder = make_load_recorder(ns, cfg)
-    core = EngineCore(cfg, args.kv_cache_memory, args.memory_fraction, show_progress=args.show_progress,
-                      load_recorder=recorder.record if recorder else None)
-    stepper = LocalStepper(core, recorder)
+    core = EngineCore(cfg, args.kv_cache_memory, args.memory_fraction,
+                      physical_to_logical=load_placement_arg(ns.expert_placement, 1), show_progress=args.show_progress)
+    recorder = core.enable_load_recording(ns.expert_load_window, start=bool(ns.expert_load_record))
     name = ns.served_model_name or (ns.model or "moe-serve-default")
-    engine = AsyncEngine(stepper, core.tokenizer, name, ns.max_waiting_requests, ns.log_interval)
-    routes = [expert_load_routes(recorder)] if recorder else []
-    app = build_app(engine, name, core.max_model_len, ns.api_key, routes)
+    engine = AsyncEngine(LocalStepper(core), core.tokenizer, name, ns.max_waiting_requests, ns.log_interval)
+    app = build_app(engine, name, core.max_model_len, ns.api_key, [expert_load_routes(engine, recorder)])
     rc = serve(app, engine, ns.host, ns.port, ns.shutdown_grace)
-    if recorder and ns.expert_load_record:
-        recorder.dump(ns.expert_load_record)
-        log.info("expert load written to %s", ns.expert_load_record)
+    if ns.expert_load_record:
+        recorder.dump(ns.expert_load_record, metadata={"model": name})
+        log.info("expert load (%d windows) written to %s", recorder.num_windows, ns.expert_load_record)
     return rc
-
-
-def make_load_recorder(ns: argparse.Namespace, cfg):
-    """An expert-load recorder when --expert-load-record is given (recording from the start)."""
-    return None
-
-
-def expert_load_routes(recorder):
-    def add(app):
-        pass
-
-    return add
