@@ -31,6 +31,8 @@ class MoEContext:
     # Called with (moe_layer_index, topk_ids_TK logical) when expert load is being recorded.
     load_recorder: Callable[[int, torch.Tensor], None] | None = None
     moe_layer_count: list[int] = field(default_factory=lambda: [0])  # running index while building
+    # Optional (event, micro-batch, layer) callback, for tests that check the overlap schedule.
+    trace: Callable[[str, int, int], None] | None = None
 
     def next_layer_index(self) -> int:
         i = self.moe_layer_count[0]
@@ -112,14 +114,41 @@ class MoE(nn.Module):
             self.replica_map = ReplicaMap(p2l, num_experts, offset=d.rank)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        return run_to_end(self.stages(x_TD))
+
+    def stages(self, x_TD: torch.Tensor, mb: int = 0):
+        """The layer as a generator that yields while its communication is in flight: once after
+        starting dispatch, once after starting combine. Run alone (`forward`) the yields cost
+        nothing; with two micro-batches (expert_parallel/overlap.py) the other micro-batch computes
+        during them. Returns y_TD."""
+        trace = self.ctx.trace
         w_TK, ids_TK = self.gate(x_TD)
         if self.ctx.load_recorder is not None:
             self.ctx.load_recorder(self.layer_index, ids_TK)
         slots_TK = self.replica_map(ids_TK) if self.replica_map is not None else ids_TK
         d = self.ctx.dispatcher
-        sent = d.dispatch(x_TD, slots_TK, w_TK)
+        trace and trace("dispatch_start", mb, self.layer_index)
+        pending = d.dispatch_async(x_TD, slots_TK, w_TK)
+        # The shared experts need no communication: they fill the wait.
         shared = self.shared_experts(x_TD) if self.shared_experts is not None else None
+        yield
+        sent = pending.wait()
+        trace and trace("dispatch_end", mb, self.layer_index)
+        trace and trace("experts", mb, self.layer_index)
         y_RD = fused_experts(sent.x_RD, self.experts.w13, self.experts.w2, sent.topk_weights_RK,
                              sent.topk_ids_RK, backend=self.ctx.moe_backend)
-        y_TD = d.combine(y_RD, sent.handle)
+        trace and trace("combine_start", mb, self.layer_index)
+        pending = d.combine_async(y_RD, sent.handle)
+        yield
+        y_TD = pending.wait()
+        trace and trace("combine_end", mb, self.layer_index)
         return y_TD if shared is None else y_TD + shared
+
+
+def run_to_end(stages):
+    """Drive a stage generator to its end without interleaving; returns its value."""
+    while True:
+        try:
+            next(stages)
+        except StopIteration as stop:
+            return stop.value

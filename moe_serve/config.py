@@ -101,6 +101,8 @@ class ParallelConfig:
     world_size: int = 1
     all2all_backend: str = "all_to_all"
     expert_placement: str | None = None
+    enable_overlap: bool = False  # two micro-batches: one's dispatch/combine behind the other's compute
+    overlap_min_tokens: int = 64  # below this many tokens (max over ranks) a step is not split
 
 
 @dataclass(frozen=True)

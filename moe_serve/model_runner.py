@@ -14,6 +14,7 @@ from moe_serve.models.registry import model_class
 from moe_serve.sampler import Sampler, SampleResult
 from moe_serve.scheduler import SchedulerOutput
 from moe_serve.weights import init_dummy_weights, load_weights
+from expert_parallel.overlap import split_pieces, split_point
 
 log = logging.getLogger("moe_serve.model_runner")
 
@@ -37,6 +38,7 @@ class ModelRunner:
     def __init__(self, cfg: EngineConfig, moe_ctx: MoEContext, kv_cache_memory: int | None,
                  memory_fraction: float, show_progress: bool = True):
         self.cfg = cfg
+        self.moe_ctx = moe_ctx
         self.device = cfg.device
         mc = cfg.model
         torch.manual_seed(mc.seed)
@@ -77,32 +79,44 @@ class ModelRunner:
                  self.num_blocks, bs, self.num_blocks * bs, self.kv_cache_bytes / 2**20, per_block // bs)
 
     # --- one step -------------------------------------------------------------------------------
-    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def _tensors(self, pieces: list[tuple]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """(request, start, num_tokens, samples) pieces -> token ids, positions, attention metadata."""
         ids: list[int] = []
         positions: list[int] = []
-        q_lens, seq_lens, tables, sample_rows = [], [], [], []
-        for s in out.scheduled:
-            r = s.request
-            start = r.num_computed_tokens
-            toks = r.all_token_ids[start:start + s.num_tokens]
-            ids.extend(toks)
-            positions.extend(range(start, start + s.num_tokens))
-            q_lens.append(s.num_tokens)
-            seq_lens.append(start + s.num_tokens)
-            tables.append(r.block_ids)
-            if s.samples:
-                sample_rows.append(len(ids) - 1)
+        q_lens, seq_lens, tables = [], [], []
+        for req, start, n, _ in pieces:
+            ids.extend(req.all_token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            q_lens.append(n)
+            seq_lens.append(start + n)
+            tables.append(req.block_ids)
         meta = AttentionMetadata.build(q_lens, seq_lens, tables, self.cfg.cache.block_size, self.device)
-        ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
-        return ids_t, pos_t, meta, sample_rows
+        return (torch.tensor(ids, dtype=torch.long, device=self.device),
+                torch.tensor(positions, dtype=torch.long, device=self.device), meta)
+
+    def _forward(self, pieces: list[tuple]) -> torch.Tensor:
+        """Hidden states of all scheduled tokens, in order; split into two overlapped micro-batches
+        when overlap is on and every rank's batch is large enough (agreed over the EP group)."""
+        par = self.cfg.parallel
+        if par.enable_overlap:
+            ntok = sum(p[2] for p in pieces)
+            if self.moe_ctx.dispatcher.agree_max(ntok) >= par.overlap_min_tokens:
+                positions = [pos for _, start, n, _ in pieces for pos in range(start, start + n)]
+                a, b = split_pieces(pieces, split_point(positions))
+                return self.model.forward_microbatches([self._tensors(a), self._tensors(b)])
+        return self.model(*self._tensors(pieces))
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> SampleResult:
         """Run the model over the scheduled tokens and sample for requests that reached their end."""
-        ids_t, pos_t, meta, rows = self.prepare(out)
-        h = self.model(ids_t, pos_t, meta)
-        sampling = [s.request for s in out.scheduled if s.samples]
+        pieces = [(s.request, s.request.num_computed_tokens, s.num_tokens, s.samples) for s in out.scheduled]
+        h = self._forward(pieces)
+        rows, sampling, pos = [], [], 0
+        for s in out.scheduled:
+            pos += s.num_tokens
+            if s.samples:
+                rows.append(pos - 1)
+                sampling.append(s.request)
         if not rows:
             return SampleResult([], [])
         logits = self.model.compute_logits(h[torch.tensor(rows, device=self.device)])
@@ -111,9 +125,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_empty(self) -> None:
         """A step with no tokens: MoE layers still enter their collectives (expert-parallel lockstep)."""
-        meta = AttentionMetadata.build([], [], [], self.cfg.cache.block_size, self.device)
-        empty = torch.empty(0, dtype=torch.long, device=self.device)
-        self.model(empty, empty, meta)
+        self._forward([])
 
 
 def _numel(shape) -> int:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from expert_parallel.dispatch.base import Dispatcher, DispatchOutput
+from expert_parallel.dispatch.base import Dispatcher, DispatchOutput, Pending
 
 
 @dataclass
@@ -75,16 +75,25 @@ class AllToAllDispatcher(Dispatcher):
 
     def dispatch(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor,
                  topk_weights_TK: torch.Tensor) -> DispatchOutput:
-        """Send each token once to every rank holding one of its slots.
+        return self.dispatch_async(x_TD, topk_ids_TK, topk_weights_TK).wait()
+
+    def combine(self, y_RD: torch.Tensor, handle: AllToAllHandle) -> torch.Tensor:
+        return self.combine_async(y_RD, handle).wait()
+
+    def dispatch_async(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor,
+                       topk_weights_TK: torch.Tensor) -> Pending:
+        """Send each token once to every rank holding one of its slots. The count exchange is
+        synchronous (the sizes are needed); the payload all-to-all runs in the background until
+        `.wait()` (async_op: gloo's worker threads on CPU, NCCL's own stream on CUDA).
 
         Args:
             x_TD: (T, D) tokens, any float dtype; T may be 0.
             topk_ids_TK: (T, K) int global slot ids in [0, num_slots); -1 entries are ignored.
             topk_weights_TK: (T, K) routing weights, any float dtype.
         Returns:
-            DispatchOutput with x_RD (R, D) in x's dtype, topk_ids_RK (R, K) int64 local ids or -1,
-            topk_weights_RK (R, K) float32, and an AllToAllHandle. Received rows are ordered by
-            source rank, then by the source's token order.
+            Pending whose wait() gives a DispatchOutput with x_RD (R, D) in x's dtype, topk_ids_RK
+            (R, K) int64 local ids or -1, topk_weights_RK (R, K) float32, and an AllToAllHandle.
+            Received rows are ordered by source rank, then by the source's token order.
         """
         T, D = x_TD.shape
         K = topk_ids_TK.shape[1]
@@ -111,26 +120,37 @@ class AllToAllDispatcher(Dispatcher):
         send_rows_SB = pack_rows(x_TD[src_token_S], local_SK, topk_weights_TK[src_token_S])
 
         recv_rows_RB = send_rows_SB.new_empty((sum(recv_splits), send_rows_SB.shape[1]))
-        dist.all_to_all_single(recv_rows_RB, send_rows_SB, output_split_sizes=recv_splits,
-                               input_split_sizes=send_splits, group=self.group)
-        x_RD, ids_RK, weights_RK = unpack_rows(recv_rows_RB, D, K, x_TD.dtype)
+        work = dist.all_to_all_single(recv_rows_RB, send_rows_SB, output_split_sizes=recv_splits,
+                                      input_split_sizes=send_splits, group=self.group, async_op=True)
         handle = AllToAllHandle(src_token_S, send_splits, recv_splits, T)
-        return DispatchOutput(x_RD, ids_RK, weights_RK, handle)
 
-    def combine(self, y_RD: torch.Tensor, handle: AllToAllHandle) -> torch.Tensor:
-        """Send partial sums home and add them up in original token order.
+        def finish() -> DispatchOutput:
+            work.wait()
+            x_RD, ids_RK, weights_RK = unpack_rows(recv_rows_RB, D, K, x_TD.dtype)
+            return DispatchOutput(x_RD, ids_RK, weights_RK, handle)
+
+        return Pending(finish)
+
+    def combine_async(self, y_RD: torch.Tensor, handle: AllToAllHandle) -> Pending:
+        """Send partial sums home; `.wait()` adds them up in original token order.
 
         Args:
             y_RD: (R, D) each received token's weighted sum over this rank's experts, rows in the order
                 dispatch returned them.
             handle: the AllToAllHandle from the matching dispatch.
         Returns:
-            (T, D) in y's dtype: for each original token, the sum over ranks of their partial sums.
+            Pending whose wait() gives (T, D) in y's dtype: for each original token, the sum over
+            ranks of their partial sums.
         """
         D = y_RD.shape[1]
         back_SD = y_RD.new_empty((sum(handle.send_splits), D))
-        dist.all_to_all_single(back_SD, y_RD.contiguous(), output_split_sizes=handle.send_splits,
-                               input_split_sizes=handle.recv_splits, group=self.group)
-        out_TD = torch.zeros(handle.num_tokens, D, dtype=torch.float32, device=y_RD.device)
-        out_TD.index_add_(0, handle.src_token_S, back_SD.to(torch.float32))
-        return out_TD.to(y_RD.dtype)
+        work = dist.all_to_all_single(back_SD, y_RD.contiguous(), output_split_sizes=handle.send_splits,
+                                      input_split_sizes=handle.recv_splits, group=self.group, async_op=True)
+
+        def finish() -> torch.Tensor:
+            work.wait()
+            out_TD = torch.zeros(handle.num_tokens, D, dtype=torch.float32, device=y_RD.device)
+            out_TD.index_add_(0, handle.src_token_S, back_SD.to(torch.float32))
+            return out_TD.to(y_RD.dtype)
+
+        return Pending(finish)

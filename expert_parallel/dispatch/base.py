@@ -20,9 +20,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 
 @dataclass
@@ -31,6 +32,30 @@ class DispatchOutput:
     topk_ids_RK: torch.Tensor
     topk_weights_RK: torch.Tensor
     handle: Any
+
+
+class Pending:
+    """A communication in flight. `wait()` blocks until it is done and returns its result (once;
+    later calls return the same result). Between the start and `wait()` the caller computes
+    something else: that is the overlap."""
+
+    def __init__(self, finish: Callable[[], Any]):
+        self._finish = finish
+        self._done = False
+        self._result = None
+
+    def wait(self):
+        if not self._done:
+            self._result, self._done = self._finish(), True
+            self._finish = None
+        return self._result
+
+
+def done(result) -> Pending:
+    """An already finished communication (backends without asynchronous collectives)."""
+    p = Pending(lambda: result)
+    p.wait()
+    return p
 
 
 class Dispatcher(ABC):
@@ -60,3 +85,23 @@ class Dispatcher(ABC):
 
     @abstractmethod
     def combine(self, y_RD: torch.Tensor, handle: Any) -> torch.Tensor: ...
+
+    # Asynchronous forms, used to overlap one micro-batch's communication with the other's compute.
+    # Backends with asynchronous collectives override them; these defaults finish at once.
+    def dispatch_async(self, x_TD, topk_ids_TK, topk_weights_TK) -> Pending:
+        """Start dispatch; `.wait()` gives the DispatchOutput."""
+        return done(self.dispatch(x_TD, topk_ids_TK, topk_weights_TK))
+
+    def combine_async(self, y_RD: torch.Tensor, handle: Any) -> Pending:
+        """Start combine; `.wait()` gives y_TD."""
+        return done(self.combine(y_RD, handle))
+
+    def agree_max(self, n: int) -> int:
+        """The largest n over the EP group (one small collective), so that every rank takes the same
+        decisions that change the order of collectives (e.g. whether to split into micro-batches)."""
+        if self.world_size == 1:
+            return n
+        on_gpu = dist.get_backend(self.group) == "nccl"
+        t = torch.tensor([n], dtype=torch.int64, device="cuda" if on_gpu else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return int(t.item())

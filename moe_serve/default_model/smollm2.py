@@ -505,7 +505,7 @@ class CheckModel:
 # Upcycling: experts and routers
 
 
-def make_routers(dense: DenseCheckpoint, tokenizer, num_experts: int, seed: int) -> dict[str, torch.Tensor]:
+def make_routers(dense: DenseCheckpoint, tokenizer, num_experts: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
     """One router [num_experts, hidden] per layer, from the dense model's MLP inputs on CALIBRATION_TEXT.
 
     Each router is a set of random orthonormal directions, projected orthogonal to the mean MLP
@@ -515,7 +515,6 @@ def make_routers(dense: DenseCheckpoint, tokenizer, num_experts: int, seed: int)
     ids = tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False).ids
     acts: list[torch.Tensor] = []
     CheckModel(dense.tensors, CheckConfig(dense.shape)).forward(ids, moe_inputs=acts)
-    gen = torch.Generator().manual_seed(seed)
     routers = {}
     for i, x_TD in enumerate(acts):
         mean_D = x_TD.mean(0)
@@ -529,10 +528,9 @@ def make_routers(dense: DenseCheckpoint, tokenizer, num_experts: int, seed: int)
 
 
 def moe_tensors(dense: DenseCheckpoint, routers: dict[str, torch.Tensor], num_experts: int, noise: float,
-                seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+                gen: torch.Generator, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Mixtral-named tensors: attention/norms/embeddings as in `dense`, each MLP copied per expert
-    with noise x RMS(tensor) Gaussian noise (seeded), the given routers. No lm_head when tied."""
-    gen = torch.Generator().manual_seed(seed + 1)  # its own stream: routers use `seed`
+    with noise x RMS(tensor) Gaussian noise drawn from `gen`, the given routers. No lm_head when tied."""
     out = {}
     for name, w in dense.tensors.items():
         if ".mlp." in name:
@@ -657,8 +655,10 @@ def _write_smollm2_moe(out_dir: str, num_experts: int, top_k: int, noise: float,
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(os.path.join(out_dir, "tokenizer.json"))
-    routers = make_routers(dense, tok, num_experts, seed)
-    tensors = moe_tensors(dense, routers, num_experts, noise, seed, _DTYPES[dtype])
+    # One random stream, routers first, then expert noise: the build is a function of `seed` alone.
+    gen = torch.Generator().manual_seed(seed)
+    routers = make_routers(dense, tok, num_experts, gen)
+    tensors = moe_tensors(dense, routers, num_experts, noise, gen, _DTYPES[dtype])
     tied = "lm_head.weight" not in tensors  # SmolLM2 ties; a GGUF with `output.weight` does not
     _save_safetensors(tensors, os.path.join(out_dir, "model.safetensors"))
     del tensors

@@ -28,6 +28,8 @@ class EngineArgs:
     attention_backend: str = "auto"
     all2all_backend: str = "auto"
     expert_placement: str | None = None
+    enable_overlap: bool = False
+    overlap_min_tokens: int = 64
     show_progress: bool = True
 
     def create_engine_config(self, rank: int = 0, world_size: int = 1) -> EngineConfig:
@@ -38,6 +40,8 @@ class EngineArgs:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
+        if self.overlap_min_tokens < 0:
+            raise ValueError(f"overlap_min_tokens={self.overlap_min_tokens} must be >= 0")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction={self.memory_fraction} must be in (0, 1]")
         choice = platform.choose(self.device, self.moe_backend, self.attention_backend, self.all2all_backend,
@@ -47,7 +51,8 @@ class EngineArgs:
             cache=CacheConfig(self.block_size, self.num_kv_blocks or 0, self.kv_cache_memory or 0,
                               self.enable_prefix_caching),
             scheduler=SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs),
-            parallel=ParallelConfig(rank, world_size, choice.all2all_backend, self.expert_placement),
+            parallel=ParallelConfig(rank, world_size, choice.all2all_backend, self.expert_placement,
+                                    self.enable_overlap, self.overlap_min_tokens),
             device=choice.device,
             moe_backend=choice.moe_backend,
             attention_backend=choice.attention_backend,
@@ -76,6 +81,10 @@ class EngineArgs:
         g.add_argument("--all2all-backend", default="auto",
                        choices=["auto", "all_to_all", "allgather", "deepep", "reference"])
         g.add_argument("--expert-placement", default=None, help="placement JSON from `moe-serve placement tune`")
+        g.add_argument("--enable-overlap", action="store_true",
+                       help="split each step into two micro-batches to hide dispatch/combine behind compute")
+        g.add_argument("--overlap-min-tokens", type=int, default=64,
+                       help="steps with fewer tokens (on every rank) run unsplit")
 
     @classmethod
     def from_cli(cls, ns: argparse.Namespace, model: str) -> "EngineArgs":

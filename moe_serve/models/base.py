@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from attention.metadata import AttentionMetadata
+from expert_parallel.layer import run_to_end
 from moe_serve.layers.embedding import Embedding, LMHead
 from moe_serve.layers.norm import RMSNorm
 
@@ -26,9 +27,12 @@ class DecoderStack(nn.Module):
         self.norm = RMSNorm(hidden_size, eps, dtype)
 
     def forward(self, ids_T, positions_T, meta: AttentionMetadata) -> torch.Tensor:
+        return run_to_end(self.stages(ids_T, positions_T, meta))
+
+    def stages(self, ids_T, positions_T, meta: AttentionMetadata, mb: int = 0):
         h = self.embed_tokens(ids_T)
         for layer in self.layers:
-            h = layer(h, positions_T, meta)
+            h = yield from layer.stages(h, positions_T, meta, mb)
         return self.norm(h)
 
 
@@ -50,6 +54,13 @@ class CausalLM(nn.Module):
 
     def forward(self, ids_T, positions_T, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(ids_T, positions_T, meta)
+
+    def forward_microbatches(self, batches: list[tuple[torch.Tensor, torch.Tensor, AttentionMetadata]]) -> torch.Tensor:
+        """Run micro-batches interleaved (see expert_parallel/overlap.py); hidden states in order."""
+        from expert_parallel.overlap import run_interleaved
+
+        outs = run_interleaved([self.model.stages(ids, pos, meta, mb) for mb, (ids, pos, meta) in enumerate(batches)])
+        return torch.cat(outs, dim=0)
 
     def compute_logits(self, h_BD: torch.Tensor) -> torch.Tensor:
         return self.lm_head(h_BD)

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from attention.metadata import AttentionMetadata
+from expert_parallel.layer import MoE, run_to_end
 from moe_serve.layers.norm import RMSNorm
 
 
@@ -20,5 +21,12 @@ class DecoderLayer(nn.Module):
         self.add_module(ffn_name, ffn)
 
     def forward(self, x_TD: torch.Tensor, positions_T: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return run_to_end(self.stages(x_TD, positions_T, meta))
+
+    def stages(self, x_TD, positions_T, meta: AttentionMetadata, mb: int = 0):
+        """Generator form: yields while an MoE block's communication is in flight."""
         h = x_TD + self.self_attn(self.input_layernorm(x_TD), positions_T, meta)
-        return h + getattr(self, self.ffn_name)(self.post_attention_layernorm(h))
+        ffn = getattr(self, self.ffn_name)
+        x = self.post_attention_layernorm(h)
+        out = (yield from ffn.stages(x, mb)) if isinstance(ffn, MoE) else ffn(x)
+        return h + out

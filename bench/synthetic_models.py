@@ -1,0 +1,157 @@
+"""Checkpoints for the benchmarks: random-init MoE models big enough to be memory-bound, and the
+built-in default model.
+
+`resolve_model(spec)` accepts
+- a checkpoint directory (any architecture the engine supports),
+- "default": the built-in default model (moe-smollm2-4x135m, or the tiny random fallback). If its
+  build's self-check fails (a quality gate, not a shape problem) the same recipe is built once more
+  without the check into the benchmark cache, so performance can still be measured; the returned
+  description says so,
+- "synthetic-mixtral" / "synthetic-qwen3": random-init models written by transformers itself
+  (`save_pretrained`, float32 on disk) with a byte-level BPE tokenizer trained at build time.
+
+Built checkpoints live under $MOE_SERVE_CACHE/bench (default ~/.cache/moe-serve/bench), built once.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+# The repository root first, and not bench/ itself: bench/kernels.py would shadow the `kernels` package.
+sys.path[:] = [str(HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != HERE]
+
+log = logging.getLogger("bench.models")
+
+# About 152M parameters (608 MB in float32, 304 MB in bfloat16): 8 layers of 8 experts (top-2) of
+# D=512, F=1408. One decode token reads ~48M of them (2 of 8 experts), far more than the CPU's
+# last-level cache, so single-stream decode streams weights from memory.
+SYNTHETIC = {
+    "synthetic-mixtral": dict(
+        architectures=["MixtralForCausalLM"], vocab_size=8192, hidden_size=512, intermediate_size=1408,
+        num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, num_local_experts=8,
+        num_experts_per_tok=2, max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=False),
+    "synthetic-qwen3": dict(
+        architectures=["Qwen3MoeForCausalLM"], vocab_size=8192, hidden_size=512, intermediate_size=1408,
+        moe_intermediate_size=704, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+        head_dim=64, num_experts=16, num_experts_per_tok=4, norm_topk_prob=True, max_position_embeddings=4096,
+        rope_theta=10000.0, tie_word_embeddings=False),
+}
+BUILD_VERSION = 1
+
+
+def cache_dir() -> str:
+    root = os.environ.get("MOE_SERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "moe-serve")
+    return os.path.join(root, "bench")
+
+
+def _widen_(model, seed: int) -> None:
+    """Weights with std fan_in^-0.5 (norms near 1) instead of transformers' 0.02 init, so that the
+    top logits are not nearly tied and greedy tokens are comparable across engines."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            elif p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+            else:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+
+
+def _publish(tmp: str, out: str) -> None:
+    if os.path.isdir(out):
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+
+
+def build_synthetic(name: str, out_dir: str) -> str:
+    """Write the random-init checkpoint `name` (a key of SYNTHETIC) into `out_dir`."""
+    import torch
+    import transformers
+
+    from moe_serve.default_model.tokenizer_train import special_token_ids, train_tokenizer
+
+    spec = dict(SYNTHETIC[name])
+    arch = spec.pop("architectures")[0]
+    os.makedirs(os.path.dirname(out_dir), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=os.path.dirname(out_dir))
+    try:
+        train_tokenizer(tmp)
+        special = special_token_ids(tmp)
+        cfg_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+        cfg = cfg_cls(**spec, eos_token_id=special["<|im_end|>"], bos_token_id=None,
+                      pad_token_id=special["<|endoftext|>"])
+        torch.manual_seed(0)
+        model = getattr(transformers, arch)(cfg).eval()
+        _widen_(model, 1)
+        model.save_pretrained(tmp)
+        with open(os.path.join(tmp, "bench_build.json"), "w") as f:
+            json.dump({"name": name, "version": BUILD_VERSION}, f)
+        _publish(tmp, out_dir)
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp)
+    return out_dir
+
+
+def _built(path: str, name: str) -> bool:
+    try:
+        with open(os.path.join(path, "bench_build.json")) as f:
+            m = json.load(f)
+        return m.get("name") == name and m.get("version") == BUILD_VERSION
+    except (OSError, ValueError):
+        return False
+
+
+def _default_model() -> tuple[str, str, str]:
+    from moe_serve.default_model import smollm2
+
+    unchecked = os.path.join(cache_dir(), smollm2.MODEL_NAME + "-unchecked")
+    real_built = os.path.isfile(os.path.join(smollm2.cache_root(), smollm2.MODEL_NAME, smollm2.MANIFEST))
+    # A failing self-check costs minutes per attempt: once an unchecked build exists, use it until
+    # the real default model has been built (delete the unchecked folder to retry the real build).
+    if real_built or not _built(unchecked, "default-unchecked"):
+        try:
+            path, desc = smollm2.ensure_default_model()
+            return path, os.path.basename(path.rstrip("/")), desc
+        except RuntimeError as e:  # the self-check failed: same shapes and speed, unchecked quality
+            print(f"[model] default model self-check failed: {str(e)[:200]}...", flush=True)
+    if not _built(unchecked, "default-unchecked"):
+        print(f"[model] building the default recipe without its self-check into {unchecked}", flush=True)
+        smollm2.build_smollm2_moe(unchecked, self_check=False)
+        with open(os.path.join(unchecked, "bench_build.json"), "w") as f:
+            json.dump({"name": "default-unchecked", "version": BUILD_VERSION}, f)
+    return (unchecked, smollm2.MODEL_NAME,
+            f"{smollm2.MODEL_NAME} built without its self-check (the check fails in this checkout)")
+
+
+def resolve_model(spec: str) -> tuple[str, str, str]:
+    """`(path, short name for file names, one-line description)` of a benchmark model spec."""
+    if spec in SYNTHETIC:
+        path = os.path.join(cache_dir(), spec)
+        if not _built(path, spec):
+            print(f"[model] building {spec} into {path} (once)", flush=True)
+            build_synthetic(spec, path)
+        s = SYNTHETIC[spec]
+        return path, spec, (f"{spec}: random-init {s['architectures'][0]}, {s['num_hidden_layers']} layers, "
+                            f"D={s['hidden_size']}, {s.get('num_local_experts') or s.get('num_experts')} experts "
+                            f"top-{s['num_experts_per_tok']}")
+    if spec == "default":
+        return _default_model()
+    if not os.path.isfile(os.path.join(spec, "config.json")):
+        raise SystemExit(f"--model {spec!r}: not a checkpoint directory (no config.json), and not one of "
+                         f"'default', {', '.join(repr(k) for k in SYNTHETIC)}")
+    return spec, os.path.basename(os.path.abspath(spec).rstrip("/")), spec
+
+
+if __name__ == "__main__":
+    for a in sys.argv[1:] or ["synthetic-mixtral"]:
+        print(resolve_model(a))
