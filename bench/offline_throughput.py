@@ -36,7 +36,7 @@ sys.path[:] = [str(HERE.parent)] + [p for p in sys.path if Path(p or ".").resolv
 import torch  # noqa: E402
 
 from bench.sol import decode_bytes_of, gb, measure_bandwidth  # noqa: E402
-from bench.synthetic_models import SYNTHETIC, resolve_model  # noqa: E402
+from bench.synthetic_models import SYNTHETIC, resolve_model, token_pool  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -47,17 +47,7 @@ def log(msg: str) -> None:
 
 def make_prompts(path: str, num: int, length: int, seed: int) -> list[list[int]]:
     """Random token ids that the checkpoint's tokenizer knows, skipping its special tokens."""
-    with open(os.path.join(path, "config.json")) as f:
-        vocab = json.load(f)["vocab_size"]
-    special: set[int] = set()
-    tok_vocab = vocab
-    tok_file = os.path.join(path, "tokenizer.json")
-    if os.path.isfile(tok_file):
-        with open(tok_file) as f:
-            tj = json.load(f)
-        tok_vocab = min(vocab, len(tj["model"]["vocab"]))
-        special = {t["id"] for t in tj.get("added_tokens", [])}
-    pool = [i for i in range(tok_vocab) if i not in special]
+    pool = token_pool(path)
     rng = random.Random(seed)
     return [[rng.choice(pool) for _ in range(length)] for _ in range(num)]
 

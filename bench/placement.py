@@ -36,48 +36,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from expert_parallel import tuner  # noqa: E402
 
-SCENARIOS = ("zipf", "drift", "shift", "bursty", "spiky")
+from expert_parallel.synthetic_load import SCENARIOS, synthetic_load  # noqa: E402
 SHAPES = {
     # name: (layers, experts, gpus, nodes, slots, groups)
     "deepseek-v3-like": (58, 256, 32, 4, 288, 8),
     "qwen3-moe-like": (48, 128, 16, 2, 160, None),
 }
-
-
-def synthetic_load(scenario: str, seed: int, windows: int, layers: int, experts: int, groups: int | None,
-                   copies: int, skew: tuple[float, float] = (0.6, 1.0)) -> np.ndarray:
-    """(W, L, E) token counts for one scenario (see the module docstring)."""
-    rng = np.random.default_rng(seed)
-    g = groups or 8
-    out = np.zeros((windows, layers, experts), dtype=np.int64)
-
-    def profile():
-        lp = -rng.uniform(*skew) * np.log(rng.permutation(experts) + 1.0)
-        return lp + np.repeat(rng.normal(0, 0.3, g), experts // g)
-
-    for l in range(layers):
-        logp, target = profile(), profile()
-        boost, until = np.zeros(experts), np.zeros(experts, dtype=np.int64)
-        for w in range(windows):
-            if scenario == "zipf":
-                lp = logp + rng.normal(0, 0.05, experts)
-            elif scenario == "drift":
-                logp = logp + rng.normal(0, 0.25, experts)
-                lp = logp
-            elif scenario == "shift":
-                a = w / (windows - 1)
-                lp = np.logaddexp(np.log1p(-a + 1e-12) + logp, np.log(a + 1e-12) + target)
-            else:
-                logp = logp + rng.normal(0, 0.1, experts)
-                boost[until <= w] = 0.0
-                if rng.random() < 0.5:
-                    e = rng.integers(experts)
-                    boost[e] = np.log(rng.uniform(4.0, 8.0))
-                    until[e] = w + (1 if scenario == "spiky" else rng.integers(2, 6))
-                lp = logp + boost
-            p = np.exp(lp - lp.max())
-            out[w, l] = rng.multinomial(copies, p / p.sum())
-    return out
 
 
 def run(shape: str, scenario: str, seed: int, windows: int, copies: int, layers: int | None,

@@ -111,6 +111,20 @@ def _built(path: str, name: str) -> bool:
         return False
 
 
+def token_pool(path: str) -> list[int]:
+    """Token ids of the checkpoint's tokenizer that are not special tokens (for random-id prompts);
+    without tokenizer.json, every id below the model's vocab_size."""
+    with open(os.path.join(path, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    tok_file = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(tok_file):
+        return list(range(vocab))
+    with open(tok_file) as f:
+        tj = json.load(f)
+    special = {t["id"] for t in tj.get("added_tokens", [])}
+    return [i for i in range(min(vocab, len(tj["model"]["vocab"]))) if i not in special]
+
+
 def _default_model() -> tuple[str, str, str]:
     from moe_serve.default_model import smollm2
 

@@ -8,6 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 from expert_parallel import tuner
 from expert_parallel.placement import Placement
+from expert_parallel.synthetic_load import synthetic_load as make_load
 
 # ---- synthetic load ------------------------------------------------------------------------------
 SCENARIOS = ("zipf", "drift", "shift", "bursty")
@@ -15,42 +16,8 @@ SCENARIOS = ("zipf", "drift", "shift", "bursty")
 
 def synthetic_load(scenario: str, seed: int, windows: int = 10, layers: int = 8, experts: int = 64,
                    groups: int = 8, copies: int = 100_000) -> np.ndarray:
-    """(W, L, E) token counts. Every layer: Zipf-like skew over a random expert order plus a bias per
-    expert group, then per scenario
-      zipf    the same profile every window, a little noise;
-      drift   a random walk of every expert's log-popularity (hot experts change);
-      shift   a gradual move to a second, unrelated profile (a new traffic mix);
-      bursty  mild drift, and experts that turn 4-8x hotter for 2-5 windows now and then.
-    """
-    rng = np.random.default_rng(seed)
-    out = np.zeros((windows, layers, experts), dtype=np.int64)
-
-    def profile():
-        lp = -rng.uniform(0.6, 1.2) * np.log(rng.permutation(experts) + 1.0)
-        return lp + np.repeat(rng.normal(0, 0.3, groups), experts // groups)
-
-    for l in range(layers):
-        logp, target = profile(), profile()
-        boost, until = np.zeros(experts), np.zeros(experts, dtype=np.int64)
-        for w in range(windows):
-            if scenario == "zipf":
-                lp = logp + rng.normal(0, 0.05, experts)
-            elif scenario == "drift":
-                logp = logp + rng.normal(0, 0.25, experts)
-                lp = logp
-            elif scenario == "shift":
-                a = w / (windows - 1)
-                lp = np.logaddexp(np.log1p(-a + 1e-12) + logp, np.log(a + 1e-12) + target)
-            else:
-                logp = logp + rng.normal(0, 0.1, experts)
-                boost[until <= w] = 0.0
-                if rng.random() < 0.5:
-                    e = rng.integers(experts)
-                    boost[e], until[e] = np.log(rng.uniform(4.0, 8.0)), w + rng.integers(2, 6)
-                lp = logp + boost
-            p = np.exp(lp - lp.max())
-            out[w, l] = rng.multinomial(copies, p / p.sum())
-    return out
+    """(W, L, E) drifting, skewed token counts (expert_parallel/synthetic_load.py)."""
+    return make_load(scenario, seed, windows, layers, experts, groups, copies, skew=(0.6, 1.2))
 
 
 # ---- held-out balance ----------------------------------------------------------------------------
