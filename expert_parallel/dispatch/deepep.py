@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from expert_parallel.dispatch.base import Dispatcher, DispatchOutput
+from expert_parallel.dispatch.base import Dispatcher, DispatchOutput, Pending
 
 NEEDS_DEEPEP = ("all2all_backend='deepep' needs the deep_ep package and a CUDA device; install with "
                 "pip install moe-serve[deepep] (DeepEP builds against NVSHMEM: "
@@ -138,7 +138,19 @@ class DeepEPDispatcher(Dispatcher):
 
     def dispatch(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor,
                  topk_weights_TK: torch.Tensor) -> DispatchOutput:
-        """Args:
+        return self.dispatch_async(x_TD, topk_ids_TK, topk_weights_TK).wait()
+
+    def combine(self, y_RD: torch.Tensor, handle: "DeepEPHandle") -> torch.Tensor:
+        return self.combine_async(y_RD, handle).wait()
+
+    def dispatch_async(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor,
+                       topk_weights_TK: torch.Tensor) -> Pending:
+        """Start dispatch; `.wait()` gives the DispatchOutput. Normal mode finishes on DeepEP's
+        communication stream (async_finish; wait() makes the compute stream wait for its event);
+        low-latency mode only issues the sends (return_recv_hook) and wait() calls the receive hook,
+        so the other micro-batch's kernels run while the data is on the wire.
+
+        Args:
             x_TD: (T, D) CUDA tokens, bf16 preferred (other float dtypes are cast to bf16 and back).
             topk_ids_TK: (T, K) int global slot ids in [0, num_slots), -1 for none.
             topk_weights_TK: (T, K) float routing weights.
@@ -156,15 +168,20 @@ class DeepEPDispatcher(Dispatcher):
         if mode == "normal":
             num_per_rank, num_per_rdma_rank, num_per_expert, is_token_in_rank, _ = \
                 buffer.get_dispatch_layout(topk_idx, self.num_slots)
-            recv_x, recv_ids, recv_w, _, native, _ = buffer.dispatch(
+            recv_x, recv_ids, recv_w, _, native, event = buffer.dispatch(
                 x_bf16, num_tokens_per_rank=num_per_rank, num_tokens_per_rdma_rank=num_per_rdma_rank,
                 is_token_in_rank=is_token_in_rank, num_tokens_per_expert=num_per_expert,
-                topk_idx=topk_idx, topk_weights=weights)
+                topk_idx=topk_idx, topk_weights=weights, async_finish=True)
             self._last_mode = "normal"
-            # Weights of -1 slots are unspecified in DeepEP's output; zero them so nothing reads junk.
-            recv_w = recv_w.masked_fill(recv_ids < 0, 0.0)
-            return DispatchOutput(recv_x.to(x_TD.dtype), recv_ids.to(torch.int64), recv_w,
-                                  DeepEPHandle("normal", native, T))
+
+            def finish_normal() -> DispatchOutput:
+                event.current_stream_wait()
+                # Weights of -1 slots are unspecified in DeepEP's output; zero them so nothing reads junk.
+                w = recv_w.masked_fill(recv_ids < 0, 0.0)
+                return DispatchOutput(recv_x.to(x_TD.dtype), recv_ids.to(torch.int64), w,
+                                      DeepEPHandle("normal", native, T))
+
+            return Pending(finish_normal)
 
         if T > self.max_low_latency_tokens:
             raise ValueError(f"low-latency dispatch of T={T} tokens exceeds "
@@ -172,9 +189,15 @@ class DeepEPDispatcher(Dispatcher):
         if self._last_mode == "normal":
             # Normal kernels dirty the region low-latency kernels expect zeroed.
             buffer.clean_low_latency_buffer(self.max_low_latency_tokens, D, self.num_slots)
-        recv_x_ECD, recv_count_E, native, _, _ = buffer.low_latency_dispatch(
-            x_bf16, topk_idx, self.max_low_latency_tokens, self.num_slots, use_fp8=False)
+        recv_x_ECD, recv_count_E, native, _, hook = buffer.low_latency_dispatch(
+            x_bf16, topk_idx, self.max_low_latency_tokens, self.num_slots, use_fp8=False, return_recv_hook=True)
         self._last_mode = "low_latency"
+        return Pending(lambda: self._finish_low_latency(hook, recv_x_ECD, recv_count_E, native, T, topk_idx,
+                                                        weights, x_TD))
+
+    def _finish_low_latency(self, hook, recv_x_ECD, recv_count_E, native, T, topk_idx, weights, x_TD):
+        hook()  # receive: the tensors below are valid from here on
+        D = x_TD.shape[1]
         E, C, _ = recv_x_ECD.shape
         row_C = torch.arange(C, device=x_TD.device)
         valid_EC = row_C.unsqueeze(0) < recv_count_E.to(torch.int64).unsqueeze(1)
@@ -185,17 +208,17 @@ class DeepEPDispatcher(Dispatcher):
         handle = DeepEPHandle("low_latency", native, T, topk_idx, weights, recv_count_E)
         return DispatchOutput(x_RD, ids_R1, ones_R1, handle)
 
-    def combine(self, y_RD: torch.Tensor, handle: DeepEPHandle) -> torch.Tensor:
+    def combine_async(self, y_RD: torch.Tensor, handle: DeepEPHandle) -> Pending:
         """Args: y_RD (R, D) rows in dispatch's layout (weighted partial sums in normal mode,
-        unweighted expert outputs in low-latency mode). Returns (T, D) in y's dtype."""
+        unweighted expert outputs in low-latency mode). `.wait()` gives (T, D) in y's dtype."""
         buffer = self._buffer
         y_bf16 = y_RD.to(torch.bfloat16)
         if handle.mode == "normal":
-            out_TD, _, _ = buffer.combine(y_bf16, handle.native)
+            out_TD, _, event = buffer.combine(y_bf16, handle.native, async_finish=True)
             self._last_mode = "normal"
-            return out_TD.to(y_RD.dtype)
+            return Pending(lambda: (event.current_stream_wait(), out_TD.to(y_RD.dtype))[1])
         E = self.slots_per_rank
         y_ECD = y_bf16.reshape(E, -1, y_RD.shape[1])
-        out_TD, _, _ = buffer.low_latency_combine(y_ECD, handle.topk_ids_TK, handle.topk_weights_TK,
-                                                  handle.native)
-        return out_TD.to(y_RD.dtype)
+        out_TD, _, hook = buffer.low_latency_combine(y_ECD, handle.topk_ids_TK, handle.topk_weights_TK,
+                                                     handle.native, return_recv_hook=True)
+        return Pending(lambda: (hook(), out_TD.to(y_RD.dtype))[1])
