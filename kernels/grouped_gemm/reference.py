@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu_gemm import linear
+
 
 def silu_and_mul(gate_up_NF2: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up, where the last dim holds [gate | up] halves."""
@@ -60,8 +62,8 @@ def fused_experts_reference(
         if n == 0:
             continue
         rows = token_idx[start:start + n]
-        h = silu_and_mul(x_TD[rows] @ w13_EFD[e].t())
-        y = (h @ w2_EDF[e].t()).to(torch.float32) * weights[start:start + n, None]
+        h = silu_and_mul(linear(x_TD[rows], w13_EFD[e]))
+        y = linear(h, w2_EDF[e]).to(torch.float32) * weights[start:start + n, None]
         out_TD.index_add_(0, rows, y)
         start += n
     return out_TD.to(x_TD.dtype)

@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu_gemm import linear
+
 
 class Embedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, dtype=torch.float32):
@@ -27,4 +29,4 @@ class LMHead(nn.Module):
         self.weight = embedding.weight
 
     def forward(self, h_BD: torch.Tensor) -> torch.Tensor:
-        return F.linear(h_BD, self.weight).to(torch.float32)
+        return linear(h_BD, self.weight).to(torch.float32)
