@@ -7,12 +7,18 @@ number of output tokens per prompt (EOS ignored) in both engines, in one run on 
 - transformers: `generate` on static batches of --batch-size prompts (default: all of them in one
   batch), `min_new_tokens = max_new_tokens` so that EOS cannot end a sequence early.
 
-Also single-stream decode tokens/s of both, next to the speed of light of that decode: the bytes one
-decode token must read (bench/sol.py: non-expert weights + the top-k experts actually used + the KV
-cache) divided by the memory bandwidth measured at the start of the same run.
+Also single-stream decode tokens/s of both, next to the speed of light of that decode: the memory
+bandwidth measured at the start of the same run (same thread count) divided by the bytes one decode
+token must read (bench/sol.py: non-expert weights + the top-k experts actually used + the KV cache).
+Every measurement runs --repeats times on prompts of its own and the fastest counts; greedy outputs
+of the two engines are compared token by token.
 
-    python bench/offline_throughput.py --model synthetic-mixtral --dtype float32
-    python bench/offline_throughput.py --model default --dtype bfloat16 --num-prompts 16
+On a CPU shared with other busy processes use --threads 1: OpenMP regions wait for their slowest
+thread, and an engine step is many small ops (seen here: ~35x slower decode with 2 threads on 2
+busy cores, against under 2x for transformers).
+
+    python bench/offline_throughput.py --model synthetic-mixtral --dtype float32 --threads 1
+    python bench/offline_throughput.py --model default --dtype bfloat16 --num-prompts 8 --input-len 32
     python bench/offline_throughput.py --model path/to/checkpoint
 
 Writes bench/results/offline_<model>_<dtype>.json.
@@ -27,6 +33,7 @@ import platform
 import random
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -52,13 +59,62 @@ def make_prompts(path: str, num: int, length: int, seed: int) -> list[list[int]]
     return [[rng.choice(pool) for _ in range(length)] for _ in range(num)]
 
 
+# ---- workload ----------------------------------------------------------------------------------
+@dataclass
+class Workload:
+    """Identical for both engines. Every timed call gets prompts of its own, so that moe-serve's
+    prefix cache never makes a repeat cheaper (transformers has none)."""
+
+    sets: list[list[list[int]]]  # --repeats sets of --num-prompts prompts (batch throughput; best set wins)
+    singles: list[list[int]]  # single-stream prompts: 2 for time-to-first-token, then one per repeat
+    warm: list[int]
+
+
+def make_workload(path: str, args) -> Workload:
+    prompts = make_prompts(path, args.repeats * args.num_prompts + 2 + args.repeats + 1, args.input_len, args.seed)
+    n = args.num_prompts
+    sets = [prompts[i * n:(i + 1) * n] for i in range(args.repeats)]
+    rest = prompts[args.repeats * n:]
+    return Workload(sets, rest[:-1], rest[-1])
+
+
+def measure(gen, w: Workload, args, who: str) -> tuple[dict, list[list[int]]]:
+    """Batch throughput (best of the repeats) and single-stream decode rate of one engine.
+
+    gen(prompts, n) -> (seconds, output token ids per prompt)."""
+    gen([w.warm], 4)
+    times, first_tokens = [], None
+    for i, ps in enumerate(w.sets):
+        dt, tokens = gen(ps, args.output_len)
+        n_out = sum(len(t) for t in tokens)
+        if n_out != len(ps) * args.output_len:
+            raise RuntimeError(f"[{who}] {n_out} output tokens, expected {len(ps) * args.output_len}")
+        first_tokens = first_tokens or tokens
+        times.append(dt)
+        log(f"[{who}] batch {i + 1}/{len(w.sets)}: {len(ps)} prompts x {args.output_len} tokens = {n_out} "
+            f"tokens in {dt:.2f} s -> {n_out / dt:.1f} output tok/s")
+    n_out = len(w.sets[0]) * args.output_len
+    best = min(times)
+    # Single-stream decode: (n - 1) tokens over (time for n tokens - time for 1 token), so that
+    # prefill and the first token are not counted.
+    n = args.single_output_len
+    t1 = min(gen([w.singles[i]], 1)[0] for i in range(2))
+    tn = min(gen([p], n)[0] for p in w.singles[2:])
+    rate = (n - 1) / max(tn - t1, 1e-9)
+    log(f"[{who}] single stream: prefill + 1 token {t1 * 1e3:.0f} ms, {n} tokens {tn:.2f} s -> "
+        f"{rate:.1f} decode tok/s ({1e3 / rate:.1f} ms/token)")
+    res = {"output_tokens": n_out, "elapsed_s": best, "elapsed_s_all": times, "output_tokens_per_s": n_out / best,
+           "single_stream": {"output_len": n, "first_token_s": t1, "total_s": tn, "decode_tokens_per_s": rate}}
+    return res, first_tokens
+
+
 # ---- moe-serve ---------------------------------------------------------------------------------
-def run_ours(args, path: str, prompts: list[list[int]], warm: list[int]) -> tuple[dict, list[list[int]], dict]:
+def run_ours(args, path: str, w: Workload) -> tuple[dict, list[list[int]], object]:
     from moe_serve import LLM, SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(model=path, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
-              max_num_seqs=max(len(prompts), 1), max_num_batched_tokens=args.max_num_batched_tokens,
+              max_num_seqs=max(args.num_prompts, 1), max_num_batched_tokens=args.max_num_batched_tokens,
               show_progress=False)
     r = llm.engine.runner
     log(f"[ours] loaded in {time.perf_counter() - t0:.1f} s: weights {gb(r.weight_bytes)}, "
@@ -72,33 +128,16 @@ def run_ours(args, path: str, prompts: list[list[int]], warm: list[int]) -> tupl
         outs = llm.generate([{"prompt_token_ids": p} for p in ps], sp)
         return time.perf_counter() - t, [list(o.outputs[0].token_ids) for o in outs]
 
-    gen([warm], 4)  # a prompt of its own: prefix caching must not make the timed runs cheaper
-    dt, tokens = gen(prompts, args.output_len)
-    n_out = sum(len(t) for t in tokens)
-    log(f"[ours] batch: {len(prompts)} prompts x {args.output_len} tokens = {n_out} tokens in {dt:.2f} s "
-        f"-> {n_out / dt:.1f} output tok/s")
-    single = single_stream(lambda n: gen([prompts[-1]], n)[0], args.single_output_len, "ours")
-    res = {"output_tokens": n_out, "elapsed_s": dt, "output_tokens_per_s": n_out / dt,
-           "weight_bytes": r.weight_bytes, "kv_cache_bytes": r.kv_cache_bytes, "single_stream": single,
-           "moe_backend": llm.engine.cfg.moe_backend, "attention_backend": llm.engine.cfg.attention_backend}
+    res, tokens = measure(gen, w, args, "ours")
+    res.update(weight_bytes=r.weight_bytes, kv_cache_bytes=r.kv_cache_bytes,
+               moe_backend=llm.engine.cfg.moe_backend, attention_backend=llm.engine.cfg.attention_backend)
     del llm
     gc.collect()
-    return res, tokens, db.as_dict() | {"_obj": db}
-
-
-def single_stream(timed, n: int, who: str) -> dict:
-    """Decode tokens/s of one sequence: (n - 1) tokens over (time for n tokens - time for 1 token),
-    so that prefill and the first token are not counted."""
-    t1 = min(timed(1) for _ in range(2))
-    tn = timed(n)
-    rate = (n - 1) / max(tn - t1, 1e-9)
-    log(f"[{who}] single stream: prefill+1 token {t1 * 1e3:.0f} ms, {n} tokens {tn:.2f} s -> "
-        f"{rate:.1f} decode tok/s ({1e3 / rate:.1f} ms/token)")
-    return {"output_len": n, "first_token_s": t1, "total_s": tn, "decode_tokens_per_s": rate}
+    return res, tokens, db
 
 
 # ---- transformers ------------------------------------------------------------------------------
-def run_hf(args, path: str, prompts: list[list[int]], warm: list[int]) -> tuple[dict, list[list[int]]]:
+def run_hf(args, path: str, w: Workload) -> tuple[dict, list[list[int]]]:
     import transformers
     from transformers import AutoModelForCausalLM
 
@@ -109,33 +148,24 @@ def run_hf(args, path: str, prompts: list[list[int]], warm: list[int]) -> tuple[
     log(f"[hf] transformers {transformers.__version__} loaded in {time.perf_counter() - t0:.1f} s "
         f"(attention={attn_impl}, experts={experts_impl})")
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    bs = args.batch_size or args.num_prompts
 
     @torch.inference_mode()
-    def gen(batch: list[list[int]], n: int) -> tuple[float, list[list[int]]]:
-        ids = torch.tensor(batch, dtype=torch.long)
-        t = time.perf_counter()
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                             do_sample=False, pad_token_id=pad)
-        dt = time.perf_counter() - t
-        return dt, out[:, ids.shape[1]:].tolist()
+    def gen(prompts: list[list[int]], n: int) -> tuple[float, list[list[int]]]:
+        """Static batches of `bs` prompts, one after the other (all prompts have one length)."""
+        total, tokens = 0.0, []
+        for i in range(0, len(prompts), bs):
+            ids = torch.tensor(prompts[i:i + bs], dtype=torch.long)
+            t = time.perf_counter()
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                 do_sample=False, pad_token_id=pad)
+            total += time.perf_counter() - t
+            tokens += out[:, ids.shape[1]:].tolist()
+        return total, tokens
 
-    gen([warm], 4)
-    bs = args.batch_size or len(prompts)
-    tokens: list[list[int]] = []
-    total = 0.0
-    nb = (len(prompts) + bs - 1) // bs
-    for b in range(nb):
-        chunk = prompts[b * bs:(b + 1) * bs]
-        dt, toks = gen(chunk, args.output_len)
-        total += dt
-        tokens += toks
-        log(f"[hf] batch {b + 1}/{nb}: {len(chunk)} prompts, {sum(map(len, toks))} tokens in {dt:.2f} s")
-    n_out = sum(len(t) for t in tokens)
-    log(f"[hf] all batches: {n_out} tokens in {total:.2f} s -> {n_out / total:.1f} output tok/s")
-    single = single_stream(lambda n: gen([prompts[-1]], n)[0], args.single_output_len, "hf")
-    res = {"output_tokens": n_out, "elapsed_s": total, "output_tokens_per_s": n_out / total, "batch_size": bs,
-           "single_stream": single, "transformers": transformers.__version__,
-           "attn_implementation": attn_impl, "experts_implementation": experts_impl}
+    res, tokens = measure(gen, w, args, "hf")
+    res.update(batch_size=bs, transformers=transformers.__version__, attn_implementation=attn_impl,
+               experts_implementation=experts_impl)
     del model
     gc.collect()
     return res, tokens
@@ -157,6 +187,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--skip-hf", action="store_true", help="measure moe-serve only")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="timed runs per measurement, each on prompts of its own; the fastest counts")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="JSON path (default bench/results/offline_<model>_<dtype>.json)")
     args = p.parse_args(argv)
@@ -176,12 +208,10 @@ def main(argv=None) -> int:
     bw = measure_bandwidth("cpu", 512 << 20)
     log(f"memory bandwidth ({torch.get_num_threads()} threads, 512 MiB tensor copy, read + write): "
         f"{bw / 1e9:.1f} GB/s")
-    prompts = make_prompts(path, args.num_prompts + 1, args.input_len, args.seed)
-    warm = prompts.pop()
+    w = make_workload(path, args)
 
-    ours, our_tokens, db_dict = run_ours(args, path, prompts, warm)
-    db = db_dict.pop("_obj")
-    hf, hf_tokens = (None, None) if args.skip_hf else run_hf(args, path, prompts, warm)
+    ours, our_tokens, db = run_ours(args, path, w)
+    hf, hf_tokens = (None, None) if args.skip_hf else run_hf(args, path, w)
 
     # Speed of light of single-stream decode at the mean context length of the measured tokens.
     n = args.single_output_len
@@ -195,18 +225,24 @@ def main(argv=None) -> int:
     result = {"model": name, "model_path": path, "description": desc, "dtype": args.dtype,
               "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
               "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
-              "bandwidth_bytes_per_s": bw, "decode_bytes": db_dict, "single_stream_bytes_per_token": step,
-              "single_stream_sol_tokens_per_s": sol, "moe_serve": ours, "transformers": hf}
-    print()
-    print(f"{'':26s}{'moe-serve':>12s}{'transformers':>14s}{'ratio':>8s}")
-    hf_tp = hf["output_tokens_per_s"] if hf else float("nan")
-    print(f"{'output tok/s (batch)':26s}{ours['output_tokens_per_s']:12.1f}{hf_tp:14.1f}"
-          f"{ours['output_tokens_per_s'] / hf_tp:8.2f}x")
+              "repeats": args.repeats, "bandwidth_bytes_per_s": bw, "decode_bytes": db.as_dict(),
+              "single_stream_bytes_per_token": step, "single_stream_sol_tokens_per_s": sol,
+              "moe_serve": ours, "transformers": hf}
     s_ours = ours["single_stream"]["decode_tokens_per_s"]
-    s_hf = hf["single_stream"]["decode_tokens_per_s"] if hf else float("nan")
-    print(f"{'single-stream decode tok/s':26s}{s_ours:12.1f}{s_hf:14.1f}{s_ours / s_hf:8.2f}x")
-    print(f"{'  % of speed of light':26s}{100 * s_ours / sol:11.0f}%{100 * s_hf / sol:13.0f}%"
-          f"   (SOL {sol:.1f} tok/s = {bw / 1e9:.1f} GB/s / {step / 1e6:.1f} MB per token)")
+    s_hf = hf["single_stream"]["decode_tokens_per_s"] if hf else None
+    hf_tp = hf["output_tokens_per_s"] if hf else None
+
+    def cols(a: float, b: float | None, fmt: str, ratio: bool = True) -> str:
+        if b is None:
+            return f"{a:{fmt}}{'-':>14s}"
+        return f"{a:{fmt}}{b:14{fmt[2:]}}" + (f"{a / b:8.2f}x" if ratio else "")
+
+    print()
+    print(f"{'':26s}{'moe-serve':>12s}{'transformers':>14s}{'ratio':>9s}")
+    print(f"{'output tok/s (batch)':26s}" + cols(ours["output_tokens_per_s"], hf_tp, "12.1f"))
+    print(f"{'single-stream decode tok/s':26s}" + cols(s_ours, s_hf, "12.1f"))
+    print(f"{'  % of speed of light':26s}" + cols(100 * s_ours / sol, s_hf and 100 * s_hf / sol, "12.0f", False)
+          + f"   (SOL {sol:.1f} tok/s = {bw / 1e9:.1f} GB/s / {step / 1e6:.1f} MB per token)")
     if hf:
         result["ratio_output_tokens_per_s"] = ours["output_tokens_per_s"] / hf_tp
         result["ratio_single_stream"] = s_ours / s_hf
@@ -214,11 +250,11 @@ def main(argv=None) -> int:
         first_diff = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None)
                       for x, y in zip(our_tokens, hf_tokens)]
         identical = sum(d is None for d in first_diff)
-        result["greedy_agreement"] = {"identical_sequences": identical, "sequences": len(prompts),
+        result["greedy_agreement"] = {"identical_sequences": identical, "sequences": len(our_tokens),
                                       "same_position_tokens": same, "tokens": sum(map(len, our_tokens))}
-        print(f"greedy outputs identical for {identical}/{len(prompts)} prompts "
-              f"(position-wise {same}/{sum(map(len, our_tokens))} tokens; random weights and "
-              f"{args.dtype} rounding can flip near-tied tokens)")
+        print(f"greedy outputs identical for {identical}/{len(our_tokens)} prompts "
+              f"(position-wise {same}/{sum(map(len, our_tokens))} tokens; "
+              f"{args.dtype} rounding can flip near-tied greedy choices)")
     out = Path(args.out) if args.out else HERE / "results" / f"offline_{name}_{args.dtype}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

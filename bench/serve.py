@@ -349,6 +349,7 @@ def plot(levels: list[dict], title: str, out_base: Path) -> Path:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         return svg_plot(levels, title, out_base.with_suffix(".svg"))
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -357,6 +358,9 @@ def plot(levels: list[dict], title: str, out_base: Path) -> Path:
     a1.set(xscale="log", yscale="log", xlabel="concurrency (requests in flight)", ylabel="latency (ms)",
            title="latency against load")
     a1.set_xticks(xs, [str(x) for x in xs])
+    plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")
+    a1.yaxis.set_major_formatter(plain)
+    a1.yaxis.set_minor_formatter(plain)
     a1.grid(True, which="both", alpha=0.3)
     a1.legend(fontsize=8)
     a2.plot(xs, [lv["output_tokens_per_s"] for lv in levels], marker="o", color="tab:green")
@@ -407,14 +411,15 @@ def svg_plot(levels: list[dict], title: str, path: Path) -> Path:
 
 # ---- main --------------------------------------------------------------------------------------
 def print_level(s: dict) -> None:
-    kv = "n/a" if s.get("peak_kv_cache_usage") is None else f"{100 * s['peak_kv_cache_usage']:.1f}%"
+    kv = "n/a" if s.get("peak_kv_cache_usage") is None else f"{100 * s['peak_kv_cache_usage']:.2f}%"
     kvb = f" = {s['peak_kv_cache_bytes'] / 2**20:.1f} MiB" if s.get("peak_kv_cache_bytes") is not None else ""
     print(f"  requests {s['completed']} ok / {s['failed']} failed in {s['duration_s']:.1f} s: "
           f"{s['request_throughput']:.2f} req/s, {s['output_tokens_per_s']:.1f} output tok/s")
     for name in ("ttft", "tpot", "itl", "e2e"):
         print(f"  {name.upper():5s} ms  mean {s[f'mean_{name}_ms']:8.1f}  p50 {s[f'p50_{name}_ms']:8.1f}  "
               f"p95 {s[f'p95_{name}_ms']:8.1f}  p99 {s[f'p99_{name}_ms']:8.1f}")
-    print(f"  peak KV cache usage {kv}{kvb}, peak running {s.get('peak_running')}")
+    print(f"  peak KV cache usage {kv}{kvb}, peak running {s.get('peak_running')} "
+          f"({s['metrics_polls']} polls of /metrics)")
     if s.get("first_error"):
         print(f"  first error: {s['first_error']}")
 
@@ -482,8 +487,12 @@ def main(argv=None) -> int:
         elif args.model:
             args.served_model = args.model
         else:
-            r = httpx.get(args.base_url + "/v1/models", headers=args.headers, timeout=10.0)
-            args.served_model = r.json()["data"][0]["id"]
+            try:
+                r = httpx.get(args.base_url + "/v1/models", headers=args.headers, timeout=10.0)
+                args.served_model = r.json()["data"][0]["id"]
+            except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
+                raise SystemExit(f"cannot list models at {args.base_url}/v1/models ({type(e).__name__}: {e}); "
+                                 f"is the server up? Pass --model to skip this, or --launch") from None
         if pool is None:
             pool = list(range(100, args.vocab_size or 32000))
         requests = make_requests(args, pool)

@@ -50,22 +50,6 @@ def cache_dir() -> str:
     return os.path.join(root, "bench")
 
 
-def _widen_(model, seed: int) -> None:
-    """Weights with std fan_in^-0.5 (norms near 1) instead of transformers' 0.02 init, so that the
-    top logits are not nearly tied and greedy tokens are comparable across engines."""
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            elif p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
-            else:
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-
-
 def _publish(tmp: str, out: str) -> None:
     if os.path.isdir(out):
         shutil.rmtree(out)
@@ -91,7 +75,9 @@ def build_synthetic(name: str, out_dir: str) -> str:
                       pad_token_id=special["<|endoftext|>"])
         torch.manual_seed(0)
         model = getattr(transformers, arch)(cfg).eval()
-        _widen_(model, 1)
+        from tests.checkpoints import widen_  # the tests' widened init: no near-tied logits
+
+        widen_(model, 1)
         model.save_pretrained(tmp)
         with open(os.path.join(tmp, "bench_build.json"), "w") as f:
             json.dump({"name": name, "version": BUILD_VERSION}, f)

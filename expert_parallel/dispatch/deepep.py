@@ -8,7 +8,7 @@ NOT RUN IN THIS REPOSITORY'S CI: DeepEP needs Hopper-class GPUs, NVSHMEM and (ac
 It targets DeepEP's V1 `deep_ep.Buffer` API (not the later ElasticBuffer). The calls follow
 deep_ep/buffer.py (Buffer, get_dispatch_layout, dispatch, combine,
 clean_low_latency_buffer, low_latency_dispatch, low_latency_combine, get_low_latency_rdma_size_hint,
-Config.get_nvl_buffer_size_hint / get_rdma_buffer_size_hint); tests/dist/test_dispatch.py
+Config.get_nvl_buffer_size_hint / get_rdma_buffer_size_hint); tests/distributed/test_dispatch.py
 (test_deepep_matches_reference) checks them against the reference on a multi-GPU machine.
 
 Two modes, one Buffer (created with low_latency_mode=True so it can serve both; DeepEP requires

@@ -62,8 +62,8 @@ SELF_CHECK_MAX_NLL = 3.2
 SELF_CHECK_PROMPTS = (
     # (user message, accepted words: the answer must contain one of them, case-insensitive)
     ("What is the capital of France?", ("paris",)),
-    ("What is the capital of Germany?", ("berlin",)),
-    ("What color is the sky on a clear sunny day?", ("blue",)),
+    ("Who wrote Romeo and Juliet?", ("shakespeare",)),
+    ("What is the opposite of hot?", ("cold",)),
 )
 SELF_CHECK_MAX_NEW_TOKENS = 24
 

@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from moe_serve import LLM, SamplingParams
-from tests.dist.jobs import TorchrunJob
-from tests.dist.test_launcher import ARGS, PROMPTS, _complete_all, expected_texts
+from tests.distributed.jobs import TorchrunJob
+from tests.distributed.test_launcher import ARGS, PROMPTS, _complete_all, expected_texts
 from tests.e2e.server import ServerProcess
 
 TOP_K = 3  # the tiny Qwen3-MoE checkpoint: 8 experts, top-3, MoE layers 0 and 2

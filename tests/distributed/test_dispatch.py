@@ -8,7 +8,7 @@ that the test reads. A case builds the same global inputs on every rank from one
   pipeline  dispatch -> fused_experts_reference on this rank's experts -> combine equals (a)
             fused_experts_reference on this rank's tokens with all experts and global ids, and (b) the
             same pipeline through the reference dispatcher.
-Run directly as `python tests/dist/test_dispatch.py --worker OUT` it is one rank (env from the parent).
+Run directly as `python tests/distributed/test_dispatch.py --worker OUT` it is one rank (env from the parent).
 """
 from __future__ import annotations
 

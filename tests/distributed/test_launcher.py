@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from moe_serve import LLM, SamplingParams
-from tests.dist.jobs import TorchrunJob
+from tests.distributed.jobs import TorchrunJob
 from tests.e2e.server import free_port
 
 PROMPTS = [[5, 77, 301, 42], [9, 8, 7, 6, 5, 4, 3, 200, 100], [450, 12], [33, 34, 35, 36, 37, 38], [100] * 20]

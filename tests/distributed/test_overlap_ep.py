@@ -9,8 +9,8 @@ import signal
 
 import pytest
 
-from tests.dist.jobs import TorchrunJob
-from tests.dist.test_launcher import ARGS, PROMPTS, _complete_all, expected_texts
+from tests.distributed.jobs import TorchrunJob
+from tests.distributed.test_launcher import ARGS, PROMPTS, _complete_all, expected_texts
 
 
 @pytest.mark.parametrize("nproc", [2, 4])
