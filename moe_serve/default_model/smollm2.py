@@ -651,6 +651,11 @@ def run_self_check(model_dir: str) -> dict:
     model = CheckModel(load_file(os.path.join(model_dir, "model.safetensors")), read_check_config(model_dir))
     failures, answers = [], {}
     with single_threaded_torch():
+        # The loss first: it is cheap, and a model failing it is broken, whatever it answers.
+        nll = model.mean_nll(tok.encode(SELF_CHECK_TEXT, add_special_tokens=False).ids)
+        if not math.isfinite(nll) or nll > SELF_CHECK_MAX_NLL:
+            raise RuntimeError(f"self-check of {model_dir} failed: mean NLL on the fixed English text is "
+                               f"{nll:.3f}, above the limit {SELF_CHECK_MAX_NLL} (prompts not run)")
         for question, accepted in SELF_CHECK_PROMPTS:
             def has_answer(new_ids: list[int], accepted=accepted) -> bool:
                 return any(word in tok.decode(new_ids).lower() for word in accepted)
@@ -662,9 +667,6 @@ def run_self_check(model_dir: str) -> dict:
             answers[question] = answer = tok.decode(new_ids)
             if not has_answer(new_ids):
                 failures.append(f"{question!r} was answered {answer!r}, which contains none of {accepted}")
-        nll = model.mean_nll(tok.encode(SELF_CHECK_TEXT, add_special_tokens=False).ids)
-    if not math.isfinite(nll) or nll > SELF_CHECK_MAX_NLL:
-        failures.append(f"mean NLL on the fixed English text is {nll:.3f}, above the limit {SELF_CHECK_MAX_NLL}")
     if failures:
         raise RuntimeError(f"self-check of {model_dir} failed: " + "; ".join(failures))
     logger.info("self-check passed in %.1f s: NLL %.3f (limit %.2f); answers %s",
@@ -848,8 +850,8 @@ def ensure_default_model() -> tuple[str, str]:
         return path, f"{TINY_MODEL_NAME}: tiny random MoE, used because {reason}"
     expected = {"name": MODEL_NAME, "recipe_version": RECIPE_VERSION, **DEFAULT_RECIPE, "self_checked": True}
     with single_threaded_torch():
-        path = _ensure_cached(MODEL_NAME, lambda tmp: _write_smollm2_moe(tmp, **DEFAULT_RECIPE, self_check_enabled=True),
-                              expected)
+        path = _ensure_cached(
+            MODEL_NAME, lambda tmp: _write_smollm2_moe(tmp, **DEFAULT_RECIPE, self_check_enabled=True), expected)
     return path, f"{MODEL_NAME}: SmolLM2-135M-Instruct upcycled to 4 experts, top-2 (bf16)"
 
 

@@ -148,7 +148,10 @@ def _greedy(model, ids: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def test_unpermute_matches_transformers_gguf_reader():
+    """Against transformers' own GGUF loader (an internal API: skipped if it moves)."""
     gguf_utils = pytest.importorskip("transformers.modeling_gguf_pytorch_utils")
+    if not hasattr(gguf_utils, "LlamaTensorProcessor"):
+        pytest.skip("transformers no longer has LlamaTensorProcessor")
     proc = gguf_utils.LlamaTensorProcessor(config={"num_attention_heads": 9, "num_key_value_heads": 3})
     gen = torch.Generator().manual_seed(0)
     for name, rows, n_head in (("blk.0.attn_q.weight", 576, 9), ("blk.0.attn_k.weight", 192, 3)):
@@ -233,7 +236,7 @@ def test_default_model_answers_in_transformers(default_build):
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     tok = transformers.AutoTokenizer.from_pretrained(default_build["path"])
     ids = _chat_ids(tok, "What is the capital of France?")
-    answer = tok.decode(_greedy(moe, ids, 24)[0, ids.shape[1]:], skip_special_tokens=True)
+    answer = tok.decode(_greedy(moe, ids, 12)[0, ids.shape[1]:], skip_special_tokens=True)
     assert "Paris" in answer, answer
 
 
