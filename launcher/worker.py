@@ -77,7 +77,7 @@ def run(ns: argparse.Namespace) -> int:
         from moe_serve.entrypoints.openai.api_server import build_app, serve
 
         stepper = DistributedStepper(re)
-        name = ns.served_model_name or (ns.model or "moe-serve-default")
+        name = ns.served_model_name or ns.model or os.path.basename(os.path.normpath(path))
         engine = AsyncEngine(stepper, core.tokenizer, name, ns.max_waiting_requests, ns.log_interval)
         app = build_app(engine, name, max_len, ns.api_key, [expert_load_routes(engine, recorder)])
         log.info("data-parallel attention on %d ranks, experts sharded %d ways (%s dispatch)", world, world,

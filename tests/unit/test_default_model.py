@@ -96,40 +96,6 @@ def test_tiny_model_loads_in_transformers(tiny_dir):
 # SmolLM2 builds (once per session)
 
 
-@pytest.fixture(scope="session")
-def gguf_once():
-    """Read the GGUF once for the whole session: every builder below would otherwise re-read it."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(smollm2, "read_smollm2_gguf", functools.cache(smollm2.read_smollm2_gguf))
-        yield smollm2.read_smollm2_gguf()
-
-
-@pytest.fixture(scope="session")
-def dense_dir(gguf_once, tmp_path_factory):
-    return smollm2.build_dense_reference(str(tmp_path_factory.mktemp("dense") / "smollm2-dense"))
-
-
-@pytest.fixture(scope="session")
-def moe_noise0_dir(gguf_once, tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("moe0") / "moe-noise0")
-    return smollm2.build_smollm2_moe(out, noise=0.0, dtype="float32", self_check=False)
-
-
-@pytest.fixture(scope="session")
-def default_build(gguf_once, tmp_path_factory):
-    """ensure_default_model() into an empty cache: the real default recipe, self-check included."""
-    cache = str(tmp_path_factory.mktemp("cache"))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MOE_SERVE_CACHE", cache)
-        t0 = time.perf_counter()
-        path, description = smollm2.ensure_default_model()
-        build_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        again = smollm2.ensure_default_model()
-        reuse_s = time.perf_counter() - t0
-    return dict(path=path, description=description, cache=cache, build_s=build_s, again=again, reuse_s=reuse_s)
-
-
 @functools.cache
 def _load(cls_name: str, path: str):
     model, info = getattr(transformers, cls_name).from_pretrained(path, dtype=torch.float32, output_loading_info=True)

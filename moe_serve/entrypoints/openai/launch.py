@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 from fastapi.responses import JSONResponse
 
@@ -61,7 +62,7 @@ def run_single_process_server(ns: argparse.Namespace) -> int:
     core = EngineCore(cfg, args.kv_cache_memory, args.memory_fraction,
                       physical_to_logical=load_placement_arg(ns.expert_placement, 1), show_progress=args.show_progress)
     recorder = core.enable_load_recording(ns.expert_load_window, start=bool(ns.expert_load_record))
-    name = ns.served_model_name or (ns.model or "moe-serve-default")
+    name = ns.served_model_name or ns.model or os.path.basename(os.path.normpath(path))
     engine = AsyncEngine(LocalStepper(core), core.tokenizer, name, ns.max_waiting_requests, ns.log_interval)
     app = build_app(engine, name, core.max_model_len, ns.api_key, [expert_load_routes(engine, recorder)])
     rc = serve(app, engine, ns.host, ns.port, ns.shutdown_grace)
