@@ -112,25 +112,11 @@ def token_pool(path: str) -> list[int]:
 
 
 def _default_model() -> tuple[str, str, str]:
+    """The built-in default model (built once, self-check included, by moe_serve itself)."""
     from moe_serve.default_model import smollm2
 
-    unchecked = os.path.join(cache_dir(), smollm2.MODEL_NAME + "-unchecked")
-    real_built = os.path.isfile(os.path.join(smollm2.cache_root(), smollm2.MODEL_NAME, smollm2.MANIFEST))
-    # A failing self-check costs minutes per attempt: once an unchecked build exists, use it until
-    # the real default model has been built (delete the unchecked folder to retry the real build).
-    if real_built or not _built(unchecked, "default-unchecked"):
-        try:
-            path, desc = smollm2.ensure_default_model()
-            return path, os.path.basename(path.rstrip("/")), desc
-        except RuntimeError as e:  # the self-check failed: same shapes and speed, unchecked quality
-            print(f"[model] default model self-check failed: {str(e)[:200]}...", flush=True)
-    if not _built(unchecked, "default-unchecked"):
-        print(f"[model] building the default recipe without its self-check into {unchecked}", flush=True)
-        smollm2.build_smollm2_moe(unchecked, self_check=False)
-        with open(os.path.join(unchecked, "bench_build.json"), "w") as f:
-            json.dump({"name": "default-unchecked", "version": BUILD_VERSION}, f)
-    return (unchecked, smollm2.MODEL_NAME,
-            f"{smollm2.MODEL_NAME} built without its self-check (the check fails in this checkout)")
+    path, desc = smollm2.ensure_default_model()
+    return path, os.path.basename(path.rstrip("/")), desc
 
 
 def resolve_model(spec: str) -> tuple[str, str, str]:
