@@ -3,6 +3,9 @@
 # the torch reference and the measured speed of light (bench/kernels.py); results land in
 # bench/results/. Installs nothing. Run from anywhere:  bash bench/gpu_check.sh
 # Python: $PYTHON if set, else the checkout's .venv, else python3 on PATH.
+# Needs torch and triton (kernels) and, for decode_sol.py, the engine's own light dependencies:
+# msgspec, tokenizers, safetensors, tqdm, jinja2 (no fastapi/uvicorn). Where the GPU machine lacks
+# them, put their wheels on PYTHONPATH first (pip install --target DIR ...).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -28,12 +31,7 @@ rc=0
 timeout 450 "$PY" bench/kernels.py "$@" || rc=$?
 [ $rc -eq 124 ] && echo "gpu_check.sh: bench/kernels.py timed out after 450 s" >&2
 
-# ---- HOOK: decode speed of light ---------------------------------------------------------------
-# bench/decode_sol.py (single-stream and batch-64 decode of a dummy Qwen3-30B-A3B-sized model) is
-# added separately; it runs here as soon as the file exists.
-if [ -f bench/decode_sol.py ]; then
-    "$PY" bench/decode_sol.py || rc=$?
-fi
-# ---- end hook ----------------------------------------------------------------------------------
+# Decode speed of light: single-stream and batch-64 decode of a dummy Qwen3-30B-A3B-sized model.
+"$PY" bench/decode_sol.py || rc=$?
 
 exit $rc
