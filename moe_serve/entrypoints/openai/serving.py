@@ -84,16 +84,7 @@ class OpenAIServing:
         if req.stream:
             return self._stream_completions(req, rid, prompts, params, stream)
         k = len(prompts) * params.n
-        texts, lps, fins = [""] * k, [[] for _ in range(k)], [(None, None)] * k
-        try:
-            async for c, out in stream:
-                texts[c] += out.new_text
-                if out.logprobs:
-                    lps[c].extend(out.logprobs)
-                if out.finished:
-                    fins[c] = (out.finish_reason, out.stop_reason)
-        finally:
-            await stream.aclose()
+        texts, lps, fins = await _collect(stream, k)
         choices = []
         for c in range(k):
             ptext, ids = prompts[c // params.n]
@@ -170,16 +161,7 @@ class OpenAIServing:
         if req.stream:
             return self._stream_chat(req, rid, params, stream)
         n = params.n
-        texts, lps, fins = [""] * n, [[] for _ in range(n)], [(None, None)] * n
-        try:
-            async for i, out in stream:
-                texts[i] += out.new_text
-                if out.logprobs:
-                    lps[i].extend(out.logprobs)
-                if out.finished:
-                    fins[i] = (out.finish_reason, out.stop_reason)
-        finally:
-            await stream.aclose()
+        texts, lps, fins = await _collect(stream, n)
         choices = [P.ChatChoice(i, P.ChatMessageOut("assistant", texts[i]),
                                 self._chat_logprobs(lps[i]) if req.logprobs else None, fins[i][0], fins[i][1])
                    for i in range(n)]
@@ -223,6 +205,21 @@ class OpenAIServing:
             msg = str(e)
             param = "max_tokens" if "max_tokens" in msg else ("prompt" if "prompt" in msg else None)
             raise BadRequest(msg, param) from None
+
+
+async def _collect(stream, k: int) -> tuple[list[str], list[list], list[tuple]]:
+    """Whole texts, log-probs and (finish_reason, stop_reason) of the k choices of a stream."""
+    texts, lps, fins = [""] * k, [[] for _ in range(k)], [(None, None)] * k
+    try:
+        async for c, out in stream:
+            texts[c] += out.new_text
+            if out.logprobs:
+                lps[c].extend(out.logprobs)
+            if out.finished:
+                fins[c] = (out.finish_reason, out.stop_reason)
+    finally:
+        await stream.aclose()
+    return texts, lps, fins
 
 
 def _usage(stream) -> P.UsageInfo:
