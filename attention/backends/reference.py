@@ -43,14 +43,32 @@ def _causal_softmax_attend(scores_NQS: torch.Tensor, q_len: int, ctx_len: int) -
     return torch.softmax(scores_NQS, dim=-1)
 
 
+def _decode_gather(cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every sequence's context, padded to the longest: (B, S, ...) rows and a (B, S) mask of padding."""
+    bs = cache.shape[1]
+    nblocks = (meta.max_seq_len + bs - 1) // bs
+    rows = cache[meta.block_tables[:, :nblocks].long()].flatten(1, 2)
+    pad = torch.arange(rows.shape[1], device=rows.device)[None, :] >= meta.seq_lens[:, None].to(rows.device)
+    return rows, pad
+
+
 def paged_attention(q_TNH: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Causal attention of the packed queries over their paged contexts (prefill, chunked, decode).
 
-    Returns (T, N, Hv) in q's dtype; scores and softmax are computed in float32.
+    Returns (T, N, Hv) in q's dtype; scores and softmax are computed in float32. A batch of
+    decodes (one query per sequence) runs as one padded batched computation; anything else runs
+    sequence by sequence.
     """
     T, N, _ = q_TNH.shape
     G = k_cache.shape[2]
+    if meta.max_query_len == 1 and meta.num_seqs > 1 and T == meta.num_seqs:
+        k, pad = _decode_gather(k_cache, meta)  # (B, S, G, H)
+        v, _ = _decode_gather(v_cache, meta)
+        q = q_TNH.float().view(T, G, N // G, -1)  # query head n reads kv head n // (N // G)
+        scores = torch.einsum("bgrh,bsgh->bgrs", q, k.float()) * scale
+        p = torch.softmax(scores.masked_fill(pad[:, None, None, :], float("-inf")), dim=-1)
+        return torch.einsum("bgrs,bsgh->bgrh", p, v.float()).reshape(T, N, -1).to(q_TNH.dtype)
     out = torch.empty(T, N, v_cache.shape[-1], dtype=q_TNH.dtype, device=q_TNH.device)
     s = 0
     for b in range(meta.num_seqs):
@@ -80,6 +98,13 @@ def mla_paged_attention(q_latent_TNL: torch.Tensor, q_pe_TNR: torch.Tensor, late
     query with W_UK beforehand is what makes this equal to attention over expanded K/V.
     """
     T, N, L = q_latent_TNL.shape
+    if meta.max_query_len == 1 and meta.num_seqs > 1 and T == meta.num_seqs:
+        lat, pad = _decode_gather(latent_cache, meta)  # (B, S, L+R)
+        lat = lat.float()
+        scores = (torch.einsum("bnl,bsl->bns", q_latent_TNL.float(), lat[..., :L])
+                  + torch.einsum("bnr,bsr->bns", q_pe_TNR.float(), lat[..., L:])) * scale
+        p = torch.softmax(scores.masked_fill(pad[:, None, :], float("-inf")), dim=-1)
+        return torch.einsum("bns,bsl->bnl", p, lat[..., :L]).to(q_latent_TNL.dtype)
     out = torch.empty(T, N, L, dtype=q_latent_TNL.dtype, device=q_latent_TNL.device)
     s = 0
     for b in range(meta.num_seqs):
