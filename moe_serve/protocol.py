@@ -4,28 +4,13 @@ from __future__ import annotations
 
 import msgspec
 
-
-class SamplingSpec(msgspec.Struct, frozen=True):
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    seed: int | None = None
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    stop: list[str] = []
-    stop_token_ids: list[int] = []
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
+from moe_serve.sampling_params import SamplingParams
 
 
 class NewRequest(msgspec.Struct, tag="new"):
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingSpec
+    params: SamplingParams
 
 
 class AbortRequest(msgspec.Struct, tag="abort"):

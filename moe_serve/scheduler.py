@@ -1,9 +1,10 @@
 """Token-level scheduler. Pure Python: it moves Request objects and integer block ids, never tensors.
 
-Each step gets a token budget (max_num_batched_tokens). Running requests go first, in arrival
-order: a decoding request needs 1 token, a request in the middle of a chunked prefill needs the
-rest of its prompt, cut to what the budget allows. Waiting requests are then admitted first come,
-first served, each taking its prompt (minus prefix-cache hits) in chunks that fit the budget.
+Each step gets a token budget (max_num_batched_tokens). Running requests go first: every decoding
+request (1 token each) before any chunk of a prefill, then the requests in the middle of a chunked
+prefill in arrival order, each taking the rest of its prompt cut to what the budget allows.
+Waiting requests are then admitted first come, first served, each taking its prompt (minus
+prefix-cache hits) in chunks that fit the budget.
 When KV blocks run out, the most recently arrived running request is preempted: its blocks are
 freed and it goes back to the front of the queue to be recomputed later (its prefix blocks usually
 come back from the prefix cache).
@@ -88,23 +89,29 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        # 1) running requests: decodes and unfinished prefill chunks.
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self._grow(req, n):
-                victim = self.running.pop()  # latest arrival among the running
-                self._preempt(victim)
-                out.num_preempted += 1
-                if victim is req:
+        # 1) running requests, decodes first: a long prompt's next chunk never delays the streams
+        #    that need one token each. Then the unfinished prefill chunks, in arrival order.
+        scheduled: set[str] = set()
+        for decodes in (True, False):
+            for req in list(self.running):
+                if budget <= 0:
                     break
-            else:
-                out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens + n == req.num_tokens))
-                budget -= n
-                i += 1
-                continue
-            break  # req itself was preempted: nothing after it can run either
+                left = req.num_tokens - req.num_computed_tokens
+                if (left == 1) != decodes or req.request_id in scheduled or req.status != RequestStatus.RUNNING:
+                    continue
+                n = min(left, budget)
+                while not self._grow(req, n):
+                    # Free blocks by preempting the latest arrival that is not already in this step.
+                    victim = next(r for r in reversed(self.running) if r.request_id not in scheduled)
+                    self.running.remove(victim)
+                    self._preempt(victim)
+                    out.num_preempted += 1
+                    if victim is req:
+                        break
+                else:
+                    out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens + n == req.num_tokens))
+                    scheduled.add(req.request_id)
+                    budget -= n
         # 2) admit waiting requests in order; stop at the first that does not fit (FCFS).
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.num_preempted:
             req = self.waiting[0]

@@ -17,7 +17,7 @@ from typing import Protocol
 
 from moe_serve.engine.llm import child_params
 from moe_serve.metrics import EngineMetrics
-from moe_serve.protocol import (AbortRequest, ControlMessage, EngineOutput, LoadRecordControl, NewRequest, SamplingSpec,
+from moe_serve.protocol import (AbortRequest, ControlMessage, EngineOutput, LoadRecordControl, NewRequest,
                                 Shutdown)
 from moe_serve.sampling_params import SamplingParams
 
@@ -42,20 +42,6 @@ class Stepper(Protocol):
     def close(self) -> None: ...
 
 
-def to_spec(p: SamplingParams) -> SamplingSpec:
-    return SamplingSpec(p.n, p.temperature, p.top_p, p.top_k, p.min_p, p.seed, p.max_tokens, p.min_tokens,
-                        list(p.stop_strings), list(p.stop_token_ids), p.ignore_eos, p.logprobs,
-                        p.skip_special_tokens, p.include_stop_str_in_output)
-
-
-def from_spec(s: SamplingSpec) -> SamplingParams:
-    return SamplingParams(n=s.n, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
-                          seed=s.seed, max_tokens=s.max_tokens, min_tokens=s.min_tokens, stop=list(s.stop),
-                          stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos, logprobs=s.logprobs,
-                          skip_special_tokens=s.skip_special_tokens,
-                          include_stop_str_in_output=s.include_stop_str_in_output)
-
-
 def apply_control(core, msgs: list[ControlMessage]) -> list[EngineOutput]:
     """Apply new-request and abort messages to an EngineCore; a request that fails its checks here
     (limits can race with validation at the front end) ends at once with the reason."""
@@ -63,7 +49,7 @@ def apply_control(core, msgs: list[ControlMessage]) -> list[EngineOutput]:
     for m in msgs:
         if isinstance(m, NewRequest):
             try:
-                core.add_request(m.request_id, m.prompt_token_ids, from_spec(m.params))
+                core.add_request(m.request_id, m.prompt_token_ids, m.params)
             except ValueError as e:
                 outs.append(EngineOutput(m.request_id, [], "", True, "abort", str(e)))
         elif isinstance(m, AbortRequest):
@@ -147,7 +133,7 @@ class AsyncEngine:
         for pi, ids in enumerate(prompts):
             for i in range(params.n):
                 self._inbox.put(NewRequest(stream.child_ids[pi * params.n + i], list(ids),
-                                           to_spec(child_params(params, i))))
+                                           child_params(params, i)))
         self._wake.set()
         return stream
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import replace
 
 from tqdm import tqdm
 
@@ -18,7 +17,7 @@ log = logging.getLogger("moe_serve.llm")
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
     """The i-th of n samples: a single sequence; a seeded request gets seed + i so samples differ."""
     seed = None if params.seed is None else params.seed + index
-    return replace(params, n=1, seed=seed)
+    return params.replace(n=1, seed=seed)
 
 
 class LLM:
