@@ -1,5 +1,6 @@
-"""One rank of a multi-process job: process groups, this rank's engine (its KV cache, scheduler and
-share of the experts), then the HTTP front end on global rank 0 or the follower loop elsewhere."""
+"""One rank of a multi-process job: process groups, this rank's engine core (its KV cache, scheduler
+and share of the experts) running the core loop; global rank 0 also starts the front-end process
+(HTTP, tokenization, output processing) that every rank's core talks to over ZMQ."""
 from __future__ import annotations
 
 import argparse
@@ -26,12 +27,17 @@ def main(argv: list[str] | None = None) -> int:
     rank_env = os.environ.get("RANK", "0")
     logging.basicConfig(level=os.environ.get("MOE_SERVE_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s %(levelname)s [rank {rank_env}] %(name)s: %(message)s")
-    ns = parse(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    ns = parse(argv)
     try:
-        rc = run(ns)
+        rc = run(ns, argv[1:])  # what follows "serve" goes to the front end as it is
     except ValueError as e:
         print(f"moe-serve (rank {rank_env}): error: {e}", file=sys.stderr)
         rc = 2
+    except Exception as e:
+        log.exception("rank %s failed", rank_env)
+        print(f"moe-serve (rank {rank_env}): error: {type(e).__name__}: {e}", file=sys.stderr)
+        rc = 1
     # Everything is shut down and flushed; skip interpreter teardown, where destructors of the
     # communication library's background threads can abort a process that finished cleanly.
     logging.shutdown()
@@ -40,15 +46,17 @@ def main(argv: list[str] | None = None) -> int:
     os._exit(rc)
 
 
-def run(ns: argparse.Namespace) -> int:
+def run(ns: argparse.Namespace, serve_argv: list[str]) -> int:
+    import json
+
     from expert_parallel.groups import destroy_process_groups, init_process_groups
     from launcher.watchdog import Watchdog
     from moe_serve import platform
     from moe_serve.engine.args import EngineArgs
-    from moe_serve.engine.core import EngineCore
-    from moe_serve.engine.dp import DistributedStepper, RankEngine, agree_max_model_len, worker_loop
+    from moe_serve.engine.core import build_engine
+    from moe_serve.engine.core_proc import CoreLoop, install_signal_handlers
     from moe_serve.entrypoints.cli import resolve_model
-    from moe_serve.entrypoints.openai.launch import expert_load_routes, load_placement_arg
+    from moe_serve.entrypoints.openai.launch import spawn_frontend
 
     dev = platform.resolve_device(ns.device)
     groups = init_process_groups("nccl" if dev.type == "cuda" else "gloo", timeout_s=max(ns.dist_timeout * 2, 120))
@@ -63,33 +71,81 @@ def run(ns: argparse.Namespace) -> int:
     args = EngineArgs.from_cli(ns, path)
     args.show_progress = rank == 0
     cfg = args.create_engine_config(rank, world)
-    core = EngineCore(cfg, args.kv_cache_memory, args.memory_fraction, ep_group=groups.ep_group,
-                      physical_to_logical=load_placement_arg(ns.expert_placement, world), show_progress=rank == 0)
-    recorder = core.enable_load_recording(ns.expert_load_window, groups.ep_group, start=bool(ns.expert_load_record))
-    max_len = agree_max_model_len(core, groups.cpu_group)
-    re = RankEngine(core, rank, world, groups.cpu_group)
-    re.on_turn = watchdog.beat
-    watchdog.start()
+    frontend = None
+    addrs = None
+    if rank == 0:
+        # The front end binds; every core connects to it, on this node or from the others.
+        multi_node = int(os.environ.get("LOCAL_WORLD_SIZE", world)) != world
+        frontend, in_ports, out_port = spawn_frontend(serve_argv + ["--model", path], world,
+                                                      "0.0.0.0" if multi_node else "127.0.0.1")
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1") if multi_node else "127.0.0.1"
+        addrs = json.dumps({"host": host, "in": in_ports, "out": out_port}).encode()
+    loop = None
     try:
-        if rank != 0:
-            return worker_loop(re)
-        from moe_serve.engine.async_engine import AsyncEngine
-        from moe_serve.entrypoints.openai.api_server import build_app, serve
-
-        stepper = DistributedStepper(re)
-        name = ns.served_model_name or ns.model or os.path.basename(os.path.normpath(path))
-        engine = AsyncEngine(stepper, core.tokenizer, name, ns.max_waiting_requests, ns.log_interval)
-        app = build_app(engine, name, max_len, ns.api_key, [expert_load_routes(engine, recorder)])
+        a = json.loads(broadcast_bytes(addrs, groups.cpu_group))
+        core = build_engine(cfg, groups.ep_group, show_progress=rank == 0)
+        agree_max_model_len(core, groups.cpu_group)
+        peer_alive = (lambda: frontend.poll() is None) if frontend is not None else (lambda: True)
+        loop = CoreLoop(core, rank, world, f"tcp://{a['host']}:{a['in'][rank]}", f"tcp://{a['host']}:{a['out']}",
+                        groups.cpu_group, on_turn=watchdog.beat, peer_alive=peer_alive)
+        install_signal_handlers(loop)
         log.info("data-parallel attention on %d ranks, experts sharded %d ways (%s dispatch)", world, world,
                  cfg.parallel.all2all_backend)
-        rc = serve(app, engine, ns.host, ns.port, ns.shutdown_grace)
-        if ns.expert_load_record:
-            recorder.dump(ns.expert_load_record, metadata={"model": name})
+        loop.ready()
+        watchdog.start()
+        rc = loop.run()
+        if rank == 0 and args.expert_load_record:
+            core.dump_load(args.expert_load_record)
+            log.info("expert load written to %s", args.expert_load_record)
+        loop.close()
+        if frontend is not None:
+            rc = rc or _wait(frontend)
         return rc
+    except Exception as e:
+        if loop is not None:
+            loop.fatal(e)
+        raise
     finally:
         watchdog.stop()
+        if frontend is not None and frontend.poll() is None:
+            frontend.terminate()
+            _wait(frontend)
         if clean_exit(groups):
             destroy_process_groups(groups)
+
+
+def _wait(proc, timeout_s: float = 30.0) -> int:
+    import subprocess
+
+    try:
+        return proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait(10)
+
+
+def broadcast_bytes(data: bytes | None, group, src: int = 0) -> bytes:
+    """Rank src's bytes on every rank (two broadcasts over the CPU group: size, then bytes)."""
+    import torch
+    import torch.distributed as dist
+
+    size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
+    dist.broadcast(size, src=src, group=group)
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data is not None else \
+        torch.empty(int(size), dtype=torch.uint8)
+    dist.broadcast(buf, src=src, group=group)
+    return buf.numpy().tobytes()
+
+
+def agree_max_model_len(core, group) -> int:
+    """Every rank serves the same context limit: the smallest any rank's KV cache allows."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([core.max_model_len], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    core.set_max_model_len(int(t))
+    return int(t)
 
 
 def clean_exit(groups) -> bool:

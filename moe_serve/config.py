@@ -85,8 +85,9 @@ class ModelConfig:
 class CacheConfig:
     block_size: int = 16
     num_blocks: int = 0  # 0: from the memory budget
-    kv_cache_memory: int = 0  # bytes; resolved
+    kv_cache_memory: int = 0  # bytes; 0: memory_fraction of what is free
     enable_prefix_caching: bool = True
+    memory_fraction: float = 0.9
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,8 @@ class ParallelConfig:
     expert_placement: str | None = None
     enable_overlap: bool = False  # two micro-batches: one's dispatch/combine behind the other's compute
     overlap_min_tokens: int = 64  # below this many tokens (max over ranks) a step is not split
+    expert_load_window: int = 100  # steps per expert-load window (0: no recorder)
+    expert_load_record: str | None = None  # record from the start; written here at shutdown
 
 
 @dataclass(frozen=True)

@@ -39,24 +39,24 @@ class EngineMetrics:
         self.ttft = Histogram("moe_serve:time_to_first_token_seconds", "Time to first token.", _LAT)
         self.tpot = Histogram("moe_serve:time_per_output_token_seconds", "Time per output token after the first.", _LAT)
         self.e2e = Histogram("moe_serve:e2e_request_latency_seconds", "End-to-end request latency.", _LAT)
-        self.snapshot: dict = {}
+        self.snapshot = None
 
-    def update_from(self, stats: dict) -> None:
-        self.snapshot = dict(stats)
+    def update_from(self, stats) -> None:
+        self.snapshot = stats
 
-    def render(self, model: str, stats: dict) -> str:
-        s = stats or self.snapshot
+    def render(self, model: str, s) -> str:
+        """s: an EngineStats (summed over ranks)."""
         gauges = [
-            ("moe_serve:num_requests_running", "Requests running on the engine.", s.get("num_running", 0)),
-            ("moe_serve:num_requests_waiting", "Requests waiting to be scheduled.", s.get("num_waiting", 0)),
-            ("moe_serve:kv_cache_usage_perc", "Share of KV blocks in use (1 = full).", s.get("kv_cache_usage", 0.0)),
+            ("moe_serve:num_requests_running", "Requests running on the engine.", s.num_running),
+            ("moe_serve:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
+            ("moe_serve:kv_cache_usage_perc", "Share of KV blocks in use (1 = full).", s.kv_cache_usage),
             ("moe_serve:prefix_cache_hit_rate", "Prompt tokens served from the prefix cache.",
-             s.get("prefix_cache_hit_rate", 0.0)),
+             s.prefix_cache_hit_rate),
         ]
         counters = [
-            ("moe_serve:prompt_tokens_total", "Prompt tokens computed.", s.get("prompt_tokens", 0)),
-            ("moe_serve:generation_tokens_total", "Tokens generated.", s.get("generation_tokens", 0)),
-            ("moe_serve:num_preemptions_total", "Requests preempted for lack of KV blocks.", s.get("num_preemptions", 0)),
+            ("moe_serve:prompt_tokens_total", "Prompt tokens computed.", s.prompt_tokens),
+            ("moe_serve:generation_tokens_total", "Tokens generated.", s.generation_tokens),
+            ("moe_serve:num_preemptions_total", "Requests preempted for lack of KV blocks.", s.num_preemptions),
         ]
         lines: list[str] = []
         for name, h, v in gauges:

@@ -1,5 +1,14 @@
-"""Every message that crosses a process boundary (engine <-> front end, rank 0 <-> other ranks) is a
-typed msgspec Struct declared here. Nothing is pickled."""
+"""Every message that crosses a process boundary (front end <-> engine-core processes) is a typed
+msgspec Struct declared here, sent as msgpack. Nothing is pickled.
+
+Direction front end -> core: one `CoreInput` per wake-up of the front end's sender, carrying every
+new request, abort and control that arrived since the previous one.
+Direction core -> front end: `CoreReady` once at start-up, then one `CoreOutputs` per engine step
+(the new tokens of every request that got one), `UtilityResult` for a utility call, and
+`CoreFatal` when the core fails.
+
+Importing this module does not import torch.
+"""
 from __future__ import annotations
 
 import msgspec
@@ -7,32 +16,94 @@ import msgspec
 from moe_serve.sampling_params import SamplingParams
 
 
-class NewRequest(msgspec.Struct, tag="new"):
+# --- front end -> engine core ---------------------------------------------------------------------
+class NewRequest(msgspec.Struct, array_like=True):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
 
 
-class AbortRequest(msgspec.Struct, tag="abort"):
-    request_id: str
+class UtilityCall(msgspec.Struct, array_like=True):
+    """A call answered by one `UtilityResult` with the same call_id.
+    method: "load_start" | "load_stop" (applied by every rank at the same step) | "load_dump"."""
+
+    call_id: int
+    method: str
 
 
-class LoadRecordControl(msgspec.Struct, tag="load"):
-    """Start or stop expert-load recording; applied by every rank at the same turn."""
-
-    action: str  # "start" | "stop"
-
-
-class Shutdown(msgspec.Struct, tag="shutdown"):
-    reason: str = ""
+class CoreInput(msgspec.Struct, tag="in", array_like=True):
+    new: list[NewRequest] = []
+    aborts: list[str] = []
+    calls: list[UtilityCall] = []
+    shutdown: bool = False
 
 
+# --- engine core -> front end ---------------------------------------------------------------------
 class TokenLogprob(msgspec.Struct, array_like=True):
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
 
 
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """The new token of one request in one step (none when it ends without one: an abort or a
+    request the core refused). Token-level stops are decided in the core; stop strings in the
+    front end's OutputProcessor."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    num_cached_tokens: int = 0
+
+
+class EngineStats(msgspec.Struct, array_like=True):
+    """One rank's scheduler and cache state after a step; the front end sums them over ranks."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # share of KV blocks in use
+    prefix_cache_hit_rate: float = 0.0
+    num_preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    num_steps: int = 0
+
+
+class CoreReady(msgspec.Struct, tag="ready", array_like=True):
+    rank: int
+    max_model_len: int
+    vocab_size: int
+    num_kv_blocks: int
+    eos_token_ids: list[int]
+
+
+class CoreOutputs(msgspec.Struct, tag="out", array_like=True):
+    rank: int
+    outputs: list[EngineCoreOutput]
+    stats: EngineStats
+    # Some rank got SIGTERM: the front end should drain and shut the job down.
+    wants_shutdown: bool = False
+    finished_shutdown: bool = False  # the core's last message before it exits
+
+
+class UtilityResult(msgspec.Struct, tag="util", array_like=True):
+    call_id: int
+    result: bytes = b""  # JSON
+    error: str | None = None
+
+
+class CoreFatal(msgspec.Struct, tag="fatal", array_like=True):
+    rank: int
+    error: str
+
+
+CoreMessage = CoreReady | CoreOutputs | UtilityResult | CoreFatal
+
+
+# --- the front end's own product (same process: handlers read it) -----------------------------
 class EngineOutput(msgspec.Struct):
     """New tokens and text of one request since its previous output."""
 
@@ -48,23 +119,6 @@ class EngineOutput(msgspec.Struct):
     num_output_tokens: int = 0
 
 
-ControlMessage = NewRequest | AbortRequest | LoadRecordControl | Shutdown
-
-
-class StepPlan(msgspec.Struct):
-    """Rank 0 -> every rank, once per engine-loop turn: what each rank must apply, and whether the
-    turn runs a model step (all ranks together, lockstep) or is only a heartbeat."""
-
-    per_rank: list[list[NewRequest | AbortRequest | LoadRecordControl]]
-    run_step: bool
-    shutdown: bool = False
-
-
-class StepReport(msgspec.Struct):
-    """Every rank -> rank 0 after a plan: its new outputs, load and state."""
-
-    rank: int
-    outputs: list[EngineOutput]
-    stats: dict[str, float]
-    has_work: bool
-    wants_shutdown: bool = False
+input_encoder = msgspec.msgpack.Encoder()
+input_decoder = msgspec.msgpack.Decoder(CoreInput)
+message_decoder = msgspec.msgpack.Decoder(CoreMessage)

@@ -107,3 +107,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             bad = next((t for t in self.stop_token_ids if t >= vocab_size), None)
             if bad is not None:
                 raise ValueError(f"stop_token_ids has {bad}, outside the vocabulary [0, {vocab_size})")
+
+
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The i-th of n samples: a single sequence; a seeded request gets seed + i so samples differ."""
+    seed = None if params.seed is None else params.seed + index
+    return params.replace(n=1, seed=seed)

@@ -30,6 +30,8 @@ class EngineArgs:
     expert_placement: str | None = None
     enable_overlap: bool = False
     overlap_min_tokens: int = 64
+    expert_load_window: int = 100
+    expert_load_record: str | None = None
     show_progress: bool = True
 
     def create_engine_config(self, rank: int = 0, world_size: int = 1) -> EngineConfig:
@@ -42,6 +44,8 @@ class EngineArgs:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
         if self.overlap_min_tokens < 0:
             raise ValueError(f"overlap_min_tokens={self.overlap_min_tokens} must be >= 0")
+        if self.expert_load_window < 0:
+            raise ValueError(f"expert_load_window={self.expert_load_window} must be >= 0")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction={self.memory_fraction} must be in (0, 1]")
         choice = platform.choose(self.device, self.moe_backend, self.attention_backend, self.all2all_backend,
@@ -49,10 +53,11 @@ class EngineArgs:
         return EngineConfig(
             model=mc,
             cache=CacheConfig(self.block_size, self.num_kv_blocks or 0, self.kv_cache_memory or 0,
-                              self.enable_prefix_caching),
+                              self.enable_prefix_caching, self.memory_fraction),
             scheduler=SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs),
             parallel=ParallelConfig(rank, world_size, choice.all2all_backend, self.expert_placement,
-                                    self.enable_overlap, self.overlap_min_tokens),
+                                    self.enable_overlap, self.overlap_min_tokens, self.expert_load_window,
+                                    self.expert_load_record),
             device=choice.device,
             moe_backend=choice.moe_backend,
             attention_backend=choice.attention_backend,
@@ -85,6 +90,9 @@ class EngineArgs:
                        help="split each step into two micro-batches to hide dispatch/combine behind compute")
         g.add_argument("--overlap-min-tokens", type=int, default=64,
                        help="steps with fewer tokens (on every rank) run unsplit")
+        g.add_argument("--expert-load-record", default=None,
+                       help="record expert load per window and write it to this JSON file at shutdown")
+        g.add_argument("--expert-load-window", type=int, default=100, help="steps per expert-load window")
 
     @classmethod
     def from_cli(cls, ns: argparse.Namespace, model: str) -> "EngineArgs":

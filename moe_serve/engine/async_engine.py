@@ -1,9 +1,14 @@
-"""AsyncEngine: the bridge between asyncio request handlers and the engine's step loop.
+"""AsyncEngine: the front end's view of its engine cores, for asyncio request handlers.
 
-The step loop runs in one background thread (the only thread that touches the EngineCore). Handlers
-submit typed control messages through a thread-safe queue and read their request's outputs from a
-per-request asyncio.Queue that the loop fills with `call_soon_threadsafe`. A handler that goes away
-(client disconnect, cancellation) aborts its request, which frees its KV blocks on the next loop turn.
+It runs in the front-end process, which never steps a model. Handlers `submit` requests; each goes
+to the rank with the fewest outstanding tokens (a per-rank counter) through a sender thread that
+batches whatever arrived into one `CoreInput` per rank. A receiver thread reads every core's
+`CoreOutputs` (one per engine step), turns tokens into text in the `OutputProcessor` and hands the
+results to each request's asyncio.Queue with `call_soon_threadsafe`. A handler that goes away
+(client disconnect) aborts its request, which frees its KV blocks in the core.
+
+A core that dies (its process gone, or a `CoreFatal`) makes the engine `dead`: every open request
+ends with the reason, /health answers 503 and `on_fatal` stops the server.
 """
 from __future__ import annotations
 
@@ -11,15 +16,18 @@ import asyncio
 import itertools
 import logging
 import queue
+import signal
 import threading
 import time
-from typing import Protocol
+from typing import Callable
 
-from moe_serve.engine.llm import child_params
+from moe_serve.engine.core_client import CoreClient
+from moe_serve.engine.output_processor import OutputProcessor
+from moe_serve.limits import check_request
 from moe_serve.metrics import EngineMetrics
-from moe_serve.protocol import (AbortRequest, ControlMessage, EngineOutput, LoadRecordControl, NewRequest,
-                                Shutdown)
-from moe_serve.sampling_params import SamplingParams
+from moe_serve.protocol import (CoreFatal, CoreInput, CoreOutputs, CoreReady, EngineOutput, EngineStats, NewRequest,
+                                UtilityCall, UtilityResult)
+from moe_serve.sampling_params import SamplingParams, child_params
 
 log = logging.getLogger("moe_serve.async_engine")
 
@@ -28,90 +36,49 @@ class QueueFullError(RuntimeError):
     """More requests are waiting than --max-waiting-requests allows."""
 
 
-class Stepper(Protocol):
-    """One engine step given the control messages that arrived since the last one.
-
-    Local: apply them to this process's EngineCore and step it. Data-parallel: send them to the
-    ranks that own the requests, step every rank in lockstep, gather their outputs here.
-    """
-
-    def step(self, msgs: list[ControlMessage]) -> list[EngineOutput]: ...
-    def has_work(self) -> bool: ...
-    def stats(self) -> dict: ...
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int: ...
-    def close(self) -> None: ...
-
-
-def apply_control(core, msgs: list[ControlMessage]) -> list[EngineOutput]:
-    """Apply new-request and abort messages to an EngineCore; a request that fails its checks here
-    (limits can race with validation at the front end) ends at once with the reason."""
-    outs: list[EngineOutput] = []
-    for m in msgs:
-        if isinstance(m, NewRequest):
-            try:
-                core.add_request(m.request_id, m.prompt_token_ids, m.params)
-            except ValueError as e:
-                outs.append(EngineOutput(m.request_id, [], "", True, "abort", str(e)))
-        elif isinstance(m, AbortRequest):
-            o = core.abort_request(m.request_id)
-            if o is not None:
-                outs.append(o)
-        elif isinstance(m, LoadRecordControl) and core.load_recorder is not None:
-            core.load_recorder.start() if m.action == "start" else core.load_recorder.stop()
-    return outs
-
-
-class LocalStepper:
-    """Steps one in-process EngineCore."""
-
-    def __init__(self, core):
-        self.core = core
-
-    def step(self, msgs: list[ControlMessage]) -> list[EngineOutput]:
-        outs = apply_control(self.core, msgs)
-        return outs + self.core.step()
-
-    def has_work(self) -> bool:
-        return self.core.has_unfinished()
-
-    def stats(self) -> dict:
-        return self.core.stats()
-
-    def validate(self, prompt_token_ids, params) -> int:
-        return self.core.validate(prompt_token_ids, params)
-
-    def close(self) -> None:
-        pass
-
-
 class AsyncEngine:
-    def __init__(self, stepper: Stepper, tokenizer, model_name: str, max_waiting_requests: int = 1024,
-                 log_interval_s: float = 10.0):
-        self.stepper = stepper
+    def __init__(self, client: CoreClient, ready: list[CoreReady], tokenizer, model_name: str,
+                 max_waiting_requests: int = 1024, log_interval_s: float = 10.0,
+                 check_alive: Callable[[], str | None] = lambda: None):
+        self.client = client
+        self.world_size = client.world_size
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_waiting_requests = max_waiting_requests
+        self.max_model_len = min(r.max_model_len for r in ready)
+        self.vocab_size = min(r.vocab_size for r in ready)
         self.metrics = EngineMetrics()
-        self._inbox: queue.Queue[ControlMessage] = queue.Queue()
-        self._wake = threading.Event()
+        self.processor = OutputProcessor(tokenizer)
+        self.check_alive = check_alive
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # (rank or None, NewRequest | abort id | call | None)
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
-        self._pending = 0  # submitted, not yet seen by the loop
+        # Routing: tokens each rank may still add (prompt + tokens still to generate) and which rank
+        # owns each live request with how many of its tokens are still counted there.
+        self._rank_load = [0] * self.world_size
+        self._owner: dict[str, tuple[int, int]] = {}
         self._ids = itertools.count()
+        self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._call_ids = itertools.count()
+        self.rank_stats = [EngineStats() for _ in range(self.world_size)]
         self._stop = False
+        self._closed = threading.Event()
+        self._shutdown_asked = False
         self._log_interval = log_interval_s
-        self._stats: dict = {}
         self.dead: str | None = None
-        self.on_fatal = lambda: None  # called (from the engine thread) if the loop dies
-        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
-        self._thread.start()
+        self.on_fatal = lambda: None  # called (from the receiver thread) if a core dies
+        self._cores_done = [False] * self.world_size
+        self._sender = threading.Thread(target=self._send_loop, name="core-sender", daemon=True)
+        self._receiver = threading.Thread(target=self._recv_loop, name="core-receiver", daemon=True)
+        self._sender.start()
+        self._receiver.start()
 
     # --- called from request handlers (event loop thread) ---------------------------------------
     def new_request_id(self, prefix: str) -> str:
         return f"{prefix}{next(self._ids)}"
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        return self.stepper.validate(prompt_token_ids, params)
+        return check_request(prompt_token_ids, params, self.max_model_len, self.vocab_size)
 
     def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> "RequestStream":
         """Queue the n samples of every prompt at once; returns the stream of their outputs.
@@ -119,113 +86,208 @@ class AsyncEngine:
         if self.dead:
             raise RuntimeError(f"the engine has stopped: {self.dead}")
         for ids in prompts:
-            self.stepper.validate(ids, params)
+            self.validate(ids, params)
         if self._stop:
             raise QueueFullError("the server is shutting down")
         count = params.n * len(prompts)
-        if self._stats.get("num_waiting", 0) + self._pending + count > self.max_waiting_requests:
+        if sum(s.num_waiting for s in self.rank_stats) + self._inbox.qsize() + count > self.max_waiting_requests:
             raise QueueFullError(f"more than max_waiting_requests={self.max_waiting_requests} requests are waiting")
         stream = RequestStream(self, request_id, prompts, params)
         with self._lock:
-            for cid in stream.child_ids:
-                self._queues[cid] = (stream.loop, stream.queue)
-            self._pending += count
-        for pi, ids in enumerate(prompts):
-            for i in range(params.n):
-                self._inbox.put(NewRequest(stream.child_ids[pi * params.n + i], list(ids),
-                                           child_params(params, i)))
-        self._wake.set()
+            for pi, ids in enumerate(prompts):
+                for i in range(params.n):
+                    cid = stream.child_ids[pi * params.n + i]
+                    cp = child_params(params, i)
+                    self._queues[cid] = (stream.loop, stream.queue)
+                    self.processor.add_request(cid, ids, cp)
+                    cost = len(ids) + (cp.max_tokens or self.max_model_len - len(ids))
+                    rank = min(range(self.world_size), key=lambda r: (self._rank_load[r], r))
+                    self._rank_load[rank] += cost
+                    self._owner[cid] = (rank, cost)
+                    if self.world_size > 1:
+                        log.info("request %s -> rank %d", cid, rank)
+                    self._inbox.put((rank, NewRequest(cid, list(ids), cp)))
         return stream
 
-    def control(self, msg: ControlMessage) -> None:
-        """Queue a control message for the engine loop (applied on every rank at one turn)."""
-        self._inbox.put(msg)
-        self._wake.set()
+    async def call(self, method: str) -> bytes:
+        """A utility call answered by rank 0's core (expert-load recording start/stop/dump)."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        cid = next(self._call_ids)
+        with self._lock:
+            self._calls[cid] = (loop, fut)
+        self._inbox.put((0, UtilityCall(cid, method)))
+        return await asyncio.wait_for(fut, timeout=60)
 
     def _abort(self, child_ids) -> None:
         for cid in child_ids:
-            self._inbox.put(AbortRequest(cid))
-        self._wake.set()
+            owner = self._release(cid)
+            if owner is not None:
+                self._inbox.put((owner, cid))
+            self.processor.forget(cid)
+
+    def _release(self, cid: str) -> int | None:
+        """Stop counting a request's tokens against its rank; returns the rank (None if unknown)."""
+        with self._lock:
+            o = self._owner.pop(cid, None)
+            if o is None:
+                return None
+            self._rank_load[o[0]] -= o[1]
+            return o[0]
 
     def _forget(self, child_ids) -> None:
         with self._lock:
             for cid in child_ids:
                 self._queues.pop(cid, None)
 
-    def stats(self) -> dict:
-        return dict(self._stats)
+    def stats(self) -> EngineStats:
+        """Every rank's stats summed (usage and hit rate averaged)."""
+        rs = self.rank_stats
+        n = len(rs)
+        return EngineStats(sum(s.num_running for s in rs), sum(s.num_waiting for s in rs),
+                           sum(s.kv_cache_usage for s in rs) / n, sum(s.prefix_cache_hit_rate for s in rs) / n,
+                           sum(s.num_preemptions for s in rs), sum(s.prompt_tokens for s in rs),
+                           sum(s.generation_tokens for s in rs), max(s.num_steps for s in rs))
 
-    def shutdown(self, grace_s: float = 0.0) -> None:
-        """Stop taking requests; let running ones finish for up to grace_s; abort the rest; stop the loop."""
+    def has_work(self) -> bool:
+        return bool(self._owner)
+
+    def shutdown(self, grace_s: float = 0.0, timeout_s: float = 30.0) -> None:
+        """Stop taking requests; let running ones finish for up to grace_s; abort the rest; tell
+        every core to exit and wait (up to timeout_s) until each has said it did."""
         self._stop = True
         deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and (self._queues or self.stepper.has_work()):
+        while time.monotonic() < deadline and self._queues and not self.dead:
             time.sleep(0.05)
         with self._lock:
             ids = list(self._queues)
-        for cid in ids:
-            self._inbox.put(AbortRequest(cid))
-        self._inbox.put(Shutdown("server shutdown"))
-        self._wake.set()
-        self._thread.join(timeout=30)
-        if not self.dead:
-            self.stepper.close()
+        self._abort(ids)
+        for r in range(self.world_size):
+            self._inbox.put((r, None))  # None: shut down
+        if not self._closed.wait(timeout_s):
+            log.warning("engine cores did not confirm shutdown within %.0fs", timeout_s)
+        self._inbox.put(("stop", None))
+        self._sender.join(timeout=5)
+        self._receiver.join(timeout=5)
+        self.client.close()
 
-    # --- the loop (engine thread) ---------------------------------------------------------------
-    def _loop(self) -> None:
-        last_log = time.monotonic()
-        tokens_since = 0
-        self._stats = self.stepper.stats()
-        try:
+    # --- sender thread ----------------------------------------------------------------------------
+    def _send_loop(self) -> None:
+        while True:
+            items = [self._inbox.get()]
             while True:
-                msgs: list[ControlMessage] = []
-                while True:
-                    try:
-                        msgs.append(self._inbox.get_nowait())
-                    except queue.Empty:
-                        break
-                stopping = any(isinstance(m, Shutdown) for m in msgs)
-                msgs = [m for m in msgs if not isinstance(m, Shutdown)]
-                with self._lock:
-                    self._pending -= sum(1 for m in msgs if isinstance(m, NewRequest))
-                if stopping:
-                    self._deliver(self.stepper.step(msgs))
-                    return
-                if not msgs and not self.stepper.has_work():
-                    self._wake.wait(timeout=0.5)
-                    self._wake.clear()
-                    idle = getattr(self.stepper, "idle", None)
-                    if idle is not None:  # multi-rank: a heartbeat turn keeps every rank answering
-                        self._deliver(idle())
-                    self._stats = self.stepper.stats()
+                try:
+                    items.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            per_rank: dict[int, CoreInput] = {}
+            quit_ = False
+            for rank, item in items:
+                if rank == "stop":
+                    quit_ = True
                     continue
-                outs = self.stepper.step(msgs)
-                self._deliver(outs)
-                tokens_since += sum(len(o.new_token_ids) for o in outs)
-                self._stats = s = self.stepper.stats()
-                self.metrics.update_from(s)
+                ci = per_rank.setdefault(rank, CoreInput([], [], [], False))
+                if isinstance(item, NewRequest):
+                    ci.new.append(item)
+                elif isinstance(item, str):
+                    ci.aborts.append(item)
+                elif isinstance(item, UtilityCall):
+                    ci.calls.append(item)
+                elif item is None:
+                    ci.shutdown = True
+            for rank, ci in per_rank.items():
+                try:
+                    self.client.send(rank, ci)
+                except Exception:  # sockets closed under us at exit
+                    return
+            if quit_:
+                return
+
+    # --- receiver thread --------------------------------------------------------------------------
+    def _recv_loop(self) -> None:
+        last_log, tokens_since = time.monotonic(), 0
+        try:
+            while not self._closed.is_set():
+                msg = self.client.recv(250)
+                if msg is None:
+                    dead = self.check_alive()
+                    if dead:
+                        raise RuntimeError(dead)
+                    continue
+                if isinstance(msg, CoreOutputs):
+                    tokens_since += self._on_outputs(msg)
+                elif isinstance(msg, UtilityResult):
+                    self._on_result(msg)
+                elif isinstance(msg, CoreFatal):
+                    raise RuntimeError(f"engine core (rank {msg.rank}) failed: {msg.error}")
                 now = time.monotonic()
-                if now - last_log >= self._log_interval:
+                if now - last_log >= self._log_interval and tokens_since:
+                    s = self.stats()
                     log.info("throughput %.1f tokens/s; running %d, waiting %d; KV cache %.1f%%; prefix hit %.1f%%",
-                             tokens_since / (now - last_log), s.get("num_running", 0), s.get("num_waiting", 0),
-                             100 * s.get("kv_cache_usage", 0), 100 * s.get("prefix_cache_hit_rate", 0))
+                             tokens_since / (now - last_log), s.num_running, s.num_waiting,
+                             100 * s.kv_cache_usage, 100 * s.prefix_cache_hit_rate)
                     last_log, tokens_since = now, 0
-        except Exception as e:  # a dead loop must not leave clients hanging
-            log.exception("engine loop failed")
-            self.dead = f"{type(e).__name__}: {e}"
+        except Exception as e:  # a dead core must not leave clients hanging
+            if self._stop and self._closed.is_set():
+                return
+            log.error("engine failed: %s", e)
+            self.dead = str(e)
             with self._lock:
                 items = list(self._queues.items())
             for cid, (loop, q) in items:
                 loop.call_soon_threadsafe(q.put_nowait, EngineOutput(cid, [], "", True, "abort", self.dead))
+            self._closed.set()
             self.on_fatal()
 
-    def _deliver(self, outs: list[EngineOutput]) -> None:
+    def _on_outputs(self, msg: CoreOutputs) -> int:
+        self.rank_stats[msg.rank] = msg.stats
+        self.metrics.update_from(self.stats())
+        if msg.wants_shutdown and not self._shutdown_asked:
+            self._shutdown_asked = True
+            log.info("rank %d asked to shut down (SIGTERM); stopping the job", msg.rank)
+            signal.raise_signal(signal.SIGTERM)  # the server drains, then shutdown() stops every core
+        outs, stopped = self.processor.process(msg.outputs)
+        for cid in stopped:  # stop strings: the core frees their blocks
+            owner = self._release(cid)
+            if owner is not None:
+                self._inbox.put((owner, cid))
+        ntok = 0
         with self._lock:
             for o in outs:
+                ntok += len(o.new_token_ids)
+                own = self._owner.get(o.request_id)
+                if own is not None:
+                    if o.finished:
+                        self._owner.pop(o.request_id)
+                        self._rank_load[own[0]] -= own[1]
+                    elif o.new_token_ids:
+                        self._owner[o.request_id] = (own[0], own[1] - len(o.new_token_ids))
+                        self._rank_load[own[0]] -= len(o.new_token_ids)
                 dest = self._queues.get(o.request_id)
                 if dest is not None:
-                    loop, q = dest
-                    loop.call_soon_threadsafe(q.put_nowait, o)
+                    dest[0].call_soon_threadsafe(dest[1].put_nowait, o)
+        if msg.finished_shutdown:
+            self._cores_done[msg.rank] = True
+            if all(self._cores_done):
+                self._closed.set()
+        return ntok
+
+    def _on_result(self, msg: UtilityResult) -> None:
+        with self._lock:
+            dest = self._calls.pop(msg.call_id, None)
+        if dest is None:
+            return
+        loop, fut = dest
+
+        def resolve():
+            if fut.done():
+                return
+            if msg.error:
+                fut.set_exception(RuntimeError(msg.error))
+            else:
+                fut.set_result(msg.result)
+
+        loop.call_soon_threadsafe(resolve)
 
 
 class RequestStream:

@@ -7,21 +7,18 @@ import logging
 from tqdm import tqdm
 
 from moe_serve.engine.args import EngineArgs
-from moe_serve.engine.core import EngineCore
+from moe_serve.engine.core import build_engine
+from moe_serve.engine.output_processor import OutputProcessor
+from moe_serve.protocol import NewRequest
 from moe_serve.outputs import CompletionOutput, Logprob, RequestOutput
-from moe_serve.sampling_params import SamplingParams
+from moe_serve.sampling_params import SamplingParams, child_params
 
 log = logging.getLogger("moe_serve.llm")
 
 
-def child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """The i-th of n samples: a single sequence; a seeded request gets seed + i so samples differ."""
-    seed = None if params.seed is None else params.seed + index
-    return params.replace(n=1, seed=seed)
-
-
 class LLM:
-    """Offline batched generation on one process (EP=1).
+    """Offline batched generation on one process (EP=1): the same EngineCore as the server's
+    core process, stepped in this process, and the same OutputProcessor as the server's front end.
 
     Keywords are those of `EngineArgs` (dtype, max_model_len, max_num_batched_tokens, max_num_seqs,
     kv_cache_memory, block_size, enable_prefix_caching, moe_backend, attention_backend, load_format, ...).
@@ -30,9 +27,11 @@ class LLM:
     def __init__(self, model: str, **kwargs):
         self.args = EngineArgs(model=model, **kwargs)
         cfg = self.args.create_engine_config()
-        self.engine = EngineCore(cfg, self.args.kv_cache_memory, self.args.memory_fraction,
-                                 show_progress=self.args.show_progress)
-        self.tokenizer = self.engine.tokenizer
+        self.engine = build_engine(cfg, show_progress=self.args.show_progress)
+        from moe_serve.tokenizer import Tokenizer
+
+        self.tokenizer = Tokenizer(cfg.model.path)
+        self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
@@ -71,11 +70,17 @@ class LLM:
                 ro.outputs.append(CompletionOutput(i, "", [], 0.0 if sp.logprobs is not None else None,
                                                    [] if sp.logprobs is not None else None))
                 index[cid] = (len(outputs), i)
-                self.engine.add_request(cid, ids, child_params(sp, i))
+                cp = child_params(sp, i)
+                self.output_processor.add_request(cid, ids, cp)
+                rejected = self.engine.add_request(NewRequest(cid, ids, cp))
+                if rejected is not None:
+                    raise ValueError(rejected.stop_reason)
             outputs.append(ro)
         bar = tqdm(total=len(index), desc="Generating", disable=not use_tqdm)
         while self.engine.has_unfinished():
-            for eo in self.engine.step():
+            outs, stopped = self.output_processor.process(self.engine.step())
+            self.engine.abort_requests(stopped)  # stop strings: free their blocks before the next step
+            for eo in outs:
                 oi, ci = index[eo.request_id]
                 co = outputs[oi].outputs[ci]
                 co.token_ids.extend(eo.new_token_ids)

@@ -24,9 +24,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
     g.add_argument("--log-interval", type=float, default=10.0, help="seconds between throughput log lines")
-    g.add_argument("--expert-load-record", default=None,
-                   help="record expert load per window and write it to this JSON file at shutdown")
-    g.add_argument("--expert-load-window", type=int, default=100, help="steps per expert-load window")
 
 
 def resolve_model(model: str | None) -> tuple[str, str]:

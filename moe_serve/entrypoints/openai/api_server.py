@@ -154,7 +154,7 @@ def serve(app: FastAPI, engine: AsyncEngine, host: str, port: int, grace_s: floa
     engine.on_fatal = lambda: setattr(server, "should_exit", True)
     log.info("serving %s on http://%s:%d/v1", engine.model_name, host, port)
     server.run()
-    engine.shutdown(grace_s=0.0)
+    engine.shutdown(grace_s=0.0)  # aborts what is left and waits for every core to exit
     if engine.dead:
         log.error("server stopped: the engine failed (%s)", engine.dead)
         return 1

@@ -33,6 +33,8 @@ class _Common(msgspec.Struct, omit_defaults=True):
     user: str | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's extra
+    logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 

@@ -2,7 +2,9 @@
 parameters (with errors that name the field), then whole responses or SSE streams."""
 from __future__ import annotations
 
+import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
 import msgspec
@@ -34,6 +36,13 @@ def sampling_params(req: P._Common, max_tokens: int | None, logprobs: int | None
         raise BadRequest(f"n must be <= 16, got {req.n}", "n")
     if max_tokens is not None and max_tokens < 1:
         raise BadRequest(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
+    bias = None
+    if req.logit_bias:
+        try:
+            bias = {int(k): v for k, v in req.logit_bias.items()}
+        except ValueError:
+            raise BadRequest(f"logit_bias keys must be token ids, got {sorted(req.logit_bias)[:5]}",
+                             "logit_bias") from None
     try:
         return SamplingParams(
             n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
@@ -41,17 +50,36 @@ def sampling_params(req: P._Common, max_tokens: int | None, logprobs: int | None
             min_p=0.0 if req.min_p is None else req.min_p, seed=req.seed, max_tokens=max_tokens,
             min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
             logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
-            include_stop_str_in_output=req.include_stop_str_in_output)
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            frequency_penalty=req.frequency_penalty or 0.0, presence_penalty=req.presence_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty, logit_bias=bias)
     except ValueError as e:
         raise BadRequest(str(e), _field_of(str(e))) from None
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, served_model_name: str, max_model_len: int):
+    def __init__(self, engine: AsyncEngine, served_model_name: str, max_model_len: int, tokenizer_threads: int = 2,
+                 max_pending_tokenizations: int = 256):
         self.engine = engine
         self.model_name = served_model_name
         self.max_model_len = max_model_len
         self.tok = engine.tokenizer
+        # Tokenization and chat templating run here, never on the event loop: one huge prompt must
+        # not stall /health or other streams. The queue in front of the pool is bounded (503).
+        self._pool = ThreadPoolExecutor(tokenizer_threads, thread_name_prefix="tokenize")
+        self._pending = 0
+        self._max_pending = max_pending_tokenizations
+
+    async def off_loop(self, fn, *args):
+        """Run a tokenizer/template call in the bounded pool."""
+        if self._pending >= self._max_pending:
+            raise BadRequest(f"more than {self._max_pending} requests are waiting to be tokenized", None, 503,
+                             "server_overloaded", "ServiceUnavailableError")
+        self._pending += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        finally:
+            self._pending -= 1
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -79,7 +107,7 @@ class OpenAIServing:
         if req.suffix:
             raise BadRequest("suffix is not supported", "suffix")
         params = sampling_params(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs)
-        prompts = self.completion_prompts(req)
+        prompts = await self.off_loop(self.completion_prompts, req)
         stream = self._submit(rid, [ids for _, ids in prompts], params)
         if req.stream:
             return self._stream_completions(req, rid, prompts, params, stream)
@@ -156,7 +184,7 @@ class OpenAIServing:
             raise BadRequest(f"top_logprobs must be in [0, 20], got {req.top_logprobs}", "top_logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
-        ids = self.chat_prompt(req)
+        ids = await self.off_loop(self.chat_prompt, req)
         stream = self._submit(rid, [ids], params)
         if req.stream:
             return self._stream_chat(req, rid, params, stream)
@@ -201,6 +229,8 @@ class OpenAIServing:
             return self.engine.submit(rid, prompts, params)
         except QueueFullError as e:
             raise BadRequest(str(e), None, 503, "server_overloaded", "ServiceUnavailableError") from None
+        except RuntimeError as e:  # the engine has stopped
+            raise BadRequest(str(e), None, 503, "engine_dead", "ServiceUnavailableError") from None
         except ValueError as e:
             msg = str(e)
             param = "max_tokens" if "max_tokens" in msg else ("prompt" if "prompt" in msg else None)

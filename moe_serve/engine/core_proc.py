@@ -1,0 +1,219 @@
+"""The engine-core process: a busy loop (receive -> schedule -> run -> sample -> send) that never
+waits on HTTP. One per data-parallel rank.
+
+Each turn it takes every `CoreInput` that has arrived from the front end (ZMQ PULL), schedules, and
+runs the step; the new tokens of the step go back in one `CoreOutputs` message (ZMQ PUSH). With
+expert parallelism the ranks agree once per turn, in one small all-reduce (MAX) over the CPU group,
+on: the most tokens any rank scheduled (0: nobody has work, so nobody runs the model; otherwise
+every rank runs the step, an empty forward where it has nothing, so the MoE collectives line up),
+whether any rank got SIGTERM, whether the front end said shut down, and expert-load recording
+starting or stopping (so every rank's windows cover the same steps).
+
+`python -m moe_serve.engine.core_proc` is the single-process server's core (one rank, spawned by
+the front end); torchrun ranks run `CoreLoop` from launcher/worker.py.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Callable
+
+import msgspec
+import zmq
+
+from moe_serve.protocol import (CoreFatal, CoreInput, CoreOutputs, CoreReady, UtilityResult, input_decoder,
+                                input_encoder)
+
+log = logging.getLogger("moe_serve.core_proc")
+
+_IDLE_POLL_MS = 10  # how long an idle core waits for input before it checks in again
+
+
+class CoreLoop:
+    def __init__(self, core, rank: int, world_size: int, in_addr: str, out_addr: str, sync_group=None,
+                 on_turn: Callable[[int], None] = lambda n: None, peer_alive: Callable[[], bool] = lambda: True):
+        self.core, self.rank, self.world_size, self.group = core, rank, world_size, sync_group
+        self.on_turn, self.peer_alive = on_turn, peer_alive
+        self.ctx = zmq.Context()
+        self.inp = self.ctx.socket(zmq.PULL)
+        self.inp.connect(in_addr)
+        self.out = self.ctx.socket(zmq.PUSH)
+        self.out.setsockopt(zmq.LINGER, 5000)
+        self.out.connect(out_addr)
+        self.wants_shutdown = False  # SIGTERM here
+        self._reported_shutdown_wish = False
+        self.turns = 0
+        self._pending_load: str | None = None  # "load_start" | "load_stop" asked on this rank
+        self._peer_checked = time.monotonic()
+
+    def send(self, msg) -> None:
+        self.out.send(input_encoder.encode(msg), copy=False)
+
+    def ready(self) -> None:
+        c = self.core
+        self.send(CoreReady(self.rank, c.max_model_len, c.vocab_size, c.runner.num_blocks, sorted(c.eos_token_ids)))
+
+    def _receive(self, timeout_ms: int) -> tuple[list, bool]:
+        """Apply every input waiting (waiting up to timeout_ms for the first); returns outputs of
+        aborts and refused requests, and whether the front end said shut down."""
+        outs, shutdown = [], False
+        if not self.inp.poll(timeout_ms):
+            return outs, shutdown
+        while True:
+            try:
+                frame = self.inp.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return outs, shutdown
+            try:
+                msg: CoreInput = input_decoder.decode(frame.buffer)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                log.error("rank %d: dropped a malformed message from the front end (%d bytes): %s", self.rank,
+                          len(frame.buffer), e)
+                continue
+            for new in msg.new:
+                rejected = self.core.add_request(new)
+                if rejected is not None:
+                    outs.append(rejected)
+            outs += self.core.abort_requests(msg.aborts)
+            for call in msg.calls:
+                self._call(call)
+            shutdown = shutdown or msg.shutdown
+
+    def _call(self, call) -> None:
+        if call.method in ("load_start", "load_stop"):
+            self._pending_load = call.method  # applied at the turn every rank agrees on
+            self.send(UtilityResult(call.call_id, b"true"))
+        elif call.method == "load_dump":
+            self.send(UtilityResult(call.call_id, json.dumps(self.core.dump_load()).encode()))
+        else:
+            self.send(UtilityResult(call.call_id, error=f"unknown utility call {call.method!r}"))
+
+    def _apply_load(self, action: str | None) -> None:
+        rec = self.core.load_recorder
+        if rec is not None and action is not None:
+            rec.start() if action == "load_start" else rec.stop()
+
+    def run(self) -> int:
+        """Loop until the front end says shut down (every rank at the same turn); returns 0."""
+        import torch
+
+        core, any_work = self.core, False
+        while True:
+            self.turns += 1
+            self.on_turn(self.turns)
+            outs, shutdown = self._receive(0 if core.has_unfinished() or any_work else _IDLE_POLL_MS)
+            sched = core.schedule() if core.has_unfinished() else None
+            ntok = sched.num_batched_tokens if sched is not None else 0
+            load, self._pending_load = self._pending_load, None
+            if self.world_size > 1:
+                import torch.distributed as dist
+
+                flags = torch.tensor([ntok, self.wants_shutdown, shutdown, load == "load_start",
+                                      load == "load_stop"], dtype=torch.int64)
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+                max_tok, any_term, shutdown, start, stop = (int(v) for v in flags.tolist())
+                load = "load_start" if start else ("load_stop" if stop else None)
+                if any_term and self.rank == 0:
+                    self.wants_shutdown = True
+            else:
+                max_tok = ntok
+            self._apply_load(load)
+            any_work = max_tok > 0
+            if any_work:
+                outs += core.execute(sched if sched is not None else _empty(), lockstep=self.world_size > 1)
+            wish = self.wants_shutdown and not self._reported_shutdown_wish
+            if outs or any_work or wish or shutdown:
+                self._reported_shutdown_wish |= wish
+                self.send(CoreOutputs(self.rank, outs, core.stats(), self.wants_shutdown, bool(shutdown)))
+            if shutdown:
+                return 0
+            if not any_work and time.monotonic() - self._peer_checked > 1.0:
+                self._peer_checked = time.monotonic()
+                if not self.peer_alive():
+                    raise RuntimeError("the front-end process is gone")
+
+    def fatal(self, e: BaseException) -> None:
+        try:
+            self.send(CoreFatal(self.rank, f"{type(e).__name__}: {e}"))
+        except Exception:
+            pass
+
+    def close(self) -> None:
+        self.inp.close(0)
+        self.out.close()
+        self.ctx.term()
+
+
+def _empty():
+    from moe_serve.scheduler import SchedulerOutput
+
+    return SchedulerOutput()
+
+
+def install_signal_handlers(loop: CoreLoop) -> None:
+    """SIGTERM asks the front end to drain and stop the job (via the next output); Ctrl-C in a
+    terminal reaches the front end too, which stops the cores itself."""
+    def on_term(signum, frame):
+        loop.wants_shutdown = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The single-process server's engine core: EngineArgs as JSON, the front end's addresses."""
+    p = argparse.ArgumentParser(prog="python -m moe_serve.engine.core_proc")
+    p.add_argument("--engine-args", required=True, help="EngineArgs as JSON")
+    p.add_argument("--in-addr", required=True)
+    p.add_argument("--out-addr", required=True)
+    ns = p.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("MOE_SERVE_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s [core] %(name)s: %(message)s")
+    from moe_serve.engine.args import EngineArgs
+    from moe_serve.engine.core import build_engine
+
+    parent = os.getppid()
+    args = msgspec.json.decode(ns.engine_args.encode(), type=EngineArgs)
+    loop = None
+    try:
+        core = build_engine(args.create_engine_config(), show_progress=args.show_progress)
+        loop = CoreLoop(core, 0, 1, ns.in_addr, ns.out_addr, peer_alive=lambda: os.getppid() == parent)
+        install_signal_handlers(loop)
+        loop.ready()
+        log.info("engine core ready (pid %d)", os.getpid())
+        rc = loop.run()
+        if args.expert_load_record:
+            core.dump_load(args.expert_load_record)
+            log.info("expert load written to %s", args.expert_load_record)
+        loop.close()
+        return rc
+    except Exception as e:
+        log.exception("engine core failed")
+        if loop is None:  # failed while building: tell the front end through a socket of our own
+            loop = _bare_sender(ns.out_addr)
+        loop.fatal(e)
+        time.sleep(0.2)
+        return 1
+
+
+def _bare_sender(out_addr: str):
+    class _Sender:
+        def __init__(self):
+            self.ctx = zmq.Context()
+            self.out = self.ctx.socket(zmq.PUSH)
+            self.out.setsockopt(zmq.LINGER, 2000)
+            self.out.connect(out_addr)
+
+        def fatal(self, e):
+            self.out.send(input_encoder.encode(CoreFatal(0, f"{type(e).__name__}: {e}")))
+
+    return _Sender()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
