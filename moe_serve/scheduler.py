@@ -30,6 +30,14 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_batched_tokens: int = 0
     num_preempted: int = 0
+    # Requests that left the running set since the last output that scheduled anything: finished
+    # (stop, length, abort, finish_request) and preempted. The model runner frees their rows with
+    # these. An output that schedules nothing carries none: they wait for the next non-empty one, so
+    # an engine that skips running empty steps loses nothing. An id may also appear in `scheduled`
+    # (a preempted request re-admitted, or an id reused after its request finished): the runner
+    # drops the old row first, then adds the scheduled request.
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
 
     @property
     def is_empty(self) -> bool:
@@ -50,6 +58,8 @@ class Scheduler:
         self._hashes: dict[str, list[bytes]] = {}  # full-block hashes of each live request, in order
         self._registered: dict[str, int] = {}  # how many of a request's blocks are registered
         self.num_preemptions = 0
+        self._finished_ids: set[str] = set()  # pending for the next non-empty SchedulerOutput
+        self._preempted_ids: set[str] = set()
 
     # --- queue ----------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -126,6 +136,9 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens + n == req.num_tokens))
             budget -= n
         out.num_batched_tokens = self.max_num_batched_tokens - budget
+        if out.scheduled:
+            out.finished_req_ids, self._finished_ids = self._finished_ids, set()
+            out.preempted_req_ids, self._preempted_ids = self._preempted_ids, set()
         return out
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
@@ -200,9 +213,11 @@ class Scheduler:
         req.num_preemptions += 1
         self._registered[req.request_id] = 0
         self.num_preemptions += 1
+        self._preempted_ids.add(req.request_id)
         self.waiting.appendleft(req)
 
     def _release(self, req: Request) -> None:
+        self._finished_ids.add(req.request_id)
         self.alloc.free(req.block_ids)
         req.block_ids = []
         self.requests.pop(req.request_id, None)
