@@ -34,6 +34,30 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
     @staticmethod
+    def from_tensors(
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_size: int,
+        query_lens_cpu: list[int],
+        seq_lens_cpu: list[int],
+    ) -> "AttentionMetadata":
+        """Wrap tensors already on the device (the model runner's persistent input batch builds
+        them); the host lists are the same lengths, kept so backends never read the device."""
+        return AttentionMetadata(
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_tables=block_tables,
+            slot_mapping=slot_mapping,
+            block_size=block_size,
+            query_lens_cpu=query_lens_cpu,
+            seq_lens_cpu=seq_lens_cpu,
+            max_query_len=max(query_lens_cpu, default=0),
+            max_seq_len=max(seq_lens_cpu, default=0),
+        )
+
+    @staticmethod
     def build(
         query_lens: list[int],
         seq_lens: list[int],

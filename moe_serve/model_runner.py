@@ -1,4 +1,5 @@
-"""The only place a scheduled batch becomes tensors: builds the model, owns the KV cache, runs steps."""
+"""The only place a scheduled batch becomes tensors: builds the model, owns the KV cache and the
+persistent input batch (`input_batch.py`), runs steps: one host->device copy in, one read out."""
 from __future__ import annotations
 
 import logging
@@ -7,14 +8,13 @@ import time
 import torch
 
 from attention.layer import PagedAttention, PagedMLAAttention
-from attention.metadata import AttentionMetadata
 from expert_parallel.layer import MoEContext
 from moe_serve.config import EngineConfig
+from moe_serve.input_batch import InputBatch, Piece, StepInputs
 from moe_serve.models.registry import model_class
 from moe_serve.sampler import Sampler, SampleResult
 from moe_serve.scheduler import SchedulerOutput
 from moe_serve.weights import init_dummy_weights, load_weights
-from expert_parallel.overlap import split_pieces, split_point
 
 log = logging.getLogger("moe_serve.model_runner")
 
@@ -60,6 +60,11 @@ class ModelRunner:
                  time.perf_counter() - t0, self.weight_bytes / 2**20, mc.dtype)
         self._init_kv_cache(kv_cache_memory, memory_fraction)
         self.sampler = Sampler(self.device, mc.seed)
+        # One row per running request; no request outgrows the model's context or the whole cache
+        # (the engine lowers max_model_len to the latter the same way).
+        max_len = min(mc.max_model_len, self.num_blocks * cfg.cache.block_size)
+        self.batch = InputBatch(cfg.scheduler.max_num_seqs, max_len, cfg.cache.block_size,
+                                mc.hf["vocab_size"], self.device)
 
     # --- KV cache -------------------------------------------------------------------------------
     def _init_kv_cache(self, kv_cache_memory: int | None, fraction: float) -> None:
@@ -79,48 +84,29 @@ class ModelRunner:
                  self.num_blocks, bs, self.num_blocks * bs, self.kv_cache_bytes / 2**20, per_block // bs)
 
     # --- one step -------------------------------------------------------------------------------
-    def _tensors(self, pieces: list[tuple]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """(request, start, num_tokens, samples) pieces -> token ids, positions, attention metadata."""
-        ids: list[int] = []
-        positions: list[int] = []
-        q_lens, seq_lens, tables = [], [], []
-        for req, start, n, _ in pieces:
-            ids.extend(req.all_token_ids[start:start + n])
-            positions.extend(range(start, start + n))
-            q_lens.append(n)
-            seq_lens.append(start + n)
-            tables.append(req.block_ids)
-        meta = AttentionMetadata.build(q_lens, seq_lens, tables, self.cfg.cache.block_size, self.device)
-        return (torch.tensor(ids, dtype=torch.long, device=self.device),
-                torch.tensor(positions, dtype=torch.long, device=self.device), meta)
-
-    def _forward(self, pieces: list[tuple]) -> torch.Tensor:
-        """Hidden states of all scheduled tokens, in order; split into two overlapped micro-batches
-        when overlap is on and every rank's batch is large enough (agreed over the EP group)."""
+    def _forward(self, pieces: list[Piece]) -> tuple[torch.Tensor, StepInputs]:
+        """Hidden states of all scheduled tokens, in order, and the step's inputs; split into two
+        overlapped micro-batches when overlap is on and every rank's batch is large enough
+        (agreed over the EP group, since it changes the order of collectives)."""
         par = self.cfg.parallel
+        split = False
         if par.enable_overlap:
             ntok = sum(p[2] for p in pieces)
-            if self.moe_ctx.dispatcher.agree_max(ntok) >= par.overlap_min_tokens:
-                positions = [pos for _, start, n, _ in pieces for pos in range(start, start + n)]
-                a, b = split_pieces(pieces, split_point(positions))
-                return self.model.forward_microbatches([self._tensors(a), self._tensors(b)])
-        return self.model(*self._tensors(pieces))
+            split = self.moe_ctx.dispatcher.agree_max(ntok) >= par.overlap_min_tokens
+        step = self.batch.prepare(pieces, split)
+        if split:
+            return self.model.forward_microbatches(step.batches), step
+        return self.model(*step.batches[0]), step
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> SampleResult:
         """Run the model over the scheduled tokens and sample for requests that reached their end."""
-        pieces = [(s.request, s.request.num_computed_tokens, s.num_tokens, s.samples) for s in out.scheduled]
-        h = self._forward(pieces)
-        rows, sampling, pos = [], [], 0
-        for s in out.scheduled:
-            pos += s.num_tokens
-            if s.samples:
-                rows.append(pos - 1)
-                sampling.append(s.request)
-        if not rows:
+        pieces = self.batch.update(out)
+        h, step = self._forward(pieces)
+        if step.sampling is None:
             return SampleResult([], [])
-        logits = self.model.compute_logits(h[torch.tensor(rows, device=self.device)])
-        return self.sampler(logits, sampling)
+        logits = self.model.compute_logits(h.index_select(0, step.logits_indices_S))
+        return self.sampler(logits, step.sampling)
 
     @torch.inference_mode()
     def execute_empty(self) -> None:

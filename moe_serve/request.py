@@ -43,9 +43,6 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     first_token_time: float | None = None
-    # A seeded request's own random stream: it advances once per sampled token, so the same seed
-    # gives the same text whatever else is in the batch (and across preemption).
-    generator: object | None = None
     logprobs: list = field(default_factory=list)  # per output token: (chosen logprob, {id: logprob})
 
     @property

@@ -1,12 +1,25 @@
-"""Sampling for a whole batch at once: greedy, temperature, top-k, top-p, min-p, per-request seeds,
-and log-probabilities (of the model's own distribution, before any sampling transform)."""
+"""Sampling for a whole batch at once, as tensor ops driven by per-row parameter tensors
+(`SamplingMetadata`, gathered by the input batch): logit_bias, min_tokens, penalties, then greedy
+or temperature / top-k / top-p / min-p sampling with per-request seeds, and log-probabilities of
+the model's own distribution (before any of those transforms).
+
+No Python loop over rows touches a tensor, and the only device->host reads are the sampled ids
+(and, when some row asked for them, one read of the logprob values).
+
+Random rows draw by an exponential race: argmax(p / q) with q ~ Exp(1) i.i.d. per token draws a
+token with probability p. Unseeded rows take q from the engine's generator; seeded rows from a
+counter-based hash of (seed, output position, token id) (`seeded_random.py`), so they do not
+depend on the rest of the batch. Greedy rows take the argmax of the processed logits.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
-from moe_serve.request import Request
+from moe_serve.logits_processors import process_logits
+from moe_serve.sampling_metadata import SamplingMetadata
+from moe_serve.seeded_random import seeded_exponential
 
 
 @dataclass
@@ -21,69 +34,71 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
-    def __call__(self, logits_BV: torch.Tensor, requests: list[Request]) -> SampleResult:
-        B, V = logits_BV.shape
-        logits_BV = logits_BV.to(torch.float32)
-        want_lp = [r.params.logprobs is not None for r in requests]
-        logprobs_BV = torch.log_softmax(logits_BV, dim=-1) if any(want_lp) else None
-
-        temps = torch.tensor([r.params.temperature for r in requests], dtype=torch.float32, device=logits_BV.device)
-        greedy = temps == 0
-        chosen = torch.argmax(logits_BV, dim=-1)
-        if not bool(greedy.all()):
-            x = logits_BV / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
-            x = self._apply_top_k_top_p_min_p(x, requests)
-            probs = torch.softmax(x, dim=-1)
-            # Exponential race: argmax(p / q), q ~ Exp(1), draws from p; each row uses its own
-            # generator when seeded so its stream does not depend on its neighbours.
-            q = torch.empty_like(probs)
-            for i, r in enumerate(requests):
-                if greedy[i]:
-                    q[i].fill_(1.0)
-                elif r.params.seed is not None:
-                    if r.generator is None:
-                        r.generator = torch.Generator(device=logits_BV.device).manual_seed(r.params.seed)
-                    q[i].exponential_(generator=r.generator)
-                else:
-                    q[i].exponential_(generator=self.generator)
-            sampled = torch.argmax(probs / q, dim=-1)
-            chosen = torch.where(greedy, chosen, sampled)
-        ids = chosen.tolist()
-        lps: list = [None] * B
-        if logprobs_BV is not None:
-            n_top = max((r.params.logprobs or 0) for r in requests)
-            chosen_lp = logprobs_BV.gather(1, chosen[:, None]).squeeze(1).tolist()
-            top_v, top_i = (torch.topk(logprobs_BV, n_top, dim=-1) if n_top else (None, None))
-            for i, r in enumerate(requests):
-                if not want_lp[i]:
-                    continue
-                n = r.params.logprobs
-                top = list(zip(top_i[i, :n].tolist(), top_v[i, :n].tolist())) if n else []
-                lps[i] = (chosen_lp[i], top)
+    def __call__(self, logits_SV: torch.Tensor, md: SamplingMetadata) -> SampleResult:
+        """Sample one token per row of logits_SV (float32 from the LM head)."""
+        raw_SV = logits_SV.to(torch.float32)
+        x_SV = process_logits(raw_SV, md)
+        chosen_S = self.choose(x_SV, md)
+        ids = chosen_S.tolist()  # the step's one device->host read
+        lps = _logprobs(raw_SV, chosen_S, md.logprobs_cpu) if md.logprobs_cpu is not None else [None] * len(ids)
         return SampleResult(ids, lps)
 
-    @staticmethod
-    def _apply_top_k_top_p_min_p(x_BV: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        B, V = x_BV.shape
-        dev = x_BV.device
-        top_k = torch.tensor([r.params.top_k if r.params.top_k and r.params.top_k > 0 else V for r in requests],
-                             device=dev).clamp(max=V)
-        top_p = torch.tensor([r.params.top_p for r in requests], dtype=torch.float32, device=dev)
-        min_p = torch.tensor([r.params.min_p for r in requests], dtype=torch.float32, device=dev)
-        if bool((top_k < V).any()) or bool((top_p < 1).any()):
-            sorted_x, order = torch.sort(x_BV, dim=-1, descending=True)
-            rank = torch.arange(V, device=dev)[None, :]
-            drop = rank >= top_k[:, None]
-            sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-            probs = torch.softmax(sorted_x, dim=-1)
-            # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-            before = torch.cumsum(probs, dim=-1) - probs
-            drop = before >= top_p[:, None]
-            drop[:, 0] = False
-            sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-            x_BV = torch.full_like(x_BV, float("-inf")).scatter(1, order, sorted_x)
-        if bool((min_p > 0).any()):
-            probs = torch.softmax(x_BV, dim=-1)
-            thresh = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
-            x_BV = x_BV.masked_fill(probs < thresh, float("-inf"))
-        return x_BV
+    def choose(self, x_SV: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """Token ids (S,) on the device from processed logits: greedy rows (temperature 0) take
+        the argmax, the others sample."""
+        greedy_S = torch.argmax(x_SV, dim=-1)
+        if md.temperature_S is None:
+            return greedy_S
+        temp_S = md.temperature_S
+        is_greedy_S = temp_S == 0
+        x_SV = x_SV / torch.where(is_greedy_S, torch.ones_like(temp_S), temp_S)[:, None]
+        x_SV = _top_k_top_p(x_SV, md.top_k_S, md.top_p_S)
+        if md.min_p_S is not None:
+            probs_SV = torch.softmax(x_SV, dim=-1)
+            keep_SV = probs_SV >= probs_SV.max(dim=-1, keepdim=True).values * md.min_p_S[:, None]
+            x_SV = x_SV.masked_fill(~keep_SV, float("-inf"))
+        probs_SV = torch.softmax(x_SV, dim=-1)
+        q_SV = torch.empty_like(probs_SV).exponential_(generator=self.generator)
+        if md.seeded_Q is not None:
+            q_SV[md.seeded_Q] = seeded_exponential(md.seed_key_Q, md.out_pos_Q, x_SV.shape[1])
+        sampled_S = torch.argmax(probs_SV / q_SV, dim=-1)
+        return torch.where(is_greedy_S, greedy_S, sampled_S)
+
+
+def _top_k_top_p(x_SV: torch.Tensor, top_k_S: torch.Tensor | None, top_p_S: torch.Tensor | None) -> torch.Tensor:
+    """Mask to -inf what falls outside each row's top-k and then its top-p nucleus (V / 1.0 = off)."""
+    if top_k_S is None and top_p_S is None:
+        return x_SV
+    S, V = x_SV.shape
+    sorted_SV, order_SV = torch.sort(x_SV, dim=-1, descending=True)
+    if top_k_S is not None:
+        rank_V = torch.arange(V, device=x_SV.device)
+        sorted_SV = sorted_SV.masked_fill(rank_V[None, :] >= top_k_S[:, None], float("-inf"))
+    if top_p_S is not None:
+        probs_SV = torch.softmax(sorted_SV, dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        before_SV = torch.cumsum(probs_SV, dim=-1) - probs_SV
+        drop_SV = before_SV >= top_p_S[:, None]
+        drop_SV[:, 0] = False
+        sorted_SV = sorted_SV.masked_fill(drop_SV, float("-inf"))
+    return torch.full_like(x_SV, float("-inf")).scatter(1, order_SV, sorted_SV)
+
+
+def _logprobs(raw_SV: torch.Tensor, chosen_S: torch.Tensor, want: list[int]) -> list:
+    """Per row: (chosen token's logprob, top-N (id, logprob)) of the raw distribution, or None
+    where the row asked for none (-1). One device->host read."""
+    lp_SV = torch.log_softmax(raw_SV, dim=-1)
+    n_top = max(want)
+    cols = [lp_SV.gather(1, chosen_S[:, None])]
+    if n_top > 0:
+        top_v, top_i = torch.topk(lp_SV, n_top, dim=-1)
+        cols += [top_v, top_i.to(lp_SV.dtype)]  # ids are exact in float32 below 2**24
+    host = torch.cat(cols, dim=1).tolist()
+    out: list = []
+    for row, n in zip(host, want):
+        if n < 0:
+            out.append(None)
+            continue
+        ids = row[1 + n_top:1 + n_top + n]
+        out.append((row[0], [(int(i), v) for i, v in zip(ids, row[1:1 + n])]))
+    return out

@@ -1,0 +1,211 @@
+"""The persistent input batch: every running request owns a row of preallocated host buffers
+(tokens, block table, counts, sampling parameters) that is updated only where something changed,
+and each step's model inputs are gathered from those rows with tensor ops.
+
+Shape legend: R rows (max_num_seqs), L max_model_len, M max blocks per request, B sequences in a
+(micro-)batch, T tokens in it, W widest block table among them, S sampled rows.
+
+Row invariants (between steps, for a request in `row_of`):
+  - token_ids_RL[row, :num_tokens_R[row]] are its prompt then output tokens as last synced;
+  - block_table_RM[row, :num_blocks_R[row]] are its block ids; the rest of the row is 0;
+  - a free row holds zeros and neutral sampling parameters.
+Rows change when a request is added (all its tokens and blocks written once), when it leaves
+(finished, aborted or preempted: the row is cleared and freed; a preempted request is re-added when
+readmitted), and when it is scheduled again (new output tokens, usually one, and new block ids are
+appended). So per step the Python work is proportional to the scheduled requests, never to their
+context lengths, and the persistent buffers are never copied to the device whole: the step's
+gathered tensors travel in one host->device copy (`staging.HostToDevice`, a pinned buffer on CUDA).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from attention.metadata import AttentionMetadata
+from expert_parallel.overlap import ATTENTION_TOKENS_PER_UNIT, split_pieces
+from moe_serve.request import Request, RequestStatus
+from moe_serve.sampling_metadata import SamplingMetadata, SamplingRows
+from moe_serve.scheduler import SchedulerOutput
+from moe_serve.staging import HostToDevice
+
+# (row, first position computed, tokens computed, whether the step samples for it)
+Piece = tuple[int, int, int, bool]
+
+
+@dataclass
+class StepInputs:
+    """One step's device inputs: one (ids_T, positions_T, meta) per micro-batch (two when split),
+    the rows of the packed hidden states to sample from, and the sampling metadata."""
+
+    batches: list[tuple[torch.Tensor, torch.Tensor, AttentionMetadata]]
+    logits_indices_S: torch.Tensor | None  # int64 indices into the step's packed tokens
+    sampling: SamplingMetadata | None
+
+
+class InputBatch:
+    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int, vocab_size: int,
+                 device: torch.device | str = "cpu"):
+        R, L, bs = max_num_seqs, max_model_len, block_size
+        self.max_model_len, self.block_size = L, bs
+        self.max_blocks = -(-L // bs)
+        self.token_ids_RL = torch.zeros((R, L), dtype=torch.int32)
+        self.num_tokens_R = torch.zeros(R, dtype=torch.int64)
+        self.num_prompt_R = torch.zeros(R, dtype=torch.int64)
+        self.num_blocks_R = torch.zeros(R, dtype=torch.int64)
+        self.block_table_RM = torch.zeros((R, self.max_blocks), dtype=torch.int32)
+        # numpy views of the same memory: single-element writes from Python cost ~100 ns this way.
+        self._tok, self._ntok = self.token_ids_RL.numpy(), self.num_tokens_R.numpy()
+        self._nprompt, self._nblk, self._bt = self.num_prompt_R.numpy(), self.num_blocks_R.numpy(), \
+            self.block_table_RM.numpy()
+        self.sampling = SamplingRows(R, vocab_size, self.num_tokens_R, self.num_prompt_R, self.token_ids_RL)
+        self.row_of: dict[str, int] = {}
+        self.req_at_row: list[Request | None] = [None] * R
+        self._preemptions_at_add = [0] * R
+        self._free = list(range(R - 1, -1, -1))  # pop() hands out the lowest row first
+        self.h2d = HostToDevice(device)
+
+    # --- rows -----------------------------------------------------------------------------------
+    def update(self, out: SchedulerOutput) -> list[Piece]:
+        """Apply what changed since the last step; the scheduled requests as pieces, in order."""
+        for rid in out.finished_req_ids:
+            self.remove(rid)
+        for rid in out.preempted_req_ids:
+            self.remove(rid)
+        return [(self._sync(s.request), s.request.num_computed_tokens, s.num_tokens, s.samples)
+                for s in out.scheduled]
+
+    def _sync(self, req: Request) -> int:
+        """req's row, added if it has none; new tokens and block ids appended."""
+        row = self.row_of.get(req.request_id)
+        if row is not None and (self.req_at_row[row] is not req
+                                or self._preemptions_at_add[row] != req.num_preemptions):
+            # A reused id, or a preemption the runner was not told of (a skipped empty step).
+            self.remove(req.request_id)
+            row = None
+        if row is None:
+            return self.add(req)
+        have, total = int(self._ntok[row]), req.num_tokens
+        if total > have:
+            self._check_len(req, total)
+            self._tok[row, have:total] = req.output_token_ids[have - req.num_prompt_tokens:]
+            self._ntok[row] = total
+        nb, blocks = int(self._nblk[row]), req.block_ids
+        if len(blocks) > nb:
+            self._bt[row, nb:len(blocks)] = blocks[nb:]
+            self._nblk[row] = len(blocks)
+        return row
+
+    def add(self, req: Request) -> int:
+        """Give req a row and write all it has: tokens, block ids, sampling parameters."""
+        if not self._free:
+            self._reclaim()
+        row = self._free.pop()
+        tokens = req.all_token_ids
+        self._check_len(req, len(tokens))
+        self._tok[row, :len(tokens)] = tokens
+        self._ntok[row], self._nprompt[row] = len(tokens), req.num_prompt_tokens
+        self._bt[row, :len(req.block_ids)] = req.block_ids
+        self._nblk[row] = len(req.block_ids)
+        self.sampling.add(row, req)
+        self.row_of[req.request_id] = row
+        self.req_at_row[row] = req
+        self._preemptions_at_add[row] = req.num_preemptions
+        return row
+
+    def remove(self, request_id: str) -> None:
+        """Free request_id's row, if it has one, restoring the free-row invariant."""
+        row = self.row_of.pop(request_id, None)
+        if row is None:
+            return
+        self._bt[row, :self._nblk[row]] = 0
+        self._ntok[row] = self._nprompt[row] = self._nblk[row] = 0
+        self.sampling.remove(row)
+        self.req_at_row[row] = None
+        self._free.append(row)
+
+    def _reclaim(self) -> None:
+        """Free rows whose request is no longer running but whose end the runner was not told of;
+        with every SchedulerOutput executed this never finds any."""
+        for req in [r for r in self.req_at_row if r is not None and r.status != RequestStatus.RUNNING]:
+            self.remove(req.request_id)
+        if not self._free:
+            raise RuntimeError(f"input batch full: all {len(self.req_at_row)} rows (max_num_seqs) hold running requests")
+
+    def _check_len(self, req: Request, n: int) -> None:
+        if n > self.max_model_len:
+            raise ValueError(f"request {req.request_id!r} has {n} tokens, more than the input batch's "
+                             f"max_model_len={self.max_model_len}")
+
+    # --- one step -------------------------------------------------------------------------------
+    def prepare(self, pieces: list[Piece], split: bool = False) -> StepInputs:
+        """Device inputs of one step; with split, two micro-batches cut at a cost-balanced token
+        (expert_parallel/overlap.py) and built from the same rows. One host->device copy."""
+        groups = [pieces]
+        if split:
+            groups = list(split_pieces(pieces, split_point_T(self._positions(pieces))))
+        host: list[torch.Tensor | None] = []
+        lens = []
+        for g in groups:
+            tensors, q_lens, seq_lens = self._forward_host(g)
+            host += tensors
+            lens.append((q_lens, seq_lens))
+        sample_rows, logits_idx, end = [], [], 0
+        for row, _, n, samples in pieces:  # the packed order is the same split or not
+            end += n
+            if samples:
+                sample_rows.append(row)
+                logits_idx.append(end - 1)
+        md = self.sampling.build(sample_rows) if sample_rows else None
+        names = md.tensor_fields() if md is not None else []
+        host.append(torch.tensor(logits_idx, dtype=torch.int64) if sample_rows else None)
+        host += [getattr(md, k) for k in names]
+        dev = self.h2d(host)
+        batches = []
+        for i, (q_lens, seq_lens) in enumerate(lens):
+            ids, pos, slots, qsl, sl, bt = dev[6 * i:6 * i + 6]
+            meta = AttentionMetadata.from_tensors(qsl, sl, bt, slots, self.block_size, q_lens, seq_lens)
+            batches.append((ids, pos, meta))
+        k = 6 * len(groups)
+        if md is not None:
+            md = replace(md, **dict(zip(names, dev[k + 1:])))
+        return StepInputs(batches, dev[k], md)
+
+    def _positions(self, pieces: list[Piece]) -> torch.Tensor:
+        if not pieces:
+            return torch.zeros(0, dtype=torch.int64)
+        starts, nums = torch.tensor([[p[1], p[2]] for p in pieces], dtype=torch.int64).T
+        qsl = torch.cumsum(nums, 0) - nums
+        return torch.arange(int(nums.sum())) + torch.repeat_interleave(starts - qsl, nums)
+
+    def _forward_host(self, pieces: list[Piece]) -> tuple[list[torch.Tensor], list[int], list[int]]:
+        """[ids_T, positions_T, slot_mapping_T, query_start_loc, seq_lens, block_tables] on the host,
+        gathered from the rows, plus host lists of query and sequence lengths."""
+        B, bs = len(pieces), self.block_size
+        q_lens = [p[2] for p in pieces]
+        seq_lens = [p[1] + p[2] for p in pieces]
+        if B == 0:
+            empty = torch.zeros(0, dtype=torch.int64)
+            return [empty, empty, empty, torch.zeros(1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32),
+                    torch.zeros((0, 1), dtype=torch.int32)], q_lens, seq_lens
+        rows_B, start_B, q_B = torch.tensor([p[:3] for p in pieces], dtype=torch.int64).T
+        T = sum(q_lens)
+        qsl = torch.zeros(B + 1, dtype=torch.int64)
+        torch.cumsum(q_B, 0, out=qsl[1:])
+        # Token t of sequence b sits at position start_b + (t - qsl_b), in row rows_b.
+        pos_T = torch.arange(T) + torch.repeat_interleave(start_B - qsl[:-1], q_B, output_size=T)
+        row_T = torch.repeat_interleave(rows_B, q_B, output_size=T)
+        ids_T = self.token_ids_RL[row_T, pos_T].to(torch.int64)
+        slot_T = self.block_table_RM[row_T, pos_T // bs].to(torch.int64) * bs + pos_T % bs
+        W = max(1, int(self.num_blocks_R[rows_B].max()))
+        bt_BW = self.block_table_RM[rows_B, :W]
+        return [ids_T, pos_T, slot_T, qsl.to(torch.int32), (start_B + q_B).to(torch.int32), bt_BW], q_lens, seq_lens
+
+
+def split_point_T(positions_T: torch.Tensor) -> int:
+    """overlap.split_point over a tensor of positions: the first token whose cost midpoint reaches
+    half the total, where a token at position p costs 1 + p / ATTENTION_TOKENS_PER_UNIT."""
+    costs_T = 1.0 + positions_T.to(torch.float64) / ATTENTION_TOKENS_PER_UNIT
+    mid_T = torch.cumsum(costs_T, 0) - costs_T / 2  # cost before token t plus half its own
+    # mid_T increases with t, so the tokens before the cut are exactly those below half.
+    return int((mid_T < costs_T.sum() / 2).sum())
