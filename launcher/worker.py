@@ -80,7 +80,7 @@ def run(ns: argparse.Namespace, serve_argv: list[str]) -> int:
                                                       "0.0.0.0" if multi_node else "127.0.0.1")
         host = os.environ.get("MASTER_ADDR", "127.0.0.1") if multi_node else "127.0.0.1"
         addrs = json.dumps({"host": host, "in": in_ports, "out": out_port}).encode()
-    loop = None
+    loop, clean = None, False
     try:
         a = json.loads(broadcast_bytes(addrs, groups.cpu_group))
         core = build_engine(cfg, groups.ep_group, show_progress=rank == 0)
@@ -100,6 +100,7 @@ def run(ns: argparse.Namespace, serve_argv: list[str]) -> int:
         loop.close()
         if frontend is not None:
             rc = rc or _wait(frontend)
+        clean = True
         return rc
     except Exception as e:
         if loop is not None:
@@ -110,7 +111,8 @@ def run(ns: argparse.Namespace, serve_argv: list[str]) -> int:
         if frontend is not None and frontend.poll() is None:
             frontend.terminate()
             _wait(frontend)
-        if clean_exit(groups):
+        # After a failure the other ranks may be inside a collective: leave teardown to exit.
+        if clean and clean_exit(groups):
             destroy_process_groups(groups)
 
 

@@ -84,8 +84,8 @@ class CoreOutputs(msgspec.Struct, tag="out", array_like=True):
     rank: int
     outputs: list[EngineCoreOutput]
     stats: EngineStats
-    # Some rank got SIGTERM: the front end should drain and shut the job down.
-    wants_shutdown: bool = False
+    # A rank that got SIGTERM (-1: none): the front end should drain and shut the job down.
+    shutdown_asked_by: int = -1
     finished_shutdown: bool = False  # the core's last message before it exits
 
 

@@ -242,9 +242,9 @@ class AsyncEngine:
     def _on_outputs(self, msg: CoreOutputs) -> int:
         self.rank_stats[msg.rank] = msg.stats
         self.metrics.update_from(self.stats())
-        if msg.wants_shutdown and not self._shutdown_asked:
+        if msg.shutdown_asked_by >= 0 and not self._shutdown_asked:
             self._shutdown_asked = True
-            log.info("rank %d asked to shut down (SIGTERM); stopping the job", msg.rank)
+            log.info("rank %d asked to shut down (SIGTERM); stopping the job", msg.shutdown_asked_by)
             signal.raise_signal(signal.SIGTERM)  # the server drains, then shutdown() stops every core
         outs, stopped = self.processor.process(msg.outputs)
         for cid in stopped:  # stop strings: the core frees their blocks

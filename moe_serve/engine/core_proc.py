@@ -46,6 +46,7 @@ class CoreLoop:
         self.out.setsockopt(zmq.LINGER, 5000)
         self.out.connect(out_addr)
         self.wants_shutdown = False  # SIGTERM here
+        self.shutdown_asked_by = -1  # the rank whose SIGTERM is known here (own, or agreed over ranks)
         self._reported_shutdown_wish = False
         self.turns = 0
         self._pending_load: str | None = None  # "load_start" | "load_stop" asked on this rank
@@ -113,23 +114,23 @@ class CoreLoop:
             if self.world_size > 1:
                 import torch.distributed as dist
 
-                flags = torch.tensor([ntok, self.wants_shutdown, shutdown, load == "load_start",
-                                      load == "load_stop"], dtype=torch.int64)
+                flags = torch.tensor([ntok, self.rank + 1 if self.wants_shutdown else 0, shutdown,
+                                      load == "load_start", load == "load_stop"], dtype=torch.int64)
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-                max_tok, any_term, shutdown, start, stop = (int(v) for v in flags.tolist())
+                max_tok, term_rank, shutdown, start, stop = (int(v) for v in flags.tolist())
                 load = "load_start" if start else ("load_stop" if stop else None)
-                if any_term and self.rank == 0:
-                    self.wants_shutdown = True
+                self.shutdown_asked_by = term_rank - 1
             else:
                 max_tok = ntok
+                self.shutdown_asked_by = 0 if self.wants_shutdown else -1
             self._apply_load(load)
             any_work = max_tok > 0
             if any_work:
                 outs += core.execute(sched if sched is not None else _empty(), lockstep=self.world_size > 1)
-            wish = self.wants_shutdown and not self._reported_shutdown_wish
+            wish = self.shutdown_asked_by >= 0 and not self._reported_shutdown_wish
             if outs or any_work or wish or shutdown:
                 self._reported_shutdown_wish |= wish
-                self.send(CoreOutputs(self.rank, outs, core.stats(), self.wants_shutdown, bool(shutdown)))
+                self.send(CoreOutputs(self.rank, outs, core.stats(), self.shutdown_asked_by, bool(shutdown)))
             if shutdown:
                 return 0
             if not any_work and time.monotonic() - self._peer_checked > 1.0:

@@ -71,14 +71,8 @@ def test_placement_cli_errors_name_the_field(recorded_load, tmp_path):
 def test_single_process_with_placement_matches(checkpoints, tuned_placement):
     path = checkpoints["qwen3_moe"]
     want = expected_texts(path, PROMPTS, 8)
-    llm = LLM(path, dtype="float32", kv_cache_memory=4 << 20, show_progress=False)
-    from moe_serve.entrypoints.openai.launch import load_placement_arg
-    from moe_serve.engine.core import EngineCore
-
-    core = EngineCore(llm.engine.cfg, 4 << 20, physical_to_logical=load_placement_arg(tuned_placement, 1),
-                      show_progress=False)
-    assert any(m.replica_map is not None for m in core.runner.model.modules() if hasattr(m, "replica_map"))
-    llm.engine = core
+    llm = LLM(path, dtype="float32", kv_cache_memory=4 << 20, show_progress=False, expert_placement=tuned_placement)
+    assert any(m.replica_map is not None for m in llm.engine.runner.model.modules() if hasattr(m, "replica_map"))
     got = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=8))
     assert [o.outputs[0].text for o in got] == want
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from moe_serve import LLM, SamplingParams
+from moe_serve.protocol import NewRequest
 from moe_serve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 PROMPTS = [[5, 77, 301, 42], [9, 8, 7, 6, 5, 4, 3, 200, 100], [450]]
@@ -126,10 +127,10 @@ def test_bad_sampling_params(kw, field):
 
 def test_abort_frees_blocks(llm):
     core = llm.engine
-    core.add_request("x", list(range(3, 60)), SamplingParams(max_tokens=50))
+    assert core.add_request(NewRequest("x", list(range(3, 60)), SamplingParams(max_tokens=50))) is None
     core.step()
     assert core.allocator.usage > 0
-    core.abort_request("x")
+    assert [(o.request_id, o.finish_reason) for o in core.abort_requests(["x"])] == [("x", "abort")]
     assert core.allocator.usage == 0 and not core.has_unfinished()
 
 
