@@ -41,6 +41,10 @@ class Tokenizer:
         return v.get("content") if isinstance(v, dict) else v
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > 4096:
+            # `tokenizers` releases the GIL in encode_batch (not in encode): a long prompt then
+            # tokenizes in a worker thread while the event loop keeps serving.
+            return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 
 import msgspec
@@ -151,7 +152,9 @@ def serve(app: FastAPI, engine: AsyncEngine, host: str, port: int, grace_s: floa
     server = Server(config)
     # An engine that died cannot serve: stop the server and exit non-zero (under torchrun this
     # stops the whole job).
-    engine.on_fatal = lambda: setattr(server, "should_exit", True)
+    # Requests in flight have already been ended with the reason; /health says 503 for a moment
+    # so that clients and load balancers see why, then the process exits.
+    engine.on_fatal = lambda: threading.Timer(1.0, lambda: setattr(server, "should_exit", True)).start()
     log.info("serving %s on http://%s:%d/v1", engine.model_name, host, port)
     server.run()
     engine.shutdown(grace_s=0.0)  # aborts what is left and waits for every core to exit

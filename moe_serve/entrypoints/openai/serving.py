@@ -113,6 +113,7 @@ class OpenAIServing:
             return self._stream_completions(req, rid, prompts, params, stream)
         k = len(prompts) * params.n
         texts, lps, fins = await _collect(stream, k)
+        self._check_alive()
         choices = []
         for c in range(k):
             ptext, ids = prompts[c // params.n]
@@ -146,7 +147,9 @@ class OpenAIServing:
                 lp = self._completion_logprobs(out.logprobs or [], 0) if req.logprobs is not None else None
                 yield _sse(P.CompletionResponse(rid, created, self.model_name, [P.CompletionChoice(
                     c, out.new_text, lp, out.finish_reason, out.stop_reason)]))
-            if req.stream_options and req.stream_options.include_usage:
+            if self.engine.dead:
+                yield _sse_error(f"the engine has stopped: {self.engine.dead}")
+            elif req.stream_options and req.stream_options.include_usage:
                 yield _sse(P.CompletionResponse(rid, created, self.model_name, [], _usage(stream)))
             yield b"data: [DONE]\n\n"
         finally:
@@ -190,6 +193,7 @@ class OpenAIServing:
             return self._stream_chat(req, rid, params, stream)
         n = params.n
         texts, lps, fins = await _collect(stream, n)
+        self._check_alive()
         choices = [P.ChatChoice(i, P.ChatMessageOut("assistant", texts[i]),
                                 self._chat_logprobs(lps[i]) if req.logprobs else None, fins[i][0], fins[i][1])
                    for i in range(n)]
@@ -218,11 +222,19 @@ class OpenAIServing:
                 lp = self._chat_logprobs(out.logprobs or []) if req.logprobs else None
                 yield _sse(P.ChatCompletionChunk(rid, created, self.model_name, [P.ChatStreamChoice(
                     i, P.Delta(content=out.new_text), lp, out.finish_reason)]))
-            if req.stream_options and req.stream_options.include_usage:
+            if self.engine.dead:
+                yield _sse_error(f"the engine has stopped: {self.engine.dead}")
+            elif req.stream_options and req.stream_options.include_usage:
                 yield _sse(P.ChatCompletionChunk(rid, created, self.model_name, [], _usage(stream)))
             yield b"data: [DONE]\n\n"
         finally:
             await stream.aclose()
+
+    def _check_alive(self) -> None:
+        """A request cut short because the engine died is an error, not a short answer."""
+        if self.engine.dead:
+            raise BadRequest(f"the engine has stopped: {self.engine.dead}", None, 503, "engine_dead",
+                             "ServiceUnavailableError")
 
     def _submit(self, rid: str, prompts: list[list[int]], params: SamplingParams):
         try:
@@ -259,3 +271,8 @@ def _usage(stream) -> P.UsageInfo:
 
 def _sse(obj) -> bytes:
     return b"data: " + msgspec.json.encode(obj) + b"\n\n"
+
+
+def _sse_error(message: str, status: int = 503) -> bytes:
+    """A stream that cannot finish ends with an error event in OpenAI's error shape."""
+    return _sse(P.ErrorResponse(P.ErrorInfo(message, "ServiceUnavailableError", None, status)))
