@@ -8,7 +8,10 @@ built-in default model.
   without the check into the benchmark cache, so performance can still be measured; the returned
   description says so,
 - "synthetic-mixtral" / "synthetic-qwen3": random-init models written by transformers itself
-  (`save_pretrained`, float32 on disk) with a byte-level BPE tokenizer trained at build time.
+  (`save_pretrained`, float32 on disk) with a byte-level BPE tokenizer trained at build time,
+- "qwen3-moe-tiny" / "qwen3-moe-mid": the same, Qwen3-MoE with 32 experts top-4, head_dim 64 (vLLM's
+  CPU backend rejects head_dim 16) and a tokenizer that fills the whole 4096-token vocabulary, so
+  every id a random model emits detokenizes the same way in any engine (bench/overhead.py).
 
 Built checkpoints live under $MOE_SERVE_CACHE/bench (default ~/.cache/moe-serve/bench), built once.
 """
@@ -41,8 +44,37 @@ SYNTHETIC = {
         moe_intermediate_size=704, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
         head_dim=64, num_experts=16, num_experts_per_tok=4, norm_topk_prob=True, max_position_embeddings=4096,
         rope_theta=10000.0, tie_word_embeddings=False),
+    # ~8M parameters (~31 MB float32): per-step host overhead dominates its decode.
+    "qwen3-moe-tiny": dict(
+        architectures=["Qwen3MoeForCausalLM"], vocab_size=4096, hidden_size=128, intermediate_size=256,
+        moe_intermediate_size=64, num_hidden_layers=8, num_attention_heads=2, num_key_value_heads=2,
+        head_dim=64, num_experts=32, num_experts_per_tok=4, norm_topk_prob=True, max_position_embeddings=4096,
+        rope_theta=10000.0, tie_word_embeddings=False, tokenizer_vocab=4096),
+    # ~110M parameters (~440 MB float32): 32 experts of F=256 (F=512 would be ~850 MB).
+    "qwen3-moe-mid": dict(
+        architectures=["Qwen3MoeForCausalLM"], vocab_size=4096, hidden_size=512, intermediate_size=1024,
+        moe_intermediate_size=256, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+        head_dim=64, num_experts=32, num_experts_per_tok=4, norm_topk_prob=True, max_position_embeddings=4096,
+        rope_theta=10000.0, tie_word_embeddings=False, tokenizer_vocab=4096),
 }
 BUILD_VERSION = 1
+
+
+def _tokenizer_corpus(seed: int = 0) -> str:
+    """Enough distinct text for a BPE vocabulary of a few thousand merges: the trainer's own corpus
+    plus deterministic lines of common words and random letter strings."""
+    import random
+
+    from bench.serve import WORDS
+    from moe_serve.default_model.tokenizer_train import _CORPUS
+
+    rng = random.Random(seed)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    lines = [_CORPUS]
+    for _ in range(4000):
+        lines.append(" ".join(rng.choice(WORDS) if rng.random() < 0.6 else
+                              "".join(rng.choice(letters) for _ in range(rng.randint(3, 9))) for _ in range(12)))
+    return "\n".join(lines)
 
 
 def cache_dir() -> str:
@@ -65,10 +97,14 @@ def build_synthetic(name: str, out_dir: str) -> str:
 
     spec = dict(SYNTHETIC[name])
     arch = spec.pop("architectures")[0]
+    tok_vocab = spec.pop("tokenizer_vocab", None)
     os.makedirs(os.path.dirname(out_dir), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=os.path.dirname(out_dir))
     try:
-        train_tokenizer(tmp)
+        if tok_vocab:
+            train_tokenizer(tmp, tok_vocab, _tokenizer_corpus())
+        else:
+            train_tokenizer(tmp)
         special = special_token_ids(tmp)
         cfg_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
         cfg = cfg_cls(**spec, eos_token_id=special["<|im_end|>"], bos_token_id=None,
@@ -119,17 +155,26 @@ def _default_model() -> tuple[str, str, str]:
     return path, os.path.basename(path.rstrip("/")), desc
 
 
+def ensure_synthetic(name: str, root: str | None = None) -> str:
+    """The directory of synthetic checkpoint `name` under `root` (default cache_dir()), built once."""
+    path = os.path.join(root or cache_dir(), name)
+    if not _built(path, name):
+        print(f"[model] building {name} into {path} (once)", flush=True)
+        build_synthetic(name, path)
+    return path
+
+
+def describe_synthetic(name: str) -> str:
+    s = SYNTHETIC[name]
+    return (f"{name}: random-init {s['architectures'][0]}, {s['num_hidden_layers']} layers, "
+            f"D={s['hidden_size']}, {s.get('num_local_experts') or s.get('num_experts')} experts "
+            f"top-{s['num_experts_per_tok']}")
+
+
 def resolve_model(spec: str) -> tuple[str, str, str]:
     """`(path, short name for file names, one-line description)` of a benchmark model spec."""
     if spec in SYNTHETIC:
-        path = os.path.join(cache_dir(), spec)
-        if not _built(path, spec):
-            print(f"[model] building {spec} into {path} (once)", flush=True)
-            build_synthetic(spec, path)
-        s = SYNTHETIC[spec]
-        return path, spec, (f"{spec}: random-init {s['architectures'][0]}, {s['num_hidden_layers']} layers, "
-                            f"D={s['hidden_size']}, {s.get('num_local_experts') or s.get('num_experts')} experts "
-                            f"top-{s['num_experts_per_tok']}")
+        return ensure_synthetic(spec), spec, describe_synthetic(spec)
     if spec == "default":
         return _default_model()
     if not os.path.isfile(os.path.join(spec, "config.json")):
