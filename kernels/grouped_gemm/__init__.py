@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.grouped_gemm.grouped_mm import fused_experts_grouped, grouped_mm_available, grouped_mm_fits
 from kernels.grouped_gemm.reference import fused_experts_reference
 
 BACKENDS = ("torch", "triton")
@@ -25,6 +26,11 @@ def fused_experts(
     See `kernels.grouped_gemm.reference.fused_experts_reference` for shapes; ids of -1 are skipped.
     """
     if backend == "torch":
+        # Two grouped GEMMs where torch has them for this dtype (float32 on CPU: half precision
+        # there would run element by element without bf16 matrix instructions); else the loop.
+        if (x_TD.shape[0] and x_TD.dtype == torch.float32 and grouped_mm_available(x_TD.dtype, x_TD.device.type)
+                and grouped_mm_fits(x_TD, w13_EFD, w2_EDF)):
+            return fused_experts_grouped(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK)
         return fused_experts_reference(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK)
     if backend == "triton":
         from kernels.grouped_gemm.triton_kernel import fused_experts_triton  # lazy: triton is heavy

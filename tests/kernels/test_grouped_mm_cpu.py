@@ -1,0 +1,62 @@
+"""The CPU experts' grouped-GEMM path against the float64 oracle: skipped pairs, experts with no
+token, one token, and no device-to-host read inside (it compiles as one graph)."""
+import pytest
+import torch
+
+from kernels.grouped_gemm import fused_experts
+from kernels.grouped_gemm.grouped_mm import fused_experts_grouped, grouped_mm_available
+from kernels.grouped_gemm.reference import fused_experts_float64
+from tests.sync_guard import HostSyncError, NoHostSync
+from tests.kernels.test_grouped_gemm import layer, rel_err, routing
+
+pytestmark = pytest.mark.skipif(not grouped_mm_available(torch.float32, "cpu"),
+                                reason="this torch has no CPU grouped GEMM (the loop is used instead)")
+
+
+# (T, D, F, E, K, skip fraction, experts with no token): D and F multiples of 4 (16-byte strides).
+GROUPED_CASES = {
+    "one_token_top1": (1, 40, 24, 3, 1, 0.0, ()),
+    "one_token_top8": (1, 48, 40, 10, 8, 0.25, ()),
+    "odd_tokens_skips": (13, 40, 24, 6, 2, 0.3, (2, 4)),
+    "many_tokens": (70, 32, 24, 9, 3, 0.1, (5,)),
+    "all_skipped": (5, 32, 16, 4, 2, 1.0, ()),
+}
+
+
+@pytest.mark.parametrize("case", list(GROUPED_CASES))
+def test_grouped_matches_float64_oracle(case):
+    T, D, F, E, K, skip, zero = GROUPED_CASES[case]
+    gen = torch.Generator().manual_seed(len(case) * 11 + T)
+    x, w13, w2 = layer(T, D, F, E, torch.float32, gen)
+    weights, ids = routing(T, E, K, gen, skip, zero)
+    ref = fused_experts_float64(x, w13, w2, weights, ids)
+    got = fused_experts_grouped(x, w13, w2, weights, ids)
+    assert got.dtype == torch.float32 and got.shape == (T, D)
+    if case == "all_skipped":
+        assert torch.equal(got, torch.zeros(T, D))
+    else:
+        assert rel_err(got, ref) < 1e-5
+    # The public torch backend takes this path for float32 and gives the same numbers.
+    assert torch.equal(fused_experts(x, w13, w2, weights, ids, backend="torch"), got)
+
+
+def test_unaligned_shapes_take_the_loop():
+    gen = torch.Generator().manual_seed(5)
+    x, w13, w2 = layer(9, 33, 17, 7, torch.float32, gen)  # 33 * 4 bytes is not a multiple of 16
+    weights, ids = routing(9, 7, 2, gen, 0.2)
+    got = fused_experts(x, w13, w2, weights, ids, backend="torch")
+    assert rel_err(got, fused_experts_float64(x, w13, w2, weights, ids)) < 1e-5
+
+
+def test_grouped_has_no_host_sync():
+    gen = torch.Generator().manual_seed(3)
+    x, w13, w2 = layer(8, 32, 16, 6, torch.float32, gen)
+    weights, ids = routing(8, 6, 2, gen, 0.2)
+    with NoHostSync():
+        got = fused_experts_grouped(x, w13, w2, weights, ids)
+    assert rel_err(got, fused_experts_float64(x, w13, w2, weights, ids)) < 1e-5
+    # The guard does catch a sync: the per-expert loop reads its counts on the host.
+    from kernels.grouped_gemm.reference import fused_experts_reference
+
+    with pytest.raises(HostSyncError), NoHostSync():
+        fused_experts_reference(x, w13, w2, weights, ids)
