@@ -43,35 +43,52 @@ def _causal_softmax_attend(scores_NQS: torch.Tensor, q_len: int, ctx_len: int) -
     return torch.softmax(scores_NQS, dim=-1)
 
 
-def _decode_gather(cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+def _decode_gather(cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                   max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Every sequence's context, padded to the longest: (B, S, ...) rows and a (B, S) mask of padding."""
     bs = cache.shape[1]
-    nblocks = (meta.max_seq_len + bs - 1) // bs
-    rows = cache[meta.block_tables[:, :nblocks].long()].flatten(1, 2)
-    pad = torch.arange(rows.shape[1], device=rows.device)[None, :] >= meta.seq_lens[:, None].to(rows.device)
+    nblocks = (max_seq_len + bs - 1) // bs
+    rows = cache[block_tables[:, :nblocks].long()].flatten(1, 2)
+    pad = torch.arange(rows.shape[1], device=rows.device)[None, :] >= seq_lens[:, None].to(rows.device)
     return rows, pad
+
+
+def _leading_decodes(meta: AttentionMetadata) -> int:
+    """How many sequences at the front of the batch have one query token each. The scheduler puts
+    every decode before any prefill chunk, so in a mixed step they are all there."""
+    n = 0
+    for q in meta.query_lens_cpu:
+        if q != 1:
+            break
+        n += 1
+    return n
 
 
 def paged_attention(q_TNH: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Causal attention of the packed queries over their paged contexts (prefill, chunked, decode).
 
-    Returns (T, N, Hv) in q's dtype; scores and softmax are computed in float32. A batch of
-    decodes (one query per sequence) runs as one padded batched computation; anything else runs
-    sequence by sequence.
+    Returns (T, N, Hv) in q's dtype; scores and softmax are computed in float32. The decodes at the
+    front of the batch (one query per sequence) run as one padded batched computation, in a mixed
+    step too; prefill chunks run sequence by sequence.
     """
     T, N, _ = q_TNH.shape
     G = k_cache.shape[2]
-    if meta.max_query_len == 1 and meta.num_seqs > 1 and T == meta.num_seqs:
-        k, pad = _decode_gather(k_cache, meta)  # (B, S, G, H)
-        v, _ = _decode_gather(v_cache, meta)
-        q = q_TNH.float().view(T, G, N // G, -1)  # query head n reads kv head n // (N // G)
+    out = torch.empty(T, N, v_cache.shape[-1], dtype=q_TNH.dtype, device=q_TNH.device)
+    nd = _leading_decodes(meta)
+    if nd > 1:  # the decodes as one padded batched computation
+        bt, sl = meta.block_tables[:nd], meta.seq_lens[:nd]
+        longest = max(meta.seq_lens_cpu[:nd])
+        k, pad = _decode_gather(k_cache, bt, sl, longest)  # (B, S, G, H)
+        v, _ = _decode_gather(v_cache, bt, sl, longest)
+        q = q_TNH[:nd].float().view(nd, G, N // G, -1)  # query head n reads kv head n // (N // G)
         scores = torch.einsum("bgrh,bsgh->bgrs", q, k.float()) * scale
         p = torch.softmax(scores.masked_fill(pad[:, None, None, :], float("-inf")), dim=-1)
-        return torch.einsum("bgrs,bsgh->bgrh", p, v.float()).reshape(T, N, -1).to(q_TNH.dtype)
-    out = torch.empty(T, N, v_cache.shape[-1], dtype=q_TNH.dtype, device=q_TNH.device)
-    s = 0
-    for b in range(meta.num_seqs):
+        out[:nd] = torch.einsum("bgrs,bsgh->bgrh", p, v.float()).reshape(nd, N, -1).to(q_TNH.dtype)
+    else:
+        nd = 0
+    s = nd
+    for b in range(nd, meta.num_seqs):
         q_len = meta.query_lens_cpu[b]
         ctx = meta.seq_lens_cpu[b]
         if q_len == 0:
@@ -98,16 +115,20 @@ def mla_paged_attention(q_latent_TNL: torch.Tensor, q_pe_TNR: torch.Tensor, late
     query with W_UK beforehand is what makes this equal to attention over expanded K/V.
     """
     T, N, L = q_latent_TNL.shape
-    if meta.max_query_len == 1 and meta.num_seqs > 1 and T == meta.num_seqs:
-        lat, pad = _decode_gather(latent_cache, meta)  # (B, S, L+R)
-        lat = lat.float()
-        scores = (torch.einsum("bnl,bsl->bns", q_latent_TNL.float(), lat[..., :L])
-                  + torch.einsum("bnr,bsr->bns", q_pe_TNR.float(), lat[..., L:])) * scale
-        p = torch.softmax(scores.masked_fill(pad[:, None, :], float("-inf")), dim=-1)
-        return torch.einsum("bns,bsl->bnl", p, lat[..., :L]).to(q_latent_TNL.dtype)
     out = torch.empty(T, N, L, dtype=q_latent_TNL.dtype, device=q_latent_TNL.device)
-    s = 0
-    for b in range(meta.num_seqs):
+    nd = _leading_decodes(meta)
+    if nd > 1:  # the decodes as one padded batched computation
+        lat, pad = _decode_gather(latent_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
+                                  max(meta.seq_lens_cpu[:nd]))  # (B, S, L+R)
+        lat = lat.float()
+        scores = (torch.einsum("bnl,bsl->bns", q_latent_TNL[:nd].float(), lat[..., :L])
+                  + torch.einsum("bnr,bsr->bns", q_pe_TNR[:nd].float(), lat[..., L:])) * scale
+        p = torch.softmax(scores.masked_fill(pad[:, None, :], float("-inf")), dim=-1)
+        out[:nd] = torch.einsum("bns,bsl->bnl", p, lat[..., :L]).to(q_latent_TNL.dtype)
+    else:
+        nd = 0
+    s = nd
+    for b in range(nd, meta.num_seqs):
         q_len = meta.query_lens_cpu[b]
         ctx = meta.seq_lens_cpu[b]
         if q_len == 0:
