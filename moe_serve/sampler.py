@@ -46,9 +46,9 @@ class Sampler:
     def choose(self, x_SV: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """Token ids (S,) on the device from processed logits: greedy rows (temperature 0) take
         the argmax, the others sample."""
-        greedy_S = torch.argmax(x_SV, dim=-1)
         if md.temperature_S is None:
-            return greedy_S
+            return torch.argmax(x_SV, dim=-1)
+        greedy_S = torch.argmax(x_SV, dim=-1) if md.any_greedy_cpu else None
         temp_S = md.temperature_S
         is_greedy_S = temp_S == 0
         x_SV = x_SV / torch.where(is_greedy_S, torch.ones_like(temp_S), temp_S)[:, None]
@@ -58,11 +58,13 @@ class Sampler:
             keep_SV = probs_SV >= probs_SV.max(dim=-1, keepdim=True).values * md.min_p_S[:, None]
             x_SV = x_SV.masked_fill(~keep_SV, float("-inf"))
         probs_SV = torch.softmax(x_SV, dim=-1)
-        q_SV = torch.empty_like(probs_SV).exponential_(generator=self.generator)
+        # Exp(1) as -log(U): on the CPU three times faster than exponential_. U is in [0, 1), so q
+        # is never 0 (U = 0 gives q = inf, which only loses that one token a 2**-24 chance).
+        q_SV = torch.empty_like(probs_SV).uniform_(generator=self.generator).log_().neg_()
         if md.seeded_Q is not None:
             q_SV[md.seeded_Q] = seeded_exponential(md.seed_key_Q, md.out_pos_Q, x_SV.shape[1])
         sampled_S = torch.argmax(probs_SV / q_SV, dim=-1)
-        return torch.where(is_greedy_S, greedy_S, sampled_S)
+        return sampled_S if greedy_S is None else torch.where(is_greedy_S, greedy_S, sampled_S)
 
 
 def _top_k_top_p(x_SV: torch.Tensor, top_k_S: torch.Tensor | None, top_p_S: torch.Tensor | None) -> torch.Tensor:

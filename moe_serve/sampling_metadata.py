@@ -30,7 +30,7 @@ class SamplingMetadata:
     top_p_S: torch.Tensor | None = None  # float32, 1 where a row has no cut
     min_p_S: torch.Tensor | None = None  # float32, 0 where a row has no cut
     seeded_Q: torch.Tensor | None = None  # int64 indices (into S) of the random rows that have a seed
-    seed_key_Q: torch.Tensor | None = None  # int64 in [0, 2**32): the seed, mixed
+    seed_key_Q: torch.Tensor | None = None  # int32: the seed, mixed (`seeded_random.seed_key`)
     out_pos_Q: torch.Tensor | None = None  # int64: index of the output token being sampled
     penalized_P: torch.Tensor | None = None  # int64 indices (into S) of rows with any penalty
     tokens_PL: torch.Tensor | None = None  # int64: those rows' prompt + output tokens, padded past num_tokens
@@ -43,9 +43,10 @@ class SamplingMetadata:
     bias_value_N: torch.Tensor | None = None  # float32
     banned_index_M: torch.Tensor | None = None  # int64 flat index of EOS / stop ids masked by min_tokens
     logprobs_cpu: list[int] | None = None  # host: top-N logprobs per row (-1: none); None: no row
+    any_greedy_cpu: bool = True  # host: some row has temperature 0 (else its argmax is not needed)
 
     def tensor_fields(self) -> list[str]:
-        return [f.name for f in fields(self) if f.name != "logprobs_cpu"]
+        return [f.name for f in fields(self) if not f.name.endswith("_cpu")]
 
 
 class SamplingRows:
@@ -65,7 +66,7 @@ class SamplingRows:
         self.presence_R = torch.zeros(R, **f32)
         self.repetition_R = torch.ones(R, **f32)
         self.min_tokens_R = torch.zeros(R, dtype=torch.int64)
-        self.seed_key_R = torch.zeros(R, dtype=torch.int64)
+        self.seed_key_R = torch.zeros(R, dtype=torch.int32)
         self.logprobs_R = torch.full((R,), -1, dtype=torch.int64)
         self.flags = {name: torch.zeros(R, dtype=torch.bool) for name in ("seeded", "penalty")}
         # Padded per-row token lists (-1 = empty slot), widened when a request needs more room.
@@ -143,6 +144,7 @@ class SamplingRows:
         out_len_R = self.num_tokens_R - self.num_prompt_R  # output tokens so far, per row
         if c["random"] > 0:
             md.temperature_S = self.temperature_R[idx_S]
+            md.any_greedy_cpu = bool((md.temperature_S == 0).any())  # a host tensor: no sync
             md.top_k_S = self.top_k_R[idx_S] if c["top_k"] > 0 else None
             md.top_p_S = self.top_p_R[idx_S] if c["top_p"] > 0 else None
             md.min_p_S = self.min_p_R[idx_S] if c["min_p"] > 0 else None

@@ -3,11 +3,16 @@ token id), so a seeded request draws the same numbers whatever else is in its ba
 and again after preemption (the recomputed step samples the same output position). No generator
 state is kept per request and the whole batch's draws are a handful of elementwise tensor ops.
 
-The mixer is MurmurHash3's 32-bit finaliser (a bijection on 32-bit words with full avalanche).
-Values are kept in int64 tensors below 2**32; a product of two such values may wrap past 2**63,
-but its low 32 bits, all that is kept, are the same either way (two's complement).
+The mixer is MurmurHash3's 32-bit finaliser (a bijection on 32-bit words with full avalanche),
+computed on int32 tensors: int32 products wrap modulo 2**32 (two's complement), which is the
+arithmetic the finaliser wants, and right shifts are made logical by masking the sign bits that an
+arithmetic shift drags in. int32 rather than int64 halves the memory traffic (the (Q, V) hash then
+costs about what the engine generator's uniform_ costs). `fmix32_int` is the same function on
+Python ints, the reference the tests hold the tensor version to.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -16,13 +21,19 @@ _C1, _C2 = 0x85EBCA6B, 0xC2B2AE35
 _GOLDEN = 0x9E3779B9  # separates the seed's halves and the position from the token stream
 
 
+def to_int32(v: int) -> int:
+    """The int32 whose two's-complement bits are the 32-bit word v."""
+    v &= _M32
+    return v - (1 << 32) if v >= 1 << 31 else v
+
+
 def fmix32(h: torch.Tensor) -> torch.Tensor:
-    """MurmurHash3 fmix32 of int64 values in [0, 2**32); result in the same range."""
-    h = h ^ (h >> 16)
-    h = (h * _C1) & _M32
-    h = h ^ (h >> 13)
-    h = (h * _C2) & _M32
-    return h ^ (h >> 16)
+    """MurmurHash3 fmix32 of int32 words (bit patterns; the sign is just the top bit)."""
+    h = h ^ ((h >> 16) & 0xFFFF)
+    h = h * to_int32(_C1)
+    h = h ^ ((h >> 13) & 0x7FFFF)
+    h = h * to_int32(_C2)
+    return h ^ ((h >> 16) & 0xFFFF)
 
 
 def fmix32_int(h: int) -> int:
@@ -35,19 +46,21 @@ def fmix32_int(h: int) -> int:
 
 
 def seed_key(seed: int) -> int:
-    """Fold any Python int seed (negative or wider than 64 bits too) into a 32-bit key."""
+    """Fold any Python int seed (negative or wider than 64 bits too) into a 32-bit key, as int32."""
     s = seed & ((1 << 64) - 1)
-    return fmix32_int((s & _M32) ^ fmix32_int(((s >> 32) ^ _GOLDEN) & _M32))
+    return to_int32(fmix32_int((s & _M32) ^ fmix32_int(((s >> 32) ^ _GOLDEN) & _M32)))
 
 
 def seeded_exponential(seed_key_Q: torch.Tensor, out_pos_Q: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Exp(1) draws of shape (Q, V), one per (row's seed, row's output position, token id).
+    """Exp(1) draws of shape (Q, V), one per (row's seed key, row's output position, token id).
 
-    The uniform behind each draw has 24 random bits, offset by half a step so it is never 0 or 1
-    (the draws are finite and positive).
+    seed_key_Q and out_pos_Q are integer tensors (int32 keys from `seed_key`). The uniform behind
+    each draw has 24 random bits, offset by half a step so it is never 0 or 1: the draws are
+    finite and positive.
     """
-    key_Q = fmix32(seed_key_Q ^ fmix32((out_pos_Q + _GOLDEN) & _M32))
-    tok_V = fmix32((torch.arange(vocab_size, device=seed_key_Q.device, dtype=torch.int64) * 2 + 1) & _M32)
-    bits_QV = fmix32(key_Q[:, None] ^ tok_V[None, :]) >> 8
-    u_QV = (bits_QV.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
-    return -torch.log(u_QV)
+    dev = seed_key_Q.device
+    key_Q = fmix32(seed_key_Q.to(torch.int32) ^ fmix32(out_pos_Q.to(torch.int32) + to_int32(_GOLDEN)))
+    tok_V = fmix32(torch.arange(vocab_size, device=dev, dtype=torch.int32) * 2 + 1)
+    bits_QV = (fmix32(key_Q[:, None] ^ tok_V[None, :]) >> 8) & 0xFFFFFF
+    # -log((bits + 0.5) / 2**24), rearranged to save a pass over (Q, V).
+    return (bits_QV.to(torch.float32) + 0.5).log_().neg_().add_(24 * math.log(2))

@@ -18,7 +18,7 @@ from moe_serve.logits_processors import process_logits
 from moe_serve.request import Request
 from moe_serve.sampler import Sampler
 from moe_serve.sampling_params import SamplingParams
-from moe_serve.seeded_random import fmix32, fmix32_int
+from moe_serve.seeded_random import fmix32, fmix32_int, seed_key, seeded_exponential, to_int32
 
 V = 40
 EOS = 2
@@ -167,9 +167,20 @@ def test_seeded_draws_follow_the_distribution(vary):
 
 
 def test_hash_matches_python_integers():
-    vals = [0, 1, 2**31 - 1, 2**31, 2**32 - 1, 0xDEADBEEF, 123456789] + [random.Random(0).getrandbits(32) for _ in range(50)]
-    got = fmix32(torch.tensor(vals, dtype=torch.int64)).tolist()
-    assert got == [fmix32_int(v) for v in vals]
+    """The int32 tensor hash (wrapping products, masked shifts) is MurmurHash3's fmix32, and a
+    seeded draw is -log of the uniform built from it, computed here on Python ints."""
+    rng = random.Random(0)
+    vals = [0, 1, 2**31 - 1, 2**31, 2**32 - 1, 0xDEADBEEF] + [rng.getrandbits(32) for _ in range(50)]
+    got = fmix32(torch.tensor([to_int32(v) for v in vals], dtype=torch.int32)).tolist()
+    assert [g & 0xFFFFFFFF for g in got] == [fmix32_int(v) for v in vals]
+    keys, pos = [seed_key(s) for s in (0, -5, 1 << 70, 12345)], [0, 3, 1000, 7]
+    draws = seeded_exponential(torch.tensor(keys), torch.tensor(pos), 10)
+    gold = 0x9E3779B9
+    for q, (k, p) in enumerate(zip(keys, pos)):
+        key = fmix32_int((k & 0xFFFFFFFF) ^ fmix32_int((p + gold) & 0xFFFFFFFF))
+        for t in range(10):
+            bits = fmix32_int(key ^ fmix32_int(2 * t + 1)) >> 8
+            assert abs(float(draws[q, t]) + math.log((bits + 0.5) / 2**24)) < 1e-5
 
 
 def test_logprobs_are_of_the_raw_distribution():
