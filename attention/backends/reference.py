@@ -9,6 +9,7 @@ Shape legend: T packed query tokens, N query heads, G kv heads, H head dim, L kv
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from attention.metadata import AttentionMetadata
 
@@ -34,13 +35,22 @@ def _gather(cache: torch.Tensor, table: torch.Tensor, n: int) -> torch.Tensor:
     return cache[table[:nblocks].long()].flatten(0, 1)[:n]
 
 
-def _causal_softmax_attend(scores_NQS: torch.Tensor, q_len: int, ctx_len: int) -> torch.Tensor:
-    # Query i sits at absolute position ctx_len - q_len + i and sees keys 0..that position.
-    q_pos = torch.arange(ctx_len - q_len, ctx_len, device=scores_NQS.device)
-    k_pos = torch.arange(ctx_len, device=scores_NQS.device)
-    mask = k_pos[None, :] > q_pos[:, None]
-    scores_NQS = scores_NQS.masked_fill(mask, float("-inf"))
-    return torch.softmax(scores_NQS, dim=-1)
+def _acc(t: torch.Tensor) -> torch.Tensor:
+    """Attention math in float32 at least (float64 inputs stay float64, for the oracles)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def _causal_mask(q_len: int, ctx_len: int, device) -> torch.Tensor:
+    """(Q, S) True where query i, at absolute position ctx_len - q_len + i, may see key s."""
+    q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)
+    return torch.arange(ctx_len, device=device)[None, :] <= q_pos[:, None]
+
+
+def _sdpa(q_BNQH: torch.Tensor, k_BGSH: torch.Tensor, v_BGSH: torch.Tensor, mask: torch.Tensor,
+          scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale, masked) v, query head n reading kv head n // (N // G)."""
+    return F.scaled_dot_product_attention(q_BNQH, k_BGSH, v_BGSH, attn_mask=mask, scale=scale,
+                                          enable_gqa=q_BNQH.shape[1] != k_BGSH.shape[1])
 
 
 def _decode_gather(cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -81,10 +91,9 @@ def paged_attention(q_TNH: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         longest = max(meta.seq_lens_cpu[:nd])
         k, pad = _decode_gather(k_cache, bt, sl, longest)  # (B, S, G, H)
         v, _ = _decode_gather(v_cache, bt, sl, longest)
-        q = q_TNH[:nd].float().view(nd, G, N // G, -1)  # query head n reads kv head n // (N // G)
-        scores = torch.einsum("bgrh,bsgh->bgrs", q, k.float()) * scale
-        p = torch.softmax(scores.masked_fill(pad[:, None, None, :], float("-inf")), dim=-1)
-        out[:nd] = torch.einsum("bgrs,bsgh->bgrh", p, v.float()).reshape(nd, N, -1).to(q_TNH.dtype)
+        o = _sdpa(_acc(q_TNH[:nd])[:, :, None, :], _acc(k).transpose(1, 2), _acc(v).transpose(1, 2),
+                  ~pad[:, None, None, :], scale)  # (B, N, 1, Hv)
+        out[:nd] = o[:, :, 0].to(q_TNH.dtype)
     else:
         nd = 0
     s = nd
@@ -93,15 +102,11 @@ def paged_attention(q_TNH: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         ctx = meta.seq_lens_cpu[b]
         if q_len == 0:
             continue
-        k = _gather(k_cache, meta.block_tables[b], ctx).float()  # (S, G, H)
-        v = _gather(v_cache, meta.block_tables[b], ctx).float()
-        q = q_TNH[s:s + q_len].float()  # (Q, N, H)
-        # GQA: query head n reads kv head n // (N // G).
-        k = k.repeat_interleave(N // G, dim=1)
-        v = v.repeat_interleave(N // G, dim=1)
-        scores = torch.einsum("qnh,snh->nqs", q, k) * scale
-        p = _causal_softmax_attend(scores, q_len, ctx)
-        out[s:s + q_len] = torch.einsum("nqs,snh->qnh", p, v).to(out.dtype)
+        k = _acc(_gather(k_cache, meta.block_tables[b], ctx)).transpose(0, 1)[None]  # (1, G, S, H)
+        v = _acc(_gather(v_cache, meta.block_tables[b], ctx)).transpose(0, 1)[None]
+        q = _acc(q_TNH[s:s + q_len]).transpose(0, 1)[None]  # (1, N, Q, H)
+        o = _sdpa(q, k, v, _causal_mask(q_len, ctx, q.device), scale)
+        out[s:s + q_len] = o[0].transpose(0, 1).to(out.dtype)
         s += q_len
     return out
 
@@ -120,11 +125,11 @@ def mla_paged_attention(q_latent_TNL: torch.Tensor, q_pe_TNR: torch.Tensor, late
     if nd > 1:  # the decodes as one padded batched computation
         lat, pad = _decode_gather(latent_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
                                   max(meta.seq_lens_cpu[:nd]))  # (B, S, L+R)
-        lat = lat.float()
-        scores = (torch.einsum("bnl,bsl->bns", q_latent_TNL[:nd].float(), lat[..., :L])
-                  + torch.einsum("bnr,bsr->bns", q_pe_TNR[:nd].float(), lat[..., L:])) * scale
-        p = torch.softmax(scores.masked_fill(pad[:, None, :], float("-inf")), dim=-1)
-        out[:nd] = torch.einsum("bns,bsl->bnl", p, lat[..., :L]).to(q_latent_TNL.dtype)
+        # [q_latent | q_pe] . [c_kv | k_pe] is the absorbed score: one kv head shared by all heads.
+        lat = _acc(lat)[:, None]  # (B, 1, S, L+R)
+        q = _acc(torch.cat([q_latent_TNL[:nd], q_pe_TNR[:nd]], dim=-1))[:, :, None, :]
+        o = _sdpa(q, lat, lat[..., :L], ~pad[:, None, None, :], scale)  # (B, N, 1, L)
+        out[:nd] = o[:, :, 0].to(q_latent_TNL.dtype)
     else:
         nd = 0
     s = nd
@@ -133,11 +138,9 @@ def mla_paged_attention(q_latent_TNL: torch.Tensor, q_pe_TNR: torch.Tensor, late
         ctx = meta.seq_lens_cpu[b]
         if q_len == 0:
             continue
-        lat = _gather(latent_cache, meta.block_tables[b], ctx).float()  # (S, L+R)
-        c_kv, k_pe = lat[:, :L], lat[:, L:]
-        scores = (torch.einsum("qnl,sl->nqs", q_latent_TNL[s:s + q_len].float(), c_kv)
-                  + torch.einsum("qnr,sr->nqs", q_pe_TNR[s:s + q_len].float(), k_pe)) * scale
-        p = _causal_softmax_attend(scores, q_len, ctx)
-        out[s:s + q_len] = torch.einsum("nqs,sl->qnl", p, c_kv).to(out.dtype)
+        lat = _acc(_gather(latent_cache, meta.block_tables[b], ctx))[None, None]  # (1, 1, S, L+R)
+        q = _acc(torch.cat([q_latent_TNL[s:s + q_len], q_pe_TNR[s:s + q_len]], dim=-1)).transpose(0, 1)[None]
+        o = _sdpa(q, lat, lat[..., :L], _causal_mask(q_len, ctx, q.device), scale)  # (1, N, Q, L)
+        out[s:s + q_len] = o[0].transpose(0, 1).to(out.dtype)
         s += q_len
     return out
