@@ -199,3 +199,21 @@ def test_preemption_happens_in_the_property_test_setting():
 def test_tensor_split_point_equals_overlap_split_point(pieces):
     positions = [p for start, n in pieces for p in range(start, start + n)]
     assert split_point_T(torch.tensor(positions, dtype=torch.int64)) == split_point(positions)
+
+
+def test_staging_packs_and_unpacks_every_dtype_and_shape():
+    """The one-copy packing (forced on here: on the CPU it is normally skipped) returns the same
+    values, dtypes and shapes, and grows its buffer when a step needs more."""
+    from moe_serve.staging import HostToDevice
+
+    h2d = HostToDevice("cpu", initial_numel=4)
+    h2d.on_cpu, h2d._buf = False, h2d._alloc(4)
+    tensors = [torch.arange(6, dtype=torch.int64).view(2, 3), None, torch.tensor([-1, 2**31 - 1], dtype=torch.int32),
+               torch.tensor([0.5, -1e-8, 3.25], dtype=torch.float32), torch.zeros((0, 1), dtype=torch.int32),
+               torch.tensor([True, False]), torch.tensor([-(2**40)], dtype=torch.int64)]
+    for _ in range(2):  # the second round reuses the grown buffer
+        out = h2d(tensors)
+        assert out[1] is None
+        for a, b in zip(tensors, out):
+            if a is not None:
+                assert b.dtype == a.dtype and b.shape == a.shape and torch.equal(a, b)
