@@ -139,12 +139,15 @@ class SamplingRows:
     def build(self, rows: list[int]) -> SamplingMetadata:
         """Gather the sampled rows' parameters (host tensors; the caller moves them in one copy)."""
         idx_S = torch.tensor(rows, dtype=torch.int64)
-        S, V, c = len(rows), self.V, self.count
+        V, c = self.V, self.count
         md = SamplingMetadata()
         out_len_R = self.num_tokens_R - self.num_prompt_R  # output tokens so far, per row
-        if c["random"] > 0:
-            md.temperature_S = self.temperature_R[idx_S]
-            md.any_greedy_cpu = bool((md.temperature_S == 0).any())  # a host tensor: no sync
+        temperature_S = self.temperature_R[idx_S] if c["random"] > 0 else None
+        # Host tensors, so these checks cost no sync: a random row that is mid-prefill this step
+        # does not make the others pay for sampling.
+        if temperature_S is not None and bool((temperature_S > 0).any()):
+            md.temperature_S = temperature_S
+            md.any_greedy_cpu = bool((temperature_S == 0).any())
             md.top_k_S = self.top_k_R[idx_S] if c["top_k"] > 0 else None
             md.top_p_S = self.top_p_R[idx_S] if c["top_p"] > 0 else None
             md.min_p_S = self.min_p_R[idx_S] if c["min_p"] > 0 else None
