@@ -131,6 +131,14 @@ BAD = [
     ("completions", {"prompt": "x", "max_tokens": 5000}, 400, "max_tokens"),
     ("completions", {"prompt": ""}, 400, "prompt"),
     ("completions", {"prompt": [1, "a"]}, 400, "prompt"),
+    ("completions", {"prompt": "x", "logit_bias": {"999999": 5}}, 400, "logit_bias"),
+    ("completions", {"prompt": "x", "logit_bias": {"abc": 5}}, 400, "logit_bias"),
+    ("completions", {"prompt": "x", "logit_bias": {"5": 500}}, 400, "logit_bias"),
+    ("completions", {"prompt": "x", "frequency_penalty": 3}, 400, "frequency_penalty"),
+    ("completions", {"prompt": "x", "presence_penalty": -2.5}, 400, "presence_penalty"),
+    ("completions", {"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("completions", {"prompt": "x", "min_tokens": 9, "max_tokens": 3}, 400, "min_tokens"),
+    ("completions", {"prompt": "x", "prompt_logprobs": 1}, 400, "prompt_logprobs"),
     ("chat/completions", {"messages": []}, 400, "messages"),
     ("chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
     ("chat/completions", {"messages": "hello"}, 400, "messages"),
@@ -151,6 +159,24 @@ def test_bad_input_gets_openai_error_and_server_survives(server, route, body, st
     ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2},
                     headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
     assert ok.status_code == 200
+
+
+def test_logit_bias_and_penalties_reach_the_sampler(client, llm):
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    first = llm.generate([{"prompt_token_ids": PROMPTS[0]}], greedy)[0].outputs[0].token_ids[0]
+    cases = [({"logit_bias": {"77": 100}}, {"logit_bias": {77: 100}}),
+             ({"logit_bias": {str(first): -100}}, {"logit_bias": {first: -100}}),
+             ({"frequency_penalty": 1.5, "presence_penalty": 0.5, "logit_bias": {"77": 4}},
+              {"frequency_penalty": 1.5, "presence_penalty": 0.5, "logit_bias": {77: 4}}),
+             ({"extra_body": {"repetition_penalty": 1.8}}, {"repetition_penalty": 1.8})]
+    for http_kw, llm_kw in cases:
+        r = client.completions.create(model="tiny-qwen", prompt=PROMPTS[0], max_tokens=6, temperature=0, **http_kw)
+        o = llm.generate([{"prompt_token_ids": PROMPTS[0]}], greedy.replace(**llm_kw))[0].outputs[0]
+        assert r.choices[0].text == o.text, http_kw
+        if "logit_bias" in llm_kw and llm_kw["logit_bias"].get(77) == 100:
+            assert o.token_ids == [77] * 6
+        if "logit_bias" in llm_kw and first in llm_kw["logit_bias"]:
+            assert first not in o.token_ids
 
 
 def test_api_key_required(server):

@@ -43,8 +43,17 @@ def test_no_leaks_every_request_ends_budget_respected(reqs, block_size, extra_bl
             if at == step and rid in sched.requests:
                 sched.abort_request(rid)
                 aborted.add(rid)
+        left_before = {r.request_id: r.num_tokens - r.num_computed_tokens for r in sched.running}
         out = sched.schedule()
         assert out.num_batched_tokens <= budget
+        # Decodes first: among requests that were running, every one needing a single token is
+        # scheduled before any prefill chunk, and none is left out while a chunk runs.
+        kinds = [left_before[s.request.request_id] == 1 for s in out.scheduled if s.request.request_id in left_before]
+        assert kinds == sorted(kinds, reverse=True)
+        if False in kinds:
+            still = {r.request_id for r in sched.running}
+            assert all(rid in {s.request.request_id for s in out.scheduled}
+                       for rid, left in left_before.items() if left == 1 and rid in still)
         assert len(sched.running) <= max_seqs
         assert sum(s.num_tokens for s in out.scheduled) == out.num_batched_tokens
         for s in out.scheduled:  # the scheduled tokens fit in the request's blocks

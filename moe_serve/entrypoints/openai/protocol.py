@@ -35,6 +35,7 @@ class _Common(msgspec.Struct, omit_defaults=True):
     presence_penalty: float | None = None
     repetition_penalty: float | None = None  # vLLM's extra
     logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
+    prompt_logprobs: int | None = None  # vLLM's extra: refused (400) until computed
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 

@@ -24,6 +24,7 @@ class BadRequest(ValueError):
 def _field_of(msg: str) -> str | None:
     """The parameter a validation message names (the first word before '=' / ' must')."""
     for token in msg.replace("=", " ").split():
+        token = token.split("[", 1)[0]
         if token.isidentifier() and token not in ("the", "a", "an", "max"):
             return token
     return None
@@ -52,7 +53,8 @@ def sampling_params(req: P._Common, max_tokens: int | None, logprobs: int | None
             logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
             frequency_penalty=req.frequency_penalty or 0.0, presence_penalty=req.presence_penalty or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty, logit_bias=bias)
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty, logit_bias=bias,
+            prompt_logprobs=req.prompt_logprobs)
     except ValueError as e:
         raise BadRequest(str(e), _field_of(str(e))) from None
 
@@ -245,7 +247,7 @@ class OpenAIServing:
             raise BadRequest(str(e), None, 503, "engine_dead", "ServiceUnavailableError") from None
         except ValueError as e:
             msg = str(e)
-            param = "max_tokens" if "max_tokens" in msg else ("prompt" if "prompt" in msg else None)
+            param = "max_tokens" if "max_tokens" in msg else ("prompt" if "prompt" in msg else _field_of(msg))
             raise BadRequest(msg, param) from None
 
 
