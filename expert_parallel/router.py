@@ -17,10 +17,13 @@ class SoftmaxTopKRouter(nn.Module):
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok={top_k} must be in [1, num_experts={num_experts}]")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype))
+        # Kept in float32 whatever the model's dtype (a half-precision checkpoint's values convert
+        # exactly, once, at load): the scores are computed in float32 and no step converts it.
+        del dtype
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32))
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits_TE = F.linear(x_TD.to(torch.float32), self.weight.to(torch.float32))
+        logits_TE = F.linear(x_TD.to(torch.float32), self.weight)
         probs_TE = torch.softmax(logits_TE, dim=-1)
         w_TK, ids_TK = torch.topk(probs_TE, self.top_k, dim=-1)
         if self.renormalize:
@@ -48,8 +51,8 @@ class GroupLimitedSigmoidRouter(nn.Module):
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         T = x_TD.shape[0]
-        scores_TE = torch.sigmoid(F.linear(x_TD.to(torch.float32), self.weight.to(torch.float32)))
-        choice_TE = scores_TE + self.e_score_correction_bias.to(torch.float32)
+        scores_TE = torch.sigmoid(F.linear(x_TD.to(torch.float32), self.weight))
+        choice_TE = scores_TE + self.e_score_correction_bias
         per_group = self.num_experts // self.n_group
         group_scores = choice_TE.view(T, self.n_group, per_group).topk(min(2, per_group), dim=-1)[0].sum(-1)
         group_idx = torch.topk(group_scores, self.topk_group, dim=-1, sorted=False)[1]
