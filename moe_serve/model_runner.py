@@ -84,34 +84,37 @@ class ModelRunner:
                  self.num_blocks, bs, self.num_blocks * bs, self.kv_cache_bytes / 2**20, per_block // bs)
 
     # --- one step -------------------------------------------------------------------------------
-    def _forward(self, pieces: list[Piece]) -> tuple[torch.Tensor, StepInputs]:
+    def _forward(self, pieces: list[Piece], max_tokens_any_rank: int | None = None) -> tuple[torch.Tensor, StepInputs]:
         """Hidden states of all scheduled tokens, in order, and the step's inputs; split into two
         overlapped micro-batches when overlap is on and every rank's batch is large enough
-        (agreed over the EP group, since it changes the order of collectives)."""
+        (agreed over the EP group, since it changes the order of collectives: the core loop's
+        per-step all-reduce already carries the most tokens any rank scheduled; without it the
+        dispatcher agrees here)."""
         par = self.cfg.parallel
         split = False
         if par.enable_overlap:
-            ntok = sum(p[2] for p in pieces)
-            split = self.moe_ctx.dispatcher.agree_max(ntok) >= par.overlap_min_tokens
+            if max_tokens_any_rank is None:
+                max_tokens_any_rank = self.moe_ctx.dispatcher.agree_max(sum(p[2] for p in pieces))
+            split = max_tokens_any_rank >= par.overlap_min_tokens
         step = self.batch.prepare(pieces, split)
         if split:
             return self.model.forward_microbatches(step.batches), step
         return self.model(*step.batches[0]), step
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> SampleResult:
+    def execute(self, out: SchedulerOutput, max_tokens_any_rank: int | None = None) -> SampleResult:
         """Run the model over the scheduled tokens and sample for requests that reached their end."""
         pieces = self.batch.update(out)
-        h, step = self._forward(pieces)
+        h, step = self._forward(pieces, max_tokens_any_rank)
         if step.sampling is None:
             return SampleResult([], [])
         logits = self.model.compute_logits(h.index_select(0, step.logits_indices_S))
         return self.sampler(logits, step.sampling)
 
     @torch.inference_mode()
-    def execute_empty(self) -> None:
+    def execute_empty(self, max_tokens_any_rank: int | None = None) -> None:
         """A step with no tokens: MoE layers still enter their collectives (expert-parallel lockstep)."""
-        self._forward([])
+        self._forward([], max_tokens_any_rank)
 
 
 def _numel(shape) -> int:

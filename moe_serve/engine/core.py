@@ -118,12 +118,14 @@ class EngineCore:
     def step(self, lockstep: bool = False) -> list[EngineCoreOutput]:
         return self.execute(self.schedule(), lockstep)
 
-    def execute(self, out: SchedulerOutput, lockstep: bool = False) -> list[EngineCoreOutput]:
+    def execute(self, out: SchedulerOutput, lockstep: bool = False,
+                max_tokens_any_rank: int | None = None) -> list[EngineCoreOutput]:
         """Run a scheduled batch and advance its requests. With lockstep (expert parallelism), an
-        empty batch still runs an empty forward so that every rank enters every MoE collective."""
+        empty batch still runs an empty forward so that every rank enters every MoE collective;
+        max_tokens_any_rank (from the ranks' per-step agreement) decides the overlap split."""
         if out.is_empty:
             if lockstep:
-                self.runner.execute_empty()
+                self.runner.execute_empty(max_tokens_any_rank)
                 if self.load_recorder is not None:
                     self.load_recorder.end_step()
             return []
@@ -132,7 +134,7 @@ class EngineCore:
             r = s.request
             if r.num_computed_tokens < r.num_prompt_tokens:
                 self.num_prompt_tokens += min(s.num_tokens, r.num_prompt_tokens - r.num_computed_tokens)
-        result = self.runner.execute(out)
+        result = self.runner.execute(out, max_tokens_any_rank)
         sampled_reqs = [s.request for s in out.scheduled if s.samples]
         sampled = {r.request_id: t for r, t in zip(sampled_reqs, result.token_ids)}
         now = time.monotonic()

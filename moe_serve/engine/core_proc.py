@@ -126,7 +126,8 @@ class CoreLoop:
             self._apply_load(load)
             any_work = max_tok > 0
             if any_work:
-                outs += core.execute(sched if sched is not None else _empty(), lockstep=self.world_size > 1)
+                outs += core.execute(sched if sched is not None else _empty(), lockstep=self.world_size > 1,
+                                     max_tokens_any_rank=max_tok if self.world_size > 1 else None)
             wish = self.shutdown_asked_by >= 0 and not self._reported_shutdown_wish
             if outs or any_work or wish or shutdown:
                 self._reported_shutdown_wish |= wish
