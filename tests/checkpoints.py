@@ -119,3 +119,36 @@ def build_deepseek_v3(path: str) -> str:
 
 
 BUILDERS = {"mixtral": build_mixtral, "qwen3_moe": build_qwen3_moe, "deepseek_v3": build_deepseek_v3}
+
+
+# --- architectures added for checkpoint breadth: built lazily, one at a time, by the tests that use them.
+def build_qwen2_moe(path: str) -> str:
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    special = _tokenizer(path)
+    cfg = Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                         shared_expert_intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, num_experts=8, num_experts_per_tok=3, norm_topk_prob=False,
+                         decoder_sparse_step=1, mlp_only_layers=[1], qkv_bias=True, max_position_embeddings=1024,
+                         eos_token_id=special["<|im_end|>"], pad_token_id=special["<|endoftext|>"],
+                         tie_word_embeddings=False)
+    torch.manual_seed(0)
+    m = Qwen2MoeForCausalLM(cfg).eval()
+    widen_(m, 4)
+    m.save_pretrained(path)
+    return path
+
+
+EXTRA_BUILDERS = {"qwen2_moe": build_qwen2_moe}
+
+
+class LazyCheckpoints:
+    """{name: path}, each checkpoint built on first use and kept for the session."""
+
+    def __init__(self, root, builders: dict):
+        self.root, self.builders, self.paths = root, builders, {}
+
+    def __getitem__(self, name: str) -> str:
+        if name not in self.paths:
+            self.paths[name] = self.builders[name](str(self.root / name))
+        return self.paths[name]

@@ -16,6 +16,14 @@ def checkpoints(tmp_path_factory):
     return {name: build(str(root / name)) for name, build in BUILDERS.items()}
 
 
+@pytest.fixture(scope="session")
+def extra_checkpoints(tmp_path_factory):
+    """{architecture: path} of tests/checkpoints.py's EXTRA_BUILDERS, each built on first use."""
+    from tests.checkpoints import EXTRA_BUILDERS, LazyCheckpoints
+
+    return LazyCheckpoints(tmp_path_factory.mktemp("ckpt_extra"), EXTRA_BUILDERS)
+
+
 # --- the built-in SmolLM2 MoE (moe_serve/default_model/smollm2.py), built once per session ---------
 @pytest.fixture(scope="session")
 def smollm2():

@@ -1,5 +1,7 @@
-"""Grouped-query self-attention block (Mixtral, Qwen3-MoE, Llama-style): projections, optional
-per-head q/k RMSNorm, RoPE, then paged attention through the backend chosen for the device."""
+"""Grouped-query self-attention block (Mixtral, Qwen2/3-MoE, OLMoE, GLM-4.5, Llama-style):
+projections, optional q/k RMSNorm (per head, or over the whole projection as OLMoE has it),
+optional clipping of q/k/v, RoPE over the whole head or its first `rotary.dim` channels (partial
+rotary), then paged attention through the backend chosen for the device."""
 from __future__ import annotations
 
 import torch
@@ -15,29 +17,52 @@ from moe_serve.layers.rotary import RotaryEmbedding
 class GQASelfAttention(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  rotary: RotaryEmbedding, attention_backend: str, dtype, bias: bool = False,
-                 qk_norm_eps: float | None = None):
+                 qk_norm_eps: float | None = None, qk_norm: str = "head", o_bias: bool | None = None,
+                 clip_qkv: float | None = None):
+        """bias: on q/k/v (and o unless `o_bias` says otherwise). qk_norm: "head" (Qwen3, GLM-4.5:
+        RMSNorm over each head's vector) or "full" (OLMoE: over the whole q / k projection), used
+        when qk_norm_eps is given. clip_qkv: clamp q, k, v to [-clip, clip] after the norms."""
         super().__init__()
+        if qk_norm not in ("head", "full"):
+            raise ValueError(f"qk_norm={qk_norm!r} is not one of 'head', 'full'")
+        if rotary.dim > head_dim or rotary.dim % 2:
+            raise ValueError(f"rotary dim {rotary.dim} must be even and at most head_dim={head_dim}")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_proj = Linear(hidden_size, num_heads * head_dim, bias=bias, dtype=dtype)
         self.k_proj = Linear(hidden_size, num_kv_heads * head_dim, bias=bias, dtype=dtype)
         self.v_proj = Linear(hidden_size, num_kv_heads * head_dim, bias=bias, dtype=dtype)
-        self.o_proj = Linear(num_heads * head_dim, hidden_size, bias=bias, dtype=dtype)
-        if qk_norm_eps is not None:  # Qwen3: RMSNorm over each head's vector before RoPE
-            self.q_norm = RMSNorm(head_dim, qk_norm_eps, dtype)
-            self.k_norm = RMSNorm(head_dim, qk_norm_eps, dtype)
+        self.o_proj = Linear(num_heads * head_dim, hidden_size, bias=bias if o_bias is None else o_bias, dtype=dtype)
+        self.qk_norm = qk_norm
+        if qk_norm_eps is not None:
+            q_dim, k_dim = (head_dim, head_dim) if qk_norm == "head" else (num_heads * head_dim, num_kv_heads * head_dim)
+            self.q_norm = RMSNorm(q_dim, qk_norm_eps, dtype)
+            self.k_norm = RMSNorm(k_dim, qk_norm_eps, dtype)
         else:
             self.q_norm = self.k_norm = None
+        self.clip_qkv = clip_qkv
         self.rotary = rotary
+        self.rotary_dim = rotary.dim
         self.attn = PagedAttention(num_heads, num_kv_heads, head_dim, head_dim ** -0.5, attention_backend)
 
     def forward(self, x_TD: torch.Tensor, positions_T: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         T = x_TD.shape[0]
-        q = self.q_proj(x_TD).view(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x_TD).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x_TD).view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        q, k, v = self.q_proj(x_TD), self.k_proj(x_TD), self.v_proj(x_TD)
+        if self.q_norm is not None and self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            c = self.clip_qkv
+            q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = self.rotary.cos_sin(positions_T)
-        q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
+        if self.rotary_dim == self.head_dim:
+            q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
+        else:  # partial rotary (GLM-4.5): the first rotary_dim channels of each head turn, the rest pass
+            r = self.rotary_dim
+            q = torch.cat([self.rotary.apply(q[..., :r], cos, sin), q[..., r:]], dim=-1)
+            k = torch.cat([self.rotary.apply(k[..., :r], cos, sin), k[..., r:]], dim=-1)
         o = self.attn(q, k, v, meta)
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))

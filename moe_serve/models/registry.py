@@ -7,6 +7,7 @@ _MODELS = {
     "MixtralForCausalLM": ("moe_serve.models.mixtral", "MixtralForCausalLM"),
     "Qwen3MoeForCausalLM": ("moe_serve.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "DeepseekV3ForCausalLM": ("moe_serve.models.deepseek_v3", "DeepseekV3ForCausalLM"),
+    "Qwen2MoeForCausalLM": ("moe_serve.models.qwen2_moe", "Qwen2MoeForCausalLM"),
 }
 
 

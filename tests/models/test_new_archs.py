@@ -1,0 +1,59 @@
+"""Checkpoint breadth: greedy tokens equal transformers' generate for the architectures added after
+the first three (tests/checkpoints.py EXTRA_BUILDERS), under the settings of test_hf_parity.py
+(chunked prefill mixed with decode, preemption by recompute, prefix-cache hits). A mismatch is
+accepted only where transformers' own top-2 margin is under 1e-3."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_serve import LLM, SamplingParams
+from tests.models.test_hf_parity import MAX_NEW, assert_same_greedy, hf_greedy, make_prompts
+
+ARCHS = ["qwen2_moe"]
+
+
+def hf_model(path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def check_greedy_parity(path: str, model, seed: int) -> None:
+    prompts = make_prompts(seed)
+    expected = [hf_greedy(model, p, MAX_NEW) for p in prompts]
+    llm = LLM(path, dtype="float32", block_size=4, num_kv_blocks=40, max_num_batched_tokens=24,
+              max_num_seqs=16, show_progress=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=MAX_NEW))
+    core = llm.engine
+    assert core.scheduler.num_preemptions > 0, "the test meant to exhaust the KV cache did not"
+    assert core.allocator.hit_tokens > 0, "prompts sharing a prefix got no prefix-cache hit"
+    for p, o, e in zip(prompts, outs, expected):
+        assert_same_greedy(model, p, o.outputs[0].token_ids, e)
+    assert core.allocator.usage == 0.0
+    core.allocator.check_invariants()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_matches_transformers(extra_checkpoints, arch):
+    path = extra_checkpoints[arch]
+    check_greedy_parity(path, hf_model(path), 100 + ARCHS.index(arch))
+
+
+def test_qwen2_moe_layer_kinds_follow_sparse_step_and_mlp_only_layers():
+    """Which layers are MoE (decoder_sparse_step, mlp_only_layers) is decided as transformers does."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM as HF
+
+    from expert_parallel.dispatch.local import LocalDispatcher
+    from expert_parallel.layer import MoE, MoEContext
+    from moe_serve.models.qwen2_moe import Qwen2MoeForCausalLM
+
+    cfg = Qwen2MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                         shared_expert_intermediate_size=0, num_hidden_layers=6, num_attention_heads=2,
+                         num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=2,
+                         mlp_only_layers=[3])
+    theirs = [hasattr(layer.mlp, "experts") for layer in HF(cfg).model.layers]
+    ours_model = Qwen2MoeForCausalLM(cfg.to_dict(), MoEContext(LocalDispatcher(4)), "torch", torch.float32)
+    ours = [isinstance(layer.mlp, MoE) for layer in ours_model.model.layers]
+    assert ours == theirs == [False, True, False, False, False, True]
+    assert all(layer.mlp.shared_experts is None for layer in ours_model.model.layers if isinstance(layer.mlp, MoE))
