@@ -28,7 +28,11 @@ def cpu_has_half_matmul() -> bool:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, w, b), upcast to float32 on CPUs without half-precision matrix instructions."""
+    """F.linear(x, w, b), upcast to float32 on CPUs without half-precision matrix instructions.
+    A weight already stored in float32 for such a CPU (moe_serve/prepare.py) is used as it is:
+    only the activations are cast, never the weight."""
+    if w.dtype != x.dtype:
+        return F.linear(x.to(w.dtype), w, b).to(x.dtype)
     if (x.device.type == "cpu" and x.dtype in _HALF and x.dim() >= 2 and x.shape[-2] >= 2
             and not cpu_has_half_matmul()):
         return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)

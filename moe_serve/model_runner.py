@@ -12,6 +12,7 @@ from expert_parallel.layer import MoEContext
 from moe_serve.config import EngineConfig
 from moe_serve.input_batch import InputBatch, Piece, StepInputs
 from moe_serve.models.registry import model_class
+from moe_serve.prepare import prepare_gemm_weights
 from moe_serve.sampler import Sampler, SampleResult
 from moe_serve.scheduler import SchedulerOutput
 from moe_serve.weights import init_dummy_weights, load_weights
@@ -55,6 +56,7 @@ class ModelRunner:
             init_dummy_weights(self.model, mc.seed)
         else:
             load_weights(self.model, mc.path, mc.dtype, show_progress=show_progress)
+        prepare_gemm_weights(self.model, mc.dtype, self.device)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         log.info("model %s loaded in %.1fs: %.1f MiB of weights on this rank (%s)", mc.architecture,
                  time.perf_counter() - t0, self.weight_bytes / 2**20, mc.dtype)

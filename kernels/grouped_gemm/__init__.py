@@ -28,7 +28,8 @@ def fused_experts(
     if backend == "torch":
         # Two grouped GEMMs where torch has them for this dtype (float32 on CPU: half precision
         # there would run element by element without bf16 matrix instructions); else the loop.
-        if (x_TD.shape[0] and x_TD.dtype == torch.float32 and grouped_mm_available(x_TD.dtype, x_TD.device.type)
+        # (Half-precision models on such CPUs keep their expert weights in float32: prepare.py.)
+        if (x_TD.shape[0] and w13_EFD.dtype == torch.float32 and grouped_mm_available(torch.float32, x_TD.device.type)
                 and grouped_mm_fits(x_TD, w13_EFD, w2_EDF)):
             return fused_experts_grouped(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK)
         return fused_experts_reference(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK)

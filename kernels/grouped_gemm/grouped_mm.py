@@ -45,7 +45,8 @@ def grouped_mm_fits(x_TD: torch.Tensor, w13_EFD: torch.Tensor, w2_EDF: torch.Ten
 
 def fused_experts_grouped(x_TD: torch.Tensor, w13_EFD: torch.Tensor, w2_EDF: torch.Tensor,
                           topk_weights_TK: torch.Tensor, topk_ids_TK: torch.Tensor) -> torch.Tensor:
-    """Same contract as `fused_experts_reference` (ids of -1 contribute nothing)."""
+    """Same contract as `fused_experts_reference` (ids of -1 contribute nothing); the weights may be
+    float32 for half-precision tokens (computed in float32, returned in x's dtype)."""
     T, D = x_TD.shape
     E = w13_EFD.shape[0]
     K = topk_ids_TK.shape[1]
@@ -55,7 +56,7 @@ def fused_experts_grouped(x_TD: torch.Tensor, w13_EFD: torch.Tensor, w2_EDF: tor
     order_P = torch.argsort(key_P, stable=True)
     token_P = order_P // K
     offs_E = torch.cumsum(torch.bincount(key_P, minlength=E + 1)[:E], 0).to(torch.int32)
-    xs_PD = x_TD.index_select(0, token_P)
+    xs_PD = x_TD.index_select(0, token_P).to(w13_EFD.dtype)  # half activations, float32 weights
     gate_up_P2F = torch._grouped_mm(xs_PD, w13_EFD.transpose(1, 2), offs=offs_E)
     gate, up = gate_up_P2F.chunk(2, dim=-1)
     y_PD = torch._grouped_mm(F.silu(gate) * up, w2_EDF.transpose(1, 2), offs=offs_E)

@@ -47,6 +47,8 @@ class MLASelfAttention(nn.Module):
         if rope["rope_type"] != "default" and rope.get("mscale_all_dim"):
             m = yarn_get_mscale(rope["factor"], rope["mscale_all_dim"])
             scale = scale * m * m
+        # kv_b_proj's weight is read as W_UK / W_UV in the absorbed form: it stays in the model's dtype.
+        self.kv_b_proj.weight_used_directly = True
         self.attn = PagedMLAAttention(self.L, self.R, scale, attention_backend)
 
     def forward(self, x_TD: torch.Tensor, positions_T: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

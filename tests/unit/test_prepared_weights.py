@@ -1,0 +1,49 @@
+"""Weights are prepared once at load: no step converts a parameter. On a CPU without half-precision
+matrix instructions a bf16 model's GEMM weights are float32 from load on, and nothing else is."""
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from moe_serve import LLM, SamplingParams
+from moe_serve.prepare import gemm_weight_dtype
+
+_CONVERSIONS = {"_to_copy", "to", "copy_"}
+
+
+class ParamConversions(TorchDispatchMode):
+    """Records every dtype conversion whose source is one of the given tensors' storage."""
+
+    def __init__(self, params):
+        super().__init__()
+        self.ptrs = {p.data_ptr() for p in params}
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in _CONVERSIONS and args and isinstance(args[0], torch.Tensor) and name != "copy_":
+            if args[0].data_ptr() in self.ptrs and (kwargs or {}).get("dtype", args[0].dtype) != args[0].dtype:
+                self.seen.append(f"{name} of a {tuple(args[0].shape)} parameter")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("half_matmul", [True, False], ids=["cpu-with-bf16-matmul", "cpu-without"])
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])
+def test_bf16_weights_converted_at_most_once(checkpoints, arch, half_matmul, monkeypatch):
+    import kernels.cpu_gemm as cpu_gemm
+
+    # Both kinds of CPU, whichever this one is: the decision and the GEMMs read this function.
+    monkeypatch.setattr(cpu_gemm, "cpu_has_half_matmul", lambda: half_matmul)
+    llm = LLM(checkpoints[arch], dtype="bfloat16", kv_cache_memory=1 << 22, show_progress=False)
+    model = llm.engine.runner.model
+    gemm = gemm_weight_dtype(torch.bfloat16, torch.device("cpu"))
+    assert gemm == (torch.bfloat16 if half_matmul else torch.float32)
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert model.model.norm.weight.dtype == torch.bfloat16
+    experts = [m for m in model.modules() if hasattr(m, "w13")]
+    assert experts and all(m.w13.dtype == gemm and m.w2.dtype == gemm for m in experts)
+    mode = ParamConversions(list(model.parameters()))
+    with mode:
+        out = llm.generate([{"prompt_token_ids": [5, 77, 301, 42]}, {"prompt_token_ids": [9, 8, 7]}],
+                           SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 4 for o in out)
+    assert mode.seen == [], mode.seen[:5]
