@@ -139,7 +139,24 @@ def build_qwen2_moe(path: str) -> str:
     return path
 
 
-EXTRA_BUILDERS = {"qwen2_moe": build_qwen2_moe}
+def build_olmoe(path: str) -> str:
+    """clip_qkv is set below the widened q/k/v magnitudes, so the clamp really cuts."""
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    special = _tokenizer(path)
+    cfg = OlmoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+                      norm_topk_prob=False, clip_qkv=1.5, attention_bias=False, max_position_embeddings=1024,
+                      eos_token_id=special["<|im_end|>"], pad_token_id=special["<|endoftext|>"], bos_token_id=None,
+                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    m = OlmoeForCausalLM(cfg).eval()
+    widen_(m, 5)
+    m.save_pretrained(path)
+    return path
+
+
+EXTRA_BUILDERS = {"qwen2_moe": build_qwen2_moe, "olmoe": build_olmoe}
 
 
 class LazyCheckpoints:

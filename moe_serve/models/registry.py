@@ -8,6 +8,7 @@ _MODELS = {
     "Qwen3MoeForCausalLM": ("moe_serve.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "DeepseekV3ForCausalLM": ("moe_serve.models.deepseek_v3", "DeepseekV3ForCausalLM"),
     "Qwen2MoeForCausalLM": ("moe_serve.models.qwen2_moe", "Qwen2MoeForCausalLM"),
+    "OlmoeForCausalLM": ("moe_serve.models.olmoe", "OlmoeForCausalLM"),
 }
 
 
