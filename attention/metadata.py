@@ -7,7 +7,7 @@ earlier decode steps). Its cache blocks are block_tables[b, :ceil(seq_lens[b] / 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +24,9 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     max_query_len: int
     max_seq_len: int
+    # Tensors a backend derives from this metadata (the same for every layer of the step), made by
+    # the first layer that needs them and reused by the others: per-step work is paid once a step.
+    derived: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:

@@ -18,14 +18,14 @@ def write_kv(k_TGH: torch.Tensor, v_TGH: torch.Tensor, k_cache: torch.Tensor, v_
              slot_mapping_T: torch.Tensor) -> None:
     """Store each new token's K and V at its slot (block_id * block_size + offset)."""
     nb, bs = k_cache.shape[:2]
-    k_cache.view(nb * bs, *k_cache.shape[2:]).index_copy_(0, slot_mapping_T, k_TGH.to(k_cache.dtype))
-    v_cache.view(nb * bs, *v_cache.shape[2:]).index_copy_(0, slot_mapping_T, v_TGH.to(v_cache.dtype))
+    k_cache.view(nb * bs, *k_cache.shape[2:]).index_copy_(0, slot_mapping_T, _as(k_TGH, k_cache.dtype))
+    v_cache.view(nb * bs, *v_cache.shape[2:]).index_copy_(0, slot_mapping_T, _as(v_TGH, v_cache.dtype))
 
 
 def write_latent(latent_TC: torch.Tensor, latent_cache: torch.Tensor, slot_mapping_T: torch.Tensor) -> None:
     """MLA: store each new token's [compressed kv | rotated k_pe] row at its slot."""
     nb, bs, c = latent_cache.shape
-    latent_cache.view(nb * bs, c).index_copy_(0, slot_mapping_T, latent_TC.to(latent_cache.dtype))
+    latent_cache.view(nb * bs, c).index_copy_(0, slot_mapping_T, _as(latent_TC, latent_cache.dtype))
 
 
 def _gather(cache: torch.Tensor, table: torch.Tensor, n: int) -> torch.Tensor:
@@ -35,9 +35,13 @@ def _gather(cache: torch.Tensor, table: torch.Tensor, n: int) -> torch.Tensor:
     return cache[table[:nblocks].long()].flatten(0, 1)[:n]
 
 
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def _acc(t: torch.Tensor) -> torch.Tensor:
     """Attention math in float32 at least (float64 inputs stay float64, for the oracles)."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
+    return t if t.dtype in (torch.float32, torch.float64) else t.to(torch.float32)
 
 
 def _causal_mask(q_len: int, ctx_len: int, device) -> torch.Tensor:
@@ -53,14 +57,27 @@ def _sdpa(q_BNQH: torch.Tensor, k_BGSH: torch.Tensor, v_BGSH: torch.Tensor, mask
                                           enable_gqa=q_BNQH.shape[1] != k_BGSH.shape[1])
 
 
-def _decode_gather(cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                   max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every sequence's context, padded to the longest: (B, S, ...) rows and a (B, S) mask of padding."""
-    bs = cache.shape[1]
-    nblocks = (max_seq_len + bs - 1) // bs
-    rows = cache[block_tables[:, :nblocks].long()].flatten(1, 2)
-    pad = torch.arange(rows.shape[1], device=rows.device)[None, :] >= seq_lens[:, None].to(rows.device)
-    return rows, pad
+def _decode_plan(meta: AttentionMetadata, block_size: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """For the decodes at the front of the step: their count nd, the (nd, K) block ids covering the
+    longest context and the (nd, K * block_size) mask of padding; made once a step (meta.derived)."""
+    plan = meta.derived.get("reference_decode")
+    if plan is None:
+        nd = _leading_decodes(meta)
+        if nd > 1:
+            nblocks = (max(meta.seq_lens_cpu[:nd]) + block_size - 1) // block_size
+            blocks = meta.block_tables[:nd, :nblocks].long()
+            pad = (torch.arange(nblocks * block_size, device=blocks.device)[None, :]
+                   >= meta.seq_lens[:nd, None].to(blocks.device))
+            plan = (nd, blocks, pad)
+        else:
+            plan = (0, None, None)
+        meta.derived["reference_decode"] = plan
+    return plan
+
+
+def _decode_gather(cache: torch.Tensor, blocks_BK: torch.Tensor) -> torch.Tensor:
+    """Every decode's context, padded to the longest: (B, K * block_size, ...) rows."""
+    return cache[blocks_BK].flatten(1, 2)
 
 
 def _leading_decodes(meta: AttentionMetadata) -> int:
@@ -85,17 +102,13 @@ def paged_attention(q_TNH: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     T, N, _ = q_TNH.shape
     G = k_cache.shape[2]
     out = torch.empty(T, N, v_cache.shape[-1], dtype=q_TNH.dtype, device=q_TNH.device)
-    nd = _leading_decodes(meta)
-    if nd > 1:  # the decodes as one padded batched computation
-        bt, sl = meta.block_tables[:nd], meta.seq_lens[:nd]
-        longest = max(meta.seq_lens_cpu[:nd])
-        k, pad = _decode_gather(k_cache, bt, sl, longest)  # (B, S, G, H)
-        v, _ = _decode_gather(v_cache, bt, sl, longest)
+    nd, blocks, pad = _decode_plan(meta, k_cache.shape[1])
+    if nd:  # the decodes as one padded batched computation
+        k = _decode_gather(k_cache, blocks)  # (B, S, G, H)
+        v = _decode_gather(v_cache, blocks)
         o = _sdpa(_acc(q_TNH[:nd])[:, :, None, :], _acc(k).transpose(1, 2), _acc(v).transpose(1, 2),
                   ~pad[:, None, None, :], scale)  # (B, N, 1, Hv)
         out[:nd] = o[:, :, 0].to(q_TNH.dtype)
-    else:
-        nd = 0
     s = nd
     for b in range(nd, meta.num_seqs):
         q_len = meta.query_lens_cpu[b]
@@ -121,17 +134,14 @@ def mla_paged_attention(q_latent_TNL: torch.Tensor, q_pe_TNR: torch.Tensor, late
     """
     T, N, L = q_latent_TNL.shape
     out = torch.empty(T, N, L, dtype=q_latent_TNL.dtype, device=q_latent_TNL.device)
-    nd = _leading_decodes(meta)
-    if nd > 1:  # the decodes as one padded batched computation
-        lat, pad = _decode_gather(latent_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
-                                  max(meta.seq_lens_cpu[:nd]))  # (B, S, L+R)
+    nd, blocks, pad = _decode_plan(meta, latent_cache.shape[1])
+    if nd:  # the decodes as one padded batched computation
+        lat = _decode_gather(latent_cache, blocks)  # (B, S, L+R)
         # [q_latent | q_pe] . [c_kv | k_pe] is the absorbed score: one kv head shared by all heads.
         lat = _acc(lat)[:, None]  # (B, 1, S, L+R)
         q = _acc(torch.cat([q_latent_TNL[:nd], q_pe_TNR[:nd]], dim=-1))[:, :, None, :]
         o = _sdpa(q, lat, lat[..., :L], ~pad[:, None, None, :], scale)  # (B, N, 1, L)
         out[:nd] = o[:, :, 0].to(q_latent_TNL.dtype)
-    else:
-        nd = 0
     s = nd
     for b in range(nd, meta.num_seqs):
         q_len = meta.query_lens_cpu[b]
