@@ -108,11 +108,16 @@ class RotaryEmbedding(nn.Module):
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _cos_sin_table(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of every position up to max_position, (P, dim) each, made once: a step then
-        reads its rows with one index_select each instead of recomputing them in every layer. The
-        same float32 operations per element as computing them on the fly, so the values are equal."""
+        """cos and signed sin of every position up to max_position, (P, 1, dim) each, made once: a
+        step then reads its rows with one index_select each instead of recomputing them in every
+        layer. The same float32 operations per element as computing them on the fly, so the values
+        are equal. The sin table carries rotate_half's sign (-sin on the first half), so applying
+        RoPE is one roll and three elementwise ops (see `apply`)."""
         if self._table is None or self._table[0].device != device:
-            self._table = self._compute(torch.arange(self.max_position, device=device))
+            cos, sin = self._compute(torch.arange(self.max_position, device=device))
+            half = self.dim // 2
+            sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
+            self._table = (cos[:, None, :], sin[:, None, :])
         return self._table
 
     def _compute(self, positions_T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,15 +126,17 @@ class RotaryEmbedding(nn.Module):
         return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
 
     def cos_sin(self, positions_T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T, 1, dim) cos and signed sin of the positions, for `apply`."""
         cos, sin = self._cos_sin_table(positions_T.device)
         return cos.index_select(0, positions_T), sin.index_select(0, positions_T)
 
     def apply(self, x_THD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x * cos + rotate_half(x) * sin, with rotate_half(x) = [-x2, x1] = roll(x) times the sign
+        that the signed sin already holds (exactly the reference's products)."""
         dtype = x_THD.dtype
         if self.interleaved:
             T, H, D = x_THD.shape
             x_THD = x_THD.view(T, H, D // 2, 2).transpose(2, 3).reshape(T, H, D)
         if cos.dtype != dtype:
             cos, sin = cos.to(dtype), sin.to(dtype)
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        return x_THD * cos + rotate_half(x_THD) * sin
+        return x_THD * cos + x_THD.roll(self.dim // 2, dims=-1) * sin
