@@ -156,7 +156,39 @@ def build_olmoe(path: str) -> str:
     return path
 
 
-EXTRA_BUILDERS = {"qwen2_moe": build_qwen2_moe, "olmoe": build_olmoe}
+def build_kimi_k2(path: str) -> str:
+    """Kimi-K2's config style on DeepSeek-V3's architecture: model_type kimi_k2, one expert group
+    (n_group=topk_group=1), many experts for the size, one dense first layer, Hub-style yarn RoPE with
+    Kimi's beta_fast=beta_slow=1 and factor 32, routed_scaling_factor 2.827."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    special = _tokenizer(path)
+    rope = {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 32.0, "original_max_position_embeddings": 64,
+            "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+    cfg = DeepseekV3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=16,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                           n_routed_experts=24, n_shared_experts=1, num_experts_per_tok=4, n_group=1, topk_group=1,
+                           first_k_dense_replace=1, routed_scaling_factor=2.827, norm_topk_prob=True,
+                           q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                           v_head_dim=16, max_position_embeddings=2048, rope_parameters=rope,
+                           eos_token_id=special["<|im_end|>"], bos_token_id=None,
+                           pad_token_id=special["<|endoftext|>"])
+    torch.manual_seed(0)
+    m = DeepseekV3ForCausalLM(cfg).eval()
+    widen_(m, 6)
+    m.save_pretrained(path)
+    with open(os.path.join(path, "config.json")) as f:
+        c = json.load(f)
+    c["model_type"], c["architectures"] = "kimi_k2", ["DeepseekV3ForCausalLM"]
+    r = c.pop("rope_parameters")  # Hub-style keys, as Kimi-K2's config.json has them
+    c["rope_theta"] = r.pop("rope_theta")
+    c["rope_scaling"] = {"type": r.pop("rope_type"), **r}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(c, f, indent=2)
+    return path
+
+
+EXTRA_BUILDERS = {"qwen2_moe": build_qwen2_moe, "olmoe": build_olmoe, "kimi_k2": build_kimi_k2}
 
 
 class LazyCheckpoints:

@@ -10,12 +10,22 @@ import torch
 from moe_serve import LLM, SamplingParams
 from tests.models.test_hf_parity import MAX_NEW, assert_same_greedy, hf_greedy, make_prompts
 
-ARCHS = ["qwen2_moe", "olmoe"]
+ARCHS = ["qwen2_moe", "olmoe", "kimi_k2"]
 
 
 def hf_model(path: str):
-    from transformers import AutoModelForCausalLM
+    import json
+    import os
 
+    from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+
+    with open(os.path.join(path, "config.json")) as f:
+        c = json.load(f)
+    if c.get("model_type") == "kimi_k2":
+        # transformers has no kimi_k2 model type: the same weights as DeepSeek-V3 (whose model type
+        # also selects transformers' expert-tensor conversion when loading).
+        cfg = DeepseekV3Config.from_dict({**c, "model_type": "deepseek_v3"})
+        return DeepseekV3ForCausalLM.from_pretrained(path, config=cfg, dtype=torch.float32).eval()
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
@@ -57,3 +67,35 @@ def test_qwen2_moe_layer_kinds_follow_sparse_step_and_mlp_only_layers():
     ours = [isinstance(layer.mlp, MoE) for layer in ours_model.model.layers]
     assert ours == theirs == [False, True, False, False, False, True]
     assert all(layer.mlp.shared_experts is None for layer in ours_model.model.layers if isinstance(layer.mlp, MoE))
+
+
+def test_kimi_k2_under_either_architecture_name(extra_checkpoints, tmp_path):
+    """Kimi-K2 configs say DeepseekV3ForCausalLM or KimiK2ForCausalLM: both are the DeepSeek-V3
+    model, with the same tokens."""
+    import json
+    import os
+
+    from moe_serve.config import ModelConfig
+    from moe_serve.models.deepseek_v3 import DeepseekV3ForCausalLM
+    from moe_serve.models.registry import model_class
+
+    src = extra_checkpoints["kimi_k2"]
+    alias = tmp_path / "kimi-alias"
+    alias.mkdir()
+    for name in os.listdir(src):
+        if name != "config.json":
+            os.symlink(os.path.join(src, name), alias / name)
+    with open(os.path.join(src, "config.json")) as f:
+        c = json.load(f)
+    assert c["model_type"] == "kimi_k2" and c["architectures"] == ["DeepseekV3ForCausalLM"]
+    with open(alias / "config.json", "w") as f:
+        json.dump({**c, "architectures": ["KimiK2ForCausalLM"]}, f)
+    for path, arch in ((src, "DeepseekV3ForCausalLM"), (str(alias), "KimiK2ForCausalLM")):
+        mc = ModelConfig.from_path(path, "float32")
+        assert mc.architecture == arch and model_class(arch) is DeepseekV3ForCausalLM
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(5)[:4]]
+    sp = SamplingParams(temperature=0, max_tokens=6)
+    runs = [[o.outputs[0].token_ids for o in LLM(p, dtype="float32", kv_cache_memory=1 << 20,
+                                                  show_progress=False).generate(prompts, sp)]
+            for p in (src, str(alias))]
+    assert runs[0] == runs[1]
