@@ -188,7 +188,36 @@ def build_kimi_k2(path: str) -> str:
     return path
 
 
-EXTRA_BUILDERS = {"qwen2_moe": build_qwen2_moe, "olmoe": build_olmoe, "kimi_k2": build_kimi_k2}
+def build_glm4_moe(path: str) -> str:
+    """GLM-4.5: head_dim given (not hidden / heads), half the head rotated, q/k norm, attention bias,
+    two expert groups of which one is kept, one dense first layer, and a multi-token-prediction
+    layer after the last one, as the Hub checkpoints have it."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    special = _tokenizer(path)
+    cfg = Glm4MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=16,
+                        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=3, n_group=2, topk_group=1,
+                        first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=True,
+                        attention_bias=True, partial_rotary_factor=0.5, max_position_embeddings=1024,
+                        eos_token_id=special["<|im_end|>"], bos_token_id=None,
+                        pad_token_id=special["<|endoftext|>"], tie_word_embeddings=False)
+    torch.manual_seed(0)
+    m = Glm4MoeForCausalLM(cfg).eval()
+    widen_(m, 7)
+    m.save_pretrained(path)
+    sd = load_file(os.path.join(path, "model.safetensors"))
+    for k in [k for k in sd if k.startswith("model.layers.2.")]:
+        sd[k.replace("model.layers.2.", "model.layers.3.")] = sd[k].clone()
+    sd["model.layers.3.eh_proj.weight"] = torch.randn(64, 128)
+    save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(path, "model.safetensors"),
+              metadata={"format": "pt"})
+    return path
+
+
+EXTRA_BUILDERS = {"qwen2_moe": build_qwen2_moe, "olmoe": build_olmoe, "kimi_k2": build_kimi_k2,
+                  "glm4_moe": build_glm4_moe}
 
 
 class LazyCheckpoints:

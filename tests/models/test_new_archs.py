@@ -10,7 +10,7 @@ import torch
 from moe_serve import LLM, SamplingParams
 from tests.models.test_hf_parity import MAX_NEW, assert_same_greedy, hf_greedy, make_prompts
 
-ARCHS = ["qwen2_moe", "olmoe", "kimi_k2"]
+ARCHS = ["qwen2_moe", "olmoe", "kimi_k2", "glm4_moe"]
 
 
 def hf_model(path: str):
