@@ -1,0 +1,30 @@
+"""The architectures added for checkpoint breadth under real expert parallelism (torchrun, gloo,
+EP 2): greedy text through HTTP equals the single-process engine's. Qwen2-MoE carries the gated
+shared expert, OLMoE the full-width q/k norm and clip_qkv, GLM-4.5 group-limited routing with one
+of two groups kept (so each rank's experts see uneven loads) and partial rotary. Kimi-K2 is the
+DeepSeek-V3 model, covered by test_launcher.py."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from tests.distributed.jobs import TorchrunJob
+from tests.distributed.test_launcher import ARGS, PROMPTS, _complete_all, expected_texts
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "olmoe", "glm4_moe"])
+def test_ep2_serving_matches_single_process(extra_checkpoints, arch):
+    path = extra_checkpoints[arch]
+    want = expected_texts(path, PROMPTS, 8)
+    job = TorchrunJob(2, ["--model", path, *ARGS])
+    try:
+        assert asyncio.run(_complete_all(job.url, PROMPTS[:1], 8)) == want[:1]  # rank 1 runs empty steps
+        assert asyncio.run(_complete_all(job.url, PROMPTS, 8)) == want
+        assert "[rank 1] moe_serve.model_runner: model" in job.log()
+        os.kill(job.rank_pid(0), signal.SIGTERM)
+        assert job.wait(60) == 0
+    finally:
+        job.kill()
