@@ -99,3 +99,19 @@ def test_kimi_k2_under_either_architecture_name(extra_checkpoints, tmp_path):
                                                   show_progress=False).generate(prompts, sp)]
             for p in (src, str(alias))]
     assert runs[0] == runs[1]
+
+
+# The checks the first three architectures get elsewhere, run on these checkpoints (the modules are
+# imported, not their test functions, so pytest does not collect those a second time here).
+@pytest.mark.parametrize("arch", ["qwen2_moe", "olmoe", "glm4_moe"])  # Kimi-K2: no transformers class
+def test_bfloat16_logits_close_to_float32(extra_checkpoints, arch):
+    from tests.models import test_hf_parity
+
+    test_hf_parity.test_bfloat16_logits_close_to_float32(extra_checkpoints, arch)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_decode_forward_has_no_host_sync(extra_checkpoints, arch, monkeypatch):
+    from tests.unit import test_decode_capturable
+
+    test_decode_capturable.test_decode_forward_has_no_host_sync(extra_checkpoints, arch, monkeypatch)
