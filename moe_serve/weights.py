@@ -41,6 +41,11 @@ def load_weights(model: nn.Module, path: str, dtype: torch.dtype, show_progress:
     """Fill every parameter of `model` from the checkpoint at `path`; errors name the tensor."""
     from safetensors import safe_open
 
+    quant = (getattr(model, "hf", None) or {}).get("quantization_config")
+    if quant:  # e.g. DeepSeek-V3 / Kimi-K2 / GLM-4.5-FP8: block-scaled FP8 tensors with weight_scale_inv
+        raise ValueError(f"checkpoint {path!r} is quantized (quant_method={quant.get('quant_method')!r}); only "
+                         f"unquantized (bf16/fp16/fp32) checkpoints are supported: dequantize it first, or use "
+                         f"load_format='dummy' for its sizes")
     params = dict(model.named_parameters(remove_duplicate=True))
     experts = {name[: -len(".experts")]: m for name, m in model.named_modules()
                if isinstance(m, GroupedExperts) and name.endswith(".experts")}

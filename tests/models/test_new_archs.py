@@ -115,3 +115,23 @@ def test_decode_forward_has_no_host_sync(extra_checkpoints, arch, monkeypatch):
     from tests.unit import test_decode_capturable
 
     test_decode_capturable.test_decode_forward_has_no_host_sync(extra_checkpoints, arch, monkeypatch)
+
+
+def test_quantized_checkpoint_is_refused_by_name(extra_checkpoints, tmp_path):
+    """Kimi-K2 and DeepSeek-V3 ship as block-scaled FP8: such a checkpoint is refused with a reason,
+    not loaded with its scales ignored; load_format='dummy' still builds its sizes."""
+    import json
+    import os
+
+    src = extra_checkpoints["kimi_k2"]
+    for name in os.listdir(src):
+        if name != "config.json":
+            os.symlink(os.path.join(src, name), tmp_path / name)
+    with open(os.path.join(src, "config.json")) as f:
+        c = json.load(f)
+    c["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(c, f)
+    with pytest.raises(ValueError, match=r"is quantized \(quant_method='fp8'\)"):
+        LLM(str(tmp_path), dtype="float32", kv_cache_memory=1 << 20, show_progress=False)
+    LLM(str(tmp_path), dtype="float32", kv_cache_memory=1 << 20, load_format="dummy", show_progress=False)
