@@ -117,6 +117,13 @@ def test_decode_forward_has_no_host_sync(extra_checkpoints, arch, monkeypatch):
     test_decode_capturable.test_decode_forward_has_no_host_sync(extra_checkpoints, arch, monkeypatch)
 
 
+@pytest.mark.parametrize("arch", ["qwen2_moe", "glm4_moe"])  # the gated shared expert; grouped routing
+def test_overlap_gives_identical_tokens(extra_checkpoints, arch):
+    from tests.unit import test_overlap
+
+    test_overlap.test_overlap_gives_identical_tokens(extra_checkpoints, arch)
+
+
 def test_quantized_checkpoint_is_refused_by_name(extra_checkpoints, tmp_path):
     """Kimi-K2 and DeepSeek-V3 ship as block-scaled FP8: such a checkpoint is refused with a reason,
     not loaded with its scales ignored; load_format='dummy' still builds its sizes."""
