@@ -190,8 +190,8 @@ def build_kimi_k2(path: str) -> str:
 
 def build_glm4_moe(path: str) -> str:
     """GLM-4.5: head_dim given (not hidden / heads), half the head rotated, q/k norm, attention bias,
-    two expert groups of which one is kept, one dense first layer, and a multi-token-prediction
-    layer after the last one, as the Hub checkpoints have it."""
+    two expert groups of which one is kept, one dense first layer, a multi-token-prediction layer
+    after the last one and Hub-style RoPE keys, as the Hub checkpoints have them."""
     from safetensors.torch import load_file, save_file
     from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 
@@ -213,6 +213,13 @@ def build_glm4_moe(path: str) -> str:
     sd["model.layers.3.eh_proj.weight"] = torch.randn(64, 128)
     save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(path, "model.safetensors"),
               metadata={"format": "pt"})
+    # Hub-style keys, as GLM-4.5's config.json has them: rope_theta and partial_rotary_factor at the top.
+    with open(os.path.join(path, "config.json")) as f:
+        c = json.load(f)
+    r = c.pop("rope_parameters")
+    c["rope_theta"], c["partial_rotary_factor"] = r["rope_theta"], r["partial_rotary_factor"]
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(c, f, indent=2)
     return path
 
 
