@@ -1,0 +1,111 @@
+"""Limits an OpenAI request must meet before the server spends anything on it.
+
+Everything here is cheap and runs on the event loop before tokenization: counts and sizes of the
+request's lists, and lower bounds on its prompt's token count from its length in characters (no
+token stands for more than `chars_per_token` characters, so a text of c characters has at least
+c / chars_per_token tokens). A request that could never run (too long for max_model_len, or for
+the KV cache of every rank) is refused with a 400 that names the field, in OpenAI's error shape.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# Sizes of lists in a request. Beyond these a request is refused with a 400 naming the field; each
+# is far above what a real client sends and low enough that checking the rest stays cheap.
+MAX_MESSAGES = 4096
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024  # per stop string (the output processor holds back that many characters)
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024
+MAX_TOOLS = 128
+MAX_TOOL_SCHEMA_BYTES = 64 << 10  # one tool's definition, as JSON
+MAX_N = 16
+# A template may leave out part of what it is given (e.g. earlier turns' reasoning), so the messages'
+# characters are only bounded loosely before templating; the rendered text is bounded exactly.
+CHAT_CHARS_SLACK = 4
+
+
+class BadRequest(ValueError):
+    """A refusal: status, message and the OpenAI error fields (type, param, code)."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None,
+                 type_: str = "invalid_request_error"):
+        super().__init__(message)
+        self.param, self.status, self.code, self.type = param, status, code, type_
+
+
+def check_count(name: str, n: int, most: int, what: str = "entries") -> None:
+    if n > most:
+        raise BadRequest(f"{name} has {n} {what}; at most {most} are allowed", name, code="too_many_" + what)
+
+
+def check_stop(stop) -> None:
+    strings = [stop] if isinstance(stop, str) else list(stop or [])
+    check_count("stop", len(strings), MAX_STOP_STRINGS, "strings")
+    long = next((s for s in strings if isinstance(s, str) and len(s) > MAX_STOP_CHARS), None)
+    if long is not None:
+        raise BadRequest(f"stop strings must be at most {MAX_STOP_CHARS} characters, got one of {len(long)}", "stop")
+
+
+@dataclass(frozen=True)
+class PromptLimits:
+    """What a prompt must fit: the context length and the smallest rank's KV cache.
+
+    chars_per_token: no token of this tokenizer stands for more characters (None: the tokenizer
+    gives no such guarantee, so texts are measured only by tokenizing them).
+    """
+
+    max_model_len: int
+    chars_per_token: float | None
+    kv_block_size: int
+    kv_blocks: int
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.kv_blocks * self.kv_block_size
+
+    def min_tokens(self, chars: int, slack: float = 1.0) -> int:
+        """The fewest tokens a text of this many characters can have (divided by slack)."""
+        if self.chars_per_token is None or chars == 0:
+            return 0
+        return math.ceil(chars / (self.chars_per_token * slack))
+
+    def check_chars(self, chars: int, max_tokens: int | None, param: str = "prompt", slack: float = 1.0) -> None:
+        """Refuse a text that is too long by its length alone, without tokenizing it."""
+        least = self.min_tokens(chars, slack)
+        if least == 0:
+            return
+        allowance = "" if slack == 1.0 else f", allowing {slack:g}x for the chat template"
+        why = (f"{chars} characters, so at least {least} tokens (no token of this model is longer than "
+               f"{self.chars_per_token:g} characters{allowance})")
+        if least >= self.max_model_len:
+            raise BadRequest(f"the {param} is too long for max_model_len={self.max_model_len}: {why}", param,
+                             code="context_length_exceeded")
+        self.check_tokens(least, max_tokens, param, why)
+
+    def check_tokens(self, n: int, max_tokens: int | None, param: str = "prompt", why: str | None = None) -> None:
+        """Refuse a prompt of n tokens (plus max_tokens) that no rank's KV cache could ever hold, or
+        that max_model_len does not allow."""
+        desc = why or f"{n} tokens"
+        need_tokens = n + (max_tokens or 1)
+        need = math.ceil(need_tokens / self.kv_block_size)
+        if need > self.kv_blocks:
+            field = param if max_tokens is None or n + 1 > self.kv_capacity_tokens else "max_tokens"
+            extra = "" if max_tokens is None else f" plus max_tokens={max_tokens}"
+            raise BadRequest(f"the {param} ({desc}){extra} needs {need} KV cache blocks of {self.kv_block_size} "
+                             f"tokens, but the KV cache holds {self.kv_blocks} blocks ({self.kv_capacity_tokens} "
+                             "tokens): it could never run", field, code="context_length_exceeded")
+        if n >= self.max_model_len:
+            raise BadRequest(f"the {param} has {desc}; max_model_len={self.max_model_len} leaves no room for output "
+                             "(the prompt must be shorter than max_model_len)", param, code="context_length_exceeded")
+        if max_tokens is not None and n + max_tokens > self.max_model_len:
+            raise BadRequest(f"max_tokens={max_tokens} plus the {param}'s {desc} exceeds "
+                             f"max_model_len={self.max_model_len}", "max_tokens", code="context_length_exceeded")
+
+
+def default_max_body_bytes(max_model_len: int, max_token_bytes: int, vocab_size: int) -> int:
+    """Room for the longest prompt max_model_len allows, as text (4x for JSON escapes and several
+    messages) or as token ids, plus 1 MiB for everything else in a request."""
+    per_token = max(max_token_bytes, len(str(vocab_size)) + 2)
+    return (1 << 20) + 4 * max_model_len * per_token
