@@ -66,6 +66,7 @@ class AsyncEngine:
         self._shutdown_asked = False
         self._log_interval = log_interval_s
         self.dead: str | None = None
+        self.stopping: str | None = None  # set by end_all: why every open request was ended
         self.on_fatal = lambda: None  # called (from the receiver thread) if a core dies
         self._cores_done = [False] * self.world_size
         self._sender = threading.Thread(target=self._send_loop, name="core-sender", daemon=True)
@@ -151,6 +152,18 @@ class AsyncEngine:
 
     def has_work(self) -> bool:
         return bool(self._owner)
+
+    def end_all(self, reason: str) -> int:
+        """Stop taking requests and end every open one now (its stream ends with `reason`, its
+        blocks are freed in the core); returns how many were open. Thread-safe."""
+        self._stop = True
+        self.stopping = reason
+        with self._lock:
+            items = list(self._queues.items())
+        self._abort([cid for cid, _ in items])
+        for cid, (loop, q) in items:
+            loop.call_soon_threadsafe(q.put_nowait, EngineOutput(cid, [], "", True, "abort", reason))
+        return len(items)
 
     def shutdown(self, grace_s: float = 0.0, timeout_s: float = 30.0) -> None:
         """Stop taking requests; let running ones finish for up to grace_s; abort the rest; tell

@@ -24,6 +24,18 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
     g.add_argument("--log-interval", type=float, default=10.0, help="seconds between throughput log lines")
+    g.add_argument("--max-request-body-bytes", type=int, default=None,
+                   help="larger request bodies are refused with 413 before they are read (default: room for the "
+                        "longest prompt max_model_len allows, as JSON, plus 1 MiB)")
+    g.add_argument("--http-header-timeout", type=float, default=10.0,
+                   help="seconds a connection gets to send a request's headers (and to finish sending a refused body)")
+    g.add_argument("--http-body-timeout", type=float, default=60.0,
+                   help="seconds a request gets to send its whole body (then 408)")
+    g.add_argument("--max-connections", type=int, default=2048,
+                   help="beyond this many open connections, requests are answered 503 at once (0: no cap)")
+    g.add_argument("--request-timeout", type=float, default=None,
+                   help="abort a request (freeing its KV blocks) that takes longer than this many seconds "
+                        "(default: no limit); non-streaming requests get 408, streams an error event")
 
 
 def resolve_model(model: str | None) -> tuple[str, str]:

@@ -42,7 +42,9 @@ def _poll_health(url: str, stop: threading.Event, lat: list[float]) -> None:
 
 
 def test_health_stays_fast_while_a_huge_prompt_tokenizes_and_16_streams_run(checkpoints):
-    s = ServerProcess(["--model", checkpoints["qwen3_moe"], "--dtype", "float32", "--kv-cache-memory", str(8 << 20)])
+    # The body limit is raised so that the 4 MB prompt reaches the prompt-length check.
+    s = ServerProcess(["--model", checkpoints["qwen3_moe"], "--dtype", "float32", "--kv-cache-memory", str(8 << 20),
+                       "--max-request-body-bytes", str(16 << 20)])
     try:
         lat: list[float] = []
         stop = threading.Event()

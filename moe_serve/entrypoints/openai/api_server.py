@@ -1,5 +1,7 @@
 """The OpenAI-compatible HTTP server: FastAPI routes, msgspec bodies, SSE streaming, API key,
-Prometheus metrics, graceful shutdown on SIGTERM."""
+Prometheus metrics, graceful shutdown on SIGTERM (bounded: whatever is in flight ends within
+--shutdown-grace plus a few seconds). Every error is OpenAI's `{"error": {...}}`; HTTP-level
+protections (body size and read deadlines, connection cap) are in http_guard.py."""
 from __future__ import annotations
 
 import asyncio
@@ -7,23 +9,29 @@ import contextlib
 import logging
 import threading
 import time
+from dataclasses import dataclass
 
 import msgspec
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moe_serve import __version__
 from moe_serve.engine.async_engine import AsyncEngine
 from moe_serve.entrypoints.openai import protocol as P
+from moe_serve.entrypoints.openai.http_guard import ClientGone, GuardedH11Protocol, Refusal, error_json, read_body
+from moe_serve.entrypoints.openai.request_limits import PromptLimits
 from moe_serve.entrypoints.openai.serving import BadRequest, OpenAIServing
 
 log = logging.getLogger("moe_serve.api_server")
 
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                   code: str | int | None = None) -> Response:
-    body = P.ErrorResponse(P.ErrorInfo(message, type_, param, code if code is not None else status))
-    return Response(msgspec.json.encode(body), status_code=status, media_type="application/json")
+                   code: str | int | None = None, close: bool = False) -> Response:
+    headers = {"connection": "close"} if close else None
+    return Response(error_json(status, message, type_, param, code), status_code=status,
+                    media_type="application/json", headers=headers)
 
 
 def _msgspec_param(msg: str) -> str | None:
@@ -33,9 +41,43 @@ def _msgspec_param(msg: str) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class HTTPLimits:
+    """The HTTP server's protections (the flags of `add_serve_args`)."""
+
+    max_body_bytes: int = 1 << 20
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    max_connections: int | None = 2048
+    request_timeout_s: float | None = None
+
+
+_BODIES = {"/v1/completions": P.CompletionRequest, "/v1/chat/completions": P.ChatCompletionRequest}
+
+
+def _openapi_bodies(app: FastAPI) -> None:
+    """The routes read their bodies themselves (msgspec, not pydantic), so FastAPI cannot see
+    them: put the request structs' JSON schemas into /openapi.json by hand."""
+    _, components = msgspec.json.schema_components(list(_BODIES.values()),
+                                                         ref_template="#/components/schemas/{name}")
+    base = app.openapi
+
+    def openapi():
+        if app.openapi_schema is None:
+            schema = base()
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(components)
+            for path, typ in _BODIES.items():
+                schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": {"application/json": {
+                    "schema": {"$ref": f"#/components/schemas/{typ.__name__}"}}}}
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
 def build_app(engine: AsyncEngine, served_model_name: str, max_model_len: int, api_key: str | None = None,
-              extra_routes=None) -> FastAPI:
-    serving = OpenAIServing(engine, served_model_name, max_model_len)
+              extra_routes=None, limits: PromptLimits | None = None, http: HTTPLimits = HTTPLimits()) -> FastAPI:
+    serving = OpenAIServing(engine, served_model_name, max_model_len, limits, http.request_timeout_s)
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -44,6 +86,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, max_model_len: int, a
         log.info("shutting down: no new requests; finishing or aborting the ones in flight")
 
     app = FastAPI(title="moe-serve", version=__version__, lifespan=lifespan)
+    # Set once the shutdown has waited --shutdown-grace: bodies still arriving are refused (503).
+    app.state.stopping = asyncio.Event()
 
     @app.middleware("http")
     async def auth(request: Request, call_next):
@@ -57,13 +101,20 @@ def build_app(engine: AsyncEngine, served_model_name: str, max_model_len: int, a
             log.exception("unhandled error on %s", request.url.path)
             return error_response(500, f"internal error: {type(e).__name__}", "internal_error")
 
-    @app.exception_handler(404)
-    async def not_found(request: Request, exc):
-        return error_response(404, f"no route {request.method} {request.url.path}", "NotFoundError")
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 404:
+            return error_response(404, f"no route {request.method} {request.url.path}", "NotFoundError")
+        if exc.status_code == 405:
+            return error_response(405, f"method {request.method} not allowed on {request.url.path}")
+        return error_response(exc.status_code, str(exc.detail))
 
-    @app.exception_handler(405)
-    async def bad_method(request: Request, exc):
-        return error_response(405, f"method {request.method} not allowed on {request.url.path}")
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        errs = exc.errors()
+        loc = [str(x) for x in (errs[0].get("loc") or ()) if x not in ("body", "query", "path")] if errs else []
+        return error_response(400, f"invalid request: {errs[0].get('msg') if errs else exc}",
+                              param=loc[0] if loc else None)
 
     @app.get("/health")
     async def health():
@@ -86,51 +137,72 @@ def build_app(engine: AsyncEngine, served_model_name: str, max_model_len: int, a
                                  media_type="text/plain; version=0.0.4")
 
     async def handle(request: Request, typ, fn, prefix: str):
-        body = await request.body()
+        deadline = serving.deadline()
+        try:
+            body = await read_body(request.receive, request.headers, http.max_body_bytes, http.body_timeout_s,
+                                   app.state.stopping)
+        except Refusal as e:
+            # The rest of the body is drained (up to --http-header-timeout) so the client reads the answer.
+            return error_response(e.status, str(e), e.type, None, e.code)
+        except ClientGone:
+            return Response(status_code=499)
         try:
             req = msgspec.json.decode(body, type=typ)
         except msgspec.ValidationError as e:
             return error_response(400, f"invalid request: {e}", param=_msgspec_param(str(e)))
         except msgspec.DecodeError as e:
-            return error_response(400, f"malformed JSON body: {e}")
+            return error_response(400, f"malformed JSON body: {e}", code="invalid_json")
+        except RecursionError:  # free-form fields (dicts) nested thousands deep
+            return error_response(400, "the JSON body is nested too deeply", code="invalid_json")
         rid = f"{prefix}-{engine.new_request_id('r')}"
-        try:
-            result = await fn(req, rid)
-        except BadRequest as e:
-            return error_response(e.status, str(e), e.type, e.param, e.code)
-        if req.stream:
-            return StreamingResponse(result, media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return Response(msgspec.json.encode(result), media_type="application/json")
+
+        async def run():
+            try:
+                result = await fn(req, rid, deadline)
+            except BadRequest as e:
+                return error_response(e.status, str(e), e.type, e.param, e.code)
+            if req.stream:
+                return StreamingResponse(result, media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return Response(msgspec.json.encode(result), media_type="application/json")
+
+        return await until_disconnect(request, run())
 
     async def until_disconnect(request: Request, coro):
-        """Run a non-streaming handler; if the client goes away first, cancel it (which aborts)."""
+        """Run a non-streaming handler; if the client goes away first, cancel it (which aborts).
+        (Only once the body is read: a disconnect check reads from the same channel as the body.)"""
         task = asyncio.ensure_future(coro)
-        while not task.done():
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if not done and await request.is_disconnected():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-                return Response(status_code=499)
-        return task.result()
+        try:
+            while not task.done():
+                done, _ = await asyncio.wait({task}, timeout=0.5)
+                if not done and await request.is_disconnected():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+                    return Response(status_code=499)
+            return task.result()
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await until_disconnect(request, handle(request, P.CompletionRequest, serving.completions, "cmpl"))
+        return await handle(request, P.CompletionRequest, serving.completions, "cmpl")
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        return await until_disconnect(request, handle(request, P.ChatCompletionRequest, serving.chat, "chatcmpl"))
+        return await handle(request, P.ChatCompletionRequest, serving.chat, "chatcmpl")
 
     for route in extra_routes or []:
         route(app)
+    _openapi_bodies(app)
     return app
 
 
-def serve(app: FastAPI, engine: AsyncEngine, host: str, port: int, grace_s: float) -> int:
-    """Run uvicorn until SIGINT/SIGTERM; then stop accepting, let requests finish for up to grace_s,
-    abort the rest and return 0."""
+def serve(app: FastAPI, engine: AsyncEngine, host: str, port: int, grace_s: float,
+          http: HTTPLimits = HTTPLimits()) -> int:
+    """Run uvicorn until SIGINT/SIGTERM; then stop accepting, let requests finish for up to
+    grace_s, end the rest (streams get a final error event), tell the cores to exit and return 0."""
     import signal
 
     import uvicorn
@@ -147,8 +219,42 @@ def serve(app: FastAPI, engine: AsyncEngine, host: str, port: int, grace_s: floa
                 for s, h in prev.items():
                     signal.signal(s, h)
 
+        async def shutdown(self, sockets=None):
+            """uvicorn's graceful shutdown waits for every connection to close, however slow its
+            client; ours waits grace_s for the requests in flight, then ends them."""
+            for server in self.servers:
+                server.close()
+            for sock in sockets or []:
+                sock.close()
+            state = self.server_state
+            for conn in list(state.connections):
+                try:
+                    conn.shutdown()  # idle connections close now; busy ones after their response
+                except Exception:  # a connection in an odd protocol state: just close it
+                    conn.transport.close()
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + grace_s
+            while state.tasks and loop.time() < deadline and not self.force_exit:
+                await asyncio.sleep(0.05)
+            if state.tasks:
+                n = engine.end_all("the server is shutting down")
+                log.info("shutdown: %d request(s) still running after %.0fs were ended (%d HTTP task(s))", n,
+                         grace_s, len(state.tasks))
+                app.state.stopping.set()
+                end = loop.time() + 2.0  # streams write their error event and [DONE]
+                while state.tasks and loop.time() < end:
+                    await asyncio.sleep(0.05)
+                for t in list(state.tasks):
+                    t.cancel()
+                if state.tasks:
+                    await asyncio.wait(list(state.tasks), timeout=2.0)
+            for conn in list(state.connections):
+                conn.transport.close()
+            await self.lifespan.shutdown()
+
+    protocol = GuardedH11Protocol.configure(http.header_timeout_s, http.max_connections)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=grace_s,
-                            access_log=False, lifespan="on")
+                            access_log=False, lifespan="on", http=protocol)
     server = Server(config)
     # An engine that died cannot serve: stop the server and exit non-zero (under torchrun this
     # stops the whole job).

@@ -50,10 +50,17 @@ def run_frontend(ns: argparse.Namespace, path: str, client, check_alive) -> int:
     """Wait for the cores, then serve HTTP until SIGTERM/SIGINT or a core failure; returns the
     exit code (0 after a clean shutdown)."""
     from moe_serve.engine.async_engine import AsyncEngine
-    from moe_serve.entrypoints.openai.api_server import build_app, serve
+    from moe_serve.entrypoints.openai.api_server import HTTPLimits, build_app, serve
+    from moe_serve.entrypoints.openai.request_limits import PromptLimits, default_max_body_bytes
     from moe_serve.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer(path)  # loads while the cores load their weights
+    # Loads, and measures its longest token, while the cores load their weights.
+    tokenizer = Tokenizer(path)
+    t0 = time.monotonic()
+    token_chars, token_bytes = tokenizer.token_extent
+    log.info("tokenizer: the longest token is %d characters (%d bytes); prompt length bound %s (%.2fs)", token_chars,
+             token_bytes, "none" if tokenizer.chars_per_token is None else f"{tokenizer.chars_per_token:g} chars/token",
+             time.monotonic() - t0)
     try:
         ready = client.wait_ready(check_alive)
     except RuntimeError as e:
@@ -62,10 +69,46 @@ def run_frontend(ns: argparse.Namespace, path: str, client, check_alive) -> int:
         return 1
     name = ns.served_model_name or ns.model or os.path.basename(os.path.normpath(path))
     engine = AsyncEngine(client, ready, tokenizer, name, ns.max_waiting_requests, ns.log_interval, check_alive)
-    app = build_app(engine, name, engine.max_model_len, ns.api_key, [expert_load_routes(engine)])
-    log.info("front end ready: %d engine core(s), max_model_len %d, %s KV blocks", len(ready),
-             engine.max_model_len, "/".join(str(r.num_kv_blocks) for r in ready))
-    return serve(app, engine, ns.host, ns.port, ns.shutdown_grace)
+    limits = PromptLimits(engine.max_model_len, tokenizer.chars_per_token, ns.block_size,
+                          min(r.num_kv_blocks for r in ready))
+    http = HTTPLimits(ns.max_request_body_bytes or default_max_body_bytes(engine.max_model_len, token_bytes,
+                                                                           tokenizer.vocab_size),
+                      ns.http_header_timeout, ns.http_body_timeout, ns.max_connections or None, ns.request_timeout)
+    _raise_open_files(http.max_connections)
+    app = build_app(engine, name, engine.max_model_len, ns.api_key, [expert_load_routes(engine)], limits, http)
+    log.info("front end ready: %d engine core(s), max_model_len %d, %s KV blocks of %d tokens; request bodies up to "
+             "%d bytes, at most %s connections, request timeout %s", len(ready), engine.max_model_len,
+             "/".join(str(r.num_kv_blocks) for r in ready), ns.block_size, http.max_body_bytes,
+             http.max_connections or "unlimited", f"{ns.request_timeout:g}s" if ns.request_timeout else "off")
+    return serve(app, engine, ns.host, ns.port, ns.shutdown_grace, http)
+
+
+def http_flags_check(ns: argparse.Namespace) -> None:
+    """Raise ValueError naming a server flag that is out of range."""
+    for flag in ("http_header_timeout", "http_body_timeout"):
+        if not getattr(ns, flag) > 0:
+            raise ValueError(f"--{flag.replace('_', '-')}={getattr(ns, flag)} must be > 0")
+    if ns.request_timeout is not None and not ns.request_timeout > 0:
+        raise ValueError(f"--request-timeout={ns.request_timeout} must be > 0")
+    if ns.max_request_body_bytes is not None and ns.max_request_body_bytes < 1:
+        raise ValueError(f"--max-request-body-bytes={ns.max_request_body_bytes} must be >= 1")
+    if ns.max_connections < 0:
+        raise ValueError(f"--max-connections={ns.max_connections} must be >= 0")
+
+
+def _raise_open_files(max_connections: int | None) -> None:
+    """Every connection is a file descriptor: lift the soft limit toward the hard one if the cap
+    needs it."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = (max_connections or 65536) + 256
+        if soft != resource.RLIM_INFINITY and soft < want:
+            new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+    except (ImportError, ValueError, OSError) as e:  # not fatal: the cap still answers 503
+        log.warning("could not raise the open-file limit: %s", e)
 
 
 def run_single_process_server(ns: argparse.Namespace) -> int:
@@ -78,6 +121,7 @@ def run_single_process_server(ns: argparse.Namespace) -> int:
     path, _ = resolve_model(ns.model)
     args = EngineArgs.from_cli(ns, path)
     args.create_engine_config()  # configuration errors surface here, before any process starts
+    http_flags_check(ns)
     client = CoreClient(1)
     (in_addr,), out_addr = client.addresses()
     cmd = [sys.executable, "-m", "moe_serve.engine.core_proc", "--engine-args", msgspec.json.encode(args).decode(),
@@ -135,6 +179,7 @@ def frontend_main(argv: list[str] | None = None) -> int:
     p.add_argument("--parent-pid", type=int, required=True)
     p.add_argument("--dist-timeout", type=float, default=60.0)
     ns = p.parse_args(argv)
+    http_flags_check(ns)
     rank_env = os.environ.get("RANK", "0")
     logging.basicConfig(level=os.environ.get("MOE_SERVE_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s %(levelname)s [rank {rank_env} front end] %(name)s: %(message)s")

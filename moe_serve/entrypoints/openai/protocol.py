@@ -62,6 +62,10 @@ class ChatCompletionRequest(_Common):
     add_generation_prompt: bool = True
     echo: bool = False
     chat_template_kwargs: dict | None = None
+    # Tools are handed to the chat template (as `tools`); the output is not parsed into tool calls.
+    tools: list[dict] | None = None
+    tool_choice: Union[str, dict, None] = None
+    parallel_tool_calls: bool | None = None
 
 
 class ErrorInfo(msgspec.Struct):

@@ -3,22 +3,20 @@ parameters (with errors that name the field), then whole responses or SSE stream
 from __future__ import annotations
 
 import asyncio
+import queue
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
 import msgspec
 
 from moe_serve.engine.async_engine import AsyncEngine, QueueFullError
 from moe_serve.entrypoints.openai import protocol as P
+from moe_serve.entrypoints.openai import request_limits as L
+from moe_serve.entrypoints.openai.request_limits import BadRequest, PromptLimits
 from moe_serve.sampling_params import SamplingParams
 
-
-class BadRequest(ValueError):
-    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None,
-                 type_: str = "invalid_request_error"):
-        super().__init__(message)
-        self.param, self.status, self.code, self.type = param, status, code, type_
+__all__ = ["BadRequest", "OpenAIServing", "sampling_params"]
 
 
 def _field_of(msg: str) -> str | None:
@@ -33,10 +31,17 @@ def _field_of(msg: str) -> str | None:
 def sampling_params(req: P._Common, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     if req.n is None or req.n < 1:
         raise BadRequest(f"n must be >= 1, got {req.n}", "n")
-    if req.n > 16:
-        raise BadRequest(f"n must be <= 16, got {req.n}", "n")
+    if req.n > L.MAX_N:
+        raise BadRequest(f"n must be <= {L.MAX_N}, got {req.n}", "n")
     if max_tokens is not None and max_tokens < 1:
         raise BadRequest(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
+    for name in ("seed", "top_k", "min_tokens"):  # integers cross to the core as 64-bit msgpack
+        v = getattr(req, name)
+        if v is not None and not -(1 << 63) <= v < (1 << 63):
+            raise BadRequest(f"{name} must fit in a signed 64-bit integer, got {v}", name)
+    L.check_stop(req.stop)
+    L.check_count("stop_token_ids", len(req.stop_token_ids or ()), L.MAX_STOP_TOKEN_IDS, "ids")
+    L.check_count("logit_bias", len(req.logit_bias or ()), L.MAX_LOGIT_BIAS, "entries")
     bias = None
     if req.logit_bias:
         try:
@@ -59,18 +64,65 @@ def sampling_params(req: P._Common, max_tokens: int | None, logprobs: int | None
         raise BadRequest(str(e), _field_of(str(e))) from None
 
 
+class _TokenizerPool:
+    """Worker threads for tokenization and chat templates. Daemon threads: a tokenization still
+    running when the server stops does not hold up the process's exit. A job whose caller has gone
+    (cancelled) before it starts is skipped."""
+
+    def __init__(self, threads: int, name: str = "tokenize"):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        for i in range(threads):
+            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True).start()
+
+    def submit(self, loop: asyncio.AbstractEventLoop, fut: asyncio.Future, fn, args) -> None:
+        self._jobs.put((loop, fut, fn, args))
+
+    def _work(self) -> None:
+        while True:
+            loop, fut, fn, args = self._jobs.get()
+            if fut.cancelled():
+                continue
+            try:
+                result, error = fn(*args), None
+            except BaseException as e:  # handed to the awaiting handler
+                result, error = None, e
+            try:
+                loop.call_soon_threadsafe(_resolve, fut, result, error)
+            except RuntimeError:  # the loop has closed: the server is gone
+                return
+
+
+def _resolve(fut: asyncio.Future, result, error) -> None:
+    if fut.done():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)
+
+
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, served_model_name: str, max_model_len: int, tokenizer_threads: int = 2,
-                 max_pending_tokenizations: int = 256):
+    def __init__(self, engine: AsyncEngine, served_model_name: str, max_model_len: int,
+                 limits: PromptLimits | None = None, request_timeout_s: float | None = None,
+                 tokenizer_threads: int = 2, max_pending_tokenizations: int = 256):
         self.engine = engine
         self.model_name = served_model_name
         self.max_model_len = max_model_len
         self.tok = engine.tokenizer
+        # Without the cores' KV sizes (tests building the app by hand): no KV bound, no character bound.
+        self.limits = limits or PromptLimits(max_model_len, None, 1, 1 << 62)
+        self.request_timeout_s = request_timeout_s
         # Tokenization and chat templating run here, never on the event loop: one huge prompt must
         # not stall /health or other streams. The queue in front of the pool is bounded (503).
-        self._pool = ThreadPoolExecutor(tokenizer_threads, thread_name_prefix="tokenize")
+        self._pool = _TokenizerPool(tokenizer_threads)
         self._pending = 0
         self._max_pending = max_pending_tokenizations
+
+    def deadline(self) -> float | None:
+        """The event-loop time by which a request arriving now must be done (--request-timeout)."""
+        if self.request_timeout_s is None:
+            return None
+        return asyncio.get_running_loop().time() + self.request_timeout_s
 
     async def off_loop(self, fn, *args):
         """Run a tokenizer/template call in the bounded pool."""
@@ -79,7 +131,10 @@ class OpenAIServing:
                              "server_overloaded", "ServiceUnavailableError")
         self._pending += 1
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+            loop = asyncio.get_running_loop()
+            fut = loop.create_future()
+            self._pool.submit(loop, fut, fn, args)
+            return await fut
         finally:
             self._pending -= 1
 
@@ -89,10 +144,28 @@ class OpenAIServing:
                              "NotFoundError")
 
     # --- completions ----------------------------------------------------------------------------
-    def completion_prompts(self, req: P.CompletionRequest) -> list[tuple[str | None, list[int]]]:
+    def check_completion_prompt(self, req: P.CompletionRequest, n: int, max_tokens: int | None) -> None:
+        """Cheap checks of the prompt's shape and size, before anything is tokenized."""
         p = req.prompt
         if p is None or p == "" or p == []:
             raise BadRequest("prompt must not be empty", "prompt")
+        if isinstance(p, str):
+            self.limits.check_chars(len(p), max_tokens)
+            return
+        batch = not all(isinstance(x, int) for x in p)
+        if batch:
+            most = self.engine.max_waiting_requests
+            if len(p) * n > most:
+                raise BadRequest(f"{len(p)} prompts x n={n} is more than the {most} requests the server queues "
+                                 "(--max-waiting-requests)", "n" if n > 1 else "prompt")
+        for x in (p if batch else [p]):
+            if isinstance(x, str):
+                self.limits.check_chars(len(x), max_tokens)
+            elif isinstance(x, list):
+                self.limits.check_tokens(len(x), max_tokens)
+
+    def completion_prompts(self, req: P.CompletionRequest) -> list[tuple[str | None, list[int]]]:
+        p = req.prompt
         if isinstance(p, str):
             return [(p, self.tok.encode(p))]
         if all(isinstance(x, int) for x in p):
@@ -103,19 +176,20 @@ class OpenAIServing:
             return [(None, list(x)) for x in p]
         raise BadRequest("prompt must be a string, a list of strings, a list of token ids or a list of lists", "prompt")
 
-    async def completions(self, req: P.CompletionRequest, rid: str):
+    async def completions(self, req: P.CompletionRequest, rid: str, deadline: float | None = None):
         """Returns a CompletionResponse, or an async iterator of SSE lines when streaming."""
         self.check_model(req.model)
         if req.suffix:
             raise BadRequest("suffix is not supported", "suffix")
         params = sampling_params(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs)
-        prompts = await self.off_loop(self.completion_prompts, req)
+        self.check_completion_prompt(req, params.n, params.max_tokens)
+        prompts = await self._until(deadline, self.off_loop(self.completion_prompts, req))
         stream = self._submit(rid, [ids for _, ids in prompts], params)
         if req.stream:
-            return self._stream_completions(req, rid, prompts, params, stream)
+            return self._stream_completions(req, rid, prompts, params, stream, deadline)
         k = len(prompts) * params.n
-        texts, lps, fins = await _collect(stream, k)
-        self._check_alive()
+        texts, lps, fins = await self._collect(stream, k, deadline)
+        self._check_ended(fins)
         choices = []
         for c in range(k):
             ptext, ids = prompts[c // params.n]
@@ -135,32 +209,57 @@ class OpenAIServing:
             top.append({self.tok.decode([i], False): v for i, v in lp.top} or None)
         return P.CompletionLogprobs(tokens, tlp, top, offs)
 
-    async def _stream_completions(self, req, rid, prompts, params, stream) -> AsyncIterator[bytes]:
+    async def _stream_completions(self, req, rid, prompts, params, stream, deadline) -> AsyncIterator[bytes]:
         created = int(time.time())
+        ended = None
         try:
             if req.echo:
                 for c in range(len(prompts) * params.n):
                     ptext, ids = prompts[c // params.n]
                     yield _sse(P.CompletionResponse(rid, created, self.model_name, [P.CompletionChoice(
                         c, ptext if ptext is not None else self.tok.decode(ids))]))
-            async for c, out in stream:
+            async for c, out in self._timed(stream, deadline):
+                ended = ended or _error_of(out)
                 if not (out.new_text or out.finished or out.logprobs):
                     continue
                 lp = self._completion_logprobs(out.logprobs or [], 0) if req.logprobs is not None else None
                 yield _sse(P.CompletionResponse(rid, created, self.model_name, [P.CompletionChoice(
                     c, out.new_text, lp, out.finish_reason, out.stop_reason)]))
-            if self.engine.dead:
-                yield _sse_error(f"the engine has stopped: {self.engine.dead}")
+            if self.engine.dead or ended:
+                yield self._ended_event(ended)
             elif req.stream_options and req.stream_options.include_usage:
                 yield _sse(P.CompletionResponse(rid, created, self.model_name, [], _usage(stream)))
-            yield b"data: [DONE]\n\n"
+        except BadRequest as e:  # the request timed out
+            yield _sse_error(str(e), e.status, e.type, e.code)
         finally:
             await stream.aclose()
+        yield b"data: [DONE]\n\n"
 
     # --- chat -----------------------------------------------------------------------------------
-    def chat_prompt(self, req: P.ChatCompletionRequest) -> list[int]:
+    def check_chat(self, req: P.ChatCompletionRequest, max_tokens: int | None) -> None:
+        """Cheap checks of the messages and tools, before any template is rendered."""
         if not req.messages:
             raise BadRequest("messages must be a non-empty list", "messages")
+        L.check_count("messages", len(req.messages), L.MAX_MESSAGES, "messages")
+        chars = 0
+        for m in req.messages:
+            if isinstance(m.content, str):
+                chars += len(m.content)
+            elif isinstance(m.content, list):
+                chars += sum(len(p["text"]) for p in m.content if isinstance(p, dict) and isinstance(p.get("text"), str))
+        self.limits.check_chars(chars, max_tokens, "messages", L.CHAT_CHARS_SLACK)
+        if req.tools is not None:
+            L.check_count("tools", len(req.tools), L.MAX_TOOLS, "tools")
+            for i, tool in enumerate(req.tools):
+                size = len(msgspec.json.encode(tool))
+                if size > L.MAX_TOOL_SCHEMA_BYTES:
+                    raise BadRequest(f"tools[{i}] is {size} bytes as JSON; at most {L.MAX_TOOL_SCHEMA_BYTES} are "
+                                     "allowed per tool", "tools", code="tool_too_large")
+        if req.tool_choice not in (None, "none", "auto"):
+            raise BadRequest(f"tool_choice={req.tool_choice!r} is not supported (only 'none' and 'auto')",
+                             "tool_choice")
+
+    def chat_prompt(self, req: P.ChatCompletionRequest, max_tokens: int | None) -> list[int]:
         msgs = []
         for m in req.messages:
             if m.role not in ("system", "user", "assistant", "tool", "developer"):
@@ -174,14 +273,19 @@ class OpenAIServing:
                     texts.append(part["text"])
                 content = "".join(texts)
             msgs.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+        kwargs = dict(req.chat_template_kwargs or {})
+        if req.tools:
+            kwargs["tools"] = req.tools
         try:
-            text = self.tok.apply_chat_template(msgs, add_generation_prompt=req.add_generation_prompt,
-                                                **(req.chat_template_kwargs or {}))
+            text = self.tok.apply_chat_template(msgs, add_generation_prompt=req.add_generation_prompt, **kwargs)
         except Exception as e:  # template errors (e.g. raise_exception on a role order) are the client's
             raise BadRequest(f"the chat template rejected the messages: {e}", "messages") from None
+        if not isinstance(text, str):
+            raise BadRequest("the chat template did not produce text", "messages")
+        self.limits.check_chars(len(text), max_tokens, "messages")  # the rendered prompt, exactly bounded
         return self.tok.encode(text, add_special_tokens=False)
 
-    async def chat(self, req: P.ChatCompletionRequest, rid: str):
+    async def chat(self, req: P.ChatCompletionRequest, rid: str, deadline: float | None = None):
         self.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise BadRequest("top_logprobs requires logprobs=true", "top_logprobs")
@@ -189,13 +293,14 @@ class OpenAIServing:
             raise BadRequest(f"top_logprobs must be in [0, 20], got {req.top_logprobs}", "top_logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
-        ids = await self.off_loop(self.chat_prompt, req)
+        self.check_chat(req, max_tokens)
+        ids = await self._until(deadline, self.off_loop(self.chat_prompt, req, max_tokens))
         stream = self._submit(rid, [ids], params)
         if req.stream:
-            return self._stream_chat(req, rid, params, stream)
+            return self._stream_chat(req, rid, params, stream, deadline)
         n = params.n
-        texts, lps, fins = await _collect(stream, n)
-        self._check_alive()
+        texts, lps, fins = await self._collect(stream, n, deadline)
+        self._check_ended(fins)
         choices = [P.ChatChoice(i, P.ChatMessageOut("assistant", texts[i]),
                                 self._chat_logprobs(lps[i]) if req.logprobs else None, fins[i][0], fins[i][1])
                    for i in range(n)]
@@ -212,33 +317,95 @@ class OpenAIServing:
             content.append(P.ChatTokenLogprob(e.token, e.logprob, e.bytes, [entry(i, v) for i, v in lp.top]))
         return P.ChatLogprobs(content)
 
-    async def _stream_chat(self, req, rid, params, stream) -> AsyncIterator[bytes]:
+    async def _stream_chat(self, req, rid, params, stream, deadline) -> AsyncIterator[bytes]:
         created = int(time.time())
+        ended = None
         try:
             for i in range(params.n):
                 yield _sse(P.ChatCompletionChunk(rid, created, self.model_name,
                                                  [P.ChatStreamChoice(i, P.Delta(role="assistant", content=""))]))
-            async for i, out in stream:
+            async for i, out in self._timed(stream, deadline):
+                ended = ended or _error_of(out)
                 if not (out.new_text or out.finished or out.logprobs):
                     continue
                 lp = self._chat_logprobs(out.logprobs or []) if req.logprobs else None
                 yield _sse(P.ChatCompletionChunk(rid, created, self.model_name, [P.ChatStreamChoice(
                     i, P.Delta(content=out.new_text), lp, out.finish_reason)]))
-            if self.engine.dead:
-                yield _sse_error(f"the engine has stopped: {self.engine.dead}")
+            if self.engine.dead or ended:
+                yield self._ended_event(ended)
             elif req.stream_options and req.stream_options.include_usage:
                 yield _sse(P.ChatCompletionChunk(rid, created, self.model_name, [], _usage(stream)))
-            yield b"data: [DONE]\n\n"
+        except BadRequest as e:  # the request timed out
+            yield _sse_error(str(e), e.status, e.type, e.code)
         finally:
             await stream.aclose()
+        yield b"data: [DONE]\n\n"
 
-    def _check_alive(self) -> None:
-        """A request cut short because the engine died is an error, not a short answer."""
+    # --- shared -----------------------------------------------------------------------------------
+    def _timeout(self) -> BadRequest:
+        return BadRequest(f"the request took longer than --request-timeout={self.request_timeout_s:g}s and was "
+                          "aborted", None, 408, "request_timeout", "TimeoutError")
+
+    async def _until(self, deadline: float | None, aw):
+        """Await aw, or raise the request-timeout error once the deadline has passed."""
+        if deadline is None:
+            return await aw
+        remaining = deadline - asyncio.get_running_loop().time()
+        try:
+            return await asyncio.wait_for(aw, max(remaining, 0.0))
+        except asyncio.TimeoutError:
+            raise self._timeout() from None
+
+    async def _timed(self, stream, deadline: float | None):
+        """The stream's items until the deadline (then the request-timeout error)."""
+        it = stream.__aiter__()
+        while True:
+            try:
+                item = await self._until(deadline, it.__anext__())
+            except StopAsyncIteration:
+                return
+            yield item
+
+    async def _collect(self, stream, k: int, deadline: float | None) -> tuple[list[str], list[list], list[tuple]]:
+        """Whole texts, log-probs and (finish_reason, stop_reason) of the k choices of a stream;
+        closing the stream (also on timeout or cancellation) aborts whatever still runs."""
+        texts, lps, fins = [""] * k, [[] for _ in range(k)], [(None, None)] * k
+        try:
+            async for c, out in self._timed(stream, deadline):
+                texts[c] += out.new_text
+                if out.logprobs:
+                    lps[c].extend(out.logprobs)
+                if out.finished:
+                    fins[c] = (out.finish_reason, out.stop_reason)
+        finally:
+            await stream.aclose()
+        return texts, lps, fins
+
+    def _ended_event(self, reason: str | None) -> bytes:
+        """The last event of a stream cut short: the engine died or the server is stopping (503),
+        or the core refused the request (400)."""
+        if self.engine.dead:
+            return _sse_error(f"the engine has stopped: {self.engine.dead}")
+        if self.engine.stopping:
+            return _sse_error(reason or self.engine.stopping)
+        return _sse_error(reason or "the request was aborted", 400, "invalid_request_error")
+
+    def _check_ended(self, fins) -> None:
+        """A request cut short (the engine died, the server is stopping, the core refused it) is an
+        error, not a short answer."""
         if self.engine.dead:
             raise BadRequest(f"the engine has stopped: {self.engine.dead}", None, 503, "engine_dead",
                              "ServiceUnavailableError")
+        reason = next((r for f, r in fins if f == "abort" and isinstance(r, str)), None)
+        if reason is None:
+            return
+        if self.engine.stopping:
+            raise BadRequest(reason, None, 503, "server_shutting_down", "ServiceUnavailableError")
+        raise BadRequest(reason, "prompt" if "prompt" in reason else _field_of(reason))
 
     def _submit(self, rid: str, prompts: list[list[int]], params: SamplingParams):
+        for ids in prompts:  # the KV cache and max_model_len, with a message that says which
+            self.limits.check_tokens(len(ids), params.max_tokens)
         try:
             return self.engine.submit(rid, prompts, params)
         except QueueFullError as e:
@@ -251,19 +418,12 @@ class OpenAIServing:
             raise BadRequest(msg, param) from None
 
 
-async def _collect(stream, k: int) -> tuple[list[str], list[list], list[tuple]]:
-    """Whole texts, log-probs and (finish_reason, stop_reason) of the k choices of a stream."""
-    texts, lps, fins = [""] * k, [[] for _ in range(k)], [(None, None)] * k
-    try:
-        async for c, out in stream:
-            texts[c] += out.new_text
-            if out.logprobs:
-                lps[c].extend(out.logprobs)
-            if out.finished:
-                fins[c] = (out.finish_reason, out.stop_reason)
-    finally:
-        await stream.aclose()
-    return texts, lps, fins
+def _error_of(out) -> str | None:
+    """The reason a request was ended for it (server stopping, engine failure, refused by the
+    core): an abort that carries a message."""
+    if out.finished and out.finish_reason == "abort" and isinstance(out.stop_reason, str):
+        return out.stop_reason
+    return None
 
 
 def _usage(stream) -> P.UsageInfo:
@@ -275,6 +435,7 @@ def _sse(obj) -> bytes:
     return b"data: " + msgspec.json.encode(obj) + b"\n\n"
 
 
-def _sse_error(message: str, status: int = 503) -> bytes:
+def _sse_error(message: str, status: int = 503, type_: str = "ServiceUnavailableError",
+               code: str | int | None = None) -> bytes:
     """A stream that cannot finish ends with an error event in OpenAI's error shape."""
-    return _sse(P.ErrorResponse(P.ErrorInfo(message, "ServiceUnavailableError", None, status)))
+    return _sse(P.ErrorResponse(P.ErrorInfo(message, type_, None, code if code is not None else status)))

@@ -1,0 +1,133 @@
+"""--request-timeout, the default body limit, and SIGTERM with everything in flight: one server
+(its KV cache and max_model_len at their defaults for the tiny Mixtral)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.e2e.hardening_util import HealthProbe, assert_openai_error, raw_socket, read_response
+from tests.e2e.server import ServerProcess
+
+REQUEST_TIMEOUT = 4.0
+LONG = {"prompt": [5, 6], "max_tokens": 1000, "ignore_eos": True}  # one stream: ~4 s on 2 CPU cores
+SLOW = {**LONG, "n": 8}  # ~6 s or more
+
+
+@pytest.fixture(scope="module")
+def server(checkpoints):
+    s = ServerProcess(["--model", checkpoints["mixtral"], "--dtype", "float32", "--kv-cache-memory", str(8 << 20),
+                       "--request-timeout", str(REQUEST_TIMEOUT), "--shutdown-grace", "1"])
+    yield s
+    s.stop()
+
+
+def _kv_back_to_zero(server, timeout_s: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        m = server.metrics()
+        if m["moe_serve:kv_cache_usage_perc"] == 0 and m["moe_serve:num_requests_running"] == 0:
+            return m
+        time.sleep(0.2)
+    raise AssertionError(f"KV blocks still in use: {m}")
+
+
+def test_default_body_limit_fits_the_longest_prompt(server):
+    # max_model_len 1024 x the longest token (13 bytes) x 4 + 1 MiB: ~1.1 MB
+    r = httpx.post(server.url + "/v1/completions", content=b" " * 2_000_000, timeout=30,
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and assert_openai_error(r.content, None)["code"] == "request_too_large"
+    longest = "<|endoftext|>" * 1023  # 1023 tokens of the longest token: the longest prompt, in bytes
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": longest, "max_tokens": 1}, timeout=60)
+    assert r.status_code == 200, r.text[:300]
+
+
+def test_request_timeout_aborts_and_frees_the_blocks(server):
+    with HealthProbe(server.url) as hp:
+        t0 = time.monotonic()
+        r = httpx.post(server.url + "/v1/completions", json=SLOW, timeout=60)
+        took = time.monotonic() - t0
+        assert r.status_code == 408, r.text[:300]
+        assert assert_openai_error(r.content, None)["code"] == "request_timeout"
+        assert REQUEST_TIMEOUT - 0.5 < took < REQUEST_TIMEOUT + 3, took
+        _kv_back_to_zero(server)
+        lines = []
+        with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=60, json={
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1000, "ignore_eos": True, "n": 8,
+                "stream": True}) as s:
+            lines = [line for line in s.iter_lines() if line]
+        assert lines[-1] == "data: [DONE]"
+        err = assert_openai_error(json.loads(lines[-2][6:]), None)
+        assert err["code"] == "request_timeout" and "--request-timeout" in err["message"]
+        _kv_back_to_zero(server)
+    assert hp.max_s < 1.0, hp.max_s
+    assert "aborted" in server.log()
+
+
+def test_sigterm_with_16_streams_and_slow_clients_exits_0_within_30s(server):
+    core_pid = int(re.search(r"engine core process started \(pid (\d+)\)", server.log()).group(1))
+    results: dict[int, list[str]] = {}
+    started = threading.Semaphore(0)
+    client = httpx.Client(timeout=40, limits=httpx.Limits(max_connections=32))  # one client: threads start fast
+
+    def stream(i):
+        lines = results.setdefault(i, [])
+        try:
+            with client.stream("POST", server.url + "/v1/completions", json={
+                    **LONG, "prompt": [5, 6, 7 + i], "stream": True}) as r:
+                for line in r.iter_lines():
+                    if line:
+                        lines.append(line)
+                        if len(lines) == 1:
+                            started.release()
+        except httpx.HTTPError as e:
+            lines.append(f"error {e!r}")
+
+    def plain():
+        try:
+            r = client.post(server.url + "/v1/completions", json=LONG)
+            results[99] = [str(r.status_code), r.text]
+        except httpx.HTTPError as e:
+            results[99] = [f"error {e!r}"]
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(16)] + [threading.Thread(target=plain)]
+    for t in threads:
+        t.start()
+    upload = raw_socket(server.url)  # a body that never finishes
+    upload.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 500\r\n\r\n{")
+    slowloris = raw_socket(server.url)
+    slowloris.sendall(b"POST /v1/completions HTTP/1.1\r\n")
+    for _ in range(16):  # every stream is generating (and seconds from its request timeout)
+        assert started.acquire(timeout=20)
+    assert server.metrics()["moe_serve:num_requests_running"] >= 16
+    t0 = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    rc = server.proc.wait(30)
+    gone_s = time.monotonic() - t0
+    assert rc == 0, server.log()
+    with pytest.raises(ProcessLookupError):  # nothing of the server's process group is left
+        os.killpg(server.proc.pid, 0)
+    with pytest.raises(ProcessLookupError):
+        os.kill(core_pid, 0)
+    for t in threads:
+        t.join(30)
+    client.close()
+    status, body = read_response(upload, 5)
+    upload.close()
+    slowloris.close()
+    # Every stream ended with an error event and [DONE], not a hang or a cut connection.
+    for i in range(16):
+        lines = results[i]
+        assert lines[-1] == "data: [DONE]", (i, lines[-3:])
+        err = assert_openai_error(json.loads(lines[-2][6:]), None)
+        assert "shutting down" in err["message"], err
+    assert results[99][0] == "503" and "shutting down" in assert_openai_error(results[99][1])["message"]
+    assert status in (503, None), (status, body)  # refused, or cut when the server closed
+    assert "server stopped" in server.log()
+    print(f"\nSIGTERM with 16 streams, a request, a stalled upload and a slowloris in flight: exit 0 after {gone_s:.1f}s")
