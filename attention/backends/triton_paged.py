@@ -55,25 +55,34 @@ def _write_rows_kernel(src_ptr, cache_ptr, slot_ptr, R, C, block_size,
     tl.store(dst + r * stride_cr + c * stride_cc, row.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+# Launch arguments that change from step to step (batch, context and split counts, and the strides
+# of buffers sized by them). Triton would otherwise specialise each integer argument on "== 1" and
+# "divisible by 16" and compile a new variant mid-serving whenever one of those flips.
+_PER_STEP_ATTN_ARGS = ("num_q_tiles", "num_splits", "stride_bt", "stride_ot", "stride_on", "stride_os",
+                       "stride_lt", "stride_ln")
+_PER_STEP_REDUCE_ARGS = ("num_splits", "stride_wt", "stride_wn", "stride_ws", "stride_lt", "stride_ln")
+
+
+@triton.jit(do_not_specialize=_PER_STEP_ATTN_ARGS)
 def _paged_attn_kernel(
     q_ptr, qr_ptr, k_ptr, kr_ptr, v_ptr, out_ptr, lse_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_ptr,
-    scale_log2, num_q_tiles, QH, HD, HR, HV, block_size,
+    scale_log2, num_q_tiles, QH, HD, HR, HV, block_size, num_splits,
     stride_qt, stride_qn, stride_qd, stride_qrt, stride_qrn, stride_qrd,
     stride_kb, stride_ks, stride_kg, stride_kd, stride_krb, stride_krs, stride_krg, stride_krd,
     stride_vb, stride_vs, stride_vg, stride_vd, stride_bt,
     stride_ot, stride_on, stride_os, stride_od, stride_lt, stride_ln,
     BLOCK_Q: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_HD: tl.constexpr, BLOCK_HR: tl.constexpr, BLOCK_HV: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, HAS_ROPE: tl.constexpr, SHARED_KV: tl.constexpr,
+    SPLIT_K: tl.constexpr, HAS_ROPE: tl.constexpr, SHARED_KV: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """Softmax(q . k [+ q_r . k_r]) v for a (BLOCK_Q tokens x BLOCK_QH heads) tile over one key split.
 
-    Grid: (B * num_q_tiles, G * cdiv(QH, BLOCK_QH), NUM_SPLITS). With NUM_SPLITS == 1 the normalised
-    output goes straight to out (T, N, Hv); otherwise out is the (T, N, S, Hv) fp32 workspace and
-    lse (T, N, S) receives each split's log2-sum-exp for the reduce kernel.
+    Grid: (B * num_q_tiles, G * cdiv(QH, BLOCK_QH), num_splits). Without SPLIT_K (num_splits == 1)
+    the normalised output goes straight to out (T, N, Hv); with it out is the (T, N, S, Hv) fp32
+    workspace and lse (T, N, S) receives each split's log2-sum-exp for the reduce kernel. The split
+    count is a runtime argument, so any count runs on the same compiled kernel.
     """
     pid_q = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -97,9 +106,9 @@ def _paged_attn_kernel(
     head = g * QH + h_local
     q_pos = ctx - q_len + q_local  # absolute position: the query sees keys 0..q_pos
 
-    # Keys this tile can see at all, cut into NUM_SPLITS BLOCK_N-aligned ranges.
+    # Keys this tile can see at all, cut into num_splits BLOCK_N-aligned ranges.
     kv_len = ctx - q_len + tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len)
-    split_len = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
     kv_start = split * split_len
     kv_stop = tl.minimum(kv_start + split_len, kv_len)
 
@@ -151,7 +160,7 @@ def _paged_attn_kernel(
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_mask = row_mask[:, None] & (offs_hv[None, :] < HV)
     o_ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_on + offs_hv[None, :] * stride_od
-    if NUM_SPLITS == 1:
+    if not SPLIT_K:
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=o_mask)
     else:
         # Every split stores, even an empty one (l = 0 -> o = 0, lse = -inf), so the reduce never
@@ -161,25 +170,34 @@ def _paged_attn_kernel(
         tl.store(lse_ptr + tok * stride_lt + head * stride_ln + split, lse, mask=row_mask)
 
 
-@triton.jit
-def _reduce_splits_kernel(ws_ptr, lse_ptr, out_ptr, HV,
+@triton.jit(do_not_specialize=_PER_STEP_REDUCE_ARGS)
+def _reduce_splits_kernel(ws_ptr, lse_ptr, out_ptr, HV, num_splits,
                           stride_wt, stride_wn, stride_ws, stride_wd, stride_lt, stride_ln,
                           stride_ot, stride_on, stride_od,
-                          NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_HV: tl.constexpr):
-    """out[t, n] = sum_s 2^(lse_s - max) * o_s / sum_s 2^(lse_s - max), one (token, head) per program."""
+                          BLOCK_HV: tl.constexpr):
+    """out[t, n] = sum_s 2^(lse_s - max) * o_s / sum_s 2^(lse_s - max), one (token, head) per program.
+
+    Splits are walked one row at a time (the count is a runtime argument): no tile grows with the
+    split count, so neither a recompile nor register pressure follows it.
+    """
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1).to(tl.int64)
-    offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_HV)
-    s_mask = offs_s < NUM_SPLITS
-    lse = tl.load(lse_ptr + t * stride_lt + n * stride_ln + offs_s, mask=s_mask, other=float("-inf"))
-    # Split 0 always holds key 0, which every query sees, so the max is finite.
-    w = tl.exp2(lse - tl.max(lse, 0))
-    o = tl.load(ws_ptr + t * stride_wt + n * stride_wn + offs_s[:, None] * stride_ws + offs_d[None, :] * stride_wd,
-                mask=s_mask[:, None] & (offs_d[None, :] < HV), other=0.0)
-    out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(out_ptr + t * stride_ot + n * stride_on + offs_d * stride_od, out.to(out_ptr.dtype.element_ty),
-             mask=offs_d < HV)
+    d_mask = offs_d < HV
+    lse_row = lse_ptr + t * stride_lt + n * stride_ln
+    ws_row = ws_ptr + t * stride_wt + n * stride_wn + offs_d * stride_wd
+    # Split 0 always holds key 0, which every query sees, so its lse (and the max) is finite.
+    m = tl.load(lse_row)
+    for s in range(1, num_splits):
+        m = tl.maximum(m, tl.load(lse_row + s))
+    acc = tl.zeros((BLOCK_HV,), dtype=tl.float32)
+    den = tl.zeros((BLOCK_HV,), dtype=tl.float32)  # the same sum in every lane (a tensor loop carry)
+    for s in range(0, num_splits):
+        w = tl.exp2(tl.load(lse_row + s) - m)  # an empty split has lse = -inf: weight 0
+        acc += w * tl.load(ws_row + s * stride_ws, mask=d_mask, other=0.0)
+        den += w
+    tl.store(out_ptr + t * stride_ot + n * stride_on + offs_d * stride_od, (acc / den).to(out_ptr.dtype.element_ty),
+             mask=d_mask)
 
 
 # Kernels were decorated in interpreter mode iff TRITON_INTERPRET=1 was set when this module loaded.
@@ -197,6 +215,11 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _device_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 0 elsewhere (the interpreter: no split)."""
+    return _num_sms(device.index or 0) if device.type == "cuda" else 0
+
+
 def _write_rows(src_TRC: torch.Tensor, cache_BSRC: torch.Tensor, slot_mapping_T: torch.Tensor) -> None:
     T, R, C = src_TRC.shape
     if T == 0:
@@ -204,8 +227,7 @@ def _write_rows(src_TRC: torch.Tensor, cache_BSRC: torch.Tensor, slot_mapping_T:
     _check_device(src_TRC)
     _write_rows_kernel[(T,)](
         src_TRC, cache_BSRC, slot_mapping_T, R, C, cache_BSRC.shape[1],
-        *src_TRC.stride(), *cache_BSRC.stride(),
-        BLOCK_R=triton.next_power_of_2(R), BLOCK_C=triton.next_power_of_2(C))
+        *src_TRC.stride(), *cache_BSRC.stride(), **write_launch(R, C))
 
 
 def write_kv(k_TGH: torch.Tensor, v_TGH: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -229,13 +251,49 @@ def write_latent(latent_TC: torch.Tensor, latent_cache: torch.Tensor, slot_mappi
     _write_rows(latent_TC[:, None, :], latent_cache[:, :, None, :], slot_mapping_T)
 
 
-def _choose_num_splits(meta: AttentionMetadata, programs: int, device: torch.device) -> int:
+# Most split-K partitions a decode launch uses (the count is a runtime argument of both kernels).
+MAX_SPLITS = 64
+
+
+def choose_num_splits(decode_only: bool, num_seqs: int, max_seq_len: int, head_programs: int,
+                      num_sms: int) -> int:
     """Decode only: split each sequence's keys until about two programs per SM are in flight, keeping
-    at least 256 keys per split so the merge stays cheap next to the attention itself."""
-    if not meta.is_decode_only or device.type != "cuda":
+    at least 256 keys per split so the merge stays cheap next to the attention itself. num_sms <= 0
+    (no GPU: the interpreter) means no split."""
+    if not decode_only or num_sms <= 0:
         return 1
-    want = triton.cdiv(2 * _num_sms(device.index or 0), max(programs, 1))
-    return max(1, min(want, triton.cdiv(meta.max_seq_len, 256), 64))
+    want = triton.cdiv(2 * num_sms, max(num_seqs * head_programs, 1))
+    return max(1, min(want, triton.cdiv(max_seq_len, 256), MAX_SPLITS))
+
+
+def attention_launch(decode_only: bool, QH: int, HD: int, HR: int, HV: int, dtype: torch.dtype,
+                     has_rope: bool, shared_kv: bool, split_k: bool) -> dict:
+    """Every constexpr and launch option of `_paged_attn_kernel` for one kind of batch: the things
+    that select a compiled variant. They depend on the model's head shape, its dtype, decode versus
+    prefill and whether keys are split, never on batch size or context length (kernels/aot_check.py
+    compiles each combination ahead of time)."""
+    big = HD + HR > 256  # MLA-sized rows: smaller tiles
+    if decode_only:
+        # One token per sequence: the tile is the query heads of one kv head (>= 16 rows for tl.dot).
+        BLOCK_Q, BLOCK_QH = 1, max(16, min(triton.next_power_of_2(QH), 32 if big else 64))
+    else:
+        BLOCK_QH = min(triton.next_power_of_2(QH), 16)
+        BLOCK_Q = (32 if big else 64) // BLOCK_QH  # 32-64 rows: BLOCK_QH <= 16 keeps BLOCK_Q >= 2
+    return dict(BLOCK_Q=BLOCK_Q, BLOCK_QH=BLOCK_QH, BLOCK_N=32 if big else 64,
+                BLOCK_HD=max(16, triton.next_power_of_2(HD)), BLOCK_HR=max(16, triton.next_power_of_2(max(HR, 1))),
+                BLOCK_HV=max(16, triton.next_power_of_2(HV)), SPLIT_K=split_k, HAS_ROPE=has_rope,
+                SHARED_KV=shared_kv, PREC="ieee" if dtype == torch.float32 else "tf32", UPCAST=INTERPRETED,
+                num_warps=8 if big else 4, num_stages=2)
+
+
+def reduce_launch(HV: int) -> dict:
+    """Constexprs of `_reduce_splits_kernel`: only the value width (the split count is runtime)."""
+    return dict(BLOCK_HV=triton.next_power_of_2(HV))
+
+
+def write_launch(R: int, C: int) -> dict:
+    """Constexprs of `_write_rows_kernel` for (R, C) rows per token."""
+    return dict(BLOCK_R=triton.next_power_of_2(R), BLOCK_C=triton.next_power_of_2(C))
 
 
 def _attend(q, q_r, k, k_r, v, meta: AttentionMetadata, scale: float, HV: int, shared_kv: bool,
@@ -251,17 +309,15 @@ def _attend(q, q_r, k, k_r, v, meta: AttentionMetadata, scale: float, HV: int, s
     if T == 0 or meta.num_seqs == 0:
         return out
     _check_device(q)
-    big = HD + (q_r.shape[-1] if q_r is not None else 0) > 256  # MLA-sized rows: smaller tiles
-    if meta.is_decode_only:
-        # One token per sequence: the tile is the query heads of one kv head (>= 16 rows for tl.dot).
-        BLOCK_Q, BLOCK_QH = 1, max(16, min(triton.next_power_of_2(QH), 32 if big else 64))
-    else:
-        BLOCK_QH = min(triton.next_power_of_2(QH), 16)
-        BLOCK_Q = (32 if big else 64) // BLOCK_QH  # 32-64 rows: BLOCK_QH <= 16 keeps BLOCK_Q >= 2
-    BLOCK_N = 32 if big else 64
-    num_q_tiles = triton.cdiv(meta.max_query_len, BLOCK_Q)
-    head_programs = G * triton.cdiv(QH, BLOCK_QH)
-    S = num_splits or _choose_num_splits(meta, meta.num_seqs * head_programs, q.device)
+    has_rope = q_r is not None
+    HR = q_r.shape[-1] if has_rope else 0
+    # The tile shape does not depend on the split; choose the split count from it, then the variant.
+    tile = attention_launch(meta.is_decode_only, QH, HD, HR, HV, q.dtype, has_rope, shared_kv, False)
+    num_q_tiles = triton.cdiv(meta.max_query_len, tile["BLOCK_Q"])
+    head_programs = G * triton.cdiv(QH, tile["BLOCK_QH"])
+    S = num_splits or choose_num_splits(meta.is_decode_only, meta.num_seqs, meta.max_seq_len, head_programs,
+                                        _device_sms(q.device))
+    launch = attention_launch(meta.is_decode_only, QH, HD, HR, HV, q.dtype, has_rope, shared_kv, S > 1)
     if S > 1:
         ws = torch.empty((T, N, S, HV), dtype=torch.float32, device=q.device)
         lse = torch.empty((T, N, S), dtype=torch.float32, device=q.device)
@@ -269,25 +325,17 @@ def _attend(q, q_r, k, k_r, v, meta: AttentionMetadata, scale: float, HV: int, s
     else:
         lse = ws = None
         dst, dst_strides, lse_strides = out, (out.stride(0), out.stride(1), 0, out.stride(2)), (0, 0)
-    has_rope = q_r is not None
     if not has_rope:
         q_r, k_r = q, k  # unused placeholders; HAS_ROPE=False compiles their loads away
-    HR = q_r.shape[-1] if has_rope else 0
     _paged_attn_kernel[(meta.num_seqs * num_q_tiles, head_programs, S)](
         q, q_r, k, k_r, v, dst, lse if lse is not None else dst,
         meta.block_tables, meta.seq_lens, meta.query_start_loc,
-        scale * _LOG2E, num_q_tiles, QH, HD, HR, HV, meta.block_size,
+        scale * _LOG2E, num_q_tiles, QH, HD, HR, HV, meta.block_size, S,
         *q.stride(), *q_r.stride(), *k.stride(), *k_r.stride(), *v.stride(), meta.block_tables.stride(0),
-        *dst_strides, *lse_strides,
-        BLOCK_Q=BLOCK_Q, BLOCK_QH=BLOCK_QH, BLOCK_N=BLOCK_N,
-        BLOCK_HD=max(16, triton.next_power_of_2(HD)), BLOCK_HR=max(16, triton.next_power_of_2(max(HR, 1))),
-        BLOCK_HV=max(16, triton.next_power_of_2(HV)), NUM_SPLITS=S, HAS_ROPE=has_rope, SHARED_KV=shared_kv,
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=INTERPRETED,
-        num_warps=8 if big else 4, num_stages=2)
+        *dst_strides, *lse_strides, **launch)
     if S > 1:
         _reduce_splits_kernel[(T, N)](
-            ws, lse, out, HV, *ws.stride(), *lse.stride()[:2], *out.stride(),
-            NUM_SPLITS=S, BLOCK_S=triton.next_power_of_2(S), BLOCK_HV=triton.next_power_of_2(HV))
+            ws, lse, out, HV, S, *ws.stride(), *lse.stride()[:2], *out.stride(), **reduce_launch(HV))
     return out
 
 

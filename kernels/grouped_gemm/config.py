@@ -59,20 +59,41 @@ def validate_config(cfg: dict, where: str = "config") -> None:
         raise ValueError(f"{where}: GROUP_SIZE_M={cfg['GROUP_SIZE_M']} must be >= 1")
 
 
+# The default configs, from decode (few rows per expert) to prefill. Decode is weight-bandwidth
+# bound with few rows per expert: narrow N tiles spread one expert's weights over many programs so
+# the memory system sees enough parallel loads. Prefill is compute bound; the gated GEMM keeps two
+# 64x128 fp32 accumulators, hence 8 warps.
+DECODE_CONFIG = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1,
+                 "num_warps": 4, "num_stages": 3}
+MIDDLE_CONFIG = {"BLOCK_SIZE_M": 32, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 8,
+                 "num_warps": 4, "num_stages": 3}
+PREFILL_CONFIG = {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 8,
+                  "num_warps": 8, "num_stages": 3}
+DEFAULT_CONFIGS = (DECODE_CONFIG, MIDDLE_CONFIG, PREFILL_CONFIG)
+
+
 def default_config(T: int, E: int, top_k: int) -> dict:
     """A reasonable config when no tuned file matches, chosen by the mean pairs per expert."""
     pairs_per_expert = T * top_k / max(E, 1)
     if pairs_per_expert <= 16:
-        # Decode: weight-bandwidth bound, few rows per expert; narrow N tiles spread one expert's
-        # weights over many programs so the memory system sees enough parallel loads.
-        return {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1,
-                "num_warps": 4, "num_stages": 3}
+        return dict(DECODE_CONFIG)
     if pairs_per_expert <= 64:
-        return {"BLOCK_SIZE_M": 32, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 8,
-                "num_warps": 4, "num_stages": 3}
-    # Prefill: compute bound; the gated GEMM keeps two 64x128 fp32 accumulators, hence 8 warps.
-    return {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 8,
-            "num_warps": 8, "num_stages": 3}
+        return dict(MIDDLE_CONFIG)
+    return dict(PREFILL_CONFIG)
+
+
+def tuned_configs() -> list[tuple[torch.dtype, dict]]:
+    """Every entry of every tuned file in CONFIG_DIR, with the dtype its file name gives."""
+    dtypes = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+    out = []
+    for path in sorted(CONFIG_DIR.glob("E=*.json")):
+        fields = dict(part.split("=", 1) for part in path.stem.split(","))
+        with open(path) as f:
+            raw = json.load(f)
+        for m, cfg in raw.items():
+            validate_config(cfg, where=f"{path.name}[{m}]")
+            out.append((dtypes[fields["dtype"]], cfg))
+    return out
 
 
 def get_config(E: int, N: int, K: int, dtype: torch.dtype, T: int, top_k: int,

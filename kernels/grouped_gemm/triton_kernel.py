@@ -32,7 +32,9 @@ def _dot(a, b, acc, PREC: tl.constexpr, UPCAST: tl.constexpr):
     return acc
 
 
-@triton.jit
+# num_pairs = T * K changes every step; left unspecialised so its "== 1" / "divisible by 16" flags
+# never select a new compiled variant mid-serving (num_slots is always a multiple of BLOCK_SIZE_M).
+@triton.jit(do_not_specialize=("num_pairs",))
 def _grouped_gemm_kernel(
     a_ptr, b_ptr, c_ptr, weights_ptr,
     sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
@@ -135,6 +137,19 @@ def check_triton_device(t: torch.Tensor) -> None:
                            "TRITON_INTERPRET=1 before the kernel modules are imported")
 
 
+def gemm_launch(cfg: dict, dtype: torch.dtype) -> dict:
+    """Constexprs and launch options of `_grouped_gemm_kernel` (GATED / MUL_WEIGHT aside) for one
+    config and activation dtype: what selects a compiled variant (kernels/aot_check.py compiles each)."""
+    return dict(GROUP_SIZE_M=cfg["GROUP_SIZE_M"], BLOCK_SIZE_M=cfg["BLOCK_SIZE_M"], BLOCK_SIZE_N=cfg["BLOCK_SIZE_N"],
+                BLOCK_SIZE_K=cfg["BLOCK_SIZE_K"], PREC="ieee" if dtype == torch.float32 else "tf32",
+                UPCAST=INTERPRETED, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+def topk_sum_launch(K: int, D: int) -> dict:
+    """Constexprs of `_topk_sum_kernel` for top-k K and hidden size D."""
+    return dict(TOP_K=K, BLOCK_D=min(1024, triton.next_power_of_2(D)))
+
+
 def fused_experts_triton(
     x_TD: torch.Tensor,
     w13_EFD: torch.Tensor,
@@ -182,9 +197,7 @@ def fused_experts_triton(
     P, S = routing.num_pairs, routing.sorted_pair_ids_S.shape[0]
     ids_TK = topk_ids_TK.contiguous()
     weights_P = topk_weights_TK.contiguous().view(-1)
-    launch = dict(GROUP_SIZE_M=cfg["GROUP_SIZE_M"], BLOCK_SIZE_M=BM, BLOCK_SIZE_N=BN, BLOCK_SIZE_K=BK,
-                  PREC="ieee" if x_TD.dtype == torch.float32 else "tf32", UPCAST=INTERPRETED,
-                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    launch = gemm_launch(cfg, x_TD.dtype)
     y_PD = _empty((P, D), x_TD.dtype, x_TD.device)
     if S > 0:
         h_PF = _empty((P, F), x_TD.dtype, x_TD.device)
@@ -202,7 +215,7 @@ def fused_experts_triton(
             h_PF.stride(0), h_PF.stride(1), w2_EDF.stride(0), w2_EDF.stride(1), w2_EDF.stride(2),
             y_PD.stride(0), y_PD.stride(1),
             GATED=False, MUL_WEIGHT=True, **launch)
-    BLOCK_D = min(1024, triton.next_power_of_2(D))
-    _topk_sum_kernel[(T, triton.cdiv(D, BLOCK_D))](
-        y_PD, ids_TK, out, D, y_PD.stride(0), out.stride(0), out.stride(1), TOP_K=K, BLOCK_D=BLOCK_D)
+    topk = topk_sum_launch(K, D)
+    _topk_sum_kernel[(T, triton.cdiv(D, topk["BLOCK_D"]))](
+        y_PD, ids_TK, out, D, y_PD.stride(0), out.stride(0), out.stride(1), **topk)
     return out
