@@ -39,7 +39,7 @@ def _kv_back_to_zero(server, timeout_s: float = 20.0) -> dict:
 
 
 def test_default_body_limit_fits_the_longest_prompt(server):
-    # max_model_len 1024 x the longest token (13 bytes) x 4 + 1 MiB: ~1.1 MB
+    # max_model_len 1024 x the longest token (~14 bytes) x 4 + 1 MiB: ~1.1 MB
     r = httpx.post(server.url + "/v1/completions", content=b" " * 2_000_000, timeout=30,
                    headers={"Content-Type": "application/json"})
     assert r.status_code == 413 and assert_openai_error(r.content, None)["code"] == "request_too_large"
