@@ -86,10 +86,15 @@ class DecodeBytes:
 
 def decode_bytes_of(llm) -> DecodeBytes:
     """The byte model of a loaded `moe_serve.LLM` (reads its modules, not the checkpoint files)."""
+    runner = llm.engine.runner
+    kv_per_token = runner.kv_cache_bytes // (runner.num_blocks * runner.cfg.cache.block_size)
+    return decode_bytes_of_model(runner.model, kv_per_token)
+
+
+def decode_bytes_of_model(model, kv_bytes_per_token: int) -> DecodeBytes:
+    """The byte model of a built model (`CausalLM`), given its KV bytes per cached token."""
     from expert_parallel.layer import MoE
 
-    runner = llm.engine.runner
-    model = runner.model
     seen: set[int] = set()
     total = 0
     for p in model.parameters():  # parameters() already drops tied duplicates; be explicit anyway
@@ -105,10 +110,9 @@ def decode_bytes_of(llm) -> DecodeBytes:
     emb = model.model.embed_tokens.weight
     tied = model.lm_head.weight.data_ptr() == emb.data_ptr()
     embedding = 0 if tied else emb.numel() * emb.element_size()
-    kv_per_token = runner.kv_cache_bytes // (runner.num_blocks * runner.cfg.cache.block_size)
     return DecodeBytes(non_expert_bytes=total - routed - embedding, embedding_bytes=embedding,
                        expert_bytes=expert_bytes, num_moe_layers=len(moe_layers),
-                       num_experts=first.num_experts, top_k=first.gate.top_k, kv_bytes_per_token=kv_per_token)
+                       num_experts=first.num_experts, top_k=first.gate.top_k, kv_bytes_per_token=kv_bytes_per_token)
 
 
 def gb(x: float) -> str:
