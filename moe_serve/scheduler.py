@@ -57,6 +57,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._hashes: dict[str, list[bytes]] = {}  # full-block hashes of each live request, in order
         self._registered: dict[str, int] = {}  # how many of a request's blocks are registered
+        self._looked_up: set[str] = set()  # requests whose prefix lookup is counted in the hit rate
         self.num_preemptions = 0
         self._finished_ids: set[str] = set()  # pending for the next non-empty SchedulerOutput
         self._preempted_ids: set[str] = set()
@@ -129,6 +130,10 @@ class Scheduler:
                 self._attach_prefix(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self._grow(req, n):
+                # Give back the prefix blocks it was lent: a waiting request that holds blocks it
+                # cannot use could leave the running ones (or, once nothing runs, itself) without
+                # any, for ever. They stay cached, so the next attempt finds them again.
+                self._detach_prefix(req)
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
@@ -185,7 +190,16 @@ class Scheduler:
         req.num_computed_tokens = len(hits) * self.block_size
         if req.num_preemptions == 0:
             req.num_cached_prompt_tokens = req.num_computed_tokens
-            self.alloc.record_lookup(len(tokens), req.num_computed_tokens)
+            if req.request_id not in self._looked_up:  # the hit rate counts a prompt once, not per attempt
+                self._looked_up.add(req.request_id)
+                self.alloc.record_lookup(len(tokens), req.num_computed_tokens)
+
+    def _detach_prefix(self, req: Request) -> None:
+        """Undo _attach_prefix for a request that stays waiting."""
+        self.alloc.free(req.block_ids)
+        req.block_ids = []
+        req.num_computed_tokens = 0
+        self._registered[req.request_id] = 0
 
     def _register_full_blocks(self, req: Request) -> None:
         """Hash and register the blocks that became full since the last call (once each)."""
@@ -223,3 +237,4 @@ class Scheduler:
         self.requests.pop(req.request_id, None)
         self._hashes.pop(req.request_id, None)
         self._registered.pop(req.request_id, None)
+        self._looked_up.discard(req.request_id)

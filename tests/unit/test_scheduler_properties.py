@@ -121,3 +121,26 @@ def test_prefix_cache_reuses_and_evicts_lru():
     sched.add_request(d)
     sched.schedule()
     assert d.num_computed_tokens < 4
+
+
+def test_waiting_requests_never_hold_blocks_they_cannot_use():
+    """Two requests sharing a cached prefix, each needing the whole cache, with different outputs:
+    a waiting request that was lent prefix blocks but cannot grow must give them back, or nothing
+    ever runs again (this hung before)."""
+    alloc = BlockAllocator(8, 16)
+    sched = Scheduler(alloc, 256, 4, 128)
+    reqs = [Request(str(i), [5, 6, 7, 8, 9], SamplingParams(max_tokens=123), 123) for i in range(2)]
+    for r in reqs:
+        sched.add_request(r)
+    for _ in range(3000):
+        if not sched.has_work():
+            break
+        out = sched.schedule()
+        assert out.scheduled or not sched.running, "nothing scheduled while requests run"
+        sampled = {s.request.request_id: 3 + (int(s.request.request_id) * 7 + s.request.num_tokens) % 11
+                   for s in out.scheduled if s.samples}
+        sched.update(out, sampled)
+        alloc.check_invariants()
+        assert sum(len(r.block_ids) for r in sched.waiting) == 0
+    assert not sched.has_work() and all(r.num_output_tokens == 123 for r in reqs)
+    assert sched.num_preemptions > 0 and alloc.num_free_blocks == 8
