@@ -34,6 +34,7 @@ from attention.backends import reference as attn_ref  # noqa: E402
 from attention.backends import triton_paged  # noqa: E402
 from attention.metadata import AttentionMetadata  # noqa: E402
 from kernels.grouped_gemm.align import align_block_size  # noqa: E402
+from kernels.grouped_gemm.config import DEFAULT_CONFIGS, tuned_configs  # noqa: E402
 from kernels.grouped_gemm.reference import fused_experts_float64, fused_experts_reference  # noqa: E402
 from kernels.grouped_gemm.triton_kernel import fused_experts_triton  # noqa: E402
 
@@ -42,6 +43,7 @@ DEV = torch.device("cpu" if SMOKE else "cuda")
 MOE_MODELS = [("qwen3-30b-a3b", 128, 128, 8, 2048, 768), ("deepseek-v3-ep8", 256, 32, 8, 7168, 2048)]
 DECODE_T, PREFILL_T = (1, 2, 4, 8, 16, 32, 64), (2048, 4096, 8192)
 CHECK_RTOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+BENCH_RTOL = 3e-2  # bf16 Triton vs the bf16 torch reference at the timed shapes
 
 
 def timeit(fn, graph: bool = False) -> float:
@@ -118,7 +120,8 @@ def _cpu_meta(m: AttentionMetadata) -> AttentionMetadata:
 # ---- correctness ----------------------------------------------------------------------------------
 
 def run_checks() -> list[dict]:
-    """Each kernel against its reference on this device; returns one record per check."""
+    """Each kernel against its reference on this device; returns one record per check. A check that
+    raises (a config that does not compile or launch here) is recorded as failed, not skipped."""
     results = []
 
     def record(name, err, tol):
@@ -126,53 +129,94 @@ def run_checks() -> list[dict]:
         results.append({"check": name, "rel_err": err, "tol": tol, "pass": ok})
         print(f"  {'PASS' if ok else 'FAIL'}  {name:58s} rel_err={err:.2e} (tol {tol:.0e})", flush=True)
 
+    def check(name, tol, fn):
+        try:
+            record(name, fn(), tol)
+        except Exception as e:  # noqa: BLE001  the gate reports every failure and goes on
+            results.append({"check": name, "rel_err": None, "tol": tol, "pass": False,
+                            "error": f"{type(e).__name__}: {e}"[:500]})
+            print(f"  FAIL  {name:58s} {type(e).__name__}: {str(e)[:200]}", flush=True)
+
+    def experts_err(args, dtype, config=None):
+        out = torch.full(args[0].shape, float("nan"), dtype=dtype, device=DEV)
+        fused_experts_triton(*args, config, out_TD=out)
+        return rel_err(out, fused_experts_float64(*args))
+
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        # The chosen config at each shape (all decode-sized: the default picks by pairs per expert).
         for T, E_total, E, K, D, F in [(1, 8, 8, 1, 96, 80), (1, 16, 10, 8, 128, 64), (23, 12, 7, 3, 136, 72),
                                        (64, 20, 20, 2, 256, 96)]:
             args = moe_inputs(T, E_total, E, K, D, F, dtype, seed=T)
-            out = torch.full((T, D), float("nan"), dtype=dtype, device=DEV)
-            fused_experts_triton(*args, out_TD=out)
-            record(f"fused_experts T={T} E={E}/{E_total} K={K} D={D} F={F} {dtype}",
-                   rel_err(out, fused_experts_float64(*args)), CHECK_RTOL[dtype])
+            check(f"fused_experts T={T} E={E}/{E_total} K={K} D={D} F={F} {dtype}", CHECK_RTOL[dtype],
+                  lambda: experts_err(args, dtype))
+        # Every default config (decode BM=16, middle BM=32, prefill BM=64) and every tuned entry of
+        # this dtype, forced, on shapes with several row blocks per expert and ragged edges.
+        configs = [("default", c) for c in DEFAULT_CONFIGS] + [("tuned", c) for dt, c in tuned_configs() if dt == dtype]
+        seen = []
+        for origin, cfg in configs:
+            if cfg in seen:
+                continue
+            seen.append(cfg)
+            name = f"BM={cfg['BLOCK_SIZE_M']} BN={cfg['BLOCK_SIZE_N']} BK={cfg['BLOCK_SIZE_K']} G={cfg['GROUP_SIZE_M']} " \
+                   f"w{cfg['num_warps']} s{cfg['num_stages']}"
+            shapes = [(40, 8, 6, 4, 48, 40)] if SMOKE else [(300, 16, 12, 4, 200, 136), (1100, 8, 8, 2, 256, 160)]
+            for T, E_total, E, K, D, F in shapes:
+                args = moe_inputs(T, E_total, E, K, D, F, dtype, seed=T + 1)
+                check(f"fused_experts {origin} {name} T={T} E={E} {dtype}", CHECK_RTOL[dtype],
+                      lambda: experts_err(args, dtype, cfg))
     x, w13, w2, tw, ids = moe_inputs(0, 8, 8, 2, 64, 32, torch.bfloat16)
-    record("fused_experts T=0", float(fused_experts_triton(x, w13, w2, tw, ids).numel()), 0.5)
-    # Align on this device must agree exactly with the CPU path.
-    ids = moe_inputs(300, 64, 40, 8, 16, 16, torch.float32)[4]
-    a, b = align_block_size(ids, 40, 64), align_block_size(ids.cpu(), 40, 64)
-    fields = ("sorted_pair_ids_S", "expert_ids_B", "num_padded")
-    same = all(torch.equal(getattr(a, f).cpu(), getattr(b, f)) for f in fields)
-    record("align_block_size device == cpu", 0.0 if same else 1.0, 0.5)
+    check("fused_experts T=0", 0.5, lambda: float(fused_experts_triton(x, w13, w2, tw, ids).numel()))
 
-    for dtype in (torch.bfloat16, torch.float32):
+    def align_same():  # align on this device must agree exactly with the CPU path
+        ids = moe_inputs(300, 64, 40, 8, 16, 16, torch.float32)[4]
+        a, b = align_block_size(ids, 40, 64), align_block_size(ids.cpu(), 40, 64)
+        fields = ("sorted_pair_ids_S", "expert_ids_B", "num_padded")
+        return 0.0 if all(torch.equal(getattr(a, f).cpu(), getattr(b, f)) for f in fields) else 1.0
+
+    check("align_block_size device == cpu", 0.5, align_same)
+
+    def gqa_err(B, ctx, q_len, N, G, H, bs, dtype, splits):
+        meta, (q, k, v) = attn_inputs(B, ctx, q_len, N, G, H, bs, dtype, seed=ctx)
+        out = torch.full(q.shape, float("nan"), dtype=dtype, device=DEV)
+        triton_paged.paged_attention(q, k, v, meta, H ** -0.5, num_splits=splits, out_TNH=out)
+        expect = attn_ref.paged_attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), _cpu_meta(meta),
+                                          H ** -0.5)
+        return rel_err(out, expect)
+
+    def mla_err(B, ctx, q_len, N, dtype, splits):
+        meta, (q, q_pe, cache) = attn_inputs(B, ctx, q_len, N, 1, 512, 64, dtype, seed=ctx, mla_rope=64)
+        out = triton_paged.mla_paged_attention(q, q_pe, cache, meta, 576 ** -0.5, num_splits=splits)
+        expect = attn_ref.mla_paged_attention(q.double().cpu(), q_pe.double().cpu(), cache.double().cpu(),
+                                              _cpu_meta(meta), 576 ** -0.5)
+        return rel_err(out, expect)
+
+    # Decode cases run with the chosen split count and forced to 1 (no split), 5 and MAX_SPLITS.
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for B, ctx, q_len, N, G, H, bs in [(3, 1000, 1, 32, 4, 128, 16), (2, 300, 1, 8, 8, 64, 16),
                                            (2, 200, 77, 16, 2, 128, 16), (1, 64, 64, 4, 1, 96, 32)]:
-            meta, (q, k, v) = attn_inputs(B, ctx, q_len, N, G, H, bs, dtype, seed=ctx)
-            out = torch.full(q.shape, float("nan"), dtype=dtype, device=DEV)
-            triton_paged.paged_attention(q, k, v, meta, H ** -0.5, out_TNH=out)
-            expect = attn_ref.paged_attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), _cpu_meta(meta),
-                                              H ** -0.5)
-            record(f"paged_attention B={B} ctx={ctx} q={q_len} N={N} G={G} H={H} {dtype}", rel_err(out, expect),
-                   CHECK_RTOL[dtype])
+            for splits in ((None, 1, 5, triton_paged.MAX_SPLITS) if q_len == 1 else (None,)):
+                check(f"paged_attention B={B} ctx={ctx} q={q_len} N={N} G={G} H={H} S={splits or 'auto'} {dtype}",
+                      CHECK_RTOL[dtype], lambda: gqa_err(B, ctx, q_len, N, G, H, bs, dtype, splits))
         for B, ctx, q_len, N in [(2, 700, 1, 16), (1, 100, 30, 8)]:
-            meta, (q, q_pe, cache) = attn_inputs(B, ctx, q_len, N, 1, 512, 64, dtype, seed=ctx, mla_rope=64)
-            out = triton_paged.mla_paged_attention(q, q_pe, cache, meta, 576 ** -0.5)
-            expect = attn_ref.mla_paged_attention(q.double().cpu(), q_pe.double().cpu(), cache.double().cpu(),
-                                                  _cpu_meta(meta), 576 ** -0.5)
-            record(f"mla_paged_attention B={B} ctx={ctx} q={q_len} N={N} {dtype}", rel_err(out, expect),
-                   CHECK_RTOL[dtype])
-    kv = torch.randn(37, 4, 192, device=DEV, dtype=torch.bfloat16)
-    slots = torch.randperm(64 * 16, device=DEV)[:37]
-    caches = [torch.zeros(64, 16, 4, 128, device=DEV, dtype=torch.bfloat16),
-              torch.zeros(64, 16, 4, 64, device=DEV, dtype=torch.bfloat16)]
-    expect = [c.clone() for c in caches]
-    triton_paged.write_kv(kv[..., :128], kv[..., 128:], *caches, slots)
-    attn_ref.write_kv(kv[..., :128], kv[..., 128:], *expect, slots)
-    record("write_kv (strided k/v views)", float(sum((c - e).abs().sum() for c, e in zip(caches, expect))), 1e-30)
-    lat = torch.zeros(64, 16, 576, device=DEV, dtype=torch.bfloat16)
-    lat_expect = lat.clone()
-    triton_paged.write_latent(kv.flatten(1)[:, :576], lat, slots)
-    attn_ref.write_latent(kv.flatten(1)[:, :576], lat_expect, slots)
-    record("write_latent", float((lat - lat_expect).abs().sum()), 1e-30)
+            for splits in ((None, 1, triton_paged.MAX_SPLITS) if q_len == 1 else (None,)):
+                check(f"mla_paged_attention B={B} ctx={ctx} q={q_len} N={N} S={splits or 'auto'} {dtype}",
+                      CHECK_RTOL[dtype], lambda: mla_err(B, ctx, q_len, N, dtype, splits))
+
+    def write_kv_diff():
+        kv = torch.randn(37, 4, 192, device=DEV, dtype=torch.bfloat16)
+        slots = torch.randperm(64 * 16, device=DEV)[:37]
+        caches = [torch.zeros(64, 16, 4, 128, device=DEV, dtype=torch.bfloat16),
+                  torch.zeros(64, 16, 4, 64, device=DEV, dtype=torch.bfloat16)]
+        expect = [c.clone() for c in caches]
+        triton_paged.write_kv(kv[..., :128], kv[..., 128:], *caches, slots)
+        attn_ref.write_kv(kv[..., :128], kv[..., 128:], *expect, slots)
+        lat = torch.zeros(64, 16, 576, device=DEV, dtype=torch.bfloat16)
+        lat_expect = lat.clone()
+        triton_paged.write_latent(kv.flatten(1)[:, :576], lat, slots)
+        attn_ref.write_latent(kv.flatten(1)[:, :576], lat_expect, slots)
+        return float(sum((c - e).abs().sum() for c, e in zip(caches + [lat], expect + [lat_expect])))
+
+    check("write_kv (strided k/v views) and write_latent", 1e-30, write_kv_diff)
     return results
 
 
@@ -303,6 +347,13 @@ def main() -> int:
     print(HEADER)
     rows = bench_grouped_gemm(bw, peak) + bench_attention(bw, peak)
     failed = [c["check"] for c in checks if not c["pass"]]
+    # The timed shapes (prefill T=2048..8192 included) are checked too: Triton against the torch
+    # reference, both in bf16 (each rounds h and y once).
+    for r in rows:
+        r["pass"] = r["rel_err_vs_torch"] < BENCH_RTOL
+        if not r["pass"]:
+            failed.append(f"{r['kind']} {r['shape']} rel_err_vs_torch={r['rel_err_vs_torch']:.2e} >= {BENCH_RTOL}")
+            print(f"  FAIL  {failed[-1]}", flush=True)
     elapsed = time.time() - t_start
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -314,11 +365,12 @@ def main() -> int:
     base.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     lines = ["environment: " + ", ".join(f"{k}={v}" for k, v in env.items()),
              f"measured: copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s",
-             f"checks: {len(checks) - len(failed)}/{len(checks)} passed" + (f"; FAILED: {failed}" if failed else ""),
+             f"checks: {len(checks) + len(rows) - len(failed)}/{len(checks) + len(rows)} passed"
+             + (f"; FAILED: {failed}" if failed else ""),
              "%SOL and 'x torch' use the CUDA-graph time where there is one (L2 not flushed between replays).",
              HEADER] + [format_row(r) for r in rows] + [f"elapsed {elapsed:.0f} s"]
     base.with_suffix(".txt").write_text("\n".join(lines) + "\n")
-    print(f"checks: {len(checks) - len(failed)}/{len(checks)} passed; wrote {base}.json and .txt "
+    print(f"checks: {len(checks) + len(rows) - len(failed)}/{len(checks) + len(rows)} passed; wrote {base}.json and .txt "
           f"in {elapsed:.0f} s", flush=True)
     return 1 if failed else 0
 

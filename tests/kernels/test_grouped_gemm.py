@@ -124,6 +124,21 @@ def test_fused_experts_matches_oracle(case, dtype, poisoned_workspace):
     assert rel_err(got, ref) < RTOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("config", cfg_mod.DEFAULT_CONFIGS, ids=lambda c: f"BM{c['BLOCK_SIZE_M']}")
+def test_each_default_config_matches_oracle(config, dtype, poisoned_workspace):
+    """Decode (BM=16), middle (BM=32) and prefill (BM=64) defaults, each forced: ragged expert runs
+    longer than one row block, N and K tails smaller than the tiles, skipped pairs."""
+    T, D, F, E, K = 45, 72, 40, 3, 2
+    gen = torch.Generator().manual_seed(config["BLOCK_SIZE_M"])
+    x, w13, w2 = layer(T, D, F, E, dtype, gen)
+    weights, ids = routing(T, E, K, gen, 0.1)
+    out = torch.full((T, D), float("nan"), dtype=dtype, device=DEVICE)
+    got = tk.fused_experts_triton(x.to(DEVICE), w13.to(DEVICE), w2.to(DEVICE), weights.to(DEVICE),
+                                  ids.to(DEVICE), config, out_TD=out)
+    assert rel_err(got, fused_experts_float64(x, w13, w2, weights, ids)) < RTOL[dtype]
+
+
 def test_zero_tokens_and_all_skipped(poisoned_workspace):
     gen = torch.Generator().manual_seed(1)
     x, w13, w2 = layer(3, 24, 16, 4, torch.float32, gen)
