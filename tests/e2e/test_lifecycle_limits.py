@@ -15,9 +15,9 @@ import pytest
 from tests.e2e.hardening_util import HealthProbe, assert_openai_error, raw_socket, read_response
 from tests.e2e.server import ServerProcess
 
-REQUEST_TIMEOUT = 4.0
-LONG = {"prompt": [5, 6], "max_tokens": 1000, "ignore_eos": True}  # one stream: ~4 s on 2 CPU cores
-SLOW = {**LONG, "n": 8}  # ~6 s or more
+REQUEST_TIMEOUT = 2.0
+LONG = {"prompt": [5, 6], "max_tokens": 1000, "ignore_eos": True}  # one stream: ~3 s on 2 CPU cores
+SLOW = {**LONG, "n": 16}  # 16 x 1000 tokens: several times the timeout here
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def test_request_timeout_aborts_and_frees_the_blocks(server):
         _kv_back_to_zero(server)
         lines = []
         with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=60, json={
-                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1000, "ignore_eos": True, "n": 8,
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1000, "ignore_eos": True, "n": 16,
                 "stream": True}) as s:
             lines = [line for line in s.iter_lines() if line]
         assert lines[-1] == "data: [DONE]"
