@@ -258,6 +258,11 @@ class OpenAIServing:
         if req.tool_choice not in (None, "none", "auto"):
             raise BadRequest(f"tool_choice={req.tool_choice!r} is not supported (only 'none' and 'auto')",
                              "tool_choice")
+        if req.tools and req.tool_choice != "none":
+            # No tool-call parser yet: a call the model writes would come back as plain text.
+            raise BadRequest("tool_choice='auto' (the default when tools are given) needs tool calls parsed out "
+                             "of the model's output, which this server does not do yet; send tool_choice='none' "
+                             "to show the tools to the model and get a text answer", "tool_choice")
 
     def chat_prompt(self, req: P.ChatCompletionRequest, max_tokens: int | None) -> list[int]:
         msgs = []
