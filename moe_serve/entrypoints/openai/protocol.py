@@ -127,9 +127,22 @@ class ChatLogprobs(msgspec.Struct):
     content: list[ChatTokenLogprob] | None
 
 
-class ChatMessageOut(msgspec.Struct):
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(msgspec.Struct):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
+class ChatMessageOut(msgspec.Struct, omit_defaults=True):
     role: str
-    content: str | None
+    content: str | None  # always sent (null beside tool calls, as OpenAI does)
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = []
 
 
 class ChatChoice(msgspec.Struct):
@@ -149,9 +162,23 @@ class ChatCompletionResponse(msgspec.Struct):
     object: str = "chat.completion"
 
 
+class DeltaFunctionCall(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None  # a fragment; the fragments of one call concatenate to its arguments
+
+
+class DeltaToolCall(msgspec.Struct, omit_defaults=True):
+    index: int  # which call of this choice the fragment belongs to
+    id: str | None = None  # sent with the call's first fragment
+    type: str | None = None  # "function", with the first fragment
+    function: DeltaFunctionCall | None = None
+
+
 class Delta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(msgspec.Struct):

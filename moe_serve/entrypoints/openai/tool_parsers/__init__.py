@@ -1,0 +1,6 @@
+"""Tool-call parsers: model text -> content and OpenAI tool calls, whole or streamed.
+
+`base.py` holds the interface every parser implements; parsers register themselves by name in
+`PARSERS` (the names `--tool-call-parser` accepts).
+"""
+from .base import PARSERS, ParsedOutput, StreamDelta, ToolParser, ToolStream, new_call_id  # noqa: F401
