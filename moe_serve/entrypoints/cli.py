@@ -36,6 +36,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--request-timeout", type=float, default=None,
                    help="abort a request (freeing its KV blocks) that takes longer than this many seconds "
                         "(default: no limit); non-streaming requests get 408, streams an error event")
+    g = p.add_argument_group("chat output parsing")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="parse tool calls out of the output of chat requests with tools and tool_choice 'auto' "
+                        "(needs --tool-call-parser)")
+    g.add_argument("--tool-call-parser", default=None,
+                   help="the model's tool-call format: hermes (Qwen2.5/Qwen3) | deepseek_v3 (DeepSeek-V3/R1) | mistral")
+    g.add_argument("--reasoning-parser", default=None,
+                   help="move <think>...</think> into reasoning_content: deepseek_r1 | qwen3")
 
 
 def resolve_model(model: str | None) -> tuple[str, str]:

@@ -76,8 +76,12 @@ def _openapi_bodies(app: FastAPI) -> None:
 
 
 def build_app(engine: AsyncEngine, served_model_name: str, max_model_len: int, api_key: str | None = None,
-              extra_routes=None, limits: PromptLimits | None = None, http: HTTPLimits = HTTPLimits()) -> FastAPI:
-    serving = OpenAIServing(engine, served_model_name, max_model_len, limits, http.request_timeout_s)
+              extra_routes=None, limits: PromptLimits | None = None, http: HTTPLimits = HTTPLimits(),
+              enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
+              reasoning_parser: str | None = None) -> FastAPI:
+    serving = OpenAIServing(engine, served_model_name, max_model_len, limits, http.request_timeout_s,
+                            enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
+                            reasoning_parser=reasoning_parser)
     created = int(time.time())
 
     @contextlib.asynccontextmanager

@@ -75,7 +75,8 @@ def run_frontend(ns: argparse.Namespace, path: str, client, check_alive) -> int:
                                                                            tokenizer.vocab_size),
                       ns.http_header_timeout, ns.http_body_timeout, ns.max_connections or None, ns.request_timeout)
     _raise_open_files(http.max_connections)
-    app = build_app(engine, name, engine.max_model_len, ns.api_key, [expert_load_routes(engine)], limits, http)
+    app = build_app(engine, name, engine.max_model_len, ns.api_key, [expert_load_routes(engine)], limits, http,
+                    ns.enable_auto_tool_choice, ns.tool_call_parser, ns.reasoning_parser)
     log.info("front end ready: %d engine core(s), max_model_len %d, %s KV blocks of %d tokens; request bodies up to "
              "%d bytes, at most %s connections, request timeout %s", len(ready), engine.max_model_len,
              "/".join(str(r.num_kv_blocks) for r in ready), ns.block_size, http.max_body_bytes,
@@ -94,6 +95,16 @@ def http_flags_check(ns: argparse.Namespace) -> None:
         raise ValueError(f"--max-request-body-bytes={ns.max_request_body_bytes} must be >= 1")
     if ns.max_connections < 0:
         raise ValueError(f"--max-connections={ns.max_connections} must be >= 0")
+    from moe_serve.entrypoints.openai.reasoning import REASONING_PARSERS
+    from moe_serve.entrypoints.openai.tool_parsers import PARSERS
+
+    if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
+        raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser (one of {', '.join(sorted(PARSERS))})")
+    if ns.tool_call_parser is not None and ns.tool_call_parser not in PARSERS:
+        raise ValueError(f"--tool-call-parser={ns.tool_call_parser} is not one of {', '.join(sorted(PARSERS))}")
+    if ns.reasoning_parser is not None and ns.reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"--reasoning-parser={ns.reasoning_parser} is not one of "
+                         f"{', '.join(sorted(REASONING_PARSERS))}")
 
 
 def _raise_open_files(max_connections: int | None) -> None:

@@ -13,7 +13,9 @@ import msgspec
 from moe_serve.engine.async_engine import AsyncEngine, QueueFullError
 from moe_serve.entrypoints.openai import protocol as P
 from moe_serve.entrypoints.openai import request_limits as L
+from moe_serve.entrypoints.openai.reasoning import REASONING_PARSERS, ReasoningParser
 from moe_serve.entrypoints.openai.request_limits import BadRequest, PromptLimits
+from moe_serve.entrypoints.openai.tool_parsers import PARSERS, ParsedOutput, StreamDelta, ToolParser
 from moe_serve.sampling_params import SamplingParams
 
 __all__ = ["BadRequest", "OpenAIServing", "sampling_params"]
@@ -104,8 +106,21 @@ def _resolve(fut: asyncio.Future, result, error) -> None:
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, served_model_name: str, max_model_len: int,
                  limits: PromptLimits | None = None, request_timeout_s: float | None = None,
-                 tokenizer_threads: int = 2, max_pending_tokenizations: int = 256):
+                 tokenizer_threads: int = 2, max_pending_tokenizations: int = 256,
+                 enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None):
         self.engine = engine
+        if enable_auto_tool_choice and tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME "
+                             f"(one of {', '.join(sorted(PARSERS))})")
+        if tool_call_parser is not None and tool_call_parser not in PARSERS:
+            raise ValueError(f"--tool-call-parser={tool_call_parser!r} is not one of {', '.join(sorted(PARSERS))}")
+        if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"--reasoning-parser={reasoning_parser!r} is not one of "
+                             f"{', '.join(sorted(REASONING_PARSERS))}")
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+        self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = reasoning_parser
         self.model_name = served_model_name
         self.max_model_len = max_model_len
         self.tok = engine.tokenizer
@@ -258,11 +273,24 @@ class OpenAIServing:
         if req.tool_choice not in (None, "none", "auto"):
             raise BadRequest(f"tool_choice={req.tool_choice!r} is not supported (only 'none' and 'auto')",
                              "tool_choice")
-        if req.tools and req.tool_choice != "none":
-            # No tool-call parser yet: a call the model writes would come back as plain text.
-            raise BadRequest("tool_choice='auto' (the default when tools are given) needs tool calls parsed out "
-                             "of the model's output, which this server does not do yet; send tool_choice='none' "
-                             "to show the tools to the model and get a text answer", "tool_choice")
+        if req.tools and req.tool_choice in (None, "auto") and not self.enable_auto_tool_choice:
+            # Without a parser a call the model writes would come back as plain text (vLLM refuses too).
+            raise BadRequest("tool_choice='auto' (the default when tools are given) needs the server started with "
+                             "--enable-auto-tool-choice --tool-call-parser NAME; send tool_choice='none' to show "
+                             "the tools to the model and get a text answer", "tool_choice")
+
+    def tool_parser_for(self, req: P.ChatCompletionRequest) -> ToolParser | None:
+        """The parser that turns this request's output into tool calls, or None (plain text)."""
+        if not req.tools or req.tool_choice == "none":
+            return None
+        if req.tool_choice in (None, "auto") and self.enable_auto_tool_choice:
+            return PARSERS[self.tool_call_parser](self.tok, req.tools)
+        return None
+
+    def reasoning_parser_for(self, req: P.ChatCompletionRequest) -> ReasoningParser | None:
+        if self.reasoning_parser is None:
+            return None
+        return REASONING_PARSERS[self.reasoning_parser](self.tok, req.chat_template_kwargs)
 
     def chat_prompt(self, req: P.ChatCompletionRequest, max_tokens: int | None) -> list[int]:
         msgs = []
@@ -306,10 +334,26 @@ class OpenAIServing:
         n = params.n
         texts, lps, fins = await self._collect(stream, n, deadline)
         self._check_ended(fins)
-        choices = [P.ChatChoice(i, P.ChatMessageOut("assistant", texts[i]),
-                                self._chat_logprobs(lps[i]) if req.logprobs else None, fins[i][0], fins[i][1])
-                   for i in range(n)]
+        tools, reasoner = self.tool_parser_for(req), self.reasoning_parser_for(req)
+        choices = []
+        for i in range(n):
+            message, finish = self._chat_message(texts[i], fins[i][0], tools, reasoner)
+            choices.append(P.ChatChoice(i, message, self._chat_logprobs(lps[i]) if req.logprobs else None, finish,
+                                        fins[i][1]))
         return P.ChatCompletionResponse(rid, int(time.time()), self.model_name, choices, _usage(stream))
+
+    @staticmethod
+    def _chat_message(text: str, finish: str | None, tools: ToolParser | None,
+                      reasoner: ReasoningParser | None) -> tuple[P.ChatMessageOut, str | None]:
+        """The assistant message of one whole output: reasoning split off first, then tool calls
+        parsed from the rest; finish_reason becomes "tool_calls" when there are any."""
+        reasoning = None
+        if reasoner is not None:
+            reasoning, text = reasoner.split(text)
+        parsed = tools.parse(text) if tools is not None else ParsedOutput(text)
+        if parsed.tool_calls:
+            finish = "tool_calls"
+        return P.ChatMessageOut("assistant", parsed.content, reasoning or None, parsed.tool_calls), finish
 
     def _chat_logprobs(self, lps) -> P.ChatLogprobs:
         def entry(tid: int, v: float) -> P.TopLogprob:
@@ -325,6 +369,11 @@ class OpenAIServing:
     async def _stream_chat(self, req, rid, params, stream, deadline) -> AsyncIterator[bytes]:
         created = int(time.time())
         ended = None
+        tools, reasoner = self.tool_parser_for(req), self.reasoning_parser_for(req)
+        # One parser state per choice: text that may start a call marker or `</think>` waits in it.
+        tool_streams = [tools.stream() if tools is not None else None for _ in range(params.n)]
+        think_streams = [reasoner.stream() if reasoner is not None else None for _ in range(params.n)]
+        called = [False] * params.n
         try:
             for i in range(params.n):
                 yield _sse(P.ChatCompletionChunk(rid, created, self.model_name,
@@ -333,9 +382,14 @@ class OpenAIServing:
                 ended = ended or _error_of(out)
                 if not (out.new_text or out.finished or out.logprobs):
                     continue
+                delta = _stream_delta(out.new_text, out.finished, think_streams[i], tool_streams[i])
+                called[i] = called[i] or bool(delta.tool_calls)
+                if not (delta.content or delta.reasoning_content or delta.tool_calls or out.finished or out.logprobs):
+                    continue
                 lp = self._chat_logprobs(out.logprobs or []) if req.logprobs else None
+                finish = "tool_calls" if out.finished and called[i] else out.finish_reason
                 yield _sse(P.ChatCompletionChunk(rid, created, self.model_name, [P.ChatStreamChoice(
-                    i, P.Delta(content=out.new_text), lp, out.finish_reason)]))
+                    i, delta, lp, finish)]))
             if self.engine.dead or ended:
                 yield self._ended_event(ended)
             elif req.stream_options and req.stream_options.include_usage:
@@ -421,6 +475,18 @@ class OpenAIServing:
             msg = str(e)
             param = "max_tokens" if "max_tokens" in msg else ("prompt" if "prompt" in msg else _field_of(msg))
             raise BadRequest(msg, param) from None
+
+
+def _stream_delta(text: str, final: bool, think, tools) -> P.Delta:
+    """One engine output of a streamed choice as a chat delta: reasoning split off first, then
+    tool calls parsed out of the content."""
+    reasoning = ""
+    if think is not None:
+        reasoning, text = think.feed(text, final)
+    if tools is None:
+        return P.Delta(content=text or None, reasoning_content=reasoning or None)
+    d: StreamDelta = tools.feed(text, final)
+    return P.Delta(content=d.content or None, reasoning_content=reasoning or None, tool_calls=d.tool_calls or None)
 
 
 def _error_of(out) -> str | None:
