@@ -4,6 +4,8 @@ heuristic vs no replicas, with the cross-node share, as `placement report` compu
     python bench/placement.py                    DeepSeek-V3-like and Qwen3-MoE-like shapes
     python bench/placement.py --quick            fewer layers (a quick look)
     python bench/placement.py --json out.json    also write the figures
+    python bench/placement.py --held-out         the six drifting-trace cases the tuner is held to
+                                                 against DeepSeek EPLB (evaluation.held_out)
 
 Each scenario draws W windows of load per layer; every placement is fit on the first W-1 windows
 and judged on the last (held out). Load per layer: Zipf-like skew over a random expert order (the
@@ -66,6 +68,22 @@ def run(shape: str, scenario: str, seed: int, windows: int, copies: int, layers:
     return res
 
 
+def held_out_cases(args) -> int:
+    from expert_parallel import evaluation
+
+    tune = lambda fit, G, N, S, K: tuner.tune(fit, G, N, S, K)[0]  # noqa: E731
+    rows = []
+    print(f"{'case':<34} {'tuned':>7} {'eplb':>7}")
+    for case in evaluation.HELD_OUT_CASES:
+        r = evaluation.held_out(case, tune, seed=args.seed, windows=args.windows, layers=8 if args.quick else 16)
+        rows.append({"case": case, "tuned": round(r["tuned"], 4), "eplb": round(r["eplb"], 4)})
+        print(f"{case:<34} {r['tuned']:7.4f} {r['eplb']:7.4f}", flush=True)
+    print(f"{'mean':<34} {np.mean([r['tuned'] for r in rows]):7.4f} {np.mean([r['eplb'] for r in rows]):7.4f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {list(SHAPES)}")
@@ -76,7 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skew", default="0.6,1.0", help="range of the Zipf exponent, drawn per layer")
     ap.add_argument("--quick", action="store_true", help="8 layers per shape")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--held-out", action="store_true", help="the six held-out cases vs EPLB (fit on < t, judge t)")
     args = ap.parse_args(argv)
+    if args.held_out:
+        return held_out_cases(args)
     results = []
     head = f"{'shape':<17} {'scenario':<8} | {'balancedness (held out)':^25} | {'max GPU load':^26} | " \
            f"{'cross-node':^20} | tune"
