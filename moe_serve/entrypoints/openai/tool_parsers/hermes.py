@@ -9,7 +9,7 @@ anywhere in the output, any number of times. A last call left open at the end of
 """
 from __future__ import annotations
 
-from ._marked import Invalid, Item, MarkedToolParser, call_from_object
+from ._marked import Invalid, Item, MarkedToolParser, call_from_object, skip_ws
 from .base import PARSERS
 
 START, END = "<tool_call>", "</tool_call>"
@@ -27,32 +27,38 @@ class HermesToolParser(MarkedToolParser):
             if i < 0:
                 self.tail(items, text[pos:], after_call, final)
                 return items
-            body = i + len(START)
-            j = text.find(END, body)
-            try:
-                call, obj_end = call_from_object(text[:j] if j >= 0 else text, body)
+            try:  # the JSON decides where the call ends (a string in it may contain the end tag)
+                call, obj_end = call_from_object(text, i + len(START))
             except Invalid:
                 call, obj_end = None, None
-            if j < 0:  # the call is still being written (or was cut off)
-                if not final:
-                    self.content(items, text[pos:i], after_call, True)
-                    if call is not None:
-                        items.append(call)
-                elif call is not None and call.done:
+            if call is not None and obj_end is not None:
+                k = skip_ws(text, obj_end)
+                if text.startswith(END, k):
                     self.content(items, text[pos:i], after_call, True)
                     items.append(call)
-                    self.content(items, text[obj_end:], True, False)
-                else:
+                    pos, after_call = k + len(END), True
+                    continue
+                if k >= len(text) or END.startswith(text[k:]):  # the end tag may be coming, or never will
+                    self.content(items, text[pos:i], after_call, True)
+                    items.append(call)
+                    if final:
+                        self.content(items, text[obj_end:], True, False)
+                    return items
+                call = None  # more after the object: not a call
+            if call is not None:  # still being written (or cut off)
+                if final:
                     self.content(items, text[pos:], after_call, False)
+                else:
+                    self.content(items, text[pos:i], after_call, True)
+                    items.append(call)
                 return items
-            if call is not None and call.done and not text[obj_end:j].strip():
-                self.content(items, text[pos:i], after_call, True)
-                items.append(call)
-                after_call = True
-            else:  # not a call after all: the tags and all stay in the content
-                self.content(items, text[pos:j + len(END)], after_call, False)
-                after_call = False
-            pos = j + len(END)
+            j = text.find(END, i + len(START))
+            if j < 0:
+                self.content(items, text[pos:] if final else text[pos:i], after_call, not final)
+                return items
+            # Not a call: the tags and all stay in the content.
+            self.content(items, text[pos:j + len(END)], after_call, False)
+            pos, after_call = j + len(END), False
 
 
 PARSERS["hermes"] = HermesToolParser
