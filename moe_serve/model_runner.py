@@ -67,6 +67,7 @@ class ModelRunner:
         max_len = min(mc.max_model_len, self.num_blocks * cfg.cache.block_size)
         self.batch = InputBatch(cfg.scheduler.max_num_seqs, max_len, cfg.cache.block_size,
                                 mc.hf["vocab_size"], self.device)
+        self._bitmask = None  # structured_output.bitmask.BitmaskFiller, made on the first constrained step
 
     # --- KV cache -------------------------------------------------------------------------------
     def _init_kv_cache(self, kv_cache_memory: int | None, fraction: float) -> None:
@@ -110,8 +111,16 @@ class ModelRunner:
         h, step = self._forward(pieces, max_tokens_any_rank)
         if step.sampling is None:
             return SampleResult([], [])
+        md = step.sampling
+        if md.grammar_cpu is not None:
+            # Host work that overlaps the forward already queued on an accelerator.
+            if self._bitmask is None:
+                from moe_serve.structured_output.bitmask import BitmaskFiller
+
+                self._bitmask = BitmaskFiller(self.cfg.scheduler.max_num_seqs, self.batch.sampling.V, self.device)
+            md.grammar_rows_G, md.grammar_bitmask_GW = self._bitmask.fill(md.grammar_cpu)
         logits = self.model.compute_logits(h.index_select(0, step.logits_indices_S))
-        return self.sampler(logits, step.sampling)
+        return self.sampler(logits, md)
 
     @torch.inference_mode()
     def execute_empty(self, max_tokens_any_rank: int | None = None) -> None:

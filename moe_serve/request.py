@@ -44,6 +44,9 @@ class Request:
     stop_reason: int | str | None = None
     first_token_time: float | None = None
     logprobs: list = field(default_factory=list)  # per output token: (chosen logprob, {id: logprob})
+    # structured_output.GrammarState when the output is constrained: it has accepted exactly
+    # output_token_ids (so preemption, which recomputes the same tokens, leaves it valid).
+    grammar: object | None = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -70,6 +73,14 @@ class Request:
         if not self.output_token_ids:
             return False
         last = self.output_token_ids[-1]
+        if self.grammar is not None:
+            if self.grammar.rejected:
+                self.status, self.stop_reason = RequestStatus.FINISHED_ABORTED, \
+                    f"the structured-output grammar rejected token {last}"
+                return True
+            if self.grammar.terminated:  # the grammar ended on a stop token (EOS)
+                self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, None
+                return True
         enough = self.num_output_tokens >= self.params.min_tokens
         if enough and not self.params.ignore_eos and last in self.eos_token_ids:
             self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, None

@@ -1,5 +1,6 @@
 """Sampling for a whole batch at once, as tensor ops driven by per-row parameter tensors
-(`SamplingMetadata`, gathered by the input batch): logit_bias, min_tokens, penalties, then greedy
+(`SamplingMetadata`, gathered by the input batch): logit_bias, min_tokens, penalties, the grammar's
+token bitmask on the rows with structured outputs (none at all when no row has one), then greedy
 or temperature / top-k / top-p / min-p sampling with per-request seeds, and log-probabilities of
 the model's own distribution (before any of those transforms).
 
@@ -19,6 +20,7 @@ import torch
 
 from moe_serve.logits_processors import process_logits
 from moe_serve.sampling_metadata import SamplingMetadata
+from moe_serve.structured_output.bitmask import apply_token_bitmask
 from moe_serve.seeded_random import seeded_exponential
 
 
@@ -38,6 +40,8 @@ class Sampler:
         """Sample one token per row of logits_SV (float32 from the LM head)."""
         raw_SV = logits_SV.to(torch.float32)
         x_SV = process_logits(raw_SV, md)
+        if md.grammar_bitmask_GW is not None:  # structured outputs: before temperature and top-k/p
+            x_SV = apply_token_bitmask(x_SV, md.grammar_bitmask_GW, md.grammar_rows_G)
         chosen_S = self.choose(x_SV, md)
         ids = chosen_S.tolist()  # the step's one device->host read
         lps = _logprobs(raw_SV, chosen_S, md.logprobs_cpu) if md.logprobs_cpu is not None else [None] * len(ids)

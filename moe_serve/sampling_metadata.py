@@ -43,10 +43,15 @@ class SamplingMetadata:
     bias_value_N: torch.Tensor | None = None  # float32
     banned_index_M: torch.Tensor | None = None  # int64 flat index of EOS / stop ids masked by min_tokens
     logprobs_cpu: list[int] | None = None  # host: top-N logprobs per row (-1: none); None: no row
+    # Structured outputs: (index into S, GrammarState) of each constrained row; None: no row. The
+    # runner fills their bitmasks (structured_output/bitmask.py) into the two device tensors below.
+    grammar_cpu: list[tuple[int, object]] | None = None
+    grammar_rows_G: torch.Tensor | None = None  # int64 indices (into S) of the constrained rows
+    grammar_bitmask_GW: torch.Tensor | None = None  # int32 bit j of word w: token 32 w + j allowed
     any_greedy_cpu: bool = True  # host: some row has temperature 0 (else its argmax is not needed)
 
     def tensor_fields(self) -> list[str]:
-        return [f.name for f in fields(self) if not f.name.endswith("_cpu")]
+        return [f.name for f in fields(self) if not f.name.endswith("_cpu") and not f.name.startswith("grammar_")]
 
 
 class SamplingRows:
@@ -75,6 +80,7 @@ class SamplingRows:
         self.stop_ids_RK = torch.full((R, 0), -1, dtype=torch.int64)
         self.count: Counter[str] = Counter()
         self._features: list[tuple[str, ...]] = [()] * R
+        self._grammar_R: list[object | None] = [None] * R  # each row's GrammarState, if constrained
 
     # --- rows -----------------------------------------------------------------------------------
     def add(self, row: int, req: Request) -> None:
@@ -84,7 +90,9 @@ class SamplingRows:
         feats = {"random": random, "seeded": random and p.seed is not None,
                  "top_k": random and 0 < p.top_k < V, "top_p": random and p.top_p < 1.0,
                  "min_p": random and p.min_p > 0.0, "penalty": p.has_penalties,
-                 "bias": bool(p.logit_bias), "logprobs": p.logprobs is not None}
+                 "bias": bool(p.logit_bias), "logprobs": p.logprobs is not None,
+                 "grammar": req.grammar is not None}
+        self._grammar_R[row] = req.grammar
         self.temperature_R[row] = p.temperature
         if feats["top_k"]:
             self.top_k_R[row] = p.top_k
@@ -123,6 +131,7 @@ class SamplingRows:
         """Reset `row` to neutral values (what `add` assumes of a free row)."""
         self.count.subtract(self._features[row])
         self._features[row] = ()
+        self._grammar_R[row] = None
         self.top_k_R[row] = self.V
         self.top_p_R[row] = 1.0
         self.repetition_R[row] = 1.0
@@ -173,6 +182,9 @@ class SamplingRows:
             md.banned_index_M, _ = _flat(ids_SK.masked_fill(~early_S[:, None], -1), V)
         if c["logprobs"] > 0:
             md.logprobs_cpu = self.logprobs_R[idx_S].tolist()
+        if c["grammar"] > 0:
+            g = self._grammar_R
+            md.grammar_cpu = [(i, g[r]) for i, r in enumerate(rows) if g[r] is not None] or None
         return md
 
 

@@ -9,6 +9,8 @@ import math
 
 import msgspec
 
+from moe_serve.structured_output.params import StructuredOutputsParams
+
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     n: int = 1
@@ -33,6 +35,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100], added to the logits
+    # Output constrained to a JSON schema / regex / choice / grammar (moe_serve/structured_output/).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -96,6 +100,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         number("repetition_penalty", self.repetition_penalty, 0.0, math.inf, lo_open=True)
         if math.isinf(self.repetition_penalty):
             raise ValueError(f"repetition_penalty must be finite, got {self.repetition_penalty!r}")
+        if self.structured_outputs is not None and self.min_tokens > 0:
+            raise ValueError("min_tokens cannot be combined with structured outputs: the grammar decides where "
+                             "the output ends")
         for tid, bias in (self.logit_bias or {}).items():
             if isinstance(tid, bool) or not isinstance(tid, int) or tid < 0:
                 raise ValueError(f"logit_bias keys must be token ids >= 0, got {tid!r}")

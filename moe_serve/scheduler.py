@@ -156,6 +156,8 @@ class Scheduler:
             req.num_computed_tokens += s.num_tokens
             if s.samples:
                 req.output_token_ids.append(sampled[req.request_id])
+                if req.grammar is not None:
+                    req.grammar.accept(req.output_token_ids[-1])
             self._register_full_blocks(req)
             if s.samples and req.check_stop_token():
                 self.running.remove(req)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, wait
 
 from attention.blocks import BlockAllocator
 from moe_serve.config import EngineConfig
@@ -75,6 +76,13 @@ class EngineCore:
             eos.add(tok_eos)
         self.eos_token_ids = frozenset(eos)
         self.vocab_size = mc.hf["vocab_size"]
+        # Structured outputs: grammars compile in a background thread; a request waits here, not
+        # in the scheduler, until its grammar is ready (in arrival order among those waiting).
+        from moe_serve.structured_output.grammar import GrammarManager
+
+        self.grammars = GrammarManager(mc.path, self.vocab_size, self.eos_token_ids)
+        self._awaiting_grammar: list[tuple[Request, Future]] = []
+        self._early_outputs: list[EngineCoreOutput] = []  # requests ended before being scheduled
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.num_steps = 0
@@ -96,7 +104,13 @@ class EngineCore:
         try:
             max_new = self.validate(new.prompt_token_ids, new.params)
             req = Request(new.request_id, list(new.prompt_token_ids), new.params, max_new, self.eos_token_ids)
-            self.scheduler.add_request(req)
+            if new.params.structured_outputs is not None:
+                if new.request_id in self.scheduler.requests or \
+                        any(r.request_id == new.request_id for r, _ in self._awaiting_grammar):
+                    raise ValueError(f"request_id {new.request_id!r} is already in use")
+                self._awaiting_grammar.append((req, self.grammars.compiled(new.params.structured_outputs)))
+            else:
+                self.scheduler.add_request(req)
         except ValueError as e:
             return EngineCoreOutput(new.request_id, [], True, "abort", str(e))
         return None
@@ -106,17 +120,48 @@ class EngineCore:
         for rid in request_ids:
             if self.scheduler.abort_request(rid) is not None:
                 outs.append(EngineCoreOutput(rid, [], True, "abort"))
+            elif any(r.request_id == rid for r, _ in self._awaiting_grammar):
+                self._awaiting_grammar = [(r, f) for r, f in self._awaiting_grammar if r.request_id != rid]
+                outs.append(EngineCoreOutput(rid, [], True, "abort"))
         return outs
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._awaiting_grammar) or bool(self._early_outputs)
+
+    def take_early_outputs(self) -> list[EngineCoreOutput]:
+        """Outputs of requests that ended before they were scheduled (a grammar that failed to
+        compile); the caller sends them with the step's outputs."""
+        outs, self._early_outputs = self._early_outputs, []
+        return outs
+
+    def _admit_compiled(self) -> None:
+        """Queue the requests whose grammar has compiled, each with its own matcher. With nothing
+        else to run, wait a little for a compile rather than spin."""
+        if not self.scheduler.has_work() and not any(f.done() for _, f in self._awaiting_grammar):
+            wait([f for _, f in self._awaiting_grammar], timeout=0.005, return_when="FIRST_COMPLETED")
+        still = []
+        for req, fut in self._awaiting_grammar:
+            if not fut.done():
+                still.append((req, fut))
+                continue
+            try:
+                req.grammar = self.grammars.state(fut.result())
+                self.scheduler.add_request(req)
+            except Exception as e:  # the front end checks specs first, so this is not expected
+                log.warning("request %s: structured output grammar failed: %s", req.request_id, e)
+                self._early_outputs.append(EngineCoreOutput(
+                    req.request_id, [], True, "abort", f"structured_outputs could not be compiled: {e}"))
+        self._awaiting_grammar = still
 
     # --- one step -------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        if self._awaiting_grammar:
+            self._admit_compiled()
         return self.scheduler.schedule()
 
     def step(self, lockstep: bool = False) -> list[EngineCoreOutput]:
-        return self.execute(self.schedule(), lockstep)
+        out = self.schedule()
+        return self.take_early_outputs() + self.execute(out, lockstep)
 
     def execute(self, out: SchedulerOutput, lockstep: bool = False,
                 max_tokens_any_rank: int | None = None) -> list[EngineCoreOutput]:
@@ -184,5 +229,5 @@ class EngineCore:
     # --- stats ----------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
         s = self.scheduler
-        return EngineStats(len(s.running), len(s.waiting), self.allocator.usage, self.allocator.hit_rate,
+        return EngineStats(len(s.running), len(s.waiting) + len(self._awaiting_grammar), self.allocator.usage, self.allocator.hit_rate,
                            s.num_preemptions, self.num_prompt_tokens, self.num_generation_tokens, self.num_steps)

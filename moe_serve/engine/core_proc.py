@@ -109,6 +109,7 @@ class CoreLoop:
             self.on_turn(self.turns)
             outs, shutdown = self._receive(0 if core.has_unfinished() or any_work else _IDLE_POLL_MS)
             sched = core.schedule() if core.has_unfinished() else None
+            outs += core.take_early_outputs()
             ntok = sched.num_batched_tokens if sched is not None else 0
             load, self._pending_load = self._pending_load, None
             if self.world_size > 1:

@@ -60,6 +60,10 @@ class LLM:
         parsed = [self._prompt_ids(p) for p in prompts]
         for (_, ids), sp in zip(parsed, params):
             self.engine.validate(ids, sp)
+            if sp.structured_outputs is not None:
+                from moe_serve.structured_output.grammar import check_spec
+
+                check_spec(sp.structured_outputs)
         outputs: list[RequestOutput] = []
         index: dict[str, tuple[int, int]] = {}
         for (text, ids), sp in zip(parsed, params):

@@ -1,0 +1,46 @@
+"""Token bitmasks of the constrained rows of a step: filled on the host by each row's matcher,
+applied on the device to exactly those rows of the logits.
+
+Bit j of word w in a row is token 32 * w + j: 1 allowed, 0 forbidden (xgrammar's layout, int32
+words). Shapes: S sampled rows, G constrained rows among them, W = ceil(V / 32), V logits width.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class BitmaskFiller:
+    """A reusable host bitmask of up to max_rows rows, filled for the step's constrained rows."""
+
+    def __init__(self, max_rows: int, vocab_size: int, device: torch.device):
+        self.V, self.device = vocab_size, torch.device(device)
+        self.W = -(-vocab_size // 32)
+        self._host = torch.zeros((max_rows, self.W), dtype=torch.int32,
+                                 pin_memory=self.device.type == "cuda")
+
+    def fill(self, rows: list[tuple[int, object]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """rows: (index into S, GrammarState) of each constrained row. Returns (rows_G int64,
+        bitmask_GW int32) on the device."""
+        G = len(rows)
+        host = self._host[:G]
+        for g, (_, state) in enumerate(rows):
+            state.matcher.fill_next_token_bitmask(host, g)
+        idx = torch.tensor([i for i, _ in rows], dtype=torch.int64)
+        if self.device.type == "cpu":
+            return idx, host.clone()
+        # The host buffer is rewritten next step; the sampler's read of the sampled ids (after the
+        # mask is applied) orders that after this copy.
+        return idx.to(self.device, non_blocking=True), host.to(self.device, non_blocking=True)
+
+
+def apply_token_bitmask(x_SV: torch.Tensor, bitmask_GW: torch.Tensor, rows_G: torch.Tensor) -> torch.Tensor:
+    """x_SV with -inf where row rows_G[g]'s bitmask forbids a token (ids past the mask's width are
+    forbidden too); other rows untouched. Returns a new tensor, x_SV is not modified."""
+    G, W = bitmask_GW.shape
+    V = x_SV.shape[1]
+    shifts = torch.arange(32, device=bitmask_GW.device, dtype=torch.int32)
+    allowed_GV = ((bitmask_GW[:, :, None] >> shifts) & 1).to(torch.bool).reshape(G, W * 32)
+    if W * 32 < V:
+        allowed_GV = torch.cat([allowed_GV, allowed_GV.new_zeros(G, V - W * 32)], dim=1)
+    masked_GV = x_SV.index_select(0, rows_G).masked_fill(~allowed_GV[:, :V], float("-inf"))
+    return x_SV.index_put((rows_G,), masked_GV)

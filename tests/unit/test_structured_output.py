@@ -1,0 +1,141 @@
+"""Structured outputs in the engine: the token bitmask against an explicit reference (a token is
+allowed iff a copy of the matcher accepts it), and offline generation under grammars: outputs
+validate (`jsonschema` as the oracle) through preemptions and n > 1, and unconstrained requests in
+the same batch get exactly the tokens they get alone."""
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from moe_serve import LLM, SamplingParams
+from moe_serve.structured_output import StructuredOutputsParams as SO
+
+SCHEMA = {"type": "object",
+          "properties": {"name": {"type": "string", "pattern": "^[a-z]{1,6}$"},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "ok": {"type": "boolean"},
+                         "tags": {"type": "array", "items": {"enum": ["red", "green"]}, "maxItems": 2}},
+          "required": ["name", "age", "ok", "tags"], "additionalProperties": False}
+
+
+def test_bitmask_matches_explicit_reference(checkpoints):
+    import xgrammar as xgr
+
+    from moe_serve.structured_output.bitmask import BitmaskFiller, apply_token_bitmask
+    from moe_serve.structured_output.grammar import GrammarState, build_grammar, tokenizer_info
+    from moe_serve.tokenizer import Tokenizer
+
+    path = checkpoints["qwen3_moe"]
+    tok = Tokenizer(path)
+    V = 600  # logits wider than the 512-token vocabulary: ids 512.. must never be allowed
+    compiler = xgr.GrammarCompiler(tokenizer_info(path, V, [tok.eos_token_id]), max_threads=1)
+    cases = [(SO(json=SCHEMA), ""), (SO(json=SCHEMA), '{"name": "ab'), (SO(json=SCHEMA), '{"name": "x", "age": 1'),
+             (SO(regex=r"[a-c]{2}\d"), "a"), (SO(choice=["yes", "no"]), "yes"), (SO(json_object=True), "{")]
+    states = []
+    for so, prefix in cases:
+        st = GrammarState(xgr.GrammarMatcher(compiler.compile_grammar(build_grammar(*so.key))))
+        for t in tok.encode(prefix, add_special_tokens=False):
+            assert st.matcher.accept_token(t)
+        states.append(st)
+    S = 2 * len(states) + 1
+    rows = [(2 * g + 1, st) for g, st in enumerate(states)]  # constrained rows between unconstrained ones
+    rows_G, bitmask_GW = BitmaskFiller(S, V, torch.device("cpu")).fill(rows)
+    x64_SV = torch.randn(S, V, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 5
+    x_SV = x64_SV.to(torch.float32)
+    before = x_SV.clone()
+    got_SV = apply_token_bitmask(x_SV, bitmask_GW, rows_G)
+    assert torch.equal(x_SV, before)  # the input is not modified
+    constrained = {i for i, _ in rows}
+    for i in range(S):
+        if i not in constrained:
+            assert torch.equal(got_SV[i], x_SV[i])
+    for (i, st), (so, prefix) in zip(rows, cases):
+        allowed_V = torch.tensor([st.matcher.fork().accept_token(t) for t in range(V)])
+        assert 0 < int(allowed_V.sum()) < 512 and not allowed_V[512:].any(), (so, prefix)
+        ref_V = torch.where(allowed_V, x64_SV[i], torch.tensor(float("-inf"), dtype=torch.float64))
+        assert torch.equal(got_SV[i].to(torch.float64), ref_V.to(torch.float32).to(torch.float64)), (so, prefix)
+        if prefix == "yes":  # a finished choice: only EOS may follow
+            assert allowed_V.nonzero().flatten().tolist() == [tok.eos_token_id]
+
+
+def test_spec_and_param_checks():
+    from moe_serve.structured_output.grammar import check_spec
+
+    with pytest.raises(ValueError, match="exactly one"):
+        SO(json={"type": "object"}, regex="a")
+    with pytest.raises(ValueError, match="exactly one"):
+        SO()
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=2, structured_outputs=SO(regex="a+"))
+    for bad in (SO(regex="(ab"), SO(json='{"type": "nonsense"}'), SO(grammar="root ::= undefined_rule"),
+                SO(json="{not json")):
+        with pytest.raises(ValueError) as e:
+            check_spec(bad)
+        assert "/project/" not in str(e.value) and str(e.value)
+    check_spec(SO(choice=['say "hi"\n', "back\\slash"]))
+    # The spec crosses to the core inside SamplingParams as msgpack.
+    import msgspec
+
+    p = SamplingParams(structured_outputs=SO(json=SCHEMA))
+    q = msgspec.msgpack.decode(msgspec.msgpack.encode(p), type=SamplingParams)
+    assert q.structured_outputs.key == p.structured_outputs.key and json.loads(q.structured_outputs.json) == SCHEMA
+
+
+def test_preemption_and_n_keep_outputs_valid(checkpoints):
+    # 8 blocks of 16 tokens for 4 sequences of ~40-110 tokens: requests are preempted and
+    # recomputed while their matchers stay where their tokens are.
+    llm = LLM(checkpoints["qwen3_moe"], dtype="float32", num_kv_blocks=8, show_progress=False)
+    params = [SamplingParams(temperature=1.0, seed=s, n=2, max_tokens=110, structured_outputs=SO(json=SCHEMA))
+              for s in range(2)]
+    outs = llm.generate(["JSON please", "x"], params)
+    assert llm.engine.scheduler.num_preemptions > 0
+    texts = []
+    for o in outs:
+        assert len(o.outputs) == 2
+        for c in o.outputs:
+            assert c.finish_reason == "stop", c.text
+            jsonschema.validate(json.loads(c.text), SCHEMA)
+            texts.append(c.text)
+    assert len(set(texts)) == len(texts)  # every sample its own: the children do not share a matcher
+    regex = r"[a-z]{2,5}-\d{3}"
+    outs = llm.generate(["a"] * 3, [SamplingParams(temperature=1.0, seed=s, max_tokens=40,
+                                                   structured_outputs=SO(regex=regex)) for s in range(3)])
+    assert all(re.fullmatch(regex, o.outputs[0].text) and o.outputs[0].finish_reason == "stop" for o in outs)
+
+
+def test_unconstrained_rows_untouched_in_a_mixed_batch(checkpoints):
+    llm = LLM(checkpoints["qwen3_moe"], dtype="float32", kv_cache_memory=8 << 20, show_progress=False)
+    plain = [("The capital of France", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)),
+             ("Hello there", SamplingParams(temperature=1.0, seed=7, top_p=0.9, max_tokens=24, ignore_eos=True)),
+             ("One, two", SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True))]
+    alone = llm.generate([p for p, _ in plain], [sp for _, sp in plain])
+    constrained = [("Person:", SamplingParams(temperature=1.0, seed=s, max_tokens=120,
+                                              structured_outputs=SO(json=SCHEMA))) for s in range(3)]
+    constrained.append(("Answer:", SamplingParams(temperature=0, max_tokens=8, structured_outputs=SO(choice=["A", "B"]))))
+    mixed = constrained[:2] + plain[:1] + constrained[2:] + plain[1:]
+    outs = llm.generate([p for p, _ in mixed], [sp for _, sp in mixed])
+    got = [outs[2], outs[5], outs[6]]
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in alone]
+    for o in [outs[0], outs[1], outs[3]]:
+        jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)
+    assert outs[4].outputs[0].text in ("A", "B")
+
+
+def test_tokenizer_info_agrees_with_xgrammar_from_huggingface(checkpoints):
+    import os
+
+    import xgrammar as xgr
+    from transformers import PreTrainedTokenizerFast
+
+    from moe_serve.structured_output.grammar import tokenizer_info
+
+    path = checkpoints["qwen3_moe"]
+    ref = xgr.TokenizerInfo.from_huggingface(
+        PreTrainedTokenizerFast(tokenizer_file=os.path.join(path, "tokenizer.json")), vocab_size=600, stop_token_ids=[2])
+    ours = tokenizer_info(path, 600, [2])
+    assert ours.dump_metadata() == ref.dump_metadata()
+    assert ours.decoded_vocab == ref.decoded_vocab and ours.vocab_size == 600 and ours.stop_token_ids == [2]
