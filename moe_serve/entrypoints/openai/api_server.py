@@ -52,7 +52,18 @@ class HTTPLimits:
     request_timeout_s: float | None = None
 
 
-_BODIES = {"/v1/completions": P.CompletionRequest, "/v1/chat/completions": P.ChatCompletionRequest}
+_BODIES = {"/v1/completions": P.CompletionRequest, "/v1/chat/completions": P.ChatCompletionRequest,
+           "/tokenize": P.TokenizeRequest, "/detokenize": P.DetokenizeRequest}
+
+
+def unknown_fields(body: bytes, typ) -> list[str]:
+    """The top-level fields of a (valid) JSON body that the request struct does not declare: they
+    are ignored, and logged (vLLM's policy)."""
+    try:
+        keys = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
+    except (msgspec.DecodeError, RecursionError):
+        return []
+    return sorted(set(keys) - set(typ.__struct_fields__))
 
 
 def _openapi_bodies(app: FastAPI) -> None:
@@ -95,7 +106,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, max_model_len: int, a
 
     @app.middleware("http")
     async def auth(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1"):
+        if api_key and (request.url.path.startswith("/v1") or request.url.path in ("/tokenize", "/detokenize")):
             if request.headers.get("authorization", "") != f"Bearer {api_key}":
                 return error_response(401, "Invalid or missing API key (expected 'Authorization: Bearer <key>')",
                                       "authentication_error", None, "invalid_api_key")
@@ -159,13 +170,16 @@ def build_app(engine: AsyncEngine, served_model_name: str, max_model_len: int, a
         except RecursionError:  # free-form fields (dicts) nested thousands deep
             return error_response(400, "the JSON body is nested too deeply", code="invalid_json")
         rid = f"{prefix}-{engine.new_request_id('r')}"
+        extra = unknown_fields(body, typ)
+        if extra:
+            log.warning("request %s: ignored unknown field(s) %s", rid, ", ".join(extra))
 
         async def run():
             try:
                 result = await fn(req, rid, deadline)
             except BadRequest as e:
                 return error_response(e.status, str(e), e.type, e.param, e.code)
-            if req.stream:
+            if getattr(req, "stream", False):
                 return StreamingResponse(result, media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             return Response(msgspec.json.encode(result), media_type="application/json")
@@ -196,6 +210,15 @@ def build_app(engine: AsyncEngine, served_model_name: str, max_model_len: int, a
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         return await handle(request, P.ChatCompletionRequest, serving.chat, "chatcmpl")
+
+    # vLLM's tokenizer endpoints (outside /v1 as in vLLM; the API key is required here too).
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await handle(request, P.TokenizeRequest, serving.tokenize, "tok")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await handle(request, P.DetokenizeRequest, serving.detokenize, "detok")
 
     for route in extra_routes or []:
         route(app)

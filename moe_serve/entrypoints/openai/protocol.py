@@ -1,7 +1,9 @@
 """OpenAI request bodies as msgspec Structs (decoded with msgspec, not pydantic).
 
-Unknown fields are ignored, as OpenAI's own API does for fields it does not know; wrong types are
-rejected by msgspec with the path of the offending field, which becomes the error's `param`.
+Unknown fields are ignored, as vLLM does, and named in one warning line of the server's log with the
+request id (top-level fields; see api_server.unknown_fields). Every field declared here is honoured
+or refused with a 400 naming it. Wrong types are rejected by msgspec with the path of the offending
+field, which becomes the error's `param`.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import msgspec
 
 class StreamOptions(msgspec.Struct, omit_defaults=True):
     include_usage: bool = False
-    continuous_usage_stats: bool = False
+    continuous_usage_stats: bool = False  # vLLM's extra: usage so far in every chunk
 
 
 class _Common(msgspec.Struct, omit_defaults=True):
@@ -30,7 +32,6 @@ class _Common(msgspec.Struct, omit_defaults=True):
     min_tokens: int = 0
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     repetition_penalty: float | None = None  # vLLM's extra
@@ -52,6 +53,9 @@ class ChatMessage(msgspec.Struct):
     role: str
     content: Union[str, list[dict], None] = None
     name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls, OpenAI's shape
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    reasoning_content: str | None = None  # an assistant's earlier reasoning (templates may show it)
 
 
 class ChatCompletionRequest(_Common):
@@ -60,12 +64,41 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    echo: bool = False
-    chat_template_kwargs: dict | None = None
-    # Tools are handed to the chat template (as `tools`); the output is not parsed into tool calls.
+    echo: bool = False  # vLLM's extra: refused (400) on chat
+    chat_template_kwargs: dict | None = None  # extra variables for the chat template (e.g. enable_thinking)
+    # Tools are handed to the chat template (as `tools`); with --enable-auto-tool-choice and
+    # tool_choice "auto" the output is parsed into tool calls.
     tools: list[dict] | None = None
     tool_choice: Union[str, dict, None] = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: bool | None = None  # false: at most the first parsed call is returned
+
+
+class TokenizeRequest(msgspec.Struct, omit_defaults=True):
+    """POST /tokenize (vLLM's shape): a `prompt`, or chat `messages` rendered by the template."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict | None = None
+    tools: list[dict] | None = None
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(msgspec.Struct, omit_defaults=True):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(msgspec.Struct):
+    tokens: list[int]
+    model: str | None = None
+
+
+class DetokenizeResponse(msgspec.Struct):
+    prompt: str
 
 
 class ErrorInfo(msgspec.Struct):

@@ -3,7 +3,10 @@ parameters (with errors that name the field), then whole responses or SSE stream
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 import queue
+import re
 import threading
 import time
 from typing import AsyncIterator
@@ -30,13 +33,18 @@ def _field_of(msg: str) -> str | None:
     return None
 
 
-def sampling_params(req: P._Common, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def sampling_params(req: P._Common, max_tokens: int | None, logprobs: int | None,
+                    max_tokens_field: str = "max_tokens") -> SamplingParams:
     if req.n is None or req.n < 1:
         raise BadRequest(f"n must be >= 1, got {req.n}", "n")
     if req.n > L.MAX_N:
         raise BadRequest(f"n must be <= {L.MAX_N}, got {req.n}", "n")
     if max_tokens is not None and max_tokens < 1:
-        raise BadRequest(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
+        raise BadRequest(f"{max_tokens_field} must be >= 1, got {max_tokens}", max_tokens_field)
+    if req.temperature is not None and not 0 <= req.temperature <= 2:  # OpenAI's range
+        raise BadRequest(f"temperature must be in [0, 2], got {req.temperature}", "temperature")
+    if req.stream_options is not None and not req.stream:
+        raise BadRequest("stream_options is only allowed with stream=true", "stream_options")
     for name in ("seed", "top_k", "min_tokens"):  # integers cross to the core as 64-bit msgpack
         v = getattr(req, name)
         if v is not None and not -(1 << 63) <= v < (1 << 63):
@@ -239,7 +247,8 @@ class OpenAIServing:
                     continue
                 lp = self._completion_logprobs(out.logprobs or [], 0) if req.logprobs is not None else None
                 yield _sse(P.CompletionResponse(rid, created, self.model_name, [P.CompletionChoice(
-                    c, out.new_text, lp, out.finish_reason, out.stop_reason)]))
+                    c, out.new_text, lp, out.finish_reason, out.stop_reason)],
+                    _usage(stream) if _continuous(req) else None))
             if self.engine.dead or ended:
                 yield self._ended_event(ended)
             elif req.stream_options and req.stream_options.include_usage:
@@ -292,29 +301,80 @@ class OpenAIServing:
             return None
         return REASONING_PARSERS[self.reasoning_parser](self.tok, req.chat_template_kwargs)
 
-    def chat_prompt(self, req: P.ChatCompletionRequest, max_tokens: int | None) -> list[int]:
+    def chat_messages(self, messages: list[P.ChatMessage], field: str = "messages") -> list[dict]:
+        """The request's messages as Hugging Face chat templates expect them: text content, an
+        assistant's tool_calls with their arguments as objects (templates write them with tojson),
+        a tool message's tool_call_id."""
         msgs = []
-        for m in req.messages:
+        for k, m in enumerate(messages):
             if m.role not in ("system", "user", "assistant", "tool", "developer"):
-                raise BadRequest(f"unknown message role {m.role!r}", "messages")
+                raise BadRequest(f"unknown message role {m.role!r}", field)
             content = m.content
             if isinstance(content, list):  # content parts: keep the text ones
                 texts = []
                 for part in content:
                     if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                        raise BadRequest("only text content parts are supported", "messages")
+                        raise BadRequest("only text content parts are supported", field)
                     texts.append(part["text"])
                 content = "".join(texts)
-            msgs.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
-        kwargs = dict(req.chat_template_kwargs or {})
-        if req.tools:
-            kwargs["tools"] = req.tools
+            msg = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
+            if m.name is not None:
+                msg["name"] = m.name
+            if m.tool_calls:
+                if m.role != "assistant":
+                    raise BadRequest(f"{field}[{k}]: only assistant messages have tool_calls", field)
+                msg["tool_calls"] = [self._history_call(c, f"{field}[{k}].tool_calls[{j}]", field)
+                                     for j, c in enumerate(m.tool_calls)]
+                if content is None:
+                    msg["content"] = None  # (some templates, DeepSeek's, test for none beside tool calls)
+            if m.tool_call_id is not None:
+                if m.role != "tool":
+                    raise BadRequest(f"{field}[{k}]: only tool messages have a tool_call_id", field)
+                msg["tool_call_id"] = m.tool_call_id
+            if m.reasoning_content is not None:
+                msg["reasoning_content"] = m.reasoning_content
+            msgs.append(msg)
+        return msgs
+
+    def _history_call(self, call: dict, where: str, field: str) -> dict:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise BadRequest(f"{where} must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
+                             "\"arguments\": ...}}}", field)
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str) and self._template_wants_objects:
+            try:
+                args = json.loads(args)
+            except ValueError:
+                raise BadRequest(f"{where}.function.arguments is not JSON: {args[:80]!r}", field) from None
+        out = {"type": call.get("type", "function"), "function": {"name": fn["name"], "arguments": args}}
+        if "id" in call:
+            out["id"] = call["id"]
+        return out
+
+    @functools.cached_property
+    def _template_wants_objects(self) -> bool:
+        """Whether the chat template writes tool-call arguments with tojson (Qwen, Hermes, Mistral):
+        then they are handed over as objects, as vLLM does; templates that paste them as text
+        (DeepSeek-V3's) get the JSON text."""
+        return bool(re.search(r"arguments\s*\|\s*tojson", self.tok.chat_template or ""))
+
+    def render_chat(self, msgs: list[dict], add_generation_prompt: bool, template_kwargs: dict | None,
+                    tools: list[dict] | None, field: str = "messages") -> str:
+        kwargs = dict(template_kwargs or {})
+        if tools:
+            kwargs["tools"] = tools
         try:
-            text = self.tok.apply_chat_template(msgs, add_generation_prompt=req.add_generation_prompt, **kwargs)
+            text = self.tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, **kwargs)
         except Exception as e:  # template errors (e.g. raise_exception on a role order) are the client's
-            raise BadRequest(f"the chat template rejected the messages: {e}", "messages") from None
+            raise BadRequest(f"the chat template rejected the messages: {e}", field) from None
         if not isinstance(text, str):
-            raise BadRequest("the chat template did not produce text", "messages")
+            raise BadRequest("the chat template did not produce text", field)
+        return text
+
+    def chat_prompt(self, req: P.ChatCompletionRequest, max_tokens: int | None) -> list[int]:
+        text = self.render_chat(self.chat_messages(req.messages), req.add_generation_prompt,
+                                req.chat_template_kwargs, req.tools)
         self.limits.check_chars(len(text), max_tokens, "messages")  # the rendered prompt, exactly bounded
         return self.tok.encode(text, add_special_tokens=False)
 
@@ -324,8 +384,11 @@ class OpenAIServing:
             raise BadRequest("top_logprobs requires logprobs=true", "top_logprobs")
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
             raise BadRequest(f"top_logprobs must be in [0, 20], got {req.top_logprobs}", "top_logprobs")
+        if req.echo:
+            raise BadRequest("echo is not supported on chat completions", "echo")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
+                                 "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
         self.check_chat(req, max_tokens)
         ids = await self._until(deadline, self.off_loop(self.chat_prompt, req, max_tokens))
         stream = self._submit(rid, [ids], params)
@@ -337,20 +400,22 @@ class OpenAIServing:
         tools, reasoner = self.tool_parser_for(req), self.reasoning_parser_for(req)
         choices = []
         for i in range(n):
-            message, finish = self._chat_message(texts[i], fins[i][0], tools, reasoner)
+            message, finish = self._chat_message(texts[i], fins[i][0], tools, reasoner, req.parallel_tool_calls)
             choices.append(P.ChatChoice(i, message, self._chat_logprobs(lps[i]) if req.logprobs else None, finish,
                                         fins[i][1]))
         return P.ChatCompletionResponse(rid, int(time.time()), self.model_name, choices, _usage(stream))
 
     @staticmethod
-    def _chat_message(text: str, finish: str | None, tools: ToolParser | None,
-                      reasoner: ReasoningParser | None) -> tuple[P.ChatMessageOut, str | None]:
+    def _chat_message(text: str, finish: str | None, tools: ToolParser | None, reasoner: ReasoningParser | None,
+                      parallel: bool | None = None) -> tuple[P.ChatMessageOut, str | None]:
         """The assistant message of one whole output: reasoning split off first, then tool calls
         parsed from the rest; finish_reason becomes "tool_calls" when there are any."""
         reasoning = None
         if reasoner is not None:
             reasoning, text = reasoner.split(text)
         parsed = tools.parse(text) if tools is not None else ParsedOutput(text)
+        if parallel is False:
+            parsed.tool_calls = parsed.tool_calls[:1]
         if parsed.tool_calls:
             finish = "tool_calls"
         return P.ChatMessageOut("assistant", parsed.content, reasoning or None, parsed.tool_calls), finish
@@ -383,13 +448,15 @@ class OpenAIServing:
                 if not (out.new_text or out.finished or out.logprobs):
                     continue
                 delta = _stream_delta(out.new_text, out.finished, think_streams[i], tool_streams[i])
+                if delta.tool_calls and req.parallel_tool_calls is False:
+                    delta.tool_calls = [c for c in delta.tool_calls if c.index == 0] or None
                 called[i] = called[i] or bool(delta.tool_calls)
                 if not (delta.content or delta.reasoning_content or delta.tool_calls or out.finished or out.logprobs):
                     continue
                 lp = self._chat_logprobs(out.logprobs or []) if req.logprobs else None
                 finish = "tool_calls" if out.finished and called[i] else out.finish_reason
                 yield _sse(P.ChatCompletionChunk(rid, created, self.model_name, [P.ChatStreamChoice(
-                    i, delta, lp, finish)]))
+                    i, delta, lp, finish)], _usage(stream) if _continuous(req) else None))
             if self.engine.dead or ended:
                 yield self._ended_event(ended)
             elif req.stream_options and req.stream_options.include_usage:
@@ -399,6 +466,39 @@ class OpenAIServing:
         finally:
             await stream.aclose()
         yield b"data: [DONE]\n\n"
+
+    # --- tokenizer endpoints (vLLM's /tokenize and /detokenize) ---------------------------------
+    async def tokenize(self, req: P.TokenizeRequest, rid: str, deadline: float | None = None) -> P.TokenizeResponse:
+        self.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise BadRequest("give either prompt (a string) or messages", "prompt" if req.messages is None
+                             else "messages")
+        if req.messages is not None:
+            if not req.messages:
+                raise BadRequest("messages must be a non-empty list", "messages")
+            L.check_count("messages", len(req.messages), L.MAX_MESSAGES, "messages")
+            L.check_count("tools", len(req.tools or ()), L.MAX_TOOLS, "tools")
+        ids = await self._until(deadline, self.off_loop(self._tokenize, req))
+        strs = [self.tok.id_to_token(i) or "" for i in ids] if req.return_token_strs else None
+        return P.TokenizeResponse(len(ids), self.max_model_len, ids, strs)
+
+    def _tokenize(self, req: P.TokenizeRequest) -> list[int]:
+        if req.prompt is not None:
+            return self.tok.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+        text = self.render_chat(self.chat_messages(req.messages), req.add_generation_prompt,
+                                req.chat_template_kwargs, req.tools)
+        return self.tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
+
+    async def detokenize(self, req: P.DetokenizeRequest, rid: str,
+                         deadline: float | None = None) -> P.DetokenizeResponse:
+        self.check_model(req.model)
+        vocab = self.tok.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise BadRequest(f"tokens {bad[:8]}{' ...' if len(bad) > 8 else ''} are outside the vocabulary "
+                             f"[0, {vocab})", "tokens")
+        text = await self._until(deadline, self.off_loop(self.tok.decode, req.tokens, False))
+        return P.DetokenizeResponse(text)
 
     # --- shared -----------------------------------------------------------------------------------
     def _timeout(self) -> BadRequest:
@@ -475,6 +575,10 @@ class OpenAIServing:
             msg = str(e)
             param = "max_tokens" if "max_tokens" in msg else ("prompt" if "prompt" in msg else _field_of(msg))
             raise BadRequest(msg, param) from None
+
+
+def _continuous(req) -> bool:
+    return bool(req.stream_options and req.stream_options.continuous_usage_stats)
 
 
 def _stream_delta(text: str, final: bool, think, tools) -> P.Delta:
