@@ -59,7 +59,10 @@ class GroupedExperts(nn.Module):
         self.F = intermediate_size
         self.w13 = nn.Parameter(torch.empty(num_local, 2 * intermediate_size, hidden_size, dtype=dtype))
         self.w2 = nn.Parameter(torch.empty(num_local, hidden_size, intermediate_size, dtype=dtype))
-        self.local_logical = local_logical
+        self.set_local_logical(local_logical)
+
+    def set_local_logical(self, local_logical: list[int]) -> None:
+        self.local_logical = list(local_logical)
         self.slots_of: dict[int, list[int]] = {}
         for slot, e in enumerate(local_logical):
             self.slots_of.setdefault(e, []).append(slot)
@@ -107,11 +110,31 @@ class MoE(nn.Module):
                                       p2l[lo: lo + d.slots_per_rank], dtype)
         self.shared_experts = shared_experts
         self.replica_map: Any = None  # logical ids -> physical slot ids when any expert has replicas
-        if p2l != list(range(num_experts)):
+        self._set_map(p2l)
+
+    def _set_map(self, p2l: list[int]) -> None:
+        self.replica_map = None
+        if list(p2l) != list(range(self.num_experts)):
             from expert_parallel.placement import ReplicaMap
 
             # Each data-parallel rank starts its round-robin over replicas at its own offset.
-            self.replica_map = ReplicaMap(p2l, num_experts, offset=d.rank)
+            self.replica_map = ReplicaMap(p2l, self.num_experts, offset=self.ctx.dispatcher.rank)
+
+    def switch_experts(self, w13: torch.Tensor, w2: torch.Tensor, physical_to_logical_S: list[int],
+                       local_logical: list[int]):
+        """Serve a new placement from the next step on (expert rebalancing, between steps): this
+        rank's slot weights, its slot list and the router's map change together. w13/w2: the new
+        local slots' weights, shaped like the current ones. Returns the replaced (w13, w2)."""
+        old = self.experts.w13.data, self.experts.w2.data
+        if w13.shape != old[0].shape or w2.shape != old[1].shape:
+            raise ValueError(f"MoE layer {self.layer_index}: new expert weights {tuple(w13.shape)} / "
+                             f"{tuple(w2.shape)} do not match {tuple(old[0].shape)} / {tuple(old[1].shape)}")
+        self.experts.w13.data, self.experts.w2.data = w13, w2
+        self.experts.set_local_logical(local_logical)
+        self._set_map(physical_to_logical_S)
+        if self.ctx.physical_to_logical is not None:
+            self.ctx.physical_to_logical[self.layer_index] = list(physical_to_logical_S)
+        return old
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         return run_to_end(self.stages(x_TD))

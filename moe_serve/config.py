@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -106,6 +107,7 @@ class ParallelConfig:
     overlap_min_tokens: int = 64  # below this many tokens (max over ranks) a step is not split
     expert_load_window: int = 100  # steps per expert-load window (0: no recorder)
     expert_load_record: str | None = None  # record from the start; written here at shutdown
+    eplb: Any = None  # expert_parallel.eplb_config.EplbConfig: rebalance experts while serving (None: off)
 
 
 @dataclass(frozen=True)

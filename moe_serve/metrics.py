@@ -39,10 +39,20 @@ class EngineMetrics:
         self.ttft = Histogram("moe_serve:time_to_first_token_seconds", "Time to first token.", _LAT)
         self.tpot = Histogram("moe_serve:time_per_output_token_seconds", "Time per output token after the first.", _LAT)
         self.e2e = Histogram("moe_serve:e2e_request_latency_seconds", "End-to-end request latency.", _LAT)
+        self.eplb_transfer = Histogram("moe_serve:eplb_transfer_seconds",
+                                       "Expert rebalancing: seconds from tuning to the last layer's switch.",
+                                       _LAT + [160.0, 320.0])
         self.snapshot = None
+        self._rebalances_seen = 0
 
     def update_from(self, stats) -> None:
         self.snapshot = stats
+        # One observation per rebalance (stats arrive every step, so a new count is one new rebalance).
+        new = getattr(stats, "eplb_rebalances", 0) - self._rebalances_seen
+        if new > 0:
+            for _ in range(new):
+                self.eplb_transfer.observe(stats.eplb_last_transfer_s)
+            self._rebalances_seen = stats.eplb_rebalances
 
     def render(self, model: str, s) -> str:
         """s: an EngineStats (summed over ranks)."""
@@ -52,17 +62,21 @@ class EngineMetrics:
             ("moe_serve:kv_cache_usage_perc", "Share of KV blocks in use (1 = full).", s.kv_cache_usage),
             ("moe_serve:prefix_cache_hit_rate", "Prompt tokens served from the prefix cache.",
              s.prefix_cache_hit_rate),
+            ("moe_serve:expert_balancedness", "Mean over max routed tokens per rank in the last expert-load "
+             "window (1 = balanced; 0 = not measured yet).", getattr(s, "expert_balancedness", 0.0)),
         ]
         counters = [
             ("moe_serve:prompt_tokens_total", "Prompt tokens computed.", s.prompt_tokens),
             ("moe_serve:generation_tokens_total", "Tokens generated.", s.generation_tokens),
             ("moe_serve:num_preemptions_total", "Requests preempted for lack of KV blocks.", s.num_preemptions),
+            ("moe_serve:eplb_rebalances_total", "Expert rebalances completed while serving.",
+             getattr(s, "eplb_rebalances", 0)),
         ]
         lines: list[str] = []
         for name, h, v in gauges:
             lines += [f"# HELP {name} {h}", f"# TYPE {name} gauge", f'{name}{{model_name="{model}"}} {v}']
         for name, h, v in counters:
             lines += [f"# HELP {name} {h}", f"# TYPE {name} counter", f'{name}{{model_name="{model}"}} {v}']
-        for hist in (self.ttft, self.tpot, self.e2e):
+        for hist in (self.ttft, self.tpot, self.e2e, self.eplb_transfer):
             lines += hist.render(model)
         return "\n".join(lines) + "\n"

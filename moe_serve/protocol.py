@@ -70,6 +70,10 @@ class EngineStats(msgspec.Struct, array_like=True):
     prompt_tokens: int = 0
     generation_tokens: int = 0
     num_steps: int = 0
+    # Expert rebalancing (every rank holds the same figures; the front end reads rank 0's).
+    eplb_rebalances: int = 0
+    expert_balancedness: float = 0.0  # mean / max tokens per rank over the last window (0: not measured)
+    eplb_last_transfer_s: float = 0.0  # the last rebalance, from tuning to its last layer's switch
 
 
 class CoreReady(msgspec.Struct, tag="ready", array_like=True):

@@ -32,6 +32,11 @@ class EngineArgs:
     overlap_min_tokens: int = 64
     expert_load_window: int = 100
     expert_load_record: str | None = None
+    enable_eplb: bool = False
+    num_redundant_experts: int | None = None  # None: the default (0) or --eplb-config's
+    eplb_window_size: int | None = None
+    eplb_step_interval: int | None = None
+    eplb_config: str | None = None  # JSON object; its keys win over the three above
     show_progress: bool = True
 
     def create_engine_config(self, rank: int = 0, world_size: int = 1) -> EngineConfig:
@@ -48,6 +53,10 @@ class EngineArgs:
             raise ValueError(f"expert_load_window={self.expert_load_window} must be >= 0")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction={self.memory_fraction} must be in (0, 1]")
+        from expert_parallel.eplb_config import resolve_eplb
+
+        eplb = resolve_eplb(self.enable_eplb, self.num_redundant_experts, self.eplb_window_size,
+                            self.eplb_step_interval, self.eplb_config)
         choice = platform.choose(self.device, self.moe_backend, self.attention_backend, self.all2all_backend,
                                  world_size)
         return EngineConfig(
@@ -57,7 +66,7 @@ class EngineArgs:
             scheduler=SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs),
             parallel=ParallelConfig(rank, world_size, choice.all2all_backend, self.expert_placement,
                                     self.enable_overlap, self.overlap_min_tokens, self.expert_load_window,
-                                    self.expert_load_record),
+                                    self.expert_load_record, eplb=eplb),
             device=choice.device,
             moe_backend=choice.moe_backend,
             attention_backend=choice.attention_backend,
@@ -93,6 +102,17 @@ class EngineArgs:
         g.add_argument("--expert-load-record", default=None,
                        help="record expert load per window and write it to this JSON file at shutdown")
         g.add_argument("--expert-load-window", type=int, default=100, help="steps per expert-load window")
+        g.add_argument("--enable-eplb", action="store_true",
+                       help="rebalance experts while serving: re-tune the placement from recent load and move weights")
+        g.add_argument("--num-redundant-experts", type=int, default=None,
+                       help="spare expert slots beyond one per logical expert (with --enable-eplb; default 0)")
+        g.add_argument("--eplb-window-size", type=int, default=None,
+                       help="steps of recorded expert load each rebalance is tuned on (default 1000)")
+        g.add_argument("--eplb-step-interval", type=int, default=None,
+                       help="model steps between rebalances (default 3000)")
+        g.add_argument("--eplb-config", default=None,
+                       help='the EPLB settings as JSON: {"window_size": S, "step_interval": K, '
+                            '"num_redundant_experts": N}')
 
     @classmethod
     def from_cli(cls, ns: argparse.Namespace, model: str) -> "EngineArgs":

@@ -148,7 +148,9 @@ class AsyncEngine:
         return EngineStats(sum(s.num_running for s in rs), sum(s.num_waiting for s in rs),
                            sum(s.kv_cache_usage for s in rs) / n, sum(s.prefix_cache_hit_rate for s in rs) / n,
                            sum(s.num_preemptions for s in rs), sum(s.prompt_tokens for s in rs),
-                           sum(s.generation_tokens for s in rs), max(s.num_steps for s in rs))
+                           sum(s.generation_tokens for s in rs), max(s.num_steps for s in rs),
+                           # Expert rebalancing: the same on every rank, so rank 0's.
+                           rs[0].eplb_rebalances, rs[0].expert_balancedness, rs[0].eplb_last_transfer_s)
 
     def has_work(self) -> bool:
         return bool(self._owner)

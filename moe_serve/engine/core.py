@@ -37,6 +37,19 @@ def load_placement(path: str | None, world_size: int) -> list[list[int]] | None:
     return [list(map(int, layer)) for layer in p.physical_to_logical]
 
 
+def eplb_slots(eplb, num_experts: int, world_size: int, physical_to_logical) -> int:
+    """Physical slots with rebalancing on: one per expert plus the redundant ones, a multiple of
+    the EP size; a placement file given as well must have as many."""
+    slots = num_experts + eplb.num_redundant_experts
+    if slots % world_size:
+        raise ValueError(f"num_redundant_experts={eplb.num_redundant_experts}: {num_experts} experts + "
+                         f"{eplb.num_redundant_experts} = {slots} slots is not divisible by the {world_size} ranks")
+    if physical_to_logical and len(physical_to_logical[0]) != slots:
+        raise ValueError(f"num_redundant_experts={eplb.num_redundant_experts} gives {slots} slots but the expert "
+                         f"placement has {len(physical_to_logical[0])}")
+    return slots
+
+
 def build_engine(cfg: EngineConfig, ep_group=None, show_progress: bool = True) -> "EngineCore":
     """The engine core for a fully resolved config: dispatcher, model and weights, KV cache,
     scheduler, and the expert-load recorder the config asks for."""
@@ -56,6 +69,9 @@ class EngineCore:
         physical_to_logical = load_placement(par.expert_placement, par.world_size)
         num_slots = (len(physical_to_logical[0]) if physical_to_logical else
                      num_default_slots(num_logical_experts(mc.architecture, mc.hf), par.world_size))
+        if par.eplb is not None:
+            num_slots = eplb_slots(par.eplb, num_logical_experts(mc.architecture, mc.hf), par.world_size,
+                                   physical_to_logical)
         dispatcher = make_dispatcher(par.all2all_backend, num_slots, par.rank, par.world_size, ep_group)
         self.moe_ctx = MoEContext(dispatcher, cfg.moe_backend, physical_to_logical)
         self.load_recorder = None
@@ -88,6 +104,7 @@ class EngineCore:
         self.num_steps = 0
         if par.expert_load_record or par.expert_load_window:
             self.enable_load_recording(par.expert_load_window or 100, ep_group, start=bool(par.expert_load_record))
+        self.eplb = self._make_eplb(num_slots) if par.eplb is not None else None
 
     def set_max_model_len(self, n: int) -> None:
         """Every rank serves the same context limit (the smallest any rank's cache allows)."""
@@ -160,6 +177,8 @@ class EngineCore:
         return self.scheduler.schedule()
 
     def step(self, lockstep: bool = False) -> list[EngineCoreOutput]:
+        if self.eplb is not None and not lockstep:  # one process: its own agreement
+            self.eplb_boundary(self.eplb_flag())
         out = self.schedule()
         return self.take_early_outputs() + self.execute(out, lockstep)
 
@@ -170,16 +189,22 @@ class EngineCore:
         max_tokens_any_rank (from the ranks' per-step agreement) decides the overlap split."""
         if out.is_empty:
             if lockstep:
+                t0 = time.perf_counter()
                 self.runner.execute_empty(max_tokens_any_rank)
                 if self.load_recorder is not None:
                     self.load_recorder.end_step()
+                if self.eplb is not None:
+                    self.eplb.end_step(time.perf_counter() - t0)
             return []
         self.num_steps += 1
         for s in out.scheduled:
             r = s.request
             if r.num_computed_tokens < r.num_prompt_tokens:
                 self.num_prompt_tokens += min(s.num_tokens, r.num_prompt_tokens - r.num_computed_tokens)
+        t0 = time.perf_counter()
         result = self.runner.execute(out, max_tokens_any_rank)
+        if self.eplb is not None:
+            self.eplb.end_step(time.perf_counter() - t0)
         sampled_reqs = [s.request for s in out.scheduled if s.samples]
         sampled = {r.request_id: t for r, t in zip(sampled_reqs, result.token_ids)}
         now = time.monotonic()
@@ -226,8 +251,37 @@ class EngineCore:
             return {}
         return self.load_recorder.dump(path, metadata={"model": self.cfg.model.path})
 
+    # --- expert rebalancing ---------------------------------------------------------------------
+    def _make_eplb(self, num_slots: int):
+        from expert_parallel.eplb import EplbManager
+        from expert_parallel.layer import MoE, default_physical_to_logical
+        from moe_serve.models.registry import num_logical_experts
+
+        E = num_logical_experts(self.cfg.model.architecture, self.cfg.model.hf)
+        moes = [m for m in self.runner.model.modules() if isinstance(m, MoE)]
+        rows = self.moe_ctx.physical_to_logical or [default_physical_to_logical(E, num_slots) for _ in moes]
+        par = self.cfg.parallel
+        mgr = EplbManager(moes, rows, E, par.eplb, par.rank, par.world_size, self.cfg.device)
+        other = self.moe_ctx.load_recorder  # the HTTP-controlled recorder, if any: both count
+        self.moe_ctx.load_recorder = mgr.record if other is None else \
+            (lambda layer, ids: (other(layer, ids), mgr.record(layer, ids)))
+        return mgr
+
+    def eplb_flag(self) -> int:
+        """What this rank adds to the per-turn agreement: 1 while its part of the pending
+        rebalancing step is not done (0 without rebalancing)."""
+        return self.eplb.local_flag() if self.eplb is not None else 0
+
+    def eplb_boundary(self, agreed_flag: int, sync_group=None) -> None:
+        """Between steps, at the same turn on every rank: advance the rebalancing (tune, post
+        transfers, switch a layer whose transfer every rank finished)."""
+        if self.eplb is not None:
+            self.eplb.boundary(agreed_flag, sync_group)
+
     # --- stats ----------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
         s = self.scheduler
         return EngineStats(len(s.running), len(s.waiting) + len(self._awaiting_grammar), self.allocator.usage, self.allocator.hit_rate,
-                           s.num_preemptions, self.num_prompt_tokens, self.num_generation_tokens, self.num_steps)
+                           s.num_preemptions, self.num_prompt_tokens, self.num_generation_tokens, self.num_steps,
+                           *((self.eplb.rebalances, self.eplb.balancedness, self.eplb.last_transfer_s)
+                             if self.eplb is not None else ()))

@@ -6,8 +6,10 @@ runs the step; the new tokens of the step go back in one `CoreOutputs` message (
 expert parallelism the ranks agree once per turn, in one small all-reduce (MAX) over the CPU group,
 on: the most tokens any rank scheduled (0: nobody has work, so nobody runs the model; otherwise
 every rank runs the step, an empty forward where it has nothing, so the MoE collectives line up),
-whether any rank got SIGTERM, whether the front end said shut down, and expert-load recording
-starting or stopping (so every rank's windows cover the same steps).
+whether any rank got SIGTERM, whether the front end said shut down, expert-load recording
+starting or stopping (so every rank's windows cover the same steps), and whether any rank's part
+of a pending expert-rebalancing step is unfinished (expert_parallel/eplb.py: 0 means every rank
+switches the layer at this turn).
 
 `python -m moe_serve.engine.core_proc` is the single-process server's core (one rank, spawned by
 the front end); torchrun ranks run `CoreLoop` from launcher/worker.py.
@@ -116,15 +118,18 @@ class CoreLoop:
                 import torch.distributed as dist
 
                 flags = torch.tensor([ntok, self.rank + 1 if self.wants_shutdown else 0, shutdown,
-                                      load == "load_start", load == "load_stop"], dtype=torch.int64)
+                                      load == "load_start", load == "load_stop", core.eplb_flag()], dtype=torch.int64)
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-                max_tok, term_rank, shutdown, start, stop = (int(v) for v in flags.tolist())
+                max_tok, term_rank, shutdown, start, stop, eplb_busy = (int(v) for v in flags.tolist())
                 load = "load_start" if start else ("load_stop" if stop else None)
                 self.shutdown_asked_by = term_rank - 1
             else:
                 max_tok = ntok
                 self.shutdown_asked_by = 0 if self.wants_shutdown else -1
+                eplb_busy = core.eplb_flag()
             self._apply_load(load)
+            # Expert rebalancing advances here, between steps, at the same turn on every rank.
+            core.eplb_boundary(eplb_busy, self.group)
             any_work = max_tok > 0
             if any_work:
                 outs += core.execute(sched if sched is not None else _empty(), lockstep=self.world_size > 1,

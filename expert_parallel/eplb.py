@@ -1,0 +1,247 @@
+"""Expert rebalancing while serving (EPLB online): record load, tune, move weights, switch maps.
+
+Shape legend: L MoE layers, E logical experts, S physical slots, P ranks, s = S / P local slots,
+W forecast windows, T tokens, K top-k.
+
+Every rank runs the same state machine, driven from the core loop at step boundaries:
+
+  record   every step adds the router's logical ids to a local ExpertLoadRecorder (windows of
+           window_size / 8 steps, the last window_size steps kept).
+  tune     every step_interval model steps (every rank counts the same steps: lockstep), the ranks
+           sum their windows in one all_reduce over the CPU group and each runs the tuner
+           (expert_parallel/tuner.py, deterministic) on the same numbers in a background thread, so
+           every rank gets the same new placement while serving goes on.
+  move     changed layers, in order, at most LAYERS_IN_FLIGHT at once: the experts a rank gains
+           are received (torch.distributed irecv/isend on a group of their own) into a spare
+           buffer, together with local copies of the experts it keeps; a thread waits for them.
+           The live weights are only read meanwhile, and steps keep running on them.
+  switch   a layer switches when every rank has all of its pieces: each turn, the core loop's one
+           MAX all-reduce carries "my oldest pending item is not ready" (local_flag); when the
+           agreed value is 0, every rank at the same boundary swaps the spare buffer in for the
+           layer's weights and replaces its slot list and ReplicaMap together. The old weights
+           become the spare buffer. So a step sees each layer wholly before or wholly after.
+
+Memory: LAYERS_IN_FLIGHT spare buffers, each one layer's local experts (s x 3 x F x D elements of
+the expert weights' dtype), allocated at start and logged.
+A rank that dies mid-transfer leaves the others' receives pending (they keep serving on the old
+weights) until the per-turn all-reduce cannot complete: the watchdog then names the rank and ends
+the job within --dist-timeout.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from expert_parallel.eplb_config import LAYERS_IN_FLIGHT, EplbConfig
+from expert_parallel.load_stats import ExpertLoadRecorder
+from expert_parallel.rebalance_plan import LayerPlan, plan_layer
+
+log = logging.getLogger("moe_serve.eplb")
+
+# Test hook: "RANK:LAYER" makes that rank SIGKILL itself right after posting that layer's transfer.
+_FAULT_ENV = "MOE_SERVE_EPLB_KILL_DURING_TRANSFER"
+
+
+def default_tune(history_WLE: np.ndarray, gpus: int, slots: int) -> np.ndarray:
+    from expert_parallel import tuner
+
+    return tuner.tune(history_WLE, gpus, 1, slots, None)[0]
+
+
+class _Transfer:
+    """One layer in flight: its plan, its spare buffer, and a thread that waits for its pieces."""
+
+    def __init__(self, plan: LayerPlan, buf):
+        self.plan, self.buf = plan, buf
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self.received_bytes = 0
+
+    def wait_all(self, works) -> None:
+        try:
+            for w in works:
+                w.wait()
+        except BaseException as e:  # a peer died: reported at the switch (if the job lives that long)
+            self.error = e
+        self.done.set()
+
+
+class EplbManager:
+    def __init__(self, moe_layers, physical_to_logical_LS: list[list[int]], num_experts: int, cfg: EplbConfig,
+                 rank: int, world_size: int, device, tune_fn=default_tune):
+        self.layers = sorted(moe_layers, key=lambda m: m.layer_index)
+        self.rows = [list(r) for r in physical_to_logical_LS]
+        self.E, self.cfg, self.rank, self.world = num_experts, cfg, rank, world_size
+        self.S = len(self.rows[0])
+        self.s = self.S // world_size
+        self.tune_fn = tune_fn
+        self.recorder = ExpertLoadRecorder(len(self.layers), num_experts, cfg.steps_per_window, device=device,
+                                           max_windows=cfg.max_windows)
+        self.recorder.start()
+        # A group of its own for the weight traffic: its sends never interleave with MoE collectives.
+        self.p2p_group = dist.new_group(backend=dist.get_backend()) if world_size > 1 else None
+        w13, w2 = self.layers[0].experts.w13, self.layers[0].experts.w2
+        for m in self.layers:
+            if m.experts.w13.shape != w13.shape or m.experts.w2.shape != w2.shape:
+                raise ValueError("expert rebalancing needs every MoE layer's experts to have one shape")
+        self._free = [(torch.empty_like(w13.data), torch.empty_like(w2.data)) for _ in range(LAYERS_IN_FLIGHT)]
+        self.buffer_bytes = LAYERS_IN_FLIGHT * (w13.numel() * w13.element_size() + w2.numel() * w2.element_size())
+        log.info("expert rebalancing: %d slots (%d redundant), every %d steps from the last %d; %d transfer "
+                 "buffers, %.1f MiB in all", self.S, self.S - num_experts, cfg.step_interval, cfg.window_size,
+                 LAYERS_IN_FLIGHT, self.buffer_bytes / 2**20)
+        self.steps = 0
+        self._due = False
+        self._queue: deque = deque()  # Future (tuning) or LayerPlan (not posted) or _Transfer (posted)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="eplb-tune")
+        self._fault = os.environ.get(_FAULT_ENV)
+        # Metrics (identical on every rank).
+        self.rebalances = 0
+        self.balancedness = 0.0  # not measured before the first rebalance
+        self.last_transfer_s = 0.0
+        self._started = 0.0
+        self._moved_layers = 0
+        self._bytes = 0
+        self._step_ms: list[float] = []  # this rebalance period's step times
+        self._switch_ms: list[float] = []  # steps right after a switch (their boundary work included)
+        self._boundary_s = 0.0
+        self._switched = False
+
+    # --- per step -------------------------------------------------------------------------------
+    def record(self, layer: int, topk_ids_TK: torch.Tensor) -> None:
+        self.recorder.record(layer, topk_ids_TK)
+
+    def end_step(self, seconds: float) -> None:
+        """After every model step (empty ones included), on every rank."""
+        self.recorder.end_step()
+        self.steps += 1
+        ms = 1e3 * (seconds + self._boundary_s)
+        (self._switch_ms if self._switched else self._step_ms).append(ms)
+        self._switched, self._boundary_s = False, 0.0
+        if self.steps % self.cfg.step_interval == 0 and self.recorder.num_windows:
+            self._due = True
+
+    def local_flag(self) -> int:
+        """1 while this rank's oldest pending item (the tuning or a layer's transfer) is not done."""
+        if not self._queue:
+            return 0
+        head = self._queue[0]
+        if isinstance(head, Future):
+            return 0 if head.done() else 1
+        return 0 if isinstance(head, _Transfer) and head.done.is_set() else 1
+
+    def boundary(self, agreed_flag: int, sync_group=None) -> None:
+        """At the turn's boundary, after the ranks agreed (MAX over local_flag): the same call on
+        every rank. Starts a due rebalance, completes the oldest item when every rank is ready,
+        and keeps LAYERS_IN_FLIGHT transfers posted."""
+        t0 = time.perf_counter()
+        if self._due and not self._queue:
+            self._due = False
+            self._start(sync_group)
+        elif self._queue and agreed_flag == 0:
+            head = self._queue.popleft()
+            if isinstance(head, Future):
+                self._plan(head.result())
+            else:
+                self._switch(head)
+        self._post_ready()
+        self._boundary_s += time.perf_counter() - t0
+
+    # --- the phases -----------------------------------------------------------------------------
+    def _start(self, sync_group) -> None:
+        history = self.recorder.windows()  # (W, L, E) this rank's tokens
+        if self.world > 1:
+            dist.all_reduce(history, group=sync_group)  # the one collective: every rank, same numbers
+        h = history.numpy()
+        from expert_parallel.evaluation import evaluate
+
+        self.balancedness = evaluate(h.sum(0), np.asarray(self.rows), self.world, 1)["overall_balancedness"]
+        if h.sum() == 0:
+            return
+        self._started = time.perf_counter()
+        self._queue.append(self._pool.submit(self.tune_fn, h, self.world, self.S))
+
+    def _plan(self, new_LS) -> None:
+        new = [list(map(int, r)) for r in new_LS]
+        for l, (old, row) in enumerate(zip(self.rows, new)):
+            if old != row:
+                self._queue.append(plan_layer(l, old, row, self.world, self.rank))
+        self._moved_layers, self._bytes = len(self._queue), 0
+        if not self._queue:
+            log.info("expert rebalancing: the placement stays (balancedness of the last window %.3f)",
+                     self.balancedness)
+
+    def _post_ready(self) -> None:
+        posted = sum(isinstance(x, _Transfer) for x in self._queue)
+        for i, item in enumerate(self._queue):
+            if posted >= LAYERS_IN_FLIGHT or not self._free:
+                break
+            if isinstance(item, LayerPlan):
+                self._queue[i] = self._post(item)
+                posted += 1
+
+    def _post(self, plan: LayerPlan) -> _Transfer:
+        m = self.layers[plan.layer].experts
+        t = _Transfer(plan, self._free.pop())
+        b13, b2 = t.buf
+        for j, i in plan.copies:
+            b13[j].copy_(m.w13.data[i])
+            b2[j].copy_(m.w2.data[i])
+        works = []
+        for j, src, e in plan.recvs:
+            tag = (plan.layer * self.E + e) * 2
+            works.append(dist.irecv(b13[j], src, group=self.p2p_group, tag=tag))
+            works.append(dist.irecv(b2[j], src, group=self.p2p_group, tag=tag + 1))
+            t.received_bytes += b13[j].numel() * b13.element_size() + b2[j].numel() * b2.element_size()
+        for i, dst, e in plan.sends:
+            tag = (plan.layer * self.E + e) * 2
+            works.append(dist.isend(m.w13.data[i], dst, group=self.p2p_group, tag=tag))
+            works.append(dist.isend(m.w2.data[i], dst, group=self.p2p_group, tag=tag + 1))
+        if self._fault == f"{self.rank}:{plan.layer}":
+            log.warning("rank %d: killing itself during the transfer of MoE layer %d (%s)", self.rank, plan.layer,
+                        _FAULT_ENV)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if works:
+            threading.Thread(target=t.wait_all, args=(works,), name="eplb-transfer", daemon=True).start()
+        else:
+            t.done.set()
+        return t
+
+    def _switch(self, t: _Transfer) -> None:
+        if t.error is not None:
+            raise RuntimeError(f"expert rebalancing: the transfer of MoE layer {t.plan.layer} failed: {t.error}")
+        plan, moe = t.plan, self.layers[t.plan.layer]
+        b13, b2 = t.buf
+        for j, j0 in plan.dups:
+            b13[j].copy_(b13[j0])
+            b2[j].copy_(b2[j0])
+        lo = self.rank * self.s
+        # The replaced weights are the next spare buffer: every send from them has completed.
+        self._free.append(moe.switch_experts(b13, b2, plan.new_row, plan.new_row[lo:lo + self.s]))
+        self.rows[plan.layer] = plan.new_row
+        self._bytes += t.received_bytes
+        self._switched = True
+        if not self._queue:
+            self._finish()
+
+    def _finish(self) -> None:
+        self.rebalances += 1
+        self.last_transfer_s = time.perf_counter() - self._started
+        step = float(np.mean(self._step_ms)) if self._step_ms else 0.0
+        sw = float(np.mean(self._switch_ms)) if self._switch_ms else 0.0
+        log.info("expert rebalancing %d done: %d MoE layers moved, %.2f MiB received here, %.3fs from tuning to the "
+                 "last switch; balancedness of the last window %.3f; mean step %.2f ms, switch steps %.2f ms",
+                 self.rebalances, self._moved_layers, self._bytes / 2**20, self.last_transfer_s, self.balancedness,
+                 step, sw)
+        self._step_ms, self._switch_ms = [], []
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
