@@ -188,6 +188,10 @@ def test_api_key_required(server):
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     r = httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer wrong"}, timeout=10)
     assert r.status_code == 401
+    for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [5]})):
+        assert httpx.post(server.url + path, json=body, timeout=10).status_code == 401
+        assert httpx.post(server.url + path, json=body, headers={"Authorization": f"Bearer {KEY}"},
+                          timeout=10).status_code == 200
     bad = openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()

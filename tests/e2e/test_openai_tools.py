@@ -204,6 +204,27 @@ def test_unknown_field_is_logged_and_ignored(server, client):
     assert "ignored unknown field(s) frobnicate, user, zz_unknown" in line and r.id in line
 
 
+def test_continuous_usage_in_every_chunk(client):
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True, temperature=0,
+        extra_body={"ignore_eos": True}, stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    used = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert all(c.usage is not None for c in chunks) and used == sorted(used) and used[-1] == 4
+    assert chunks[-1].usage.completion_tokens == 4 and chunks[-1].usage.prompt_tokens > 0
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--enable-auto-tool-choice"], "--tool-call-parser"),
+    (["--tool-call-parser", "nope"], "--tool-call-parser=nope"),
+    (["--reasoning-parser", "nope"], "--reasoning-parser=nope"),
+])
+def test_bad_parser_flags_exit_2(checkpoints, flags, message, capsys):
+    from moe_serve.entrypoints.cli import main
+
+    assert main(["serve", "--model", checkpoints["qwen3_moe"], *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
 BAD = [
     ({"temperature": 2.5}, "temperature"),
     ({"top_p": 0}, "top_p"),

@@ -442,7 +442,8 @@ class OpenAIServing:
         try:
             for i in range(params.n):
                 yield _sse(P.ChatCompletionChunk(rid, created, self.model_name,
-                                                 [P.ChatStreamChoice(i, P.Delta(role="assistant", content=""))]))
+                                                 [P.ChatStreamChoice(i, P.Delta(role="assistant", content=""))],
+                                                 _usage(stream) if _continuous(req) else None))
             async for i, out in self._timed(stream, deadline):
                 ended = ended or _error_of(out)
                 if not (out.new_text or out.finished or out.logprobs):
