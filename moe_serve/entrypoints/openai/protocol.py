@@ -17,6 +17,27 @@ class StreamOptions(msgspec.Struct, omit_defaults=True):
     continuous_usage_stats: bool = False  # vLLM's extra: usage so far in every chunk
 
 
+class JsonSchemaFormat(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | None = msgspec.field(default=None, name="schema")
+    strict: bool | None = None  # the output always conforms (xgrammar's strict mode) either way
+
+
+class ResponseFormat(msgspec.Struct, omit_defaults=True):
+    type: str  # "text" | "json_object" | "json_schema"
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(msgspec.Struct, omit_defaults=True):
+    """vLLM's `structured_outputs` extra field: exactly one of these."""
+    json: Union[str, dict, None] = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # EBNF
+    json_object: bool | None = None
+
+
 class _Common(msgspec.Struct, omit_defaults=True):
     model: str | None = None
     max_tokens: int | None = None
@@ -39,6 +60,9 @@ class _Common(msgspec.Struct, omit_defaults=True):
     prompt_logprobs: int | None = None  # vLLM's extra: refused (400) until computed
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Constrained output (entrypoints/openai/structured.py): OpenAI's response_format, vLLM's extra.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
 
 
 class CompletionRequest(_Common):

@@ -18,7 +18,9 @@ from moe_serve.entrypoints.openai import protocol as P
 from moe_serve.entrypoints.openai import request_limits as L
 from moe_serve.entrypoints.openai.reasoning import REASONING_PARSERS, ReasoningParser
 from moe_serve.entrypoints.openai.request_limits import BadRequest, PromptLimits
+from moe_serve.entrypoints.openai.structured import check_tool_choice, with_structured_outputs
 from moe_serve.entrypoints.openai.tool_parsers import PARSERS, ParsedOutput, StreamDelta, ToolParser
+from moe_serve.entrypoints.openai.tool_parsers.constrained import ConstrainedToolParser
 from moe_serve.sampling_params import SamplingParams
 
 __all__ = ["BadRequest", "OpenAIServing", "sampling_params"]
@@ -206,6 +208,7 @@ class OpenAIServing:
             raise BadRequest("suffix is not supported", "suffix")
         params = sampling_params(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs)
         self.check_completion_prompt(req, params.n, params.max_tokens)
+        params = await with_structured_outputs(self, req, params, deadline)
         prompts = await self._until(deadline, self.off_loop(self.completion_prompts, req))
         stream = self._submit(rid, [ids for _, ids in prompts], params)
         if req.stream:
@@ -279,9 +282,7 @@ class OpenAIServing:
                 if size > L.MAX_TOOL_SCHEMA_BYTES:
                     raise BadRequest(f"tools[{i}] is {size} bytes as JSON; at most {L.MAX_TOOL_SCHEMA_BYTES} are "
                                      "allowed per tool", "tools", code="tool_too_large")
-        if req.tool_choice not in (None, "none", "auto"):
-            raise BadRequest(f"tool_choice={req.tool_choice!r} is not supported (only 'none' and 'auto')",
-                             "tool_choice")
+        check_tool_choice(req)  # "required" and named functions are enforced by structured outputs
         if req.tools and req.tool_choice in (None, "auto") and not self.enable_auto_tool_choice:
             # Without a parser a call the model writes would come back as plain text (vLLM refuses too).
             raise BadRequest("tool_choice='auto' (the default when tools are given) needs the server started with "
@@ -292,6 +293,8 @@ class OpenAIServing:
         """The parser that turns this request's output into tool calls, or None (plain text)."""
         if not req.tools or req.tool_choice == "none":
             return None
+        if req.tool_choice == "required" or isinstance(req.tool_choice, dict):
+            return ConstrainedToolParser(self.tok, req.tools, req.tool_choice)
         if req.tool_choice in (None, "auto") and self.enable_auto_tool_choice:
             return PARSERS[self.tool_call_parser](self.tok, req.tools)
         return None
@@ -390,6 +393,7 @@ class OpenAIServing:
         params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                                  "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
         self.check_chat(req, max_tokens)
+        params = await with_structured_outputs(self, req, params, deadline)
         ids = await self._until(deadline, self.off_loop(self.chat_prompt, req, max_tokens))
         stream = self._submit(rid, [ids], params)
         if req.stream:
@@ -417,7 +421,7 @@ class OpenAIServing:
         if parallel is False:
             parsed.tool_calls = parsed.tool_calls[:1]
         if parsed.tool_calls:
-            finish = "tool_calls"
+            finish = _calls_finish(tools, finish)
         return P.ChatMessageOut("assistant", parsed.content, reasoning or None, parsed.tool_calls), finish
 
     def _chat_logprobs(self, lps) -> P.ChatLogprobs:
@@ -455,7 +459,7 @@ class OpenAIServing:
                 if not (delta.content or delta.reasoning_content or delta.tool_calls or out.finished or out.logprobs):
                     continue
                 lp = self._chat_logprobs(out.logprobs or []) if req.logprobs else None
-                finish = "tool_calls" if out.finished and called[i] else out.finish_reason
+                finish = _calls_finish(tools, out.finish_reason) if out.finished and called[i] else out.finish_reason
                 yield _sse(P.ChatCompletionChunk(rid, created, self.model_name, [P.ChatStreamChoice(
                     i, delta, lp, finish)], _usage(stream) if _continuous(req) else None))
             if self.engine.dead or ended:
@@ -576,6 +580,14 @@ class OpenAIServing:
             msg = str(e)
             param = "max_tokens" if "max_tokens" in msg else ("prompt" if "prompt" in msg else _field_of(msg))
             raise BadRequest(msg, param) from None
+
+
+def _calls_finish(tools: ToolParser, finish: str | None) -> str | None:
+    """finish_reason of an output with tool calls: "tool_calls"; a constrained tool_choice decides
+    its own (vLLM's: "stop" for a named function; an output cut short stays "length")."""
+    if isinstance(tools, ConstrainedToolParser):
+        return tools.calls_finish_reason(finish)
+    return "tool_calls"
 
 
 def _continuous(req) -> bool:
