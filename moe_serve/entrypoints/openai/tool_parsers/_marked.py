@@ -37,10 +37,12 @@ def partial_suffix(text: str, *markers: str) -> int:
     """The longest suffix of text that is a proper prefix of one of the markers."""
     best = 0
     for marker in markers:
-        for k in range(min(len(marker) - 1, len(text)), best, -1):
-            if text.endswith(marker[:k]):
-                best = k
+        i = text.find(marker[0], max(0, len(text) - len(marker) + 1))
+        while i >= 0:
+            if marker.startswith(text[i:]):
+                best = max(best, len(text) - i)
                 break
+            i = text.find(marker[0], i + 1)
     return best
 
 
@@ -224,6 +226,13 @@ class _DiffStream(ToolStream):
         content = "".join(it.text for it in items if it.text is not None)
         out = StreamDelta(content[self.sent_content:] or None)
         self.sent_content = max(self.sent_content, len(content))
+        if not self.sent_calls and len(items) == 1 and items[0].text is not None:
+            # Plain text so far, all sent: parsing can start after it next time (so a long answer
+            # is not re-read at every token), unless it holds a marker (a call that did not parse).
+            sent = items[0].text
+            if self.text.startswith(sent) and not any(m in sent for m in self.parser.markers):
+                self.text, self.sent_content = self.text[len(sent):], 0
+            return out
         calls = [it for it in items if it.text is None]
         for k, it in enumerate(calls):
             if it.name is None:
