@@ -108,6 +108,11 @@ class Tokenizer:
     def id_to_token(self, i: int) -> str | None:
         return self._tok.id_to_token(i)
 
+    @functools.cached_property
+    def special_tokens(self) -> frozenset[str]:
+        """The added tokens marked special: skip_special_tokens leaves them out of decoded text."""
+        return frozenset(t.content for t in self._tok.get_added_tokens_decoder().values() if t.special)
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         if not self.chat_template:
             raise ValueError("this model's tokenizer has no chat template; use the completions API")

@@ -60,7 +60,11 @@ class OutputProcessor:
                 continue
             finished, reason, stop_reason = o.finished, o.finish_reason, o.stop_reason
             detok = st.detok
-            for t in o.new_token_ids:
+            new = o.new_token_ids
+            if finished and reason == "stop" and not isinstance(stop_reason, str) and new and \
+                    not st.params.include_stop_str_in_output:
+                new = new[:-1]  # the token that stopped it (EOS, stop_token_ids) is not text, as in vLLM
+            for t in new:
                 detok.add(t)
             st.num_output_tokens += len(o.new_token_ids)
             if finished:

@@ -395,6 +395,8 @@ class OpenAIServing:
         self.check_chat(req, max_tokens)
         params = await with_structured_outputs(self, req, params, deadline)
         ids = await self._until(deadline, self.off_loop(self.chat_prompt, req, max_tokens))
+        if getattr(self.tool_parser_for(req), "needs_special_tokens", False):
+            params = params.replace(skip_special_tokens=False)  # the call markers are special tokens
         stream = self._submit(rid, [ids], params)
         if req.stream:
             return self._stream_chat(req, rid, params, stream, deadline)

@@ -179,6 +179,13 @@ class MarkedToolParser(ToolParser):
 
     markers: tuple[str, ...] = ()  # strings that start a call (held back while they may be starting)
 
+    def __init__(self, tokenizer, tools: list[dict] | None):
+        super().__init__(tokenizer, tools)
+        # A marker that is a special token (Mistral's [TOOL_CALLS]) is only in text decoded with
+        # special tokens kept: the endpoint then decodes this request so (as vLLM does).
+        special = getattr(tokenizer, "special_tokens", frozenset())
+        self.needs_special_tokens = any(m in special for m in self.markers)
+
     def items(self, text: str, final: bool) -> list[Item]:
         raise NotImplementedError
 
