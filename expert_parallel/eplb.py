@@ -66,10 +66,20 @@ class _Transfer:
         self.error: BaseException | None = None
         self.received_bytes = 0
 
-    def wait_all(self, works) -> None:
+    def run(self, copies, works, on_cuda: bool) -> None:
+        """In the transfer thread. On the CPU the local copies are plain memcpys, done here so the
+        step boundary does not pay for them (the live weights are only read). On CUDA they were
+        queued on the serving stream already (copies is then an event to wait for), and a thread
+        must not block a stream: completion is polled."""
         try:
-            for w in works:
-                w.wait()
+            if on_cuda:
+                while not (copies.query() and all(w.is_completed() for w in works)):
+                    time.sleep(0.0005)
+            else:
+                for dst, src in copies:
+                    dst.copy_(src)
+                for w in works:
+                    w.wait()
         except BaseException as e:  # a peer died: reported at the switch (if the job lives that long)
             self.error = e
         self.done.set()
@@ -192,9 +202,13 @@ class EplbManager:
         m = self.layers[plan.layer].experts
         t = _Transfer(plan, self._free.pop())
         b13, b2 = t.buf
-        for j, i in plan.copies:
-            b13[j].copy_(m.w13.data[i])
-            b2[j].copy_(m.w2.data[i])
+        copies = [(b13[j], m.w13.data[i]) for j, i in plan.copies] + [(b2[j], m.w2.data[i]) for j, i in plan.copies]
+        on_cuda = b13.device.type == "cuda"
+        if on_cuda:  # queued behind the steps that still read the recycled buffer as live weights
+            for dst, src in copies:
+                dst.copy_(src, non_blocking=True)
+            copies = torch.cuda.Event()
+            copies.record()
         works = []
         for j, src, e in plan.recvs:
             tag = (plan.layer * self.E + e) * 2
@@ -209,10 +223,7 @@ class EplbManager:
             log.warning("rank %d: killing itself during the transfer of MoE layer %d (%s)", self.rank, plan.layer,
                         _FAULT_ENV)
             os.kill(os.getpid(), signal.SIGKILL)
-        if works:
-            threading.Thread(target=t.wait_all, args=(works,), name="eplb-transfer", daemon=True).start()
-        else:
-            t.done.set()
+        threading.Thread(target=t.run, args=(copies, works, on_cuda), name="eplb-transfer", daemon=True).start()
         return t
 
     def _switch(self, t: _Transfer) -> None:
