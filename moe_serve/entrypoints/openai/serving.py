@@ -485,16 +485,17 @@ class OpenAIServing:
                 raise BadRequest("messages must be a non-empty list", "messages")
             L.check_count("messages", len(req.messages), L.MAX_MESSAGES, "messages")
             L.check_count("tools", len(req.tools or ()), L.MAX_TOOLS, "tools")
-        ids = await self._until(deadline, self.off_loop(self._tokenize, req))
-        strs = [self.tok.id_to_token(i) or "" for i in ids] if req.return_token_strs else None
+        ids, strs = await self._until(deadline, self.off_loop(self._tokenize, req))
         return P.TokenizeResponse(len(ids), self.max_model_len, ids, strs)
 
-    def _tokenize(self, req: P.TokenizeRequest) -> list[int]:
+    def _tokenize(self, req: P.TokenizeRequest) -> tuple[list[int], list[str] | None]:
         if req.prompt is not None:
-            return self.tok.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
-        text = self.render_chat(self.chat_messages(req.messages), req.add_generation_prompt,
-                                req.chat_template_kwargs, req.tools)
-        return self.tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
+            ids = self.tok.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+        else:
+            text = self.render_chat(self.chat_messages(req.messages), req.add_generation_prompt,
+                                    req.chat_template_kwargs, req.tools)
+            ids = self.tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
+        return ids, [self.tok.id_to_token(i) or "" for i in ids] if req.return_token_strs else None
 
     async def detokenize(self, req: P.DetokenizeRequest, rid: str,
                          deadline: float | None = None) -> P.DetokenizeResponse:
