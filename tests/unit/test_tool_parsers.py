@@ -169,3 +169,21 @@ def test_reasoning_whole_and_streamed(name, kwargs, text, reasoning, content):
             rs, cs = rs + a, cs + b
             assert "</think" not in cs or "</think>" in (content or ""), how
         assert (rs or None, cs) == (reasoning, content), how
+
+
+def test_chat_message_assembly():
+    """The endpoint's whole-response assembly: reasoning first, calls from the rest, finish_reason,
+    parallel_tool_calls=false keeping the first call."""
+    from moe_serve.entrypoints.openai.serving import OpenAIServing
+
+    text = "<think>two lookups</think>On it." + hermes("a", {"x": 1}) + hermes("b", {})
+    tools, think = PARSERS["hermes"](None, []), REASONING_PARSERS["qwen3"](None, {})
+    msg, finish = OpenAIServing._chat_message(text, "stop", tools, think)
+    assert (msg.reasoning_content, msg.content, finish) == ("two lookups", "On it.", "tool_calls")
+    assert [c.function.name for c in msg.tool_calls] == ["a", "b"]
+    msg, _ = OpenAIServing._chat_message(text, "stop", tools, think, parallel=False)
+    assert [c.function.name for c in msg.tool_calls] == ["a"]
+    msg, finish = OpenAIServing._chat_message("plain", "length", tools, think)
+    assert (msg.content, msg.tool_calls, finish, msg.reasoning_content) == ("plain", [], "length", None)
+    msg, _ = OpenAIServing._chat_message("still thinking", "length", None, REASONING_PARSERS["deepseek_r1"](None, {}))
+    assert (msg.reasoning_content, msg.content) == ("still thinking", None)

@@ -419,7 +419,7 @@ class OpenAIServing:
         reasoning = None
         if reasoner is not None:
             reasoning, text = reasoner.split(text)
-        parsed = tools.parse(text) if tools is not None else ParsedOutput(text)
+        parsed = tools.parse(text) if tools is not None else ParsedOutput(text if text or not reasoning else None)
         if parallel is False:
             parsed.tool_calls = parsed.tool_calls[:1]
         if parsed.tool_calls:
