@@ -7,10 +7,25 @@ from __future__ import annotations
 
 import torch
 
-from kernels.grouped_gemm.grouped_mm import fused_experts_grouped, grouped_mm_available, grouped_mm_fits
+import contextlib
+
+from kernels.grouped_gemm.grouped_mm import (fused_experts_grouped, fused_experts_single_token, grouped_mm_available,
+                                             grouped_mm_fits)
 from kernels.grouped_gemm.reference import fused_experts_reference
 
 BACKENDS = ("torch", "triton")
+_host_reads_ok = [True]
+
+
+@contextlib.contextmanager
+def device_side_only():
+    """Within: the CPU experts take only paths with no host read of routing ids, as a CUDA graph
+    would need (the capturability tests check the model's decode forward under it)."""
+    _host_reads_ok.append(False)
+    try:
+        yield
+    finally:
+        _host_reads_ok.pop()
 
 
 def fused_experts(
@@ -29,6 +44,10 @@ def fused_experts(
         # Two grouped GEMMs where torch has them for this dtype (float32 on CPU: half precision
         # there would run element by element without bf16 matrix instructions); else the loop.
         # (Half-precision models on such CPUs keep their expert weights in float32: prepare.py.)
+        # One token on the CPU: only its K experts run (the grouped GEMM visits every expert).
+        if (x_TD.shape[0] == 1 and x_TD.device.type == "cpu" and w13_EFD.dtype == torch.float32
+                and _host_reads_ok[-1]):
+            return fused_experts_single_token(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK)
         if (x_TD.shape[0] and w13_EFD.dtype == torch.float32 and grouped_mm_available(torch.float32, x_TD.device.type)
                 and grouped_mm_fits(x_TD, w13_EFD, w2_EDF)):
             return fused_experts_grouped(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK)

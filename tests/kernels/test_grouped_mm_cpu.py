@@ -3,8 +3,8 @@ token, one token, and no device-to-host read inside (it compiles as one graph)."
 import pytest
 import torch
 
-from kernels.grouped_gemm import fused_experts
-from kernels.grouped_gemm.grouped_mm import fused_experts_grouped, grouped_mm_available
+from kernels.grouped_gemm import device_side_only, fused_experts
+from kernels.grouped_gemm.grouped_mm import fused_experts_grouped, fused_experts_single_token, grouped_mm_available
 from kernels.grouped_gemm.reference import fused_experts_float64
 from tests.sync_guard import HostSyncError, NoHostSync
 from tests.kernels.test_grouped_gemm import layer, rel_err, routing
@@ -36,8 +36,32 @@ def test_grouped_matches_float64_oracle(case):
         assert torch.equal(got, torch.zeros(T, D))
     else:
         assert rel_err(got, ref) < 1e-5
-    # The public torch backend takes this path for float32 and gives the same numbers.
+    # The public torch backend takes this path for float32 and gives the same numbers (a single
+    # token takes the per-token path, unless only device-side paths are allowed).
+    if T > 1:
+        assert torch.equal(fused_experts(x, w13, w2, weights, ids, backend="torch"), got)
+    else:
+        with device_side_only():
+            assert torch.equal(fused_experts(x, w13, w2, weights, ids, backend="torch"), got)
+
+
+@pytest.mark.parametrize("K,skip", [(1, 0.0), (4, 0.0), (8, 0.4), (3, 1.0)])
+def test_single_token_matches_float64_oracle(K, skip):
+    gen = torch.Generator().manual_seed(K * 7 + int(skip * 10))
+    x, w13, w2 = layer(1, 48, 40, 10, torch.float32, gen)
+    weights, ids = routing(1, 10, K, gen, skip)
+    ref = fused_experts_float64(x, w13, w2, weights, ids)
+    got = fused_experts_single_token(x, w13, w2, weights, ids)
     assert torch.equal(fused_experts(x, w13, w2, weights, ids, backend="torch"), got)
+    if skip == 1.0:
+        assert torch.equal(got, torch.zeros(1, 48))
+    else:
+        assert rel_err(got, ref) < 1e-5
+    # Half-precision tokens over float32 expert weights (prepare.py's layout on CPUs without bf16).
+    got_bf16 = fused_experts(x.bfloat16(), w13, w2, weights, ids, backend="torch")
+    assert got_bf16.dtype == torch.bfloat16
+    if skip < 1.0:
+        assert rel_err(got_bf16.float(), ref) < 2e-2
 
 
 def test_unaligned_shapes_take_the_loop():
