@@ -33,6 +33,26 @@ def widen_(model: torch.nn.Module, seed: int) -> None:
                 b.copy_(0.05 * torch.randn(b.shape, generator=g))
 
 
+# e2m1 magnitudes by code (bit 3 is the sign), as in the OCP microscaling spec.
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def pack_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize (..., R, C) weights to MXFP4 in the Hub's layout (GPT-OSS): blocks (..., R, C/32, 16)
+    uint8 with two e2m1 codes per byte (element 2i in the low nibble) and scales (..., R, C/32)
+    uint8 e8m0 (2 ** (s - 127)) per 32 values. Each group's scale puts its largest magnitude in
+    [4, 8); values round to the nearest e2m1 magnitude (6 at most)."""
+    *lead, C = w.shape
+    g = w.float().reshape(*lead, C // 32, 32)
+    amax = g.abs().amax(-1).clamp(min=2.0 ** -100)
+    exp = torch.floor(torch.log2(amax)) - 2
+    scaled = g / torch.exp2(exp)[..., None]
+    mags = torch.tensor(_E2M1)
+    code = (scaled.abs()[..., None] - mags).abs().argmin(-1) | ((scaled < 0).long() << 3)
+    blocks = (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8)
+    return blocks.contiguous(), (exp + 127).to(torch.uint8).contiguous()
+
+
 def _tokenizer(path: str) -> dict[str, int]:
     train_tokenizer(path, VOCAB)
     return special_token_ids(path)

@@ -35,11 +35,22 @@ def fused_experts(
     topk_weights_TK: torch.Tensor,
     topk_ids_TK: torch.Tensor,
     backend: str = "torch",
+    *,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation="silu",
 ) -> torch.Tensor:
     """Weighted sum over each token's top-k experts of SwiGLU(x @ w13^T) @ w2^T.
 
     See `kernels.grouped_gemm.reference.fused_experts_reference` for shapes; ids of -1 are skipped.
+    GPT-OSS's variant: optional biases (E, 2F) / (E, D), an activation other than "silu"
+    (reference.ClampedSwiGLU), and w13 / w2 given as MXFP4 weights (mxfp4.Mxfp4Weight,
+    dequantized per step for the routed experts only). The variant runs the torch ops of either
+    backend (the Triton kernel fuses plain SwiGLU); the default call is unchanged.
     """
+    if w13_bias is not None or w2_bias is not None or activation != "silu" or not isinstance(w13_EFD, torch.Tensor):
+        return _fused_experts_variant(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, backend,
+                                      w13_bias, w2_bias, activation)
     if backend == "torch":
         # Two grouped GEMMs where torch has them for this dtype (float32 on CPU: half precision
         # there would run element by element without bf16 matrix instructions); else the loop.
@@ -57,3 +68,21 @@ def fused_experts(
 
         return fused_experts_triton(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK)
     raise ValueError(f"moe_backend={backend!r} is not one of {BACKENDS}")
+
+
+def _fused_experts_variant(x_TD, w13, w2, topk_weights_TK, topk_ids_TK, backend, w13_bias, w2_bias, activation):
+    if backend not in BACKENDS:
+        raise ValueError(f"moe_backend={backend!r} is not one of {BACKENDS}")
+    if not isinstance(w13, torch.Tensor):
+        from kernels.grouped_gemm.mxfp4 import fused_experts_mxfp4
+
+        dtype = w13_bias.dtype if w13_bias is not None else torch.float32
+        return fused_experts_mxfp4(x_TD, w13, w2, topk_weights_TK, topk_ids_TK, w13_bias=w13_bias,
+                                   w2_bias=w2_bias, activation=activation, backend=backend, dtype=dtype,
+                                   host_reads=_host_reads_ok[-1])
+    kw = dict(w13_bias=w13_bias, w2_bias=w2_bias, activation=activation)
+    dev = x_TD.device.type
+    if (x_TD.shape[0] and (w13.dtype == torch.float32 or dev == "cuda") and grouped_mm_available(w13.dtype, dev)
+            and grouped_mm_fits(x_TD, w13, w2)):
+        return fused_experts_grouped(x_TD, w13, w2, topk_weights_TK, topk_ids_TK, **kw)
+    return fused_experts_reference(x_TD, w13, w2, topk_weights_TK, topk_ids_TK, **kw)

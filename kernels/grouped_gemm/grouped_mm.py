@@ -44,9 +44,12 @@ def grouped_mm_fits(x_TD: torch.Tensor, w13_EFD: torch.Tensor, w2_EDF: torch.Ten
 
 
 def fused_experts_grouped(x_TD: torch.Tensor, w13_EFD: torch.Tensor, w2_EDF: torch.Tensor,
-                          topk_weights_TK: torch.Tensor, topk_ids_TK: torch.Tensor) -> torch.Tensor:
-    """Same contract as `fused_experts_reference` (ids of -1 contribute nothing); the weights may be
-    float32 for half-precision tokens (computed in float32, returned in x's dtype)."""
+                          topk_weights_TK: torch.Tensor, topk_ids_TK: torch.Tensor, *,
+                          w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                          activation="silu") -> torch.Tensor:
+    """Same contract as `fused_experts_reference` (ids of -1 contribute nothing; optional expert
+    biases and activation likewise); the weights may be float32 for half-precision tokens
+    (computed in float32, returned in x's dtype)."""
     T, D = x_TD.shape
     E = w13_EFD.shape[0]
     K = topk_ids_TK.shape[1]
@@ -58,8 +61,18 @@ def fused_experts_grouped(x_TD: torch.Tensor, w13_EFD: torch.Tensor, w2_EDF: tor
     offs_E = torch.cumsum(torch.bincount(key_P, minlength=E + 1)[:E], 0).to(torch.int32)
     xs_PD = x_TD.index_select(0, token_P).to(w13_EFD.dtype)  # half activations, float32 weights
     gate_up_P2F = torch._grouped_mm(xs_PD, w13_EFD.transpose(1, 2), offs=offs_E)
-    gate, up = gate_up_P2F.chunk(2, dim=-1)
-    y_PD = torch._grouped_mm(F.silu(gate) * up, w2_EDF.transpose(1, 2), offs=offs_E)
+    if w13_bias is None and w2_bias is None and activation == "silu":
+        gate, up = gate_up_P2F.chunk(2, dim=-1)
+        y_PD = torch._grouped_mm(F.silu(gate) * up, w2_EDF.transpose(1, 2), offs=offs_E)
+    else:  # GPT-OSS: biases gathered per sorted pair (elsewhere-held pairs read expert E-1, masked below)
+        from kernels.grouped_gemm.reference import activate
+
+        expert_P = key_P.index_select(0, order_P).clamp(max=E - 1)
+        if w13_bias is not None:
+            gate_up_P2F = gate_up_P2F + w13_bias.index_select(0, expert_P)
+        y_PD = torch._grouped_mm(activate(gate_up_P2F, activation), w2_EDF.transpose(1, 2), offs=offs_E)
+        if w2_bias is not None:
+            y_PD = y_PD + w2_bias.index_select(0, expert_P)
     w_P = topk_weights_TK.reshape(-1).index_select(0, order_P).to(torch.float32)
     y_PD = torch.where(local_P.index_select(0, order_P)[:, None], y_PD.to(torch.float32) * w_P[:, None], 0.0)
     out_TD = torch.zeros(T, D, dtype=torch.float32, device=x_TD.device).index_add_(0, token_P, y_PD)
