@@ -9,6 +9,11 @@ from __future__ import annotations
 import torch
 
 
+# From this many constrained rows on, the masks are filled by xgrammar's batch matcher (its own
+# threads); below, one call per row costs less than handing the rows to threads.
+BATCH_FILL_ROWS = 16
+
+
 class BitmaskFiller:
     """A reusable host bitmask of up to max_rows rows, filled for the step's constrained rows."""
 
@@ -17,14 +22,22 @@ class BitmaskFiller:
         self.W = -(-vocab_size // 32)
         self._host = torch.zeros((max_rows, self.W), dtype=torch.int32,
                                  pin_memory=self.device.type == "cuda")
+        self._batch = None
 
     def fill(self, rows: list[tuple[int, object]]) -> tuple[torch.Tensor, torch.Tensor]:
         """rows: (index into S, GrammarState) of each constrained row. Returns (rows_G int64,
         bitmask_GW int32) on the device."""
         G = len(rows)
         host = self._host[:G]
-        for g, (_, state) in enumerate(rows):
-            state.matcher.fill_next_token_bitmask(host, g)
+        if G >= BATCH_FILL_ROWS:
+            if self._batch is None:
+                import xgrammar as xgr
+
+                self._batch = xgr.BatchGrammarMatcher()
+            self._batch.batch_fill_next_token_bitmask([st.matcher for _, st in rows], host)
+        else:
+            for g, (_, state) in enumerate(rows):
+                state.matcher.fill_next_token_bitmask(host, g)
         idx = torch.tensor([i for i, _ in rows], dtype=torch.int64)
         if self.device.type == "cpu":
             return idx, host.clone()

@@ -60,6 +60,13 @@ def test_bitmask_matches_explicit_reference(checkpoints):
         assert torch.equal(got_SV[i].to(torch.float64), ref_V.to(torch.float32).to(torch.float64)), (so, prefix)
         if prefix == "yes":  # a finished choice: only EOS may follow
             assert allowed_V.nonzero().flatten().tolist() == [tok.eos_token_id]
+    # Many rows are filled by xgrammar's batch matcher: the same masks.
+    from moe_serve.structured_output.bitmask import BATCH_FILL_ROWS
+
+    many = [(i, states[i % len(states)]) for i in range(BATCH_FILL_ROWS + 3)]
+    rows_G, big_GW = BitmaskFiller(len(many), V, torch.device("cpu")).fill(many)
+    assert torch.equal(rows_G, torch.arange(len(many)))
+    assert torch.equal(big_GW, bitmask_GW[torch.arange(len(many)) % len(states)])
 
 
 def test_spec_and_param_checks():
@@ -86,9 +93,9 @@ def test_spec_and_param_checks():
 
 
 def test_preemption_and_n_keep_outputs_valid(checkpoints):
-    # 8 blocks of 16 tokens for 4 sequences of ~40-110 tokens: requests are preempted and
+    # 10 blocks of 16 tokens for 4 sequences of ~40-110 tokens: requests are preempted and
     # recomputed while their matchers stay where their tokens are.
-    llm = LLM(checkpoints["qwen3_moe"], dtype="float32", num_kv_blocks=8, show_progress=False)
+    llm = LLM(checkpoints["qwen3_moe"], dtype="float32", num_kv_blocks=10, show_progress=False)
     params = [SamplingParams(temperature=1.0, seed=s, n=2, max_tokens=110, structured_outputs=SO(json=SCHEMA))
               for s in range(2)]
     outs = llm.generate(["JSON please", "x"], params)
