@@ -187,3 +187,53 @@ def test_chat_message_assembly():
     assert (msg.content, msg.tool_calls, finish, msg.reasoning_content) == ("plain", [], "length", None)
     msg, _ = OpenAIServing._chat_message("still thinking", "length", None, REASONING_PARSERS["deepseek_r1"](None, {}))
     assert (msg.reasoning_content, msg.content) == ("still thinking", None)
+
+
+FRAGMENTS = ["<tool_call>", "</tool_call>", '{"name": "f", "arguments": ', '{"name": "g"}', '{"x": [1, "}"]}', "}", " ",
+             "\n", "text", '"', "\\", "12", "[TOOL_CALLS]", "[ARGS]", "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>",
+             "function<｜tool▁sep｜>f\n", "```json\n", "\n```", "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>", "{", "[",
+             "]", ",", "<", "<tool", "<｜tool", "[TOOL", "<think>", "</think>",
+             # whole calls of each format, so that many examples hold some
+             hermes("h", {"k": "v"}), deepseek([("d", {"k": 1})]), mistral_v11([("m", {})]), mistral_array([("a", {})])]
+
+
+def _is_subsequence(small, big):
+    it = iter(big)
+    return all(x in it for x in small)
+
+
+@pytest.mark.parametrize("parser", sorted(PARSERS))
+def test_fragment_soup_never_raises_and_streams_agree(parser):
+    """Random mixes of marker and JSON fragments: parsing never raises, a stream's content equals the
+    whole parse's, and the whole parse's calls are among the streamed ones (equal unless the stream
+    announced a call that did not parse in the end)."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    p = PARSERS[parser](None, [])
+    seen = {"calls": 0}
+
+    @settings(max_examples=300, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(parts=st.lists(st.sampled_from(FRAGMENTS), max_size=14), cuts=st.lists(st.integers(1, 7), max_size=40))
+    def check(parts, cuts):
+        text = "".join(parts)
+        whole = p.parse(text)
+        chunks, i = [], 0
+        for n in cuts:
+            chunks.append(text[i:i + n])
+            i += n
+        chunks += [text[i:], ""]
+        got, names, args, _ = _run_stream(p, chunks)
+        assert (got or None) == whole.content
+        calls = [(c.function.name, c.function.arguments) for c in whole.tool_calls]
+        streamed = list(zip(names, args))
+        assert _is_subsequence(calls, streamed) or _is_subsequence([n for n, _ in calls], names), (calls, streamed)
+        if len(streamed) == len(calls):  # nothing announced and dropped: the same calls, fragments and all
+            assert streamed == calls
+        for _, a in calls:
+            json.loads(a)
+        seen["calls"] += len(calls)
+
+    check()
+    assert seen["calls"] >= 20, seen  # the mixes do hold calls

@@ -16,6 +16,7 @@ not parse stays in the content as text; a stream that already sent its name cann
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 from ..protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
@@ -23,6 +24,7 @@ from .base import ParsedOutput, StreamDelta, ToolParser, ToolStream, new_call_id
 
 _DECODER = json.JSONDecoder()
 _WS = " \t\n\r"
+NAME = re.compile(r"[\w.:-]{1,128}")  # a function name written bare (OpenAI's are [a-zA-Z0-9_-]{1,64})
 
 
 @dataclass

@@ -10,7 +10,7 @@ Text before the block is content (and after it, if the model goes on). The type 
 """
 from __future__ import annotations
 
-from ._marked import Invalid, Item, MarkedToolParser, Partial, _WS, json_value, skip_ws
+from ._marked import NAME, Invalid, Item, MarkedToolParser, Partial, _WS, json_value, skip_ws
 from .base import PARSERS
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
@@ -76,8 +76,8 @@ class DeepSeekV3ToolParser(MarkedToolParser):
         if nl < 0:
             return item, None
         item.name = text[sep + len(SEP):nl].strip()
-        if not item.name:
-            raise Invalid("no function name")
+        if not NAME.fullmatch(item.name):
+            raise Invalid("not a function name")
         k = skip_ws(text, nl)
         rest = text[k:]
         if not rest.startswith(FENCE):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 import string
 
-from ._marked import Invalid, Item, MarkedToolParser, Partial, _WS, call_from_object, json_value, skip_ws
+from ._marked import NAME, Invalid, Item, MarkedToolParser, Partial, _WS, call_from_object, json_value, skip_ws
 from .base import PARSERS
 
 BOT, ARGS = "[TOOL_CALLS]", "[ARGS]"
@@ -36,12 +36,14 @@ class MistralToolParser(MarkedToolParser):
             return items
         self.content(items, text[:i], False, True)
         j = skip_ws(text, i + len(BOT))
+        before = len(items)
         try:
             if j < len(text) and text[j] == "[":
                 end = self._array(text, j + 1, items)
             else:
                 end = self._named(text, i, items, final)
         except Invalid:
+            del items[before:]
             self.content(items, text[i:], False, False)  # not calls: the text as written
             return items
         if end is None:
@@ -87,8 +89,10 @@ class MistralToolParser(MarkedToolParser):
                     raise Invalid("no arguments after the name")
                 return None
             item = Item(name=text[j:name_end].strip())
-            if not item.name or any(c in item.name for c in "\"[]{}\n"):
+            if not NAME.fullmatch(item.name):
                 raise Invalid("bad function name")
+            if text[brace] != "{":
+                raise Invalid("the arguments are an object")
             items.append(item)
             try:
                 _, end = json_value(text, brace)
