@@ -45,6 +45,31 @@ def _ebnf_literal(s: str) -> str:
     return '"' + "".join(out) + '"'
 
 
+# A JSON string of plain characters (no escapes, no control characters), as a schema pattern.
+_PLAIN_CHARS = '[^\\x00-\\x1f"\\\\]'
+_DATA_KEYS = ("enum", "const", "default", "examples")  # values there are data, not schemas
+
+
+def _exact_length_strings(node):
+    """The schema with every string that has minLength/maxLength but no pattern or format given as
+    a pattern of the same length over plain characters. xgrammar 0.2.9 generates such strings
+    from a class that lets raw control characters through (invalid JSON) and no escapes; the
+    pattern allows the same characters less the control ones, so the length semantics are kept."""
+    if isinstance(node, list):
+        return [_exact_length_strings(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: (v if k in _DATA_KEYS else _exact_length_strings(v)) for k, v in node.items()}
+    if out.get("type") == "string" and ("minLength" in out or "maxLength" in out) and \
+            not any(k in out for k in ("pattern", "format", "enum", "const")):
+        lo, hi = out.get("minLength", 0), out.get("maxLength")
+        if isinstance(lo, int) and (hi is None or isinstance(hi, int)):
+            out["pattern"] = f"^{_PLAIN_CHARS}{{{lo},{'' if hi is None else hi}}}$"
+            out.pop("minLength", None)
+            out.pop("maxLength", None)
+    return out
+
+
 def build_grammar(kind: str, spec: str):
     """The xgrammar Grammar of a (kind, spec) key (`StructuredOutputsParams.key`); raises
     ValueError with xgrammar's reason when it cannot be built."""
@@ -52,6 +77,10 @@ def build_grammar(kind: str, spec: str):
 
     try:
         if kind == "json":
+            try:
+                spec = json.dumps(_exact_length_strings(json.loads(spec)), ensure_ascii=False)
+            except ValueError:
+                pass  # not JSON: xgrammar says so below
             return xgr.Grammar.from_json_schema(spec, any_whitespace=True, max_whitespace_cnt=MAX_JSON_WHITESPACE,
                                                 strict_mode=True)
         if kind == "json_object":

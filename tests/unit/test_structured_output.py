@@ -114,8 +114,27 @@ def test_preemption_and_n_keep_outputs_valid(checkpoints):
     assert all(re.fullmatch(regex, o.outputs[0].text) and o.outputs[0].finish_reason == "stop" for o in outs)
 
 
-def test_unconstrained_rows_untouched_in_a_mixed_batch(checkpoints):
-    llm = LLM(checkpoints["qwen3_moe"], dtype="float32", kv_cache_memory=8 << 20, show_progress=False)
+@pytest.fixture(scope="module")
+def llm(checkpoints):
+    return LLM(checkpoints["qwen3_moe"], dtype="float32", kv_cache_memory=8 << 20, show_progress=False)
+
+
+def test_length_bounded_strings_are_strict_json(llm):
+    # xgrammar's own class for minLength/maxLength strings lets raw control characters through;
+    # the schema is rewritten so they are exact (this schema failed json.loads before).
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 6},
+                                               "b": {"type": "array", "items": {"type": "string", "minLength": 2,
+                                                                                "maxLength": 3}, "maxItems": 2}},
+              "required": ["a", "b"], "additionalProperties": False}
+    outs = llm.generate(["x"] * 6, [SamplingParams(temperature=1.0, seed=s, max_tokens=150,
+                                                   structured_outputs=SO(json=schema)) for s in range(6)])
+    for o in outs:
+        assert o.outputs[0].finish_reason == "stop"
+        value = json.loads(o.outputs[0].text)  # strict: no raw control characters
+        jsonschema.validate(value, schema)
+
+
+def test_unconstrained_rows_untouched_in_a_mixed_batch(llm):
     plain = [("The capital of France", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)),
              ("Hello there", SamplingParams(temperature=1.0, seed=7, top_p=0.9, max_tokens=24, ignore_eos=True)),
              ("One, two", SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True))]
