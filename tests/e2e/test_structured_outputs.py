@@ -42,8 +42,11 @@ SCHEMAS = {"get_weather": WEATHER, "order_book": BOOK}
 
 @pytest.fixture(scope="module")
 def server(checkpoints):
+    # With a reasoning parser that takes a whole unconstrained output as reasoning (deepseek_r1
+    # starts inside <think>): constrained outputs must still be the content.
     s = ServerProcess(["--model", checkpoints["qwen3_moe"], "--dtype", "float32", "--api-key", KEY,
-                       "--served-model-name", MODEL, "--kv-cache-memory", str(8 << 20)])
+                       "--served-model-name", MODEL, "--kv-cache-memory", str(8 << 20),
+                       "--reasoning-parser", "deepseek_r1"])
     yield s
     assert s.stop() == 0
 
@@ -55,6 +58,13 @@ def client(server):
 
 def chat(client, **kw):
     return client.chat.completions.create(model=MODEL, messages=MSG, **kw)
+
+
+def plain_text(choice) -> str:
+    """An unconstrained chat output: all of it is reasoning under deepseek_r1 (no </think>)."""
+    msg = choice.message
+    assert not msg.content
+    return (msg.model_extra or {}).get("reasoning_content") or ""
 
 
 def test_json_schema_outputs_validate(client):
@@ -105,8 +115,8 @@ def test_json_object_regex_choice_text(client):
     assert re.fullmatch(r"\([1-9](\+[1-9])*\)", c.message.content), c.message.content
     # "text" is unconstrained: the same tokens as no response_format at all.
     kw = dict(temperature=0, max_tokens=12, extra_body={"ignore_eos": True})
-    assert chat(client, response_format={"type": "text"}, **kw).choices[0].message.content == \
-        chat(client, **kw).choices[0].message.content
+    text = plain_text(chat(client, **kw).choices[0])
+    assert text and plain_text(chat(client, response_format={"type": "text"}, **kw).choices[0]) == text
 
 
 def _assemble(chunks):
@@ -163,12 +173,14 @@ def test_unconstrained_requests_identical_beside_constrained(client):
              dict(temperature=0.7, top_p=0.9, seed=5, max_tokens=24)]
     for kw in plain:
         kw["extra_body"] = {"ignore_eos": True}
-    alone = [chat(client, **kw).choices[0].message.content for kw in plain]
+    alone = [plain_text(chat(client, **kw).choices[0]) for kw in plain]
+    assert all(alone)
     rf = {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}
     constrained = [dict(response_format=rf, temperature=1.0, seed=s, max_tokens=300) for s in range(6)]
     jobs = [kw for pair in zip(constrained, plain + plain) for kw in pair]
     with ThreadPoolExecutor(len(jobs)) as ex:
-        results = list(ex.map(lambda kw: chat(client, **kw).choices[0].message.content, jobs))
+        results = list(ex.map(lambda kw: chat(client, **kw).choices[0], jobs))
+    results = [plain_text(c) if i % 2 else c.message.content for i, c in enumerate(results)]
     assert results[1::2] == alone + alone
     for text in results[0::2]:
         jsonschema.validate(json.loads(text), PERSON)

@@ -18,7 +18,7 @@ from moe_serve.entrypoints.openai import protocol as P
 from moe_serve.entrypoints.openai import request_limits as L
 from moe_serve.entrypoints.openai.reasoning import REASONING_PARSERS, ReasoningParser
 from moe_serve.entrypoints.openai.request_limits import BadRequest, PromptLimits
-from moe_serve.entrypoints.openai.structured import check_tool_choice, with_structured_outputs
+from moe_serve.entrypoints.openai.structured import check_tool_choice, constrains_output, with_structured_outputs
 from moe_serve.entrypoints.openai.tool_parsers import PARSERS, ParsedOutput, StreamDelta, ToolParser
 from moe_serve.entrypoints.openai.tool_parsers.constrained import ConstrainedToolParser
 from moe_serve.sampling_params import SamplingParams
@@ -301,6 +301,8 @@ class OpenAIServing:
 
     def reasoning_parser_for(self, req: P.ChatCompletionRequest) -> ReasoningParser | None:
         if self.reasoning_parser is None:
+            return None
+        if constrains_output(req):  # the grammar holds from the first token: the output has no reasoning
             return None
         return REASONING_PARSERS[self.reasoning_parser](self.tok, req.chat_template_kwargs)
 

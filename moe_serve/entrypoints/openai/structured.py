@@ -11,6 +11,9 @@ into the engine's `StructuredOutputsParams`, checked with xgrammar before the re
   {"name": <a tool's name>, "parameters": <that tool's arguments>} (anyOf over the tools; one item
   at most with parallel_tool_calls=false). `tool_parsers/constrained.py` reads them back.
 
+A reasoning parser is not applied to a constrained output: the grammar holds from its first token,
+so it has no reasoning section (vLLM instead starts the grammar after the reasoning ends).
+
 The check builds the grammar (`structured_output.grammar.check_spec`, remembered per spec) in the
 tokenization pool, never on the event loop; a spec xgrammar refuses is a 400 naming the field it
 came from. The core compiles the same spec against the tokenizer.
@@ -129,6 +132,13 @@ def structured_spec(req: P._Common) -> tuple[StructuredOutputsParams | None, str
         names = ["tool_choice" if f == "tools" else f for _, f in found]
         raise BadRequest(f"only one of {' / '.join(names)} may constrain the output", names[-1])
     return found[0] if found else (None, None)
+
+
+def constrains_output(req: P._Common) -> bool:
+    """Whether the request's output is grammar-constrained (cheap; the spec is checked later)."""
+    rf = req.response_format
+    return (rf is not None and rf.type != "text") or req.structured_outputs is not None or \
+        (isinstance(req, P.ChatCompletionRequest) and (req.tool_choice == "required" or isinstance(req.tool_choice, dict)))
 
 
 def _check(spec: StructuredOutputsParams, field: str) -> None:
