@@ -281,7 +281,8 @@ class EngineCore:
     # --- stats ----------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
         s = self.scheduler
-        return EngineStats(len(s.running), len(s.waiting) + len(self._awaiting_grammar), self.allocator.usage, self.allocator.hit_rate,
+        return EngineStats(len(s.running), len(s.waiting) + len(self._awaiting_grammar), self.allocator.usage,
+                           self.allocator.hit_rate,
                            s.num_preemptions, self.num_prompt_tokens, self.num_generation_tokens, self.num_steps,
                            *((self.eplb.rebalances, self.eplb.balancedness, self.eplb.last_transfer_s)
                              if self.eplb is not None else ()))

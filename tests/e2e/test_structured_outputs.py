@@ -200,7 +200,8 @@ def test_refusals_name_the_field(client):
     assert "position" in bad("structured_outputs", extra_body={"structured_outputs": {"regex": "(ab"}})
     bad("structured_outputs", extra_body={"structured_outputs": {"regex": "a", "choice": ["a"]}})
     bad("structured_outputs", extra_body={"structured_outputs": {"grammar": "root ::= missing"}})
-    bad("structured_outputs", response_format={"type": "json_object"}, extra_body={"structured_outputs": {"regex": "a"}})
+    bad("structured_outputs", response_format={"type": "json_object"},
+        extra_body={"structured_outputs": {"regex": "a"}})
     bad("min_tokens", response_format={"type": "json_object"}, extra_body={"min_tokens": 3})
     bad("tool_choice", tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}})
     bad("tool_choice", tool_choice="required")

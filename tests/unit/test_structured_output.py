@@ -141,7 +141,8 @@ def test_unconstrained_rows_untouched_in_a_mixed_batch(llm):
     alone = llm.generate([p for p, _ in plain], [sp for _, sp in plain])
     constrained = [("Person:", SamplingParams(temperature=1.0, seed=s, max_tokens=120,
                                               structured_outputs=SO(json=SCHEMA))) for s in range(3)]
-    constrained.append(("Answer:", SamplingParams(temperature=0, max_tokens=8, structured_outputs=SO(choice=["A", "B"]))))
+    constrained.append(("Answer:", SamplingParams(temperature=0, max_tokens=8,
+                                                  structured_outputs=SO(choice=["A", "B"]))))
     mixed = constrained[:2] + plain[:1] + constrained[2:] + plain[1:]
     outs = llm.generate([p for p, _ in mixed], [sp for _, sp in mixed])
     got = [outs[2], outs[5], outs[6]]
@@ -161,7 +162,8 @@ def test_tokenizer_info_agrees_with_xgrammar_from_huggingface(checkpoints):
 
     path = checkpoints["qwen3_moe"]
     ref = xgr.TokenizerInfo.from_huggingface(
-        PreTrainedTokenizerFast(tokenizer_file=os.path.join(path, "tokenizer.json")), vocab_size=600, stop_token_ids=[2])
+        PreTrainedTokenizerFast(tokenizer_file=os.path.join(path, "tokenizer.json")), vocab_size=600,
+        stop_token_ids=[2])
     ours = tokenizer_info(path, 600, [2])
     assert ours.dump_metadata() == ref.dump_metadata()
     assert ours.decoded_vocab == ref.decoded_vocab and ours.vocab_size == 600 and ours.stop_token_ids == [2]

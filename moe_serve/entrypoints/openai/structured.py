@@ -137,8 +137,9 @@ def structured_spec(req: P._Common) -> tuple[StructuredOutputsParams | None, str
 def constrains_output(req: P._Common) -> bool:
     """Whether the request's output is grammar-constrained (cheap; the spec is checked later)."""
     rf = req.response_format
-    return (rf is not None and rf.type != "text") or req.structured_outputs is not None or \
-        (isinstance(req, P.ChatCompletionRequest) and (req.tool_choice == "required" or isinstance(req.tool_choice, dict)))
+    forced_tools = isinstance(req, P.ChatCompletionRequest) and (req.tool_choice == "required"
+                                                                 or isinstance(req.tool_choice, dict))
+    return (rf is not None and rf.type != "text") or req.structured_outputs is not None or forced_tools
 
 
 def _check(spec: StructuredOutputsParams, field: str) -> None:
