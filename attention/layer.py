@@ -16,8 +16,15 @@ class PagedAttention(nn.Module):
     """Multi-head / grouped-query attention: q (T, N, H), k and v (T, G, H) -> (T, N, Hv)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, backend: str = "torch",
-                 v_head_dim: int | None = None):
+                 v_head_dim: int | None = None, sliding_window: int | None = None, sinks: bool = False):
+        """sliding_window: each query sees its last `sliding_window` keys only (GPT-OSS's sliding
+        layers). sinks: a learned float32 logit per head in every softmax's denominator (GPT-OSS).
+        Without either, the backend is called exactly as before."""
         super().__init__()
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window={sliding_window} must be at least 1")
+        self.sliding_window = sliding_window
+        self.sinks = nn.Parameter(torch.zeros(num_heads, dtype=torch.float32)) if sinks else None
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -36,7 +43,10 @@ class PagedAttention(nn.Module):
 
     def forward(self, q_TNH, k_TGH, v_TGH, meta: AttentionMetadata) -> torch.Tensor:
         self.ops.write_kv(k_TGH, v_TGH, self.k_cache, self.v_cache, meta.slot_mapping)
-        return self.ops.paged_attention(q_TNH, self.k_cache, self.v_cache, meta, self.scale)
+        if self.sliding_window is None and self.sinks is None:
+            return self.ops.paged_attention(q_TNH, self.k_cache, self.v_cache, meta, self.scale)
+        return self.ops.paged_attention(q_TNH, self.k_cache, self.v_cache, meta, self.scale,
+                                        sliding_window=self.sliding_window, sinks=self.sinks)
 
 
 class PagedMLAAttention(nn.Module):

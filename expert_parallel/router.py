@@ -64,3 +64,20 @@ class GroupLimitedSigmoidRouter(nn.Module):
         if self.renormalize:
             w_TK = w_TK / (w_TK.sum(dim=-1, keepdim=True) + 1e-20)
         return w_TK * self.scale, ids_TK
+
+
+class TopKThenSoftmaxRouter(nn.Module):
+    """GPT-OSS: logits with a bias, the top k kept, softmax over those k only."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int):
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok={top_k} must be in [1, num_experts={num_experts}]")
+        self.num_experts, self.top_k = num_experts, top_k
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32))
+        self.bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32))
+
+    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits_TE = F.linear(x_TD.to(torch.float32), self.weight, self.bias)
+        top_TK, ids_TK = torch.topk(logits_TE, self.top_k, dim=-1)
+        return torch.softmax(top_TK, dim=-1), ids_TK

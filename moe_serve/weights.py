@@ -42,7 +42,7 @@ def load_weights(model: nn.Module, path: str, dtype: torch.dtype, show_progress:
     from safetensors import safe_open
 
     quant = (getattr(model, "hf", None) or {}).get("quantization_config")
-    if quant:  # e.g. DeepSeek-V3 / Kimi-K2 / GLM-4.5-FP8: block-scaled FP8 tensors with weight_scale_inv
+    if quant and quant.get("quant_method") not in getattr(model, "quant_methods", ()):  # GPT-OSS: "mxfp4"
         raise ValueError(f"checkpoint {path!r} is quantized (quant_method={quant.get('quant_method')!r}); only "
                          f"unquantized (bf16/fp16/fp32) checkpoints are supported: dequantize it first, or use "
                          f"load_format='dummy' for its sizes")
@@ -55,6 +55,9 @@ def load_weights(model: nn.Module, path: str, dtype: torch.dtype, show_progress:
     for fp in files:
         with safe_open(fp, framework="pt") as f:
             names_by_file.append((fp, list(f.keys())))
+    # A model may load some tensors itself (GPT-OSS: interleaved gate/up, expert biases, MXFP4
+    # blocks): load_checkpoint_tensor(name, raw, file) returns the parameters it filled, or None.
+    hook = getattr(model, "load_checkpoint_tensor", None)
     total = sum(len(n) for _, n in names_by_file)
     bar = tqdm(total=total, desc="Loading weights", unit="tensor", disable=not show_progress)
     for fp, names in names_by_file:
@@ -63,6 +66,9 @@ def load_weights(model: nn.Module, path: str, dtype: torch.dtype, show_progress:
                 bar.update(1)
                 name = model.checkpoint_name(raw)
                 if name is None:
+                    continue
+                if hook is not None and (filled := hook(name, raw, f)):  # tensors the model loads itself
+                    loaded.update(filled)
                     continue
                 m = _PER_EXPERT.match(name)
                 if m and m.group("prefix") in experts:

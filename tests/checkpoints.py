@@ -243,8 +243,86 @@ def build_glm4_moe(path: str) -> str:
     return path
 
 
+GPT_OSS_WINDOW = 12  # sliding window of the tiny GPT-OSS: 3 blocks of 4 in the parity settings
+
+
+def _gpt_oss_model(special: dict):
+    """Sliding / full / sliding layers with a 12-token window, yarn RoPE without truncation (as
+    GPT-OSS has it), attention bias, per-head sinks wide enough to take real weight, expert weights
+    widened so the SwiGLU clamp at 7 cuts some values."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 256,
+            "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
+    cfg = GptOssConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=3,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8,
+                       num_experts_per_tok=3, sliding_window=GPT_OSS_WINDOW, max_position_embeddings=1024,
+                       rope_parameters=rope, attention_bias=True, eos_token_id=special["<|im_end|>"],
+                       pad_token_id=special["<|endoftext|>"], bos_token_id=None, tie_word_embeddings=False)
+    assert cfg.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+    torch.manual_seed(0)
+    m = GptOssForCausalLM(cfg).eval()
+    widen_(m, 8)
+    g = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for layer in m.model.layers:
+            layer.self_attn.sinks.copy_(1.5 * torch.randn(layer.self_attn.sinks.shape, generator=g))
+            ex = layer.mlp.experts
+            ex.gate_up_proj.copy_(torch.randn(ex.gate_up_proj.shape, generator=g) * 4 * 64 ** -0.5)
+            ex.down_proj.copy_(torch.randn(ex.down_proj.shape, generator=g) * 0.5 * 64 ** -0.5)
+            ex.gate_up_proj_bias.copy_(0.5 * torch.randn(ex.gate_up_proj_bias.shape, generator=g))
+            ex.down_proj_bias.copy_(0.2 * torch.randn(ex.down_proj_bias.shape, generator=g))
+    return m
+
+
+def build_gpt_oss(path: str) -> str:
+    """GPT-OSS in float32, the expert tensors as transformers writes them: gate_up_proj (E, D, 2F)
+    with gate and up interleaved, down_proj (E, F, D), their biases."""
+    m = _gpt_oss_model(_tokenizer(path))
+    m.save_pretrained(path)
+    return path
+
+
+def build_gpt_oss_mxfp4(path: str) -> str:
+    """GPT-OSS as it ships: experts in MXFP4 (`*_blocks` / `*_scales` in the Hub's layout,
+    quantization_config quant_method mxfp4), everything else unquantized. Next to it, `<path>_oracle`
+    holds the same model in float32 with the expert weights transformers' own MXFP4 unpacking gives
+    for those bytes: the model transformers runs as the reference."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    special = _tokenizer(path)
+    train_tokenizer(path + "_oracle", VOCAB)
+    m = _gpt_oss_model(special)
+    packed = {}
+    with torch.no_grad():
+        for i, layer in enumerate(m.model.layers):
+            ex = layer.mlp.experts
+            for proj in ("gate_up_proj", "down_proj"):
+                w = getattr(ex, proj)  # (E, in, out)
+                blocks, scales = pack_mxfp4(w.transpose(1, 2))  # rows are output features
+                packed[f"model.layers.{i}.mlp.experts.{proj}_blocks"] = blocks
+                packed[f"model.layers.{i}.mlp.experts.{proj}_scales"] = scales
+                w.copy_(convert_moe_packed_tensors(blocks.clone(), scales.clone(), dtype=torch.float32))
+    m.save_pretrained(path + "_oracle")
+    m.save_pretrained(path)
+    sd = load_file(os.path.join(path, "model.safetensors"))
+    out = {k: v for k, v in sd.items() if not k.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    out.update(packed)
+    save_file({k: v.contiguous() for k, v in out.items()}, os.path.join(path, "model.safetensors"),
+              metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json")) as f:
+        c = json.load(f)
+    c["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                                     "model.layers.*.mlp.router",
+                                                                                     "model.embed_tokens", "lm_head"]}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(c, f, indent=2)
+    return path
+
+
 EXTRA_BUILDERS = {"qwen2_moe": build_qwen2_moe, "olmoe": build_olmoe, "kimi_k2": build_kimi_k2,
-                  "glm4_moe": build_glm4_moe}
+                  "glm4_moe": build_glm4_moe, "gpt_oss": build_gpt_oss, "gpt_oss_mxfp4": build_gpt_oss_mxfp4}
 
 
 class LazyCheckpoints:

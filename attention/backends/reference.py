@@ -94,13 +94,21 @@ def _leading_decodes(meta: AttentionMetadata) -> int:
 
 
 def paged_attention(q_TNH: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, *, sliding_window: int | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of the packed queries over their paged contexts (prefill, chunked, decode).
 
     Returns (T, N, Hv) in q's dtype; scores and softmax are computed in float32. The decodes at the
     front of the batch (one query per sequence) run as one padded batched computation, in a mixed
     step too; prefill chunks run sequence by sequence.
+
+    sliding_window W (GPT-OSS's sliding layers): the query at position p sees keys p - W + 1 .. p
+    only (transformers' sliding mask); only the blocks holding those keys are gathered. sinks (N,)
+    (GPT-OSS): one learned logit per head joins each softmax's denominator (an attention sink that
+    takes weight but adds no value).
     """
+    if sliding_window is not None or sinks is not None:
+        return _paged_attention_windowed(q_TNH, k_cache, v_cache, meta, scale, sliding_window, sinks)
     T, N, _ = q_TNH.shape
     G = k_cache.shape[2]
     out = torch.empty(T, N, v_cache.shape[-1], dtype=q_TNH.dtype, device=q_TNH.device)
@@ -121,6 +129,87 @@ def paged_attention(q_TNH: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         v = _acc(_gather(v_cache, meta.block_tables[b], ctx)).transpose(0, 1)[None]
         q = _acc(q_TNH[s:s + q_len]).transpose(0, 1)[None]  # (1, N, Q, H)
         o = _sdpa(q, k, v, _causal_mask(q_len, ctx, q.device), scale)
+        out[s:s + q_len] = o[0].transpose(0, 1).to(out.dtype)
+        s += q_len
+    return out
+
+
+def _attend(q_BNQH: torch.Tensor, k_BGSH: torch.Tensor, v_BGSH: torch.Tensor, visible: torch.Tensor, scale: float,
+            sinks_N: torch.Tensor | None) -> torch.Tensor:
+    """Masked attention (visible broadcasts to (B, N, Q, S)); with sinks, each head's sink logit is
+    one more entry of the softmax whose weight is dropped afterwards (transformers' eager form)."""
+    if sinks_N is None:
+        return _sdpa(q_BNQH, k_BGSH, v_BGSH, visible, scale)
+    B, N, Q, H = q_BNQH.shape
+    G, S = k_BGSH.shape[1], k_BGSH.shape[2]
+    s = torch.matmul(q_BNQH.reshape(B, G, N // G * Q, H), k_BGSH.transpose(-1, -2)).view(B, N, Q, S) * scale
+    s = s.masked_fill(~visible, float("-inf"))
+    sink = sinks_N.to(s.dtype).view(1, N, 1, 1).expand(B, N, Q, 1)
+    p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :S]
+    return torch.matmul(p.reshape(B, G, N // G * Q, S), v_BGSH).view(B, N, Q, v_BGSH.shape[-1])
+
+
+def _decode_plan_windowed(meta: AttentionMetadata, block_size: int, window: int | None):
+    """As `_decode_plan`, for a window: each decode gathers only the blocks holding its last
+    `window` keys ((nd, K) block ids, K the most any decode needs) and the (nd, K * block_size)
+    mask of the keys it sees. Made once a step per window (sliding and full layers differ)."""
+    key = ("reference_decode_window", window)
+    plan = meta.derived.get(key)
+    if plan is None:
+        nd = _leading_decodes(meta)
+        if nd > 1:
+            lens = meta.seq_lens_cpu[:nd]
+            first = [max(0, n - window) // block_size if window else 0 for n in lens]
+            last = [(n + block_size - 1) // block_size for n in lens]
+            K = max(b - a for a, b in zip(first, last))
+            dev = meta.block_tables.device
+            first_t = torch.tensor(first, device=dev)[:, None]
+            cols = torch.minimum(first_t + torch.arange(K, device=dev)[None, :],
+                                 torch.tensor(last, device=dev)[:, None] - 1)
+            blocks = meta.block_tables[:nd].long().gather(1, cols)
+            pos = first_t * block_size + torch.arange(K * block_size, device=dev)[None, :]
+            n_t = torch.tensor(lens, device=dev)[:, None]
+            visible = pos < n_t
+            if window:
+                visible &= pos >= n_t - window
+            plan = (nd, blocks, visible)
+        else:
+            plan = (0, None, None)
+        meta.derived[key] = plan
+    return plan
+
+
+def _paged_attention_windowed(q_TNH, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                              window: int | None, sinks_N: torch.Tensor | None) -> torch.Tensor:
+    T, N, _ = q_TNH.shape
+    bs = k_cache.shape[1]
+    out = torch.empty(T, N, v_cache.shape[-1], dtype=q_TNH.dtype, device=q_TNH.device)
+    sinks = None if sinks_N is None else sinks_N.to(torch.float32)
+    nd, blocks, visible = _decode_plan_windowed(meta, bs, window)
+    if nd:
+        k = _decode_gather(k_cache, blocks)  # (B, S, G, H)
+        v = _decode_gather(v_cache, blocks)
+        o = _attend(_acc(q_TNH[:nd])[:, :, None, :], _acc(k).transpose(1, 2), _acc(v).transpose(1, 2),
+                    visible[:, None, None, :], scale, sinks)
+        out[:nd] = o[:, :, 0].to(q_TNH.dtype)
+    s = nd
+    for b in range(nd, meta.num_seqs):
+        q_len = meta.query_lens_cpu[b]
+        ctx = meta.seq_lens_cpu[b]
+        if q_len == 0:
+            continue
+        # Keys before the first query's window are never read: start at the block holding it.
+        first = max(0, ctx - q_len - window + 1) // bs if window else 0
+        table = meta.block_tables[b, first:]
+        k = _acc(_gather(k_cache, table, ctx - first * bs)).transpose(0, 1)[None]  # (1, G, S, H)
+        v = _acc(_gather(v_cache, table, ctx - first * bs)).transpose(0, 1)[None]
+        q = _acc(q_TNH[s:s + q_len]).transpose(0, 1)[None]  # (1, N, Q, H)
+        q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
+        k_pos = torch.arange(first * bs, ctx, device=q.device)[None, :]
+        vis = k_pos <= q_pos
+        if window:
+            vis &= k_pos > q_pos - window
+        o = _attend(q, k, v, vis, scale, sinks)
         out[s:s + q_len] = o[0].transpose(0, 1).to(out.dtype)
         s += q_len
     return out

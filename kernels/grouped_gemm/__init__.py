@@ -11,6 +11,7 @@ import contextlib
 
 from kernels.grouped_gemm.grouped_mm import (fused_experts_grouped, fused_experts_single_token, grouped_mm_available,
                                              grouped_mm_fits)
+from kernels.grouped_gemm.mxfp4 import Mxfp4Weight
 from kernels.grouped_gemm.reference import fused_experts_reference
 
 BACKENDS = ("torch", "triton")
@@ -44,8 +45,9 @@ def fused_experts(
 
     See `kernels.grouped_gemm.reference.fused_experts_reference` for shapes; ids of -1 are skipped.
     GPT-OSS's variant: optional biases (E, 2F) / (E, D), an activation other than "silu"
-    (reference.ClampedSwiGLU), and w13 / w2 given as MXFP4 weights (mxfp4.Mxfp4Weight,
-    dequantized per step for the routed experts only). The variant runs the torch ops of either
+    (reference.ClampedSwiGLU), and w13 / w2 given as quantized weights (mxfp4.Mxfp4Weight, or
+    block FP8's BlockFp8Experts: anything with `shape` and `dequantize(dtype, experts)`),
+    dequantized per step for the routed experts only. The variant runs the torch ops of either
     backend (the Triton kernel fuses plain SwiGLU); the default call is unchanged.
     """
     if w13_bias is not None or w2_bias is not None or activation != "silu" or not isinstance(w13_EFD, torch.Tensor):
@@ -73,7 +75,7 @@ def fused_experts(
 def _fused_experts_variant(x_TD, w13, w2, topk_weights_TK, topk_ids_TK, backend, w13_bias, w2_bias, activation):
     if backend not in BACKENDS:
         raise ValueError(f"moe_backend={backend!r} is not one of {BACKENDS}")
-    if not isinstance(w13, torch.Tensor):
+    if not isinstance(w13, torch.Tensor):  # quantized: Mxfp4Weight, or block FP8 (moe_serve/quantization/fp8.py)
         from kernels.grouped_gemm.mxfp4 import fused_experts_mxfp4
 
         dtype = w13_bias.dtype if w13_bias is not None else torch.float32

@@ -73,7 +73,7 @@ def fused_experts_mxfp4(x_TD, w13: Mxfp4Weight, w2: Mxfp4Weight, topk_weights_TK
     one temporary (A, 2F, D) / (A, D, F) stack, ids remapped onto it, and the dense op runs."""
     from kernels.grouped_gemm import fused_experts
 
-    E = w13.blocks.shape[0]
+    E = w13.shape[0]  # any weight with shape and dequantize (MXFP4, block FP8)
     if host_reads and x_TD.shape[0] * topk_ids_TK.shape[1] < E:
         ids = topk_ids_TK.reshape(-1)
         active = torch.unique(ids[ids >= 0])  # sorted; one host read (a memory load on the CPU)

@@ -18,10 +18,11 @@ class GQASelfAttention(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  rotary: RotaryEmbedding, attention_backend: str, dtype, bias: bool = False,
                  qk_norm_eps: float | None = None, qk_norm: str = "head", o_bias: bool | None = None,
-                 clip_qkv: float | None = None):
+                 clip_qkv: float | None = None, sliding_window: int | None = None, sinks: bool = False):
         """bias: on q/k/v (and o unless `o_bias` says otherwise). qk_norm: "head" (Qwen3, GLM-4.5:
         RMSNorm over each head's vector) or "full" (OLMoE: over the whole q / k projection), used
-        when qk_norm_eps is given. clip_qkv: clamp q, k, v to [-clip, clip] after the norms."""
+        when qk_norm_eps is given. clip_qkv: clamp q, k, v to [-clip, clip] after the norms.
+        sliding_window, sinks: passed to PagedAttention (GPT-OSS)."""
         super().__init__()
         if qk_norm not in ("head", "full"):
             raise ValueError(f"qk_norm={qk_norm!r} is not one of 'head', 'full'")
@@ -42,7 +43,8 @@ class GQASelfAttention(nn.Module):
         self.clip_qkv = clip_qkv
         self.rotary = rotary
         self.rotary_dim = rotary.dim
-        self.attn = PagedAttention(num_heads, num_kv_heads, head_dim, head_dim ** -0.5, attention_backend)
+        self.attn = PagedAttention(num_heads, num_kv_heads, head_dim, head_dim ** -0.5, attention_backend,
+                                   sliding_window=sliding_window, sinks=sinks)
 
     def forward(self, x_TD: torch.Tensor, positions_T: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         T = x_TD.shape[0]

@@ -10,6 +10,7 @@ _MODELS = {
     "Qwen2MoeForCausalLM": ("moe_serve.models.qwen2_moe", "Qwen2MoeForCausalLM"),
     "OlmoeForCausalLM": ("moe_serve.models.olmoe", "OlmoeForCausalLM"),
     "Glm4MoeForCausalLM": ("moe_serve.models.glm4_moe", "Glm4MoeForCausalLM"),
+    "GptOssForCausalLM": ("moe_serve.models.gpt_oss", "GptOssForCausalLM"),
     # Kimi-K2 (model_type kimi_k2) is DeepSeek-V3's architecture; its config names either class.
     "KimiK2ForCausalLM": ("moe_serve.models.deepseek_v3", "DeepseekV3ForCausalLM"),
 }

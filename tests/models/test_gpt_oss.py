@@ -1,0 +1,92 @@
+"""GPT-OSS: greedy tokens equal transformers' generate, in float32 and with MXFP4 experts (the
+oracle is transformers running exactly the weights transformers' own MXFP4 unpacking gives for
+the checkpoint's bytes), under the parity settings of test_hf_parity.py: block size 4 against a
+12-token sliding window, prompts and chunked prefills that cross the window, decode past it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_serve import LLM, SamplingParams
+from tests.checkpoints import GPT_OSS_WINDOW
+from tests.models.test_hf_parity import check_greedy_parity, make_prompts
+
+
+def hf_model(path: str, dtype=torch.float32, **config):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **config).eval()
+
+
+def oracle_path(extra_checkpoints, arch: str) -> str:
+    path = extra_checkpoints[arch]
+    return path + "_oracle" if arch == "gpt_oss_mxfp4" else path
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "gpt_oss_mxfp4"])
+def test_greedy_matches_transformers(extra_checkpoints, arch):
+    path = extra_checkpoints[arch]
+    prompts = make_prompts(200)
+    assert max(map(len, prompts)) > 3 * GPT_OSS_WINDOW
+    check_greedy_parity(path, hf_model(oracle_path(extra_checkpoints, arch)), 200)
+
+
+def test_window_and_sinks_change_the_reference(extra_checkpoints):
+    """The checkpoint makes both features matter: transformers' logits move when the window is
+    lifted or the sinks are zeroed (so parity above checks them)."""
+    path = extra_checkpoints["gpt_oss"]
+    ids = torch.tensor([make_prompts(200)[5]])  # 33 tokens: past the window
+    base = hf_model(path)
+    no_window = hf_model(path, layer_types=["full_attention"] * 3)
+    with torch.no_grad():
+        ref = base(ids).logits[0, -1]
+        assert (no_window(ids).logits[0, -1] - ref).abs().max() > 0.1
+        for layer in base.model.layers:
+            layer.self_attn.sinks.zero_()
+        assert (base(ids).logits[0, -1] - ref).abs().max() > 0.1
+
+
+def test_mxfp4_experts_stay_compressed(extra_checkpoints):
+    """On the CPU the expert weights are the checkpoint's uint8 blocks and scales: no dense copy."""
+    from kernels.grouped_gemm.mxfp4 import Mxfp4Weight
+    from moe_serve.models.gpt_oss import Mxfp4Experts
+
+    llm = LLM(extra_checkpoints["gpt_oss_mxfp4"], dtype="float32", kv_cache_memory=1 << 20, show_progress=False)
+    model = llm.engine.runner.model
+    experts = [m for m in model.modules() if isinstance(m, Mxfp4Experts)]
+    assert len(experts) == 3
+    for ex in experts:
+        assert ex.w13 is None and ex.w2 is None
+        assert {n: p.dtype for n, p in ex.named_parameters()} == {
+            "w13_blocks": torch.uint8, "w13_scales": torch.uint8, "w2_blocks": torch.uint8,
+            "w2_scales": torch.uint8, "w13_bias": torch.float32, "w2_bias": torch.float32}
+        assert all(isinstance(w, Mxfp4Weight) for w in ex.op_weights())
+    dense = LLM(extra_checkpoints["gpt_oss"], dtype="float32", kv_cache_memory=1 << 20, show_progress=False)
+    assert llm.engine.runner.weight_bytes < dense.engine.runner.weight_bytes - 3 * 8 * 3 * 64 * 64 * 3
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss_mxfp4"])  # the dense experts take the same path as other models
+def test_bfloat16_logits_close_to_float32(extra_checkpoints, arch):
+    """As test_hf_parity's bf16 check: our bf16 log-probs stay as close to transformers' float32
+    ones as transformers' own bf16 run does."""
+    path, oracle = extra_checkpoints[arch], oracle_path(extra_checkpoints, arch)
+    m32, m16 = hf_model(oracle), hf_model(oracle, torch.bfloat16)
+    prompts = make_prompts(7)[:6]
+    llm = LLM(path, dtype="bfloat16", kv_cache_memory=1 << 22, show_progress=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=1, logprobs=5))
+    for p, o in zip(prompts, outs):
+        with torch.no_grad():
+            ref = torch.log_softmax(m32(torch.tensor([p])).logits[0, -1].double(), -1)
+            hf16 = torch.log_softmax(m16(torch.tensor([p])).logits[0, -1].double(), -1)
+        ours = o.outputs[0].logprobs[0]
+        our_err = max(abs(lp.logprob - float(ref[t])) for t, lp in ours.items())
+        hf_err = max(abs(float(hf16[t]) - float(ref[t])) for t in ours)
+        assert our_err <= max(0.15, 1.5 * hf_err + 0.05), (len(p), our_err, hf_err)
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss_mxfp4"])  # windowed decode attention and every expert dequantized
+def test_decode_forward_has_no_host_sync(extra_checkpoints, arch, monkeypatch):
+    from tests.unit import test_decode_capturable
+
+    test_decode_capturable.test_decode_forward_has_no_host_sync(extra_checkpoints, arch, monkeypatch)
