@@ -213,7 +213,7 @@ class EngineCore:
             self.load_recorder.end_step()
         outputs = []
         for r, lp in zip(sampled_reqs, result.logprobs):
-            if r.status == RequestStatus.FINISHED_ABORTED:
+            if r.status == RequestStatus.FINISHED_ABORTED and r.stop_reason is None:  # aborted during the step
                 continue
             self.num_generation_tokens += 1
             if r.first_token_time is None:

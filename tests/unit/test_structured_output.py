@@ -167,3 +167,31 @@ def test_tokenizer_info_agrees_with_xgrammar_from_huggingface(checkpoints):
     ours = tokenizer_info(path, 600, [2])
     assert ours.dump_metadata() == ref.dump_metadata()
     assert ours.decoded_vocab == ref.decoded_vocab and ours.vocab_size == 600 and ours.stop_token_ids == [2]
+
+
+def test_a_token_the_grammar_rejects_ends_the_request(llm):
+    # Fault injection: the sampler returns a token the grammar forbids (never the case when the
+    # mask is applied). The request must end at once with the reason, not hang or run on.
+    from moe_serve.sampler import SampleResult
+
+    sampler = llm.engine.runner.sampler
+    real = sampler.__call__
+
+    class Forbidding:
+        def __call__(self, logits, md):
+            res = real(logits, md)
+            if md.grammar_cpu is not None:
+                res = SampleResult([1 if i in {g for g, _ in md.grammar_cpu} else t  # <|im_start|>
+                                    for i, t in enumerate(res.token_ids)], res.logprobs)
+            return res
+
+    llm.engine.runner.sampler = Forbidding()
+    try:
+        outs = llm.generate(["x", "y"], [SamplingParams(max_tokens=20, structured_outputs=SO(json_object=True)),
+                                         SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)])
+    finally:
+        llm.engine.runner.sampler = sampler
+    bad, ok = outs[0].outputs[0], outs[1].outputs[0]
+    assert bad.finish_reason == "abort" and "rejected token 1" in bad.stop_reason and bad.token_ids == [1]
+    assert ok.finish_reason == "length" and len(ok.token_ids) == 5
+    assert not llm.engine.has_unfinished()
