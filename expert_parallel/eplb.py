@@ -8,9 +8,11 @@ Every rank runs the same state machine, driven from the core loop at step bounda
   record   every step adds the router's logical ids to a local ExpertLoadRecorder (windows of
            window_size / 8 steps, the last window_size steps kept).
   tune     every step_interval model steps (every rank counts the same steps: lockstep), the ranks
-           sum their windows in one all_reduce over the CPU group and each runs the tuner
-           (expert_parallel/tuner.py, deterministic) on the same numbers in a background thread, so
-           every rank gets the same new placement while serving goes on.
+           sum their windows in one all_reduce over the CPU group; each rank then runs the tuner
+           (expert_parallel/tuner.py) on its share of the layers (l % P == rank) in a background
+           thread while serving goes on, and when every rank is done (the per-turn flag below) one
+           more all_reduce (SUM of rows, zero where not tuned) gives every rank the whole placement.
+           So a rebalance costs two small collectives over the CPU group, none per step.
   move     changed layers, in order, at most LAYERS_IN_FLIGHT at once: the experts a rank gains
            are received (torch.distributed irecv/isend on a group of their own) into a spare
            buffer, together with local copies of the experts it keeps; a thread waits for them.
@@ -22,7 +24,9 @@ Every rank runs the same state machine, driven from the core loop at step bounda
            become the spare buffer. So a step sees each layer wholly before or wholly after.
 
 Memory: LAYERS_IN_FLIGHT spare buffers, each one layer's local experts (s x 3 x F x D elements of
-the expert weights' dtype), allocated at start and logged.
+the expert weights' dtype, plus biases or quantization scales where the experts have them: every
+per-slot tensor moves), allocated at start and logged. Bytes travel as uint8 views, so any dtype
+(FP8 included) goes through any backend.
 A rank that dies mid-transfer leaves the others' receives pending (they keep serving on the old
 weights) until the per-turn all-reduce cannot complete: the watchdog then names the rank and ends
 the job within --dist-timeout.
@@ -99,12 +103,14 @@ class EplbManager:
         self.recorder.start()
         # A group of its own for the weight traffic: its sends never interleave with MoE collectives.
         self.p2p_group = dist.new_group(backend=dist.get_backend()) if world_size > 1 else None
-        w13, w2 = self.layers[0].experts.w13, self.layers[0].experts.w2
+        first = self.layers[0].slot_tensors()
         for m in self.layers:
-            if m.experts.w13.shape != w13.shape or m.experts.w2.shape != w2.shape:
+            if {k: (t.shape, t.dtype) for k, t in m.slot_tensors().items()} != \
+                    {k: (t.shape, t.dtype) for k, t in first.items()}:
                 raise ValueError("expert rebalancing needs every MoE layer's experts to have one shape")
-        self._free = [(torch.empty_like(w13.data), torch.empty_like(w2.data)) for _ in range(LAYERS_IN_FLIGHT)]
-        self.buffer_bytes = LAYERS_IN_FLIGHT * (w13.numel() * w13.element_size() + w2.numel() * w2.element_size())
+        self.names = sorted(first)  # the per-slot tensors, in the order their pieces are tagged
+        self._free = [{k: torch.empty_like(t) for k, t in first.items()} for _ in range(LAYERS_IN_FLIGHT)]
+        self.buffer_bytes = LAYERS_IN_FLIGHT * sum(t.numel() * t.element_size() for t in first.values())
         log.info("expert rebalancing: %d slots (%d redundant), every %d steps from the last %d; %d transfer "
                  "buffers, %.1f MiB in all", self.S, self.S - num_experts, cfg.step_interval, cfg.window_size,
                  LAYERS_IN_FLIGHT, self.buffer_bytes / 2**20)
@@ -159,7 +165,12 @@ class EplbManager:
         elif self._queue and agreed_flag == 0:
             head = self._queue.popleft()
             if isinstance(head, Future):
-                self._plan(head.result())
+                rows, group = head.result()
+                if self.world > 1:  # every rank's share to every rank: each layer is tuned by one rank
+                    rows = torch.from_numpy(rows)
+                    dist.all_reduce(rows, group=group)
+                    rows = rows.numpy()
+                self._plan(rows)
             else:
                 self._switch(head)
         self._post_ready()
@@ -169,7 +180,7 @@ class EplbManager:
     def _start(self, sync_group) -> None:
         history = self.recorder.windows()  # (W, L, E) this rank's tokens
         if self.world > 1:
-            dist.all_reduce(history, group=sync_group)  # the one collective: every rank, same numbers
+            dist.all_reduce(history, group=sync_group)  # every rank: the same numbers
         h = history.numpy()
         from expert_parallel.evaluation import evaluate
 
@@ -177,7 +188,16 @@ class EplbManager:
         if h.sum() == 0:
             return
         self._started = time.perf_counter()
-        self._queue.append(self._pool.submit(self.tune_fn, h, self.world, self.S))
+        # Each rank tunes its share of the layers (l % P == rank): the tuner's CPU time is split
+        # over the ranks instead of repeated on each.
+        mine = list(range(self.rank, len(self.layers), self.world))
+        self._queue.append(self._pool.submit(self._tune_share, h, mine, sync_group))
+
+    def _tune_share(self, h: np.ndarray, mine: list[int], sync_group):
+        rows = np.zeros((len(self.layers), self.S), dtype=np.int64)
+        if mine:
+            rows[mine] = self.tune_fn(h[:, mine], self.world, self.S)
+        return rows, sync_group
 
     def _plan(self, new_LS) -> None:
         new = [list(map(int, r)) for r in new_LS]
@@ -199,11 +219,11 @@ class EplbManager:
                 posted += 1
 
     def _post(self, plan: LayerPlan) -> _Transfer:
-        m = self.layers[plan.layer].experts
+        live = self.layers[plan.layer].slot_tensors()
         t = _Transfer(plan, self._free.pop())
-        b13, b2 = t.buf
-        copies = [(b13[j], m.w13.data[i]) for j, i in plan.copies] + [(b2[j], m.w2.data[i]) for j, i in plan.copies]
-        on_cuda = b13.device.type == "cuda"
+        buf, n = t.buf, len(self.names)
+        copies = [(buf[k][j], live[k][i]) for j, i in plan.copies for k in self.names]
+        on_cuda = next(iter(buf.values())).device.type == "cuda"
         if on_cuda:  # queued behind the steps that still read the recycled buffer as live weights
             for dst, src in copies:
                 dst.copy_(src, non_blocking=True)
@@ -211,14 +231,15 @@ class EplbManager:
             copies.record()
         works = []
         for j, src, e in plan.recvs:
-            tag = (plan.layer * self.E + e) * 2
-            works.append(dist.irecv(b13[j], src, group=self.p2p_group, tag=tag))
-            works.append(dist.irecv(b2[j], src, group=self.p2p_group, tag=tag + 1))
-            t.received_bytes += b13[j].numel() * b13.element_size() + b2[j].numel() * b2.element_size()
+            for k, name in enumerate(self.names):
+                piece = buf[name][j]
+                works.append(dist.irecv(piece.reshape(-1).view(torch.uint8), src, group=self.p2p_group,
+                                        tag=(plan.layer * self.E + e) * n + k))
+                t.received_bytes += piece.numel() * piece.element_size()
         for i, dst, e in plan.sends:
-            tag = (plan.layer * self.E + e) * 2
-            works.append(dist.isend(m.w13.data[i], dst, group=self.p2p_group, tag=tag))
-            works.append(dist.isend(m.w2.data[i], dst, group=self.p2p_group, tag=tag + 1))
+            for k, name in enumerate(self.names):
+                works.append(dist.isend(live[name][i].reshape(-1).view(torch.uint8), dst, group=self.p2p_group,
+                                        tag=(plan.layer * self.E + e) * n + k))
         if self._fault == f"{self.rank}:{plan.layer}":
             log.warning("rank %d: killing itself during the transfer of MoE layer %d (%s)", self.rank, plan.layer,
                         _FAULT_ENV)
@@ -230,13 +251,12 @@ class EplbManager:
         if t.error is not None:
             raise RuntimeError(f"expert rebalancing: the transfer of MoE layer {t.plan.layer} failed: {t.error}")
         plan, moe = t.plan, self.layers[t.plan.layer]
-        b13, b2 = t.buf
         for j, j0 in plan.dups:
-            b13[j].copy_(b13[j0])
-            b2[j].copy_(b2[j0])
+            for piece in t.buf.values():
+                piece[j].copy_(piece[j0])
         lo = self.rank * self.s
         # The replaced weights are the next spare buffer: every send from them has completed.
-        self._free.append(moe.switch_experts(b13, b2, plan.new_row, plan.new_row[lo:lo + self.s]))
+        self._free.append(moe.switch_experts(t.buf, plan.new_row, plan.new_row[lo:lo + self.s]))
         self.rows[plan.layer] = plan.new_row
         self._bytes += t.received_bytes
         self._switched = True
