@@ -37,10 +37,16 @@ class ModelConfig:
     max_model_len: int
     load_format: str  # "safetensors" | "dummy"
     seed: int = 0
+    quantization: str | None = None  # "fp8": quantize an unquantized checkpoint to block FP8 at load
+
+    @property
+    def weight_quantization(self) -> str | None:
+        """How the weights are kept: the checkpoint's quant_method, or what --quantization asks for."""
+        return (self.hf.get("quantization_config") or {}).get("quant_method") or self.quantization
 
     @staticmethod
     def from_path(path: str, dtype: str | torch.dtype = "auto", max_model_len: int | None = None,
-                  load_format: str = "auto", seed: int = 0) -> "ModelConfig":
+                  load_format: str = "auto", seed: int = 0, quantization: str | None = None) -> "ModelConfig":
         cfg_file = os.path.join(path, "config.json")
         if not os.path.isfile(cfg_file):
             raise ValueError(f"model={path!r}: no config.json there (expected a Hugging Face checkpoint directory)")
@@ -55,6 +61,16 @@ class ModelConfig:
                              f"supported: {sorted(supported_architectures())}")
         if load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format={load_format!r} is not one of 'auto', 'safetensors', 'dummy'")
+        if quantization not in (None, "fp8"):
+            raise ValueError(f"quantization={quantization!r} is not one of: fp8")
+        q = hf.get("quantization_config") or {}
+        if q.get("quant_method") == "fp8":
+            from moe_serve.quantization.fp8 import BlockFp8Config
+
+            BlockFp8Config.from_hf(q)  # a malformed config fails here, naming the field
+        if q and quantization and q.get("quant_method") != quantization:
+            raise ValueError(f"quantization={quantization!r}, but the checkpoint is already quantized "
+                             f"(quant_method={q.get('quant_method')!r})")
         limit = int(hf.get("max_position_embeddings", 4096))
         if max_model_len is None:
             max_model_len = limit
@@ -62,7 +78,8 @@ class ModelConfig:
             raise ValueError(f"max_model_len={max_model_len} must be in [1, max_position_embeddings={limit}]")
         return ModelConfig(path=path, hf=hf, architecture=arch, dtype=parse_dtype(dtype, hf),
                            max_model_len=max_model_len,
-                           load_format="safetensors" if load_format == "auto" else load_format, seed=seed)
+                           load_format="safetensors" if load_format == "auto" else load_format, seed=seed,
+                           quantization=quantization)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:

@@ -53,11 +53,17 @@ class ModelRunner:
         self.model.requires_grad_(False)
         self.model.eval()
         if mc.load_format == "dummy":
+            if mc.weight_quantization == "fp8":  # the sizes of an FP8 model: its weights kept in FP8
+                from moe_serve.quantization import fp8
+
+                fp8.to_block_fp8(self.model, (fp8.checkpoint_config(mc.hf) or fp8.BlockFp8Config()).block, None)
             init_dummy_weights(self.model, mc.seed)
         else:
-            load_weights(self.model, mc.path, mc.dtype, show_progress=show_progress)
+            load_weights(self.model, mc.path, mc.dtype, show_progress=show_progress, quantization=mc.quantization)
         prepare_gemm_weights(self.model, mc.dtype, self.device)
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in self.model.parameters())
+        self.weight_bytes += sum(b.numel() * b.element_size() for n, b in self.model.named_buffers()
+                                 if n.endswith("scale_inv"))  # block-FP8 scales
         log.info("model %s loaded in %.1fs: %.1f MiB of weights on this rank (%s)", mc.architecture,
                  time.perf_counter() - t0, self.weight_bytes / 2**20, mc.dtype)
         self._init_kv_cache(kv_cache_memory, memory_fraction)

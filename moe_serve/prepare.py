@@ -41,13 +41,15 @@ def prepare_gemm_weights(model: nn.Module, model_dtype: torch.dtype, device: tor
     def convert(module: nn.Module, name: str) -> None:
         nonlocal added
         p = getattr(module, name)
-        if p is None or p.dtype == target:
+        if p is None or p.dtype == target or p.dtype == torch.float8_e4m3fn:  # FP8 stays FP8
             return
         added += p.numel() * (torch.empty((), dtype=target).element_size() - p.element_size())
         setattr(module, name, nn.Parameter(p.detach().to(target), requires_grad=False))
 
     for m in model.modules():
         if isinstance(m, Linear) and not getattr(m, "weight_used_directly", False):
+            if m.weight_scale_inv is not None:
+                m.dequant_dtype = target  # its FP8 blocks dequantize straight to the GEMM dtype
             convert(m, "weight")
             convert(m, "bias")
         elif isinstance(m, GroupedExperts):

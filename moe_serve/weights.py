@@ -37,16 +37,26 @@ def checkpoint_files(path: str) -> list[str]:
     return [os.path.join(path, f) for f in files]
 
 
-def load_weights(model: nn.Module, path: str, dtype: torch.dtype, show_progress: bool = True) -> None:
-    """Fill every parameter of `model` from the checkpoint at `path`; errors name the tensor."""
+def load_weights(model: nn.Module, path: str, dtype: torch.dtype, show_progress: bool = True,
+                 quantization: str | None = None) -> None:
+    """Fill every parameter of `model` from the checkpoint at `path`; errors name the tensor.
+    Block-FP8 checkpoints load as FP8 (moe_serve/quantization/fp8.py); `quantization="fp8"`
+    quantizes an unquantized checkpoint to block FP8 while it loads."""
     from safetensors import safe_open
 
+    from moe_serve.quantization import fp8
+
     quant = (getattr(model, "hf", None) or {}).get("quantization_config")
-    if quant and quant.get("quant_method") not in getattr(model, "quant_methods", ()):  # GPT-OSS: "mxfp4"
-        raise ValueError(f"checkpoint {path!r} is quantized (quant_method={quant.get('quant_method')!r}); only "
-                         f"unquantized (bf16/fp16/fp32) checkpoints are supported: dequantize it first, or use "
-                         f"load_format='dummy' for its sizes")
-    params = dict(model.named_parameters(remove_duplicate=True))
+    fp8_cfg = None
+    if quant and quant.get("quant_method") == "fp8":
+        fp8_cfg = fp8.BlockFp8Config.from_hf(quant)
+    elif quant and quant.get("quant_method") not in getattr(model, "quant_methods", ()):  # GPT-OSS: "mxfp4"
+        raise ValueError(f"checkpoint {path!r} is quantized with quant_method={quant.get('quant_method')!r}; the "
+                         f"supported quantized formats are block FP8 (quant_method 'fp8') and, for GPT-OSS, MXFP4 "
+                         f"('mxfp4'); otherwise use an "
+                         f"unquantized (bf16/fp16/fp32) checkpoint, or load_format='dummy' for its sizes")
+    if quantization not in (None, "fp8"):
+        raise ValueError(f"quantization={quantization!r} is not one of: fp8")
     experts = {name[: -len(".experts")]: m for name, m in model.named_modules()
                if isinstance(m, GroupedExperts) and name.endswith(".experts")}
     loaded: set[str] = set()
@@ -55,6 +65,22 @@ def load_weights(model: nn.Module, path: str, dtype: torch.dtype, show_progress:
     for fp in files:
         with safe_open(fp, framework="pt") as f:
             names_by_file.append((fp, list(f.keys())))
+    if fp8_cfg is not None:  # FP8 storage for exactly the weights that come with scales
+        scaled = set()
+        for _, names in names_by_file:
+            for raw in names:
+                if raw.endswith(".weight_scale_inv"):
+                    name = model.checkpoint_name(raw[: -len("_scale_inv")])
+                    m = _PER_EXPERT.match(name) if name else None
+                    scaled.add(f"{m.group('prefix')}.experts" if m and m.group("prefix") in experts else name)
+        n = fp8.to_block_fp8(model, fp8_cfg.block, scaled)
+        log.info("block FP8 checkpoint (weight_block_size %s): %d modules keep FP8 weights", list(fp8_cfg.block), n)
+    elif quantization == "fp8":
+        fp8_cfg = fp8.BlockFp8Config()
+        n = fp8.to_block_fp8(model, fp8_cfg.block, None)
+        log.info("--quantization fp8: %d modules quantized to block FP8 (%s) while loading", n, list(fp8_cfg.block))
+    params = dict(model.named_parameters(remove_duplicate=True))
+    scales = {name: b for name, b in model.named_buffers() if name.endswith("weight_scale_inv")}
     # A model may load some tensors itself (GPT-OSS: interleaved gate/up, expert biases, MXFP4
     # blocks): load_checkpoint_tensor(name, raw, file) returns the parameters it filled, or None.
     hook = getattr(model, "load_checkpoint_tensor", None)
@@ -70,6 +96,10 @@ def load_weights(model: nn.Module, path: str, dtype: torch.dtype, show_progress:
                 if hook is not None and (filled := hook(name, raw, f)):  # tensors the model loads itself
                     loaded.update(filled)
                     continue
+                if name.endswith(".weight_scale_inv"):
+                    _load_scale(model, name, raw, f.get_tensor(raw), experts, scales, fp)
+                    loaded.add(name)
+                    continue
                 m = _PER_EXPERT.match(name)
                 if m and m.group("prefix") in experts:
                     kind = model.expert_names.get(m.group("proj"))
@@ -78,7 +108,8 @@ def load_weights(model: nn.Module, path: str, dtype: torch.dtype, show_progress:
                     ex = experts[m.group("prefix")]
                     e = int(m.group("e"))
                     if ex.holds(e):  # other ranks' experts are never read
-                        ex.load(e, kind, f.get_tensor(raw).to(dtype))
+                        t = f.get_tensor(raw)
+                        ex.load(e, kind, t if ex.fp8_block is not None else t.to(dtype))
                     loaded.add(f"{m.group('prefix')}.experts.{'w2' if kind == 'down' else 'w13'}")
                     continue
                 m = _FUSED.match(name)
@@ -92,13 +123,44 @@ def load_weights(model: nn.Module, path: str, dtype: torch.dtype, show_progress:
                 p = params[name]
                 if tuple(t.shape) != tuple(p.shape):
                     raise ValueError(f"tensor {raw!r} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
-                p.data.copy_(t.to(p.dtype))
+                if p.dtype == fp8.FP8 and t.dtype != fp8.FP8:  # --quantization fp8
+                    q, scale = fp8.quantize_blocks(t, fp8_cfg.block)
+                    p.data.copy_(q)
+                    scales[name + "_scale_inv"].copy_(scale)
+                    loaded.add(name + "_scale_inv")
+                elif p.dtype != fp8.FP8 and t.dtype == fp8.FP8:
+                    raise ValueError(f"tensor {raw!r} is FP8 but has no weight_scale_inv in the checkpoint")
+                else:
+                    p.data.copy_(t.to(p.dtype))
                 loaded.add(name)
     bar.close()
+    if fp8_cfg is not None:
+        fp8.finish_block_fp8(model, dtype)
     missing = sorted(n for n in params if n not in loaded and not _tied(model, n))
+    missing += sorted(n for n in scales if n not in loaded and "experts" not in n)
     if missing:
         raise ValueError(f"checkpoint {path!r} is missing tensor(s): {', '.join(missing[:8])}"
                          + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+
+
+def _load_scale(model: nn.Module, name: str, raw: str, t: torch.Tensor, experts: dict, scales: dict, fp: str) -> None:
+    """A block-FP8 weight's `weight_scale_inv`: to its linear layer, or to its expert's slots."""
+    m = _PER_EXPERT.match(name[: -len("_scale_inv")])
+    if m and m.group("prefix") in experts:
+        kind = model.expert_names.get(m.group("proj"))
+        if kind is None:
+            raise ValueError(f"unexpected expert tensor {raw!r} in {fp}")
+        ex = experts[m.group("prefix")]
+        if ex.holds(int(m.group("e"))):
+            ex.load_scale_inv(int(m.group("e")), kind, t.to(torch.float32))
+        return
+    if name not in scales:
+        raise ValueError(f"unexpected tensor {raw!r} in {fp}: the model has no FP8 weight {name[:-len('_scale_inv')]!r}")
+    b = scales[name]
+    if tuple(t.shape) != tuple(b.shape):
+        raise ValueError(f"tensor {raw!r} has shape {tuple(t.shape)}, expected {tuple(b.shape)} (the weight's "
+                         f"blocks for its weight_block_size)")
+    b.copy_(t.to(torch.float32))
 
 
 def _tied(model: nn.Module, name: str) -> bool:

@@ -15,6 +15,7 @@ class EngineArgs:
     dtype: str = "auto"
     max_model_len: int | None = None
     load_format: str = "auto"
+    quantization: str | None = None
     seed: int = 0
     device: str = "auto"
     block_size: int = 16
@@ -40,7 +41,8 @@ class EngineArgs:
     show_progress: bool = True
 
     def create_engine_config(self, rank: int = 0, world_size: int = 1) -> EngineConfig:
-        mc = ModelConfig.from_path(self.model, self.dtype, self.max_model_len, self.load_format, self.seed)
+        mc = ModelConfig.from_path(self.model, self.dtype, self.max_model_len, self.load_format, self.seed,
+                                   self.quantization)
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size={self.block_size} must be a power of two")
         if self.max_num_batched_tokens < 1:
@@ -57,6 +59,9 @@ class EngineArgs:
 
         eplb = resolve_eplb(self.enable_eplb, self.num_redundant_experts, self.eplb_window_size,
                             self.eplb_step_interval, self.eplb_config)
+        if eplb is not None and mc.weight_quantization:
+            raise ValueError(f"--enable-eplb with quantized weights ({mc.weight_quantization}) is not supported yet: "
+                             "rebalancing moves unquantized expert weights only")
         choice = platform.choose(self.device, self.moe_backend, self.attention_backend, self.all2all_backend,
                                  world_size)
         return EngineConfig(
@@ -81,6 +86,9 @@ class EngineArgs:
         g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
         g.add_argument("--max-model-len", type=int, default=None)
         g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+        g.add_argument("--quantization", default=None, choices=["fp8"],
+                       help="fp8: quantize an unquantized checkpoint's linear and expert weights to block FP8 "
+                            "(128x128) while loading (block-FP8 checkpoints load as FP8 without it)")
         g.add_argument("--seed", type=int, default=0)
         g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
         g.add_argument("--block-size", type=int, default=16)

@@ -16,8 +16,34 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
+        self.register_buffer("weight_scale_inv", None)  # block FP8's scales (to_block_fp8)
+
+    # Block FP8 (moe_serve/quantization/fp8.py): set by `to_block_fp8` before loading.
+    fp8_block: tuple[int, int] | None = None
+    dequant_dtype: torch.dtype | None = None  # what the blocks dequantize to (prepare.py); None: x's dtype
+
+    def to_block_fp8(self, block: tuple[int, int]) -> None:
+        """Keep this weight in block FP8: an FP8 weight and its float32 block scales (filled by the
+        loader, which quantizes an unquantized tensor itself). Dequantized per call in forward."""
+        from moe_serve.quantization.fp8 import FP8, scale_shape
+
+        self.weight = nn.Parameter(torch.empty(self.out_features, self.in_features, dtype=FP8,
+                                               device=self.weight.device), requires_grad=False)
+        self.weight_scale_inv = torch.ones(scale_shape(self.out_features, self.in_features, block),
+                                           dtype=torch.float32, device=self.weight.device)
+        self.fp8_block = block
+
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight as a dense tensor (dequantized when it is FP8)."""
+        if self.weight_scale_inv is None:
+            return self.weight
+        from moe_serve.quantization.fp8 import dequantize_blocks
+
+        return dequantize_blocks(self.weight, self.weight_scale_inv, self.fp8_block, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_scale_inv is not None:  # weight-only FP8: this layer's blocks, dequantized now
+            return linear(x, self.dense_weight(self.dequant_dtype or x.dtype), self.bias)
         return linear(x, self.weight, self.bias)
 
 

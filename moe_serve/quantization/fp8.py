@@ -1,0 +1,152 @@
+"""Block-scaled FP8 weights, as DeepSeek-V3 put them on the Hub.
+
+quantization_config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+"weight_block_size": [128, 128]}: each quantized linear weight (out, in) is float8_e4m3fn, with a
+float32 `<name>_scale_inv` of shape (ceil(out / 128), ceil(in / 128)); the real weight is
+q * scale_inv of its block (blocks at the right and bottom edges are partial). The router, norms,
+embeddings and LM head stay unquantized; which tensors are FP8 is read from the checkpoint (a
+weight with a `_scale_inv` beside it).
+
+Weights stay FP8 in memory (half of bf16's bytes). Weight-only compute: a linear or expert op
+dequantizes the blocks it needs into the activations' dtype when it runs (one layer's weights, or
+one step's routed experts, at a time), never a dequantized copy of the model. `--quantization fp8`
+quantizes an unquantized checkpoint to the same layout while it loads, tensor by tensor.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger("moe_serve.quantization")
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3fn value
+
+
+@dataclass(frozen=True)
+class BlockFp8Config:
+    block: tuple[int, int] = (128, 128)
+
+    @staticmethod
+    def from_hf(q: dict) -> "BlockFp8Config":
+        """Validate a checkpoint's quantization_config; errors name the field."""
+        fmt = q.get("fmt", "e4m3")
+        if fmt != "e4m3":
+            raise ValueError(f"quantization_config.fmt={fmt!r}: only 'e4m3' FP8 is supported")
+        scheme = q.get("activation_scheme", "dynamic")
+        if scheme != "dynamic":
+            raise ValueError(f"quantization_config.activation_scheme={scheme!r}: only 'dynamic' is supported "
+                             "(weights carry their scales; activations are not pre-scaled)")
+        block = q.get("weight_block_size")
+        if block is None:
+            raise ValueError("quantization_config.weight_block_size is missing: only block-scaled FP8 "
+                             "(e.g. [128, 128]) is supported, not per-tensor FP8")
+        if (not isinstance(block, (list, tuple)) or len(block) != 2
+                or not all(isinstance(b, int) and b > 0 for b in block)):
+            raise ValueError(f"quantization_config.weight_block_size={block!r} must be two positive ints")
+        return BlockFp8Config((int(block[0]), int(block[1])))
+
+
+def scale_shape(rows: int, cols: int, block: tuple[int, int]) -> tuple[int, int]:
+    return math.ceil(rows / block[0]), math.ceil(cols / block[1])
+
+
+def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., R, C) float -> (FP8 values, float32 scale_inv (..., ceil(R/b0), ceil(C/b1))) with each
+    block scaled so its largest magnitude maps to FP8's largest value (DeepSeek's recipe)."""
+    *lead, R, C = w.shape
+    b0, b1 = block
+    nr, nc = scale_shape(R, C, block)
+    wf = w.to(torch.float32)
+    padded = torch.zeros(*lead, nr * b0, nc * b1, dtype=torch.float32, device=w.device)
+    padded[..., :R, :C] = wf
+    blocks = padded.view(*lead, nr, b0, nc, b1)
+    amax = blocks.abs().amax(dim=(-3, -1))  # (..., nr, nc)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (blocks / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.view(*lead, nr * b0, nc * b1)[..., :R, :C].contiguous(), scale
+
+
+def dequantize_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                      dtype: torch.dtype) -> torch.Tensor:
+    """(..., R, C) FP8 values times their blocks' scale_inv, in `dtype` (computed in float32)."""
+    R, C = q.shape[-2:]
+    s = scale_inv.repeat_interleave(block[0], dim=-2)[..., :R, :].repeat_interleave(block[1], dim=-1)[..., :C]
+    return (q.to(torch.float32) * s).to(dtype)
+
+
+class BlockFp8Experts:
+    """A stacked expert projection in block FP8, for the expert op: values (E, R, C) and scale_inv
+    (E, sum of the parts' row blocks, ceil(C/b1)). `parts` are the row counts quantized separately:
+    w13 stacks gate then up (F rows each, their own block grids, as in the checkpoint), w2 is one
+    part. Same interface as the MXFP4 weights (`shape`, `dequantize`)."""
+
+    def __init__(self, q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], parts: tuple[int, ...]):
+        self.q, self.scale_inv, self.block, self.parts = q, scale_inv, block, parts
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return tuple(self.q.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.q.dtype
+
+    def dequantize(self, dtype: torch.dtype, experts: torch.Tensor | None = None) -> torch.Tensor:
+        q, s = self.q, self.scale_inv
+        if experts is not None:
+            q, s = q.index_select(0, experts), s.index_select(0, experts)
+        if len(self.parts) == 1:
+            return dequantize_blocks(q, s, self.block, dtype)
+        out, r0, s0 = [], 0, 0
+        for rows in self.parts:
+            nr = math.ceil(rows / self.block[0])
+            out.append(dequantize_blocks(q[:, r0:r0 + rows], s[:, s0:s0 + nr], self.block, dtype))
+            r0, s0 = r0 + rows, s0 + nr
+        return torch.cat(out, dim=1)
+
+
+def checkpoint_config(hf: dict) -> BlockFp8Config | None:
+    q = hf.get("quantization_config") or {}
+    return BlockFp8Config.from_hf(q) if q.get("quant_method") == "fp8" else None
+
+
+def to_block_fp8(model: torch.nn.Module, block: tuple[int, int], weight_names: set[str] | None) -> int:
+    """Give FP8 storage to the weights that will be loaded as FP8: `weight_names` (our names of the
+    checkpoint's weights that have a `_scale_inv`, expert weights as `<prefix>.experts`), or, for
+    `--quantization fp8` (None), every quantizable linear layer and every expert stack. Returns the
+    number of modules converted. Modules are converted before any tensor is read, so the
+    unquantized allocation they replace was never filled."""
+    from expert_parallel.layer import GroupedExperts
+    from moe_serve.layers.linear import Linear
+
+    n = 0
+    for name, m in model.named_modules():
+        if isinstance(m, Linear):
+            if weight_names is None:
+                if getattr(m, "weight_used_directly", False) or not getattr(m, "quantizable", True):
+                    continue
+            elif f"{name}.weight" not in weight_names:
+                continue
+            m.to_block_fp8(block)
+            n += 1
+        elif isinstance(m, GroupedExperts) and (weight_names is None or name in weight_names):
+            m.to_block_fp8(block)
+            n += 1
+    return n
+
+
+def finish_block_fp8(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """After loading: a layer whose weight the model reads directly (MLA's kv_b_proj, split into
+    its absorbed halves) is dequantized once into the model's dtype (it is small)."""
+    from moe_serve.layers.linear import Linear
+
+    for m in model.modules():
+        if isinstance(m, Linear) and m.weight_scale_inv is not None and getattr(m, "weight_used_directly", False):
+            dense = m.dense_weight(dtype)
+            m.weight = torch.nn.Parameter(dense, requires_grad=False)
+            m.weight_scale_inv = None
+            m.fp8_block = None
