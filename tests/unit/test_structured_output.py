@@ -144,12 +144,18 @@ def test_unconstrained_rows_untouched_in_a_mixed_batch(llm):
     constrained.append(("Answer:", SamplingParams(temperature=0, max_tokens=8,
                                                   structured_outputs=SO(choice=["A", "B"]))))
     mixed = constrained[:2] + plain[:1] + constrained[2:] + plain[1:]
+    compiled = llm.engine.grammars.num_compiled
     outs = llm.generate([p for p, _ in mixed], [sp for _, sp in mixed])
+    assert llm.engine.grammars.num_compiled - compiled <= 2  # one compile per distinct spec
     got = [outs[2], outs[5], outs[6]]
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in alone]
     for o in [outs[0], outs[1], outs[3]]:
         jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)
     assert outs[4].outputs[0].text in ("A", "B")
+    compiled = llm.engine.grammars.num_compiled
+    again = llm.generate([p for p, _ in mixed], [sp for _, sp in mixed])
+    assert llm.engine.grammars.num_compiled == compiled  # cached: nothing compiles again
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
 
 
 def test_tokenizer_info_agrees_with_xgrammar_from_huggingface(checkpoints):
