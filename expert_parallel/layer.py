@@ -54,12 +54,23 @@ def default_physical_to_logical(num_experts: int, num_slots: int) -> list[int]:
 class GroupedExperts(nn.Module):
     """This rank's expert slots as two stacked weight tensors, loaded by logical expert id."""
 
-    def __init__(self, num_local: int, hidden_size: int, intermediate_size: int, local_logical: list[int], dtype):
+    def __init__(self, num_local: int, hidden_size: int, intermediate_size: int, local_logical: list[int], dtype,
+                 bias: bool = False, activation="silu"):
+        """bias: w13_bias (E, 2F) and w2_bias (E, D) (GPT-OSS); activation: see fused_experts."""
         super().__init__()
         self.F = intermediate_size
         self.w13 = nn.Parameter(torch.empty(num_local, 2 * intermediate_size, hidden_size, dtype=dtype))
         self.w2 = nn.Parameter(torch.empty(num_local, hidden_size, intermediate_size, dtype=dtype))
+        self.w13_bias = nn.Parameter(torch.zeros(num_local, 2 * intermediate_size, dtype=dtype)) if bias else None
+        self.w2_bias = nn.Parameter(torch.zeros(num_local, hidden_size, dtype=dtype)) if bias else None
+        self.activation = activation
         self.set_local_logical(local_logical)
+
+    def op_kwargs(self) -> dict:
+        """The expert op's optional arguments for these experts: none for plain SwiGLU experts."""
+        if self.w13_bias is None and self.activation == "silu":
+            return {}
+        return dict(w13_bias=self.w13_bias, w2_bias=self.w2_bias, activation=self.activation)
 
     def set_local_logical(self, local_logical: list[int]) -> None:
         self.local_logical = list(local_logical)
@@ -70,8 +81,37 @@ class GroupedExperts(nn.Module):
     def holds(self, logical_id: int) -> bool:
         return logical_id in self.slots_of
 
-    def load(self, logical_id: int, kind: str, w: torch.Tensor) -> None:
-        """kind: "gate" (F, D), "up" (F, D), "down" (D, F), "gate_up" (2F, D); copied to every replica."""
+    fp8_block: tuple[int, int] | None = None  # set by to_block_fp8 (moe_serve/quantization/fp8.py)
+
+    def to_block_fp8(self, block: tuple[int, int]) -> None:
+        """Keep the expert weights in block FP8: FP8 values and float32 block scales per expert, gate
+        and up quantized separately (as checkpoints have them). Filled by the loader."""
+        from moe_serve.quantization.fp8 import FP8, scale_shape
+
+        E, twoF, D = self.w13.shape
+        dev = self.w13.device
+        self.fp8_block = block
+        self.w13 = nn.Parameter(torch.empty(E, twoF, D, dtype=FP8, device=dev), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(E, D, self.F, dtype=FP8, device=dev), requires_grad=False)
+        r, c = scale_shape(self.F, D, block)
+        self.register_buffer("w13_scale_inv", torch.ones(E, 2 * r, c, dtype=torch.float32, device=dev))
+        self.register_buffer("w2_scale_inv", torch.ones(E, *scale_shape(D, self.F, block), dtype=torch.float32,
+                                                        device=dev))
+
+    def op_weights(self):
+        """(w13, w2) as the expert op takes them: tensors, or FP8 weights it dequantizes per step."""
+        if self.fp8_block is None:
+            return self.w13, self.w2
+        from moe_serve.quantization.fp8 import BlockFp8Experts
+
+        return (BlockFp8Experts(self.w13, self.w13_scale_inv, self.fp8_block, (self.F, self.F)),
+                BlockFp8Experts(self.w2, self.w2_scale_inv, self.fp8_block, (self.w2.shape[1],)))
+
+    def load(self, logical_id: int, kind: str, w: torch.Tensor, scale_inv: torch.Tensor | None = None) -> None:
+        """kind: "gate" (F, D), "up" (F, D), "down" (D, F), "gate_up" (2F, D); copied to every replica.
+        FP8 experts: `w` in FP8 with its `scale_inv`, or unquantized (quantized here)."""
+        if self.fp8_block is not None:
+            return self._load_fp8(logical_id, kind, w, scale_inv)
         for s in self.slots_of.get(logical_id, ()):
             if kind == "gate":
                 self.w13.data[s, : self.F].copy_(w)
@@ -84,12 +124,53 @@ class GroupedExperts(nn.Module):
             else:
                 raise ValueError(f"unknown expert weight kind {kind!r}")
 
+    def _load_fp8(self, logical_id: int, kind: str, w: torch.Tensor, scale_inv: torch.Tensor | None) -> None:
+        from moe_serve.quantization.fp8 import FP8, quantize_blocks
+
+        if kind == "gate_up":
+            if w.dtype == FP8:
+                raise ValueError("fused gate_up FP8 expert tensors are not supported (the Hub's FP8 checkpoints "
+                                 "have per-expert gate_proj / up_proj tensors)")
+            self._load_fp8(logical_id, "gate", w[: self.F], None)  # --quantization fp8: halves quantized apart
+            self._load_fp8(logical_id, "up", w[self.F:], None)
+            return
+        if kind not in ("gate", "up", "down"):
+            raise ValueError(f"expert weight kind {kind!r} is not supported with FP8 experts (per-expert gate, up "
+                             "and down tensors are)")
+        if w.dtype != FP8:  # an unquantized checkpoint under --quantization fp8
+            w, scale_inv = quantize_blocks(w, self.fp8_block)
+        rows = {"gate": slice(0, self.F), "up": slice(self.F, 2 * self.F)}
+        for s in self.slots_of.get(logical_id, ()):
+            if kind == "down":
+                self.w2.data[s].copy_(w)
+            else:
+                self.w13.data[s, rows[kind]].copy_(w)
+        if scale_inv is not None:
+            self.load_scale_inv(logical_id, kind, scale_inv)
+
+    def load_scale_inv(self, logical_id: int, kind: str, scale_inv: torch.Tensor) -> None:
+        """An FP8 expert weight's block scales, (ceil(rows / b0), ceil(cols / b1))."""
+        nr = self.w13_scale_inv.shape[1] // 2
+        target = {"gate": lambda s: self.w13_scale_inv[s, :nr], "up": lambda s: self.w13_scale_inv[s, nr:],
+                  "down": lambda s: self.w2_scale_inv[s]}.get(kind)
+        if target is None:
+            raise ValueError(f"expert weight kind {kind!r} has no FP8 scales")
+        for s in self.slots_of.get(logical_id, ()):
+            dst = target(s)
+            if tuple(dst.shape) != tuple(scale_inv.shape):
+                raise ValueError(f"expert {logical_id} {kind} weight_scale_inv has shape {tuple(scale_inv.shape)}, "
+                                 f"expected {tuple(dst.shape)} for weight_block_size {list(self.fp8_block)}")
+            dst.copy_(scale_inv)
+
 
 class MoE(nn.Module):
     """Sparse MoE block; `shared_experts` (DeepSeek) run while routed tokens are away."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, router: nn.Module,
-                 ctx: MoEContext, dtype, shared_experts: nn.Module | None = None):
+                 ctx: MoEContext, dtype, shared_experts: nn.Module | None = None,
+                 experts_cls: type | None = None, experts_kwargs: dict | None = None):
+        """experts_cls / experts_kwargs: another GroupedExperts (GPT-OSS's MXFP4 experts) and extra
+        arguments (bias, activation)."""
         super().__init__()
         self.ctx = ctx
         self.layer_index = ctx.next_layer_index()
@@ -106,8 +187,8 @@ class MoE(nn.Module):
             raise ValueError(f"MoE layer {self.layer_index}: {len(p2l)} physical slots but the dispatcher has {d.num_slots}")
         lo = d.rank * d.slots_per_rank
         self.gate = router
-        self.experts = GroupedExperts(d.slots_per_rank, hidden_size, intermediate_size,
-                                      p2l[lo: lo + d.slots_per_rank], dtype)
+        self.experts = (experts_cls or GroupedExperts)(d.slots_per_rank, hidden_size, intermediate_size,
+                                                       p2l[lo: lo + d.slots_per_rank], dtype, **(experts_kwargs or {}))
         self.shared_experts = shared_experts
         self.replica_map: Any = None  # logical ids -> physical slot ids when any expert has replicas
         self._set_map(p2l)
@@ -171,8 +252,9 @@ class MoE(nn.Module):
         sent = pending.wait()
         trace and trace("dispatch_end", mb, self.layer_index)
         trace and trace("experts", mb, self.layer_index)
-        y_RD = fused_experts(sent.x_RD, self.experts.w13, self.experts.w2, sent.topk_weights_RK,
-                             sent.topk_ids_RK, backend=self.ctx.moe_backend)
+        w13, w2 = self.experts.op_weights()
+        y_RD = fused_experts(sent.x_RD, w13, w2, sent.topk_weights_RK, sent.topk_ids_RK, backend=self.ctx.moe_backend,
+                             **self.experts.op_kwargs())
         trace and trace("combine_start", mb, self.layer_index)
         pending = d.combine_async(y_RD, sent.handle)
         yield
