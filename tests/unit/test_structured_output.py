@@ -201,3 +201,16 @@ def test_a_token_the_grammar_rejects_ends_the_request(llm):
     assert bad.finish_reason == "abort" and "rejected token 1" in bad.stop_reason and bad.token_ids == [1]
     assert ok.finish_reason == "length" and len(ok.token_ids) == 5
     assert not llm.engine.has_unfinished()
+
+
+def test_abort_while_the_grammar_compiles(llm):
+    from moe_serve.protocol import NewRequest
+
+    core = llm.engine
+    p = SamplingParams(max_tokens=5, structured_outputs=SO(regex=r"never-seen-before-[0-9]{3}"))
+    assert core.add_request(NewRequest("g1", [5, 6, 7], p)) is None
+    assert core.has_unfinished() and core.stats().num_waiting == 1
+    assert core.add_request(NewRequest("g1", [5], p)).stop_reason.endswith("already in use")
+    (out,) = core.abort_requests(["g1"])
+    assert out.finished and out.finish_reason == "abort"
+    assert not core.has_unfinished() and core.step() == []
