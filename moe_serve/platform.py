@@ -37,8 +37,53 @@ def deepep_available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("deep_ep") is not None
 
 
+# What DeepEP's kernels are compiled for (csrc/kernels/launch.cuh of DeepEP V1): intranode ranks
+# 2/4/8; across nodes (8 GPUs each) 2/4/8/16 nodes; low-latency kernels only these hidden sizes.
+DEEPEP_NVL_PEERS = 8
+DEEPEP_INTRANODE_RANKS = (2, 4, 8)
+DEEPEP_RDMA_NODES = (2, 4, 8, 16)
+DEEPEP_LOW_LATENCY_HIDDEN = (2048, 2560, 4096, 5120, 6144, 7168, 8192)
+
+
+def deepep_support(hidden_size: int | None, world_size: int) -> tuple[bool, bool, str]:
+    """(usable, low_latency_ok, why): whether DeepEP's kernels take this EP world size at all, and
+    whether its low-latency (decode) kernels take this hidden size; `why` says what decided it."""
+    if world_size <= DEEPEP_NVL_PEERS:
+        if world_size not in DEEPEP_INTRANODE_RANKS:
+            return False, False, f"DeepEP's intranode kernels take {DEEPEP_INTRANODE_RANKS} ranks, not {world_size}"
+    elif world_size % DEEPEP_NVL_PEERS or world_size // DEEPEP_NVL_PEERS not in DEEPEP_RDMA_NODES:
+        return False, False, (f"DeepEP's internode kernels take {DEEPEP_RDMA_NODES} nodes of {DEEPEP_NVL_PEERS} "
+                              f"GPUs, not an EP world of {world_size}")
+    if hidden_size is not None and hidden_size not in DEEPEP_LOW_LATENCY_HIDDEN:
+        return True, False, (f"hidden_size={hidden_size} is not one of DeepEP's low-latency sizes "
+                             f"{DEEPEP_LOW_LATENCY_HIDDEN}: normal kernels only")
+    return True, True, f"EP world {world_size} and hidden_size={hidden_size} are supported"
+
+
+def choose_all2all(requested: str, on_gpu: bool, world_size: int, hidden_size: int | None,
+                   deepep_installed: bool) -> tuple[str, str]:
+    """The dispatch backend and why (the reason names what ruled the others out)."""
+    if world_size == 1:
+        return "local", "one EP rank: nothing to dispatch"
+    if requested == "deepep":
+        usable, _, why = deepep_support(hidden_size, world_size)
+        if not usable:
+            raise ValueError(f"all2all_backend='deepep': {why}")
+        return requested, "chosen by --all2all-backend; " + why
+    if requested != "auto":
+        return requested, "chosen by --all2all-backend"
+    if not on_gpu:
+        return "all_to_all", "CPU: torch.distributed all_to_all over gloo (DeepEP needs CUDA)"
+    if not deepep_installed:
+        return "all_to_all", "deep_ep is not installed (see README: DeepEP): NCCL all_to_all"
+    usable, _, why = deepep_support(hidden_size, world_size)
+    if not usable:
+        return "all_to_all", why + ": NCCL all_to_all"
+    return "deepep", why
+
+
 def choose(device: str = "auto", moe_backend: str = "auto", attention_backend: str = "auto",
-           all2all_backend: str = "auto", world_size: int = 1) -> PlatformChoice:
+           all2all_backend: str = "auto", world_size: int = 1, hidden_size: int | None = None) -> PlatformChoice:
     dev = resolve_device(device)
     on_gpu = dev.type == "cuda"
     for field, value in (("moe_backend", moe_backend), ("attention_backend", attention_backend)):
@@ -46,13 +91,11 @@ def choose(device: str = "auto", moe_backend: str = "auto", attention_backend: s
             raise ValueError(f"{field}={value!r} is not one of 'auto', 'torch', 'triton'")
     moe = moe_backend if moe_backend != "auto" else ("triton" if on_gpu else "torch")
     attn = attention_backend if attention_backend != "auto" else ("triton" if on_gpu else "torch")
-    if all2all_backend == "auto":
-        a2a = "local" if world_size == 1 else ("deepep" if on_gpu and deepep_available() else "all_to_all")
-    else:
-        a2a = all2all_backend
+    a2a, why = choose_all2all(all2all_backend, on_gpu, world_size, hidden_size,
+                              on_gpu and world_size > 1 and all2all_backend == "auto" and deepep_available())
     choice = PlatformChoice(dev, moe, attn, "nccl" if on_gpu else "gloo", a2a)
-    log.info("platform: device=%s moe_backend=%s attention_backend=%s dist_backend=%s all2all_backend=%s",
-             dev, moe, attn, choice.dist_backend, a2a)
+    log.info("platform: device=%s moe_backend=%s attention_backend=%s dist_backend=%s all2all_backend=%s (%s)",
+             dev, moe, attn, choice.dist_backend, a2a, why)
     return choice
 
 

@@ -6,8 +6,10 @@ from expert_parallel.dispatch.base import Dispatcher, DispatchOutput
 BACKENDS = ("local", "all_to_all", "allgather", "deepep", "reference")
 
 
-def make_dispatcher(name: str, num_slots: int, rank: int = 0, world_size: int = 1, group=None) -> Dispatcher:
-    """Build the named backend. With world_size 1 every name but "reference" resolves to "local"."""
+def make_dispatcher(name: str, num_slots: int, rank: int = 0, world_size: int = 1, group=None,
+                    **options) -> Dispatcher:
+    """Build the named backend. With world_size 1 every name but "reference" resolves to "local".
+    `options` go to the DeepEP dispatcher only (e.g. mode="normal")."""
     if name not in BACKENDS:
         raise ValueError(f"all2all_backend={name!r} is not one of {BACKENDS}")
     if world_size == 1 and name != "reference":
@@ -19,7 +21,9 @@ def make_dispatcher(name: str, num_slots: int, rank: int = 0, world_size: int = 
     elif name == "allgather":
         from expert_parallel.dispatch.allgather import AllGatherDispatcher as cls
     elif name == "deepep":
-        from expert_parallel.dispatch.deepep import DeepEPDispatcher as cls
+        from expert_parallel.dispatch.deepep import DeepEPDispatcher
+
+        return DeepEPDispatcher(num_slots, rank, world_size, group, **options)
     else:
         from expert_parallel.dispatch.reference import ReferenceDispatcher as cls
     return cls(num_slots, rank, world_size, group)

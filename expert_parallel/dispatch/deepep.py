@@ -42,9 +42,8 @@ import torch.distributed as dist
 
 from expert_parallel.dispatch.base import Dispatcher, DispatchOutput, Pending
 
-NEEDS_DEEPEP = ("all2all_backend='deepep' needs the deep_ep package and a CUDA device; install with "
-                "pip install moe-serve[deepep] (DeepEP builds against NVSHMEM: "
-                "https://github.com/deepseek-ai/DeepEP), or use all2all_backend='all_to_all'")
+NEEDS_DEEPEP = ("all2all_backend='deepep' needs the deep_ep package and a CUDA device; it builds from "
+                "source against NVSHMEM (README.md: Installing DeepEP), or use all2all_backend='all_to_all'")
 MODES = ("auto", "normal", "low_latency")
 
 

@@ -63,7 +63,7 @@ class EngineArgs:
             raise ValueError(f"--enable-eplb with quantized weights ({mc.weight_quantization}) is not supported yet: "
                              "rebalancing moves unquantized expert weights only")
         choice = platform.choose(self.device, self.moe_backend, self.attention_backend, self.all2all_backend,
-                                 world_size)
+                                 world_size, mc.hf.get("hidden_size"))
         return EngineConfig(
             model=mc,
             cache=CacheConfig(self.block_size, self.num_kv_blocks or 0, self.kv_cache_memory or 0,

@@ -72,7 +72,12 @@ class EngineCore:
         if par.eplb is not None:
             num_slots = eplb_slots(par.eplb, num_logical_experts(mc.architecture, mc.hf), par.world_size,
                                    physical_to_logical)
-        dispatcher = make_dispatcher(par.all2all_backend, num_slots, par.rank, par.world_size, ep_group)
+        options = {}
+        if par.all2all_backend == "deepep":  # low-latency kernels only where DeepEP has them for this size
+            from moe_serve.platform import deepep_support
+
+            options["mode"] = "auto" if deepep_support(mc.hf.get("hidden_size"), par.world_size)[1] else "normal"
+        dispatcher = make_dispatcher(par.all2all_backend, num_slots, par.rank, par.world_size, ep_group, **options)
         self.moe_ctx = MoEContext(dispatcher, cfg.moe_backend, physical_to_logical)
         self.load_recorder = None
         self.runner = ModelRunner(cfg, self.moe_ctx, cfg.cache.kv_cache_memory or None, cfg.cache.memory_fraction,

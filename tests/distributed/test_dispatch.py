@@ -293,8 +293,8 @@ def test_dispatch_backends_over_nccl(world_size, tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_DEEP_EP, reason="deep_ep is not importable; install with pip install "
-                                            "moe-serve[deepep] on a multi-GPU CUDA machine to test it")
+@pytest.mark.skipif(not HAS_DEEP_EP, reason="deep_ep is not importable; install "
+                                            "DeepEP (README.md: Installing DeepEP) on a multi-GPU CUDA machine to test it")
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_deepep_matches_reference(world_size, tmp_path):
     _need_gpus(world_size)
@@ -325,7 +325,7 @@ def test_init_process_groups_single_process_and_bad_backend(monkeypatch):
 def test_deepep_without_package_names_the_fix():
     from expert_parallel.dispatch.deepep import DeepEPDispatcher
     with pytest.raises(RuntimeError, match=r"all2all_backend='deepep' needs the deep_ep package and a "
-                                           r"CUDA device; install with pip install moe-serve\[deepep\]"):
+                                           r"CUDA device; it builds from source against NVSHMEM \(README.md: Installing DeepEP\)"):
         DeepEPDispatcher(8, 0, 2, None)
 
 
