@@ -70,7 +70,7 @@ def test_rank_killed_mid_transfer_stops_job_naming_it(checkpoints, monkeypatch):
     # Rank 1 SIGKILLs itself right after posting its sends and receives of MoE layer 0 in the
     # first rebalance (expert_parallel/eplb.py's test hook), with its peers' receives pending.
     monkeypatch.setenv("MOE_SERVE_EPLB_KILL_DURING_TRANSFER", "1:0")
-    timeout = 10
+    timeout = 15
     job = TorchrunJob(2, ["--model", checkpoints["mixtral"], *ARGS, *EPLB_FLAGS, "--num-redundant-experts", "2",
                           "--dist-timeout", str(timeout)])
     try:
@@ -88,7 +88,7 @@ def test_rank_killed_mid_transfer_stops_job_naming_it(checkpoints, monkeypatch):
             time.sleep(0.1)
         t0 = time.monotonic()
         rc = job.wait(timeout + 30)
-        assert time.monotonic() - t0 < timeout + 30
+        assert time.monotonic() - t0 < timeout  # within --dist-timeout of the death
         assert rc != 0
         log = job.log()
         assert "rank: 1" in log or "rank 1 " in log, log[-3000:]
