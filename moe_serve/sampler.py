@@ -20,7 +20,7 @@ import torch
 
 from moe_serve.logits_processors import process_logits
 from moe_serve.sampling_metadata import SamplingMetadata
-from moe_serve.structured_output.bitmask import apply_token_bitmask
+from moe_serve.structured_output.bitmask import apply_token_bitmask_
 from moe_serve.seeded_random import seeded_exponential
 
 
@@ -41,7 +41,9 @@ class Sampler:
         raw_SV = logits_SV.to(torch.float32)
         x_SV = process_logits(raw_SV, md)
         if md.grammar_bitmask_GW is not None:  # structured outputs: before temperature and top-k/p
-            x_SV = apply_token_bitmask(x_SV, md.grammar_bitmask_GW, md.grammar_rows_G)
+            if x_SV is raw_SV and md.logprobs_cpu is not None:
+                x_SV = x_SV.clone()  # logprobs are the model's: keep raw_SV unmasked
+            apply_token_bitmask_(x_SV, md.grammar_bitmask_GW, md.grammar_rows_G)
         chosen_S = self.choose(x_SV, md)
         ids = chosen_S.tolist()  # the step's one device->host read
         lps = _logprobs(raw_SV, chosen_S, md.logprobs_cpu) if md.logprobs_cpu is not None else [None] * len(ids)

@@ -46,14 +46,31 @@ class BitmaskFiller:
         return idx.to(self.device, non_blocking=True), host.to(self.device, non_blocking=True)
 
 
-def apply_token_bitmask(x_SV: torch.Tensor, bitmask_GW: torch.Tensor, rows_G: torch.Tensor) -> torch.Tensor:
-    """x_SV with -inf where row rows_G[g]'s bitmask forbids a token (ids past the mask's width are
-    forbidden too); other rows untouched. Returns a new tensor, x_SV is not modified."""
+def apply_token_bitmask_(x_SV: torch.Tensor, bitmask_GW: torch.Tensor, rows_G: torch.Tensor) -> None:
+    """In place: -inf in row rows_G[g] of x_SV wherever bitmask_GW[g] forbids a token (ids past the
+    mask's width too); the other rows are not touched."""
+    sub_GV = x_SV.index_select(0, rows_G)
+    mask_rows_(sub_GV, bitmask_GW)
+    x_SV.index_put_((rows_G,), sub_GV)
+
+
+def mask_rows_(x_GV: torch.Tensor, bitmask_GW: torch.Tensor, kernel: str | None = None) -> None:
+    """In place: -inf in x_GV[g] wherever bitmask_GW[g] forbids a token. kernel "xgrammar" (its CPU
+    kernel, the default on CPUs, about 3x faster there than the tensor ops) or "torch" (tensor ops
+    on any device: no JIT compile on an accelerator)."""
     G, W = bitmask_GW.shape
-    V = x_SV.shape[1]
+    V = x_GV.shape[1]
+    if kernel is None:
+        kernel = "xgrammar" if x_GV.device.type == "cpu" and x_GV.dtype == torch.float32 else "torch"
+    if kernel == "xgrammar":
+        import xgrammar as xgr
+
+        xgr.apply_token_bitmask_inplace(x_GV, bitmask_GW, vocab_size=min(V, W * 32))
+        if W * 32 < V:
+            x_GV[:, W * 32:] = float("-inf")
+        return
     shifts = torch.arange(32, device=bitmask_GW.device, dtype=torch.int32)
     allowed_GV = ((bitmask_GW[:, :, None] >> shifts) & 1).to(torch.bool).reshape(G, W * 32)
     if W * 32 < V:
         allowed_GV = torch.cat([allowed_GV, allowed_GV.new_zeros(G, V - W * 32)], dim=1)
-    masked_GV = x_SV.index_select(0, rows_G).masked_fill(~allowed_GV[:, :V], float("-inf"))
-    return x_SV.index_put((rows_G,), masked_GV)
+    x_GV.masked_fill_(~allowed_GV[:, :V], float("-inf"))

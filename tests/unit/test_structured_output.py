@@ -25,7 +25,7 @@ SCHEMA = {"type": "object",
 def test_bitmask_matches_explicit_reference(checkpoints):
     import xgrammar as xgr
 
-    from moe_serve.structured_output.bitmask import BitmaskFiller, apply_token_bitmask
+    from moe_serve.structured_output.bitmask import BitmaskFiller, apply_token_bitmask_, mask_rows_
     from moe_serve.structured_output.grammar import GrammarState, build_grammar, tokenizer_info
     from moe_serve.tokenizer import Tokenizer
 
@@ -46,9 +46,12 @@ def test_bitmask_matches_explicit_reference(checkpoints):
     rows_G, bitmask_GW = BitmaskFiller(S, V, torch.device("cpu")).fill(rows)
     x64_SV = torch.randn(S, V, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 5
     x_SV = x64_SV.to(torch.float32)
-    before = x_SV.clone()
-    got_SV = apply_token_bitmask(x_SV, bitmask_GW, rows_G)
-    assert torch.equal(x_SV, before)  # the input is not modified
+    got_SV = x_SV.clone()
+    apply_token_bitmask_(got_SV, bitmask_GW, rows_G)  # the sampler's path (xgrammar's kernel on CPUs)
+    # The tensor-op kernel (used on accelerators) gives the same masked rows.
+    sub_GV = x_SV.index_select(0, rows_G)
+    mask_rows_(sub_GV, bitmask_GW, kernel="torch")
+    assert torch.equal(sub_GV, got_SV.index_select(0, rows_G))
     constrained = {i for i, _ in rows}
     for i in range(S):
         if i not in constrained:
@@ -214,3 +217,16 @@ def test_abort_while_the_grammar_compiles(llm):
     (out,) = core.abort_requests(["g1"])
     assert out.finished and out.finish_reason == "abort"
     assert not core.has_unfinished() and core.step() == []
+
+
+def test_logprobs_are_the_models_not_the_masked_ones(llm):
+    # The first position's distribution is the same with and without a grammar: its top logprobs
+    # must be too (the mask changes what is sampled, not the logprobs reported).
+    grammar = SamplingParams(temperature=0, max_tokens=3, logprobs=5, structured_outputs=SO(regex="[0-9]{3}"))
+    free = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    got, ref = (o.outputs[0] for o in llm.generate(["Numbers:", "Numbers:"], [grammar, free]))
+    assert got.text.isdigit() and len(got.text) == 3
+    ref0, got0 = ref.logprobs[0], got.logprobs[0]
+    assert any(not lp.decoded_token.strip().isdigit() for lp in ref0.values())  # the grammar forbids some
+    for t, lp in ref0.items():
+        assert t in got0 and abs(got0[t].logprob - lp.logprob) < 1e-5
