@@ -55,10 +55,14 @@ log = logging.getLogger("moe_serve.eplb")
 _FAULT_ENV = "MOE_SERVE_EPLB_KILL_DURING_TRANSFER"
 
 
-def default_tune(history_WLE: np.ndarray, gpus: int, slots: int) -> np.ndarray:
-    from expert_parallel import tuner
+def tuner_fn(nodes: int = 1, groups: int | None = None):
+    """The project's tuner as a tune_fn(history_WLE, gpus, slots) -> physical_to_logical_LS. With
+    several nodes (and the router's expert groups) it also keeps tokens near their node."""
+    def tune(history_WLE: np.ndarray, gpus: int, slots: int) -> np.ndarray:
+        from expert_parallel import tuner
 
-    return tuner.tune(history_WLE, gpus, 1, slots, None)[0]
+        return tuner.tune(history_WLE, gpus, nodes, slots, groups)[0]
+    return tune
 
 
 class _Transfer:
@@ -91,13 +95,13 @@ class _Transfer:
 
 class EplbManager:
     def __init__(self, moe_layers, physical_to_logical_LS: list[list[int]], num_experts: int, cfg: EplbConfig,
-                 rank: int, world_size: int, device, tune_fn=default_tune):
+                 rank: int, world_size: int, device, tune_fn=None):
         self.layers = sorted(moe_layers, key=lambda m: m.layer_index)
         self.rows = [list(r) for r in physical_to_logical_LS]
         self.E, self.cfg, self.rank, self.world = num_experts, cfg, rank, world_size
         self.S = len(self.rows[0])
         self.s = self.S // world_size
-        self.tune_fn = tune_fn
+        self.tune_fn = tune_fn or tuner_fn()
         self.recorder = ExpertLoadRecorder(len(self.layers), num_experts, cfg.steps_per_window, device=device,
                                            max_windows=cfg.max_windows)
         self.recorder.start()

@@ -8,6 +8,7 @@ single-process server's core process and every rank of a torchrun job).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from concurrent.futures import Future, wait
 
@@ -258,7 +259,7 @@ class EngineCore:
 
     # --- expert rebalancing ---------------------------------------------------------------------
     def _make_eplb(self, num_slots: int):
-        from expert_parallel.eplb import EplbManager
+        from expert_parallel.eplb import EplbManager, tuner_fn
         from expert_parallel.layer import MoE, default_physical_to_logical
         from moe_serve.models.registry import num_logical_experts
 
@@ -266,7 +267,14 @@ class EngineCore:
         moes = [m for m in self.runner.model.modules() if isinstance(m, MoE)]
         rows = self.moe_ctx.physical_to_logical or [default_physical_to_logical(E, num_slots) for _ in moes]
         par = self.cfg.parallel
-        mgr = EplbManager(moes, rows, E, par.eplb, par.rank, par.world_size, self.cfg.device)
+        # Nodes (torchrun's LOCAL_WORLD_SIZE ranks each) and the router's expert groups, so the
+        # tuner also keeps tokens near their node on a multi-node job.
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", par.world_size) or par.world_size)
+        nodes = par.world_size // local if par.world_size % local == 0 else 1
+        groups = self.cfg.model.hf.get("n_group")
+        groups = groups if nodes > 1 and isinstance(groups, int) and groups > 0 and E % groups == 0 else None
+        mgr = EplbManager(moes, rows, E, par.eplb, par.rank, par.world_size, self.cfg.device,
+                          tune_fn=tuner_fn(nodes, groups))
         other = self.moe_ctx.load_recorder  # the HTTP-controlled recorder, if any: both count
         self.moe_ctx.load_recorder = mgr.record if other is None else \
             (lambda layer, ids: (other(layer, ids), mgr.record(layer, ids)))
