@@ -76,6 +76,7 @@ class ModelShape:
     # checkpoints are bf16, and half precision is the only sensible request at their size; fp32 is
     # what the small float32 test checkpoints are served in (see ModelConfig / parse_dtype).
     dtypes: tuple = (torch.bfloat16, torch.float16)
+    sinks: bool = False  # GPT-OSS: attention sinks in every layer, sliding-window and full layers
 
     @property
     def mla(self) -> bool:
@@ -88,6 +89,7 @@ MODELS = (
     ModelShape("mixtral-8x7b", D=4096, K=2, N=32, G=8, H=128, Hv=128),
     ModelShape("deepseek-v3", D=7168, K=8, N=128, L=512, R=64),
     ModelShape("deepseek-v2-lite", D=2048, K=6, N=16, L=512, R=64),
+    ModelShape("gpt-oss-120b", D=2880, K=4, N=64, G=8, H=64, Hv=64, sinks=True),
     ModelShape("moe-tiny", D=64, K=2, N=4, G=2, H=16, Hv=16, dtypes=DTYPES),  # the built-in test checkpoint
 )
 
@@ -103,7 +105,8 @@ def model_from_hf_config(path: str) -> ModelShape:
     if "kv_lora_rank" in hf:
         return ModelShape(name, D=D, K=K, N=N, L=hf["kv_lora_rank"], R=hf["qk_rope_head_dim"], dtypes=dtypes)
     H = hf.get("head_dim") or D // N
-    return ModelShape(name, D=D, K=K, N=N, G=hf.get("num_key_value_heads", N), H=H, Hv=H, dtypes=dtypes)
+    return ModelShape(name, D=D, K=K, N=N, G=hf.get("num_key_value_heads", N), H=H, Hv=H, dtypes=dtypes,
+                      sinks=hf.get("model_type") == "gpt_oss")
 
 
 @dataclass
@@ -188,13 +191,14 @@ def enumerate_jobs(models=MODELS, dtypes=DTYPES, inject_broken: bool = False) ->
             for decode, split_k in ((True, False), (True, True), (False, False)):
                 out = "*fp32" if split_k else f"*{d}"
                 types = dict(q_ptr=f"*{d}", qr_ptr=f"*{d}", k_ptr=f"*{d}", kr_ptr=f"*{d}", v_ptr=f"*{d}",
-                             out_ptr=out, lse_ptr=out, block_tables_ptr="*i32", seq_lens_ptr="*i32",
+                             out_ptr=out, lse_ptr=out, sinks_ptr="*fp32", block_tables_ptr="*i32", seq_lens_ptr="*i32",
                              query_start_ptr="*i32", scale_log2="fp32")
-                launch = tp.attention_launch(decode, QH, HD, HR, HV, dt, m.mla, m.mla, split_k)
-                add(ATTN, types, launch, f"{m.name} {'decode' if decode else 'prefill'}"
-                    f"{' split' if split_k else ''} {d}")
-            add(REDUCE, dict(ws_ptr="*fp32", lse_ptr="*fp32", out_ptr=f"*{d}"), tp.reduce_launch(HV),
-                f"{m.name} {d}")
+                for sliding in ((False, True) if m.sinks else (False,)):
+                    launch = tp.attention_launch(decode, QH, HD, HR, HV, dt, m.mla, m.mla, split_k, sliding, m.sinks)
+                    add(ATTN, types, launch, f"{m.name} {'decode' if decode else 'prefill'}"
+                        f"{' split' if split_k else ''}{' sliding' if sliding else ''} {d}")
+            add(REDUCE, dict(ws_ptr="*fp32", lse_ptr="*fp32", out_ptr=f"*{d}", sinks_ptr="*fp32"),
+                tp.reduce_launch(HV, m.sinks), f"{m.name} {d}")
     return list(jobs.values())
 
 

@@ -58,16 +58,16 @@ def _write_rows_kernel(src_ptr, cache_ptr, slot_ptr, R, C, block_size,
 # Launch arguments that change from step to step (batch, context and split counts, and the strides
 # of buffers sized by them). Triton would otherwise specialise each integer argument on "== 1" and
 # "divisible by 16" and compile a new variant mid-serving whenever one of those flips.
-_PER_STEP_ATTN_ARGS = ("num_q_tiles", "num_splits", "stride_bt", "stride_ot", "stride_on", "stride_os",
+_PER_STEP_ATTN_ARGS = ("num_q_tiles", "num_splits", "window", "stride_bt", "stride_ot", "stride_on", "stride_os",
                        "stride_lt", "stride_ln")
 _PER_STEP_REDUCE_ARGS = ("num_splits", "stride_wt", "stride_wn", "stride_ws", "stride_lt", "stride_ln")
 
 
 @triton.jit(do_not_specialize=_PER_STEP_ATTN_ARGS)
 def _paged_attn_kernel(
-    q_ptr, qr_ptr, k_ptr, kr_ptr, v_ptr, out_ptr, lse_ptr,
+    q_ptr, qr_ptr, k_ptr, kr_ptr, v_ptr, out_ptr, lse_ptr, sinks_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_ptr,
-    scale_log2, num_q_tiles, QH, HD, HR, HV, block_size, num_splits,
+    scale_log2, num_q_tiles, QH, HD, HR, HV, block_size, num_splits, window,
     stride_qt, stride_qn, stride_qd, stride_qrt, stride_qrn, stride_qrd,
     stride_kb, stride_ks, stride_kg, stride_kd, stride_krb, stride_krs, stride_krg, stride_krd,
     stride_vb, stride_vs, stride_vg, stride_vd, stride_bt,
@@ -75,7 +75,7 @@ def _paged_attn_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_HD: tl.constexpr, BLOCK_HR: tl.constexpr, BLOCK_HV: tl.constexpr,
     SPLIT_K: tl.constexpr, HAS_ROPE: tl.constexpr, SHARED_KV: tl.constexpr,
-    PREC: tl.constexpr, UPCAST: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr, SLIDING: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     """Softmax(q . k [+ q_r . k_r]) v for a (BLOCK_Q tokens x BLOCK_QH heads) tile over one key split.
 
@@ -83,6 +83,10 @@ def _paged_attn_kernel(
     the normalised output goes straight to out (T, N, Hv); with it out is the (T, N, S, Hv) fp32
     workspace and lse (T, N, S) receives each split's log2-sum-exp for the reduce kernel. The split
     count is a runtime argument, so any count runs on the same compiled kernel.
+
+    SLIDING: query position p sees keys p - window + 1 .. p only; the key loop starts at the
+    tile's first visible key. HAS_SINKS: sinks (N,) float32 logits join the softmax denominator,
+    here without SPLIT_K, in the reduce kernel with it (once per row).
     """
     pid_q = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -108,8 +112,13 @@ def _paged_attn_kernel(
 
     # Keys this tile can see at all, cut into num_splits BLOCK_N-aligned ranges.
     kv_len = ctx - q_len + tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len)
-    split_len = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-    kv_start = split * split_len
+    if SLIDING:  # keys before the tile's first query's window are never read
+        kv_lo = tl.maximum(ctx - q_len + q_tile * BLOCK_Q - window + 1, 0)
+        split_len = tl.cdiv(tl.cdiv(kv_len - kv_lo, num_splits), BLOCK_N) * BLOCK_N
+        kv_start = kv_lo + split * split_len
+    else:
+        split_len = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+        kv_start = split * split_len
     kv_stop = tl.minimum(kv_start + split_len, kv_len)
 
     offs_hd = tl.arange(0, BLOCK_HD)
@@ -141,6 +150,8 @@ def _paged_attn_kernel(
                           mask=k_mask[:, None] & (offs_hr[None, :] < HR), other=0.0).to(q_r.dtype)
             s = _dot(q_r, tl.trans(k_r), s, PREC, UPCAST)
         visible = k_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+        if SLIDING:
+            visible = visible & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row with nothing visible yet keeps m = -inf; subtract 0 instead so no NaN (-inf - -inf).
@@ -157,6 +168,13 @@ def _paged_attn_kernel(
         acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], PREC, UPCAST)
         m_i = m_new
 
+    if HAS_SINKS and not SPLIT_K:  # the sink: one more softmax term, with no value
+        sink = tl.load(sinks_ptr + head, mask=row_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_sink = tl.maximum(m_i, sink)
+        alpha = tl.exp2(m_i - m_sink)
+        l_i = l_i * alpha + tl.exp2(sink - m_sink)
+        acc = acc * alpha[:, None]
+        m_i = m_sink
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_mask = row_mask[:, None] & (offs_hv[None, :] < HV)
     o_ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_on + offs_hv[None, :] * stride_od
@@ -171,10 +189,10 @@ def _paged_attn_kernel(
 
 
 @triton.jit(do_not_specialize=_PER_STEP_REDUCE_ARGS)
-def _reduce_splits_kernel(ws_ptr, lse_ptr, out_ptr, HV, num_splits,
+def _reduce_splits_kernel(ws_ptr, lse_ptr, out_ptr, sinks_ptr, HV, num_splits,
                           stride_wt, stride_wn, stride_ws, stride_wd, stride_lt, stride_ln,
                           stride_ot, stride_on, stride_od,
-                          BLOCK_HV: tl.constexpr):
+                          BLOCK_HV: tl.constexpr, HAS_SINKS: tl.constexpr):
     """out[t, n] = sum_s 2^(lse_s - max) * o_s / sum_s 2^(lse_s - max), one (token, head) per program.
 
     Splits are walked one row at a time (the count is a runtime argument): no tile grows with the
@@ -192,6 +210,10 @@ def _reduce_splits_kernel(ws_ptr, lse_ptr, out_ptr, HV, num_splits,
         m = tl.maximum(m, tl.load(lse_row + s))
     acc = tl.zeros((BLOCK_HV,), dtype=tl.float32)
     den = tl.zeros((BLOCK_HV,), dtype=tl.float32)  # the same sum in every lane (a tensor loop carry)
+    if HAS_SINKS:  # the head's sink logit joins the denominator once
+        sink = tl.load(sinks_ptr + n).to(tl.float32) * 1.4426950408889634
+        m = tl.maximum(m, sink)
+        den += tl.exp2(sink - m)
     for s in range(0, num_splits):
         w = tl.exp2(tl.load(lse_row + s) - m)  # an empty split has lse = -inf: weight 0
         acc += w * tl.load(ws_row + s * stride_ws, mask=d_mask, other=0.0)
@@ -267,7 +289,8 @@ def choose_num_splits(decode_only: bool, num_seqs: int, max_seq_len: int, head_p
 
 
 def attention_launch(decode_only: bool, QH: int, HD: int, HR: int, HV: int, dtype: torch.dtype,
-                     has_rope: bool, shared_kv: bool, split_k: bool) -> dict:
+                     has_rope: bool, shared_kv: bool, split_k: bool, sliding: bool = False,
+                     sinks: bool = False) -> dict:
     """Every constexpr and launch option of `_paged_attn_kernel` for one kind of batch: the things
     that select a compiled variant. They depend on the model's head shape, its dtype, decode versus
     prefill and whether keys are split, never on batch size or context length (kernels/aot_check.py
@@ -283,12 +306,12 @@ def attention_launch(decode_only: bool, QH: int, HD: int, HR: int, HV: int, dtyp
                 BLOCK_HD=max(16, triton.next_power_of_2(HD)), BLOCK_HR=max(16, triton.next_power_of_2(max(HR, 1))),
                 BLOCK_HV=max(16, triton.next_power_of_2(HV)), SPLIT_K=split_k, HAS_ROPE=has_rope,
                 SHARED_KV=shared_kv, PREC="ieee" if dtype == torch.float32 else "tf32", UPCAST=INTERPRETED,
-                num_warps=8 if big else 4, num_stages=2)
+                SLIDING=sliding, HAS_SINKS=sinks, num_warps=8 if big else 4, num_stages=2)
 
 
-def reduce_launch(HV: int) -> dict:
-    """Constexprs of `_reduce_splits_kernel`: only the value width (the split count is runtime)."""
-    return dict(BLOCK_HV=triton.next_power_of_2(HV))
+def reduce_launch(HV: int, sinks: bool = False) -> dict:
+    """Constexprs of `_reduce_splits_kernel`: the value width (the split count is runtime), sinks."""
+    return dict(BLOCK_HV=triton.next_power_of_2(HV), HAS_SINKS=sinks)
 
 
 def write_launch(R: int, C: int) -> dict:
@@ -296,8 +319,18 @@ def write_launch(R: int, C: int) -> dict:
     return dict(BLOCK_R=triton.next_power_of_2(R), BLOCK_C=triton.next_power_of_2(C))
 
 
+_PLACEHOLDERS: dict = {}
+
+
+def _fp32_placeholder(device: torch.device) -> torch.Tensor:
+    if device not in _PLACEHOLDERS:
+        _PLACEHOLDERS[device] = torch.zeros(1, dtype=torch.float32, device=device)
+    return _PLACEHOLDERS[device]
+
+
 def _attend(q, q_r, k, k_r, v, meta: AttentionMetadata, scale: float, HV: int, shared_kv: bool,
-            num_splits: int | None, out: torch.Tensor | None) -> torch.Tensor:
+            num_splits: int | None, out: torch.Tensor | None, window: int | None = None,
+            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Launch the attention (and reduce) kernels; k/k_r/v are 4-D (blocks, block_size, G, dim) views."""
     T, N, HD = q.shape
     G = k.shape[2]
@@ -317,7 +350,8 @@ def _attend(q, q_r, k, k_r, v, meta: AttentionMetadata, scale: float, HV: int, s
     head_programs = G * triton.cdiv(QH, tile["BLOCK_QH"])
     S = num_splits or choose_num_splits(meta.is_decode_only, meta.num_seqs, meta.max_seq_len, head_programs,
                                         _device_sms(q.device))
-    launch = attention_launch(meta.is_decode_only, QH, HD, HR, HV, q.dtype, has_rope, shared_kv, S > 1)
+    launch = attention_launch(meta.is_decode_only, QH, HD, HR, HV, q.dtype, has_rope, shared_kv, S > 1,
+                              window is not None, sinks is not None)
     if S > 1:
         ws = torch.empty((T, N, S, HV), dtype=torch.float32, device=q.device)
         lse = torch.empty((T, N, S), dtype=torch.float32, device=q.device)
@@ -327,21 +361,24 @@ def _attend(q, q_r, k, k_r, v, meta: AttentionMetadata, scale: float, HV: int, s
         dst, dst_strides, lse_strides = out, (out.stride(0), out.stride(1), 0, out.stride(2)), (0, 0)
     if not has_rope:
         q_r, k_r = q, k  # unused placeholders; HAS_ROPE=False compiles their loads away
+    sinks_arg = sinks if sinks is not None else _fp32_placeholder(q.device)  # HAS_SINKS=False: never read
     _paged_attn_kernel[(meta.num_seqs * num_q_tiles, head_programs, S)](
-        q, q_r, k, k_r, v, dst, lse if lse is not None else dst,
+        q, q_r, k, k_r, v, dst, lse if lse is not None else dst, sinks_arg,
         meta.block_tables, meta.seq_lens, meta.query_start_loc,
-        scale * _LOG2E, num_q_tiles, QH, HD, HR, HV, meta.block_size, S,
+        scale * _LOG2E, num_q_tiles, QH, HD, HR, HV, meta.block_size, S, window or 0,
         *q.stride(), *q_r.stride(), *k.stride(), *k_r.stride(), *v.stride(), meta.block_tables.stride(0),
         *dst_strides, *lse_strides, **launch)
     if S > 1:
         _reduce_splits_kernel[(T, N)](
-            ws, lse, out, HV, S, *ws.stride(), *lse.stride()[:2], *out.stride(), **reduce_launch(HV))
+            ws, lse, out, sinks_arg, HV, S, *ws.stride(), *lse.stride()[:2], *out.stride(),
+            **reduce_launch(HV, sinks is not None))
     return out
 
 
 def paged_attention(q_TNH: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, *, num_splits: int | None = None,
-                    out_TNH: torch.Tensor | None = None) -> torch.Tensor:
+                    out_TNH: torch.Tensor | None = None, sliding_window: int | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of the packed queries over their paged contexts (prefill, chunked, decode).
 
     Args:
@@ -352,11 +389,15 @@ def paged_attention(q_TNH: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         scale: softmax scale applied to q . k.
         num_splits: split-K partitions per sequence; None chooses (decode on CUDA only).
         out_TNH: optional (T, N, Hv) output buffer of q's dtype; rows of sequence tokens are overwritten.
+        sliding_window: each query sees its last `sliding_window` keys only (GPT-OSS's sliding layers).
+        sinks: (N,) float32 per-head logits in every softmax's denominator (GPT-OSS).
     Returns:
         (T, N, Hv) in q's dtype; scores, softmax and accumulation are fp32.
     """
+    if sinks is not None and (sinks.dtype != torch.float32 or not sinks.is_contiguous()):
+        raise ValueError(f"sinks must be a contiguous float32 (N,) tensor, got {sinks.dtype}")
     return _attend(q_TNH, None, k_cache, None, v_cache, meta, scale, v_cache.shape[-1], False,
-                   num_splits, out_TNH)
+                   num_splits, out_TNH, sliding_window, sinks)
 
 
 def mla_paged_attention(q_latent_TNL: torch.Tensor, q_pe_TNR: torch.Tensor, latent_cache: torch.Tensor,

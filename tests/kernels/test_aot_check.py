@@ -93,12 +93,13 @@ def test_decode_launch_choice_has_few_variants_all_compiled_ahead():
                     S = tp.choose_num_splits(True, B, max(ctx_lens), head_programs, num_sms)
                     assert 1 <= S <= tp.MAX_SPLITS
                     splits.add(S)
-                    launch = tp.attention_launch(True, QH, HD, HR, HV, torch.bfloat16, m.mla, m.mla, S > 1)
+                    launch = tp.attention_launch(True, QH, HD, HR, HV, torch.bfloat16, m.mla, m.mla, S > 1,
+                                                 False, m.sinks)
                     attn_variants.add(_variant(aot_check.ATTN, launch))
                     if S > 1:
-                        reduce_variants.add(_variant(aot_check.REDUCE, tp.reduce_launch(HV)))
+                        reduce_variants.add(_variant(aot_check.REDUCE, tp.reduce_launch(HV, m.sinks)))
         prefill = _variant(aot_check.ATTN, tp.attention_launch(False, QH, HD, HR, HV, torch.bfloat16, m.mla, m.mla,
-                                                               False))
+                                                               False, False, m.sinks))
         assert len(attn_variants) <= MAX_DECODE_VARIANTS and len(reduce_variants) <= 1, m.name
         assert attn_variants | reduce_variants | {prefill} <= compiled, m.name
         if m.name == "qwen3-30b-a3b":

@@ -33,3 +33,10 @@ def run(path: str, moe: str, attn: str) -> list[list[int]]:
 def test_triton_backends_match_torch_backends(checkpoints, arch):
     ref = run(checkpoints[arch], "torch", "torch")
     assert run(checkpoints[arch], "triton", "triton") == ref
+
+
+def test_triton_backends_for_gpt_oss(extra_checkpoints):
+    """GPT-OSS (sliding-window and full layers, sinks, MXFP4 experts): the 18-token prompt and its
+    decodes cross the 12-token window in blocks of 4, through the Triton attention kernel."""
+    path = extra_checkpoints["gpt_oss_mxfp4"]
+    assert run(path, "triton", "triton") == run(path, "torch", "torch")
