@@ -9,8 +9,9 @@ prompt draws its tokens from a small hot subset of the vocabulary (Zipf over a r
 few experts get most routed tokens (how skewed depends on the random router; the first window's
 balancedness says). Reported:
   - per rebalance window (from the ranks' log lines): balancedness of the window (mean / max routed
-    tokens per rank; the first one is before any rebalance), mean step time, and the mean time of
-    the steps right after a layer switched (their boundary work included);
+    tokens per rank; the first one is before any rebalance), mean step time, the mean time of
+    the steps right after a layer switched (their boundary work included), and that boundary work
+    alone (swapping the weights and maps, posting the next layer's transfer);
   - TPOT (gaps between streamed tokens): p50 / p99 without rebalancing, and with it, split into
     gaps that overlap a rebalance (tuning to last switch) and the rest.
 On a small shared CPU the step time is mostly host overhead and noise, so balancedness is the
@@ -39,7 +40,7 @@ from synthetic_models import resolve_model, token_pool  # noqa: E402
 
 DONE = re.compile(r"^(\S+ \S+) INFO \[rank 0\] moe_serve\.eplb: expert rebalancing (\d+) done: (\d+) MoE layers moved, "
                   r"([0-9.]+) MiB received here, ([0-9.]+)s from tuning to the last switch; balancedness of the last "
-                  r"window ([0-9.]+); mean step ([0-9.]+) ms, switch steps ([0-9.]+) ms")
+                  r"window ([0-9.]+); mean step ([0-9.]+) ms, switch steps ([0-9.]+) ms \(switch boundaries ([0-9.]+) ms\)")
 
 
 def free_port() -> int:
@@ -159,7 +160,7 @@ def main(argv=None) -> int:
         windows.append({"rebalance": int(m.group(2)), "layers_moved": int(m.group(3)),
                         "mib_received_rank0": float(m.group(4)), "transfer_s": took,
                         "balancedness": float(m.group(6)), "mean_step_ms": float(m.group(7)),
-                        "switch_step_ms": float(m.group(8))})
+                        "switch_step_ms": float(m.group(8)), "switch_boundary_ms": float(m.group(9))})
     during = lambda a, b: any(a < e and b > s for s, e in spans)  # noqa: E731
     g_with = gaps(runs["with"][0])
     tpot = {
@@ -172,10 +173,12 @@ def main(argv=None) -> int:
     out["duration_s"] = {k: round(v[1], 2) for k, v in runs.items()}
     print(f"{desc}; {args.nproc} CPU ranks, {args.requests} requests x {args.max_tokens} tokens, "
           f"concurrency {args.concurrency}")
-    print(f"{'rebalance':>9} {'moved':>5} {'MiB in':>7} {'took s':>7} {'balanced':>8} {'step ms':>8} {'switch ms':>9}")
+    print(f"{'rebalance':>9} {'moved':>5} {'MiB in':>7} {'took s':>7} {'balanced':>8} {'step ms':>8} {'switch ms':>9} "
+          f"{'boundary ms':>11}")
     for w in windows:
         print(f"{w['rebalance']:>9} {w['layers_moved']:>5} {w['mib_received_rank0']:>7.2f} {w['transfer_s']:>7.3f} "
-              f"{w['balancedness']:>8.3f} {w['mean_step_ms']:>8.2f} {w['switch_step_ms']:>9.2f}")
+              f"{w['balancedness']:>8.3f} {w['mean_step_ms']:>8.2f} {w['switch_step_ms']:>9.2f} "
+              f"{w['switch_boundary_ms']:>11.3f}")
     for k, v in out["tpot_ms"].items():
         print(f"TPOT {k:<26} n={v['n']:<6} p50 {v['p50']:8.2f} ms  p99 {v['p99']:8.2f} ms")
     print(f"run time: without {out['duration_s']['without']} s, with {out['duration_s']['with']} s")

@@ -132,8 +132,10 @@ class EplbManager:
         self._bytes = 0
         self._step_ms: list[float] = []  # this rebalance period's step times
         self._switch_ms: list[float] = []  # steps right after a switch (their boundary work included)
+        self._switch_boundary_ms: list[float] = []  # the boundary work alone at a switch
         self._boundary_s = 0.0
         self._switched = False
+        self._report = False  # a rebalance finished: log it after the step that follows its last switch
 
     # --- per step -------------------------------------------------------------------------------
     def record(self, layer: int, topk_ids_TK: torch.Tensor) -> None:
@@ -146,6 +148,8 @@ class EplbManager:
         ms = 1e3 * (seconds + self._boundary_s)
         (self._switch_ms if self._switched else self._step_ms).append(ms)
         self._switched, self._boundary_s = False, 0.0
+        if self._report:
+            self._log_rebalance()
         if self.steps % self.cfg.step_interval == 0 and self.recorder.num_windows:
             self._due = True
 
@@ -162,7 +166,7 @@ class EplbManager:
         """At the turn's boundary, after the ranks agreed (MAX over local_flag): the same call on
         every rank. Starts a due rebalance, completes the oldest item when every rank is ready,
         and keeps LAYERS_IN_FLIGHT transfers posted."""
-        t0 = time.perf_counter()
+        t0, was_switched = time.perf_counter(), self._switched
         if self._due and not self._queue:
             self._due = False
             self._start(sync_group)
@@ -179,6 +183,8 @@ class EplbManager:
                 self._switch(head)
         self._post_ready()
         self._boundary_s += time.perf_counter() - t0
+        if self._switched and not was_switched:
+            self._switch_boundary_ms.append(1e3 * (time.perf_counter() - t0))
 
     # --- the phases -----------------------------------------------------------------------------
     def _start(self, sync_group) -> None:
@@ -270,13 +276,17 @@ class EplbManager:
     def _finish(self) -> None:
         self.rebalances += 1
         self.last_transfer_s = time.perf_counter() - self._started
-        step = float(np.mean(self._step_ms)) if self._step_ms else 0.0
-        sw = float(np.mean(self._switch_ms)) if self._switch_ms else 0.0
+        self._report = True
+
+    def _log_rebalance(self) -> None:
+        mean = lambda xs: float(np.mean(xs)) if xs else 0.0  # noqa: E731
         log.info("expert rebalancing %d done: %d MoE layers moved, %.2f MiB received here, %.3fs from tuning to the "
-                 "last switch; balancedness of the last window %.3f; mean step %.2f ms, switch steps %.2f ms",
-                 self.rebalances, self._moved_layers, self._bytes / 2**20, self.last_transfer_s, self.balancedness,
-                 step, sw)
-        self._step_ms, self._switch_ms = [], []
+                 "last switch; balancedness of the last window %.3f; mean step %.2f ms, switch steps %.2f ms "
+                 "(switch boundaries %.2f ms)", self.rebalances, self._moved_layers, self._bytes / 2**20,
+                 self.last_transfer_s, self.balancedness, mean(self._step_ms), mean(self._switch_ms),
+                 mean(self._switch_boundary_ms))
+        self._step_ms, self._switch_ms, self._switch_boundary_ms = [], [], []
+        self._report = False
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
