@@ -1,8 +1,9 @@
 """The architectures added for checkpoint breadth under real expert parallelism (torchrun, gloo,
 EP 2): greedy text through HTTP equals the single-process engine's. Qwen2-MoE carries the gated
 shared expert, OLMoE the full-width q/k norm and clip_qkv, GLM-4.5 group-limited routing with one
-of two groups kept (so each rank's experts see uneven loads) and partial rotary. Kimi-K2 is the
-DeepSeek-V3 model, covered by test_launcher.py."""
+of two groups kept (so each rank's experts see uneven loads) and partial rotary; GPT-OSS its
+MXFP4 experts (each rank reads and keeps only its experts' blocks), sliding-window layers and
+sinks. Kimi-K2 is the DeepSeek-V3 model, covered by test_launcher.py."""
 from __future__ import annotations
 
 import asyncio
@@ -15,7 +16,7 @@ from tests.distributed.jobs import TorchrunJob
 from tests.distributed.test_launcher import ARGS, PROMPTS, _complete_all, expected_texts
 
 
-@pytest.mark.parametrize("arch", ["qwen2_moe", "olmoe", "glm4_moe"])
+@pytest.mark.parametrize("arch", ["qwen2_moe", "olmoe", "glm4_moe", "gpt_oss_mxfp4"])
 def test_ep2_serving_matches_single_process(extra_checkpoints, arch):
     path = extra_checkpoints[arch]
     want = expected_texts(path, PROMPTS, 8)
