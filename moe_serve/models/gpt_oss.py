@@ -79,6 +79,8 @@ class GptOssForCausalLM(CausalLM):
     expert_names: dict = {}  # experts only as fused 3-D tensors, loaded by load_checkpoint_tensor
     quant_methods = ("mxfp4",)
     name_rewrites = ((r"\.self_attn\.sinks$", ".self_attn.attn.sinks"), (r"\.mlp\.router\.", ".mlp.gate."))
+    # MXFP4 experts kept compressed: None decides by device (the CPU: yes; elsewhere dequantized at load).
+    mxfp4_compressed: bool | None = None
 
     def __init__(self, hf: dict, moe: MoEContext, attention_backend: str, dtype):
         D, E = hf["hidden_size"], hf["num_local_experts"]
@@ -95,7 +97,8 @@ class GptOssForCausalLM(CausalLM):
         quant = (hf.get("quantization_config") or {}).get("quant_method")
         self.mxfp4 = quant == "mxfp4"
         # Compressed in memory on the CPU (dequantized per step); elsewhere dequantized at load.
-        self.compressed = self.mxfp4 and torch.get_default_device().type == "cpu"
+        on_cpu = torch.get_default_device().type == "cpu"
+        self.compressed = self.mxfp4 and (on_cpu if self.mxfp4_compressed is None else self.mxfp4_compressed)
         rotary = RotaryEmbedding(head_dim, rope_config(hf), hf.get("max_position_embeddings", 4096))
         act = ClampedSwiGLU(float(hf.get("swiglu_alpha", 1.702)), float(hf.get("swiglu_limit", 7.0)))
         F = hf["intermediate_size"]

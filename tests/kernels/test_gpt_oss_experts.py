@@ -69,3 +69,21 @@ def test_gpt_oss_variant_matches_float64(T, K, skip):
     # Without biases and with SiLU the variant arguments give the plain op's numbers.
     assert torch.equal(fused_experts(x, w13, w2, weights, ids, w13_bias=None, activation="silu"),
                        fused_experts(x, w13, w2, weights, ids))
+
+
+def test_mxfp4_experts_in_chunks(monkeypatch):
+    """Expert sets larger than MAX_DEQUANT_BYTES run in chunks, routed-only and whole-layer alike,
+    with the numbers of one pass."""
+    from kernels.grouped_gemm import mxfp4
+
+    gen = torch.Generator().manual_seed(5)
+    x, w13, w2, b13, b2 = gpt_oss_layer(12, 64, 32, 8, gen)
+    weights, ids = routing(12, 8, 3, gen, 0.2)
+    q13, q2 = (Mxfp4Weight(*pack_mxfp4(w)) for w in (w13, w2))
+    kw = dict(w13_bias=b13, w2_bias=b2, activation=ACT)
+    ref = fused_experts_float64(x, q13.dequantize(torch.float64), q2.dequantize(torch.float64), weights, ids, **kw)
+    monkeypatch.setattr(mxfp4, "MAX_DEQUANT_BYTES", 3 * 64 * 32 * 3 * 4)  # 3 experts at a time
+    assert rel_err(fused_experts(x[:2], q13, q2, weights[:2], ids[:2], **kw), ref[:2]) < 1e-5  # 6 pairs < 8
+    assert rel_err(fused_experts(x, q13, q2, weights, ids, **kw), ref) < 1e-5
+    with device_side_only():
+        assert rel_err(fused_experts(x, q13, q2, weights, ids, **kw), ref) < 1e-5

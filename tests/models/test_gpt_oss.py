@@ -90,3 +90,25 @@ def test_decode_forward_has_no_host_sync(extra_checkpoints, arch, monkeypatch):
     from tests.unit import test_decode_capturable
 
     test_decode_capturable.test_decode_forward_has_no_host_sync(extra_checkpoints, arch, monkeypatch)
+
+
+def test_mxfp4_dequantized_at_load_gives_the_same_tokens(extra_checkpoints, monkeypatch, caplog):
+    """The GPU's way (dense expert weights dequantized once at load, the cost logged), run here:
+    the same greedy tokens as the compressed experts."""
+    import logging
+
+    from moe_serve.models.gpt_oss import GptOssForCausalLM, Mxfp4Experts
+
+    path = extra_checkpoints["gpt_oss_mxfp4"]
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(201)[3:7]]
+    sp = SamplingParams(temperature=0, max_tokens=16)
+    want = [o.outputs[0].token_ids for o in LLM(path, dtype="float32", kv_cache_memory=1 << 20,
+                                                  show_progress=False).generate(prompts, sp)]
+    monkeypatch.setattr(GptOssForCausalLM, "mxfp4_compressed", False)
+    with caplog.at_level(logging.INFO, logger="moe_serve.models.gpt_oss"):
+        llm = LLM(path, dtype="float32", kv_cache_memory=1 << 20, show_progress=False)
+    assert "MXFP4 experts dequantized at load to float32" in caplog.text
+    model = llm.engine.runner.model
+    assert not any(isinstance(m, Mxfp4Experts) for m in model.modules())
+    assert model.model.layers[0].mlp.experts.w13.dtype == torch.float32 and not model._pending
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == want
