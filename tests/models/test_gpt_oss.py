@@ -100,8 +100,8 @@ def test_mxfp4_dequantized_at_load_gives_the_same_tokens(extra_checkpoints, monk
     from moe_serve.models.gpt_oss import GptOssForCausalLM, Mxfp4Experts
 
     path = extra_checkpoints["gpt_oss_mxfp4"]
-    prompts = [{"prompt_token_ids": p} for p in make_prompts(201)[3:7]]
-    sp = SamplingParams(temperature=0, max_tokens=16)
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(201)[4:7]]  # 16, 17, 33 tokens
+    sp = SamplingParams(temperature=0, max_tokens=10)
     want = [o.outputs[0].token_ids for o in LLM(path, dtype="float32", kv_cache_memory=1 << 20,
                                                   show_progress=False).generate(prompts, sp)]
     monkeypatch.setattr(GptOssForCausalLM, "mxfp4_compressed", False)
@@ -112,3 +112,24 @@ def test_mxfp4_dequantized_at_load_gives_the_same_tokens(extra_checkpoints, monk
     assert not any(isinstance(m, Mxfp4Experts) for m in model.modules())
     assert model.model.layers[0].mlp.experts.w13.dtype == torch.float32 and not model._pending
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == want
+
+
+def test_mxfp4_tensors_need_the_quantization_config(extra_checkpoints, tmp_path):
+    """MXFP4 blocks in a checkpoint whose config.json does not say mxfp4 are refused, naming the
+    tensor; load_format='dummy' builds an MXFP4 model from the config alone and runs it."""
+    import json
+    import os
+
+    src = extra_checkpoints["gpt_oss_mxfp4"]
+    for name in os.listdir(src):
+        if name != "config.json":
+            os.symlink(os.path.join(src, name), tmp_path / name)
+    with open(os.path.join(src, "config.json")) as f:
+        c = json.load(f)
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump({k: v for k, v in c.items() if k != "quantization_config"}, f)
+    with pytest.raises(ValueError, match=r"experts\.(gate_up|down)_proj_(blocks|scales)'.*is MXFP4 but config\.json"):
+        LLM(str(tmp_path), dtype="float32", kv_cache_memory=1 << 20, show_progress=False)
+    llm = LLM(src, dtype="float32", kv_cache_memory=1 << 20, load_format="dummy", show_progress=False)
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=3))
+    assert len(out[0].outputs[0].token_ids) == 3
