@@ -133,3 +133,11 @@ def test_mxfp4_tensors_need_the_quantization_config(extra_checkpoints, tmp_path)
     llm = LLM(src, dtype="float32", kv_cache_memory=1 << 20, load_format="dummy", show_progress=False)
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=3))
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_overlap_gives_identical_tokens(extra_checkpoints):
+    """Two overlapped micro-batches (a sequence cut across them reads its first part's K/V through
+    the window) give the plain path's tokens."""
+    from tests.unit import test_overlap
+
+    test_overlap.test_overlap_gives_identical_tokens(extra_checkpoints, "gpt_oss_mxfp4")
