@@ -57,6 +57,7 @@ TOPK = "kernels.grouped_gemm.triton_kernel:_topk_sum_kernel"
 ATTN = "attention.backends.triton_paged:_paged_attn_kernel"
 REDUCE = "attention.backends.triton_paged:_reduce_splits_kernel"
 WRITE = "attention.backends.triton_paged:_write_rows_kernel"
+FP8_LINEAR = "kernels.fp8_linear:_fp8_linear_kernel"
 
 
 @dataclass(frozen=True)
@@ -172,10 +173,23 @@ def enumerate_jobs(models=MODELS, dtypes=DTYPES, inject_broken: bool = False) ->
     for dt, cfg, origin in gemm_cfgs:
         d = DTYPE_SIG[dt]
         types = dict(a_ptr=f"*{d}", b_ptr=f"*{d}", c_ptr=f"*{d}", weights_ptr="*fp32", sorted_ids_ptr="*i32",
-                     expert_ids_ptr="*i32", num_padded_ptr="*i32")
+                     expert_ids_ptr="*i32", num_padded_ptr="*i32", s_ptr="*fp32")
         for gated in (True, False):
             add(GEMM, types, {**tk.gemm_launch(cfg, dt), "GATED": gated, "MUL_WEIGHT": not gated},
                 f"{origin} {'w13' if gated else 'w2'} {d}")
+            if dt == torch.bfloat16 and origin != "broken":  # block-FP8 experts (weight-only), bf16 activations
+                add(GEMM, {**types, "b_ptr": "*fp8e4nv"},
+                    {**tk.fp8_gemm_launch(cfg, dt, (128, 128)), "GATED": gated, "MUL_WEIGHT": not gated},
+                    f"{origin} {'w13' if gated else 'w2'} {d} fp8-weights")
+
+    if torch.bfloat16 in dtypes:  # block-FP8 dense layers (kernels/fp8_linear.py): each M bucket, bias or not
+        from kernels import fp8_linear
+
+        ltypes = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", s_ptr="*fp32", b_ptr="*bf16", y_ptr="*bf16")
+        for M in (1, 64, 4096):
+            for bias in (False, True):
+                add(FP8_LINEAR, ltypes, {**fp8_linear.fp8_linear_launch(M, torch.bfloat16, (128, 128)),
+                                         "HAS_BIAS": bias}, f"fp8 linear M={M} bias={int(bias)} bf16")
 
     for m in models:
         for dt in (dt for dt in dtypes if dt in m.dtypes):

@@ -82,6 +82,12 @@ def choose_all2all(requested: str, on_gpu: bool, world_size: int, hidden_size: i
     return "deepep", why
 
 
+def fp8_linear_backend(device: torch.device) -> str:
+    """Block-FP8 linear layers: the Triton W8A16 kernel on CUDA (kernels/fp8_linear.py), the torch
+    dequantize-then-GEMM path on the CPU."""
+    return "triton" if device.type == "cuda" else "torch"
+
+
 def choose(device: str = "auto", moe_backend: str = "auto", attention_backend: str = "auto",
            all2all_backend: str = "auto", world_size: int = 1, hidden_size: int | None = None) -> PlatformChoice:
     dev = resolve_device(device)

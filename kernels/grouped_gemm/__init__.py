@@ -75,6 +75,12 @@ def fused_experts(
 def _fused_experts_variant(x_TD, w13, w2, topk_weights_TK, topk_ids_TK, backend, w13_bias, w2_bias, activation):
     if backend not in BACKENDS:
         raise ValueError(f"moe_backend={backend!r} is not one of {BACKENDS}")
+    if (backend == "triton" and hasattr(w13, "scale_inv") and w13_bias is None and w2_bias is None
+            and activation == "silu"):  # block FP8: the Triton kernel dequantizes each weight tile as it loads it
+        from kernels.grouped_gemm.triton_kernel import fused_experts_triton
+
+        return fused_experts_triton(x_TD, w13.q, w2.q, topk_weights_TK, topk_ids_TK, w13_scale=w13.scale_inv,
+                                    w2_scale=w2.scale_inv, scale_block=w13.block)
     if not isinstance(w13, torch.Tensor):  # quantized: Mxfp4Weight, or block FP8 (moe_serve/quantization/fp8.py)
         from kernels.grouped_gemm.mxfp4 import fused_experts_mxfp4
 

@@ -34,20 +34,39 @@ def _dot(a, b, acc, PREC: tl.constexpr, UPCAST: tl.constexpr):
 
 # num_pairs = T * K changes every step; left unspecialised so its "== 1" / "divisible by 16" flags
 # never select a new compiled variant mid-serving (num_slots is always a multiple of BLOCK_SIZE_M).
+@triton.jit
+def _dequant(b, s_ptr, s_base, offs_n, k0, offs_k, n_mask, stride_sn, stride_sk,
+             SB_N: tl.constexpr, SB_K: tl.constexpr, BLOCK_SIZE_K: tl.constexpr):
+    """A (BLOCK_K, BLOCK_N) tile of block-FP8 weights times its blocks' scale_inv, in fp32. When
+    BLOCK_K divides the scale block along k (128 in real checkpoints) the tile needs one scale per
+    column; otherwise one per element."""
+    if SB_K % BLOCK_SIZE_K == 0:
+        sc = tl.load(s_ptr + s_base + (offs_n // SB_N) * stride_sn + (k0 // SB_K) * stride_sk, mask=n_mask, other=0.0)
+        return b.to(tl.float32) * sc[None, :]
+    sc = tl.load(s_ptr + s_base + (offs_n // SB_N)[None, :] * stride_sn + ((k0 + offs_k) // SB_K)[:, None] * stride_sk,
+                 mask=n_mask[None, :], other=0.0)
+    return b.to(tl.float32) * sc
+
+
 @triton.jit(do_not_specialize=("num_pairs",))
 def _grouped_gemm_kernel(
     a_ptr, b_ptr, c_ptr, weights_ptr,
     sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
     N, Kdim, num_slots, num_pairs, a_row_div,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+    s_ptr, stride_se, stride_sn, stride_sk, s_up_row0,
     GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
     BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    B_SCALED: tl.constexpr = False, SB_N: tl.constexpr = 128, SB_K: tl.constexpr = 128,
 ):
     """c[p, n] = sum_k a[p // a_row_div, k] * b[e, n, k] for the pairs p of each row block.
 
     GATED: b holds 2N rows [gate | up]; c[p, n] = silu(gate . a) * (up . a).
     MUL_WEIGHT: c[p, :] *= weights[p] before the cast to c's dtype.
+    B_SCALED: b is block FP8 (weight-only): each (SB_N, SB_K) block of b[e] is multiplied by its
+    scale s[e, n // SB_N, k // SB_K] as it is loaded, and the product is taken in a's dtype; the up
+    half's scale rows start at s_up_row0 (gate and up are quantized separately).
     """
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(num_slots, BLOCK_SIZE_M)
@@ -82,13 +101,20 @@ def _grouped_gemm_kernel(
     if GATED:
         up_ptrs = b_ptrs + N * stride_bn
         acc_up = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+    s_base = expert * stride_se
     for k_blk in range(0, tl.cdiv(Kdim, BLOCK_SIZE_K)):
         k_mask = offs_k < Kdim - k_blk * BLOCK_SIZE_K
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if B_SCALED:
+            b = _dequant(b, s_ptr, s_base, offs_n, k_blk * BLOCK_SIZE_K, offs_k, n_mask, stride_sn, stride_sk,
+                         SB_N, SB_K, BLOCK_SIZE_K).to(a.dtype)
         acc = _dot(a, b, acc, PREC, UPCAST)
         if GATED:
             b_up = tl.load(up_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if B_SCALED:
+                b_up = _dequant(b_up, s_ptr, s_base + s_up_row0 * stride_sn, offs_n, k_blk * BLOCK_SIZE_K, offs_k,
+                                n_mask, stride_sn, stride_sk, SB_N, SB_K, BLOCK_SIZE_K).to(a.dtype)
             acc_up = _dot(a, b_up, acc_up, PREC, UPCAST)
             up_ptrs += BLOCK_SIZE_K * stride_bk
         a_ptrs += BLOCK_SIZE_K * stride_ak
@@ -142,7 +168,16 @@ def gemm_launch(cfg: dict, dtype: torch.dtype) -> dict:
     config and activation dtype: what selects a compiled variant (kernels/aot_check.py compiles each)."""
     return dict(GROUP_SIZE_M=cfg["GROUP_SIZE_M"], BLOCK_SIZE_M=cfg["BLOCK_SIZE_M"], BLOCK_SIZE_N=cfg["BLOCK_SIZE_N"],
                 BLOCK_SIZE_K=cfg["BLOCK_SIZE_K"], PREC="ieee" if dtype == torch.float32 else "tf32",
-                UPCAST=INTERPRETED, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                UPCAST=INTERPRETED, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                B_SCALED=False, SB_N=128, SB_K=128)
+
+
+def fp8_gemm_launch(cfg: dict, dtype: torch.dtype, scale_block: tuple[int, int]) -> dict:
+    """`gemm_launch` for block-FP8 weights with (b0, b1) scale blocks (the Hub's are 128 x 128). The
+    k tile is at most 64: dequantizing two 128-deep fp32 tiles (gate and up) spills registers on
+    sm_90 (5.7 KB per thread at BLOCK_M=16, kernels.aot_check); at 64 it does not."""
+    return {**gemm_launch(cfg, dtype), "BLOCK_SIZE_K": min(cfg["BLOCK_SIZE_K"], 64), "B_SCALED": True,
+            "SB_N": scale_block[0], "SB_K": scale_block[1]}
 
 
 def topk_sum_launch(K: int, D: int) -> dict:
@@ -159,6 +194,9 @@ def fused_experts_triton(
     config: dict | None = None,
     *,
     out_TD: torch.Tensor | None = None,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    scale_block: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """sum_k topk_weights[t, k] * SwiGLU-expert_{topk_ids[t, k]}(x[t]), experts grouped in one launch.
 
@@ -170,6 +208,9 @@ def fused_experts_triton(
         topk_ids_TK: (T, K) int expert ids in [0, E), or -1 for a pair whose expert is not here.
         config: launch config (see config.py); None picks the tuned entry or the default.
         out_TD: optional (T, D) output buffer of x's dtype; every element is overwritten.
+        w13_scale, w2_scale, scale_block: block FP8 (weight-only): w13 / w2 are float8_e4m3fn and
+            these their float32 scale_inv, (E, 2 * ceil(F / b0), ceil(D / b1)) (gate blocks then up
+            blocks) and (E, ceil(D / b0), ceil(F / b1)), with scale_block = (b0, b1).
     Returns:
         (T, D) in x's dtype; products accumulate in fp32, as does the top-k sum.
     """
@@ -183,7 +224,16 @@ def fused_experts_triton(
     if tuple(topk_ids_TK.shape) != (T, K) or tuple(topk_weights_TK.shape) != (T, K):
         raise ValueError(f"topk_ids_TK={tuple(topk_ids_TK.shape)} and topk_weights_TK="
                          f"{tuple(topk_weights_TK.shape)} must both be (T, K) with T={T}")
-    if not (x_TD.dtype == w13_EFD.dtype == w2_EDF.dtype):
+    scaled = w13_scale is not None
+    if scaled:
+        if not (w13_EFD.dtype == w2_EDF.dtype == torch.float8_e4m3fn) or w2_scale is None or scale_block is None:
+            raise ValueError("block-FP8 experts need float8_e4m3fn w13 and w2, both scales and scale_block")
+        nF = triton.cdiv(F, scale_block[0])
+        if (tuple(w13_scale.shape) != (E, 2 * nF, triton.cdiv(D, scale_block[1]))
+                or tuple(w2_scale.shape) != (E, triton.cdiv(D, scale_block[0]), triton.cdiv(F, scale_block[1]))):
+            raise ValueError(f"scale shapes {tuple(w13_scale.shape)} / {tuple(w2_scale.shape)} do not match the "
+                             f"weights for blocks {tuple(scale_block)}")
+    elif not (x_TD.dtype == w13_EFD.dtype == w2_EDF.dtype):
         raise ValueError(f"dtypes differ: x {x_TD.dtype}, w13 {w13_EFD.dtype}, w2 {w2_EDF.dtype}")
     out = out_TD if out_TD is not None else torch.empty((T, D), dtype=x_TD.dtype, device=x_TD.device)
     if T == 0:
@@ -197,7 +247,12 @@ def fused_experts_triton(
     P, S = routing.num_pairs, routing.sorted_pair_ids_S.shape[0]
     ids_TK = topk_ids_TK.contiguous()
     weights_P = topk_weights_TK.contiguous().view(-1)
-    launch = gemm_launch(cfg, x_TD.dtype)
+    launch = fp8_gemm_launch(cfg, x_TD.dtype, scale_block) if scaled else gemm_launch(cfg, x_TD.dtype)
+    if scaled:
+        s13 = (w13_scale, w13_scale.stride(0), w13_scale.stride(1), w13_scale.stride(2), nF)
+        s2 = (w2_scale, w2_scale.stride(0), w2_scale.stride(1), w2_scale.stride(2), 0)
+    else:
+        s13 = s2 = (weights_P, 0, 0, 0, 0)  # unused: B_SCALED is off
     y_PD = _empty((P, D), x_TD.dtype, x_TD.device)
     if S > 0:
         h_PF = _empty((P, F), x_TD.dtype, x_TD.device)
@@ -206,14 +261,14 @@ def fused_experts_triton(
             routing.sorted_pair_ids_S, routing.expert_ids_B, routing.num_padded,
             F, D, S, P, K,
             x_TD.stride(0), x_TD.stride(1), w13_EFD.stride(0), w13_EFD.stride(1), w13_EFD.stride(2),
-            h_PF.stride(0), h_PF.stride(1),
+            h_PF.stride(0), h_PF.stride(1), *s13,
             GATED=True, MUL_WEIGHT=False, **launch)
         _grouped_gemm_kernel[(S // BM * triton.cdiv(D, BN),)](
             h_PF, w2_EDF, y_PD, weights_P,
             routing.sorted_pair_ids_S, routing.expert_ids_B, routing.num_padded,
             D, F, S, P, 1,
             h_PF.stride(0), h_PF.stride(1), w2_EDF.stride(0), w2_EDF.stride(1), w2_EDF.stride(2),
-            y_PD.stride(0), y_PD.stride(1),
+            y_PD.stride(0), y_PD.stride(1), *s2,
             GATED=False, MUL_WEIGHT=True, **launch)
     topk = topk_sum_launch(K, D)
     _topk_sum_kernel[(T, triton.cdiv(D, topk["BLOCK_D"]))](

@@ -21,6 +21,7 @@ class Linear(nn.Module):
     # Block FP8 (moe_serve/quantization/fp8.py): set by `to_block_fp8` before loading.
     fp8_block: tuple[int, int] | None = None
     dequant_dtype: torch.dtype | None = None  # what the blocks dequantize to (prepare.py); None: x's dtype
+    fp8_backend: str = "torch"  # "triton" on CUDA (moe_serve/platform.py, set by prepare.py)
 
     def to_block_fp8(self, block: tuple[int, int]) -> None:
         """Keep this weight in block FP8: an FP8 weight and its float32 block scales (filled by the
@@ -42,8 +43,12 @@ class Linear(nn.Module):
         return dequantize_blocks(self.weight, self.weight_scale_inv, self.fp8_block, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight_scale_inv is not None:  # weight-only FP8: this layer's blocks, dequantized now
-            return linear(x, self.dense_weight(self.dequant_dtype or x.dtype), self.bias)
+        if self.weight_scale_inv is not None:  # weight-only FP8
+            if self.fp8_backend == "triton":  # tiles dequantized inside the kernel
+                from kernels.fp8_linear import fp8_linear_triton
+
+                return fp8_linear_triton(x, self.weight, self.weight_scale_inv, self.fp8_block, self.bias)
+            return linear(x, self.dense_weight(self.dequant_dtype or x.dtype), self.bias)  # this layer, now
         return linear(x, self.weight, self.bias)
 
 

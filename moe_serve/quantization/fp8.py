@@ -95,7 +95,9 @@ class BlockFp8Experts:
     def dtype(self) -> torch.dtype:
         return self.q.dtype
 
-    def dequantize(self, dtype: torch.dtype, experts: torch.Tensor | None = None) -> torch.Tensor:
+    def dequantize(self, dtype: torch.dtype, experts: torch.Tensor | None = None,
+                   workspace: str | None = None) -> torch.Tensor:
+        del workspace  # the MXFP4 interface's buffer reuse; FP8 dequantizes into a fresh tensor
         q, s = self.q, self.scale_inv
         if experts is not None:
             q, s = q.index_select(0, experts), s.index_select(0, experts)
