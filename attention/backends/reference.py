@@ -137,16 +137,20 @@ def paged_attention(q_TNH: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 def _attend(q_BNQH: torch.Tensor, k_BGSH: torch.Tensor, v_BGSH: torch.Tensor, visible: torch.Tensor, scale: float,
             sinks_N: torch.Tensor | None) -> torch.Tensor:
     """Masked attention (visible broadcasts to (B, N, Q, S)); with sinks, each head's sink logit is
-    one more entry of the softmax whose weight is dropped afterwards (transformers' eager form)."""
+    one more entry of the softmax whose weight is dropped afterwards (transformers' eager form).
+    The sink form runs one bmm per kv head on the gathered keys as they lie (rows G * H apart, a
+    BLAS-friendly stride): 4x a batched matmul over the strided (B, G) view and 1.7x SDPA without
+    sinks, measured for 16 decodes of 2048 keys with GPT-OSS's 64 / 8 heads."""
     if sinks_N is None:
         return _sdpa(q_BNQH, k_BGSH, v_BGSH, visible, scale)
     B, N, Q, H = q_BNQH.shape
     G, S = k_BGSH.shape[1], k_BGSH.shape[2]
-    s = torch.matmul(q_BNQH.reshape(B, G, N // G * Q, H), k_BGSH.transpose(-1, -2)).view(B, N, Q, S) * scale
-    s = s.masked_fill(~visible, float("-inf"))
+    q_g = q_BNQH.reshape(B, G, N // G * Q, H)
+    s = torch.stack([torch.bmm(q_g[:, g], k_BGSH[:, g].transpose(-1, -2)) for g in range(G)], 1).view(B, N, Q, S)
+    s = (s * scale).masked_fill_(~visible, float("-inf"))
     sink = sinks_N.to(s.dtype).view(1, N, 1, 1).expand(B, N, Q, 1)
-    p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :S]
-    return torch.matmul(p.reshape(B, G, N // G * Q, S), v_BGSH).view(B, N, Q, v_BGSH.shape[-1])
+    p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :S].reshape(B, G, N // G * Q, S)
+    return torch.stack([torch.bmm(p[:, g], v_BGSH[:, g]) for g in range(G)], 1).view(B, N, Q, v_BGSH.shape[-1])
 
 
 def _decode_plan_windowed(meta: AttentionMetadata, block_size: int, window: int | None):
