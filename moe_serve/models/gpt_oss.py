@@ -120,8 +120,12 @@ class GptOssForCausalLM(CausalLM):
             slots = ex.w13_bias.shape[0]
             packed = n * slots * 3 * F * D * 17 // 32  # 16 bytes of values + 1 scale per 32 weights
             if self.compressed:
-                log.info("MXFP4 experts kept compressed: %.1f MiB on this rank, dequantized per step for the "
-                         "routed experts only", packed / 2**20)
+                from kernels.grouped_gemm.mxfp4 import MAX_DEQUANT_BYTES
+
+                per_layer = slots * 3 * F * D * 4
+                log.info("MXFP4 experts kept compressed: %.1f MiB on this rank; each step dequantizes the routed "
+                         "experts of one layer at a time into reused buffers of at most %.1f MiB",
+                         packed / 2**20, min(per_layer, max(MAX_DEQUANT_BYTES, 3 * F * D * 4)) / 2**20)
             else:
                 dense = n * slots * 3 * F * D * torch.empty((), dtype=dtype).element_size()
                 log.info("MXFP4 experts dequantized at load to %s: %.1f MiB on this rank instead of %.1f MiB "
