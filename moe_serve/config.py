@@ -128,6 +128,16 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class GraphConfig:
+    """Decode steps padded to a ladder of batch sizes (`moe_serve.cuda_graph`) and, on CUDA, one
+    captured graph per size. pad_decode None: pad where graphs are captured (CUDA without
+    enforce_eager); True forces the padded path (eager on the CPU, for tests), False turns it off."""
+    enforce_eager: bool = False
+    max_capture_size: int | None = None  # None: max_num_seqs (capped at 512)
+    pad_decode: bool | None = None
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -137,3 +147,4 @@ class EngineConfig:
     moe_backend: str
     attention_backend: str
     extra: dict = field(default_factory=dict)
+    graphs: GraphConfig = field(default_factory=GraphConfig)

@@ -138,9 +138,12 @@ class InputBatch:
                              f"max_model_len={self.max_model_len}")
 
     # --- one step -------------------------------------------------------------------------------
-    def prepare(self, pieces: list[Piece], split: bool = False) -> StepInputs:
+    def prepare(self, pieces: list[Piece], split: bool = False, pad_to: int | None = None,
+                scratch_block: int = 0) -> StepInputs:
         """Device inputs of one step; with split, two micro-batches cut at a cost-balanced token
-        (expert_parallel/overlap.py) and built from the same rows. One host->device copy."""
+        (expert_parallel/overlap.py) and built from the same rows. One host->device copy.
+        pad_to (decode-only steps, unsplit): dummy one-token sequences appended up to pad_to, each
+        at position 0 writing its KV to slot 0 of scratch_block and never sampled."""
         groups = [pieces]
         if split:
             groups = list(split_pieces(pieces, split_point_T(self._positions(pieces))))
@@ -148,6 +151,9 @@ class InputBatch:
         lens = []
         for g in groups:
             tensors, q_lens, seq_lens = self._forward_host(g)
+            if pad_to is not None and pad_to > len(g):
+                tensors = _pad_decode(tensors, pad_to - len(g), scratch_block, self.block_size)
+                q_lens, seq_lens = q_lens + [1] * (pad_to - len(g)), seq_lens + [1] * (pad_to - len(g))
             host += tensors
             lens.append((q_lens, seq_lens))
         sample_rows, logits_idx, end = [], [], 0
@@ -200,6 +206,19 @@ class InputBatch:
         W = max(1, int(self.num_blocks_R[rows_B].max()))
         bt_BW = self.block_table_RM[rows_B, :W]
         return [ids_T, pos_T, slot_T, qsl.to(torch.int32), (start_B + q_B).to(torch.int32), bt_BW], q_lens, seq_lens
+
+
+def _pad_decode(tensors: list[torch.Tensor], n: int, scratch_block: int, block_size: int) -> list[torch.Tensor]:
+    """_forward_host's tensors with n dummy sequences appended: token 0 at position 0, its slot the
+    first of scratch_block, its context that one token, its block table [scratch_block, 0, ...]."""
+    ids_T, pos_T, slot_T, qsl, sl, bt_BW = tensors
+    zeros = torch.zeros(n, dtype=torch.int64)
+    bt_pad = torch.zeros((n, bt_BW.shape[1]), dtype=torch.int32)
+    bt_pad[:, 0] = scratch_block
+    return [torch.cat([ids_T, zeros]), torch.cat([pos_T, zeros]),
+            torch.cat([slot_T, torch.full((n,), scratch_block * block_size, dtype=torch.int64)]),
+            torch.cat([qsl, qsl[-1] + torch.arange(1, n + 1, dtype=torch.int32)]),
+            torch.cat([sl, torch.ones(n, dtype=torch.int32)]), torch.cat([bt_BW, bt_pad])]
 
 
 def split_point_T(positions_T: torch.Tensor) -> int:

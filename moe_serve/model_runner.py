@@ -73,6 +73,7 @@ class ModelRunner:
         max_len = min(mc.max_model_len, self.num_blocks * cfg.cache.block_size)
         self.batch = InputBatch(cfg.scheduler.max_num_seqs, max_len, cfg.cache.block_size,
                                 mc.hf["vocab_size"], self.device)
+        self._init_decode_graphs(max_len)
         self._bitmask = None  # structured_output.bitmask.BitmaskFiller, made on the first constrained step
 
     # --- KV cache -------------------------------------------------------------------------------
@@ -85,12 +86,44 @@ class ModelRunner:
         self.num_blocks = self.cfg.cache.num_blocks or int(budget // per_block)
         if self.num_blocks < 1:
             raise ValueError(f"kv_cache_memory={budget} bytes holds no KV block ({per_block} bytes per block)")
+        # One block more than the allocator hands out: the scratch block padded decode rows write to.
+        self.scratch_block = self.num_blocks
         for layer in self.attn_layers:
             layer.bind([torch.zeros(s, dtype=self.cfg.model.dtype, device=self.device)
-                        for s in layer.cache_shape(self.num_blocks, bs)])
+                        for s in layer.cache_shape(self.num_blocks + 1, bs)])
         self.kv_cache_bytes = self.num_blocks * per_block
         log.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%d bytes per token)",
                  self.num_blocks, bs, self.num_blocks * bs, self.kv_cache_bytes / 2**20, per_block // bs)
+
+    # --- decode padding and CUDA graphs (moe_serve/cuda_graph.py) -------------------------------
+    def _init_decode_graphs(self, max_len: int) -> None:
+        """The ladder decode steps are padded to, and on CUDA one graph per size (captured now, the
+        KV cache bound). Padding is on where graphs are captured, or where pad_decode forces it."""
+        from moe_serve import cuda_graph
+
+        gc, par = self.cfg.graphs, self.cfg.parallel
+        # Graphs of one process only: an EP step's collectives are not captured (yet).
+        capture = self.device.type == "cuda" and not gc.enforce_eager and par.world_size == 1
+        pad = capture if gc.pad_decode is None else gc.pad_decode
+        self.pad_sizes = cuda_graph.capture_sizes(self.cfg.scheduler.max_num_seqs, gc.max_capture_size) if pad else []
+        self.graphs = None
+        if capture and pad:
+            graphs = cuda_graph.DecodeGraphs(self.model, self.pad_sizes, self.batch.max_blocks,
+                                             self.cfg.cache.block_size, max_len, self.scratch_block, self.device)
+            try:
+                graphs.capture()
+                self.graphs = graphs
+            except RuntimeError as e:  # e.g. an op that syncs the host: decode steps stay eager
+                log.warning("decode CUDA graph capture failed, running eagerly: %s", str(e)[:300])
+
+    def _pad_to(self, pieces: list[Piece], max_tokens_any_rank: int | None) -> int | None:
+        """The ladder size a decode-only step pads to: that of the most tokens any rank scheduled
+        (so every EP rank runs the same size); None for other steps or batches above the ladder."""
+        if not self.pad_sizes or any(p[2] != 1 for p in pieces):
+            return None
+        from moe_serve.cuda_graph import padded_size
+
+        return padded_size(max(len(pieces), max_tokens_any_rank or 0), self.pad_sizes)
 
     # --- one step -------------------------------------------------------------------------------
     def _forward(self, pieces: list[Piece], max_tokens_any_rank: int | None = None) -> tuple[torch.Tensor, StepInputs]:
@@ -101,13 +134,23 @@ class ModelRunner:
         dispatcher agrees here)."""
         par = self.cfg.parallel
         split = False
+        dispatcher = self.moe_ctx.dispatcher
+        if max_tokens_any_rank is None and (par.enable_overlap or dispatcher.world_size == 1):
+            max_tokens_any_rank = dispatcher.agree_max(sum(p[2] for p in pieces))
         if par.enable_overlap:
-            if max_tokens_any_rank is None:
-                max_tokens_any_rank = self.moe_ctx.dispatcher.agree_max(sum(p[2] for p in pieces))
             split = max_tokens_any_rank >= par.overlap_min_tokens
-        step = self.batch.prepare(pieces, split)
+        pad_to = None if split else self._pad_to(pieces, max_tokens_any_rank)
+        # Per-step decisions inside the MoE layers (DeepEP's normal vs low-latency kernels) take the
+        # agreed maximum (a padded decode step runs pad_to rows on every rank); None (not agreed
+        # this step) makes them agree themselves.
+        dispatcher.set_step_max_tokens(None if max_tokens_any_rank is None else max(max_tokens_any_rank, pad_to or 0))
+        step = self.batch.prepare(pieces, split, pad_to, self.scratch_block)
         if split:
             return self.model.forward_microbatches(step.batches), step
+        if pad_to is not None:
+            log.debug("decode step of %d sequences padded to %d", len(pieces), pad_to)
+        if pad_to is not None and self.graphs is not None:
+            return self.graphs.replay(*step.batches[0]), step
         return self.model(*step.batches[0]), step
 
     @torch.inference_mode()

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from moe_serve import platform
-from moe_serve.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from moe_serve.config import CacheConfig, EngineConfig, GraphConfig, ModelConfig, ParallelConfig, SchedulerConfig
 
 
 @dataclass
@@ -39,6 +39,9 @@ class EngineArgs:
     eplb_step_interval: int | None = None
     eplb_config: str | None = None  # JSON object; its keys win over the three above
     show_progress: bool = True
+    enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
+    max_capture_size: int | None = None  # largest decode batch captured as a graph (default max_num_seqs, <= 512)
+    pad_decode: bool | None = None  # None: pad decode batches where graphs are captured; True/False forces
 
     def create_engine_config(self, rank: int = 0, world_size: int = 1) -> EngineConfig:
         mc = ModelConfig.from_path(self.model, self.dtype, self.max_model_len, self.load_format, self.seed,
@@ -53,6 +56,8 @@ class EngineArgs:
             raise ValueError(f"overlap_min_tokens={self.overlap_min_tokens} must be >= 0")
         if self.expert_load_window < 0:
             raise ValueError(f"expert_load_window={self.expert_load_window} must be >= 0")
+        if self.max_capture_size is not None and self.max_capture_size < 1:
+            raise ValueError(f"max_capture_size={self.max_capture_size} must be >= 1")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction={self.memory_fraction} must be in (0, 1]")
         from expert_parallel.eplb_config import resolve_eplb
@@ -75,6 +80,7 @@ class EngineArgs:
             device=choice.device,
             moe_backend=choice.moe_backend,
             attention_backend=choice.attention_backend,
+            graphs=GraphConfig(self.enforce_eager, self.max_capture_size, self.pad_decode),
         )
 
     # --- CLI ------------------------------------------------------------------------------------
@@ -121,6 +127,12 @@ class EngineArgs:
         g.add_argument("--eplb-config", default=None,
                        help='the EPLB settings as JSON: {"window_size": S, "step_interval": K, '
                             '"num_redundant_experts": N}')
+        g.add_argument("--enforce-eager", action="store_true",
+                       help="no CUDA graphs: decode steps run eagerly and are not padded")
+        g.add_argument("--max-capture-size", type=int, default=None,
+                       help="largest decode batch captured as a CUDA graph (default: max-num-seqs, at most 512)")
+        g.add_argument("--pad-decode", action="store_const", const=True, default=None,
+                       help="pad decode batches to the capture sizes even without CUDA graphs (testing; slower on CPU)")
 
     @classmethod
     def from_cli(cls, ns: argparse.Namespace, model: str) -> "EngineArgs":

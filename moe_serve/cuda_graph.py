@@ -1,0 +1,123 @@
+"""Decode steps as captured CUDA graphs: the batch-size ladder, padding, capture and replay.
+
+Decode-only steps whose batch fits the ladder (1, 2, 4, 8, then multiples of 8 up to the largest
+capture size) are padded to the next ladder size (`InputBatch.prepare(pad_to=...)`): each padded
+row is a dummy one-token sequence at position 0 whose KV write goes to the runner's scratch block
+(one block past those the allocator hands out, so never a real request's), which attends to that
+key only, and which is never sampled (logits indices name real rows only). With expert
+parallelism every rank pads to the ladder size of the most tokens any rank scheduled (the core
+loop's per-step all-reduce), so all ranks run the same batch size.
+
+On CUDA one `torch.cuda.CUDAGraph` per ladder size holds the model forward over static input
+buffers (ids, positions, slot mapping, query starts, sequence lengths, block tables); a decode step
+copies its inputs into them and replays. What the attention launch reads on the host is fixed per
+captured size: the grid (the padded batch), one query token per sequence, and the split-K count,
+chosen from the longest context any step can have (max_model_len) instead of the step's. Prefill,
+mixed and split (overlap) steps run eagerly. The capture code runs only on a CUDA device; on the
+CPU the padded path runs eagerly (and only when asked: it is slower there, see docs/architecture.md).
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from attention.metadata import AttentionMetadata
+
+log = logging.getLogger("moe_serve.cuda_graph")
+
+MAX_CAPTURE_SIZE = 512
+
+
+def capture_sizes(max_num_seqs: int, max_capture_size: int | None = None) -> list[int]:
+    """The ladder: 1, 2, 4, 8, then every multiple of 8, up to min(max_num_seqs, max_capture_size)
+    (default cap 512); the cap itself is always included, so every batch up to it has a size."""
+    cap = min(max_num_seqs, max_capture_size or MAX_CAPTURE_SIZE)
+    if cap < 1:
+        raise ValueError(f"largest capture size {cap} must be >= 1")
+    sizes = [s for s in (1, 2, 4) if s < cap] + list(range(8, cap, 8))
+    return sizes + [cap]
+
+
+def padded_size(n: int, sizes: list[int]) -> int | None:
+    """The smallest ladder size >= n (sizes ascending); None when n is 0 or above the ladder."""
+    if n < 1:
+        return None
+    for s in sizes:
+        if s >= n:
+            return s
+    return None
+
+
+class DecodeGraphs:
+    """One captured decode forward per ladder size, over static buffers sized for the largest.
+
+    model(ids_T, positions_T, meta) -> hidden (T, D) is captured; sampling stays outside the graph.
+    Capture needs the KV cache bound (the graphs write and read it at fixed addresses)."""
+
+    def __init__(self, model, sizes: list[int], max_blocks: int, block_size: int, max_seq_len: int,
+                 scratch_block: int, device: torch.device):
+        self.model, self.sizes, self.block_size = model, sorted(sizes), block_size
+        self.max_seq_len = max_seq_len
+        n = self.sizes[-1]
+        kw = dict(device=device)
+        # Idle rows point at the scratch block: what a capture or warm-up writes lands there only.
+        self.ids = torch.zeros(n, dtype=torch.int64, **kw)
+        self.pos = torch.zeros(n, dtype=torch.int64, **kw)
+        self.slots = torch.full((n,), scratch_block * block_size, dtype=torch.int64, **kw)
+        self.qsl = torch.arange(n + 1, dtype=torch.int32, **kw)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, **kw)
+        self.block_tables = torch.full((n, max_blocks), scratch_block, dtype=torch.int32, **kw)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.memory_bytes = 0
+        self.capture_s = 0.0
+
+    def _meta(self, B: int) -> AttentionMetadata:
+        # Host lengths at their largest: the split count is fixed by max_model_len, not the step.
+        return AttentionMetadata.from_tensors(self.qsl[:B + 1], self.seq_lens[:B], self.block_tables[:B],
+                                              self.slots[:B], self.block_size, [1] * B, [self.max_seq_len] * B)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        from kernels.grouped_gemm import device_side_only
+
+        torch.cuda.synchronize()
+        free0, _ = torch.cuda.mem_get_info()
+        t0 = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        for B in reversed(self.sizes):  # largest first: the smaller graphs reuse its pool
+            ids, pos, meta = self.ids[:B], self.pos[:B], self._meta(B)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side), device_side_only():
+                for _ in range(2):  # compiles, autotuning and allocator warm-up outside the capture
+                    meta.derived.clear()
+                    self.model(ids, pos, meta)
+            torch.cuda.current_stream().wait_stream(side)
+            meta.derived.clear()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool), device_side_only():
+                out = self.model(ids, pos, meta)
+            self.graphs[B] = (g, out)
+        torch.cuda.synchronize()
+        self.capture_s = time.perf_counter() - t0
+        self.memory_bytes = free0 - torch.cuda.mem_get_info()[0]
+        log.info("captured %d decode graphs (batch %s) in %.1fs, %.1f MiB of graph memory", len(self.graphs),
+                 ",".join(map(str, self.sizes)), self.capture_s, self.memory_bytes / 2**20)
+
+    def replay(self, ids_T: torch.Tensor, pos_T: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states of a padded decode step (its size a captured one): inputs copied into the
+        static buffers, the graph replayed. Block-table columns past the step's width keep stale
+        ids: the kernels read a row's blocks only up to its sequence length."""
+        B = ids_T.shape[0]
+        g, out = self.graphs[B]
+        self.ids[:B].copy_(ids_T, non_blocking=True)
+        self.pos[:B].copy_(pos_T, non_blocking=True)
+        self.slots[:B].copy_(meta.slot_mapping, non_blocking=True)
+        self.qsl[:B + 1].copy_(meta.query_start_loc, non_blocking=True)
+        self.seq_lens[:B].copy_(meta.seq_lens, non_blocking=True)
+        bt = meta.block_tables
+        self.block_tables[:B, :bt.shape[1]].copy_(bt, non_blocking=True)
+        g.replay()
+        return out

@@ -1,0 +1,128 @@
+"""Decode steps padded to the capture ladder (moe_serve/cuda_graph.py), run eagerly on the CPU with
+the padding forced on: the same tokens as the unpadded engine (greedy, a penalty and seeded
+sampling; batches that are not ladder sizes, that shrink as requests finish and grow as others
+arrive), padded rows write KV only into the scratch block, and the padded decode forward has no
+host sync (what the captured CUDA graph needs)."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from kernels.grouped_gemm import device_side_only
+from moe_serve import LLM, SamplingParams
+from moe_serve.cuda_graph import capture_sizes, padded_size
+from moe_serve.engine.args import EngineArgs
+from moe_serve.protocol import NewRequest
+from tests.sync_guard import NoHostSync
+
+FIRST = [[5, 77, 301, 42], [9, 8, 7, 6, 5, 4], [450, 12, 13]]
+LATER = [[33, 34, 35], [100, 101, 102, 103, 104], [7, 7, 7, 7], [61, 62], [250, 251, 252, 253, 254, 255, 256]]
+PARAMS = [dict(temperature=0, max_tokens=9), dict(temperature=0, max_tokens=3, repetition_penalty=1.3),
+          dict(temperature=0.8, seed=11, max_tokens=6), dict(temperature=0, max_tokens=7),
+          dict(temperature=0, max_tokens=2, presence_penalty=0.5), dict(temperature=0.7, seed=3, max_tokens=8),
+          dict(temperature=0, max_tokens=5), dict(temperature=0, max_tokens=4)]
+
+
+def test_capture_ladder():
+    assert capture_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]  # the cap itself closes the ladder
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(3) == [1, 2, 3]
+    assert capture_sizes(1024)[-3:] == [496, 504, 512]  # default cap
+    assert capture_sizes(64, max_capture_size=10) == [1, 2, 4, 8, 10]
+    sizes = capture_sizes(64)
+    assert [padded_size(n, sizes) for n in (0, 1, 2, 3, 5, 8, 9, 17, 64, 65)] == [None, 1, 2, 4, 8, 8, 16, 24, 64, None]
+
+
+def test_enforce_eager_and_capture_size_flags(checkpoints):
+    p = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(p)
+    ns = p.parse_args(["--enforce-eager", "--max-capture-size", "8", "--pad-decode"])
+    g = EngineArgs.from_cli(ns, checkpoints["qwen3_moe"]).create_engine_config().graphs
+    assert (g.enforce_eager, g.max_capture_size, g.pad_decode) == (True, 8, True)
+    g = EngineArgs.from_cli(p.parse_args([]), checkpoints["qwen3_moe"]).create_engine_config().graphs
+    assert (g.enforce_eager, g.max_capture_size, g.pad_decode) == (False, None, None)
+    with pytest.raises(ValueError, match="max_capture_size"):
+        EngineArgs(checkpoints["qwen3_moe"], max_capture_size=0).create_engine_config()
+    # LLM keywords reach the runner: the ladder follows max_capture_size; the CPU captures nothing
+    # and pads only when asked.
+    llm = LLM(checkpoints["qwen3_moe"], dtype="float32", kv_cache_memory=1 << 20, show_progress=False,
+              pad_decode=True, max_capture_size=6, enforce_eager=True)
+    assert llm.engine.runner.pad_sizes == [1, 2, 4, 6] and llm.engine.runner.graphs is None
+    assert LLM(checkpoints["qwen3_moe"], dtype="float32", kv_cache_memory=1 << 20,
+               show_progress=False).engine.runner.pad_sizes == []
+
+
+def _caches(runner) -> list[torch.Tensor]:
+    return [t for layer in runner.attn_layers
+            for t in ([layer.k_cache, layer.v_cache] if hasattr(layer, "k_cache") else [layer.latent_cache])]
+
+
+def _run(path: str, pad: bool):
+    """Tokens per request, the decode batch sizes the model saw (real, padded), the blocks the
+    allocator gave requests, and the runner. Padded decode forwards run under the no-sync guard."""
+    llm = LLM(path, dtype="float32", num_kv_blocks=64, max_num_seqs=16, show_progress=False, pad_decode=pad)
+    core, runner = llm.engine, llm.engine.runner
+    model, plain = runner.model, runner.model.forward
+    seen: list[int] = []
+
+    def forward(ids_T, positions_T, meta):
+        if meta.is_decode_only:
+            seen.append(ids_T.shape[0])
+            with NoHostSync(), device_side_only():
+                return plain(ids_T, positions_T, meta)
+        return plain(ids_T, positions_T, meta)
+
+    model.forward = forward
+    used: set[int] = set()
+    execute = runner.execute
+
+    def execute_recording(out, *a, **kw):  # the blocks the allocator gave the scheduled requests
+        for s in out.scheduled:
+            used.update(s.request.block_ids)
+        return execute(out, *a, **kw)
+
+    runner.execute = execute_recording
+    prompts = FIRST + LATER
+    toks: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+
+    def add(i):
+        core.add_request(NewRequest(str(i), prompts[i], SamplingParams(ignore_eos=True, **PARAMS[i])))
+
+    for i in range(len(FIRST)):
+        add(i)
+    step = 0
+    while core.has_unfinished():
+        if step == 3:  # the batch grows mid-run (3 -> 8 running), then shrinks as requests finish
+            for i in range(len(FIRST), len(prompts)):
+                add(i)
+        for o in core.step():
+            toks[o.request_id] += o.new_token_ids
+        step += 1
+    return [toks[str(i)] for i in range(len(prompts))], seen, used, runner
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "deepseek_v3"])
+def test_padded_decode_matches_unpadded(checkpoints, arch):
+    want, seen_plain, used_plain, plain = _run(checkpoints[arch], pad=False)
+    got, seen, used, runner = _run(checkpoints[arch], pad=True)
+    assert got == want
+    ladder = runner.pad_sizes
+    assert ladder == [1, 2, 4, 8, 16]
+    # Unpadded decode batches of sizes off the ladder ran; padded, every decode batch is a ladder size.
+    assert set(seen_plain) - set(ladder) and set(seen) <= set(ladder)
+    assert max(seen) == 8 and 4 in seen
+    # KV: beyond the blocks requests were given, only the scratch block was written, and the
+    # requests' blocks hold what the unpadded run wrote there.
+    scratch = runner.scratch_block
+    assert scratch == runner.num_blocks and scratch not in used
+    assert used == used_plain
+    for t, t_plain in zip(_caches(runner), _caches(plain)):
+        assert t.shape[0] == runner.num_blocks + 1
+        others = [b for b in range(t.shape[0]) if b not in used and b != scratch]
+        assert not t[others].any()
+        assert t[scratch, 0].any() and not t[scratch, 1:].any()  # padded rows write slot 0 only
+        idx = sorted(used)
+        torch.testing.assert_close(t[idx], t_plain[idx], rtol=1e-5, atol=1e-5)
