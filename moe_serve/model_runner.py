@@ -116,17 +116,19 @@ class ModelRunner:
             except RuntimeError as e:  # e.g. an op that syncs the host: decode steps stay eager
                 log.warning("decode CUDA graph capture failed, running eagerly: %s", str(e)[:300])
 
-    def _pad_to(self, pieces: list[Piece], max_tokens_any_rank: int | None) -> int | None:
+    def _pad_to(self, pieces: list[Piece], max_tokens_any_rank: int | None, all_ranks_decode: bool) -> int | None:
         """The ladder size a decode-only step pads to: that of the most tokens any rank scheduled
-        (so every EP rank runs the same size); None for other steps or batches above the ladder."""
-        if not self.pad_sizes or any(p[2] != 1 for p in pieces):
+        (so every EP rank runs the same size); None when this or any rank's step is not decode
+        only, or the batch is above the ladder."""
+        if not self.pad_sizes or not all_ranks_decode or any(p[2] != 1 for p in pieces):
             return None
         from moe_serve.cuda_graph import padded_size
 
         return padded_size(max(len(pieces), max_tokens_any_rank or 0), self.pad_sizes)
 
     # --- one step -------------------------------------------------------------------------------
-    def _forward(self, pieces: list[Piece], max_tokens_any_rank: int | None = None) -> tuple[torch.Tensor, StepInputs]:
+    def _forward(self, pieces: list[Piece], max_tokens_any_rank: int | None = None,
+                 all_ranks_decode: bool = True) -> tuple[torch.Tensor, StepInputs]:
         """Hidden states of all scheduled tokens, in order, and the step's inputs; split into two
         overlapped micro-batches when overlap is on and every rank's batch is large enough
         (agreed over the EP group, since it changes the order of collectives: the core loop's
@@ -139,7 +141,7 @@ class ModelRunner:
             max_tokens_any_rank = dispatcher.agree_max(sum(p[2] for p in pieces))
         if par.enable_overlap:
             split = max_tokens_any_rank >= par.overlap_min_tokens
-        pad_to = None if split else self._pad_to(pieces, max_tokens_any_rank)
+        pad_to = None if split else self._pad_to(pieces, max_tokens_any_rank, all_ranks_decode)
         # Per-step decisions inside the MoE layers (DeepEP's normal vs low-latency kernels) take the
         # agreed maximum (a padded decode step runs pad_to rows on every rank); None (not agreed
         # this step) makes them agree themselves.
@@ -154,10 +156,11 @@ class ModelRunner:
         return self.model(*step.batches[0]), step
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, max_tokens_any_rank: int | None = None) -> SampleResult:
+    def execute(self, out: SchedulerOutput, max_tokens_any_rank: int | None = None,
+                all_ranks_decode: bool = True) -> SampleResult:
         """Run the model over the scheduled tokens and sample for requests that reached their end."""
         pieces = self.batch.update(out)
-        h, step = self._forward(pieces, max_tokens_any_rank)
+        h, step = self._forward(pieces, max_tokens_any_rank, all_ranks_decode)
         if step.sampling is None:
             return SampleResult([], [])
         md = step.sampling
@@ -172,9 +175,10 @@ class ModelRunner:
         return self.sampler(logits, md)
 
     @torch.inference_mode()
-    def execute_empty(self, max_tokens_any_rank: int | None = None) -> None:
-        """A step with no tokens: MoE layers still enter their collectives (expert-parallel lockstep)."""
-        self._forward([], max_tokens_any_rank)
+    def execute_empty(self, max_tokens_any_rank: int | None = None, all_ranks_decode: bool = True) -> None:
+        """A step with no tokens: MoE layers still enter their collectives (expert-parallel lockstep);
+        padded like the other ranks' decode steps."""
+        self._forward([], max_tokens_any_rank, all_ranks_decode)
 
 
 def _numel(shape) -> int:

@@ -189,14 +189,15 @@ class EngineCore:
         return self.take_early_outputs() + self.execute(out, lockstep)
 
     def execute(self, out: SchedulerOutput, lockstep: bool = False,
-                max_tokens_any_rank: int | None = None) -> list[EngineCoreOutput]:
+                max_tokens_any_rank: int | None = None, all_ranks_decode: bool = True) -> list[EngineCoreOutput]:
         """Run a scheduled batch and advance its requests. With lockstep (expert parallelism), an
         empty batch still runs an empty forward so that every rank enters every MoE collective;
-        max_tokens_any_rank (from the ranks' per-step agreement) decides the overlap split."""
+        max_tokens_any_rank (from the ranks' per-step agreement) decides the overlap split and,
+        with all_ranks_decode (no rank has more than one token for a request), the decode padding."""
         if out.is_empty:
             if lockstep:
                 t0 = time.perf_counter()
-                self.runner.execute_empty(max_tokens_any_rank)
+                self.runner.execute_empty(max_tokens_any_rank, all_ranks_decode)
                 if self.load_recorder is not None:
                     self.load_recorder.end_step()
                 if self.eplb is not None:
@@ -208,7 +209,7 @@ class EngineCore:
             if r.num_computed_tokens < r.num_prompt_tokens:
                 self.num_prompt_tokens += min(s.num_tokens, r.num_prompt_tokens - r.num_computed_tokens)
         t0 = time.perf_counter()
-        result = self.runner.execute(out, max_tokens_any_rank)
+        result = self.runner.execute(out, max_tokens_any_rank, all_ranks_decode)
         if self.eplb is not None:
             self.eplb.end_step(time.perf_counter() - t0)
         sampled_reqs = [s.request for s in out.scheduled if s.samples]

@@ -117,14 +117,18 @@ class CoreLoop:
             if self.world_size > 1:
                 import torch.distributed as dist
 
+                # not_decode: this rank's step has a request with more than one token (prefill or
+                # mixed); decode steps are padded to a common size only when no rank has one.
+                not_decode = sched is not None and any(s.num_tokens != 1 for s in sched.scheduled)
                 flags = torch.tensor([ntok, self.rank + 1 if self.wants_shutdown else 0, shutdown,
-                                      load == "load_start", load == "load_stop", core.eplb_flag()], dtype=torch.int64)
+                                      load == "load_start", load == "load_stop", core.eplb_flag(), not_decode],
+                                     dtype=torch.int64)
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-                max_tok, term_rank, shutdown, start, stop, eplb_busy = (int(v) for v in flags.tolist())
+                max_tok, term_rank, shutdown, start, stop, eplb_busy, not_decode = (int(v) for v in flags.tolist())
                 load = "load_start" if start else ("load_stop" if stop else None)
                 self.shutdown_asked_by = term_rank - 1
             else:
-                max_tok = ntok
+                max_tok, not_decode = ntok, 0
                 self.shutdown_asked_by = 0 if self.wants_shutdown else -1
                 eplb_busy = core.eplb_flag()
             self._apply_load(load)
@@ -133,7 +137,8 @@ class CoreLoop:
             any_work = max_tok > 0
             if any_work:
                 outs += core.execute(sched if sched is not None else _empty(), lockstep=self.world_size > 1,
-                                     max_tokens_any_rank=max_tok if self.world_size > 1 else None)
+                                     max_tokens_any_rank=max_tok if self.world_size > 1 else None,
+                                     all_ranks_decode=not not_decode)
             wish = self.shutdown_asked_by >= 0 and not self._reported_shutdown_wish
             if outs or any_work or wish or shutdown:
                 self._reported_shutdown_wish |= wish
