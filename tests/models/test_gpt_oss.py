@@ -141,3 +141,11 @@ def test_overlap_gives_identical_tokens(extra_checkpoints):
     from tests.unit import test_overlap
 
     test_overlap.test_overlap_gives_identical_tokens(extra_checkpoints, "gpt_oss_mxfp4")
+
+
+def test_padded_decode_matches_unpadded(extra_checkpoints):
+    """Decode steps padded to the capture-size ladder (dummy rows on the scratch block) give the
+    unpadded tokens through the windowed, sink-carrying decode attention."""
+    from tests.unit import test_decode_padding
+
+    test_decode_padding.test_padded_decode_matches_unpadded(extra_checkpoints, "gpt_oss_mxfp4")
