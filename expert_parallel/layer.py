@@ -82,6 +82,7 @@ class GroupedExperts(nn.Module):
         return logical_id in self.slots_of
 
     fp8_block: tuple[int, int] | None = None  # set by to_block_fp8 (moe_serve/quantization/fp8.py)
+    fp8_act_quant: bool = False  # W8A8 in the Triton expert kernel (sm_89+; set by prepare.py)
 
     def to_block_fp8(self, block: tuple[int, int]) -> None:
         """Keep the expert weights in block FP8: FP8 values and float32 block scales per expert, gate
@@ -104,8 +105,8 @@ class GroupedExperts(nn.Module):
             return self.w13, self.w2
         from moe_serve.quantization.fp8 import BlockFp8Experts
 
-        return (BlockFp8Experts(self.w13, self.w13_scale_inv, self.fp8_block, (self.F, self.F)),
-                BlockFp8Experts(self.w2, self.w2_scale_inv, self.fp8_block, (self.w2.shape[1],)))
+        return (BlockFp8Experts(self.w13, self.w13_scale_inv, self.fp8_block, (self.F, self.F), self.fp8_act_quant),
+                BlockFp8Experts(self.w2, self.w2_scale_inv, self.fp8_block, (self.w2.shape[1],), self.fp8_act_quant))
 
     def load(self, logical_id: int, kind: str, w: torch.Tensor, scale_inv: torch.Tensor | None = None) -> None:
         """kind: "gate" (F, D), "up" (F, D), "down" (D, F), "gate_up" (2F, D); copied to every replica.
@@ -252,15 +253,46 @@ class MoE(nn.Module):
         sent = pending.wait()
         trace and trace("dispatch_end", mb, self.layer_index)
         trace and trace("experts", mb, self.layer_index)
-        w13, w2 = self.experts.op_weights()
-        y_RD = fused_experts(sent.x_RD, w13, w2, sent.topk_weights_RK, sent.topk_ids_RK, backend=self.ctx.moe_backend,
-                             **self.experts.op_kwargs())
+        y_RD = expert_outputs(sent, self.experts, self.ctx.moe_backend, x_TD.shape[0])
         trace and trace("combine_start", mb, self.layer_index)
         pending = d.combine_async(y_RD, sent.handle)
         yield
         y_TD = pending.wait()
         trace and trace("combine_end", mb, self.layer_index)
         return y_TD if shared is None else y_TD + shared
+
+
+def masked_applies(sent, experts, backend: str) -> bool:
+    """Whether the masked grouped GEMM serves this dispatch output: an expert-major layout (DeepEP
+    low-latency), the Triton backend, plain SwiGLU experts in the activations' dtype or block FP8."""
+    if sent.expert_major is None or backend != "triton" or experts.op_kwargs():
+        return False
+    w13, _ = experts.op_weights()
+    return isinstance(w13, torch.Tensor) or hasattr(w13, "scale_inv")
+
+
+def expert_outputs(sent, experts, backend: str, num_tokens: int = 0) -> torch.Tensor:
+    """y_RD for a dispatch output: with an expert-major layout the masked kernel writes only each
+    expert's valid rows (y in the same (E*C, D) layout, unweighted, which the backend's combine
+    expects); else the generic grouped GEMM over the routed rows. num_tokens: this rank's T, which
+    picks the masked kernel's tile (K * T / E expected rows per expert)."""
+    w13, w2 = experts.op_weights()
+    if masked_applies(sent, experts, backend):
+        from kernels.grouped_gemm.masked import masked_config, masked_experts_triton  # lazy: triton is heavy
+
+        x_ECD, count_E = sent.expert_major
+        E, C, D = x_ECD.shape
+        K = getattr(sent.handle, "topk_ids_TK", None)
+        K = K.shape[1] if K is not None and K.dim() == 2 else 1
+        cfg = masked_config(num_tokens * K / max(E, 1))
+        if isinstance(w13, torch.Tensor):
+            y_ECD = masked_experts_triton(x_ECD, count_E, w13, w2, cfg)
+        else:  # block FP8, dequantized tile by tile
+            y_ECD = masked_experts_triton(x_ECD, count_E, w13.q, w2.q, cfg, w13_scale=w13.scale_inv,
+                                          w2_scale=w2.scale_inv, scale_block=w13.block)
+        return y_ECD.view(E * C, D)
+    return fused_experts(sent.x_RD, w13, w2, sent.topk_weights_RK, sent.topk_ids_RK, backend=backend,
+                         **experts.op_kwargs())
 
 
 def run_to_end(stages):

@@ -10,6 +10,7 @@ can pick, taken from the same functions they call (`gemm_launch`, `topk_sum_laun
 `attention_launch`, `reduce_launch`, `write_launch`):
   - grouped GEMM: each default config (decode / middle / prefill) and each entry of each tuned file
     in kernels/grouped_gemm/configs/, gated (gate/up) and ungated (down), for bf16, fp16 and fp32;
+    the masked grouped GEMM (DeepEP's low-latency layout, kernels/grouped_gemm/masked.py) likewise;
   - top-k sum, KV / latent writes, paged attention (decode with and without split-K, prefill) and
     the split reduce, for the head and hidden shapes of the models in MODELS (plus --model files),
     in the dtypes each is served in (bf16 / fp16; fp32 too for the small fp32 test checkpoint and
@@ -58,6 +59,8 @@ ATTN = "attention.backends.triton_paged:_paged_attn_kernel"
 REDUCE = "attention.backends.triton_paged:_reduce_splits_kernel"
 WRITE = "attention.backends.triton_paged:_write_rows_kernel"
 FP8_LINEAR = "kernels.fp8_linear:_fp8_linear_kernel"
+MASKED = "kernels.grouped_gemm.masked:_masked_gemm_kernel"
+QUANT = "kernels.fp8_quant:_quant_kernel"
 
 
 @dataclass(frozen=True)
@@ -173,7 +176,7 @@ def enumerate_jobs(models=MODELS, dtypes=DTYPES, inject_broken: bool = False) ->
     for dt, cfg, origin in gemm_cfgs:
         d = DTYPE_SIG[dt]
         types = dict(a_ptr=f"*{d}", b_ptr=f"*{d}", c_ptr=f"*{d}", weights_ptr="*fp32", sorted_ids_ptr="*i32",
-                     expert_ids_ptr="*i32", num_padded_ptr="*i32", s_ptr="*fp32")
+                     expert_ids_ptr="*i32", num_padded_ptr="*i32", s_ptr="*fp32", as_ptr="*fp32")
         for gated in (True, False):
             add(GEMM, types, {**tk.gemm_launch(cfg, dt), "GATED": gated, "MUL_WEIGHT": not gated},
                 f"{origin} {'w13' if gated else 'w2'} {d}")
@@ -181,15 +184,38 @@ def enumerate_jobs(models=MODELS, dtypes=DTYPES, inject_broken: bool = False) ->
                 add(GEMM, {**types, "b_ptr": "*fp8e4nv"},
                     {**tk.fp8_gemm_launch(cfg, dt, (128, 128)), "GATED": gated, "MUL_WEIGHT": not gated},
                     f"{origin} {'w13' if gated else 'w2'} {d} fp8-weights")
+                add(GEMM, {**types, "a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv"},
+                    {**tk.w8a8_gemm_launch(cfg, dt, (128, 128)), "GATED": gated, "MUL_WEIGHT": not gated},
+                    f"{origin} {'w13' if gated else 'w2'} {d} fp8-w8a8")
+
+    # Masked grouped GEMM (DeepEP low-latency layout): the configs masked_config picks (the default
+    # configs) and the tuned entries, gate/up and down, each dtype; block-FP8 weights with bf16.
+    from kernels.grouped_gemm import masked
+
+    for dt, cfg, origin in gemm_cfgs:
+        if origin == "broken":
+            continue
+        d = DTYPE_SIG[dt]
+        types = dict(a_ptr=f"*{d}", b_ptr=f"*{d}", c_ptr=f"*{d}", count_ptr="*i32", s_ptr="*fp32")
+        for gated in (True, False):
+            which = 'w13' if gated else 'w2'
+            add(MASKED, types, masked.masked_launch(cfg, dt, None, gated), f"{origin} masked {which} {d}")
+            if dt == torch.bfloat16:
+                add(MASKED, {**types, "b_ptr": "*fp8e4nv"}, masked.masked_launch(cfg, dt, (128, 128), gated),
+                    f"{origin} masked {which} {d} fp8-weights")
 
     if torch.bfloat16 in dtypes:  # block-FP8 dense layers (kernels/fp8_linear.py): each M bucket, bias or not
         from kernels import fp8_linear
 
-        ltypes = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", s_ptr="*fp32", b_ptr="*bf16", y_ptr="*bf16")
+        ltypes = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", s_ptr="*fp32", b_ptr="*bf16", y_ptr="*bf16", xs_ptr="*fp32")
         for M in (1, 64, 4096):
             for bias in (False, True):
-                add(FP8_LINEAR, ltypes, {**fp8_linear.fp8_linear_launch(M, torch.bfloat16, (128, 128)),
-                                         "HAS_BIAS": bias}, f"fp8 linear M={M} bias={int(bias)} bf16")
+                for aq in (False, True):
+                    add(FP8_LINEAR, {**ltypes, "x_ptr": "*fp8e4nv"} if aq else ltypes,
+                        {**fp8_linear.fp8_linear_launch(M, torch.bfloat16, (128, 128), aq), "HAS_BIAS": bias},
+                        f"fp8 linear M={M} bias={int(bias)} {'w8a8' if aq else 'w8a16'} bf16")
+        add(QUANT, dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32"), dict(GROUP=128, FP8_MAX_C=448.0),
+            "fp8 activation quant bf16")
 
     for m in models:
         for dt in (dt for dt in dtypes if dt in m.dtypes):

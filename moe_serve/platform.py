@@ -88,6 +88,12 @@ def fp8_linear_backend(device: torch.device) -> str:
     return "triton" if device.type == "cuda" else "torch"
 
 
+def fp8_activation_quant(device: torch.device) -> bool:
+    """Block-FP8 GEMMs quantize their activations too (W8A8, FP8 x FP8 on tensor cores) where the
+    GPU has FP8 tensor cores (sm_89 and later); elsewhere they stay weight-only."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def choose(device: str = "auto", moe_backend: str = "auto", attention_backend: str = "auto",
            all2all_backend: str = "auto", world_size: int = 1, hidden_size: int | None = None) -> PlatformChoice:
     dev = resolve_device(device)

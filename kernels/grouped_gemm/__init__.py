@@ -80,7 +80,8 @@ def _fused_experts_variant(x_TD, w13, w2, topk_weights_TK, topk_ids_TK, backend,
         from kernels.grouped_gemm.triton_kernel import fused_experts_triton
 
         return fused_experts_triton(x_TD, w13.q, w2.q, topk_weights_TK, topk_ids_TK, w13_scale=w13.scale_inv,
-                                    w2_scale=w2.scale_inv, scale_block=w13.block)
+                                    w2_scale=w2.scale_inv, scale_block=w13.block,
+                                    act_quant=getattr(w13, "act_quant", False))
     if not isinstance(w13, torch.Tensor):  # quantized: Mxfp4Weight, or block FP8 (moe_serve/quantization/fp8.py)
         from kernels.grouped_gemm.mxfp4 import fused_experts_mxfp4
 

@@ -48,17 +48,26 @@ def _dequant(b, s_ptr, s_base, offs_n, k0, offs_k, n_mask, stride_sn, stride_sk,
     return b.to(tl.float32) * sc
 
 
+@triton.jit
+def _dot8(a, b, UPCAST: tl.constexpr):
+    """FP8 x FP8 -> fp32 tile product (tensor cores on sm_89+; upcast under the interpreter)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b)
+
+
 @triton.jit(do_not_specialize=("num_pairs",))
 def _grouped_gemm_kernel(
     a_ptr, b_ptr, c_ptr, weights_ptr,
     sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
     N, Kdim, num_slots, num_pairs, a_row_div,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
-    s_ptr, stride_se, stride_sn, stride_sk, s_up_row0,
+    s_ptr, stride_se, stride_sn, stride_sk, s_up_row0, as_ptr, stride_asm, stride_ask,
     GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
     BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
     B_SCALED: tl.constexpr = False, SB_N: tl.constexpr = 128, SB_K: tl.constexpr = 128,
+    A_SCALED: tl.constexpr = False,
 ):
     """c[p, n] = sum_k a[p // a_row_div, k] * b[e, n, k] for the pairs p of each row block.
 
@@ -67,6 +76,9 @@ def _grouped_gemm_kernel(
     B_SCALED: b is block FP8 (weight-only): each (SB_N, SB_K) block of b[e] is multiplied by its
     scale s[e, n // SB_N, k // SB_K] as it is loaded, and the product is taken in a's dtype; the up
     half's scale rows start at s_up_row0 (gate and up are quantized separately).
+    A_SCALED (with B_SCALED, SB_K a multiple of BLOCK_SIZE_K): a is FP8 too, quantized per row per
+    SB_K channels with scales as[row, k // SB_K]; each K tile's FP8 x FP8 product is rescaled by both
+    operands' scales in fp32 (W8A8, DeepSeek-V3's FP8 GEMM).
     """
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(num_slots, BLOCK_SIZE_M)
@@ -106,16 +118,27 @@ def _grouped_gemm_kernel(
         k_mask = offs_k < Kdim - k_blk * BLOCK_SIZE_K
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        if B_SCALED:
-            b = _dequant(b, s_ptr, s_base, offs_n, k_blk * BLOCK_SIZE_K, offs_k, n_mask, stride_sn, stride_sk,
-                         SB_N, SB_K, BLOCK_SIZE_K).to(a.dtype)
-        acc = _dot(a, b, acc, PREC, UPCAST)
+        if A_SCALED:  # W8A8: FP8 x FP8 per K tile, rescaled by the row's and the weight block's scales
+            kb = (k_blk * BLOCK_SIZE_K) // SB_K
+            a_sc = tl.load(as_ptr + a_row * stride_asm + kb * stride_ask, mask=row_mask, other=0.0)
+            b_sc = tl.load(s_ptr + s_base + (offs_n // SB_N) * stride_sn + kb * stride_sk, mask=n_mask, other=0.0)
+            acc += _dot8(a, b, UPCAST) * a_sc[:, None] * b_sc[None, :]
+        else:
+            if B_SCALED:
+                b = _dequant(b, s_ptr, s_base, offs_n, k_blk * BLOCK_SIZE_K, offs_k, n_mask, stride_sn, stride_sk,
+                             SB_N, SB_K, BLOCK_SIZE_K).to(a.dtype)
+            acc = _dot(a, b, acc, PREC, UPCAST)
         if GATED:
             b_up = tl.load(up_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            if B_SCALED:
-                b_up = _dequant(b_up, s_ptr, s_base + s_up_row0 * stride_sn, offs_n, k_blk * BLOCK_SIZE_K, offs_k,
-                                n_mask, stride_sn, stride_sk, SB_N, SB_K, BLOCK_SIZE_K).to(a.dtype)
-            acc_up = _dot(a, b_up, acc_up, PREC, UPCAST)
+            if A_SCALED:
+                bu_sc = tl.load(s_ptr + s_base + (s_up_row0 + offs_n // SB_N) * stride_sn + kb * stride_sk,
+                                mask=n_mask, other=0.0)
+                acc_up += _dot8(a, b_up, UPCAST) * a_sc[:, None] * bu_sc[None, :]
+            else:
+                if B_SCALED:
+                    b_up = _dequant(b_up, s_ptr, s_base + s_up_row0 * stride_sn, offs_n, k_blk * BLOCK_SIZE_K,
+                                    offs_k, n_mask, stride_sn, stride_sk, SB_N, SB_K, BLOCK_SIZE_K).to(a.dtype)
+                acc_up = _dot(a, b_up, acc_up, PREC, UPCAST)
             up_ptrs += BLOCK_SIZE_K * stride_bk
         a_ptrs += BLOCK_SIZE_K * stride_ak
         b_ptrs += BLOCK_SIZE_K * stride_bk
@@ -169,7 +192,7 @@ def gemm_launch(cfg: dict, dtype: torch.dtype) -> dict:
     return dict(GROUP_SIZE_M=cfg["GROUP_SIZE_M"], BLOCK_SIZE_M=cfg["BLOCK_SIZE_M"], BLOCK_SIZE_N=cfg["BLOCK_SIZE_N"],
                 BLOCK_SIZE_K=cfg["BLOCK_SIZE_K"], PREC="ieee" if dtype == torch.float32 else "tf32",
                 UPCAST=INTERPRETED, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-                B_SCALED=False, SB_N=128, SB_K=128)
+                B_SCALED=False, SB_N=128, SB_K=128, A_SCALED=False)
 
 
 def fp8_gemm_launch(cfg: dict, dtype: torch.dtype, scale_block: tuple[int, int]) -> dict:
@@ -177,7 +200,18 @@ def fp8_gemm_launch(cfg: dict, dtype: torch.dtype, scale_block: tuple[int, int])
     k tile is at most 64: dequantizing two 128-deep fp32 tiles (gate and up) spills registers on
     sm_90 (5.7 KB per thread at BLOCK_M=16, kernels.aot_check); at 64 it does not."""
     return {**gemm_launch(cfg, dtype), "BLOCK_SIZE_K": min(cfg["BLOCK_SIZE_K"], 64), "B_SCALED": True,
-            "SB_N": scale_block[0], "SB_K": scale_block[1]}
+            "SB_N": scale_block[0], "SB_K": scale_block[1], "A_SCALED": False}
+
+
+def w8a8_gemm_launch(cfg: dict, dtype: torch.dtype, scale_block: tuple[int, int]) -> dict:
+    """`fp8_gemm_launch` with the activations quantized too (per row per scale_block[1] channels):
+    the k tile must divide the scale block along k."""
+    launch = {**fp8_gemm_launch(cfg, dtype, scale_block), "A_SCALED": True}
+    while scale_block[1] % launch["BLOCK_SIZE_K"]:
+        launch["BLOCK_SIZE_K"] //= 2
+    if launch["BLOCK_SIZE_K"] < 16:
+        raise ValueError(f"W8A8 needs a scale block along k of at least 16 channels, not {scale_block[1]}")
+    return launch
 
 
 def topk_sum_launch(K: int, D: int) -> dict:
@@ -197,6 +231,7 @@ def fused_experts_triton(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     scale_block: tuple[int, int] | None = None,
+    act_quant: bool = False,
 ) -> torch.Tensor:
     """sum_k topk_weights[t, k] * SwiGLU-expert_{topk_ids[t, k]}(x[t]), experts grouped in one launch.
 
@@ -211,6 +246,8 @@ def fused_experts_triton(
         w13_scale, w2_scale, scale_block: block FP8 (weight-only): w13 / w2 are float8_e4m3fn and
             these their float32 scale_inv, (E, 2 * ceil(F / b0), ceil(D / b1)) (gate blocks then up
             blocks) and (E, ceil(D / b0), ceil(F / b1)), with scale_block = (b0, b1).
+        act_quant: with FP8 weights, quantize the activations too (per token per b1 channels,
+            kernels/fp8_quant.py) and multiply FP8 x FP8 (W8A8; the FP8 tensor cores of sm_89+).
     Returns:
         (T, D) in x's dtype; products accumulate in fp32, as does the top-k sum.
     """
@@ -247,28 +284,43 @@ def fused_experts_triton(
     P, S = routing.num_pairs, routing.sorted_pair_ids_S.shape[0]
     ids_TK = topk_ids_TK.contiguous()
     weights_P = topk_weights_TK.contiguous().view(-1)
-    launch = fp8_gemm_launch(cfg, x_TD.dtype, scale_block) if scaled else gemm_launch(cfg, x_TD.dtype)
+    if act_quant and not scaled:
+        raise ValueError("act_quant needs block-FP8 weights")
+    if act_quant:
+        launch = w8a8_gemm_launch(cfg, x_TD.dtype, scale_block)
+    else:
+        launch = fp8_gemm_launch(cfg, x_TD.dtype, scale_block) if scaled else gemm_launch(cfg, x_TD.dtype)
     if scaled:
         s13 = (w13_scale, w13_scale.stride(0), w13_scale.stride(1), w13_scale.stride(2), nF)
         s2 = (w2_scale, w2_scale.stride(0), w2_scale.stride(1), w2_scale.stride(2), 0)
     else:
         s13 = s2 = (weights_P, 0, 0, 0, 0)  # unused: B_SCALED is off
+    a_in, a_scales = x_TD, (weights_P, 0, 0)  # the scales are unused unless A_SCALED
+    if act_quant:
+        from kernels.fp8_quant import quantize_per_token_group
+
+        a_in, xs = quantize_per_token_group(x_TD, scale_block[1])
+        a_scales = (xs, xs.stride(0), xs.stride(1))
     y_PD = _empty((P, D), x_TD.dtype, x_TD.device)
     if S > 0:
         h_PF = _empty((P, F), x_TD.dtype, x_TD.device)
         _grouped_gemm_kernel[(S // BM * triton.cdiv(F, BN),)](
-            x_TD, w13_EFD, h_PF, weights_P,
+            a_in, w13_EFD, h_PF, weights_P,
             routing.sorted_pair_ids_S, routing.expert_ids_B, routing.num_padded,
             F, D, S, P, K,
-            x_TD.stride(0), x_TD.stride(1), w13_EFD.stride(0), w13_EFD.stride(1), w13_EFD.stride(2),
-            h_PF.stride(0), h_PF.stride(1), *s13,
+            a_in.stride(0), a_in.stride(1), w13_EFD.stride(0), w13_EFD.stride(1), w13_EFD.stride(2),
+            h_PF.stride(0), h_PF.stride(1), *s13, *a_scales,
             GATED=True, MUL_WEIGHT=False, **launch)
+        h_in, h_scales = h_PF, (weights_P, 0, 0)
+        if act_quant:
+            h_in, hs = quantize_per_token_group(h_PF, scale_block[1])
+            h_scales = (hs, hs.stride(0), hs.stride(1))
         _grouped_gemm_kernel[(S // BM * triton.cdiv(D, BN),)](
-            h_PF, w2_EDF, y_PD, weights_P,
+            h_in, w2_EDF, y_PD, weights_P,
             routing.sorted_pair_ids_S, routing.expert_ids_B, routing.num_padded,
             D, F, S, P, 1,
-            h_PF.stride(0), h_PF.stride(1), w2_EDF.stride(0), w2_EDF.stride(1), w2_EDF.stride(2),
-            y_PD.stride(0), y_PD.stride(1), *s2,
+            h_in.stride(0), h_in.stride(1), w2_EDF.stride(0), w2_EDF.stride(1), w2_EDF.stride(2),
+            y_PD.stride(0), y_PD.stride(1), *s2, *h_scales,
             GATED=False, MUL_WEIGHT=True, **launch)
     topk = topk_sum_launch(K, D)
     _topk_sum_kernel[(T, triton.cdiv(D, topk["BLOCK_D"]))](

@@ -22,6 +22,7 @@ class Linear(nn.Module):
     fp8_block: tuple[int, int] | None = None
     dequant_dtype: torch.dtype | None = None  # what the blocks dequantize to (prepare.py); None: x's dtype
     fp8_backend: str = "torch"  # "triton" on CUDA (moe_serve/platform.py, set by prepare.py)
+    fp8_act_quant: bool = False  # W8A8 in the Triton kernel (sm_89+; the platform's decision)
 
     def to_block_fp8(self, block: tuple[int, int]) -> None:
         """Keep this weight in block FP8: an FP8 weight and its float32 block scales (filled by the
@@ -47,7 +48,8 @@ class Linear(nn.Module):
             if self.fp8_backend == "triton":  # tiles dequantized inside the kernel
                 from kernels.fp8_linear import fp8_linear_triton
 
-                return fp8_linear_triton(x, self.weight, self.weight_scale_inv, self.fp8_block, self.bias)
+                return fp8_linear_triton(x, self.weight, self.weight_scale_inv, self.fp8_block, self.bias,
+                                         self.fp8_act_quant)
             return linear(x, self.dense_weight(self.dequant_dtype or x.dtype), self.bias)  # this layer, now
         return linear(x, self.weight, self.bias)
 

@@ -84,8 +84,10 @@ class BlockFp8Experts:
     w13 stacks gate then up (F rows each, their own block grids, as in the checkpoint), w2 is one
     part. Same interface as the MXFP4 weights (`shape`, `dequantize`)."""
 
-    def __init__(self, q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], parts: tuple[int, ...]):
+    def __init__(self, q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], parts: tuple[int, ...],
+                 act_quant: bool = False):
         self.q, self.scale_inv, self.block, self.parts = q, scale_inv, block, parts
+        self.act_quant = act_quant  # the Triton kernel quantizes activations too (W8A8)
 
     @property
     def shape(self) -> tuple[int, int, int]:
