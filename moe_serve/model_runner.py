@@ -119,8 +119,11 @@ class ModelRunner:
     def _pad_to(self, pieces: list[Piece], max_tokens_any_rank: int | None, all_ranks_decode: bool) -> int | None:
         """The ladder size a decode-only step pads to: that of the most tokens any rank scheduled
         (so every EP rank runs the same size); None when this or any rank's step is not decode
-        only, or the batch is above the ladder."""
-        if not self.pad_sizes or not all_ranks_decode or any(p[2] != 1 for p in pieces):
+        only, or the batch is above the ladder. Nor while expert load is recorded: padded rows would
+        count as routed tokens, and a graph replay skips the recorder's Python hook (recording
+        starts and stops at the same turn on every rank, so the ranks still agree)."""
+        if not self.pad_sizes or not all_ranks_decode or self.moe_ctx.load_recorder is not None \
+                or any(p[2] != 1 for p in pieces):
             return None
         from moe_serve.cuda_graph import padded_size
 
