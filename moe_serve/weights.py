@@ -74,6 +74,9 @@ def load_weights(model: nn.Module, path: str, dtype: torch.dtype, show_progress:
                     m = _PER_EXPERT.match(name) if name else None
                     scaled.add(f"{m.group('prefix')}.experts" if m and m.group("prefix") in experts else name)
         n = fp8.to_block_fp8(model, fp8_cfg.block, scaled)
+        if n == 0:
+            log.warning("quantization_config says block FP8, but no tensor has a weight_scale_inv: loading the "
+                        "weights as they are stored")
         log.info("block FP8 checkpoint (weight_block_size %s): %d modules keep FP8 weights", list(fp8_cfg.block), n)
     elif quantization == "fp8":
         fp8_cfg = fp8.BlockFp8Config()
