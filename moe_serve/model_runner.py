@@ -122,12 +122,17 @@ class ModelRunner:
         only, or the batch is above the ladder. Nor while expert load is recorded: padded rows would
         count as routed tokens, and a graph replay skips the recorder's Python hook (recording
         starts and stops at the same turn on every rank, so the ranks still agree)."""
-        if not self.pad_sizes or not all_ranks_decode or self.moe_ctx.load_recorder is not None \
-                or any(p[2] != 1 for p in pieces):
+        if not self.pad_sizes or not all_ranks_decode or self._recording_load() or any(p[2] != 1 for p in pieces):
             return None
         from moe_serve.cuda_graph import padded_size
 
         return padded_size(max(len(pieces), max_tokens_any_rank or 0), self.pad_sizes)
+
+    def _recording_load(self) -> bool:
+        """Whether the MoE layers' load hook counts this step: an ExpertLoadRecorder's bound
+        `record` counts only while started; any other hook (EPLB's) always."""
+        rec = self.moe_ctx.load_recorder
+        return rec is not None and getattr(getattr(rec, "__self__", None), "active", True)
 
     # --- one step -------------------------------------------------------------------------------
     def _forward(self, pieces: list[Piece], max_tokens_any_rank: int | None = None,

@@ -126,3 +126,18 @@ def test_padded_decode_matches_unpadded(checkpoints, arch):
         assert t[scratch, 0].any() and not t[scratch, 1:].any()  # padded rows write slot 0 only
         idx = sorted(used)
         torch.testing.assert_close(t[idx], t_plain[idx], rtol=1e-5, atol=1e-5)
+
+
+def test_no_padding_while_expert_load_is_recorded(checkpoints):
+    """Padded rows would count as routed tokens (and a graph replay would skip the hook)."""
+    llm = LLM(checkpoints["qwen3_moe"], dtype="float32", kv_cache_memory=1 << 20, show_progress=False, pad_decode=True)
+    core, runner = llm.engine, llm.engine.runner
+    rec = core.load_recorder or core.enable_load_recording(10)
+    decode3 = [(0, 4, 1, True), (1, 6, 1, True), (2, 3, 1, True)]
+    assert runner._pad_to(decode3, None, True) == 4
+    assert runner._pad_to(decode3 + [(3, 0, 5, True)], None, True) is None  # a prefill in the step
+    assert runner._pad_to(decode3, 3, False) is None  # another rank has one
+    rec.start()
+    assert runner._pad_to(decode3, None, True) is None
+    rec.stop()
+    assert runner._pad_to(decode3, None, True) == 4
