@@ -103,8 +103,10 @@ class ModelRunner:
 
         gc, par = self.cfg.graphs, self.cfg.parallel
         # Graphs of one process only: an EP step's collectives are not captured (yet). Nor with
-        # EPLB: a rebalance swaps expert weight buffers, which a graph would keep reading.
-        capture = self.device.type == "cuda" and not gc.enforce_eager and par.world_size == 1 and par.eplb is None
+        # EPLB: a rebalance swaps expert weight buffers, which a graph would keep reading. Nor with
+        # the torch attention backend: its single-decode path sizes its gather from host lengths.
+        capture = (self.device.type == "cuda" and not gc.enforce_eager and par.world_size == 1 and par.eplb is None
+                   and self.cfg.attention_backend == "triton")
         pad = capture if gc.pad_decode is None else gc.pad_decode
         self.pad_sizes = cuda_graph.capture_sizes(self.cfg.scheduler.max_num_seqs, gc.max_capture_size) if pad else []
         self.graphs = None

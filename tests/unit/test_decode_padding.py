@@ -12,7 +12,7 @@ import torch
 
 from kernels.grouped_gemm import device_side_only
 from moe_serve import LLM, SamplingParams
-from moe_serve.cuda_graph import capture_sizes, padded_size
+from moe_serve.cuda_graph import DecodeGraphs, capture_sizes, padded_size
 from moe_serve.engine.args import EngineArgs
 from moe_serve.protocol import NewRequest
 from tests.sync_guard import NoHostSync
@@ -60,11 +60,19 @@ def _caches(runner) -> list[torch.Tensor]:
             for t in ([layer.k_cache, layer.v_cache] if hasattr(layer, "k_cache") else [layer.latent_cache])]
 
 
-def _run(path: str, pad: bool):
+def _run(path: str, pad: bool, static_buffers: bool = False):
     """Tokens per request, the decode batch sizes the model saw (real, padded), the blocks the
-    allocator gave requests, and the runner. Padded decode forwards run under the no-sync guard."""
+    allocator gave requests, and the runner. Padded decode forwards run under the no-sync guard.
+    static_buffers: padded steps go through DecodeGraphs (uncaptured on the CPU: the model runs
+    eagerly on the static buffers and metadata a captured graph reads)."""
     llm = LLM(path, dtype="float32", num_kv_blocks=64, max_num_seqs=16, show_progress=False, pad_decode=pad)
     core, runner = llm.engine, llm.engine.runner
+    if static_buffers:
+        # From batch 2: the torch backend's one-decode path sizes its gather from host lengths, so
+        # batch 1 is not graph-safe on it (which is why only the Triton backend is captured).
+        runner.pad_sizes = [2, 4, 8, 16]
+        runner.graphs = DecodeGraphs(runner.model, runner.pad_sizes, runner.batch.max_blocks, runner.batch.block_size,
+                                     runner.batch.max_model_len, runner.scratch_block, runner.device)
     model, plain = runner.model, runner.model.forward
     seen: list[int] = []
 
@@ -141,3 +149,14 @@ def test_no_padding_while_expert_load_is_recorded(checkpoints):
     assert runner._pad_to(decode3, None, True) is None
     rec.stop()
     assert runner._pad_to(decode3, None, True) == 4
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_graph_static_buffers_match_unpadded(checkpoints, arch):
+    """What a captured decode graph reads: the step's inputs copied into buffers sized for the
+    largest ladder size, host lengths at max_model_len (the split count), block-table columns past
+    the step's width stale. Run eagerly on the CPU, the tokens equal the unpadded engine's."""
+    want, _, _, _ = _run(checkpoints[arch], pad=False)
+    got, seen, _, runner = _run(checkpoints[arch], pad=True, static_buffers=True)
+    assert got == want and set(seen) <= {2, 4, 8, 16} and 2 in seen
+    assert runner.graphs.ids.shape[0] == 16 and not runner.graphs.graphs  # nothing captured on the CPU
