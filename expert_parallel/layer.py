@@ -253,7 +253,7 @@ class MoE(nn.Module):
         sent = pending.wait()
         trace and trace("dispatch_end", mb, self.layer_index)
         trace and trace("experts", mb, self.layer_index)
-        y_RD = expert_outputs(sent, self.experts, self.ctx.moe_backend, x_TD.shape[0])
+        y_RD = expert_outputs(sent, self.experts, self.ctx.moe_backend, x_TD.shape[0], all_local=d.world_size == 1)
         trace and trace("combine_start", mb, self.layer_index)
         pending = d.combine_async(y_RD, sent.handle)
         yield
@@ -271,7 +271,7 @@ def masked_applies(sent, experts, backend: str) -> bool:
     return isinstance(w13, torch.Tensor) or hasattr(w13, "scale_inv")
 
 
-def expert_outputs(sent, experts, backend: str, num_tokens: int = 0) -> torch.Tensor:
+def expert_outputs(sent, experts, backend: str, num_tokens: int = 0, all_local: bool = False) -> torch.Tensor:
     """y_RD for a dispatch output: with an expert-major layout the masked kernel writes only each
     expert's valid rows (y in the same (E*C, D) layout, unweighted, which the backend's combine
     expects); else the generic grouped GEMM over the routed rows. num_tokens: this rank's T, which
@@ -292,7 +292,7 @@ def expert_outputs(sent, experts, backend: str, num_tokens: int = 0) -> torch.Te
                                           w2_scale=w2.scale_inv, scale_block=w13.block)
         return y_ECD.view(E * C, D)
     return fused_experts(sent.x_RD, w13, w2, sent.topk_weights_RK, sent.topk_ids_RK, backend=backend,
-                         **experts.op_kwargs())
+                         all_local=all_local, **experts.op_kwargs())
 
 
 def run_to_end(stages):

@@ -9,6 +9,10 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.float32 else x.to(torch.float32)  # a no-op .to still costs an op
+
+
 class SoftmaxTopKRouter(nn.Module):
     """Mixtral / Qwen3-MoE: softmax over all experts, keep the top k, optionally renormalise."""
 
@@ -23,11 +27,12 @@ class SoftmaxTopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32))
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits_TE = F.linear(x_TD.to(torch.float32), self.weight)
+        logits_TE = F.linear(_f32(x_TD), self.weight)
+        if self.renormalize:  # softmax over all, top k, renormalised = softmax over the top-k logits
+            top_TK, ids_TK = torch.topk(logits_TE, self.top_k, dim=-1)
+            return torch.softmax(top_TK, dim=-1), ids_TK
         probs_TE = torch.softmax(logits_TE, dim=-1)
         w_TK, ids_TK = torch.topk(probs_TE, self.top_k, dim=-1)
-        if self.renormalize:
-            w_TK = w_TK / w_TK.sum(dim=-1, keepdim=True)
         return w_TK, ids_TK
 
 
@@ -51,7 +56,7 @@ class GroupLimitedSigmoidRouter(nn.Module):
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         T = x_TD.shape[0]
-        scores_TE = torch.sigmoid(F.linear(x_TD.to(torch.float32), self.weight))
+        scores_TE = torch.sigmoid(F.linear(_f32(x_TD), self.weight))
         choice_TE = scores_TE + self.e_score_correction_bias
         per_group = self.num_experts // self.n_group
         group_scores = choice_TE.view(T, self.n_group, per_group).topk(min(2, per_group), dim=-1)[0].sum(-1)
@@ -78,6 +83,6 @@ class TopKThenSoftmaxRouter(nn.Module):
         self.bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32))
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits_TE = F.linear(x_TD.to(torch.float32), self.weight, self.bias)
+        logits_TE = F.linear(_f32(x_TD), self.weight, self.bias)
         top_TK, ids_TK = torch.topk(logits_TE, self.top_k, dim=-1)
         return torch.softmax(top_TK, dim=-1), ids_TK

@@ -59,27 +59,38 @@ def _sdpa(q_BNQH: torch.Tensor, k_BGSH: torch.Tensor, v_BGSH: torch.Tensor, mask
 
 def _decode_plan(meta: AttentionMetadata, block_size: int) -> tuple[int, torch.Tensor, torch.Tensor]:
     """For the decodes at the front of the step: their count nd, the (nd, K) block ids covering the
-    longest context and the (nd, K * block_size) mask of padding; made once a step (meta.derived)."""
+    longest context and the (nd, 1, 1, K * block_size) mask of the keys each sees (SDPA's shape);
+    made once a step (meta.derived) and shared by every layer."""
     plan = meta.derived.get("reference_decode")
     if plan is None:
         nd = _leading_decodes(meta)
         if nd > 1:
             nblocks = (max(meta.seq_lens_cpu[:nd]) + block_size - 1) // block_size
             blocks = meta.block_tables[:nd, :nblocks].long()
-            pad = (torch.arange(nblocks * block_size, device=blocks.device)[None, :]
-                   >= meta.seq_lens[:nd, None].to(blocks.device))
-            plan = (nd, blocks, pad)
+            visible = (torch.arange(nblocks * block_size, device=blocks.device)[None, None, None, :]
+                       < meta.seq_lens[:nd, None, None, None].to(blocks.device))
+            plan = (nd, _FlatBlocks(blocks), visible)
         else:
             plan = (0, None, None)
         meta.derived["reference_decode"] = plan
     return plan
 
 
-def _decode_gather(cache: torch.Tensor, blocks_BK: torch.Tensor) -> torch.Tensor:
+class _FlatBlocks:
+    """A step's (B, K) decode block ids and their flattened (B * K,) form, made once for all layers."""
+
+    def __init__(self, blocks_BK: torch.Tensor):
+        self.shape = blocks_BK.shape
+        self.flat = blocks_BK.reshape(-1)
+
+
+def _decode_gather(cache: torch.Tensor, blocks) -> torch.Tensor:
     """Every decode's context, padded to the longest: (B, K * block_size, ...) rows. index_select of
-    whole blocks along dim 0 copies at memcpy speed (3.5x advanced indexing's, measured on CPU)."""
-    B, K = blocks_BK.shape
-    return cache.index_select(0, blocks_BK.reshape(-1)).view(B, K * cache.shape[1], *cache.shape[2:])
+    whole blocks along dim 0 copies at memcpy speed (3.5x advanced indexing's, measured on CPU).
+    blocks: (B, K) block ids, or a step's _FlatBlocks."""
+    B, K = blocks.shape
+    flat = blocks.flat if isinstance(blocks, _FlatBlocks) else blocks.reshape(-1)
+    return cache.index_select(0, flat).view(B, K * cache.shape[1], *cache.shape[2:])
 
 
 def _leading_decodes(meta: AttentionMetadata) -> int:
@@ -110,14 +121,16 @@ def paged_attention(q_TNH: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if sliding_window is not None or sinks is not None:
         return _paged_attention_windowed(q_TNH, k_cache, v_cache, meta, scale, sliding_window, sinks)
     T, N, _ = q_TNH.shape
-    G = k_cache.shape[2]
-    out = torch.empty(T, N, v_cache.shape[-1], dtype=q_TNH.dtype, device=q_TNH.device)
-    nd, blocks, pad = _decode_plan(meta, k_cache.shape[1])
+    nd, blocks, visible = _decode_plan(meta, k_cache.shape[1])
     if nd:  # the decodes as one padded batched computation
         k = _decode_gather(k_cache, blocks)  # (B, S, G, H)
         v = _decode_gather(v_cache, blocks)
-        o = _sdpa(_acc(q_TNH[:nd])[:, :, None, :], _acc(k).transpose(1, 2), _acc(v).transpose(1, 2),
-                  ~pad[:, None, None, :], scale)  # (B, N, 1, Hv)
+        q = _acc(q_TNH if nd == T else q_TNH[:nd]).unsqueeze(2)
+        o = _sdpa(q, _acc(k).transpose(1, 2), _acc(v).transpose(1, 2), visible, scale)  # (B, N, 1, Hv)
+        if nd == T:  # a decode-only step: SDPA's output is the answer
+            return _as(o.reshape(T, N, o.shape[-1]), q_TNH.dtype)
+    out = torch.empty(T, N, v_cache.shape[-1], dtype=q_TNH.dtype, device=q_TNH.device)
+    if nd:
         out[:nd] = o[:, :, 0].to(q_TNH.dtype)
     s = nd
     for b in range(nd, meta.num_seqs):
@@ -229,13 +242,13 @@ def mla_paged_attention(q_latent_TNL: torch.Tensor, q_pe_TNR: torch.Tensor, late
     """
     T, N, L = q_latent_TNL.shape
     out = torch.empty(T, N, L, dtype=q_latent_TNL.dtype, device=q_latent_TNL.device)
-    nd, blocks, pad = _decode_plan(meta, latent_cache.shape[1])
+    nd, blocks, visible = _decode_plan(meta, latent_cache.shape[1])
     if nd:  # the decodes as one padded batched computation
         lat = _decode_gather(latent_cache, blocks)  # (B, S, L+R)
         # [q_latent | q_pe] . [c_kv | k_pe] is the absorbed score: one kv head shared by all heads.
         lat = _acc(lat)[:, None]  # (B, 1, S, L+R)
         q = _acc(torch.cat([q_latent_TNL[:nd], q_pe_TNR[:nd]], dim=-1))[:, :, None, :]
-        o = _sdpa(q, lat, lat[..., :L], ~pad[:, None, None, :], scale)  # (B, N, 1, L)
+        o = _sdpa(q, lat, lat[..., :L], visible, scale)  # (B, N, 1, L)
         out[:nd] = o[:, :, 0].to(q_latent_TNL.dtype)
     s = nd
     for b in range(nd, meta.num_seqs):

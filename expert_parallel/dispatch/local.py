@@ -15,7 +15,8 @@ class LocalDispatcher(Dispatcher):
         super().__init__(num_slots, 0, 1, None)
 
     def dispatch(self, x_TD, topk_ids_TK, topk_weights_TK) -> DispatchOutput:
-        return DispatchOutput(x_TD, topk_ids_TK, topk_weights_TK.to(torch.float32), None)
+        w = topk_weights_TK if topk_weights_TK.dtype == torch.float32 else topk_weights_TK.to(torch.float32)
+        return DispatchOutput(x_TD, topk_ids_TK, w, None)
 
     def combine(self, y_RD: torch.Tensor, handle) -> torch.Tensor:
         return y_RD

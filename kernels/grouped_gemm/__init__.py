@@ -40,10 +40,12 @@ def fused_experts(
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
     activation="silu",
+    all_local: bool = False,
 ) -> torch.Tensor:
     """Weighted sum over each token's top-k experts of SwiGLU(x @ w13^T) @ w2^T.
 
-    See `kernels.grouped_gemm.reference.fused_experts_reference` for shapes; ids of -1 are skipped.
+    See `kernels.grouped_gemm.reference.fused_experts_reference` for shapes; ids of -1 are skipped
+    (`all_local=True` promises there are none: one EP rank, so the CPU path skips their masking).
     GPT-OSS's variant: optional biases (E, 2F) / (E, D), an activation other than "silu"
     (reference.ClampedSwiGLU), and w13 / w2 given as quantized weights (mxfp4.Mxfp4Weight, or
     block FP8's BlockFp8Experts: anything with `shape` and `dequantize(dtype, experts)`),
@@ -63,7 +65,7 @@ def fused_experts(
             return fused_experts_single_token(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK)
         if (x_TD.shape[0] and w13_EFD.dtype == torch.float32 and grouped_mm_available(torch.float32, x_TD.device.type)
                 and grouped_mm_fits(x_TD, w13_EFD, w2_EDF)):
-            return fused_experts_grouped(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK)
+            return fused_experts_grouped(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, all_local=all_local)
         return fused_experts_reference(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK)
     if backend == "triton":
         from kernels.grouped_gemm.triton_kernel import fused_experts_triton  # lazy: triton is heavy

@@ -59,7 +59,7 @@ class GQASelfAttention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = self.rotary.cos_sin(positions_T)
+        cos, sin = self.rotary.cos_sin(positions_T, meta.derived)
         if self.rotary_dim == self.head_dim:
             q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
         else:  # partial rotary (GLM-4.5): the first rotary_dim channels of each head turn, the rest pass

@@ -125,8 +125,16 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
 
-    def cos_sin(self, positions_T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(T, 1, dim) cos and signed sin of the positions, for `apply`."""
+    def cos_sin(self, positions_T: torch.Tensor, step_cache: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T, 1, dim) cos and signed sin of the positions, for `apply`. With `step_cache` (the
+        step's AttentionMetadata.derived) the rows are gathered once a step for every layer that
+        shares this embedding."""
+        if step_cache is not None:
+            key = ("rope", id(self), positions_T.data_ptr(), positions_T.shape[0])
+            hit = step_cache.get(key)
+            if hit is None:
+                hit = step_cache[key] = self.cos_sin(positions_T)
+            return hit
         cos, sin = self._cos_sin_table(positions_T.device)
         return cos.index_select(0, positions_T), sin.index_select(0, positions_T)
 
@@ -139,4 +147,4 @@ class RotaryEmbedding(nn.Module):
             x_THD = x_THD.view(T, H, D // 2, 2).transpose(2, 3).reshape(T, H, D)
         if cos.dtype != dtype:
             cos, sin = cos.to(dtype), sin.to(dtype)
-        return x_THD * cos + x_THD.roll(self.dim // 2, dims=-1) * sin
+        return torch.addcmul(x_THD * cos, x_THD.roll(self.dim // 2, dims=-1), sin)

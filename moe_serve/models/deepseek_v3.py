@@ -57,7 +57,7 @@ class MLASelfAttention(nn.Module):
         q_nope, q_pe = q.view(T, self.N, self.P + self.R).split([self.P, self.R], dim=-1)
         c_kv, k_pe = self.kv_a_proj_with_mqa(x_TD).split([self.L, self.R], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
-        cos, sin = self.rotary.cos_sin(positions_T)
+        cos, sin = self.rotary.cos_sin(positions_T, meta.derived)
         q_pe = self.rotary.apply(q_pe, cos, sin)
         k_pe = self.rotary.apply(k_pe.reshape(T, 1, self.R), cos, sin).reshape(T, self.R)
         w_kv = self.kv_b_proj.weight.view(self.N, self.P + self.V, self.L)
