@@ -28,10 +28,15 @@ import torch.distributed as dist
 
 @dataclass
 class DispatchOutput:
+    """expert_major: (x_ECD, count_E) when the backend received an expert-major layout (DeepEP's
+    low-latency mode: count_E[e] valid rows of x_ECD[e] for local expert e, x_RD its (E*C, D) view);
+    the MoE layer then runs the masked grouped GEMM on it (kernels/grouped_gemm/masked.py) and
+    returns y_RD in the same layout, unweighted. None for every other backend."""
     x_RD: torch.Tensor
     topk_ids_RK: torch.Tensor
     topk_weights_RK: torch.Tensor
     handle: Any
+    expert_major: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class Pending:
@@ -95,6 +100,11 @@ class Dispatcher(ABC):
     def combine_async(self, y_RD: torch.Tensor, handle: Any) -> Pending:
         """Start combine; `.wait()` gives y_TD."""
         return done(self.combine(y_RD, handle))
+
+    def set_step_max_tokens(self, n: int | None) -> None:
+        """The most tokens any rank of the EP group runs in this step (agreed once per step by the
+        engine's core loop), or None when unknown. Backends whose kernels depend on it (DeepEP's
+        normal vs low-latency choice) use it instead of a collective per MoE layer."""
 
     def agree_max(self, n: int) -> int:
         """The largest n over the EP group (one small collective), so that every rank takes the same

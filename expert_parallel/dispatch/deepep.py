@@ -24,11 +24,17 @@ clean_low_latency_buffer after normal kernels before the next low-latency kernel
                low-latency call overwrites: consume it before then), topk_ids_RK = (E*C, 1) holding e for the first
                recv_count_E[e] rows of expert e and -1 for the rest, and topk_weights_RK = 1.
                low_latency_combine applies the routing weights itself, so y_RD rows must be
-               *unweighted* expert outputs, which a GEMM given weight 1 produces. A masked grouped
-               GEMM can use x_RD.view(E, C, D) and handle.recv_count_E directly.
-"auto" picks per call from the largest T over the group (one small all_reduce on the EP group and a
-host sync per MoE layer); engines that run prefill and decode on separate instances should fix the
-mode instead.
+               *unweighted* expert outputs, which a GEMM given weight 1 produces. The output also
+               carries expert_major = (x_ECD, recv_count_E): the MoE layer then runs the masked
+               grouped GEMM (kernels/grouped_gemm/masked.py) on the (E, C, D) layout, which computes
+               and writes only the recv_count_E[e] valid rows of each expert (low_latency_combine
+               sends only those back), instead of all E*C rows through the generic kernel.
+"auto" picks from the largest T over the group. The engine agrees on that once per step (the core
+loop's MAX all-reduce) and hands it over with `set_step_max_tokens`, so the choice costs nothing per
+layer; without it (a caller that never set it) each dispatch agrees by itself (one small all_reduce
+on the EP group and a host sync per MoE layer). With two overlapped micro-batches the step's maximum
+bounds each micro-batch's T, so low-latency is chosen only when every call fits. Engines that run
+prefill and decode on separate instances can fix the mode instead.
 Tokens travel as bfloat16 (DeepEP's normal and low-latency kernels take bf16 or fp8+scales); x in
 another dtype is cast on the way and the outputs are cast back.
 """
@@ -59,6 +65,36 @@ class DeepEPHandle:
     topk_ids_TK: torch.Tensor | None = None
     topk_weights_TK: torch.Tensor | None = None
     recv_count_E: torch.Tensor | None = None
+
+
+def choose_mode(mode: str, max_tokens: int | None, max_low_latency_tokens: int, T: int = 0) -> str:
+    """The kernels for one dispatch: `mode` unless "auto", else low-latency when the largest T over
+    the EP group (max_tokens, the same on every rank) fits max_low_latency_tokens. T is this call's
+    own count, which a fixed per-step maximum must bound."""
+    if mode not in MODES:
+        raise ValueError(f"deepep mode={mode!r} is not one of {MODES}")
+    if mode != "auto":
+        return mode
+    if max_tokens is None or T > max_tokens:
+        raise ValueError(f"deepep mode 'auto' needs the group's largest T: got max_tokens={max_tokens} for T={T}")
+    return "low_latency" if max_tokens <= max_low_latency_tokens else "normal"
+
+
+def low_latency_output(recv_x_ECD: torch.Tensor, recv_count_E: torch.Tensor, handle: Any,
+                       dtype: torch.dtype) -> DispatchOutput:
+    """DeepEP's low-latency receive (x (E, C, D), recv_count_E valid rows per local expert) as a
+    DispatchOutput: expert_major = (x_ECD, recv_count_E) for the masked grouped GEMM, and the flat
+    form of the Dispatcher contract (x_RD = its (E*C, D) view, ids e for the valid rows of expert
+    e and -1 for the others, weights 1) for any expert op that takes routed rows. No host sync."""
+    E, C, D = recv_x_ECD.shape
+    device = recv_x_ECD.device
+    x_ECD = recv_x_ECD.to(dtype)  # no copy when dtype is DeepEP's bf16
+    row_C = torch.arange(C, device=device)
+    valid_EC = row_C.unsqueeze(0) < recv_count_E.to(torch.int64).unsqueeze(1)
+    expert_EC = torch.arange(E, device=device).unsqueeze(1).expand(E, C)
+    ids_R1 = torch.where(valid_EC, expert_EC, torch.full_like(expert_EC, -1)).reshape(E * C, 1)
+    ones_R1 = torch.ones(E * C, 1, dtype=torch.float32, device=device)
+    return DispatchOutput(x_ECD.reshape(E * C, D), ids_R1, ones_R1, handle, expert_major=(x_ECD, recv_count_E))
 
 
 def _import_deep_ep():
@@ -100,6 +136,10 @@ class DeepEPDispatcher(Dispatcher):
         self._buffer = None
         self._buffer_hidden = None
         self._last_mode: str | None = None
+        self._step_max_tokens: int | None = None
+
+    def set_step_max_tokens(self, n: int | None) -> None:
+        self._step_max_tokens = n
 
     def _get_buffer(self, hidden: int):
         """Create the Buffer on first use, when D is known. Collective (all_gather_object inside),
@@ -128,12 +168,12 @@ class DeepEPDispatcher(Dispatcher):
         return self._buffer
 
     def _choose_mode(self, T: int, device: torch.device) -> str:
-        if self.mode != "auto":
-            return self.mode
-        # Every rank must pick the same kernels, so decide on the largest T in the group.
-        max_T = torch.tensor([T], dtype=torch.int64, device=device)
-        dist.all_reduce(max_T, op=dist.ReduceOp.MAX, group=self.group)
-        return "low_latency" if int(max_T.item()) <= self.max_low_latency_tokens else "normal"
+        if self.mode == "auto" and self._step_max_tokens is None:
+            # Every rank must pick the same kernels, so decide on the largest T in the group.
+            max_T = torch.tensor([T], dtype=torch.int64, device=device)
+            dist.all_reduce(max_T, op=dist.ReduceOp.MAX, group=self.group)
+            return choose_mode(self.mode, int(max_T.item()), self.max_low_latency_tokens)
+        return choose_mode(self.mode, self._step_max_tokens, self.max_low_latency_tokens, T)
 
     def dispatch(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor,
                  topk_weights_TK: torch.Tensor) -> DispatchOutput:
@@ -196,16 +236,8 @@ class DeepEPDispatcher(Dispatcher):
 
     def _finish_low_latency(self, hook, recv_x_ECD, recv_count_E, native, T, topk_idx, weights, x_TD):
         hook()  # receive: the tensors below are valid from here on
-        D = x_TD.shape[1]
-        E, C, _ = recv_x_ECD.shape
-        row_C = torch.arange(C, device=x_TD.device)
-        valid_EC = row_C.unsqueeze(0) < recv_count_E.to(torch.int64).unsqueeze(1)
-        expert_EC = torch.arange(E, device=x_TD.device).unsqueeze(1).expand(E, C)
-        ids_R1 = torch.where(valid_EC, expert_EC, torch.full_like(expert_EC, -1)).reshape(E * C, 1)
-        ones_R1 = torch.ones(E * C, 1, dtype=torch.float32, device=x_TD.device)
-        x_RD = recv_x_ECD.reshape(E * C, D).to(x_TD.dtype)
         handle = DeepEPHandle("low_latency", native, T, topk_idx, weights, recv_count_E)
-        return DispatchOutput(x_RD, ids_R1, ones_R1, handle)
+        return low_latency_output(recv_x_ECD, recv_count_E, handle, x_TD.dtype)
 
     def combine_async(self, y_RD: torch.Tensor, handle: DeepEPHandle) -> Pending:
         """Args: y_RD (R, D) rows in dispatch's layout (weighted partial sums in normal mode,

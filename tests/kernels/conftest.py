@@ -19,7 +19,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-_KERNEL_MODULES = ("kernels.grouped_gemm.triton_kernel", "attention.backends.triton_paged")
+_KERNEL_MODULES = ("kernels.grouped_gemm.triton_kernel", "kernels.grouped_gemm.masked", "attention.backends.triton_paged")
 
 
 def _switch_to_interpreter() -> None:
