@@ -60,7 +60,7 @@ def fused_experts_grouped(x_TD: torch.Tensor, w13_EFD: torch.Tensor, w2_EDF: tor
     order_P = torch.argsort(key_P, stable=True)
     token_P = order_P // K
     counts_E = torch.bincount(key_P, minlength=E) if all_local else torch.bincount(key_P, minlength=E + 1)[:E]
-    offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
+    offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
     xs_PD = _as(x_TD.index_select(0, token_P), w13_EFD.dtype)  # half activations, float32 weights
     gate_up_P2F = torch._grouped_mm(xs_PD, w13_EFD.transpose(1, 2), offs=offs_E)
     if w13_bias is None and w2_bias is None and activation == "silu":
