@@ -8,6 +8,7 @@ import time
 import torch
 
 from attention.layer import PagedAttention, PagedMLAAttention
+from attention.metadata import AttentionMetadata
 from expert_parallel.layer import MoEContext
 from moe_serve.config import EngineConfig
 from moe_serve.input_batch import InputBatch, Piece, StepInputs
@@ -33,6 +34,42 @@ def default_kv_cache_memory(device: torch.device, weight_bytes: int, fraction: f
     except (ValueError, OSError):
         avail = 8 << 30
     return int(min(avail * fraction * 0.25, 4 << 30))
+
+
+class CudaMemoryProbe:
+    """Peak and free device memory around the profiling forward (torch's allocator statistics)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def reset(self) -> None:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.base = torch.cuda.memory_allocated(self.device)
+
+    def peak_bytes(self) -> int:
+        """Bytes above what was allocated at reset() at the highest point since."""
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device) - self.base
+
+    def free_bytes(self) -> int:
+        torch.cuda.empty_cache()
+        return torch.cuda.mem_get_info(self.device)[0]
+
+
+def memory_probe(device: torch.device):
+    """The probe the KV-cache sizing profiles with: CUDA's allocator statistics; None elsewhere (the
+    CPU keeps its sizing rule and start-up time: no profiling forward). Replaceable, so the CPU can
+    run the profiling path with a probe of its own."""
+    return CudaMemoryProbe(device) if device.type == "cuda" else None
+
+
+def kv_budget_after_profile(free_bytes: int, peak_bytes: int, fraction: float) -> int:
+    """KV-cache bytes once the largest step has run: `fraction` of what is free then (weights and
+    persistent buffers such as DeepEP's already taken), less the step's peak activations, which
+    every later step of that size needs again."""
+    return max(0, int(free_bytes * fraction) - peak_bytes)
 
 
 class ModelRunner:
@@ -82,7 +119,18 @@ class ModelRunner:
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, (PagedAttention, PagedMLAAttention))]
         elem = torch.empty((), dtype=self.cfg.model.dtype).element_size()
         per_block = sum(elem * _numel(s) for layer in self.attn_layers for s in layer.cache_shape(1, bs))
-        budget = kv_cache_memory if kv_cache_memory else default_kv_cache_memory(self.device, self.weight_bytes, fraction)
+        self.profile_peak_bytes = None
+        probe = None if kv_cache_memory or self.cfg.cache.num_blocks else memory_probe(self.device)
+        if probe is not None:
+            self.profile_peak_bytes = self.profile_step_memory(probe)
+            free = probe.free_bytes()
+            budget = kv_budget_after_profile(free, self.profile_peak_bytes, fraction)
+            log.info("memory profile: a %d-token step peaks at %.1f MiB above the weights; %.1f MiB free after "
+                     "it; KV cache gets %.2f x free - peak = %.1f MiB", self.cfg.scheduler.max_num_batched_tokens,
+                     self.profile_peak_bytes / 2**20, free / 2**20, fraction, budget / 2**20)
+        else:
+            budget = kv_cache_memory if kv_cache_memory else default_kv_cache_memory(self.device, self.weight_bytes,
+                                                                                     fraction)
         self.num_blocks = self.cfg.cache.num_blocks or int(budget // per_block)
         if self.num_blocks < 1:
             raise ValueError(f"kv_cache_memory={budget} bytes holds no KV block ({per_block} bytes per block)")
@@ -94,6 +142,45 @@ class ModelRunner:
         self.kv_cache_bytes = self.num_blocks * per_block
         log.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%d bytes per token)",
                  self.num_blocks, bs, self.num_blocks * bs, self.kv_cache_bytes / 2**20, per_block // bs)
+
+    @torch.inference_mode()
+    def profile_step_memory(self, probe) -> int:
+        """Run the largest step the scheduler can hand out (max_num_batched_tokens dummy tokens, as
+        prefills of up to max_model_len tokens each, plus logits for max_num_seqs rows)
+        against a temporary KV cache just big enough for it, and return the probe's peak bytes.
+        Collective under expert parallelism (every rank runs it once, at the same point of start-up,
+        and the step's MoE layers dispatch like any step's); the caches are unbound afterwards."""
+        sc, bs, dtype = self.cfg.scheduler, self.cfg.cache.block_size, self.cfg.model.dtype
+        N = max(1, sc.max_num_batched_tokens)
+        L = max(1, min(self.cfg.model.max_model_len, N))
+        q_lens = [L] * (N // L) + ([N % L] if N % L else [])
+        blocks = [-(-q // bs) for q in q_lens]
+        W = max(blocks)
+        bt = torch.zeros((len(q_lens), W), dtype=torch.int32)
+        slots, first = [], 0
+        for b, (q, nb) in enumerate(zip(q_lens, blocks)):
+            bt[b, :nb] = torch.arange(first, first + nb, dtype=torch.int32)
+            pos = torch.arange(q)
+            slots.append(bt[b, pos // bs].to(torch.int64) * bs + pos % bs)
+            first += nb
+        dev = self.device
+        qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+        torch.cumsum(torch.tensor(q_lens, dtype=torch.int32), 0, out=qsl[1:])
+        meta = AttentionMetadata.from_tensors(qsl.to(dev), torch.tensor(q_lens, dtype=torch.int32, device=dev),
+                                              bt.to(dev), torch.cat(slots).to(dev), bs, q_lens, list(q_lens))
+        ids = torch.zeros(N, dtype=torch.int64, device=dev)
+        positions = torch.cat([torch.arange(q) for q in q_lens]).to(dev)
+        for layer in self.attn_layers:
+            layer.bind([torch.zeros(s, dtype=dtype, device=dev) for s in layer.cache_shape(first, bs)])
+        self.moe_ctx.dispatcher.set_step_max_tokens(N)  # the same N on every rank: nothing to agree
+        probe.reset()
+        h = self.model(ids, positions, meta)
+        self.model.compute_logits(h[: min(N, sc.max_num_seqs)])  # the most rows a step samples
+        peak = probe.peak_bytes()
+        for layer in self.attn_layers:
+            layer.bind([None] * len(layer.cache_shape(1, bs)))
+        del h
+        return peak
 
     # --- decode padding and CUDA graphs (moe_serve/cuda_graph.py) -------------------------------
     def _init_decode_graphs(self, max_len: int) -> None:
