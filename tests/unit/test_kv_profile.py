@@ -38,22 +38,25 @@ class RecordingProbe:
         return self.free
 
 
-def test_profiling_forward_sizes_the_kv_cache(checkpoints, monkeypatch):
+@pytest.mark.parametrize("max_model_len", [None, 40], ids=["one-sequence", "three-sequences"])
+def test_profiling_forward_sizes_the_kv_cache(checkpoints, monkeypatch, max_model_len):
+    # max_model_len 40 < 96 tokens: the profiling step is three prefills (40, 40, 16).
     probe = RecordingProbe(free=24 << 20, peak=4 << 20)
     monkeypatch.setattr(mr, "memory_probe", lambda device: probe)
+    kw = {"max_model_len": max_model_len} if max_model_len else {}
     llm = LLM(checkpoints["qwen3_moe"], dtype="float32", max_num_batched_tokens=N_TOKENS, memory_fraction=0.5,
-              show_progress=False)
+              show_progress=False, **kw)
     runner = llm.engine.runner
     assert probe.calls == ["reset", "peak", "free"] and probe.widest == N_TOKENS
     assert runner.profile_peak_bytes == 4 << 20
     per_block = runner.kv_cache_bytes // runner.num_blocks
     assert runner.num_blocks == mr.kv_budget_after_profile(24 << 20, 4 << 20, 0.5) // per_block == (8 << 20) // per_block
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    prompts = [{"prompt_token_ids": list(range(3, 40))}, {"prompt_token_ids": [5, 6, 7]}]
+    prompts = [{"prompt_token_ids": list(range(3, 30))}, {"prompt_token_ids": [5, 6, 7]}]
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
     monkeypatch.undo()
     plain = LLM(checkpoints["qwen3_moe"], dtype="float32", max_num_batched_tokens=N_TOKENS, kv_cache_memory=1 << 22,
-                show_progress=False)
+                show_progress=False, **kw)
     assert plain.engine.runner.profile_peak_bytes is None  # an explicit budget: no profiling
     assert got == [o.outputs[0].token_ids for o in plain.generate(prompts, sp)]
 
