@@ -50,7 +50,7 @@ def _causal_mask(q_len: int, ctx_len: int, device) -> torch.Tensor:
     return torch.arange(ctx_len, device=device)[None, :] <= q_pos[:, None]
 
 
-def _sdpa(q_BNQH: torch.Tensor, k_BGSH: torch.Tensor, v_BGSH: torch.Tensor, mask: torch.Tensor,
+def _sdpa(q_BNQH: torch.Tensor, k_BGSH: torch.Tensor, v_BGSH: torch.Tensor, mask: torch.Tensor | None,
           scale: float) -> torch.Tensor:
     """softmax(q k^T * scale, masked) v, query head n reading kv head n // (N // G)."""
     return F.scaled_dot_product_attention(q_BNQH, k_BGSH, v_BGSH, attn_mask=mask, scale=scale,
@@ -141,7 +141,8 @@ def paged_attention(q_TNH: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         k = _acc(_gather(k_cache, meta.block_tables[b], ctx)).transpose(0, 1)[None]  # (1, G, S, H)
         v = _acc(_gather(v_cache, meta.block_tables[b], ctx)).transpose(0, 1)[None]
         q = _acc(q_TNH[s:s + q_len]).transpose(0, 1)[None]  # (1, N, Q, H)
-        o = _sdpa(q, k, v, _causal_mask(q_len, ctx, q.device), scale)
+        # One query (a lone decode) sees every key: no mask to build.
+        o = _sdpa(q, k, v, _causal_mask(q_len, ctx, q.device) if q_len > 1 else None, scale)
         out[s:s + q_len] = o[0].transpose(0, 1).to(out.dtype)
         s += q_len
     return out
@@ -258,7 +259,8 @@ def mla_paged_attention(q_latent_TNL: torch.Tensor, q_pe_TNR: torch.Tensor, late
             continue
         lat = _acc(_gather(latent_cache, meta.block_tables[b], ctx))[None, None]  # (1, 1, S, L+R)
         q = _acc(torch.cat([q_latent_TNL[s:s + q_len], q_pe_TNR[s:s + q_len]], dim=-1)).transpose(0, 1)[None]
-        o = _sdpa(q, lat, lat[..., :L], _causal_mask(q_len, ctx, q.device), scale)  # (1, N, Q, L)
+        o = _sdpa(q, lat, lat[..., :L], _causal_mask(q_len, ctx, q.device) if q_len > 1 else None,
+                  scale)  # (1, N, Q, L)
         out[s:s + q_len] = o[0].transpose(0, 1).to(out.dtype)
         s += q_len
     return out
