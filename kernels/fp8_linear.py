@@ -42,7 +42,7 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, xs_ptr, M, N, Kdim,
             w_sc = tl.load(s_ptr + (offs_n // SB_N) * stride_sn + kb * stride_sk, mask=n_mask, other=0.0)
             acc += _dot8(x, w, UPCAST) * x_sc[:, None] * w_sc[None, :]
         else:
-            w = _dequant(w, s_ptr, 0, offs_n, k_blk * BLOCK_K, offs_k, n_mask, stride_sn, stride_sk,
+            w = _dequant(w, s_ptr, 0, offs_n, k_blk * BLOCK_K, offs_k, k_mask, n_mask, stride_sn, stride_sk,
                          SB_N, SB_K, BLOCK_K).to(x.dtype)
             acc = _dot(x, w, acc, PREC, UPCAST)
         x_ptrs += BLOCK_K * stride_xk

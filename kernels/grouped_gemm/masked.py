@@ -72,14 +72,14 @@ def _masked_gemm_kernel(
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         if B_SCALED:
-            b = _dequant(b, s_ptr, s_base, offs_n, k_blk * BLOCK_SIZE_K, offs_k, n_mask, stride_sn, stride_sk,
+            b = _dequant(b, s_ptr, s_base, offs_n, k_blk * BLOCK_SIZE_K, offs_k, k_mask, n_mask, stride_sn, stride_sk,
                          SB_N, SB_K, BLOCK_SIZE_K).to(a.dtype)
         acc = _dot(a, b, acc, PREC, UPCAST)
         if GATED:
             b_up = tl.load(up_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
             if B_SCALED:
                 b_up = _dequant(b_up, s_ptr, s_base + s_up_row0 * stride_sn, offs_n, k_blk * BLOCK_SIZE_K, offs_k,
-                                n_mask, stride_sn, stride_sk, SB_N, SB_K, BLOCK_SIZE_K).to(a.dtype)
+                                k_mask, n_mask, stride_sn, stride_sk, SB_N, SB_K, BLOCK_SIZE_K).to(a.dtype)
             acc_up = _dot(a, b_up, acc_up, PREC, UPCAST)
             up_ptrs += BLOCK_SIZE_K * stride_bk
         a_ptrs += BLOCK_SIZE_K * stride_ak

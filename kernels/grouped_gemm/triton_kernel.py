@@ -35,7 +35,7 @@ def _dot(a, b, acc, PREC: tl.constexpr, UPCAST: tl.constexpr):
 # num_pairs = T * K changes every step; left unspecialised so its "== 1" / "divisible by 16" flags
 # never select a new compiled variant mid-serving (num_slots is always a multiple of BLOCK_SIZE_M).
 @triton.jit
-def _dequant(b, s_ptr, s_base, offs_n, k0, offs_k, n_mask, stride_sn, stride_sk,
+def _dequant(b, s_ptr, s_base, offs_n, k0, offs_k, k_mask, n_mask, stride_sn, stride_sk,
              SB_N: tl.constexpr, SB_K: tl.constexpr, BLOCK_SIZE_K: tl.constexpr):
     """A (BLOCK_K, BLOCK_N) tile of block-FP8 weights times its blocks' scale_inv, in fp32. When
     BLOCK_K divides the scale block along k (128 in real checkpoints) the tile needs one scale per
@@ -43,8 +43,10 @@ def _dequant(b, s_ptr, s_base, offs_n, k0, offs_k, n_mask, stride_sn, stride_sk,
     if SB_K % BLOCK_SIZE_K == 0:
         sc = tl.load(s_ptr + s_base + (offs_n // SB_N) * stride_sn + (k0 // SB_K) * stride_sk, mask=n_mask, other=0.0)
         return b.to(tl.float32) * sc[None, :]
+    # Rows of the tile past the weight's last column read no scale (it would lie past the scale
+    # tensor's end: garbage there times the tile's zeros can be NaN).
     sc = tl.load(s_ptr + s_base + (offs_n // SB_N)[None, :] * stride_sn + ((k0 + offs_k) // SB_K)[:, None] * stride_sk,
-                 mask=n_mask[None, :], other=0.0)
+                 mask=k_mask[:, None] & n_mask[None, :], other=0.0)
     return b.to(tl.float32) * sc
 
 
@@ -125,8 +127,8 @@ def _grouped_gemm_kernel(
             acc += _dot8(a, b, UPCAST) * a_sc[:, None] * b_sc[None, :]
         else:
             if B_SCALED:
-                b = _dequant(b, s_ptr, s_base, offs_n, k_blk * BLOCK_SIZE_K, offs_k, n_mask, stride_sn, stride_sk,
-                             SB_N, SB_K, BLOCK_SIZE_K).to(a.dtype)
+                b = _dequant(b, s_ptr, s_base, offs_n, k_blk * BLOCK_SIZE_K, offs_k, k_mask, n_mask, stride_sn,
+                             stride_sk, SB_N, SB_K, BLOCK_SIZE_K).to(a.dtype)
             acc = _dot(a, b, acc, PREC, UPCAST)
         if GATED:
             b_up = tl.load(up_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
@@ -137,7 +139,7 @@ def _grouped_gemm_kernel(
             else:
                 if B_SCALED:
                     b_up = _dequant(b_up, s_ptr, s_base + s_up_row0 * stride_sn, offs_n, k_blk * BLOCK_SIZE_K,
-                                    offs_k, n_mask, stride_sn, stride_sk, SB_N, SB_K, BLOCK_SIZE_K).to(a.dtype)
+                                    offs_k, k_mask, n_mask, stride_sn, stride_sk, SB_N, SB_K, BLOCK_SIZE_K).to(a.dtype)
                 acc_up = _dot(a, b_up, acc_up, PREC, UPCAST)
             up_ptrs += BLOCK_SIZE_K * stride_bk
         a_ptrs += BLOCK_SIZE_K * stride_ak

@@ -13,13 +13,21 @@ from moe_serve.quantization.fp8 import BlockFp8Experts, FP8, quantize_blocks
 from tests.kernels.test_grouped_gemm import layer, rel_err, routing
 
 
+def nan_fenced(s: torch.Tensor) -> torch.Tensor:
+    """The scales as a view into a larger NaN-filled tensor: a kernel reading any scale past the
+    real ones (say for the k rows of a tile beyond the weight's last column) turns its output NaN."""
+    big = torch.full((*s.shape[:-2], s.shape[-2] + 1, s.shape[-1] + 1), float("nan"))
+    big[..., :s.shape[-2], :s.shape[-1]] = s
+    return big[..., :s.shape[-2], :s.shape[-1]]
+
+
 def fp8_experts(w13, w2, block):
     F = w2.shape[2]
     q_g, s_g = quantize_blocks(w13[:, :F], block)
     q_u, s_u = quantize_blocks(w13[:, F:], block)
     q2, s2 = quantize_blocks(w2, block)
-    return (BlockFp8Experts(torch.cat([q_g, q_u], 1), torch.cat([s_g, s_u], 1), block, (F, F)),
-            BlockFp8Experts(q2, s2, block, (w2.shape[1],)))
+    return (BlockFp8Experts(torch.cat([q_g, q_u], 1), nan_fenced(torch.cat([s_g, s_u], 1)), block, (F, F)),
+            BlockFp8Experts(q2, nan_fenced(s2), block, (w2.shape[1],)))
 
 
 @pytest.mark.parametrize("block", [(128, 128), (16, 32), (32, 24)], ids=lambda b: f"{b[0]}x{b[1]}")
@@ -63,6 +71,7 @@ def test_fp8_linear_matches_float64_on_dequantized_weights(M, block, bias):
     N, K = 90, 56
     w = torch.randn(N, K, generator=gen) / K ** 0.5
     q, s = quantize_blocks(w, block)
+    s = nan_fenced(s)
     x = torch.randn(3, M, K, generator=gen).to(torch.bfloat16)  # leading dims kept
     b = torch.randn(N, generator=gen).to(torch.bfloat16) if bias else None
     ref = x.double() @ dequantize_blocks(q, s, block, torch.float64).T + (b.double() if bias else 0)
