@@ -42,7 +42,8 @@ async def one(client: httpx.AsyncClient, args, prompt: str, schema: dict | None)
     else:
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "bench", "schema": schema}}
     r = await client.post("/v1/completions", json=body)
-    r.raise_for_status()
+    if r.status_code != 200:
+        raise RuntimeError(f"the server answered {r.status_code}: {r.text[:500]}")
     out = r.json()
     return out["usage"]["completion_tokens"], out["choices"][0]["finish_reason"]
 

@@ -61,6 +61,13 @@ def seeded_exponential(seed_key_Q: torch.Tensor, out_pos_Q: torch.Tensor, vocab_
     dev = seed_key_Q.device
     key_Q = fmix32(seed_key_Q.to(torch.int32) ^ fmix32(out_pos_Q.to(torch.int32) + to_int32(_GOLDEN)))
     tok_V = fmix32(torch.arange(vocab_size, device=dev, dtype=torch.int32) * 2 + 1)
-    bits_QV = (fmix32(key_Q[:, None] ^ tok_V[None, :]) >> 8) & 0xFFFFFF
-    # -log((bits + 0.5) / 2**24), rearranged to save a pass over (Q, V).
-    return (bits_QV.to(torch.float32) + 0.5).log_().neg_().add_(24 * math.log(2))
+    return exponential_from_bits((fmix32(key_Q[:, None] ^ tok_V[None, :]) >> 8) & 0xFFFFFF)
+
+
+def exponential_from_bits(bits_QV: torch.Tensor) -> torch.Tensor:
+    """Exp(1) draws from 24-bit integers: -log((bits + 0.5) / 2**24), never 0."""
+    # -log((bits + 0.5) / 2**24), rearranged to save a pass over (Q, V). In float32 the top bit
+    # patterns give log(bits + 0.5) == 24 log 2, so the difference can round to 0 or below, where the
+    # true draw is about 2**-25: clamped to that, a draw is never 0 (p / 0 would be NaN for a
+    # token whose probability is 0, say one a grammar forbids, and argmax would pick it).
+    return (bits_QV.to(torch.float32) + 0.5).log_().neg_().add_(24 * math.log(2)).clamp_min_(2.0 ** -25)

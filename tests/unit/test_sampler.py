@@ -221,3 +221,34 @@ def test_logit_bias_forces_and_bans_tokens_in_generate(checkpoints):
     held = llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=12, min_tokens=4, logit_bias={eos: 100}))
     toks = held[0].outputs[0].token_ids
     assert len(toks) == 5 and eos not in toks[:4] and toks[4] == eos and held[0].outputs[0].finish_reason == "stop"
+
+
+def test_seeded_draws_are_positive_at_the_extreme_bit_patterns():
+    """The seeded Exp(1) draw for the largest 24-bit patterns rounds to 0 (or below) in float32 if
+    computed naively; a 0 draw turns p / q into NaN for a token of probability 0 (one a grammar
+    forbids) and argmax then picks it. Every draw is positive and ordered like the exact value."""
+    from moe_serve.seeded_random import exponential_from_bits
+
+    bits = torch.tensor([0, 1, 1 << 23, (1 << 24) - 3, (1 << 24) - 2, (1 << 24) - 1], dtype=torch.int32)
+    got = exponential_from_bits(bits.clone())
+    exact = -torch.log((bits.double() + 0.5) / 2 ** 24)
+    assert (got > 0).all(), got
+    assert torch.allclose(got.double()[:3], exact[:3], rtol=1e-6)
+    assert (got.double()[3:] <= 4e-7).all()  # the top patterns: tiny positive draws, as the exact ones
+
+
+def test_forbidden_tokens_are_never_sampled_with_seeds():
+    """Rows whose logits are -inf except for a few tokens (a grammar's mask) never sample a
+    forbidden token under seeded sampling, over many steps and a large vocabulary."""
+    from moe_serve.seeded_random import seeded_exponential
+
+    V, Q = 49152, 64
+    gen = torch.Generator().manual_seed(0)
+    for pos in range(40):
+        x = torch.full((Q, V), float("-inf"))
+        allowed = torch.randint(0, V, (Q, 5), generator=gen)
+        x.scatter_(1, allowed, torch.randn(Q, 5, generator=gen))
+        probs = torch.softmax(x, dim=-1)
+        q = seeded_exponential(torch.arange(Q, dtype=torch.int32), torch.full((Q,), pos, dtype=torch.int32), V)
+        chosen = torch.argmax(probs / q, dim=-1)
+        assert (allowed == chosen[:, None]).any(dim=1).all()
