@@ -8,11 +8,15 @@ Every rank runs the same state machine, driven from the core loop at step bounda
   record   every step adds the router's logical ids to a local ExpertLoadRecorder (windows of
            window_size / 8 steps, the last window_size steps kept).
   tune     every step_interval model steps (every rank counts the same steps: lockstep), the ranks
-           sum their windows in one all_reduce over the CPU group; each rank then runs the tuner
-           (expert_parallel/tuner.py) on its share of the layers (l % P == rank) in a background
-           thread while serving goes on, and when every rank is done (the per-turn flag below) one
-           more all_reduce (SUM of rows, zero where not tuned) gives every rank the whole placement.
-           So a rebalance costs two small collectives over the CPU group, none per step.
+           sum their windows in one all_reduce over the CPU group, so every rank holds the same
+           numbers (int64 token counts: the sum is exact). Each rank then runs the
+           same deterministic tuner (expert_parallel/tuner.py: no RNG, stable sorts, the same float
+           operations in the same order) on every layer in a background thread while serving goes
+           on, and so computes the same placement with no further collective. It is used once every
+           rank is done (the per-turn flag below); the per-turn all-reduce also carries a digest of
+           each rank's placement (as d and -d under MAX), so ranks that disagreed (a different numpy
+           build, say) stop with an error instead of serving different maps. So a rebalance costs
+           one small collective over the CPU group, none per step.
   move     changed layers, in order, at most LAYERS_IN_FLIGHT at once: the experts a rank gains
            are received (torch.distributed irecv/isend on a group of their own) into a spare
            buffer, together with local copies of the experts it keeps; a thread waits for them.
@@ -63,6 +67,14 @@ def tuner_fn(nodes: int = 1, groups: int | None = None):
 
         return tuner.tune(history_WLE, gpus, nodes, slots, groups)[0]
     return tune
+
+
+def placement_digest(rows_LS) -> int:
+    """A positive 62-bit hash of a placement (int64 rows), equal on every rank for equal rows."""
+    import hashlib
+
+    data = np.ascontiguousarray(rows_LS, dtype="<i8").tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 2 or 1
 
 
 class _Transfer:
@@ -155,17 +167,29 @@ class EplbManager:
 
     def local_flag(self) -> int:
         """1 while this rank's oldest pending item (the tuning or a layer's transfer) is not done."""
+        return self.local_state()[0]
+
+    def local_state(self) -> tuple[int, int]:
+        """(local_flag, digest), read together: the digest (a positive 62-bit hash) of the tuned
+        placement once the oldest pending item is a finished tuning, else 0. The per-turn
+        agreement carries both (see boundary)."""
         if not self._queue:
-            return 0
+            return 0, 0
         head = self._queue[0]
         if isinstance(head, Future):
-            return 0 if head.done() else 1
-        return 0 if isinstance(head, _Transfer) and head.done.is_set() else 1
+            if not head.done():
+                return 1, 0
+            if not hasattr(head, "digest"):
+                head.digest = placement_digest(head.result())
+            return 0, head.digest
+        return (0 if isinstance(head, _Transfer) and head.done.is_set() else 1), 0
 
-    def boundary(self, agreed_flag: int, sync_group=None) -> None:
+    def boundary(self, agreed_flag: int, sync_group=None, digests: tuple[int, int] | None = None) -> None:
         """At the turn's boundary, after the ranks agreed (MAX over local_flag): the same call on
         every rank. Starts a due rebalance, completes the oldest item when every rank is ready,
-        and keeps LAYERS_IN_FLIGHT transfers posted."""
+        and keeps LAYERS_IN_FLIGHT transfers posted. digests: (MAX of the ranks' digests, MAX of
+        their negations) from the same agreement; when a tuned placement is taken up they must
+        be each other's negation (every rank tuned the same placement)."""
         t0, was_switched = time.perf_counter(), self._switched
         if self._due and not self._queue:
             self._due = False
@@ -173,11 +197,12 @@ class EplbManager:
         elif self._queue and agreed_flag == 0:
             head = self._queue.popleft()
             if isinstance(head, Future):
-                rows, group = head.result()
-                if self.world > 1:  # every rank's share to every rank: each layer is tuned by one rank
-                    rows = torch.from_numpy(rows)
-                    dist.all_reduce(rows, group=group)
-                    rows = rows.numpy()
+                rows = head.result()
+                if digests is not None and digests[0] != -digests[1]:
+                    raise RuntimeError(
+                        "expert rebalancing: the ranks tuned different placements from the same summed load "
+                        f"(placement digests range over [{-digests[1]}, {digests[0]}]); the tuner must be "
+                        "deterministic across ranks (same numpy build and CPU features)")
                 self._plan(rows)
             else:
                 self._switch(head)
@@ -198,16 +223,12 @@ class EplbManager:
         if h.sum() == 0:
             return
         self._started = time.perf_counter()
-        # Each rank tunes its share of the layers (l % P == rank): the tuner's CPU time is split
-        # over the ranks instead of repeated on each.
-        mine = list(range(self.rank, len(self.layers), self.world))
-        self._queue.append(self._pool.submit(self._tune_share, h, mine, sync_group))
+        # Every rank tunes every layer from the same summed load: the same placement everywhere,
+        # with no collective to share it (the tuner's CPU time is repeated on each rank instead).
+        self._queue.append(self._pool.submit(self._tune_all, h))
 
-    def _tune_share(self, h: np.ndarray, mine: list[int], sync_group):
-        rows = np.zeros((len(self.layers), self.S), dtype=np.int64)
-        if mine:
-            rows[mine] = self.tune_fn(h[:, mine], self.world, self.S)
-        return rows, sync_group
+    def _tune_all(self, h: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(self.tune_fn(h, self.world, self.S), dtype=np.int64)
 
     def _plan(self, new_LS) -> None:
         new = [list(map(int, r)) for r in new_LS]

@@ -286,11 +286,17 @@ class EngineCore:
         rebalancing step is not done (0 without rebalancing)."""
         return self.eplb.local_flag() if self.eplb is not None else 0
 
-    def eplb_boundary(self, agreed_flag: int, sync_group=None) -> None:
+    def eplb_state(self) -> tuple[int, int]:
+        """eplb_flag and the digest of a tuned placement waiting to be taken up (0 if none), read
+        together: the per-turn agreement carries both (EplbManager.local_state)."""
+        return self.eplb.local_state() if self.eplb is not None else (0, 0)
+
+    def eplb_boundary(self, agreed_flag: int, sync_group=None, digests: tuple[int, int] | None = None) -> None:
         """Between steps, at the same turn on every rank: advance the rebalancing (tune, post
-        transfers, switch a layer whose transfer every rank finished)."""
+        transfers, switch a layer whose transfer every rank finished). digests: the agreed
+        (MAX digest, MAX -digest), which must match when a tuned placement is taken up."""
         if self.eplb is not None:
-            self.eplb.boundary(agreed_flag, sync_group)
+            self.eplb.boundary(agreed_flag, sync_group, digests)
 
     # --- stats ----------------------------------------------------------------------------------
     def stats(self) -> EngineStats:

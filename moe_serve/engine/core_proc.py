@@ -120,20 +120,25 @@ class CoreLoop:
                 # not_decode: this rank's step has a request with more than one token (prefill or
                 # mixed); decode steps are padded to a common size only when no rank has one.
                 not_decode = sched is not None and any(s.num_tokens != 1 for s in sched.scheduled)
+                # The rebalancing's flag, and the digest of a tuned placement as d and -d (MAX of
+                # both: every rank tuned the same one iff they are each other's negation).
+                eplb_flag, digest = core.eplb_state()
                 flags = torch.tensor([ntok, self.rank + 1 if self.wants_shutdown else 0, shutdown,
-                                      load == "load_start", load == "load_stop", core.eplb_flag(), not_decode],
-                                     dtype=torch.int64)
+                                      load == "load_start", load == "load_stop", eplb_flag, not_decode,
+                                      digest, -digest], dtype=torch.int64)
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-                max_tok, term_rank, shutdown, start, stop, eplb_busy, not_decode = (int(v) for v in flags.tolist())
+                max_tok, term_rank, shutdown, start, stop, eplb_busy, not_decode, d_max, neg_d_max = \
+                    (int(v) for v in flags.tolist())
+                digests = (d_max, neg_d_max)
                 load = "load_start" if start else ("load_stop" if stop else None)
                 self.shutdown_asked_by = term_rank - 1
             else:
                 max_tok, not_decode = ntok, 0
                 self.shutdown_asked_by = 0 if self.wants_shutdown else -1
-                eplb_busy = core.eplb_flag()
+                eplb_busy, digests = core.eplb_flag(), None
             self._apply_load(load)
             # Expert rebalancing advances here, between steps, at the same turn on every rank.
-            core.eplb_boundary(eplb_busy, self.group)
+            core.eplb_boundary(eplb_busy, self.group, digests)
             any_work = max_tok > 0
             if any_work:
                 outs += core.execute(sched if sched is not None else _empty(), lockstep=self.world_size > 1,

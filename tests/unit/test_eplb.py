@@ -3,6 +3,8 @@ of a real MoE layer through any sequence of placements, against a dense float64 
 from the logical experts' weights."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -13,7 +15,7 @@ from expert_parallel.dispatch.local import LocalDispatcher
 from expert_parallel.eplb import EplbManager
 from expert_parallel.eplb_config import EplbConfig, resolve_eplb
 from expert_parallel.layer import MoE, MoEContext, default_physical_to_logical
-from expert_parallel.rebalance_plan import plan_layer
+from expert_parallel.rebalance_plan import LayerPlan, plan_layer
 from expert_parallel.router import SoftmaxTopKRouter
 
 
@@ -144,3 +146,41 @@ def test_map_switch_serves_every_expert_by_exactly_its_replicas(experts, redunda
             break
     assert switched == rebalances and mgr.rebalances == rebalances
     mgr.close()
+
+
+def test_ranks_that_tuned_different_placements_stop_with_an_error():
+    # Every rank tunes the same summed load and must get the same placement; the per-turn
+    # agreement carries each rank's placement digest as (MAX d, MAX -d), equal up to sign only
+    # when all ranks agree. A mismatch is an error, not a rank serving a different map.
+    from expert_parallel.eplb import placement_digest
+
+    experts, slots = 3, 4
+    router = SoftmaxTopKRouter(D, experts, K, True).requires_grad_(False)
+    moe = MoE(D, FF, experts, router, MoEContext(LocalDispatcher(slots)), torch.float32).requires_grad_(False)
+    new = [2, 0, 1, 2]
+
+    def make():
+        return EplbManager([moe], [default_physical_to_logical(experts, slots)], experts,
+                           EplbConfig(window_size=2, step_interval=1, num_redundant_experts=1), 0, 1, "cpu",
+                           tune_fn=lambda h, gpus, S: np.array([new]))
+
+    for agree in (True, False):
+        mgr = make()
+        mgr.record(0, torch.tensor([[0, 1], [2, 1]]))
+        mgr.end_step(0.0)
+        mgr.boundary(0)  # starts the tuning
+        for _ in range(500):
+            flag, digest = mgr.local_state()
+            if flag == 0:
+                break
+            time.sleep(0.01)
+        assert (flag, digest) == (0, placement_digest([new])) and digest > 0
+        other = digest if agree else placement_digest([[2, 1, 0, 2]])
+        digests = (max(digest, other), max(-digest, -other))
+        if agree:
+            mgr.boundary(0, None, digests)
+            assert isinstance(mgr._queue[0], LayerPlan) or hasattr(mgr._queue[0], "plan")
+        else:
+            with pytest.raises(RuntimeError, match="different placements"):
+                mgr.boundary(0, None, digests)
+        mgr.close()
