@@ -188,27 +188,51 @@ def check_triton_device(t: torch.Tensor) -> None:
                            "TRITON_INTERPRET=1 before the kernel modules are imported")
 
 
-def gemm_launch(cfg: dict, dtype: torch.dtype) -> dict:
+def spill_free_tile(cfg: dict, dtype: torch.dtype, gated: bool, scaled: bool = False) -> tuple[int, int]:
+    """(BLOCK_SIZE_N, BLOCK_SIZE_K) of a config, capped where ptxas spills registers on sm_90 or
+    sm_100 (kernels.aot_check prints the spills of each). Gate/up keeps two fp32 accumulators and two
+    weight tiles live: at BLOCK_M 16 a K tile of 128 spills ~4.7 KB per thread in bf16/fp16 (64 does
+    not), at BLOCK_M >= 32 one of 64 spills 70-190 B (32 does not); fp32 tiles take twice the
+    registers (N tile at most 64, K tile 32 / 16); block-FP8 dequantization takes a K tile of at
+    most 64. BLOCK_M is never changed (the routing is aligned to it)."""
+    bn, bk = cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"]
+    small_m = cfg["BLOCK_SIZE_M"] <= 16
+    if dtype == torch.float32:
+        bn = min(bn, 64)
+        bk = min(bk, (32 if small_m else 16) if gated else 32)
+    elif gated:
+        bk = min(bk, 64 if small_m else 32)
+    if scaled:
+        bk = min(bk, 64)
+    return bn, bk
+
+
+def gemm_launch(cfg: dict, dtype: torch.dtype, gated: bool = False) -> dict:
     """Constexprs and launch options of `_grouped_gemm_kernel` (GATED / MUL_WEIGHT aside) for one
-    config and activation dtype: what selects a compiled variant (kernels/aot_check.py compiles each)."""
-    return dict(GROUP_SIZE_M=cfg["GROUP_SIZE_M"], BLOCK_SIZE_M=cfg["BLOCK_SIZE_M"], BLOCK_SIZE_N=cfg["BLOCK_SIZE_N"],
-                BLOCK_SIZE_K=cfg["BLOCK_SIZE_K"], PREC="ieee" if dtype == torch.float32 else "tf32",
+    config, activation dtype and GEMM (gated: gate/up, else down): what selects a compiled variant
+    (kernels/aot_check.py compiles each). The N and K tiles are `spill_free_tile`'s."""
+    bn, bk = spill_free_tile(cfg, dtype, gated)
+    return dict(GROUP_SIZE_M=cfg["GROUP_SIZE_M"], BLOCK_SIZE_M=cfg["BLOCK_SIZE_M"], BLOCK_SIZE_N=bn,
+                BLOCK_SIZE_K=bk, PREC="ieee" if dtype == torch.float32 else "tf32",
                 UPCAST=INTERPRETED, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                 B_SCALED=False, SB_N=128, SB_K=128, A_SCALED=False)
 
 
-def fp8_gemm_launch(cfg: dict, dtype: torch.dtype, scale_block: tuple[int, int]) -> dict:
+def fp8_gemm_launch(cfg: dict, dtype: torch.dtype, scale_block: tuple[int, int], gated: bool = False) -> dict:
     """`gemm_launch` for block-FP8 weights with (b0, b1) scale blocks (the Hub's are 128 x 128). The
     k tile is at most 64: dequantizing two 128-deep fp32 tiles (gate and up) spills registers on
     sm_90 (5.7 KB per thread at BLOCK_M=16, kernels.aot_check); at 64 it does not."""
-    return {**gemm_launch(cfg, dtype), "BLOCK_SIZE_K": min(cfg["BLOCK_SIZE_K"], 64), "B_SCALED": True,
+    bn, bk = spill_free_tile(cfg, dtype, gated, scaled=True)
+    return {**gemm_launch(cfg, dtype, gated), "BLOCK_SIZE_N": bn, "BLOCK_SIZE_K": bk, "B_SCALED": True,
             "SB_N": scale_block[0], "SB_K": scale_block[1], "A_SCALED": False}
 
 
-def w8a8_gemm_launch(cfg: dict, dtype: torch.dtype, scale_block: tuple[int, int]) -> dict:
+def w8a8_gemm_launch(cfg: dict, dtype: torch.dtype, scale_block: tuple[int, int], gated: bool = False) -> dict:
     """`fp8_gemm_launch` with the activations quantized too (per row per scale_block[1] channels):
     the k tile must divide the scale block along k."""
-    launch = {**fp8_gemm_launch(cfg, dtype, scale_block), "A_SCALED": True}
+    launch = {**fp8_gemm_launch(cfg, dtype, scale_block, gated), "A_SCALED": True}
+    if gated and cfg["BLOCK_SIZE_M"] >= 64:  # the per-tile rescale of two 64x128 products spills 110-250 B
+        launch["BLOCK_SIZE_N"] = min(launch["BLOCK_SIZE_N"], 64)
     while scale_block[1] % launch["BLOCK_SIZE_K"]:
         launch["BLOCK_SIZE_K"] //= 2
     if launch["BLOCK_SIZE_K"] < 16:
@@ -281,7 +305,7 @@ def fused_experts_triton(
     cfg = dict(config) if config is not None else get_config(E, F, D, x_TD.dtype, T, K, x_TD.device)
     validate_config(cfg)
 
-    BM, BN, BK = cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"]
+    BM = cfg["BLOCK_SIZE_M"]
     routing = align_block_size(topk_ids_TK, E, BM)
     P, S = routing.num_pairs, routing.sorted_pair_ids_S.shape[0]
     ids_TK = topk_ids_TK.contiguous()
@@ -289,9 +313,12 @@ def fused_experts_triton(
     if act_quant and not scaled:
         raise ValueError("act_quant needs block-FP8 weights")
     if act_quant:
-        launch = w8a8_gemm_launch(cfg, x_TD.dtype, scale_block)
+        launches = [w8a8_gemm_launch(cfg, x_TD.dtype, scale_block, gated) for gated in (True, False)]
+    elif scaled:
+        launches = [fp8_gemm_launch(cfg, x_TD.dtype, scale_block, gated) for gated in (True, False)]
     else:
-        launch = fp8_gemm_launch(cfg, x_TD.dtype, scale_block) if scaled else gemm_launch(cfg, x_TD.dtype)
+        launches = [gemm_launch(cfg, x_TD.dtype, gated) for gated in (True, False)]
+    launch13, launch2 = launches  # gate/up and down: their N / K tiles may differ (spill_free_tile)
     if scaled:
         s13 = (w13_scale, w13_scale.stride(0), w13_scale.stride(1), w13_scale.stride(2), nF)
         s2 = (w2_scale, w2_scale.stride(0), w2_scale.stride(1), w2_scale.stride(2), 0)
@@ -306,24 +333,24 @@ def fused_experts_triton(
     y_PD = _empty((P, D), x_TD.dtype, x_TD.device)
     if S > 0:
         h_PF = _empty((P, F), x_TD.dtype, x_TD.device)
-        _grouped_gemm_kernel[(S // BM * triton.cdiv(F, BN),)](
+        _grouped_gemm_kernel[(S // BM * triton.cdiv(F, launch13["BLOCK_SIZE_N"]),)](
             a_in, w13_EFD, h_PF, weights_P,
             routing.sorted_pair_ids_S, routing.expert_ids_B, routing.num_padded,
             F, D, S, P, K,
             a_in.stride(0), a_in.stride(1), w13_EFD.stride(0), w13_EFD.stride(1), w13_EFD.stride(2),
             h_PF.stride(0), h_PF.stride(1), *s13, *a_scales,
-            GATED=True, MUL_WEIGHT=False, **launch)
+            GATED=True, MUL_WEIGHT=False, **launch13)
         h_in, h_scales = h_PF, (weights_P, 0, 0)
         if act_quant:
             h_in, hs = quantize_per_token_group(h_PF, scale_block[1])
             h_scales = (hs, hs.stride(0), hs.stride(1))
-        _grouped_gemm_kernel[(S // BM * triton.cdiv(D, BN),)](
+        _grouped_gemm_kernel[(S // BM * triton.cdiv(D, launch2["BLOCK_SIZE_N"]),)](
             h_in, w2_EDF, y_PD, weights_P,
             routing.sorted_pair_ids_S, routing.expert_ids_B, routing.num_padded,
             D, F, S, P, 1,
             h_in.stride(0), h_in.stride(1), w2_EDF.stride(0), w2_EDF.stride(1), w2_EDF.stride(2),
             y_PD.stride(0), y_PD.stride(1), *s2, *h_scales,
-            GATED=False, MUL_WEIGHT=True, **launch)
+            GATED=False, MUL_WEIGHT=True, **launch2)
     topk = topk_sum_launch(K, D)
     _topk_sum_kernel[(T, triton.cdiv(D, topk["BLOCK_D"]))](
         y_PD, ids_TK, out, D, y_PD.stride(0), out.stride(0), out.stride(1), **topk)
