@@ -60,6 +60,10 @@ REDUCE = "attention.backends.triton_paged:_reduce_splits_kernel"
 WRITE = "attention.backends.triton_paged:_write_rows_kernel"
 FP8_LINEAR = "kernels.fp8_linear:_fp8_linear_kernel"
 MASKED = "kernels.grouped_gemm.masked:_masked_gemm_kernel"
+# Spill-store bytes per thread above which a grouped-GEMM or decode configuration fails the check
+# (--max-spill): a few words spilled around the epilogue cost nothing measurable, a register file's
+# worth of accumulator spilled in the main loop does.
+DEFAULT_MAX_SPILL = 64
 QUANT = "kernels.fp8_quant:_quant_kernel"
 
 
@@ -156,8 +160,9 @@ def _split_options(launch: dict) -> tuple[dict, dict]:
     return launch, options
 
 
-def enumerate_jobs(models=MODELS, dtypes=DTYPES, inject_broken: bool = False) -> list[Job]:
-    """Every configuration the launchers can choose for these models and dtypes, deduplicated."""
+def enumerate_jobs(models=MODELS, dtypes=DTYPES, inject_broken: bool = False, quick: bool = False) -> list[Job]:
+    """Every configuration the launchers can choose for these models and dtypes, deduplicated; with
+    quick, only `quick_jobs` of them."""
     from attention.backends import triton_paged as tp
     from kernels.grouped_gemm import config as gcfg
     from kernels.grouped_gemm import triton_kernel as tk
@@ -169,23 +174,30 @@ def enumerate_jobs(models=MODELS, dtypes=DTYPES, inject_broken: bool = False) ->
         job = Job(kernel, types, constexprs, options)
         jobs.setdefault(job.key(), job).users.append(user)
 
-    gemm_cfgs = [(dt, cfg, "default") for dt in dtypes for cfg in gcfg.DEFAULT_CONFIGS]
+    # Each default config is named after the batches it serves (decode / middle / prefill).
+    default_names = ("default decode", "default middle", "default prefill")
+    gemm_cfgs = [(dt, cfg, name) for dt in dtypes for cfg, name in zip(gcfg.DEFAULT_CONFIGS, default_names)]
     gemm_cfgs += [(dt, cfg, "tuned") for dt, cfg in gcfg.tuned_configs() if dt in dtypes]
     if inject_broken:  # a config tl.dot cannot compile (K tile < 16): must be reported as failed
         gemm_cfgs.append((torch.bfloat16, {**gcfg.DECODE_CONFIG, "BLOCK_SIZE_K": 8}, "broken"))
+        # and the decode gate/up tile before its K tile was capped (spills ~4.7 KB): over --max-spill
+        add(GEMM, dict(a_ptr="*bf16", b_ptr="*bf16", c_ptr="*bf16", weights_ptr="*fp32", sorted_ids_ptr="*i32",
+                       expert_ids_ptr="*i32", num_padded_ptr="*i32", s_ptr="*fp32", as_ptr="*fp32"),
+            {**tk.gemm_launch(gcfg.DECODE_CONFIG, torch.bfloat16, True), "BLOCK_SIZE_K": 128, "GATED": True,
+             "MUL_WEIGHT": False}, "broken spilling w13 bf16")
     for dt, cfg, origin in gemm_cfgs:
         d = DTYPE_SIG[dt]
         types = dict(a_ptr=f"*{d}", b_ptr=f"*{d}", c_ptr=f"*{d}", weights_ptr="*fp32", sorted_ids_ptr="*i32",
                      expert_ids_ptr="*i32", num_padded_ptr="*i32", s_ptr="*fp32", as_ptr="*fp32")
         for gated in (True, False):
-            add(GEMM, types, {**tk.gemm_launch(cfg, dt), "GATED": gated, "MUL_WEIGHT": not gated},
+            add(GEMM, types, {**tk.gemm_launch(cfg, dt, gated), "GATED": gated, "MUL_WEIGHT": not gated},
                 f"{origin} {'w13' if gated else 'w2'} {d}")
             if dt == torch.bfloat16 and origin != "broken":  # block-FP8 experts (weight-only), bf16 activations
                 add(GEMM, {**types, "b_ptr": "*fp8e4nv"},
-                    {**tk.fp8_gemm_launch(cfg, dt, (128, 128)), "GATED": gated, "MUL_WEIGHT": not gated},
+                    {**tk.fp8_gemm_launch(cfg, dt, (128, 128), gated), "GATED": gated, "MUL_WEIGHT": not gated},
                     f"{origin} {'w13' if gated else 'w2'} {d} fp8-weights")
                 add(GEMM, {**types, "a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv"},
-                    {**tk.w8a8_gemm_launch(cfg, dt, (128, 128)), "GATED": gated, "MUL_WEIGHT": not gated},
+                    {**tk.w8a8_gemm_launch(cfg, dt, (128, 128), gated), "GATED": gated, "MUL_WEIGHT": not gated},
                     f"{origin} {'w13' if gated else 'w2'} {d} fp8-w8a8")
 
     # Masked grouped GEMM (DeepEP low-latency layout): the configs masked_config picks (the default
@@ -213,7 +225,7 @@ def enumerate_jobs(models=MODELS, dtypes=DTYPES, inject_broken: bool = False) ->
                 for aq in (False, True):
                     add(FP8_LINEAR, {**ltypes, "x_ptr": "*fp8e4nv"} if aq else ltypes,
                         {**fp8_linear.fp8_linear_launch(M, torch.bfloat16, (128, 128), aq), "HAS_BIAS": bias},
-                        f"fp8 linear M={M} bias={int(bias)} {'w8a8' if aq else 'w8a16'} bf16")
+                        f"fp8 linear{' decode' if M == 1 else ''} M={M} bias={int(bias)} {'w8a8' if aq else 'w8a16'} bf16")
         add(QUANT, dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32"), dict(GROUP=128, FP8_MAX_C=448.0),
             "fp8 activation quant bf16")
 
@@ -239,7 +251,35 @@ def enumerate_jobs(models=MODELS, dtypes=DTYPES, inject_broken: bool = False) ->
                         f"{' split' if split_k else ''}{' sliding' if sliding else ''} {d}")
             add(REDUCE, dict(ws_ptr="*fp32", lse_ptr="*fp32", out_ptr=f"*{d}", sinks_ptr="*fp32"),
                 tp.reduce_launch(HV, m.sinks), f"{m.name} {d}")
-    return list(jobs.values())
+    return quick_jobs(list(jobs.values())) if quick else list(jobs.values())
+
+
+def is_decode(job: Job) -> bool:
+    """A configuration some decode step launches (the decode-default grouped GEMM tile, decode
+    attention, the M=1 FP8 linear), by the users enumerate_jobs gave it."""
+    return any("decode" in u for u in job.users)
+
+
+def spill_checked(job: Job) -> bool:
+    """Held to --max-spill: every grouped-GEMM configuration (default or tuned, plain or masked)
+    and every decode configuration."""
+    return job.kernel in (GEMM, MASKED) or is_decode(job)
+
+
+def quick_jobs(jobs: list[Job]) -> list[Job]:
+    """One configuration per kernel, dtype and code path (gate/up or down, split-K or not, MLA or
+    GQA, the weight and activation types): the first enumerated, which is the decode default where
+    the kernel has one (jobs are enumerated decode default first), plus every tuned entry. The
+    default of `--quick`, what the test suite compiles on each change."""
+    by_path: dict[tuple, Job] = {}
+    for j in jobs:
+        c = j.constexprs
+        path = (j.kernel, j.dtype, j.types.get("a_ptr") or j.types.get("x_ptr"), j.types.get("b_ptr"), c.get("GATED"),
+                c.get("SPLIT_K"), c.get("HAS_ROPE"))
+        if j.kernel in (GEMM, MASKED) and any(u.startswith("tuned") for u in j.users):
+            path += (j.key(),)  # every tuned entry
+        by_path.setdefault(path, j)
+    return list(by_path.values())
 
 
 # ---- compiling (in worker processes) ---------------------------------------------------------------
@@ -353,13 +393,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", action="append", default=[], help="also a model's config.json (repeatable)")
     p.add_argument("--dtype", nargs="+", choices=[DTYPE_SIG[d] for d in DTYPES], default=None)
     p.add_argument("--inject-broken", action="store_true",
-                   help="add a grouped-GEMM config that cannot compile (tests that failures are caught)")
+                   help="add a grouped-GEMM config that cannot compile and one that spills (tests that both "
+                        "are caught)")
     p.add_argument("--list", action="store_true", help="print the configurations, compile nothing")
+    p.add_argument("--quick", action="store_true",
+                   help="one configuration per kernel, dtype and code path (decode defaults first) plus every "
+                        "tuned grouped-GEMM entry: what the test suite compiles")
+    p.add_argument("--max-spill", type=int, default=DEFAULT_MAX_SPILL, metavar="BYTES",
+                   help="fail a grouped-GEMM or decode configuration spilling more than this many bytes per "
+                        f"thread on any architecture (default {DEFAULT_MAX_SPILL}; -1: report only)")
     args = p.parse_args(argv)
 
     models = MODELS + tuple(model_from_hf_config(m) for m in args.model)
     dtypes = tuple(d for d in DTYPES if args.dtype is None or DTYPE_SIG[d] in args.dtype)
-    jobs = enumerate_jobs(models, dtypes, args.inject_broken)
+    jobs = enumerate_jobs(models, dtypes, args.inject_broken, args.quick)
     if args.only:
         jobs = [j for j in jobs if any(o in j.kernel or o in j.describe() or any(o in u for u in j.users)
                                        for o in args.only)]
@@ -381,6 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["TRITON_CACHE_DIR"] = cache  # inherited by the workers: every compile is a real one
     tasks = [(j, a) for j in jobs for a in archs]
     failed: dict[tuple, list] = {}
+    spills: dict[tuple, tuple[int, int, Job]] = {}  # job key -> (worst spill bytes, its arch, job)
     try:
         ctx = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(max_workers=max(1, args.jobs), mp_context=ctx) as pool:
@@ -394,11 +442,25 @@ def main(argv: list[str] | None = None) -> int:
                 if rec["ok"]:
                     print(f"  ok   {head} regs {rec['regs']:3d}  spills {rec['spills']:5d} B  "
                           f"shared {rec['shared']:6d} B  {rec['seconds']:5.1f} s", flush=True)
+                    if rec["spills"] > spills.get(job.key(), (0,))[0]:
+                        spills[job.key()] = (rec["spills"], arch, job)
                 else:
                     failed.setdefault(job.key(), []).append(arch)
                     print(f"  FAIL {head} {rec['error']}  [used by: {'; '.join(job.users[:4])}]", flush=True)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
+    over = []
+    for key, (b, arch, job) in sorted(spills.items(), key=lambda kv: -kv[1][0]):
+        if args.max_spill >= 0 and b > args.max_spill and spill_checked(job) and key not in failed:
+            over.append(key)
+            print(f"  SPILL sm_{arch:<3d} {job.dtype:4s} {job.describe()} spills {b} B > --max-spill "
+                  f"{args.max_spill} B  [used by: {'; '.join(job.users[:4])}]", flush=True)
+    worst = max(spills.values(), key=lambda v: v[0], default=None)
+    print(f"aot: {len(spills)} configurations spill registers" + (
+        f" (most: {worst[0]} B on sm_{worst[1]}, {worst[2].describe()})" if worst else "")
+        + f"; {len(over)} grouped-GEMM or decode configurations over {args.max_spill} B", flush=True)
+    for key in over:
+        failed.setdefault(key, [])
     n_ok = len(jobs) - len(failed)
     print(f"aot_check: {len(tasks)} compiles in {time.time() - t0:.0f} s", flush=True)
     print(f"aot: {n_ok} configurations compiled for {names}; {len(failed)} failed", flush=True)

@@ -79,7 +79,10 @@ def _paged_attn_kernel(
 ):
     """Softmax(q . k [+ q_r . k_r]) v for a (BLOCK_Q tokens x BLOCK_QH heads) tile over one key split.
 
-    Grid: (B * num_q_tiles, G * cdiv(QH, BLOCK_QH), num_splits). Without SPLIT_K (num_splits == 1)
+    Grid: (B * num_q_tiles, G * cdiv(QH, BLOCK_QH), num_splits), or for decode (BLOCK_Q == 1)
+    (G * cdiv(QH, BLOCK_QH), B, num_splits): the head tiles that read the same keys (MLA: all of
+    them, the latent being one kv head) are then consecutive programs, in flight together, so the
+    keys come from DRAM once and from L2 for the other tiles. Without SPLIT_K (num_splits == 1)
     the normalised output goes straight to out (T, N, Hv); with it out is the (T, N, S, Hv) fp32
     workspace and lse (T, N, S) receives each split's log2-sum-exp for the reduce kernel. The split
     count is a runtime argument, so any count runs on the same compiled kernel.
@@ -88,8 +91,12 @@ def _paged_attn_kernel(
     tile's first visible key. HAS_SINKS: sinks (N,) float32 logits join the softmax denominator,
     here without SPLIT_K, in the reduce kernel with it (once per row).
     """
-    pid_q = tl.program_id(0)
-    pid_h = tl.program_id(1)
+    if BLOCK_Q == 1:  # decode: head tiles fastest
+        pid_h = tl.program_id(0)
+        pid_q = tl.program_id(1)
+    else:
+        pid_q = tl.program_id(0)
+        pid_h = tl.program_id(1)
     split = tl.program_id(2)
     seq = pid_q // num_q_tiles
     q_tile = pid_q % num_q_tiles
@@ -296,17 +303,25 @@ def attention_launch(decode_only: bool, QH: int, HD: int, HR: int, HV: int, dtyp
     prefill and whether keys are split, never on batch size or context length (kernels/aot_check.py
     compiles each combination ahead of time)."""
     big = HD + HR > 256  # MLA-sized rows: smaller tiles
+    BLOCK_N, warps = (32, 8) if big else (64, 4)
     if decode_only:
         # One token per sequence: the tile is the query heads of one kv head (>= 16 rows for tl.dot).
+        # MLA: 32 heads x 512 fp32 of accumulator is half the registers of 8 warps; 64 heads spill
+        # 0.6-1.3 KB per thread on sm_90 whatever the key tile, and 32 with 32 keys 76 B, with 16 none
+        # (kernels.aot_check). GQA heads of 128+: 8 warps (4 spill ~1.2 KB).
         BLOCK_Q, BLOCK_QH = 1, max(16, min(triton.next_power_of_2(QH), 32 if big else 64))
+        if big:
+            BLOCK_N = 16
+        elif HD >= 128:
+            warps = 8
     else:
         BLOCK_QH = min(triton.next_power_of_2(QH), 16)
         BLOCK_Q = (32 if big else 64) // BLOCK_QH  # 32-64 rows: BLOCK_QH <= 16 keeps BLOCK_Q >= 2
-    return dict(BLOCK_Q=BLOCK_Q, BLOCK_QH=BLOCK_QH, BLOCK_N=32 if big else 64,
+    return dict(BLOCK_Q=BLOCK_Q, BLOCK_QH=BLOCK_QH, BLOCK_N=BLOCK_N,
                 BLOCK_HD=max(16, triton.next_power_of_2(HD)), BLOCK_HR=max(16, triton.next_power_of_2(max(HR, 1))),
                 BLOCK_HV=max(16, triton.next_power_of_2(HV)), SPLIT_K=split_k, HAS_ROPE=has_rope,
                 SHARED_KV=shared_kv, PREC="ieee" if dtype == torch.float32 else "tf32", UPCAST=INTERPRETED,
-                SLIDING=sliding, HAS_SINKS=sinks, num_warps=8 if big else 4, num_stages=2)
+                SLIDING=sliding, HAS_SINKS=sinks, num_warps=warps, num_stages=2)
 
 
 def reduce_launch(HV: int, sinks: bool = False) -> dict:
@@ -362,7 +377,10 @@ def _attend(q, q_r, k, k_r, v, meta: AttentionMetadata, scale: float, HV: int, s
     if not has_rope:
         q_r, k_r = q, k  # unused placeholders; HAS_ROPE=False compiles their loads away
     sinks_arg = sinks if sinks is not None else _fp32_placeholder(q.device)  # HAS_SINKS=False: never read
-    _paged_attn_kernel[(meta.num_seqs * num_q_tiles, head_programs, S)](
+    # Decode launches head tiles fastest (see the kernel): programs reading the same keys run together.
+    q_programs = meta.num_seqs * num_q_tiles
+    grid = (head_programs, q_programs, S) if launch["BLOCK_Q"] == 1 else (q_programs, head_programs, S)
+    _paged_attn_kernel[grid](
         q, q_r, k, k_r, v, dst, lse if lse is not None else dst, sinks_arg,
         meta.block_tables, meta.seq_lens, meta.query_start_loc,
         scale * _LOG2E, num_q_tiles, QH, HD, HR, HV, meta.block_size, S, window or 0,

@@ -1,5 +1,7 @@
-"""kernels/aot_check.py compiles every kernel configuration for sm_90 / sm_100 without a GPU, and the
-decode attention's launch choice selects only a few compiled variants whatever the batch.
+"""kernels/aot_check.py compiles kernel configurations for sm_90 / sm_100 without a GPU (here the
+--quick set: one per kernel, dtype and code path, decode defaults first; the full sweep of every
+configuration is `python -m kernels.aot_check --arch 90 100`, a few minutes), and the decode
+attention's launch choice selects only a few compiled variants whatever the batch.
 
 The compile runs use Triton's bundled ptxas in a subprocess (no TRITON_INTERPRET there); the
 variant-count test is pure Python over the launchers' choice functions.
@@ -19,6 +21,8 @@ from kernels import aot_check
 
 ROOT = Path(__file__).resolve().parents[2]
 LAST_LINE = re.compile(r"^aot: (\d+) configurations compiled for (.+); (\d+) failed$")
+SPILL_LINE = re.compile(r"^aot: (\d+) configurations spill registers.*; (\d+) grouped-GEMM or decode configurations "
+                        r"over (\d+) B$")
 
 
 def run_aot(*args: str, timeout: int) -> tuple[int, list[str]]:
@@ -31,28 +35,49 @@ def run_aot(*args: str, timeout: int) -> tuple[int, list[str]]:
 
 
 def test_a_broken_config_is_reported_as_failed():
-    """The check can fail: a config tl.dot cannot compile is counted, named, and exits 1, while the
-    working configurations compiled in the same run still count as compiled."""
+    """The check can fail: a config tl.dot cannot compile is counted, named, and exits 1, and so is
+    the decode gate/up tile as it was before its K tile was capped (it compiles, spilling ~4.7 KB
+    per thread), while the working configurations compiled in the same run still count as compiled."""
     rc, lines = run_aot("--arch", "90", "--dtype", "bf16", "--only", "broken", "moe-tiny decode",
                         "--inject-broken", timeout=600)
     m = LAST_LINE.match(lines[-1])
     assert m, lines[-5:]
-    assert rc == 1 and m.group(2) == "sm_90" and m.group(3) == "2", lines[-5:]  # w13 and w2 variants
+    # w13 and w2 variants of the K tile 8, and the spilling one
+    assert rc == 1 and m.group(2) == "sm_90" and m.group(3) == "3", lines[-5:]
     assert int(m.group(1)) >= 2  # moe-tiny decode attention, with and without split
     fails = [line for line in lines if line.lstrip().startswith("FAIL")]
     assert len(fails) == 2 and all("BLOCK_SIZE_K=8" in f for f in fails), fails
+    spilled = [line for line in lines if line.lstrip().startswith("SPILL")]
+    assert len(spilled) == 1 and "BLOCK_SIZE_K=128" in spilled[0] and "GATED=1" in spilled[0], spilled
+    assert int(re.search(r"spills (\d+) B >", spilled[0]).group(1)) > 1000
+    s = SPILL_LINE.match(lines[-3])
+    assert s and int(s.group(1)) >= 1 and s.group(2) == "1" and s.group(3) == "64", lines[-4:]
     oks = [line for line in lines if line.lstrip().startswith("ok")]
     assert oks and all(re.search(r"regs +\d+ +spills +\d+ B +shared +\d+ B", line) for line in oks), oks
 
 
 @pytest.mark.slow
-def test_every_configuration_compiles_for_sm90_and_sm100():
-    expected = len(aot_check.enumerate_jobs())
-    rc, lines = run_aot("--arch", "90", "100", timeout=900)
+def test_default_configurations_compile_for_sm90_and_sm100_without_spills():
+    """The --quick set in bf16 (the dtype the real models are served in): the decode default of the
+    grouped GEMM (gate/up and down; bf16, FP8 weights, W8A8) and of the masked GEMM, GQA and MLA
+    decode attention with and without split-K, the split reduce, KV writes, top-k sum, the FP8
+    linear and activation quantization. Every one compiles for both archs, and none of the
+    grouped-GEMM or decode ones spills more than --max-spill."""
+    jobs = aot_check.enumerate_jobs(dtypes=(torch.bfloat16,), quick=True)
+    short = {(j.short, j.constexprs.get("GATED"), j.constexprs.get("SPLIT_K"), j.constexprs.get("HAS_ROPE"))
+             for j in jobs}
+    for path in (("grouped_gemm", True, None, None), ("grouped_gemm", False, None, None), ("masked_gemm", True, None,
+                 None), ("paged_attn", None, True, True), ("paged_attn", None, False, True),
+                 ("paged_attn", None, True, False), ("reduce_splits", None, None, None)):
+        assert path in short, path
+    assert all(aot_check.is_decode(j) for j in jobs if j.kernel in (aot_check.GEMM, aot_check.MASKED, aot_check.ATTN))
+    rc, lines = run_aot("--arch", "90", "100", "--quick", "--dtype", "bf16", timeout=600)
     m = LAST_LINE.match(lines[-1])
     assert m, lines[-10:]
-    assert rc == 0, [line for line in lines if "FAIL" in line]
-    assert (int(m.group(1)), m.group(2), m.group(3)) == (expected, "sm_90, sm_100", "0")
+    assert rc == 0, [line for line in lines if "FAIL" in line or "SPILL" in line]
+    assert (int(m.group(1)), m.group(2), m.group(3)) == (len(jobs), "sm_90, sm_100", "0")
+    s = SPILL_LINE.match(lines[-3])
+    assert s and s.group(2) == "0", lines[-4:]
 
 
 # ---- no JIT recompiles during serving ----------------------------------------------------------------

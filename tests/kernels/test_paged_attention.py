@@ -119,6 +119,10 @@ MLA_CASES = {
     # name: (query_lens, seq_lens, block_size, N, L, R, num_splits)
     "decode": ([1, 1, 1], [9, 64, 100], 16, 4, 64, 16, None),
     "decode_split_many_heads": ([1, 1], [77, 5], 8, 40, 32, 16, 3),
+    # 128 heads over one latent (DeepSeek-V3's head count): two 64-head tiles per sequence and split,
+    # launched side by side over the same latent rows; with and without split-K.
+    "decode_128_heads": ([1, 1, 1], [21, 3, 40], 8, 128, 32, 16, None),
+    "decode_128_heads_split": ([1, 1], [45, 9], 8, 128, 32, 16, 3),
     "chunked_prefill": ([6, 1], [20, 35], 8, 3, 32, 16, None),
 }
 
