@@ -3,6 +3,7 @@
     python -m kernels.aot_check --arch 90 100      # sm_90 (H100/H200) and sm_100 (B200/GB200)
     python -m kernels.aot_check --only attn        # kernels or configurations whose name has "attn"
     python -m kernels.aot_check --list             # what would be compiled, without compiling
+    python -m kernels.aot_check --quick --dtype bf16   # one per kernel / dtype / code path (the test suite's)
 
 No GPU is needed: `triton.compile` takes an `ASTSource` and a `GPUTarget`, and Triton's bundled
 ptxas turns the PTX into a cubin for the named architecture. What is compiled is what the launchers
@@ -23,7 +24,10 @@ a kernel needing more shared memory than the architecture has counts as failed, 
 fail at its first launch. The last line is
     aot: N configurations compiled for sm_90, sm_100; F failed
 where N counts configurations that compiled for every listed architecture and F those that failed
-for at least one; the exit status is 1 if F > 0. Compiles run in a pool of --jobs processes, each
+for at least one; the exit status is 1 if F > 0. A grouped-GEMM configuration (default or tuned) or
+a decode configuration spilling more than --max-spill bytes per thread (64) on any architecture
+counts as failed, named on a SPILL line; the line before the compile time counts every spilling
+configuration and names the worst. Compiles run in a pool of --jobs processes, each
 into a fresh Triton cache (so nothing is a cache hit).
 """
 from __future__ import annotations
