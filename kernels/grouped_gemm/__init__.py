@@ -11,10 +11,15 @@ import contextlib
 
 from kernels.grouped_gemm.grouped_mm import (fused_experts_grouped, fused_experts_single_token, grouped_mm_available,
                                              grouped_mm_fits)
+from kernels import cpu_ops
 from kernels.grouped_gemm.mxfp4 import Mxfp4Weight
 from kernels.grouped_gemm.reference import fused_experts_reference
 
 BACKENDS = ("torch", "triton")
+
+
+def _as_f32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float32 else t.float()
 _host_reads_ok = [True]
 
 
@@ -60,6 +65,11 @@ def fused_experts(
         # there would run element by element without bf16 matrix instructions); else the loop.
         # (Half-precision models on such CPUs keep their expert weights in float32: prepare.py.)
         # One token on the CPU: only its K experts run (the grouped GEMM visits every expert).
+        # Decode-sized batches on the CPU: our C kernel (kernels/cpu_ops), one call for the layer,
+        # float32 or bf16 weights read once (no GPU path comes here: it is opaque to capture).
+        if x_TD.device.type == "cpu" and _host_reads_ok[-1] and cpu_ops.use_for(x_TD, w13_EFD, w2_EDF, topk_ids_TK):
+            out = cpu_ops.moe_experts(_as_f32(x_TD), w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK)
+            return out if out.dtype == x_TD.dtype else out.to(x_TD.dtype)
         if (x_TD.shape[0] == 1 and x_TD.device.type == "cpu" and w13_EFD.dtype == torch.float32
                 and _host_reads_ok[-1]):
             return fused_experts_single_token(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK)

@@ -1,0 +1,128 @@
+"""Our C experts kernel (kernels/cpu_ops) against a float64 reference, and how it is built and chosen."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from kernels import cpu_ops
+from kernels.grouped_gemm import device_side_only, fused_experts
+from kernels.grouped_gemm.reference import fused_experts_reference
+
+pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler on this machine")
+
+
+def _case(T, D, F, E, K, dtype, seed=0, held_elsewhere=False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, D, generator=g)
+    w13 = (torch.randn(E, 2 * F, D, generator=g) * D ** -0.5).to(dtype)
+    w2 = (torch.randn(E, D, F, generator=g) * F ** -0.5).to(dtype)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    if held_elsewhere:  # expert parallel: ids of experts on another rank arrive as -1
+        ids = torch.where(torch.rand(T, K, generator=g) < 0.3, -1, ids)
+    wts = torch.rand(T, K, generator=g)
+    return x, w13, w2, wts, ids
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,D,F,E,K", [(1, 64, 32, 8, 2), (5, 40, 24, 6, 3), (33, 128, 80, 16, 4),
+                                       (7, 17, 9, 4, 2)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_matches_float64_reference(dtype, T, D, F, E, K, threads):
+    """Shapes off the vector width (D=17, 40; F=9, 24; 2F and D not multiples of the 4-row tile),
+    every row count 1..4 of a micro-tile, ids held elsewhere, one and two OpenMP threads."""
+    x, w13, w2, wts, ids = _case(T, D, F, E, K, dtype, held_elsewhere=True)
+    ref = fused_experts_reference(x.double(), w13.double(), w2.double(), wts.double(), ids)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = cpu_ops.moe_experts(x, w13, w2, wts, ids)
+    finally:
+        torch.set_num_threads(old)
+    assert got.dtype == torch.float32 and got.shape == (T, D)
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_silu_over_the_whole_float_range():
+    """The vectorised exp of SiLU at extreme gate values (saturation to 0 and to the identity, no
+    NaN or inf): one expert whose gate rows pick single input columns of large magnitude."""
+    F, D = 32, 33
+    x = torch.ones(2, D)
+    x[:, :F] = torch.linspace(-120.0, 120.0, F)
+    w13 = torch.zeros(1, 2 * F, D)
+    w13[0, :F, :F] = torch.eye(F)  # gate_f = x_f
+    w13[0, F:, D - 1] = 1.0  # up_f = the constant column: 1
+    w2 = torch.eye(D, F).unsqueeze(0)
+    ids = torch.zeros(2, 1, dtype=torch.int64)
+    wts = torch.ones(2, 1)
+    ref = fused_experts_reference(x.double(), w13.double(), w2.double(), wts.double(), ids)
+    got = cpu_ops.moe_experts(x, w13, w2, wts, ids)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), ref, rtol=2e-6, atol=1e-6)
+
+
+def test_fused_experts_takes_it_for_decode_sizes_only():
+    """fused_experts (the models' one entry point) runs the C kernel for decode-sized batches and
+    torch's ops for large ones and under the capturability guard; all agree with the reference."""
+    calls = []
+    orig = cpu_ops.moe_experts
+
+    def counting(*a, **k):
+        calls.append(a[0].shape[0])
+        return orig(*a, **k)
+
+    for T in (1, 8, 400):
+        x, w13, w2, wts, ids = _case(T, 64, 32, 8, 2, torch.float32, seed=T)
+        ref = fused_experts_reference(x.double(), w13.double(), w2.double(), wts.double(), ids)
+        cpu_ops.moe_experts = counting
+        try:
+            got = fused_experts(x, w13, w2, wts, ids, backend="torch")
+            with device_side_only():
+                guarded = fused_experts(x, w13, w2, wts, ids, backend="torch")
+        finally:
+            cpu_ops.moe_experts = orig
+        torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(guarded.double(), ref, rtol=1e-5, atol=1e-5)
+    assert calls == [1, 8], calls  # not 400 (16 rows per expert at most), never under the guard
+
+
+def test_built_once_and_torch_ops_without_a_compiler(tmp_path):
+    """A fresh cache builds the library once (a second process loads it, no compiler run); with no
+    compiler the kernels are off, the reason is logged, and the experts still compute right."""
+    script = textwrap.dedent("""
+        import logging, sys, torch
+        logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
+        from kernels import cpu_ops
+        from kernels.grouped_gemm import fused_experts
+        from kernels.grouped_gemm.reference import fused_experts_reference
+        print("available", cpu_ops.available())
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(3, 32, generator=g); w13 = torch.randn(4, 32, 32, generator=g); w2 = torch.randn(4, 32, 16, generator=g)
+        ids = torch.tensor([[0, 1], [2, 3], [1, -1]]); wts = torch.rand(3, 2, generator=g)
+        ref = fused_experts_reference(x.double(), w13.double(), w2.double(), wts.double(), ids)
+        torch.testing.assert_close(fused_experts(x, w13, w2, wts, ids).double(), ref, rtol=1e-5, atol=1e-5)
+        print("ok")
+    """)
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+    def run(**env):
+        e = dict(os.environ, MOE_SERVE_CACHE_DIR=str(tmp_path), PYTHONPATH=repo)
+        e.update(env)
+        r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=e, timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return r.stdout
+
+    first = run()
+    assert "available True" in first and "compiled moe.c" in first and "ok" in first
+    built = list((tmp_path / "cpu_ops").glob("*.so"))
+    assert len(built) == 1
+    mtime = built[0].stat().st_mtime_ns
+    second = run()
+    assert "available True" in second and "compiled" not in second
+    assert built[0].stat().st_mtime_ns == mtime
+    bare = run(CC="/nonexistent/cc", PATH="/nonexistent", MOE_SERVE_CACHE_DIR=str(tmp_path / "empty"))
+    assert "available False" in bare and "no C compiler" in bare and "ok" in bare
