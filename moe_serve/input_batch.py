@@ -203,7 +203,7 @@ class InputBatch:
         row_T = torch.repeat_interleave(rows_B, q_B, output_size=T)
         ids_T = self.token_ids_RL[row_T, pos_T].to(torch.int64)
         slot_T = self.block_table_RM[row_T, pos_T // bs].to(torch.int64) * bs + pos_T % bs
-        W = max(1, int(self.num_blocks_R[rows_B].max()))
+        W = max(1, -(-max(seq_lens) // bs))  # the blocks the longest context spans (a host int: no tensor read)
         bt_BW = self.block_table_RM[rows_B, :W]
         return [ids_T, pos_T, slot_T, qsl.to(torch.int32), (start_B + q_B).to(torch.int32), bt_BW], q_lens, seq_lens
 

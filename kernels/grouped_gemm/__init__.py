@@ -20,6 +20,8 @@ BACKENDS = ("torch", "triton")
 
 def _as_f32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 else t.float()
+
+
 _host_reads_ok = [True]
 
 

@@ -42,7 +42,8 @@ def random_params(rng: random.Random) -> SamplingParams:
 
 
 def fresh_forward(sched_pieces, bs):
-    """(ids, positions, slots, query_start_loc, seq_lens, block_tables) written plainly."""
+    """(ids, positions, slots, query_start_loc, seq_lens, block_tables) written plainly; block
+    tables are as wide as the longest context's blocks (blocks allocated ahead past it are not read)."""
     ids, pos, slots, qsl, seq_lens, tables = [], [], [], [0], [], []
     for req, start, n, _ in sched_pieces:
         for p in range(start, start + n):
@@ -52,8 +53,8 @@ def fresh_forward(sched_pieces, bs):
         qsl.append(qsl[-1] + n)
         seq_lens.append(start + n)
         tables.append(list(req.block_ids))
-    width = max([1] + [len(t) for t in tables])
-    tables = [t + [0] * (width - len(t)) for t in tables]
+    width = max([1] + [-(-s // bs) for s in seq_lens])  # the blocks the longest context spans
+    tables = [(t + [0] * width)[:width] for t in tables]
     return ids, pos, slots, qsl, seq_lens, tables
 
 
