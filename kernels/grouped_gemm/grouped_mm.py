@@ -63,9 +63,13 @@ def fused_experts_grouped(x_TD: torch.Tensor, w13_EFD: torch.Tensor, w2_EDF: tor
     offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
     xs_PD = _as(x_TD.index_select(0, token_P), w13_EFD.dtype)  # half activations, float32 weights
     gate_up_P2F = torch._grouped_mm(xs_PD, w13_EFD.transpose(1, 2), offs=offs_E)
+    w_P = _as(topk_weights_TK.reshape(-1).index_select(0, order_P), torch.float32)
     if w13_bias is None and w2_bias is None and activation == "silu":
+        # The routing weight scales the F-wide activations before the (linear) down GEMM rather than
+        # its D-wide output, in place: one pass over P x F floats instead of a new P x D tensor.
         gate, up = gate_up_P2F.chunk(2, dim=-1)
-        y_PD = torch._grouped_mm(F.silu(gate) * up, w2_EDF.transpose(1, 2), offs=offs_E)
+        act_PF = F.silu(gate).mul_(up).mul_(_as(w_P, gate.dtype)[:, None])
+        y_PD = _as(torch._grouped_mm(act_PF, w2_EDF.transpose(1, 2), offs=offs_E), torch.float32)
     else:  # GPT-OSS: biases gathered per sorted pair (elsewhere-held pairs read expert E-1, masked below)
         from kernels.grouped_gemm.reference import activate
 
@@ -75,8 +79,7 @@ def fused_experts_grouped(x_TD: torch.Tensor, w13_EFD: torch.Tensor, w2_EDF: tor
         y_PD = torch._grouped_mm(activate(gate_up_P2F, activation), w2_EDF.transpose(1, 2), offs=offs_E)
         if w2_bias is not None:
             y_PD = y_PD + w2_bias.index_select(0, expert_P)
-    w_P = _as(topk_weights_TK.reshape(-1).index_select(0, order_P), torch.float32)
-    y_PD = _as(y_PD, torch.float32) * w_P[:, None]
+        y_PD = _as(y_PD, torch.float32) * w_P[:, None]
     if not all_local:
         y_PD = torch.where(local_P.index_select(0, order_P)[:, None], y_PD, 0.0)
     out_TD = torch.zeros(T, D, dtype=torch.float32, device=x_TD.device).index_add_(0, token_P, y_PD)
