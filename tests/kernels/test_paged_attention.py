@@ -123,6 +123,9 @@ MLA_CASES = {
     # launched side by side over the same latent rows; with and without split-K.
     "decode_128_heads": ([1, 1, 1], [21, 3, 40], 8, 128, 32, 16, None),
     "decode_128_heads_split": ([1, 1], [45, 9], 8, 128, 32, 16, 3),
+    # DeepSeek's latent (512 + 64): the decode tile the GPU compiles (32 heads, 16 keys, 8 warps);
+    # 40 heads are two head tiles, the second partly masked.
+    "decode_deepseek_latent_split": ([1, 1], [37, 20], 16, 40, 512, 64, 2),
     "chunked_prefill": ([6, 1], [20, 35], 8, 3, 32, 16, None),
 }
 
