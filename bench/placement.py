@@ -5,7 +5,9 @@ heuristic vs no replicas, with the cross-node share, as `placement report` compu
     python bench/placement.py --quick            fewer layers (a quick look)
     python bench/placement.py --json out.json    also write the figures
     python bench/placement.py --held-out         the six drifting-trace cases the tuner is held to
-                                                 against DeepSeek EPLB (evaluation.held_out)
+                                                 against DeepSeek EPLB (evaluation.held_out), both
+                                                 served as the runtime splits replicas' tokens
+                                                 (balanced) and, for reference, evenly (round robin)
 
 Each scenario draws W windows of load per layer; every placement is fit on the first W-1 windows
 and judged on the last (held out). Load per layer: Zipf-like skew over a random expert order (the
@@ -73,12 +75,21 @@ def held_out_cases(args) -> int:
 
     tune = lambda fit, G, N, S, K: tuner.tune(fit, G, N, S, K)[0]  # noqa: E731
     rows = []
-    print(f"{'case':<34} {'tuned':>7} {'eplb':>7}")
+    print(f"{'':<34} {'balanced split':^15}   {'round-robin split':^15}")
+    print(f"{'case':<34} {'tuned':>7} {'eplb':>7}   {'tuned':>7} {'eplb':>7}  tune s/layer")
+    layers = 8 if args.quick else 16
     for case in evaluation.HELD_OUT_CASES:
-        r = evaluation.held_out(case, tune, seed=args.seed, windows=args.windows, layers=8 if args.quick else 16)
-        rows.append({"case": case, "tuned": round(r["tuned"], 4), "eplb": round(r["eplb"], 4)})
-        print(f"{case:<34} {r['tuned']:7.4f} {r['eplb']:7.4f}", flush=True)
-    print(f"{'mean':<34} {np.mean([r['tuned'] for r in rows]):7.4f} {np.mean([r['eplb'] for r in rows]):7.4f}")
+        t0 = time.perf_counter()
+        r = evaluation.held_out(case, tune, seed=args.seed, windows=args.windows, layers=layers)
+        per_layer = (time.perf_counter() - t0) / ((args.windows - 2) * layers)  # tuning + judging
+        e = evaluation.held_out(case, tune, seed=args.seed, windows=args.windows, layers=layers, split="round_robin")
+        rows.append({"case": case, "tuned": round(r["tuned"], 4), "eplb": round(r["eplb"], 4),
+                     "tuned_round_robin": round(e["tuned"], 4), "eplb_round_robin": round(e["eplb"], 4)})
+        print(f"{case:<34} {r['tuned']:7.4f} {r['eplb']:7.4f}   {e['tuned']:7.4f} {e['eplb']:7.4f}  {per_layer:.3f}",
+              flush=True)
+    mean = {k: np.mean([r[k] for r in rows]) for k in ("tuned", "eplb", "tuned_round_robin", "eplb_round_robin")}
+    print(f"{'mean':<34} {mean['tuned']:7.4f} {mean['eplb']:7.4f}   {mean['tuned_round_robin']:7.4f} "
+          f"{mean['eplb_round_robin']:7.4f}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
     return 0

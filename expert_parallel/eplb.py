@@ -219,7 +219,11 @@ class EplbManager:
         h = history.numpy()
         from expert_parallel.evaluation import evaluate
 
-        self.balancedness = evaluate(h.sum(0), np.asarray(self.rows), self.world, 1)["overall_balancedness"]
+        # The last window as the layers' split would have served it (evaluation.slot_loads replays it
+        # as batches through ReplicaMap): an estimate, the steps' own batches are not kept.
+        split = getattr(self.layers[0].ctx, "replica_split", "round_robin")
+        self.balancedness = evaluate(h.sum(0), np.asarray(self.rows), self.world, 1,
+                                     split=split)["overall_balancedness"]
         if h.sum() == 0:
             return
         self._started = time.perf_counter()

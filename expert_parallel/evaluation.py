@@ -56,16 +56,44 @@ def greedy_layout(load_LE, gpus: int, nodes: int, slots: int, groups: int | None
 
 
 # -------------------------------------------------------------------------------------- metrics
-def gpu_loads(load_E, physical_to_logical_S, gpus: int) -> np.ndarray:
-    """(G,) tokens each GPU computes when every expert's tokens split evenly over its replicas."""
+# How the runtime shares a replicated expert's tokens among its replicas (MoEContext.replica_split,
+# placement.ReplicaMap): from each rank's batch counts, evening out the GPUs. A window's load is
+# judged by replaying it as such batches: its token copies dealt at random (seeded) into batches of
+# about BATCH_COPIES (a rank's step: 512 tokens x top-8), batch b mapped as rank b % G would map it,
+# with ReplicaMap's own code. "round_robin" is the even split (each replica 1/r of its expert).
+RUNTIME_SPLIT = "balanced"
+BATCH_COPIES = 4096
+
+
+def slot_loads(load_E, physical_to_logical_S, gpus: int, split: str = "round_robin",
+               batch_copies: int = BATCH_COPIES, seed: int = 0) -> np.ndarray:
+    """(S,) tokens each slot computes over a window of load_E, under the given split."""
     p2l = np.asarray(physical_to_logical_S, dtype=np.int64)
     load = np.asarray(load_E, dtype=np.float64)
     replicas = np.bincount(p2l, minlength=len(load))
-    return (load[p2l] / replicas[p2l]).reshape(gpus, -1).sum(1)
+    if split == "round_robin" or (replicas <= 1).all() or gpus == 1:
+        return load[p2l] / replicas[p2l]
+    if split != "balanced":
+        raise ValueError(f"split={split!r} must be 'balanced' or 'round_robin'")
+    from expert_parallel.placement import ReplicaMap
+
+    counts = np.rint(load).astype(np.int64)
+    B = max(1, int(round(counts.sum() / batch_copies)))
+    c_EB = np.random.default_rng(seed).multinomial(counts, np.full(B, 1.0 / B))  # each copy to a batch
+    rmap = ReplicaMap(p2l, len(load), split="balanced", slots_per_gpu=len(p2l) // gpus)
+    return rmap.slot_counts(c_EB.T, np.arange(B) % gpus).sum(0).numpy().astype(np.float64)
 
 
-def evaluate(load_LE, physical_to_logical_LS, gpus: int, nodes: int, groups: int | None = None) -> dict:
-    """Judge a placement on one window of load.
+def gpu_loads(load_E, physical_to_logical_S, gpus: int, split: str = "round_robin", **kw) -> np.ndarray:
+    """(G,) tokens each GPU computes (round_robin: every expert's tokens split evenly over its
+    replicas; balanced: the runtime's per-batch split, see slot_loads)."""
+    return slot_loads(load_E, physical_to_logical_S, gpus, split, **kw).reshape(gpus, -1).sum(1)
+
+
+def evaluate(load_LE, physical_to_logical_LS, gpus: int, nodes: int, groups: int | None = None,
+             split: str = "round_robin") -> dict:
+    """Judge a placement on one window of load, its replicas' tokens shared as `split` says
+    (RUNTIME_SPLIT is what serving does; round_robin, the even split, is the tuner's load model).
 
     Per layer (arrays of length L) and overall (floats, key prefixed "overall_"):
       balancedness  mean GPU load / max GPU load (1 = perfect). Overall: sum of means / sum of maxes,
@@ -85,8 +113,7 @@ def evaluate(load_LE, physical_to_logical_LS, gpus: int, nodes: int, groups: int
     node_S = np.arange(S) // (S // nodes)  # slot -> GPU -> node collapses to this
     mean_l, max_l, cross_l, total_l = (np.zeros(L) for _ in range(4))
     for l in range(L):
-        replicas = np.bincount(p2l[l], minlength=E)
-        per_slot = load[l, p2l[l]] / replicas[p2l[l]]
+        per_slot = slot_loads(load[l], p2l[l], gpus, split, seed=l)
         g = per_slot.reshape(gpus, -1).sum(1)
         mean_l[l], max_l[l] = g.mean(), g.max()
         group_node = np.bincount(p2l[l] // (E // groups) * nodes + node_S, per_slot,
@@ -119,13 +146,14 @@ HELD_OUT_CASES = {
 
 
 def held_out(case: str, tune_fn, seed: int = 0, windows: int = 8, layers: int = 4, copies: int = 200_000,
-             skew: tuple[float, float] = (0.3, 0.6), min_history: int = 2) -> dict:
+             skew: tuple[float, float] = (0.3, 0.6), min_history: int = 2, split: str = RUNTIME_SPLIT) -> dict:
     """Rolling held-out balancedness on a drifting trace (synthetic_load "drift").
 
     For every t >= min_history: the tuner (tune_fn(history_WLE, gpus, nodes, slots, groups) ->
     physical_to_logical_LS) and EPLB (greedy_layout on the plain sum of the same windows, as EPLB is
-    fed) both see windows [0, t) and are judged on window t. Returns the mean overall balancedness of
-    each ("tuned", "eplb") and the per-t figures ("tuned_t", "eplb_t")."""
+    fed) both see windows [0, t) and are judged on window t, served the same way (split: the
+    runtime's by default). Returns the mean overall balancedness of each ("tuned", "eplb") and the
+    per-t figures ("tuned_t", "eplb_t")."""
     from expert_parallel.synthetic_load import synthetic_load
 
     E, G, N, S, K = HELD_OUT_CASES[case]
@@ -133,6 +161,6 @@ def held_out(case: str, tune_fn, seed: int = 0, windows: int = 8, layers: int = 
     tuned, eplb = [], []
     for t in range(min_history, windows):
         fit, test = load[:t], load[t]
-        tuned.append(evaluate(test, tune_fn(fit, G, N, S, K), G, N, K)["overall_balancedness"])
-        eplb.append(evaluate(test, greedy_layout(fit.sum(0), G, N, S, K), G, N, K)["overall_balancedness"])
+        tuned.append(evaluate(test, tune_fn(fit, G, N, S, K), G, N, K, split)["overall_balancedness"])
+        eplb.append(evaluate(test, greedy_layout(fit.sum(0), G, N, S, K), G, N, K, split)["overall_balancedness"])
     return {"tuned": float(np.mean(tuned)), "eplb": float(np.mean(eplb)), "tuned_t": tuned, "eplb_t": eplb}

@@ -33,6 +33,9 @@ class MoEContext:
     moe_layer_count: list[int] = field(default_factory=lambda: [0])  # running index while building
     # Optional (event, micro-batch, layer) callback, for tests that check the overlap schedule.
     trace: Callable[[str, int, int], None] | None = None
+    # How a replicated expert's tokens are shared among its replicas (placement.ReplicaMap):
+    # "balanced" (from each batch's counts, evening out the ranks) or "round_robin".
+    replica_split: str = "balanced"
 
     def next_layer_index(self) -> int:
         i = self.moe_layer_count[0]
@@ -199,8 +202,10 @@ class MoE(nn.Module):
         if list(p2l) != list(range(self.num_experts)):
             from expert_parallel.placement import ReplicaMap
 
-            # Each data-parallel rank starts its round-robin over replicas at its own offset.
-            self.replica_map = ReplicaMap(p2l, self.num_experts, offset=self.ctx.dispatcher.rank)
+            # Each data-parallel rank starts its round over replicas at its own offset.
+            d = self.ctx.dispatcher
+            self.replica_map = ReplicaMap(p2l, self.num_experts, offset=d.rank, split=self.ctx.replica_split,
+                                          slots_per_gpu=d.slots_per_rank)
 
     def slot_tensors(self) -> dict[str, torch.Tensor]:
         """Every per-slot tensor of this rank's experts (first dimension = local slots): the weights,

@@ -3,7 +3,7 @@
 Shape legend: E logical experts, S physical slots, G GPUs, N nodes, K expert groups, R items being
 packed (replicas, or groups onto nodes).
 
-A replica of an expert with r replicas carries 1/r of its tokens (ReplicaMap round-robins), so its
+A replica of an expert with r replicas carries 1/r of its tokens (the even split; see tuner.py), so its
 forecast mean scales by 1/r and its variance by 1/r^2. A bin (GPU or node) is scored by the sum of
 its items' means plus hedge * the square root of the sum of their variances: the upper quantile of
 its next-window load when the forecast errs independently per expert.

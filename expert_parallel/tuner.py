@@ -5,9 +5,12 @@ Pure, deterministic numpy functions (same input, same placement); placement_cli.
 Shape legend: W recorded windows (oldest first), L MoE layers, E logical experts, S physical slots,
 G GPUs, N nodes, K expert groups, R items being packed (replicas, or groups onto nodes).
 
-Load model (it matches ReplicaMap, which round-robins tokens over replicas): an expert's tokens are
-split evenly across its replicas, so GPU g carries sum over its slots s of load[e(s)] / replicas[e(s)].
-A layer's step time follows its most loaded GPU, which is what every choice here minimises.
+Load model: an expert's tokens are split evenly across its replicas (ReplicaMap's round_robin), so
+GPU g carries sum over its slots s of load[e(s)] / replicas[e(s)]. A layer's step time follows its
+most loaded GPU, which is what every choice here minimises. The runtime's default split (balanced)
+re-divides each batch's tokens among replicas to even out the GPUs, never worse than even shares
+on a batch (up to rounding), so it mends part of what the forecast misses; placements are judged
+under the split the runtime uses (evaluation.held_out).
 
 How a layer is tuned:
 1. Forecast. Each window becomes shares (busy and quiet windows weigh alike); the forecast is their

@@ -125,6 +125,7 @@ class ParallelConfig:
     expert_load_window: int = 100  # steps per expert-load window (0: no recorder)
     expert_load_record: str | None = None  # record from the start; written here at shutdown
     eplb: Any = None  # expert_parallel.eplb_config.EplbConfig: rebalance experts while serving (None: off)
+    replica_split: str = "balanced"  # how replicas share an expert's tokens (placement.ReplicaMap)
 
 
 @dataclass(frozen=True)

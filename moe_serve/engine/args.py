@@ -38,6 +38,7 @@ class EngineArgs:
     eplb_window_size: int | None = None
     eplb_step_interval: int | None = None
     eplb_config: str | None = None  # JSON object; its keys win over the three above
+    replica_split: str = "balanced"  # balanced | round_robin (placement.ReplicaMap)
     show_progress: bool = True
     enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
     max_capture_size: int | None = None  # largest decode batch captured as a graph (default max_num_seqs, <= 512)
@@ -60,6 +61,10 @@ class EngineArgs:
             raise ValueError(f"max_capture_size={self.max_capture_size} must be >= 1")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction={self.memory_fraction} must be in (0, 1]")
+        from expert_parallel.placement import SPLITS
+
+        if self.replica_split not in SPLITS:
+            raise ValueError(f"replica_split={self.replica_split!r} must be one of {list(SPLITS)}")
         from expert_parallel.eplb_config import resolve_eplb
 
         eplb = resolve_eplb(self.enable_eplb, self.num_redundant_experts, self.eplb_window_size,
@@ -76,7 +81,7 @@ class EngineArgs:
             scheduler=SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs),
             parallel=ParallelConfig(rank, world_size, choice.all2all_backend, self.expert_placement,
                                     self.enable_overlap, self.overlap_min_tokens, self.expert_load_window,
-                                    self.expert_load_record, eplb=eplb),
+                                    self.expert_load_record, eplb=eplb, replica_split=self.replica_split),
             device=choice.device,
             moe_backend=choice.moe_backend,
             attention_backend=choice.attention_backend,
@@ -127,6 +132,9 @@ class EngineArgs:
         g.add_argument("--eplb-config", default=None,
                        help='the EPLB settings as JSON: {"window_size": S, "step_interval": K, '
                             '"num_redundant_experts": N}')
+        g.add_argument("--replica-split", default="balanced", choices=["balanced", "round_robin"],
+                       help="how an expert's replicas share its tokens: balanced (from each step's counts, evening "
+                            "out the ranks; default) or round_robin (evenly)")
         g.add_argument("--enforce-eager", action="store_true",
                        help="no CUDA graphs: decode steps run eagerly and are not padded")
         g.add_argument("--max-capture-size", type=int, default=None,

@@ -79,7 +79,8 @@ class EngineCore:
 
             options["mode"] = "auto" if deepep_support(mc.hf.get("hidden_size"), par.world_size)[1] else "normal"
         dispatcher = make_dispatcher(par.all2all_backend, num_slots, par.rank, par.world_size, ep_group, **options)
-        self.moe_ctx = MoEContext(dispatcher, cfg.moe_backend, physical_to_logical)
+        self.moe_ctx = MoEContext(dispatcher, cfg.moe_backend, physical_to_logical,
+                                  replica_split=cfg.parallel.replica_split)
         self.load_recorder = None
         self.runner = ModelRunner(cfg, self.moe_ctx, cfg.cache.kv_cache_memory or None, cfg.cache.memory_fraction,
                                   show_progress)

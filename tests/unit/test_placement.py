@@ -150,6 +150,69 @@ def test_replica_map_identity_and_from_placement():
     assert rmap.num_slots == 6 and rmap(torch.tensor([[0], [0], [0], [1]])).flatten().tolist() == [3, 4, 5, 2]
 
 
+@st.composite
+def balanced_cases(draw):
+    gpus, per_gpu = draw(st.integers(2, 5)), draw(st.integers(1, 4))
+    S = gpus * per_gpu
+    E = draw(st.integers(1, S))
+    rng = np.random.default_rng(draw(st.integers(0, 2**31)))
+    p2l = [int(x) for x in rng.permutation(np.concatenate([np.arange(E), rng.integers(0, E, S - E)]))]
+    T, K = draw(st.integers(0, 60)), draw(st.integers(1, 3))
+    hot = rng.dirichlet(np.full(E, 0.3))  # skewed, so replicated experts often carry most tokens
+    ids = np.where(rng.random((T, K)) < 0.05, -1, rng.choice(E, (T, K), p=hot))
+    return p2l, E, per_gpu, torch.tensor(ids, dtype=torch.int64), draw(st.integers(0, 7))
+
+
+@settings(max_examples=120, deadline=None)
+@given(balanced_cases())
+def test_balanced_replica_split_serves_valid_replicas_and_evens_the_gpus(case):
+    p2l, E, per_gpu, ids_TK, offset = case
+    rmap = ReplicaMap(p2l, E, split="balanced", slots_per_gpu=per_gpu)
+    slots = rmap(ids_TK, offset=offset)
+    table, valid = torch.tensor(p2l), ids_TK >= 0
+    assert torch.equal(table[slots[valid]], ids_TK[valid])  # the expert the router chose
+    assert torch.equal(slots[~valid], ids_TK[~valid])  # padding passes through
+    assert torch.equal(rmap(ids_TK, offset=offset), slots)  # deterministic
+    per_slot = torch.bincount(slots[valid], minlength=len(p2l))
+    # slot_counts (what the placement's evaluation replays batches through) is what __call__ does.
+    c_E = torch.bincount(ids_TK[valid], minlength=E)
+    assert torch.equal(rmap.slot_counts(c_E[None], [offset])[0], per_slot)
+    # Never worse than the even split beyond rounding (under one token per replica on a GPU).
+    rr = torch.bincount(ReplicaMap(p2l, E)(ids_TK, offset=offset)[valid], minlength=len(p2l))
+    gpu = lambda x: x.reshape(-1, per_gpu).sum(1)  # noqa: E731
+    assert gpu(per_slot).max() <= gpu(rr).max() + 2 * per_gpu
+
+
+def test_balanced_replica_split_fills_the_lighter_gpu():
+    # GPU 0 holds expert 0 (10 tokens) and a replica of expert 2; GPU 1 expert 1 (2 tokens) and the
+    # other replica of 2 (12 tokens): the balanced split gives 2 + 10, both GPUs carry 12. Round
+    # robin gives 6 + 6: 16 and 8.
+    ids = torch.tensor([0] * 10 + [1] * 2 + [2] * 12)[:, None]
+    for offset in range(3):
+        slots = ReplicaMap([0, 2, 1, 2], 3, split="balanced", slots_per_gpu=2)(ids, offset=offset)
+        assert torch.bincount(slots.flatten(), minlength=4).tolist() == [10, 2, 2, 10]
+    rr = ReplicaMap([0, 2, 1, 2], 3)(ids)
+    assert torch.bincount(rr.flatten(), minlength=4).tolist() == [10, 6, 2, 6]
+
+
+def test_balanced_split_rounds_ties_differently_per_rank():
+    # One token of a two-replica expert, GPUs otherwise idle: each rank's offset picks another
+    # replica, so small decode batches do not all land on the same GPU.
+    rmap = ReplicaMap([0, 1, 0, 1], 2, split="balanced", slots_per_gpu=2)
+    picks = {int(rmap(torch.tensor([[0]]), offset=r)) for r in range(2)}
+    assert picks == {0, 2}
+
+
+def test_balanced_split_settings_are_checked():
+    with pytest.raises(PlacementError, match="split='even'"):
+        ReplicaMap([0, 1, 0], 2, split="even")
+    with pytest.raises(PlacementError, match="slots_per_gpu=2"):
+        ReplicaMap([0, 1, 0], 2, split="balanced", slots_per_gpu=2)
+    # One GPU (or no slots_per_gpu): nothing to balance, round robin.
+    assert not ReplicaMap([0, 1, 0], 2, split="balanced", slots_per_gpu=3).balanced
+    assert ReplicaMap([0, 1, 0, 1], 2, split="balanced", slots_per_gpu=2).balanced
+
+
 def test_replica_map_rejects_a_missing_expert():
     with pytest.raises(PlacementError, match="no slot to logical expert 2"):
         ReplicaMap([0, 1, 0], 3)
@@ -230,3 +293,19 @@ def test_cli_report_errors(load_file, tmp_path):
     save_placement(Placement.identity(3, 32, gpus=4, nodes=2), bad)
     r = _cli("report", "--load", tmp_path / "missing.json", "--placement", bad, "--gpus", 4, "--nodes", 2)
     assert r.returncode == 2 and "missing.json' does not exist" in r.stderr
+
+
+def test_replica_split_flag_reaches_the_moe_context(checkpoints):
+    import argparse
+
+    from moe_serve.engine.args import EngineArgs
+
+    p = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(p)
+    for argv, want in (([], "balanced"), (["--replica-split", "round_robin"], "round_robin")):
+        cfg = EngineArgs.from_cli(p.parse_args(argv), checkpoints["qwen3_moe"]).create_engine_config()
+        assert cfg.parallel.replica_split == want
+    with pytest.raises(SystemExit):
+        p.parse_args(["--replica-split", "even"])
+    with pytest.raises(ValueError, match="replica_split='even'"):
+        EngineArgs(checkpoints["qwen3_moe"], replica_split="even").create_engine_config()

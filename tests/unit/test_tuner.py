@@ -200,6 +200,8 @@ def test_config_errors_name_the_field():
 
 # ---- never worse than EPLB -----------------------------------------------------------------------
 from expert_parallel import evaluation  # noqa: E402
+from expert_parallel.dispatch.local import LocalDispatcher  # noqa: E402
+from expert_parallel.layer import MoEContext  # noqa: E402
 
 
 def _tune(fit, G, N, S, K):
@@ -207,14 +209,26 @@ def _tune(fit, G, N, S, K):
 
 
 def test_held_out_never_below_eplb_on_any_case():
-    # Six shapes, drifting traces, fit on windows < t and judged on t (evaluation.held_out): the
-    # tuner's mean balancedness is at least DeepSeek EPLB's on every case, no-spare-slot included.
+    # Six shapes, drifting traces, fit on windows < t and judged on t (evaluation.held_out, 4
+    # layers, 5 judged windows: the bench runs 16 layers and 10), both placements served as the
+    # runtime serves them (replicas' tokens split by each batch's counts, ReplicaMap's own code):
+    # the tuner is at least DeepSeek EPLB on every case, no-spare-slot included, and averages 0.90.
+    assert evaluation.RUNTIME_SPLIT == "balanced" and MoEContext(LocalDispatcher(1)).replica_split == "balanced"
     res = {case: evaluation.held_out(case, _tune, windows=7) for case in evaluation.HELD_OUT_CASES}
     for case, r in res.items():
         assert r["tuned"] >= r["eplb"], f"{case}: tuned {r['tuned']:.4f} < EPLB {r['eplb']:.4f}"
     tuned = np.mean([r["tuned"] for r in res.values()])
     eplb = np.mean([r["eplb"] for r in res.values()])
-    assert tuned >= eplb + 0.02, (tuned, eplb)
+    assert tuned >= 0.90 and tuned >= eplb + 0.02, (tuned, eplb)
+
+
+def test_held_out_never_below_eplb_with_even_replica_split():
+    # The same comparison with every replica taking 1/r of its expert's tokens (round robin, the
+    # tuner's own load model): still never below EPLB on any case.
+    res = {case: evaluation.held_out(case, _tune, windows=7, split="round_robin")
+           for case in evaluation.HELD_OUT_CASES}
+    for case, r in res.items():
+        assert r["tuned"] >= r["eplb"], f"{case}: tuned {r['tuned']:.4f} < EPLB {r['eplb']:.4f}"
 
 
 @settings(max_examples=30, deadline=None)
