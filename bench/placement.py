@@ -76,7 +76,7 @@ def held_out_cases(args) -> int:
     tune = lambda fit, G, N, S, K: tuner.tune(fit, G, N, S, K)[0]  # noqa: E731
     rows = []
     print(f"{'':<34} {'balanced split':^15}   {'round-robin split':^15}")
-    print(f"{'case':<34} {'tuned':>7} {'eplb':>7}   {'tuned':>7} {'eplb':>7}  tune s/layer")
+    print(f"{'case':<34} {'tuned':>7} {'eplb':>7}   {'tuned':>7} {'eplb':>7}  s/layer (tune+judge)")
     layers = 8 if args.quick else 16
     for case in evaluation.HELD_OUT_CASES:
         t0 = time.perf_counter()
