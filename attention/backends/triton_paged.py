@@ -306,8 +306,8 @@ def attention_launch(decode_only: bool, QH: int, HD: int, HR: int, HV: int, dtyp
     BLOCK_N, warps = (32, 8) if big else (64, 4)
     if decode_only:
         # One token per sequence: the tile is the query heads of one kv head (>= 16 rows for tl.dot).
-        # MLA: 32 heads x 512 fp32 of accumulator is half the registers of 8 warps; 64 heads spill
-        # 0.6-1.3 KB per thread on sm_90 whatever the key tile, and 32 with 32 keys 76 B, with 16 none
+        # MLA: 32 heads x 512 fp32 of accumulator are a quarter of 8 warps' registers; 64 heads (half) spill
+        # 0.6-1.6 KB per thread on sm_90 whatever the key tile or warps, and 32 with 32 keys 76 B, with 16 none
         # (kernels.aot_check). GQA heads of 128+: 8 warps (4 spill ~1.2 KB).
         BLOCK_Q, BLOCK_QH = 1, max(16, min(triton.next_power_of_2(QH), 32 if big else 64))
         if big:
