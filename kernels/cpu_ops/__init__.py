@@ -13,6 +13,7 @@ off for comparisons).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -28,7 +29,7 @@ import torch
 
 log = logging.getLogger("moe_serve.cpu_ops")
 
-_SRC = Path(__file__).with_name("moe.c")
+_SRCS = sorted(Path(__file__).parent.glob("*.c"))  # moe.c, norm.c: one library
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 
 
@@ -55,7 +56,8 @@ def _compiler() -> str | None:
 
 def _build(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([_SRC.read_text(), " ".join(_FLAGS), cc, version, _cpu_flags()]).encode())
+    key = hashlib.sha256("\0".join([*(p.read_text() for p in _SRCS), " ".join(_FLAGS), cc, version,
+                                     _cpu_flags()]).encode())
     out = cache_dir() / f"moe-{key.hexdigest()[:16]}.so"
     if out.exists():
         return out
@@ -65,14 +67,15 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        res = subprocess.run([cc, *_FLAGS, "-o", tmp, str(_SRC), "-lm"], capture_output=True, text=True, timeout=300)
+        res = subprocess.run([cc, *_FLAGS, "-o", tmp, *map(str, _SRCS), "-lm"], capture_output=True, text=True,
+                             timeout=300)
         if res.returncode:
             raise RuntimeError(f"{cc} failed: {res.stderr.strip()[-2000:]}")
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    log.info("cpu_ops: compiled %s in %.1f s -> %s", _SRC.name, time.perf_counter() - t0, out)
+    log.info("cpu_ops: compiled %s in %.1f s -> %s", " ".join(p.name for p in _SRCS), time.perf_counter() - t0, out)
     return out
 
 
@@ -95,12 +98,59 @@ def _lib() -> ctypes.CDLL | None:
     f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                   ctypes.c_int]
+    f = lib.rms_norm_f32
+    f.restype = None
+    f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                  ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int]
     return lib
 
 
+_suspended = [False]
+
+
+@contextlib.contextmanager
+def suspended():
+    """Within: no C kernel runs (the capturability checks look at the torch ops a GPU would run)."""
+    _suspended.append(True)
+    try:
+        yield
+    finally:
+        _suspended.pop()
+
+
 def available() -> bool:
-    """Whether the C kernels built and loaded here (the first call builds them)."""
-    return _lib() is not None
+    """Whether the C kernels built and loaded here (the first call builds them), and are not suspended."""
+    return not _suspended[-1] and _lib() is not None
+
+
+def _rows(t: torch.Tensor) -> int | None:
+    """The row stride of t seen as (rows, last dim) with contiguous rows, or None."""
+    if t.stride(-1) != 1:
+        return None
+    if t.dim() == 2:
+        return t.stride(0)
+    return t.shape[-1] if t.is_contiguous() else None
+
+
+def rms_norm_fits(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and w.dtype == torch.float32 and w.is_contiguous()
+            and x.dim() >= 2 and x.shape[-1] == w.shape[0] and _rows(x) is not None
+            and (residual is None or (residual.shape == x.shape and residual.dtype == torch.float32
+                                      and _rows(residual) is not None))
+            and available())
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """x * rsqrt(mean(x^2) + eps) * w over the last dim; with residual, h = x + residual is normed and
+    (h, norm(h)) returned. Check rms_norm_fits first."""
+    D = x.shape[-1]
+    T = x.numel() // D if D else 0
+    out = torch.empty(x.shape, dtype=torch.float32)
+    h = torch.empty(x.shape, dtype=torch.float32) if residual is not None else None
+    _lib().rms_norm_f32(x.data_ptr(), _rows(x), residual.data_ptr() if residual is not None else None,
+                        _rows(residual) if residual is not None else 0, h.data_ptr() if h is not None else None,
+                        w.data_ptr(), out.data_ptr(), T, D, eps, torch.get_num_threads())
+    return out if residual is None else (h, out)
 
 
 # Rows per routed expert up to which the C kernel runs (above it, torch's GEMMs, oneDNN's AMX in
@@ -112,11 +162,11 @@ MAX_ROWS_PER_EXPERT = 16
 
 def use_for(x_TD: torch.Tensor, w13_EFD: torch.Tensor, w2_EDF: torch.Tensor, topk_ids_TK: torch.Tensor) -> bool:
     """Whether the C kernel runs these experts: a batch of decode size, shapes it takes, built here."""
-    if os.environ.get("MOE_SERVE_CPU_OPS", "1") == "0" or not isinstance(w13_EFD, torch.Tensor):
+    if not isinstance(w13_EFD, torch.Tensor):
         return False
     T, K = topk_ids_TK.shape
-    return (T * K <= MAX_ROWS_PER_EXPERT * w13_EFD.shape[0] and x_TD.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and w13_EFD.dtype in (torch.float32, torch.bfloat16) and w2_EDF.dtype == w13_EFD.dtype
+    return (T * K <= MAX_ROWS_PER_EXPERT * w13_EFD.shape[0]
+            and x_TD.dtype in (torch.float32, torch.bfloat16, torch.float16) and w13_EFD.dtype in (torch.float32, torch.bfloat16) and w2_EDF.dtype == w13_EFD.dtype
             and x_TD.device.type == "cpu" and w13_EFD.device.type == "cpu" and w13_EFD.is_contiguous()
             and w2_EDF.is_contiguous() and available())
 

@@ -31,7 +31,8 @@ def device_side_only():
     would need (the capturability tests check the model's decode forward under it)."""
     _host_reads_ok.append(False)
     try:
-        yield
+        with cpu_ops.suspended():
+            yield
     finally:
         _host_reads_ok.pop()
 

@@ -25,8 +25,8 @@ class DecoderLayer(nn.Module):
 
     def stages(self, x_TD, positions_T, meta: AttentionMetadata, mb: int = 0):
         """Generator form: yields while an MoE block's communication is in flight."""
-        h = x_TD + self.self_attn(self.input_layernorm(x_TD), positions_T, meta)
+        a = self.self_attn(self.input_layernorm(x_TD), positions_T, meta)
+        h, x = self.post_attention_layernorm.add_norm(x_TD, a)  # h = x + a, fused on the CPU
         ffn = getattr(self, self.ffn_name)
-        x = self.post_attention_layernorm(h)
         out = (yield from ffn.stages(x, mb)) if isinstance(ffn, MoE) else ffn(x)
         return h + out

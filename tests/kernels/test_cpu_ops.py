@@ -126,3 +126,54 @@ def test_built_once_and_torch_ops_without_a_compiler(tmp_path):
     assert built[0].stat().st_mtime_ns == mtime
     bare = run(CC="/nonexistent/cc", PATH="/nonexistent", MOE_SERVE_CACHE_DIR=str(tmp_path / "empty"))
     assert "available False" in bare and "no C compiler" in bare and "ok" in bare
+
+
+def _rms64(h, w, eps):
+    h = h.double()
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+
+
+@pytest.mark.parametrize("shape", [(1, 512), (7, 17), (33, 64), (3, 4, 40), (2048, 96)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rms_norm_matches_float64(shape, threads):
+    g = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(*shape, generator=g) * 3
+    r = torch.randn(*shape, generator=g)
+    w = torch.randn(shape[-1], generator=g)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert cpu_ops.rms_norm_fits(x, w) and cpu_ops.rms_norm_fits(x, w, r)
+        got = cpu_ops.rms_norm(x, w, 1e-6)
+        h, got_r = cpu_ops.rms_norm(x, w, 1e-5, residual=r)
+    finally:
+        torch.set_num_threads(old)
+    torch.testing.assert_close(got.double(), _rms64(x, w, 1e-6), rtol=1e-5, atol=1e-5)
+    assert torch.equal(h, x + r)  # the residual sum is the same float32 add
+    torch.testing.assert_close(got_r.double(), _rms64(x + r, w, 1e-5), rtol=1e-5, atol=1e-5)
+
+
+def test_rms_norm_strided_rows_and_what_it_refuses():
+    """Rows of a wider tensor (a column slice, as q of a fused projection) are read in place; shapes
+    the kernel does not take (non-contiguous rows, half precision) fall back to torch in RMSNorm."""
+    from moe_serve.layers.norm import RMSNorm
+
+    g = torch.Generator().manual_seed(3)
+    wide = torch.randn(6, 100, generator=g)
+    x = wide[:, 10:74]
+    w = torch.randn(64, generator=g)
+    assert cpu_ops.rms_norm_fits(x, w)
+    torch.testing.assert_close(cpu_ops.rms_norm(x, w, 1e-6).double(), _rms64(x, w, 1e-6), rtol=1e-5, atol=1e-5)
+    cols = torch.randn(64, 6, generator=g).t()  # (6, 64) whose rows are strided: inner stride 6
+    assert cols.shape == (6, 64) and not cpu_ops.rms_norm_fits(cols, w)
+    assert not cpu_ops.rms_norm_fits(x.bfloat16(), w)
+    norm = RMSNorm(64, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(w)
+    with torch.inference_mode():
+        for t in (x, torch.randn(2, 3, 64, generator=g), torch.randn(64, 4, generator=g).t()):
+            torch.testing.assert_close(norm(t).double(), _rms64(t, w, 1e-6), rtol=1e-5, atol=1e-5)
+        r = torch.randn(6, 64, generator=g)
+        h, n = norm.add_norm(x, r)
+        assert torch.equal(h, x + r)
+        torch.testing.assert_close(n.double(), _rms64(x + r, w, 1e-6), rtol=1e-5, atol=1e-5)
