@@ -317,6 +317,10 @@ def attention_launch(decode_only: bool, QH: int, HD: int, HR: int, HV: int, dtyp
     else:
         BLOCK_QH = min(triton.next_power_of_2(QH), 16)
         BLOCK_Q = (32 if big else 64) // BLOCK_QH  # 32-64 rows: BLOCK_QH <= 16 keeps BLOCK_Q >= 2
+        # 64 rows of 128-wide heads with 64 keys and 4 warps spilled 0.7-2.7 KB per thread; 32 keys
+        # and 8 warps: none on sm_90, <= 32 B on sm_100 (kernels.aot_check).
+        if not big and HD >= 128:
+            BLOCK_N, warps = 32, 8
     return dict(BLOCK_Q=BLOCK_Q, BLOCK_QH=BLOCK_QH, BLOCK_N=BLOCK_N,
                 BLOCK_HD=max(16, triton.next_power_of_2(HD)), BLOCK_HR=max(16, triton.next_power_of_2(max(HR, 1))),
                 BLOCK_HV=max(16, triton.next_power_of_2(HV)), SPLIT_K=split_k, HAS_ROPE=has_rope,

@@ -86,6 +86,8 @@ CASES = {
     "prefill_causal": ([19], [19], 16, 4, 2, 32, 32, 0, None),
     "chunked_prefill_mixed": ([7, 1, 12], [30, 48, 12], 8, 8, 4, 20, 16, 0, None),
     "chunked_prefill_shared_split": ([9, 3], [33, 27], 8, 2, 2, 16, 16, 2, 2),
+    # 128-wide heads (Qwen3, Mixtral): the prefill tile takes 32 keys, decode 8 warps
+    "chunked_prefill_head_dim_128": ([21, 1], [50, 70], 16, 8, 2, 128, 128, 0, None),
 }
 
 
