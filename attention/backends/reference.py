@@ -121,8 +121,15 @@ def paged_attention(q_TNH: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if sliding_window is not None or sinks is not None:
         return _paged_attention_windowed(q_TNH, k_cache, v_cache, meta, scale, sliding_window, sinks)
     T, N, _ = q_TNH.shape
-    nd, blocks, visible = _decode_plan(meta, k_cache.shape[1])
-    if nd:  # the decodes as one padded batched computation
+    o = _decodes_in_c(q_TNH, k_cache, v_cache, meta, scale)
+    if o is not None:  # the CPU's decodes, read in place from the cache by our C kernel
+        nd = o.shape[0]
+        if nd == T:
+            return _as(o, q_TNH.dtype)
+        o, blocks = o[:, :, None], None  # (nd, N, 1, Hv) as SDPA's below
+    else:
+        nd, blocks, visible = _decode_plan(meta, k_cache.shape[1])
+    if blocks is not None:  # the decodes as one padded batched computation
         k = _decode_gather(k_cache, blocks)  # (B, S, G, H)
         v = _decode_gather(v_cache, blocks)
         q = _acc(q_TNH if nd == T else q_TNH[:nd]).unsqueeze(2)
@@ -146,6 +153,24 @@ def paged_attention(q_TNH: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         out[s:s + q_len] = o[0].transpose(0, 1).to(out.dtype)
         s += q_len
     return out
+
+
+def _decodes_in_c(q_TNH, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor | None:
+    """(nd, N, Hv) float32 attention of the step's leading decodes by kernels/cpu_ops (CPU, float32),
+    or None where it does not apply (no decodes, other dtypes or devices, kernels not built)."""
+    if q_TNH.device.type != "cpu":
+        return None
+    nd = meta.derived.get("leading_decodes")
+    if nd is None:
+        nd = meta.derived["leading_decodes"] = _leading_decodes(meta)
+    if not nd:
+        return None
+    from kernels import cpu_ops
+
+    q = q_TNH if nd == q_TNH.shape[0] else q_TNH[:nd]
+    if not cpu_ops.decode_attention_fits(q, k_cache, v_cache, meta.block_tables, meta.seq_lens):
+        return None
+    return cpu_ops.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
 
 
 def _attend(q_BNQH: torch.Tensor, k_BGSH: torch.Tensor, v_BGSH: torch.Tensor, visible: torch.Tensor, scale: float,

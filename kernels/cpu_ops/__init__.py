@@ -1,15 +1,19 @@
 """Our C kernels for the CPU, compiled on first use for the processor at hand.
 
-`moe.c` runs a layer's routed experts in one call (see its header for why). It is built with the
-system C compiler (`$CC`, else `cc`) at `-O3 -march=native -fopenmp` into a cache directory
-(`$MOE_SERVE_CACHE_DIR`, else `~/.cache/moe-serve`), keyed by the source, the flags, the compiler and
-this CPU's feature flags, so a second start loads it in milliseconds; a build takes about a second.
-It is called through ctypes with the tensors' data pointers (about a microsecond per call), with no
-torch headers to compile against.
+- `moe.c`: a layer's routed experts in one call for decode-sized batches (see its header for why);
+- `attention.c`: paged decode attention reading keys and values in place from the cache;
+- `norm.c`: RMSNorm, optionally fused with the residual add before it.
+
+They are built together with the system C compiler (`$CC`, else `cc`) at `-O3 -march=native
+-fopenmp` into one library in a cache directory (`$MOE_SERVE_CACHE_DIR`, else `~/.cache/moe-serve`),
+keyed by the sources, the flags, the compiler and this CPU's feature flags, so a second start loads
+it in milliseconds; a build takes a second or two. They are called through ctypes with the tensors'
+data pointers (a few microseconds per call), with no torch headers to compile against.
 
 Where no compiler is found, or the build fails, `available()` is False, the reason is logged once,
-and the torch ops run instead (`moe_serve.platform` decides; `MOE_SERVE_CPU_OPS=0` turns the kernels
-off for comparisons).
+and the torch ops run instead. `MOE_SERVE_CPU_OPS=0` turns the kernels off (for comparisons);
+`suspended()` turns them off within a block (the capturability checks, which look at the torch ops
+a GPU would run).
 """
 from __future__ import annotations
 
@@ -29,7 +33,8 @@ import torch
 
 log = logging.getLogger("moe_serve.cpu_ops")
 
-_SRCS = sorted(Path(__file__).parent.glob("*.c"))  # moe.c, norm.c: one library
+_SRCS = sorted(Path(__file__).parent.glob("*.c"))  # attention.c, moe.c, norm.c: one library
+_HDRS = sorted(Path(__file__).parent.glob("*.h"))
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 
 
@@ -56,9 +61,9 @@ def _compiler() -> str | None:
 
 def _build(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([*(p.read_text() for p in _SRCS), " ".join(_FLAGS), cc, version,
+    key = hashlib.sha256("\0".join([*(p.read_text() for p in _SRCS + _HDRS), " ".join(_FLAGS), cc, version,
                                      _cpu_flags()]).encode())
-    out = cache_dir() / f"moe-{key.hexdigest()[:16]}.so"
+    out = cache_dir() / f"cpu_ops-{key.hexdigest()[:16]}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -82,22 +87,26 @@ def _build(cc: str) -> Path:
 @functools.lru_cache(maxsize=None)
 def _lib() -> ctypes.CDLL | None:
     if os.environ.get("MOE_SERVE_CPU_OPS", "1") == "0":
-        log.info("cpu_ops: off (MOE_SERVE_CPU_OPS=0); CPU experts run as torch ops")
+        log.info("cpu_ops: off (MOE_SERVE_CPU_OPS=0); the CPU runs torch ops only")
         return None
     cc = _compiler()
     if cc is None:
-        log.warning("cpu_ops: no C compiler found ($CC, cc, gcc, clang); CPU experts run as torch ops (slower)")
+        log.warning("cpu_ops: no C compiler found ($CC, cc, gcc, clang); the CPU runs torch ops only (slower)")
         return None
     try:
         lib = ctypes.CDLL(str(_build(cc)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        log.warning("cpu_ops: could not build the CPU kernels (%s); CPU experts run as torch ops (slower)", e)
+        log.warning("cpu_ops: could not build the CPU kernels (%s); the CPU runs torch ops only (slower)", e)
         return None
     f = lib.moe_experts_f32
     f.restype = ctypes.c_int
     f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                   ctypes.c_int]
+    f = lib.decode_attention_f32
+    f.restype = ctypes.c_int
+    f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                  ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 6, ctypes.c_float, ctypes.c_int]
     f = lib.rms_norm_f32
     f.restype = None
     f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
@@ -191,4 +200,31 @@ def moe_experts(x_TD: torch.Tensor, w13_EFD: torch.Tensor, w2_EDF: torch.Tensor,
                              torch.get_num_threads())
     if rc:
         raise MemoryError(f"cpu_ops.moe_experts: no scratch memory for {T} tokens x {K} experts")
+    return out
+
+
+def decode_attention_fits(q_BNH: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_tables: torch.Tensor, seq_lens: torch.Tensor) -> bool:
+    """float32 CPU queries (rows of N heads of H contiguous) over float32 contiguous paged caches,
+    int32 block tables (rows contiguous) and sequence lengths."""
+    return (q_BNH.device.type == "cpu" and q_BNH.dtype == torch.float32 and k_cache.dtype == torch.float32
+            and v_cache.dtype == torch.float32 and k_cache.device.type == "cpu" and k_cache.is_contiguous()
+            and v_cache.is_contiguous() and q_BNH.stride(2) == 1 and q_BNH.stride(1) == q_BNH.shape[2]
+            and block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1
+            and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
+            and q_BNH.shape[1] % k_cache.shape[2] == 0 and available())
+
+
+def decode_attention(q_BNH: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per sequence over its paged context, read in place: (B, N, Hv) float32. The first B
+    rows of block_tables and seq_lens are used. Check decode_attention_fits first."""
+    B, N, H = q_BNH.shape
+    _, bs, G, Hv = v_cache.shape
+    out = torch.empty(B, N, Hv, dtype=torch.float32)
+    rc = _lib().decode_attention_f32(q_BNH.data_ptr(), q_BNH.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                                     block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
+                                     out.data_ptr(), B, N, G, H, Hv, bs, scale, torch.get_num_threads())
+    if rc:
+        raise MemoryError(f"cpu_ops.decode_attention: no scratch memory for a context of {int(seq_lens[:B].max())}")
     return out
