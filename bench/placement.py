@@ -74,6 +74,9 @@ def held_out_cases(args) -> int:
     from expert_parallel import evaluation
 
     tune = lambda fit, G, N, S, K: tuner.tune(fit, G, N, S, K)[0]  # noqa: E731
+    # Served evenly, the tuner is told so (--replica-split round_robin does that while serving).
+    even = tuner.TuneConfig(split="round_robin")
+    tune_even = lambda fit, G, N, S, K: tuner.tune(fit, G, N, S, K, even)[0]  # noqa: E731
     rows = []
     print(f"{'':<34} {'balanced split':^15}   {'round-robin split':^15}")
     print(f"{'case':<34} {'tuned':>7} {'eplb':>7}   {'tuned':>7} {'eplb':>7}  s/layer (tune+judge)")
@@ -82,7 +85,8 @@ def held_out_cases(args) -> int:
         t0 = time.perf_counter()
         r = evaluation.held_out(case, tune, seed=args.seed, windows=args.windows, layers=layers)
         per_layer = (time.perf_counter() - t0) / ((args.windows - 2) * layers)  # tuning + judging
-        e = evaluation.held_out(case, tune, seed=args.seed, windows=args.windows, layers=layers, split="round_robin")
+        e = evaluation.held_out(case, tune_even, seed=args.seed, windows=args.windows, layers=layers,
+                                split="round_robin")
         rows.append({"case": case, "tuned": round(r["tuned"], 4), "eplb": round(r["eplb"], 4),
                      "tuned_round_robin": round(e["tuned"], 4), "eplb_round_robin": round(e["eplb"], 4)})
         print(f"{case:<34} {r['tuned']:7.4f} {r['eplb']:7.4f}   {e['tuned']:7.4f} {e['eplb']:7.4f}  {per_layer:.3f}",

@@ -10,8 +10,8 @@ Every rank runs the same state machine, driven from the core loop at step bounda
   tune     every step_interval model steps (every rank counts the same steps: lockstep), the ranks
            sum their windows in one all_reduce over the CPU group, so every rank holds the same
            numbers (int64 token counts: the sum is exact). Each rank then runs the
-           same deterministic tuner (expert_parallel/tuner.py: no RNG, stable sorts, the same float
-           operations in the same order) on every layer in a background thread while serving goes
+           same deterministic tuner (expert_parallel/tuner.py: a fixed-seed RNG, stable sorts, the
+           same float operations in the same order) on every layer in a background thread while serving goes
            on, and so computes the same placement with no further collective. It is used once every
            rank is done (the per-turn flag below); the per-turn all-reduce also carries a digest of
            each rank's placement (as d and -d under MAX), so ranks that disagreed (a different numpy
@@ -59,13 +59,14 @@ log = logging.getLogger("moe_serve.eplb")
 _FAULT_ENV = "MOE_SERVE_EPLB_KILL_DURING_TRANSFER"
 
 
-def tuner_fn(nodes: int = 1, groups: int | None = None):
+def tuner_fn(nodes: int = 1, groups: int | None = None, split: str = "balanced"):
     """The project's tuner as a tune_fn(history_WLE, gpus, slots) -> physical_to_logical_LS. With
-    several nodes (and the router's expert groups) it also keeps tokens near their node."""
+    several nodes (and the router's expert groups) it also keeps tokens near their node; split:
+    how the MoE layers share replicas' tokens (MoEContext.replica_split), which it judges by."""
     def tune(history_WLE: np.ndarray, gpus: int, slots: int) -> np.ndarray:
         from expert_parallel import tuner
 
-        return tuner.tune(history_WLE, gpus, nodes, slots, groups)[0]
+        return tuner.tune(history_WLE, gpus, nodes, slots, groups, tuner.TuneConfig(split=split))[0]
     return tune
 
 

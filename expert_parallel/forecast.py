@@ -65,3 +65,24 @@ def forecast(history_WE, decay: float | None = None) -> tuple[np.ndarray, float,
         rel_err = float(np.sqrt((err_w * (fc[1:W] - shares[1:]) ** 2).sum()
                                 / (err_w * shares[1:] ** 2).sum()))
     return fc[W] * scale, rel_err, float(decay)
+
+
+def scenarios(history_WE, count: int, decay: float | None = None, seed: int = 0) -> np.ndarray:
+    """(count, E) plausible next windows: the forecast times multiplicative errors drawn from the
+    backtest (each expert its own draw from the pooled log-ratios of windows j >= 1 to the
+    forecast made before them), renormalised to the forecast's total. A bootstrap of how wrong the
+    forecast has been, for choosing placements that hold up to it. Deterministic (seeded RNG).
+    With fewer than two windows there is nothing to draw from: count copies of the forecast."""
+    h = np.asarray(history_WE, dtype=np.float64)
+    mean, _, decay = forecast(h, decay)
+    h = h[h.sum(axis=1) > 0]
+    if len(h) < 2:
+        return np.tile(mean, (count, 1))
+    shares = h / h.sum(axis=1, keepdims=True)
+    W, E = shares.shape
+    eps = 0.2 / E  # a floor, so that near-idle experts' noise does not dominate the pool
+    pool = np.log((shares[1:] + eps) / (_decayed_forecasts(shares, decay)[1:W] + eps)).ravel()
+    f = mean / mean.sum()
+    draws = np.random.default_rng(seed).integers(len(pool), size=(count, E))
+    x = np.maximum((f + eps) * np.exp(pool[draws]) - eps, 0.0)
+    return x / x.sum(axis=1, keepdims=True) * mean.sum()

@@ -35,6 +35,14 @@ How a layer is tuned:
    hedged score; the swaps only lower its worst GPU, so the chosen candidate's predicted worst is
    never above EPLB's. Without spare slots (experts == slots) this is what usually wins: the
    packing is all there is, and EPLB's greedy start plus swaps beats either alone on some layers.
+6. Judged as served. With replicas on several GPUs and the runtime's balanced split (each batch's
+   tokens re-divided among replicas, placement.ReplicaMap), how well a placement holds up depends
+   on where replicas give the split room to move load, which the even-split score above does not
+   see. So candidates are then scored by the mean, over `scenarios` bootstrap next windows
+   (forecast.scenarios: the forecast times errors the backtest has seen), of the worst GPU when
+   each window is split as ReplicaMap splits a batch; EPLB's unrefined placement (twins on one
+   GPU separated) is a candidate too, so the choice is never worse than it on those scenarios. Seeded: every rank that
+   tunes the same load gets the same placement.
 
 Module map: forecast.py (step 1), packing.py (steps 2-3, shape checks), evaluation.py (metrics, the
 baselines and the held-out comparison); this file composes them per layer.
@@ -46,7 +54,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from expert_parallel.evaluation import evaluate, gpu_loads, greedy_layout, no_replica_layout  # noqa: F401
-from expert_parallel.forecast import DECAY_CHOICES, forecast  # noqa: F401
+from expert_parallel.forecast import DECAY_CHOICES, forecast, scenarios  # noqa: F401
 from expert_parallel.packing import (_align_nodes, _Bins, _keep_labels_apart, _layout, _scores,  # noqa: F401
                                      check_shape, pack, replicate)
 
@@ -61,6 +69,8 @@ class TuneConfig:
     hedge: float = 1.0                # z of the upper quantile a GPU is scored by: mean + hedge * std
     locality_tolerance: float = 0.02  # balance (relative) we give up to keep groups in a node
     max_swaps: int = 4000             # bound on the refinement (it converges long before)
+    split: str = "balanced"           # the runtime's replica split (placement.ReplicaMap) judged by
+    scenarios: int = 16               # bootstrap next windows for step 6 (0: the hedged score only)
 
     def __post_init__(self):
         if self.decay is not None and not 0.0 <= self.decay <= 1.0:
@@ -69,6 +79,10 @@ class TuneConfig:
             raise ValueError(f"hedge={self.hedge} must be >= 0")
         if self.locality_tolerance < 0:
             raise ValueError(f"locality_tolerance={self.locality_tolerance} must be >= 0")
+        if self.split not in ("balanced", "round_robin"):
+            raise ValueError(f"split={self.split!r} must be 'balanced' or 'round_robin'")
+        if self.scenarios < 0:
+            raise ValueError(f"scenarios={self.scenarios} must be >= 0")
 
 
 # ----------------------------------------------------------------------------------- one layer
@@ -127,6 +141,7 @@ def _candidates(mean, var, gpus, nodes, slots, groups, config, eplb_load=None):
         start = _keep_labels_apart(st, m_R, v_R, e_R, gpus, z, 1).bin_R
         g_R = pack(m_R, v_R, e_R, gpus, z, start_R=start, max_swaps=swaps)
         yield "eplb+swaps", e_R, _align_nodes(g_R, m_R, home_E[e_R], gpus, nodes) if nodes > 1 else g_R, m_R, v_R
+        yield "eplb", e_R, start, m_R, v_R  # as EPLB placed it, twins on one GPU separated
 
 
 def tune_layer(history_WE, gpus: int, nodes: int, slots: int, groups: int | None = None,
@@ -139,18 +154,32 @@ def tune_layer(history_WE, gpus: int, nodes: int, slots: int, groups: int | None
             spread evenly over the nodes, the strictly hierarchical candidate is considered.
     Returns:
         physical_to_logical_S (int64) and info: mode (the chosen candidate), decay, and per
-        candidate the predicted worst-GPU score and cross-node share on the forecast.
+        candidate the predicted worst GPU (step 6's scenario mean where it applies, else the
+        hedged score) and cross-node share on the forecast.
     """
     h = np.asarray(history_WE, dtype=np.float64)
     E = h.shape[1]
     check_shape(E, slots, gpus, nodes, groups)
     mean, rel_err, decay = forecast(h, config.decay)
     var = (rel_err * mean) ** 2
+    # Step 6 applies where the runtime's split has replicas on several GPUs to work with.
+    served = config.split == "balanced" and config.scenarios > 0 and slots > E and gpus > 1
+    if served:
+        from expert_parallel.placement import ReplicaMap
+
+        X = np.rint(scenarios(h, config.scenarios, decay)).astype(np.int64)  # (scenarios, E)
     layouts, predicted = {}, {}
     for name, e_R, g_R, m_R, v_R in _candidates(mean, var, gpus, nodes, slots, groups, config, h.sum(0)):
+        if name == "eplb" and not served:
+            continue  # eplb+swaps is never worse under the hedged score
         layouts[name] = _layout(e_R, g_R)
-        worst = _scores(np.bincount(g_R, m_R, minlength=gpus), np.bincount(g_R, v_R, minlength=gpus),
-                        config.hedge).max()
+        if served:  # each scenario as one batch through ReplicaMap (offsets as ranks would have them)
+            rmap = ReplicaMap(layouts[name], E, split="balanced", slots_per_gpu=slots // gpus)
+            per_gpu = rmap.slot_counts(X, np.arange(len(X)) % gpus).numpy().reshape(len(X), gpus, -1).sum(2)
+            worst = per_gpu.max(1).mean()
+        else:
+            worst = _scores(np.bincount(g_R, m_R, minlength=gpus), np.bincount(g_R, v_R, minlength=gpus),
+                            config.hedge).max()
         cross = evaluate(mean[None], layouts[name][None], gpus, nodes, groups)["overall_cross_node"]
         predicted[name] = (float(worst), cross)
     best = min(w for w, _ in predicted.values())

@@ -276,7 +276,7 @@ class EngineCore:
         groups = self.cfg.model.hf.get("n_group")
         groups = groups if nodes > 1 and isinstance(groups, int) and groups > 0 and E % groups == 0 else None
         mgr = EplbManager(moes, rows, E, par.eplb, par.rank, par.world_size, self.cfg.device,
-                          tune_fn=tuner_fn(nodes, groups))
+                          tune_fn=tuner_fn(nodes, groups, par.replica_split))
         other = self.moe_ctx.load_recorder  # the HTTP-controlled recorder, if any: both count
         self.moe_ctx.load_recorder = mgr.record if other is None else \
             (lambda layer, ids: (other(layer, ids), mgr.record(layer, ids)))

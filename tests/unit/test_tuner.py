@@ -223,10 +223,11 @@ def test_held_out_never_below_eplb_on_any_case():
 
 
 def test_held_out_never_below_eplb_with_even_replica_split():
-    # The same comparison with every replica taking 1/r of its expert's tokens (round robin, the
-    # tuner's own load model): still never below EPLB on any case.
-    res = {case: evaluation.held_out(case, _tune, windows=7, split="round_robin")
-           for case in evaluation.HELD_OUT_CASES}
+    # The same comparison served with every replica taking 1/r of its expert's tokens
+    # (--replica-split round_robin, which the tuner is then told): still never below EPLB.
+    cfg = tuner.TuneConfig(split="round_robin")
+    res = {case: evaluation.held_out(case, lambda f, G, N, S, K: tuner.tune(f, G, N, S, K, cfg)[0], windows=7,
+                                     split="round_robin") for case in evaluation.HELD_OUT_CASES}
     for case, r in res.items():
         assert r["tuned"] >= r["eplb"], f"{case}: tuned {r['tuned']:.4f} < EPLB {r['eplb']:.4f}"
 
@@ -236,8 +237,9 @@ def test_held_out_never_below_eplb_with_even_replica_split():
 def test_predicted_worst_gpu_never_above_eplbs(problem):
     # Without expert groups only balance counts, so the chosen candidate's hedged worst GPU on the
     # forecast is the lowest, and EPLB's own placement (refined by swaps) is among the candidates.
+    # (scenarios=0: the hedged score alone; the default also judges by the served split, below.)
     load, gpus, nodes, slots, _ = problem
-    cfg = tuner.TuneConfig()
+    cfg = tuner.TuneConfig(scenarios=0)
     for l in range(load.shape[1]):
         h = load[:, l].astype(np.float64)
         p2l, info = tuner.tune_layer(h, gpus, nodes, slots, None, cfg)
@@ -256,3 +258,31 @@ def test_predicted_worst_gpu_never_above_eplbs(problem):
         if any(len(set(row)) < len(row) for row in per_gpu):
             continue  # EPLB doubled an expert on a GPU: the tuner separates them first, no bound
         assert predicted(p2l) <= predicted(eplb) * (1 + 1e-9) + 1e-9
+
+
+@settings(max_examples=30, deadline=None)
+@given(problems())
+def test_served_worst_gpu_never_above_eplbs(problem):
+    # With replicas on several GPUs the default config scores candidates by the mean worst GPU over
+    # bootstrap next windows, each split as ReplicaMap's balanced split would split it: the chosen
+    # placement is never above EPLB's own (twins on one GPU separated) on those windows.
+    from expert_parallel.placement import ReplicaMap
+
+    load, gpus, nodes, slots, _ = problem
+    cfg = tuner.TuneConfig()
+    E = load.shape[2]
+    for l in range(load.shape[1]):
+        h = load[:, l].astype(np.float64)
+        p2l, info = tuner.tune_layer(h, gpus, nodes, slots, None, cfg)
+        if slots == E or gpus == 1:
+            assert "eplb" not in info["predicted"]  # the hedged score decides
+            continue
+        X = np.rint(tuner.scenarios(h, cfg.scenarios, info["decay"])).astype(np.int64)
+
+        def served(row):
+            rmap = ReplicaMap(row, E, split="balanced", slots_per_gpu=slots // gpus)
+            return rmap.slot_counts(X, np.arange(len(X)) % gpus).numpy().reshape(len(X), gpus, -1).sum(2).max(1).mean()
+
+        assert np.isclose(served(p2l), info["predicted"][info["mode"]][0])
+        assert served(p2l) <= info["predicted"]["eplb"][0] + 1e-9
+        assert all(served(p2l) <= w + 1e-9 for w, _ in info["predicted"].values())
