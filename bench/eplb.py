@@ -133,15 +133,18 @@ def main(argv=None) -> int:
     ap.add_argument("--window", type=int, default=32, help="--eplb-window-size")
     ap.add_argument("--interval", type=int, default=32, help="--eplb-step-interval")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--replica-split", default="balanced", choices=["balanced", "round_robin"],
+                    help="the rebalancing job's --replica-split")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     path, name, desc = resolve_model(args.model)
     prompts = skewed_prompts(token_pool(path), args.requests, args.prompt_len, args.hot_tokens, args.seed)
     common = ["--model", path, "--dtype", "float32", "--kv-cache-memory", str(64 << 20), "--max-num-seqs", "64"]
     eplb = ["--enable-eplb", "--num-redundant-experts", str(args.redundant), "--eplb-window-size", str(args.window),
-            "--eplb-step-interval", str(args.interval)]
+            "--eplb-step-interval", str(args.interval), "--replica-split", args.replica_split]
     out = {"model": desc, "nproc": args.nproc, "requests": args.requests, "concurrency": args.concurrency,
-           "eplb": {"redundant": args.redundant, "window": args.window, "interval": args.interval}}
+           "eplb": {"redundant": args.redundant, "window": args.window, "interval": args.interval,
+                    "replica_split": args.replica_split}}
     runs = {}
     for label, extra in (("without", []), ("with", eplb)):
         job = Job(args.nproc, common + extra, f"/tmp/moe-serve-bench-eplb-{label}.log")

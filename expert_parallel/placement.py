@@ -200,6 +200,10 @@ def save_expert_load(path: str | Path, expert_load_WLE, metadata: dict[str, Any]
 # (evaluation.HELD_OUT_CASES) 4 rounds give about 0.005 less balancedness than 8, at half the ops.
 SPLIT_ROUNDS = 4
 SPLITS = ("balanced", "round_robin")
+# Batches with fewer (token, k) copies than this (a small decode step) are split round robin: the
+# experts' cost there is reading their weights, which the split does not change, while the
+# balanced split's ~100 small ops cost about 1.2 ms per MoE layer on a CPU core.
+BALANCED_MIN_COPIES = 1024
 
 
 class ReplicaMap:
@@ -209,7 +213,8 @@ class ReplicaMap:
       round_robin  the n-th occurrence of that expert in the batch (token-major order: token 0's
                    k = 0..K-1, then token 1's, ...) takes replica (n + offset) % replicas: each
                    replica gets floor or ceil of its expert's tokens.
-      balanced     (needs slots_per_gpu) shares chosen from this batch's own counts so that the
+      balanced     (needs slots_per_gpu; batches of at least min_copies (token, k) copies, padding
+                   included, others round robin) shares chosen from this batch's own counts so that the
                    batch's tokens per GPU are as even as the replicas allow: every replicated expert
                    water-fills its tokens over its replicas' GPUs against the load the rest of the
                    batch puts there (SPLIT_ROUNDS Jacobi rounds, never worse than even shares), the
@@ -226,7 +231,7 @@ class ReplicaMap:
 
     def __init__(self, physical_to_logical_S: "Sequence[int] | torch.Tensor | None", num_logical_experts: int,
                  device: "torch.device | str | None" = None, offset: int = 0, split: str = "round_robin",
-                 slots_per_gpu: int | None = None):
+                 slots_per_gpu: int | None = None, min_copies: int = BALANCED_MIN_COPIES):
         """
         Args:
             physical_to_logical_S: (S,) logical id of each slot; None for the identity (slot e = expert e).
@@ -235,13 +240,14 @@ class ReplicaMap:
             split: "round_robin" or "balanced" (see the class); balanced with one GPU (or without
                 slots_per_gpu) is round_robin: there is nothing to balance.
             slots_per_gpu: slots per GPU (EP rank): slot s lives on GPU s // slots_per_gpu.
+            min_copies: the smallest batch (T * K) split balanced; smaller ones go round robin.
         """
         import torch
 
         if split not in SPLITS:
             raise PlacementError(f"replica split={split!r} must be one of {list(SPLITS)}")
         self.num_logical_experts = E = num_logical_experts
-        self.offset = offset
+        self.offset, self.min_copies = offset, min_copies
         self.is_identity = physical_to_logical_S is None
         if self.is_identity:
             self.num_slots = E
@@ -343,7 +349,8 @@ class ReplicaMap:
 
     def slot_counts(self, c_BE, offset_B=None) -> "torch.Tensor":
         """(B, S) int64 tokens each slot gets for B batches of (B, E) per-expert counts, exactly as
-        __call__ assigns them (offset_B: each batch's offset, default self.offset)."""
+        __call__ assigns them to batches without padding (offset_B: each batch's offset, default
+        self.offset)."""
         import torch
 
         c = torch.as_tensor(c_BE, dtype=torch.int64, device=self.counts_E.device)
@@ -357,11 +364,12 @@ class ReplicaMap:
         M = self.table_EM.shape[1]
         j = torch.arange(M, device=c.device)
         r = self.counts_E[idx][None, :, None]
+        # Round robin: column j (from the offset-th replica on) gets ceil((c - j) / r) tokens.
+        per_col = torch.where(j < r, (c[:, idx, None] - j + r - 1) // r, 0)
         if self.balanced:
             q = self._quotas(c, off)
-            per_col = torch.diff(q, dim=2, prepend=torch.zeros_like(q[:, :, :1]))
-        else:  # round robin: column j (from the offset-th replica on) gets ceil((c - j) / r) tokens
-            per_col = torch.where(j < r, (c[:, idx, None] - j + r - 1) // r, 0)
+            big = (c.sum(1) >= self.min_copies)[:, None, None]
+            per_col = torch.where(big, torch.diff(q, dim=2, prepend=torch.zeros_like(q[:, :, :1])), per_col)
         rot = (j + off[:, None, None]) % r  # column j -> replica (j + offset) % r
         slot = self.table_EM[idx][None].expand(B, -1, M).gather(2, rot)
         valid = self.valid_EM[idx][None].expand(B, -1, M)
@@ -396,7 +404,7 @@ class ReplicaMap:
         nth[order] = torch.arange(e.numel(), device=e.device) - first[e[order]]
         e = e.clamp(max=E - 1)  # padding rows gather something harmless and are put back below
         off = self.offset if offset is None else offset
-        if self.balanced:
+        if self.balanced and flat.numel() >= self.min_copies:
             q = counts[:E, None].repeat(1, self.table_EM.shape[1])  # one replica: always column 0
             q[self.multi_idx] = self._quotas(counts[None, :E], torch.full((1,), off, dtype=torch.int64,
                                                                           device=e.device))[0]

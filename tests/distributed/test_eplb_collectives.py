@@ -114,14 +114,19 @@ def worker(out_path: str) -> None:
                 switch_turns.append(turns)
             time.sleep(0.002)  # serving goes on while the tuning thread runs
         counting[0] = False
-        # After the switch: every token's output equals the dense reference over logical experts.
-        max_err = 0.0
+        # After the switch: every token's output equals the dense reference over logical experts,
+        # with a batch big enough for the balanced replica split (ReplicaMap.min_copies).
+        from expert_parallel.placement import BALANCED_MIN_COPIES
+
+        T = BALANCED_MIN_COPIES // K
+        max_err, balanced = 0.0, []
         for moe, (w13, w2) in zip(moes, weights):
-            x = torch.randn(20, D, generator=torch.Generator().manual_seed(100 + rank))
+            x = torch.randn(T, D, generator=torch.Generator().manual_seed(100 + rank))
             y = moe(x)
+            balanced.append(moe.replica_map is not None and moe.replica_map.balanced)
             w, ids = moe.gate(x)
-            ref = torch.zeros(20, D, dtype=torch.float64)
-            for t in range(20):
+            ref = torch.zeros(T, D, dtype=torch.float64)
+            for t in range(T):
                 for k in range(K):
                     e = int(ids[t, k])
                     g, u = (w13[e].double() @ x[t].double()).chunk(2)
@@ -129,7 +134,7 @@ def worker(out_path: str) -> None:
             max_err = max(max_err, float((y.double() - ref).abs().max()))
         result.update(collectives=counts["collective"], p2p=counts["p2p"], rows=mgr.rows, rows0=rows0,
                       recorded=[x.tolist() for x in recorded], switch_turns=switch_turns, max_err=max_err,
-                      local_logical=[m.experts.local_logical for m in moes])
+                      local_logical=[m.experts.local_logical for m in moes], balanced=balanced)
         dist.barrier(group=cpu_group)
         mgr.close()
         dist.destroy_process_group()
@@ -180,6 +185,7 @@ def test_one_collective_per_rebalance(tmp_path):
         assert r["rows"] == want and r["rows"] != r["rows0"]
         assert r["p2p"] > 0  # weights did move between the ranks
         assert r["max_err"] < 1e-4
+        assert any(r["balanced"])  # the replicated layers' tokens went through the balanced split
     assert res[0]["switch_turns"] == res[1]["switch_turns"]  # the same boundaries on both ranks
     s = (E + REDUNDANT) // WORLD
     assert [r["local_logical"] for r in res] == [[row[q * s:(q + 1) * s] for row in want] for q in range(WORLD)]

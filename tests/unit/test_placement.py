@@ -167,7 +167,7 @@ def balanced_cases(draw):
 @given(balanced_cases())
 def test_balanced_replica_split_serves_valid_replicas_and_evens_the_gpus(case):
     p2l, E, per_gpu, ids_TK, offset = case
-    rmap = ReplicaMap(p2l, E, split="balanced", slots_per_gpu=per_gpu)
+    rmap = ReplicaMap(p2l, E, split="balanced", slots_per_gpu=per_gpu, min_copies=0)
     slots = rmap(ids_TK, offset=offset)
     table, valid = torch.tensor(p2l), ids_TK >= 0
     assert torch.equal(table[slots[valid]], ids_TK[valid])  # the expert the router chose
@@ -189,16 +189,22 @@ def test_balanced_replica_split_fills_the_lighter_gpu():
     # robin gives 6 + 6: 16 and 8.
     ids = torch.tensor([0] * 10 + [1] * 2 + [2] * 12)[:, None]
     for offset in range(3):
-        slots = ReplicaMap([0, 2, 1, 2], 3, split="balanced", slots_per_gpu=2)(ids, offset=offset)
+        slots = ReplicaMap([0, 2, 1, 2], 3, split="balanced", slots_per_gpu=2, min_copies=0)(ids, offset=offset)
         assert torch.bincount(slots.flatten(), minlength=4).tolist() == [10, 2, 2, 10]
     rr = ReplicaMap([0, 2, 1, 2], 3)(ids)
     assert torch.bincount(rr.flatten(), minlength=4).tolist() == [10, 6, 2, 6]
+    # Batches below min_copies (small decode steps) go round robin, in __call__ and slot_counts alike.
+    small = ReplicaMap([0, 2, 1, 2], 3, split="balanced", slots_per_gpu=2, min_copies=25)
+    assert torch.equal(small(ids), rr)
+    assert small.slot_counts([[10, 2, 12]], [0])[0].tolist() == [10, 6, 2, 6]
+    assert ReplicaMap([0, 2, 1, 2], 3, split="balanced", slots_per_gpu=2, min_copies=24).slot_counts(
+        [[10, 2, 12]], [0])[0].tolist() == [10, 2, 2, 10]
 
 
 def test_balanced_split_rounds_ties_differently_per_rank():
     # One token of a two-replica expert, GPUs otherwise idle: each rank's offset picks another
     # replica, so small decode batches do not all land on the same GPU.
-    rmap = ReplicaMap([0, 1, 0, 1], 2, split="balanced", slots_per_gpu=2)
+    rmap = ReplicaMap([0, 1, 0, 1], 2, split="balanced", slots_per_gpu=2, min_copies=0)
     picks = {int(rmap(torch.tensor([[0]]), offset=r)) for r in range(2)}
     assert picks == {0, 2}
 
