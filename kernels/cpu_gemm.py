@@ -14,6 +14,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_ops
+
 _HALF = (torch.bfloat16, torch.float16)
 
 
@@ -31,6 +33,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     """F.linear(x, w, b), upcast to float32 on CPUs without half-precision matrix instructions.
     A weight already stored in float32 for such a CPU (moe_serve/prepare.py) is used as it is:
     only the activations are cast, never the weight."""
+    if x.device.type == "cpu" and cpu_ops.linear_fits(x, w):  # decode rows over a bf16 weight: our C GEMV
+        y = cpu_ops.linear(x, w)
+        if b is not None:
+            y = y + b
+        return y if y.dtype == x.dtype else y.to(x.dtype)
     if w.dtype != x.dtype:
         return F.linear(x.to(w.dtype), w, b).to(x.dtype)
     if (x.device.type == "cpu" and x.dtype in _HALF and x.dim() >= 2 and x.shape[-2] >= 2

@@ -244,3 +244,31 @@ def test_reference_backend_takes_it_for_the_decodes_of_a_mixed_step():
             want = ref.paged_attention(q, k, v, AttentionMetadata.build(q_lens, seq_lens, tables, bs), 0.2)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert calls == [3, 2]
+
+
+@pytest.mark.parametrize("M,K,N", [(1, 576, 576), (3, 40, 17), (16, 64, 96), (5, 17, 1030)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_linear_bf16_weight_matches_float64(M, K, N, threads):
+    """Decode rows over a bf16 weight (the weight-row prefetch runs past tile ends and the row tail
+    N % 4 is taken), and the public cpu_gemm.linear routes such calls to it, bias included."""
+    from kernels.cpu_gemm import linear
+
+    g = torch.Generator().manual_seed(M * K + N)
+    w = (torch.randn(N, K, generator=g) * K ** -0.5).bfloat16()
+    x = torch.randn(M, K, generator=g)
+    b = torch.randn(N, generator=g).bfloat16()
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert cpu_ops.linear_fits(x, w) and cpu_ops.linear_fits(x.bfloat16(), w)
+        got = cpu_ops.linear(x, w)
+        pub = linear(x.bfloat16(), w, b)
+    finally:
+        torch.set_num_threads(old)
+    ref = x.double() @ w.double().T
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+    assert pub.dtype == torch.bfloat16
+    want = (x.bfloat16().double() @ w.double().T + b.double())
+    torch.testing.assert_close(pub.double(), want, rtol=1e-2, atol=1e-2)  # one bf16 rounding of the output
+    assert not cpu_ops.linear_fits(torch.randn(cpu_ops.LINEAR_MAX_ROWS + 1, K), w)  # prefill rows: torch's GEMM
+    assert not cpu_ops.linear_fits(x, w.float())  # float32 weights: torch reads them at bandwidth here
