@@ -108,6 +108,12 @@ def choose(device: str = "auto", moe_backend: str = "auto", attention_backend: s
     choice = PlatformChoice(dev, moe, attn, "nccl" if on_gpu else "gloo", a2a)
     log.info("platform: device=%s moe_backend=%s attention_backend=%s dist_backend=%s all2all_backend=%s (%s)",
              dev, moe, attn, choice.dist_backend, a2a, why)
+    if not on_gpu:
+        from kernels import cpu_ops
+
+        # Built here, at start-up, rather than inside the first request's step.
+        log.info("platform: CPU kernels: %s", "kernels/cpu_ops (C: decode experts, decode attention, RMSNorm, "
+                 "bf16 decode GEMVs)" if cpu_ops.available() else "torch ops only (see the cpu_ops line above)")
     return choice
 
 

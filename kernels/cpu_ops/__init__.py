@@ -5,7 +5,7 @@
 - `norm.c`: RMSNorm, optionally fused with the residual add before it.
 
 They are built together with the system C compiler (`$CC`, else `cc`) at `-O3 -march=native
--fopenmp` into one library in a cache directory (`$MOE_SERVE_CACHE_DIR`, else `~/.cache/moe-serve`),
+-fopenmp` into one library in a cache directory (`$MOE_SERVE_CACHE`, else `~/.cache/moe-serve`),
 keyed by the sources, the flags, the compiler and this CPU's feature flags, so a second start loads
 it in milliseconds; a build takes a second or two. They are called through ctypes with the tensors'
 data pointers (a few microseconds per call), with no torch headers to compile against.
@@ -39,7 +39,7 @@ _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("MOE_SERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "moe-serve")
+    root = os.environ.get("MOE_SERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "moe-serve")
     return Path(root) / "cpu_ops"
 
 

@@ -110,7 +110,7 @@ def test_built_once_and_torch_ops_without_a_compiler(tmp_path):
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
     def run(**env):
-        e = dict(os.environ, MOE_SERVE_CACHE_DIR=str(tmp_path), PYTHONPATH=repo)
+        e = dict(os.environ, MOE_SERVE_CACHE=str(tmp_path), PYTHONPATH=repo)
         e.update(env)
         r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=e, timeout=300)
         assert r.returncode == 0, r.stdout + r.stderr
@@ -124,7 +124,7 @@ def test_built_once_and_torch_ops_without_a_compiler(tmp_path):
     second = run()
     assert "available True" in second and "compiled" not in second
     assert built[0].stat().st_mtime_ns == mtime
-    bare = run(CC="/nonexistent/cc", PATH="/nonexistent", MOE_SERVE_CACHE_DIR=str(tmp_path / "empty"))
+    bare = run(CC="/nonexistent/cc", PATH="/nonexistent", MOE_SERVE_CACHE=str(tmp_path / "empty"))
     assert "available False" in bare and "no C compiler" in bare and "ok" in bare
 
 
