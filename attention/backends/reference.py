@@ -51,9 +51,11 @@ def _causal_mask(q_len: int, ctx_len: int, device) -> torch.Tensor:
 
 
 def _sdpa(q_BNQH: torch.Tensor, k_BGSH: torch.Tensor, v_BGSH: torch.Tensor, mask: torch.Tensor | None,
-          scale: float) -> torch.Tensor:
-    """softmax(q k^T * scale, masked) v, query head n reading kv head n // (N // G)."""
-    return F.scaled_dot_product_attention(q_BNQH, k_BGSH, v_BGSH, attn_mask=mask, scale=scale,
+          scale: float, causal: bool = False) -> torch.Tensor:
+    """softmax(q k^T * scale, masked) v, query head n reading kv head n // (N // G). causal: the
+    queries are the whole context (query i sees keys 0..i), SDPA's own causal form: no mask tensor,
+    and the kernel skips the key blocks above the diagonal."""
+    return F.scaled_dot_product_attention(q_BNQH, k_BGSH, v_BGSH, attn_mask=mask, scale=scale, is_causal=causal,
                                           enable_gqa=q_BNQH.shape[1] != k_BGSH.shape[1])
 
 
@@ -148,8 +150,11 @@ def paged_attention(q_TNH: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         k = _acc(_gather(k_cache, meta.block_tables[b], ctx)).transpose(0, 1)[None]  # (1, G, S, H)
         v = _acc(_gather(v_cache, meta.block_tables[b], ctx)).transpose(0, 1)[None]
         q = _acc(q_TNH[s:s + q_len]).transpose(0, 1)[None]  # (1, N, Q, H)
-        # One query (a lone decode) sees every key: no mask to build.
-        o = _sdpa(q, k, v, _causal_mask(q_len, ctx, q.device) if q_len > 1 else None, scale)
+        # One query (a lone decode) sees every key: no mask to build; a whole prompt (no cached
+        # prefix) is SDPA's causal case; a chunk after cached tokens gets its offset mask.
+        whole = q_len == ctx
+        mask = None if q_len == 1 or whole else _causal_mask(q_len, ctx, q.device)
+        o = _sdpa(q, k, v, mask, scale, causal=whole and q_len > 1)
         out[s:s + q_len] = o[0].transpose(0, 1).to(out.dtype)
         s += q_len
     return out
