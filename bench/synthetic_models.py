@@ -44,6 +44,13 @@ SYNTHETIC = {
         moe_intermediate_size=704, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
         head_dim=64, num_experts=16, num_experts_per_tok=4, norm_topk_prob=True, max_position_embeddings=4096,
         rope_theta=10000.0, tie_word_embeddings=False),
+    # Memory-bound single-stream decode: ~231 MB read per token in float32 (6 layers of 16 experts of
+    # 1024 x 1024, top-2), the shape the CPU speed-of-light figure is quoted for.
+    "qwen3-moe-membound": dict(
+        architectures=["Qwen3MoeForCausalLM"], vocab_size=4096, hidden_size=1024, intermediate_size=2048,
+        moe_intermediate_size=1024, num_hidden_layers=6, num_attention_heads=16, num_key_value_heads=4,
+        head_dim=64, num_experts=16, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=4096,
+        rope_theta=10000.0, tie_word_embeddings=False),
     # ~8M parameters (~31 MB float32): per-step host overhead dominates its decode.
     "qwen3-moe-tiny": dict(
         architectures=["Qwen3MoeForCausalLM"], vocab_size=4096, hidden_size=128, intermediate_size=256,
