@@ -8,6 +8,7 @@ sender thread, the PULL socket only by the receiver thread (see AsyncEngine).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Callable
 
@@ -72,8 +73,16 @@ class CoreClient:
                          last - t0)
         return [ready[r] for r in range(self.world_size)]
 
-    def close(self) -> None:
+    def close(self, term_timeout_s: float = 2.0) -> None:
+        """Close every socket (inputs still queued for a core get half a second: a live core
+        receives its shutdown) and terminate the context, waiting at most term_timeout_s: after a
+        core was killed, libzmq's termination was seen to block forever (with linger 0 too), which
+        kept the front end from exiting."""
         for s in self.in_socks:
             s.close(500)
         self.out_sock.close(0)
-        self.ctx.term()
+        t = threading.Thread(target=self.ctx.term, name="zmq-term", daemon=True)
+        t.start()
+        t.join(term_timeout_s)
+        if t.is_alive():
+            log.warning("ZMQ context did not terminate within %.0fs (a core is gone); exiting without it", term_timeout_s)
