@@ -98,6 +98,11 @@ def _lib() -> ctypes.CDLL | None:
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.warning("cpu_ops: could not build the CPU kernels (%s); the CPU runs torch ops only (slower)", e)
         return None
+    lib.cpu_ops_vectorized.restype = ctypes.c_int
+    if not lib.cpu_ops_vectorized():
+        log.warning("cpu_ops: this CPU has no AVX-512, for which the kernels are written and measured; "
+                    "the CPU runs torch ops only")
+        return None
     f = lib.moe_experts_f32
     f.restype = ctypes.c_int
     f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,

@@ -219,3 +219,13 @@ void linear_f32(const float* x, int64_t ldx, int64_t M, const void* w, int w_bf1
                 int64_t ldy, int nt) {
   gemm(x, ldx, (int)M, w, w_bf16, K, (int)N, y, ldy, nt);
 }
+
+/* 1 when built with the AVX-512 paths: only then do the kernels beat torch's (measured on AVX-512
+ * CPUs only); the portable loops elsewhere are correct but unmeasured, and are not chosen. */
+int cpu_ops_vectorized(void) {
+#ifdef __AVX512F__
+  return 1;
+#else
+  return 0;
+#endif
+}
