@@ -100,19 +100,9 @@ def masked_launch(cfg: dict, dtype: torch.dtype, scale_block: tuple[int, int] | 
     """Constexprs and launch options of `_masked_gemm_kernel` for one grouped-GEMM config
     (config.py's keys; GROUP_SIZE_M has no use here), activation dtype and launch (gated = gate/up,
     else down); with scale_block, for block-FP8 weights. kernels/aot_check.py compiles what this
-    returns. The tile is the config's with the K tile (and for fp32 the N tile) capped where ptxas
-    otherwise spills registers on sm_90 / sm_100 (kernels.aot_check --only masked): gate/up keeps
-    two accumulators and two weight tiles live, so at BLOCK_M 16 a K tile of 128 spills ~4.6 KB per
-    thread, and at BLOCK_M >= 32 one of 64 spills 60-180 B; fp32 tiles take twice the registers."""
-    bk, bn = cfg["BLOCK_SIZE_K"], cfg["BLOCK_SIZE_N"]
-    small_m = cfg["BLOCK_SIZE_M"] <= 16
-    if dtype == torch.float32:
-        bn = min(bn, 64)
-        bk = min(bk, (32 if small_m else 16) if gated else 32)
-    elif gated:
-        bk = min(bk, 64 if small_m else 32)
-    if scale_block is not None:
-        bk = min(bk, 64)
+    returns. The N and K tiles are the grouped GEMM's `spill_free_tile` caps (the masked kernel
+    spills at the same tiles: kernels.aot_check --only masked)."""
+    bn, bk = tk.spill_free_tile(cfg, dtype, gated, scaled=scale_block is not None)
     launch = dict(BLOCK_SIZE_M=cfg["BLOCK_SIZE_M"], BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk,
                   PREC="ieee" if dtype == torch.float32 else "tf32", UPCAST=INTERPRETED, GATED=gated,
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], B_SCALED=False, SB_N=128, SB_K=128)
