@@ -1,6 +1,7 @@
 """Our C kernels for the CPU, compiled on first use for the processor at hand.
 
-- `moe.c`: a layer's routed experts in one call for decode-sized batches (see its header for why);
+- `moe.c`: a layer's routed experts in one call: decode-sized batches (weights streamed once), and
+  prefill-sized ones over float32 weights (an outer-product micro-kernel; see its header for why);
 - `attention.c`: paged decode attention reading keys and values in place from the cache;
 - `norm.c`: RMSNorm, optionally fused with the residual add before it.
 
@@ -171,19 +172,28 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, residual: torch.Tenso
     return out if residual is None else (h, out)
 
 
-# Rows per routed expert up to which the C kernel runs (above it, torch's GEMMs, oneDNN's AMX in
-# bf16, win: measured here, 1 thread, 32 experts of D=512/F=256 top-4, the C kernel against torch's
-# grouped GEMM in float32 is 1.0-1.5x at 1-128 tokens and 0.65x at 512; in bf16 against the per-expert
-# bf16 GEMMs 6.3x at 1 token, 2.7x at 32, 1.2x at 128, 0.5x at 512).
+# Rows per routed expert up to which the C kernel runs over bf16 weights, or float32 ones its panel
+# path does not take (above it, torch's GEMMs, oneDNN's AMX in bf16, win: measured here, 1 thread,
+# 32 experts of D=512/F=256 top-4, in bf16 against the per-expert bf16 GEMMs 6.3x at 1 token, 2.7x at
+# 32, 1.2x at 128, 0.5x at 512). Float32 weights of the panel path's shapes run in C at any size:
+# against torch's grouped GEMM with its gather/scale/index_add 1.4x at 16 tokens, 1.0-1.1x at 128-512
+# and 1.1-1.15x at 2048 (the panel micro-kernel alone: ~105 GFLOPS, oneDNN's GEMMs here 76-95).
 MAX_ROWS_PER_EXPERT = 16
 
 
+def panels_fit(w13_EFD: torch.Tensor, w2_EDF: torch.Tensor) -> bool:
+    """Whether experts with many rows (prefill) take the C kernel's panel path: float32 weights, F a
+    multiple of 4 and D of 8 (see moe.c); other experts take it only for decode-sized batches."""
+    return w13_EFD.dtype == torch.float32 and (w13_EFD.shape[1] // 2) % 4 == 0 and w2_EDF.shape[1] % 8 == 0
+
+
 def use_for(x_TD: torch.Tensor, w13_EFD: torch.Tensor, w2_EDF: torch.Tensor, topk_ids_TK: torch.Tensor) -> bool:
-    """Whether the C kernel runs these experts: a batch of decode size, shapes it takes, built here."""
+    """Whether the C kernel runs these experts: shapes it takes, built here, and a batch of decode
+    size unless its panel path takes the weights (then any batch)."""
     if not isinstance(w13_EFD, torch.Tensor):
         return False
     T, K = topk_ids_TK.shape
-    return (T * K <= MAX_ROWS_PER_EXPERT * w13_EFD.shape[0]
+    return ((T * K <= MAX_ROWS_PER_EXPERT * w13_EFD.shape[0] or panels_fit(w13_EFD, w2_EDF))
             and x_TD.dtype in (torch.float32, torch.bfloat16, torch.float16) and w13_EFD.dtype in (torch.float32, torch.bfloat16) and w2_EDF.dtype == w13_EFD.dtype
             and x_TD.device.type == "cpu" and w13_EFD.device.type == "cpu" and w13_EFD.is_contiguous()
             and w2_EDF.is_contiguous() and available())

@@ -1,11 +1,14 @@
 /* MoE experts on the CPU in one call: route, gather, gate/up GEMM, SiLU-and-mul, down GEMM and the
  * weighted top-k sum, with each routed expert's weights streamed from memory exactly once.
  *
- * Why not torch ops: at decode sizes (a few rows per expert) a step is bound by reading expert
- * weights, and torch's grouped GEMM plus the gather / scale / index_add around it reads them at about
+ * Why not torch ops: at decode sizes (a few rows per expert, the dot-product tiles below) a step is
+ * bound by reading expert weights, and torch's grouped GEMM plus the gather / scale / index_add around it reads them at about
  * half this core's bandwidth and costs a dozen ops per layer. Here the GEMM loops put the weight
  * rows outermost (a block of 4 weight rows stays in L1 while every routed row passes it), so the
- * weights are read once whatever the number of rows, and the activations stay in L1/L2.
+ * weights are read once whatever the number of rows, and the activations stay in L1/L2. At prefill
+ * sizes (above PANEL_MIN_ROWS rows of an expert, float32 weights) the panel path further down runs
+ * an outer-product micro-kernel instead, with the gather, SiLU-and-mul, routing weight and top-k sum
+ * in its packing and epilogues.
  *
  * Shapes (row-major, contiguous): x [T, D]; ids [T, K] (int64; an id outside [0, E) is held
  * elsewhere and contributes nothing); wts [T, K] float32; w13 [E, 2F, D] (gate rows then up rows,
@@ -155,16 +158,223 @@ static void silu_mul_row(const float* g, const float* u, float* a, int64_t F) {
   for (; f < F; f++) a[f] = silu_mul(g[f], u[f]);
 }
 
+/* ---- Experts with many rows (prefill): an outer-product micro-kernel over packed token panels ----
+ *
+ * Above PANEL_MIN_ROWS rows an expert is compute-bound, and the dot-product tile above (one reduction
+ * per output) leaves FMA throughput unused. Here the GEMMs are computed transposed: the weight rows
+ * are the broadcast operand, read in place in their checkpoint layout, and the routed tokens are
+ * gathered straight into panels of NR tokens laid out [k][NR] (the gather is the packing), so each
+ * k step is 3 vector loads and 8 broadcasts for 24 FMAs into 24 accumulators. The gate/up GEMM's
+ * epilogue applies SiLU-and-mul and the routing weight and writes the activations already packed as
+ * the down GEMM's panels [F][NR]; the down GEMM's epilogue adds each token's D outputs into out.
+ * Nothing of P x 2F or P x D is materialised. float32 weights; F a multiple of 4 and D of 8. */
+#define NR 48 /* tokens per panel: three 16-lane vectors */
+#define RB 8  /* weight rows per micro-tile (gate/up: 4 gate rows and the 4 matching up rows; down: 8
+                    * output dims, added into out 8 wide) */
+#define PANEL_MIN_ROWS 17
+
+#ifdef __AVX512F__
+/* acc[r][v] = sum_k w_r[k] * bp[k * NR + 16 v + lane], r < RB, v < NV. */
+/* (Accumulators are locals, stored once at the end: __m512 may alias floats, so accumulating
+ * through the caller's array would go through memory on every FMA.) */
+#define MK_BODY(NV)                                                                          \
+  __m512 c[RB][NV];                                                                          \
+  for (int r = 0; r < RB; r++)                                                               \
+    for (int v = 0; v < NV; v++) c[r][v] = _mm512_setzero_ps();                              \
+  for (int64_t k = 0; k < Kd; k++) {                                                         \
+    /* each weight row's line 8 lines ahead, once per line: the first panel streams them */  \
+    if (!(k & 15))                                                                           \
+      for (int r = 0; r < RB; r++) _mm_prefetch((const char*)(wr[r] + k) + 512, _MM_HINT_T0); \
+    __m512 b[NV];                                                                            \
+    for (int v = 0; v < NV; v++) b[v] = _mm512_loadu_ps(bp + k * NR + 16 * v);               \
+    for (int r = 0; r < RB; r++) {                                                           \
+      const __m512 w = _mm512_set1_ps(wr[r][k]);                                             \
+      for (int v = 0; v < NV; v++) c[r][v] = _mm512_fmadd_ps(w, b[v], c[r][v]);              \
+    }                                                                                        \
+  }                                                                                          \
+  for (int r = 0; r < RB; r++)                                                               \
+    for (int v = 0; v < NV; v++) acc[r][v] = c[r][v];
+static inline __attribute__((always_inline)) void mk1(const float* const* wr, const float* bp, int64_t Kd,
+                                                      __m512 acc[RB][3]) { MK_BODY(1) }
+static inline __attribute__((always_inline)) void mk2(const float* const* wr, const float* bp, int64_t Kd,
+                                                      __m512 acc[RB][3]) { MK_BODY(2) }
+static inline __attribute__((always_inline)) void mk3(const float* const* wr, const float* bp, int64_t Kd,
+                                                      __m512 acc[RB][3]) { MK_BODY(3) }
+#undef MK_BODY
+
+/* The micro-kernel for a panel of np tokens: only the vectors holding tokens are computed. */
+static inline void micro(const float* const* wr, const float* bp, int64_t Kd, int np, __m512 acc[RB][3]) {
+  if (np > 32) mk3(wr, bp, Kd, acc);
+  else if (np > 16) mk2(wr, bp, Kd, acc);
+  else mk1(wr, bp, Kd, acc);
+}
+
+/* dst[row[i] + d0 + r] = acc[r][v] lane i, for r < 8 and i < ntok: the 8 x 16 tile transposed in
+ * registers (two shuffle stages within 128-bit lanes, then one 8-wide store per token). */
+#define TOKEN(L, J)                                                                                    \
+  if (4 * (L) + (J) < ntok) {                                                                          \
+    float* o = dst + row[4 * (L) + (J)] + d0;                                                          \
+    const __m256 yv = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm512_extractf32x4_ps(u[J], L)),   \
+                                           _mm512_extractf32x4_ps(u[4 + (J)], L), 1);                   \
+    _mm256_storeu_ps(o, yv);                                                                           \
+  }
+static inline void put_tile(__m512 acc[RB][3], int v, const int64_t* row, int ntok, int64_t d0, float* dst) {
+  __m512 t[8], u[8];
+  for (int h = 0; h < 8; h += 4) {
+    t[h] = _mm512_unpacklo_ps(acc[h][v], acc[h + 1][v]);     /* per lane: r0 0, r1 0, r0 1, r1 1 */
+    t[h + 1] = _mm512_unpackhi_ps(acc[h][v], acc[h + 1][v]); /* r0 2, r1 2, r0 3, r1 3 */
+    t[h + 2] = _mm512_unpacklo_ps(acc[h + 2][v], acc[h + 3][v]);
+    t[h + 3] = _mm512_unpackhi_ps(acc[h + 2][v], acc[h + 3][v]);
+    u[h / 4 * 4 + 0] = _mm512_shuffle_ps(t[h], t[h + 2], 0x44); /* token 0 of each lane, rows h..h+3 */
+    u[h / 4 * 4 + 1] = _mm512_shuffle_ps(t[h], t[h + 2], 0xEE);
+    u[h / 4 * 4 + 2] = _mm512_shuffle_ps(t[h + 1], t[h + 3], 0x44);
+    u[h / 4 * 4 + 3] = _mm512_shuffle_ps(t[h + 1], t[h + 3], 0xEE);
+  }
+  TOKEN(0, 0) TOKEN(0, 1) TOKEN(0, 2) TOKEN(0, 3) TOKEN(1, 0) TOKEN(1, 1) TOKEN(1, 2) TOKEN(1, 3)
+  TOKEN(2, 0) TOKEN(2, 1) TOKEN(2, 2) TOKEN(2, 3) TOKEN(3, 0) TOKEN(3, 1) TOKEN(3, 2) TOKEN(3, 3)
+}
+#undef TOKEN
+
+/* A panel of np tokens (their row offsets in x), packed [D][NR], the lanes past np zero. Gathers when offsets fit 32 bits. */
+static void pack_tokens(const float* x, int64_t T, int64_t D, const int64_t* row, int np, float* bp) {
+  if (T * D < ((int64_t)1 << 31)) {
+    int32_t off[NR];
+    for (int i = 0; i < NR; i++) off[i] = i < np ? (int32_t)row[i] : 0;
+    const int nv = (np + 15) / 16;
+    __m512i idx[3];
+    __mmask16 m[3];
+    for (int v = 0; v < 3; v++) {
+      idx[v] = _mm512_loadu_si512(off + 16 * v);
+      const int left = np - 16 * v;
+      m[v] = left >= 16 ? (__mmask16)0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+    }
+    for (int64_t k = 0; k < D; k++)
+      for (int v = 0; v < 3; v++)
+        _mm512_storeu_ps(bp + k * NR + 16 * v,
+                         v < nv ? _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m[v], idx[v], x + k, 4)
+                                : _mm512_setzero_ps());
+    return;
+  }
+  for (int64_t k = 0; k < D; k++)
+    for (int i = 0; i < NR; i++) bp[k * NR + i] = i < np ? x[row[i] + k] : 0.f;
+}
+
+/* One panel group of an expert: ng tokens (pairs pe[0..ng)) through gate/up, SiLU-and-mul, the
+ * routing weight and down, added into out. xp: ceil(ng/NR) panels [D][NR]; ap: as many [F][NR],
+ * followed by room for ng int64 row offsets, a whole number of panels' float weights and one
+ * panel's token-major down output [NR][D + 16] (64-byte aligned). */
+static void panel_group(const float* x, int64_t T, int64_t D, const int64_t* pe, int64_t ng, const float* wts,
+                        int64_t K, const float* w13, const float* w2, int64_t F, float* out, float* xp, float* ap,
+                        int nt) {
+  const int npan = (int)((ng + NR - 1) / NR);
+  /* each pair's token row offset, computed once (a 64-bit division per use would cost as much as
+   * the down GEMM's inner loop) */
+  int64_t* row = (int64_t*)(ap + (int64_t)npan * F * NR);
+  float* wg = (float*)(row + ng); /* the pairs' routing weights, zero past ng to a whole panel */
+  for (int64_t i = 0; i < ng; i++) {
+    row[i] = (pe[i] / K) * D;
+    wg[i] = wts[pe[i]];
+  }
+  for (int64_t i = ng; i < (int64_t)npan * NR; i++) wg[i] = 0.f;
+  float* yb = (float*)(((uintptr_t)(wg + (int64_t)npan * NR) + 63) & ~(uintptr_t)63); /* [NR][D + 16] */
+  for (int p = 0; p < npan; p++) {
+    const int np = ng - (int64_t)p * NR < NR ? (int)(ng - (int64_t)p * NR) : NR;
+    pack_tokens(x, T, D, row + (int64_t)p * NR, np, xp + (int64_t)p * D * NR);
+  }
+  /* gate/up: row blocks of 4 gate rows f0.. and their up rows F+f0.. (split over threads) */
+  const int fblocks = (int)(F / 4);
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+  for (int fb = 0; fb < fblocks; fb++) {
+    const int64_t f0 = (int64_t)fb * 4;
+    const float* wr[RB];
+    for (int r = 0; r < 4; r++) {
+      wr[r] = w13 + (f0 + r) * D;
+      wr[r + 4] = w13 + (F + f0 + r) * D;
+    }
+    for (int p = 0; p < npan; p++) {
+      const int np = ng - (int64_t)p * NR < NR ? (int)(ng - (int64_t)p * NR) : NR;
+      __m512 acc[RB][3];
+      micro(wr, xp + (int64_t)p * D * NR, D, np, acc);
+      const float* wt = wg + (int64_t)p * NR;
+      float* a = ap + (int64_t)p * F * NR;
+      const int nv = (np + 15) / 16;
+      for (int r = 0; r < 4; r++)
+        for (int v = 0; v < nv; v++) {
+          const __m512 g = acc[r][v];
+          const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+          const __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+          _mm512_storeu_ps(a + (f0 + r) * NR + 16 * v,
+                           _mm512_mul_ps(_mm512_mul_ps(s, acc[r + 4][v]), _mm512_loadu_ps(wt + 16 * v)));
+        }
+      for (int v = nv; v < 3; v++)
+        for (int r = 0; r < 4; r++) _mm512_storeu_ps(a + (f0 + r) * NR + 16 * v, _mm512_setzero_ps());
+    }
+  }
+  /* down, a panel at a time: row blocks of 8 output dims (split over threads) into the panel's own
+   * token-major tile yb (its row stride padded off a multiple of 4 KB: out's rows, D apart, fall in
+   * a few cache sets), then added into out's rows whole. */
+  const int dblocks = (int)(D / RB);
+  const int64_t ldy = D + 16;
+  int64_t yrow[NR];
+  for (int i = 0; i < NR; i++) yrow[i] = i * ldy;
+  for (int p = 0; p < npan; p++) {
+    const int np = ng - (int64_t)p * NR < NR ? (int)(ng - (int64_t)p * NR) : NR;
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (int db = 0; db < dblocks; db++) {
+      const int64_t d0 = (int64_t)db * RB;
+      const float* wr[RB];
+      for (int r = 0; r < RB; r++) wr[r] = w2 + (d0 + r) * F;
+      __m512 acc[RB][3];
+      micro(wr, ap + (int64_t)p * F * NR, F, np, acc);
+      for (int v = 0; v * 16 < np; v++)
+        put_tile(acc, v, yrow + 16 * v, np - 16 * v < 16 ? np - 16 * v : 16, d0, yb);
+    }
+    for (int i = 0; i < np; i++) {
+      float* o = out + row[(int64_t)p * NR + i];
+      const float* yi = yb + yrow[i];
+      for (int64_t d = 0; d < D; d += 16) {
+        const __mmask16 m = D - d >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (D - d)) - 1);
+        _mm512_mask_storeu_ps(o + d, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, o + d), _mm512_maskz_loadu_ps(m, yi + d)));
+      }
+    }
+  }
+}
+#endif
+
+/* Whether an expert of n rows takes the panel path (the shapes and weights it is written for). */
+static inline int panel_path(int64_t n, int w_bf16, int64_t D, int64_t F) {
+#ifdef __AVX512F__
+  return n >= PANEL_MIN_ROWS && !w_bf16 && F % 4 == 0 && D % RB == 0;
+#else
+  (void)n; (void)w_bf16; (void)D; (void)F;
+  return 0;
+#endif
+}
+
+/* Scratch kept between calls, grow-only, per calling thread and slot: a fresh multi-megabyte
+ * allocation per layer would come from mmap and fault its pages in on every call. */
+static void* scratch(int slot, size_t bytes) {
+  static __thread void* buf[2];
+  static __thread size_t cap[2];
+  if (bytes > cap[slot]) {
+    free(buf[slot]);
+    const size_t want = (bytes + bytes / 4 + 63) & ~(size_t)63;
+    buf[slot] = aligned_alloc(64, want);
+    cap[slot] = buf[slot] ? want : 0;
+  }
+  return buf[slot];
+}
+
 /* Returns 0, or -1 when scratch memory could not be had (out is then untouched). */
 int moe_experts_f32(const float* x, int64_t T, int64_t D, const int64_t* ids, const float* wts, int64_t K,
                     const void* w13, const void* w2, int w_bf16, int64_t E, int64_t F, float* out, int nt) {
   const int64_t P = T * K;
   const int64_t esz = w_bf16 ? 2 : 4;
-  int64_t* start = calloc((size_t)(E + 1), sizeof(int64_t));
-  int64_t* fill = malloc((size_t)(E > 0 ? E : 1) * sizeof(int64_t));
-  int64_t* order = malloc((size_t)(P > 0 ? P : 1) * sizeof(int64_t));
-  float* xs = NULL;
-  if (!start || !fill || !order) goto fail;
+  int64_t* start = scratch(0, (size_t)(2 * E + 1 + P) * sizeof(int64_t));
+  if (!start) return -1;
+  int64_t* fill = start + E + 1;
+  int64_t* order = fill + E;
+  memset(start, 0, (size_t)(E + 1) * sizeof(int64_t));
   /* counting sort of the (token, k) pairs by expert */
   for (int64_t p = 0; p < P; p++)
     if (ids[p] >= 0 && ids[p] < E) start[ids[p] + 1]++;
@@ -176,16 +386,35 @@ int moe_experts_f32(const float* x, int64_t T, int64_t D, const int64_t* ids, co
   memcpy(fill, start, (size_t)E * sizeof(int64_t));
   for (int64_t p = 0; p < P; p++)
     if (ids[p] >= 0 && ids[p] < E) order[fill[ids[p]]++] = p;
-  xs = malloc((size_t)(rows * (D + 2 * F + F + D)) * sizeof(float));
-  if (!xs) goto fail;
-  float* h = xs + rows * D;
-  float* act = h + rows * 2 * F;
-  float* y = act + rows * F;
+  /* Scratch: the dot-product path's rows (at most PANEL_MIN_ROWS - 1 of them), or one panel group
+   * (as many panels as keep the gate/up GEMM's packed tokens near 1 MB, for L2) of each operand. */
+  const int panels = panel_path(rows, w_bf16, D, F);
+  const int64_t small = panels ? PANEL_MIN_ROWS - 1 : rows;
+  int64_t group = ((int64_t)1 << 20) / (D * NR * (int64_t)sizeof(float));
+  group = (group < 1 ? 1 : group) * NR;
+  const int64_t panel_floats = panels ? (group / NR) * (D + F) * NR + 3 * group + 16 + NR * (D + 16) : 0;
+  const int64_t dot_floats = small * (D + 2 * F + F + D);
+  const int64_t floats = panel_floats > dot_floats ? panel_floats : dot_floats;
+  float* xs = scratch(1, (size_t)floats * sizeof(float));
+  if (!xs) return -1;
+  float* h = xs + small * D;
+  float* act = h + small * 2 * F;
+  float* y = act + small * F;
   memset(out, 0, (size_t)(T * D) * sizeof(float));
   for (int64_t e = 0; e < E; e++) {
     const int64_t n = start[e + 1] - start[e];
     if (!n) continue;
     const int64_t* pe = order + start[e];
+#ifdef __AVX512F__
+    if (panel_path(n, w_bf16, D, F)) {
+      const float* w13e = (const float*)w13 + e * 2 * F * D;
+      const float* w2e = (const float*)w2 + e * D * F;
+      for (int64_t g0 = 0; g0 < n; g0 += group)
+        panel_group(x, T, D, pe + g0, n - g0 < group ? n - g0 : group, wts, K, w13e, w2e, F, out, xs,
+                    xs + (group / NR) * D * NR, nt);
+      continue;
+    }
+#endif
     for (int64_t i = 0; i < n; i++) memcpy(xs + i * D, x + (pe[i] / K) * D, (size_t)D * sizeof(float));
     gemm(xs, D, (int)n, (const char*)w13 + e * 2 * F * D * esz, w_bf16, D, (int)(2 * F), h, 2 * F, nt);
     for (int64_t i = 0; i < n; i++) {
@@ -201,17 +430,7 @@ int moe_experts_f32(const float* x, int64_t T, int64_t D, const int64_t* ids, co
       for (int64_t d = 0; d < D; d++) o[d] += wt * yi[d];
     }
   }
-  free(start);
-  free(fill);
-  free(order);
-  free(xs);
   return 0;
-fail:
-  free(start);
-  free(fill);
-  free(order);
-  free(xs);
-  return -1;
 }
 
 /* y[M, N] = x[M, K] @ w[N, K]^T for a few rows (decode): the weight (float32 or bf16) streamed once. */

@@ -65,18 +65,41 @@ def test_silu_over_the_whole_float_range():
     torch.testing.assert_close(got.double(), ref, rtol=2e-6, atol=1e-6)
 
 
-def test_fused_experts_takes_it_for_decode_sizes_only():
-    """fused_experts (the models' one entry point) runs the C kernel for decode-sized batches and
-    torch's ops for large ones and under the capturability guard; all agree with the reference."""
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("T,D,F,E,K", [
+    (17, 40, 12, 1, 1),     # one expert of 17 rows: the smallest panel case, D off the vector width
+    (100, 64, 32, 3, 2),    # panels of 48, 48 and a partial one; F/4 and D/8 row blocks
+    (700, 256, 64, 2, 1),   # an expert beyond one panel group (1 MB of packed tokens)
+    (300, 128, 80, 16, 4),  # experts on both sides of the panel threshold in one call
+])
+def test_panel_path_matches_float64_reference(T, D, F, E, K, threads):
+    """Experts with many rows (prefill) take the outer-product panel kernel in float32: partial
+    panels, several panel groups, ids held elsewhere, experts below the threshold in the same call."""
+    x, w13, w2, wts, ids = _case(T, D, F, E, K, torch.float32, seed=T + D, held_elsewhere=True)
+    ref = fused_experts_reference(x.double(), w13.double(), w2.double(), wts.double(), ids)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = cpu_ops.moe_experts(x, w13, w2, wts, ids)
+    finally:
+        torch.set_num_threads(old)
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_experts_takes_it_where_it_is_written_for():
+    """fused_experts (the models' one entry point) runs the C kernel for decode-sized batches, for
+    prefill-sized ones too where the panel path takes the weights (float32, F % 4 == 0, D % 8 == 0),
+    torch's ops for other prefill shapes and always under the capturability guard; all agree with
+    the reference."""
     calls = []
     orig = cpu_ops.moe_experts
 
     def counting(*a, **k):
-        calls.append(a[0].shape[0])
+        calls.append((a[0].shape[0], a[0].shape[1]))
         return orig(*a, **k)
 
-    for T in (1, 8, 400):
-        x, w13, w2, wts, ids = _case(T, 64, 32, 8, 2, torch.float32, seed=T)
+    for T, D, F in ((1, 64, 32), (8, 64, 32), (400, 64, 32), (400, 60, 30)):
+        x, w13, w2, wts, ids = _case(T, D, F, 8, 2, torch.float32, seed=T)
         ref = fused_experts_reference(x.double(), w13.double(), w2.double(), wts.double(), ids)
         cpu_ops.moe_experts = counting
         try:
@@ -87,7 +110,8 @@ def test_fused_experts_takes_it_for_decode_sizes_only():
             cpu_ops.moe_experts = orig
         torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(guarded.double(), ref, rtol=1e-5, atol=1e-5)
-    assert calls == [1, 8], calls  # not 400 (16 rows per expert at most), never under the guard
+    # not 400 rows at D=60/F=30 (no panel path: 16 rows per expert at most), never under the guard
+    assert calls == [(1, 64), (8, 64), (400, 64)], calls
 
 
 def test_built_once_and_torch_ops_without_a_compiler(tmp_path):
