@@ -3,7 +3,8 @@
 - `moe.c`: a layer's routed experts in one call: decode-sized batches (weights streamed once), and
   prefill-sized ones over float32 weights (an outer-product micro-kernel; see its header for why);
 - `attention.c`: paged decode attention reading keys and values in place from the cache;
-- `norm.c`: RMSNorm, optionally fused with the residual add before it.
+- `norm.c`: RMSNorm, optionally fused with the residual add before it; q/k per-head RMSNorm
+  and RoPE in one pass.
 
 They are built together with the system C compiler (`$CC`, else `cc`) at `-O3 -march=native
 -fopenmp` into one library in a cache directory (`$MOE_SERVE_CACHE`, else `~/.cache/moe-serve`),
@@ -117,6 +118,10 @@ def _lib() -> ctypes.CDLL | None:
     f.restype = None
     f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
                   ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    f = lib.norm_rope_f32
+    f.restype = ctypes.c_int
+    f.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 4, ctypes.c_void_p, ctypes.c_float, ctypes.c_int64,
+                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     f = lib.rms_norm_f32
     f.restype = None
     f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
@@ -170,6 +175,34 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, residual: torch.Tenso
                         _rows(residual) if residual is not None else 0, h.data_ptr() if h is not None else None,
                         w.data_ptr(), out.data_ptr(), T, D, eps, torch.get_num_threads())
     return out if residual is None else (h, out)
+
+
+def norm_rope_fits(x_THD: torch.Tensor, rot: int, cos_PR: torch.Tensor, w: torch.Tensor | None = None) -> bool:
+    """float32 CPU (T, heads, hd) with heads contiguous in each token's row, hd <= 1024, an even
+    rotary dim rot <= hd, float32 contiguous (P, rot) tables, a float32 (hd,) norm weight if any."""
+    return (x_THD.device.type == "cpu" and x_THD.dtype == torch.float32 and x_THD.dim() == 3
+            and x_THD.stride(2) == 1 and x_THD.stride(1) == x_THD.shape[2] and x_THD.shape[2] <= 1024
+            and rot % 2 == 0 and 0 < rot <= x_THD.shape[2] and cos_PR.dtype == torch.float32
+            and cos_PR.is_contiguous() and cos_PR.dim() == 2 and cos_PR.shape[1] == rot
+            and (w is None or (w.dtype == torch.float32 and w.is_contiguous() and w.shape == (x_THD.shape[2],)))
+            and available())
+
+
+def norm_rope(x_THD: torch.Tensor, cos_PR: torch.Tensor, sin_PR: torch.Tensor, positions_T: torch.Tensor,
+              w: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+    """RoPE (rotate_half form, the sign in sin_PR) over the first rot = cos_PR.shape[1] channels of
+    each head at the given positions, after a per-head RMSNorm with weight w if given; a new
+    contiguous float32 (T, heads, hd). Check norm_rope_fits first."""
+    T, nh, hd = x_THD.shape
+    pos = positions_T if positions_T.dtype == torch.int64 else positions_T.long()
+    pos = pos.contiguous()
+    out = torch.empty(T, nh, hd, dtype=torch.float32)
+    rc = _lib().norm_rope_f32(x_THD.data_ptr(), T, nh, x_THD.stride(0), hd, w.data_ptr() if w is not None else None,
+                              eps, cos_PR.shape[1], cos_PR.data_ptr(), sin_PR.contiguous().data_ptr(), cos_PR.shape[0],
+                              pos.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    if rc:
+        raise IndexError(f"a position is outside the rotary table's {cos_PR.shape[0]} positions")
+    return out
 
 
 # Rows per routed expert up to which the C kernel runs over bf16 weights, or float32 ones its panel

@@ -56,3 +56,52 @@ void rms_norm_f32(const float* x, int64_t ldx, const float* r, int64_t ldr, floa
   for (int64_t t = 0; t < T; t++)
     one_row(x + t * ldx, r ? r + t * ldr : 0, r ? h + t * D : 0, w, out + t * D, D, eps);
 }
+
+/* Per-head RMSNorm (optional) and RoPE of q or k in one pass:
+ *   y = w ? x * rsqrt(mean(x^2) + eps) * w : x                  (over each head's hd values)
+ *   out[i] = y[i] * cos[p][i] + y[(i + rot/2) % rot] * sin[p][i]   for i < rot (rotate_half's sign in sin)
+ *   out[i] = y[i]                                                 for rot <= i < hd (partial rotary)
+ * x: T tokens of nh heads of hd floats, token rows ldt apart, heads contiguous within a row; cos, sin:
+ * tables [P, rot] of every position; pos [T] int64 positions; out: T x nh x hd contiguous; hd at
+ * most 1024 (checked by the caller). Returns 0, or -1 (out untouched) when a position is not in
+ * [0, P). Replaces the norm's call, two table gathers, a roll and three
+ * elementwise ops per tensor and layer, each a new T x nh x hd tensor. */
+int norm_rope_f32(const float* x, int64_t T, int64_t nh, int64_t ldt, int64_t hd, const float* w, float eps,
+                  int64_t rot, const float* cos_tab, const float* sin_tab, int64_t P, const int64_t* pos, float* out,
+                  int nt) {
+  const int64_t half = rot / 2;
+  for (int64_t t = 0; t < T; t++)
+    if (pos[t] < 0 || pos[t] >= P) return -1;
+#pragma omp parallel for num_threads(nt) if (nt > 1 && T * nh * hd >= 65536) schedule(static)
+  for (int64_t t = 0; t < T; t++) {
+    const float* c = cos_tab + pos[t] * rot;
+    const float* s = sin_tab + pos[t] * rot;
+    float y[1024];
+    for (int64_t h = 0; h < nh; h++) {
+      const float* src = x + t * ldt + h * hd;
+      float* o = out + (t * nh + h) * hd;
+      const float* v = src;
+      if (w) {
+        one_row(src, 0, 0, w, y, hd, eps);
+        v = y;
+      }
+      int64_t i = 0;
+#ifdef __AVX512F__
+      for (; i + 16 <= half; i += 16) {
+        const __m512 a = _mm512_loadu_ps(v + i), b = _mm512_loadu_ps(v + half + i);
+        _mm512_storeu_ps(o + i, _mm512_add_ps(_mm512_mul_ps(a, _mm512_loadu_ps(c + i)),
+                                              _mm512_mul_ps(b, _mm512_loadu_ps(s + i))));
+        _mm512_storeu_ps(o + half + i, _mm512_add_ps(_mm512_mul_ps(b, _mm512_loadu_ps(c + half + i)),
+                                                     _mm512_mul_ps(a, _mm512_loadu_ps(s + half + i))));
+      }
+#endif
+      for (; i < half; i++) {
+        const float a = v[i], b = v[half + i];
+        o[i] = a * c[i] + b * s[i];
+        o[half + i] = b * c[half + i] + a * s[half + i];
+      }
+      for (i = rot; i < hd; i++) o[i] = v[i];
+    }
+  }
+  return 0;
+}

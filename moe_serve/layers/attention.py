@@ -9,6 +9,7 @@ from torch import nn
 
 from attention.layer import PagedAttention
 from attention.metadata import AttentionMetadata
+from kernels import cpu_ops
 from moe_serve.layers.linear import Linear
 from moe_serve.layers.norm import RMSNorm
 from moe_serve.layers.rotary import RotaryEmbedding
@@ -57,7 +58,15 @@ class GQASelfAttention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.qk_norm == "head":
+        head_norm = self.q_norm is not None and self.qk_norm == "head"
+        if x_TD.device.type == "cpu" and not self.rotary.interleaved and self._norm_rope_in_c(q, k, head_norm):
+            # one C pass each for q and k: per-head norm (if any) and RoPE (kernels/cpu_ops/norm.c)
+            cos, sin = self.rotary.tables(q.device)
+            qn, kn = (self.q_norm, self.k_norm) if head_norm else (None, None)
+            q = cpu_ops.norm_rope(q, cos, sin, positions_T, qn.weight if qn else None, qn.eps if qn else 0.0)
+            k = cpu_ops.norm_rope(k, cos, sin, positions_T, kn.weight if kn else None, kn.eps if kn else 0.0)
+            return self.o_proj(self.attn(q, k, v, meta).reshape(T, self.num_heads * self.head_dim))
+        if head_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = self.rotary.cos_sin(positions_T, meta.derived)
         if self.rotary_dim == self.head_dim:
@@ -68,3 +77,9 @@ class GQASelfAttention(nn.Module):
             k = torch.cat([self.rotary.apply(k[..., :r], cos, sin), k[..., r:]], dim=-1)
         o = self.attn(q, k, v, meta)
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
+
+    def _norm_rope_in_c(self, q: torch.Tensor, k: torch.Tensor, head_norm: bool) -> bool:
+        r, (cos, _) = self.rotary_dim, self.rotary.tables(q.device)
+        qw = self.q_norm.weight if head_norm else None
+        kw = self.k_norm.weight if head_norm else None
+        return cpu_ops.norm_rope_fits(q, r, cos, qw) and cpu_ops.norm_rope_fits(k, r, cos, kw)

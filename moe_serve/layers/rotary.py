@@ -120,6 +120,12 @@ class RotaryEmbedding(nn.Module):
             self._table = (cos[:, None, :], sin[:, None, :])
         return self._table
 
+    def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cos and signed sin tables as (P, dim) contiguous rows (for kernels that read them by
+        position themselves)."""
+        cos, sin = self._cos_sin_table(device)
+        return cos.view(cos.shape[0], cos.shape[2]), sin.view(sin.shape[0], sin.shape[2])
+
     def _compute(self, positions_T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions_T.to(torch.float32)[:, None] * self.inv_freq.to(positions_T.device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)

@@ -296,3 +296,50 @@ def test_linear_bf16_weight_matches_float64(M, K, N, threads):
     torch.testing.assert_close(pub.double(), want, rtol=1e-2, atol=1e-2)  # one bf16 rounding of the output
     assert not cpu_ops.linear_fits(torch.randn(cpu_ops.LINEAR_MAX_ROWS + 1, K), w)  # prefill rows: torch's GEMM
     assert not cpu_ops.linear_fits(x, w.float())  # float32 weights: torch reads them at bandwidth here
+
+
+@pytest.mark.parametrize("hd,rot,norm", [(64, 64, True), (64, 64, False), (128, 64, True), (40, 24, False)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_norm_rope_matches_float64(hd, rot, norm, threads):
+    """Per-head RMSNorm and RoPE of q/k in one pass against a float64 rotate_half reference: token
+    rows strided (q as a slice of a wider projection), partial rotary (rot < hd), odd positions."""
+    from moe_serve.layers.rotary import RotaryEmbedding
+
+    g = torch.Generator().manual_seed(hd + rot)
+    T, nh, P = 300, 4, 512
+    wide = torch.randn(T, nh * hd + 24, generator=g)
+    x = wide[:, 8:8 + nh * hd].view(T, nh, hd)  # rows nh * hd + 24 apart
+    w = torch.rand(hd, generator=g) + 0.5 if norm else None
+    pos = torch.randint(0, P, (T,), generator=g)
+    rope = RotaryEmbedding(rot, {"rope_theta": 10000.0, "rope_type": "default"}, P)
+    cos, sin = rope.tables(torch.device("cpu"))
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert cpu_ops.norm_rope_fits(x, rot, cos, w)
+        got = cpu_ops.norm_rope(x, cos, sin, pos, w, 1e-6)
+    finally:
+        torch.set_num_threads(old)
+    xd = x.double()
+    if norm:
+        xd = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    freqs = (pos.float()[:, None] * rope.inv_freq[None]).double()  # the model's float32 angles
+    c, s = torch.cat([freqs, freqs], -1).cos()[:, None], torch.cat([freqs, freqs], -1).sin()[:, None]
+    xr = xd[..., :rot]
+    half = rot // 2
+    rotated = xr * c + torch.cat([-xr[..., half:], xr[..., :half]], -1) * s
+    ref = torch.cat([rotated, xd[..., rot:]], -1)
+    assert got.shape == (T, nh, hd) and got.is_contiguous()
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=2e-5)
+
+
+def test_norm_rope_refuses_positions_outside_the_table():
+    from moe_serve.layers.rotary import RotaryEmbedding
+
+    rope = RotaryEmbedding(16, {"rope_theta": 10000.0, "rope_type": "default"}, 32)
+    cos, sin = rope.tables(torch.device("cpu"))
+    x = torch.randn(3, 2, 16)
+    with pytest.raises(IndexError, match="32 positions"):
+        cpu_ops.norm_rope(x, cos, sin, torch.tensor([0, 31, 32]))
+    assert not cpu_ops.norm_rope_fits(x, 16, cos, torch.ones(8))  # a weight of the wrong size
+    assert not cpu_ops.norm_rope_fits(x.double(), 16, cos)
