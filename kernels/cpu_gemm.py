@@ -33,10 +33,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     """F.linear(x, w, b), upcast to float32 on CPUs without half-precision matrix instructions.
     A weight already stored in float32 for such a CPU (moe_serve/prepare.py) is used as it is:
     only the activations are cast, never the weight."""
-    if x.device.type == "cpu" and cpu_ops.linear_fits(x, w):  # decode rows over a bf16 weight: our C GEMV
-        y = cpu_ops.linear(x, w)
-        if b is not None:
-            y = y + b
+    if x.device.type == "cpu" and cpu_ops.linear_fits(x, w):  # our C GEMMs (kernels/cpu_ops/moe.c)
+        y = cpu_ops.linear(x, w, b)
         return y if y.dtype == x.dtype else y.to(x.dtype)
     if w.dtype != x.dtype:
         return F.linear(x.to(w.dtype), w, b).to(x.dtype)

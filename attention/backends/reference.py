@@ -113,7 +113,7 @@ def paged_attention(q_TNH: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
     Returns (T, N, Hv) in q's dtype; scores and softmax are computed in float32. The decodes at the
     front of the batch (one query per sequence) run as one padded batched computation, in a mixed
-    step too; prefill chunks run sequence by sequence.
+    step too; prefill chunks run sequence by sequence (on the CPU in float32, all in one C call).
 
     sliding_window W (GPT-OSS's sliding layers): the query at position p sees keys p - W + 1 .. p
     only (transformers' sliding mask); only the blocks holding those keys are gathered. sinks (N,)
@@ -141,6 +141,8 @@ def paged_attention(q_TNH: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     out = torch.empty(T, N, v_cache.shape[-1], dtype=q_TNH.dtype, device=q_TNH.device)
     if nd:
         out[:nd] = o[:, :, 0].to(q_TNH.dtype)
+    if _prefills_in_c(q_TNH, k_cache, v_cache, meta, scale, nd, out):
+        return out
     s = nd
     for b in range(nd, meta.num_seqs):
         q_len = meta.query_lens_cpu[b]
@@ -176,6 +178,21 @@ def _decodes_in_c(q_TNH, k_cache, v_cache, meta: AttentionMetadata, scale: float
     if not cpu_ops.decode_attention_fits(q, k_cache, v_cache, meta.block_tables, meta.seq_lens):
         return None
     return cpu_ops.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+
+
+def _prefills_in_c(q_TNH, k_cache, v_cache, meta: AttentionMetadata, scale: float, nd: int, out: torch.Tensor) -> bool:
+    """The step's sequences after its nd leading decodes, by kernels/cpu_ops in one call (CPU,
+    float32), written into out; False where it does not apply (then nothing is written)."""
+    if q_TNH.device.type != "cpu" or out.dtype != torch.float32:
+        return False
+    from kernels import cpu_ops
+
+    if not (cpu_ops.decode_attention_fits(q_TNH, k_cache, v_cache, meta.block_tables, meta.seq_lens)
+            and meta.query_start_loc.dtype == torch.int32 and meta.query_start_loc.is_contiguous()):
+        return False
+    cpu_ops.prefill_attention(q_TNH, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, nd,
+                              meta.num_seqs, out, scale)
+    return True
 
 
 def _attend(q_BNQH: torch.Tensor, k_BGSH: torch.Tensor, v_BGSH: torch.Tensor, visible: torch.Tensor, scale: float,

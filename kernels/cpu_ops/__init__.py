@@ -2,7 +2,8 @@
 
 - `moe.c`: a layer's routed experts in one call: decode-sized batches (weights streamed once), and
   prefill-sized ones over float32 weights (an outer-product micro-kernel; see its header for why);
-- `attention.c`: paged decode attention reading keys and values in place from the cache;
+- `attention.c`: paged attention reading keys and values in place from the cache: decodes, and
+  the causal query chunks of prefills;
 - `norm.c`: RMSNorm, optionally fused with the residual add before it; q/k per-head RMSNorm
   and RoPE in one pass.
 
@@ -114,6 +115,15 @@ def _lib() -> ctypes.CDLL | None:
     f.restype = ctypes.c_int
     f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                   ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 6, ctypes.c_float, ctypes.c_int]
+    f = lib.prefill_attention_f32
+    f.restype = ctypes.c_int
+    f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                  ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 2, ctypes.c_void_p, *[ctypes.c_int64] * 5,
+                  ctypes.c_float, ctypes.c_int]
+    f = lib.linear_panels_f32
+    f.restype = ctypes.c_int
+    f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                  ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     f = lib.linear_f32
     f.restype = None
     f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
@@ -282,28 +292,68 @@ def decode_attention(q_BNH: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     return out
 
 
-# Rows up to which a linear layer runs in C on the CPU, and for which weight dtypes: bf16 weights at
-# decode sizes read at a fraction of bandwidth through torch here (measured, 1 thread: a 576 x 576
-# bf16 GEMV 0.48 ms, 1.4 GB/s; the 576 x 49152 LM head 20.8 ms), float32 ones do not.
+def prefill_attention(q_TNH: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                      seq_lens: torch.Tensor, query_start_loc: torch.Tensor, b0: int, b1: int, out_TNH: torch.Tensor,
+                      scale: float) -> None:
+    """Causal attention of sequences b0..b1-1 (their query rows per query_start_loc, the last tokens of
+    their contexts) over their paged contexts, read in place, written into their rows of out_TNH
+    (float32, contiguous). Check decode_attention_fits (same operands) and query_start_loc int32."""
+    _, N, H = q_TNH.shape
+    _, bs, G, Hv = v_cache.shape
+    assert 0 <= b0 <= b1 <= min(seq_lens.shape[0], query_start_loc.shape[0] - 1, block_tables.shape[0])
+    rc = _lib().prefill_attention_f32(q_TNH.data_ptr(), q_TNH.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                                      block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
+                                      query_start_loc.data_ptr(), b0, b1, out_TNH.data_ptr(), N, G, H, Hv, bs, scale,
+                                      torch.get_num_threads())
+    if rc:
+        raise MemoryError(f"cpu_ops.prefill_attention: no scratch memory for a context of {int(seq_lens[:b1].max())}")
+
+
+# Rows up to which a linear layer runs in C on the CPU over bf16 weights: at decode sizes those read
+# at a fraction of bandwidth through torch here (measured, 1 thread: a 576 x 576 bf16 GEMV 0.48 ms,
+# 1.4 GB/s; the 576 x 49152 LM head 20.8 ms). Float32 weights run in C up to LINEAR_PANEL_MAX_ROWS
+# rows: up to LINEAR_DOT_MAX_ROWS by the dot-product tiles (the weight streamed once), above by the
+# panel micro-kernel of moe.c (N a multiple of 8; weight rows prefetched 8 blocks ahead). Measured
+# here, 1 thread, cold weights, against torch's GEMM: a 512 x 512 weight 1.15x at 1 row, 1.4x at 4,
+# 1.2-1.4x at 8, 1.5-2.3x at 32, 1.1x at 96; the mid model's 512 x 4096 LM head 1.1x at 1 row, 2-2.6x
+# at 8, 1.7-2.2x at 32. More rows go to oneDNN, which packs its operands and wins at prefill sizes
+# (0.8x at 2048 rows).
 LINEAR_MAX_ROWS = 16
+LINEAR_DOT_MAX_ROWS = 4
+LINEAR_PANEL_MAX_ROWS = 96
 
 
 def linear_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
-    if not (x.device.type == "cpu" and w.dtype == torch.bfloat16 and w.dim() == 2 and w.is_contiguous()
-            and x.dtype in (torch.float32, torch.bfloat16) and x.shape[-1] == w.shape[1] and x.stride(-1) == 1):
+    if not (x.device.type == "cpu" and w.device.type == "cpu" and w.dim() == 2 and w.is_contiguous()
+            and x.shape[-1] == w.shape[1] and x.stride(-1) == 1 and (x.dim() == 2 or x.is_contiguous())):
         return False
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return 0 < rows <= LINEAR_MAX_ROWS and (x.dim() == 2 or x.is_contiguous()) and available()
+    if w.dtype == torch.bfloat16:
+        return x.dtype in (torch.float32, torch.bfloat16) and 0 < rows <= LINEAR_MAX_ROWS and available()
+    return (w.dtype == torch.float32 and x.dtype == torch.float32 and 0 < rows <= LINEAR_PANEL_MAX_ROWS
+            and (rows <= LINEAR_DOT_MAX_ROWS or w.shape[0] % 8 == 0) and available())
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ w^T with w (N, K) bf16 streamed once, accumulated in float32; out float32 of shape
-    x.shape[:-1] + (N,). Check linear_fits first."""
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w^T (+ b), accumulated in float32: w (N, K) streamed once by the dot-product tiles (bf16
+    decode rows, float32 up to LINEAR_DOT_MAX_ROWS rows), else by the panel kernel (float32); out
+    float32 of shape x.shape[:-1] + (N,). Check linear_fits first."""
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
     if x2.dtype != torch.float32:
         x2 = x2.float()
     M, N = x2.shape[0], w.shape[0]
     y = torch.empty(M, N, dtype=torch.float32)
-    _lib().linear_f32(x2.data_ptr(), x2.stride(0), M, w.data_ptr(), 1, K, N, y.data_ptr(), N, torch.get_num_threads())
+    if w.dtype == torch.float32 and M > LINEAR_DOT_MAX_ROWS:
+        bias = None if b is None else (b if b.dtype == torch.float32 else b.float()).contiguous()
+        rc = _lib().linear_panels_f32(x2.data_ptr(), x2.stride(0), M, w.data_ptr(),
+                                      bias.data_ptr() if bias is not None else None, K, N, y.data_ptr(), N,
+                                      torch.get_num_threads())
+        if rc:
+            raise MemoryError(f"cpu_ops.linear: no scratch memory for {M} rows of {K}")
+    else:
+        _lib().linear_f32(x2.data_ptr(), x2.stride(0), M, w.data_ptr(), int(w.dtype == torch.bfloat16), K, N,
+                          y.data_ptr(), N, torch.get_num_threads())
+        if b is not None:
+            y += b
     return y.view(*x.shape[:-1], N)

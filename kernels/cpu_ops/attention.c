@@ -106,3 +106,142 @@ int decode_attention_f32(const float* q, int64_t ldq, const float* k_cache, cons
   }
   return failed ? -1 : 0;
 }
+
+/* ---- Causal attention of query chunks (prefill, chunked prefill) over their paged contexts ----
+ *
+ * Sequence b's query rows are qsl[b] .. qsl[b+1] of q and out (q [T, N, H], row stride ldq; out
+ * [T, N, Hv] contiguous); they are the last q_len tokens of its context of seq_lens[b], so query i
+ * sees keys 0 .. seq_lens[b] - q_len + i. Only sequences b0 <= b < b1 are computed.
+ *
+ * Per (sequence, kv head): the group's keys are packed once transposed, [H][S] (S the context
+ * rounded up to 16), so scores come out 16 keys per vector; the (query, head) rows are taken 4 at a
+ * time (the heads of a group share their query's visibility; rows past it are masked), each head
+ * dimension's 16-key vector of K^T serving the 4 rows. Softmax in float32 per row, then the values
+ * are read in place from the cache, one key row (64 values at a time) serving the same 4 rows. */
+#define QR 4 /* (query, head) rows per block */
+
+#ifdef __AVX512F__
+/* s[r][j] = scale * q_r . K[:, j] for j < S16 (a multiple of 16), from kt [H][ldk]. */
+static void scores_block(const float* const* qr, const float* kt, int64_t ldk, int64_t H, int64_t S16, float scale,
+                         float* s, int64_t lds) {
+  for (int64_t j = 0; j < S16; j += 64) {
+    const int nv = S16 - j >= 64 ? 4 : (int)((S16 - j) / 16);
+    __m512 acc[QR][4];
+    for (int r = 0; r < QR; r++)
+      for (int v = 0; v < 4; v++) acc[r][v] = _mm512_setzero_ps();
+    for (int64_t h = 0; h < H; h++) {
+      const float* krow = kt + h * ldk + j;
+      __m512 kv[4];
+      for (int v = 0; v < 4; v++) kv[v] = v < nv ? _mm512_loadu_ps(krow + 16 * v) : _mm512_setzero_ps();
+      for (int r = 0; r < QR; r++) {
+        const __m512 qh = _mm512_set1_ps(qr[r][h]);
+        for (int v = 0; v < 4; v++) acc[r][v] = _mm512_fmadd_ps(qh, kv[v], acc[r][v]);
+      }
+    }
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int r = 0; r < QR; r++)
+      for (int v = 0; v < nv; v++) _mm512_storeu_ps(s + r * lds + j + 16 * v, _mm512_mul_ps(acc[r][v], sc));
+  }
+}
+
+/* o[r][0..Hv) = sum_{j < n} p[r][j] * vrow[j][..] for the QR rows, 64 values at a time. */
+static void values_block(const float* p, int64_t lds, const float* const* vrow, int64_t n, int64_t Hv,
+                         float* const* o) {
+  for (int64_t d = 0; d < Hv; d += 64) {
+    const int64_t left = Hv - d;
+    __mmask16 m[4];
+    for (int v = 0; v < 4; v++) {
+      const int64_t l = left - 16 * v;
+      m[v] = l >= 16 ? (__mmask16)0xFFFF : l > 0 ? (__mmask16)((1u << l) - 1) : 0;
+    }
+    __m512 acc[QR][4];
+    for (int r = 0; r < QR; r++)
+      for (int v = 0; v < 4; v++) acc[r][v] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j++) {
+      __m512 vv[4];
+      for (int v = 0; v < 4; v++) vv[v] = _mm512_maskz_loadu_ps(m[v], vrow[j] + d + 16 * v);
+      for (int r = 0; r < QR; r++) {
+        const __m512 pr = _mm512_set1_ps(p[r * lds + j]);
+        for (int v = 0; v < 4; v++) acc[r][v] = _mm512_fmadd_ps(pr, vv[v], acc[r][v]);
+      }
+    }
+    for (int r = 0; r < QR; r++)
+      if (o[r])
+        for (int v = 0; v < 4; v++) _mm512_mask_storeu_ps(o[r] + d + 16 * v, m[v], acc[r][v]);
+  }
+}
+#endif
+
+/* Returns 0, or -1 without scratch memory; 1 when built without AVX-512 (nothing computed). */
+int prefill_attention_f32(const float* q, int64_t ldq, const float* k_cache, const float* v_cache, const int32_t* bt,
+                          int64_t ldbt, const int32_t* seq_lens, const int32_t* qsl, int64_t b0, int64_t b1,
+                          float* out, int64_t N, int64_t G, int64_t H, int64_t Hv, int64_t bs, float scale, int nt) {
+#ifndef __AVX512F__
+  (void)q; (void)ldq; (void)k_cache; (void)v_cache; (void)bt; (void)ldbt; (void)seq_lens; (void)qsl; (void)b0;
+  (void)b1; (void)out; (void)N; (void)G; (void)H; (void)Hv; (void)bs; (void)scale; (void)nt;
+  return 1;
+#else
+  const int64_t R = N / G;
+  int64_t max_ctx = 1;
+  for (int64_t b = b0; b < b1; b++)
+    if (seq_lens[b] > max_ctx) max_ctx = seq_lens[b];
+  const int64_t S = (max_ctx + 15) / 16 * 16;
+  int failed = 0;
+#pragma omp parallel num_threads(nt) if (nt > 1 && (b1 - b0) * G > 1)
+  {
+    float* kt = malloc((size_t)(H * S + QR * S) * sizeof(float));
+    const float** vrow = malloc((size_t)S * sizeof(float*));
+#pragma omp for schedule(dynamic, 1) collapse(2)
+    for (int64_t b = b0; b < b1; b++)
+      for (int64_t g = 0; g < G; g++) {
+        if (!kt || !vrow) {
+#pragma omp atomic write
+          failed = 1;
+          continue;
+        }
+        const int64_t ctx = seq_lens[b], q0 = qsl[b], ql = qsl[b + 1] - qsl[b];
+        if (ql <= 0 || ctx <= 0) continue;
+        const int32_t* table = bt + b * ldbt;
+        const int64_t S16 = (ctx + 15) / 16 * 16;
+        float* p = kt + H * S16;
+        for (int64_t s = 0; s < S16; s++) {
+          if (s < ctx) {
+            const int64_t slot = (int64_t)table[s / bs] * bs + s % bs;
+            const float* key = k_cache + (slot * G + g) * H;
+            for (int64_t h = 0; h < H; h++) kt[h * S16 + s] = key[h];
+            vrow[s] = v_cache + (slot * G + g) * Hv;
+          } else {
+            for (int64_t h = 0; h < H; h++) kt[h * S16 + s] = 0.f;
+          }
+        }
+        const int64_t rows = ql * R; /* (query i, head r) as row i * R + r */
+        for (int64_t r0 = 0; r0 < rows; r0 += QR) {
+          const float* qr[QR];
+          float* orow[QR];
+          int64_t vis[QR], vmax = 0;
+          for (int r = 0; r < QR; r++) {
+            const int64_t row = r0 + r < rows ? r0 + r : rows - 1, i = row / R, hh = g * R + row % R;
+            qr[r] = q + (q0 + i) * ldq + hh * H;
+            orow[r] = r0 + r < rows ? out + ((q0 + i) * N + hh) * Hv : 0;
+            vis[r] = ctx - ql + i + 1;
+            if (vis[r] > vmax) vmax = vis[r];
+          }
+          const int64_t n16 = (vmax + 15) / 16 * 16;
+          scores_block(qr, kt, S16, H, n16, scale, p, S16);
+          for (int r = 0; r < QR; r++) {
+            float* pr = p + r * S16;
+            float m = -FLT_MAX;
+            for (int64_t s = 0; s < vis[r]; s++) m = pr[s] > m ? pr[s] : m;
+            const float inv = 1.f / exp_shift(pr, vis[r], m);
+            for (int64_t s = 0; s < vis[r]; s++) pr[s] *= inv;
+            for (int64_t s = vis[r]; s < vmax; s++) pr[s] = 0.f;
+          }
+          values_block(p, S16, vrow, vmax, Hv, orow);
+        }
+      }
+    free(kt);
+    free(vrow);
+  }
+  return failed ? -1 : 0;
+#endif
+}

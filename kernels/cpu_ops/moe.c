@@ -172,6 +172,9 @@ static void silu_mul_row(const float* g, const float* u, float* a, int64_t F) {
 #define RB 8  /* weight rows per micro-tile (gate/up: 4 gate rows and the 4 matching up rows; down: 8
                     * output dims, added into out 8 wide) */
 #define PANEL_MIN_ROWS 17
+#ifndef PF_AHEAD
+#define PF_AHEAD 4
+#endif
 
 #ifdef __AVX512F__
 /* acc[r][v] = sum_k w_r[k] * bp[k * NR + 16 v + lane], r < RB, v < NV. */
@@ -182,9 +185,12 @@ static void silu_mul_row(const float* g, const float* u, float* a, int64_t F) {
   for (int r = 0; r < RB; r++)                                                               \
     for (int v = 0; v < NV; v++) c[r][v] = _mm512_setzero_ps();                              \
   for (int64_t k = 0; k < Kd; k++) {                                                         \
-    /* each weight row's line 8 lines ahead, once per line: the first panel streams them */  \
-    if (!(k & 15))                                                                           \
-      for (int r = 0; r < RB; r++) _mm_prefetch((const char*)(wr[r] + k) + 512, _MM_HINT_T0); \
+    /* a row block ahead (two runs of 4 rows, Kd / 4 lines each) into L2, a line per run    \
+     * every 4 k steps: 8 short rows at a time are too short for the hardware prefetcher */  \
+    if (pf[0] && !(k & 3)) {                                                                 \
+      _mm_prefetch(pf[0] + (k >> 2) * 64, _MM_HINT_T1);                                      \
+      _mm_prefetch(pf[1] + (k >> 2) * 64, _MM_HINT_T1);                                      \
+    }                                                                                        \
     __m512 b[NV];                                                                            \
     for (int v = 0; v < NV; v++) b[v] = _mm512_loadu_ps(bp + k * NR + 16 * v);               \
     for (int r = 0; r < RB; r++) {                                                           \
@@ -195,30 +201,34 @@ static void silu_mul_row(const float* g, const float* u, float* a, int64_t F) {
   for (int r = 0; r < RB; r++)                                                               \
     for (int v = 0; v < NV; v++) acc[r][v] = c[r][v];
 static inline __attribute__((always_inline)) void mk1(const float* const* wr, const float* bp, int64_t Kd,
-                                                      __m512 acc[RB][3]) { MK_BODY(1) }
+                                                      const char* const* pf, __m512 acc[RB][3]) { MK_BODY(1) }
 static inline __attribute__((always_inline)) void mk2(const float* const* wr, const float* bp, int64_t Kd,
-                                                      __m512 acc[RB][3]) { MK_BODY(2) }
+                                                      const char* const* pf, __m512 acc[RB][3]) { MK_BODY(2) }
 static inline __attribute__((always_inline)) void mk3(const float* const* wr, const float* bp, int64_t Kd,
-                                                      __m512 acc[RB][3]) { MK_BODY(3) }
+                                                      const char* const* pf, __m512 acc[RB][3]) { MK_BODY(3) }
 #undef MK_BODY
 
-/* The micro-kernel for a panel of np tokens: only the vectors holding tokens are computed. */
-static inline void micro(const float* const* wr, const float* bp, int64_t Kd, int np, __m512 acc[RB][3]) {
-  if (np > 32) mk3(wr, bp, Kd, acc);
-  else if (np > 16) mk2(wr, bp, Kd, acc);
-  else mk1(wr, bp, Kd, acc);
+/* The micro-kernel for a panel of np tokens: only the vectors holding tokens are computed. pf: the
+ * two runs of 4 rows of the row block PF_AHEAD blocks on, to prefetch (pf[0] NULL: none). */
+static inline void micro(const float* const* wr, const float* bp, int64_t Kd, int np, const char* const* pf,
+                         __m512 acc[RB][3]) {
+  if (np > 32) mk3(wr, bp, Kd, pf, acc);
+  else if (np > 16) mk2(wr, bp, Kd, pf, acc);
+  else mk1(wr, bp, Kd, pf, acc);
 }
 
-/* dst[row[i] + d0 + r] = acc[r][v] lane i, for r < 8 and i < ntok: the 8 x 16 tile transposed in
+/* dst[row[i] + d0 + r] = acc[r][v] lane i (+ bias[d0 + r]), for r < 8 and i < ntok: the 8 x 16 tile transposed in
  * registers (two shuffle stages within 128-bit lanes, then one 8-wide store per token). */
 #define TOKEN(L, J)                                                                                    \
   if (4 * (L) + (J) < ntok) {                                                                          \
     float* o = dst + row[4 * (L) + (J)] + d0;                                                          \
     const __m256 yv = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm512_extractf32x4_ps(u[J], L)),   \
                                            _mm512_extractf32x4_ps(u[4 + (J)], L), 1);                   \
-    _mm256_storeu_ps(o, yv);                                                                           \
+    _mm256_storeu_ps(o, _mm256_add_ps(yv, bv));                                                        \
   }
-static inline void put_tile(__m512 acc[RB][3], int v, const int64_t* row, int ntok, int64_t d0, float* dst) {
+static inline void put_tile(__m512 acc[RB][3], int v, const int64_t* row, int ntok, int64_t d0, float* dst,
+                            const float* bias) {
+  const __m256 bv = bias ? _mm256_loadu_ps(bias + d0) : _mm256_setzero_ps();
   __m512 t[8], u[8];
   for (int h = 0; h < 8; h += 4) {
     t[h] = _mm512_unpacklo_ps(acc[h][v], acc[h + 1][v]);     /* per lane: r0 0, r1 0, r0 1, r1 1 */
@@ -235,9 +245,10 @@ static inline void put_tile(__m512 acc[RB][3], int v, const int64_t* row, int nt
 }
 #undef TOKEN
 
-/* A panel of np tokens (their row offsets in x), packed [D][NR], the lanes past np zero. Gathers when offsets fit 32 bits. */
-static void pack_tokens(const float* x, int64_t T, int64_t D, const int64_t* row, int np, float* bp) {
-  if (T * D < ((int64_t)1 << 31)) {
+/* A panel of np rows of x (their offsets in row[]), D values each, packed [D][NR], the lanes past np
+ * zero. Gathers where every offset fits 32 bits (small_offsets). */
+static void pack_tokens(const float* x, int small_offsets, int64_t D, const int64_t* row, int np, float* bp) {
+  if (small_offsets) {
     int32_t off[NR];
     for (int i = 0; i < NR; i++) off[i] = i < np ? (int32_t)row[i] : 0;
     const int nv = (np + 15) / 16;
@@ -279,7 +290,7 @@ static void panel_group(const float* x, int64_t T, int64_t D, const int64_t* pe,
   float* yb = (float*)(((uintptr_t)(wg + (int64_t)npan * NR) + 63) & ~(uintptr_t)63); /* [NR][D + 16] */
   for (int p = 0; p < npan; p++) {
     const int np = ng - (int64_t)p * NR < NR ? (int)(ng - (int64_t)p * NR) : NR;
-    pack_tokens(x, T, D, row + (int64_t)p * NR, np, xp + (int64_t)p * D * NR);
+    pack_tokens(x, T * D < ((int64_t)1 << 31), D, row + (int64_t)p * NR, np, xp + (int64_t)p * D * NR);
   }
   /* gate/up: row blocks of 4 gate rows f0.. and their up rows F+f0.. (split over threads) */
   const int fblocks = (int)(F / 4);
@@ -291,10 +302,12 @@ static void panel_group(const float* x, int64_t T, int64_t D, const int64_t* pe,
       wr[r] = w13 + (f0 + r) * D;
       wr[r + 4] = w13 + (F + f0 + r) * D;
     }
+    const char* pf[2] = {(const char*)(wr[0] + PF_AHEAD * 4 * D), (const char*)(wr[4] + PF_AHEAD * 4 * D)};
+    const char* nopf[2] = {0, 0};
     for (int p = 0; p < npan; p++) {
       const int np = ng - (int64_t)p * NR < NR ? (int)(ng - (int64_t)p * NR) : NR;
       __m512 acc[RB][3];
-      micro(wr, xp + (int64_t)p * D * NR, D, np, acc);
+      micro(wr, xp + (int64_t)p * D * NR, D, np, p == 0 && fb + PF_AHEAD < fblocks ? pf : nopf, acc);
       const float* wt = wg + (int64_t)p * NR;
       float* a = ap + (int64_t)p * F * NR;
       const int nv = (np + 15) / 16;
@@ -325,9 +338,14 @@ static void panel_group(const float* x, int64_t T, int64_t D, const int64_t* pe,
       const float* wr[RB];
       for (int r = 0; r < RB; r++) wr[r] = w2 + (d0 + r) * F;
       __m512 acc[RB][3];
-      micro(wr, ap + (int64_t)p * F * NR, F, np, acc);
+      const char* pf[2] = {0, 0};
+      if (p == 0 && db + PF_AHEAD < dblocks) {
+        pf[0] = (const char*)(wr[0] + PF_AHEAD * RB * F);
+        pf[1] = (const char*)(wr[4] + PF_AHEAD * RB * F);
+      }
+      micro(wr, ap + (int64_t)p * F * NR, F, np, pf, acc);
       for (int v = 0; v * 16 < np; v++)
-        put_tile(acc, v, yrow + 16 * v, np - 16 * v < 16 ? np - 16 * v : 16, d0, yb);
+        put_tile(acc, v, yrow + 16 * v, np - 16 * v < 16 ? np - 16 * v : 16, d0, yb, 0);
     }
     for (int i = 0; i < np; i++) {
       float* o = out + row[(int64_t)p * NR + i];
@@ -431,6 +449,59 @@ int moe_experts_f32(const float* x, int64_t T, int64_t D, const int64_t* ids, co
     }
   }
   return 0;
+}
+
+/* y[M, N] = x[M, K] @ w[N, K]^T (+ b) over float32 weights with N % 8 == 0, by the panel micro-kernel:
+ * x's rows packed into panels of NR (groups of about 1 MB, for L2), every block of 8 weight rows
+ * passing each panel of a group; row blocks split over threads. x rows ldx apart, y rows ldy.
+ * Returns 0, or -1 without scratch memory. */
+int linear_panels_f32(const float* x, int64_t ldx, int64_t M, const float* w, const float* b, int64_t K, int64_t N,
+                      float* y, int64_t ldy, int nt) {
+#ifdef __AVX512F__
+  int64_t group = ((int64_t)1 << 20) / (K * NR * (int64_t)sizeof(float));
+  group = (group < 1 ? 1 : group) * NR;
+  const int64_t g_rows = M < group ? M : group;
+  const int64_t gpan = (g_rows + NR - 1) / NR;
+  float* xp = scratch(1, (size_t)(gpan * K * NR) * sizeof(float) + (size_t)(2 * gpan * NR) * sizeof(int64_t));
+  if (!xp) return -1;
+  int64_t* xrow = (int64_t*)(xp + gpan * K * NR);
+  int64_t* yrow = xrow + gpan * NR;
+  const int nblocks = (int)(N / RB);
+  for (int64_t m0 = 0; m0 < M; m0 += group) {
+    const int64_t ng = M - m0 < group ? M - m0 : group;
+    const int npan = (int)((ng + NR - 1) / NR);
+    for (int64_t i = 0; i < ng; i++) {
+      xrow[i] = (m0 + i) * ldx;
+      yrow[i] = (m0 + i) * ldy;
+    }
+    for (int p = 0; p < npan; p++) {
+      const int np = ng - (int64_t)p * NR < NR ? (int)(ng - (int64_t)p * NR) : NR;
+      pack_tokens(x, M * ldx < ((int64_t)1 << 31), K, xrow + (int64_t)p * NR, np, xp + (int64_t)p * K * NR);
+    }
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (int nb = 0; nb < nblocks; nb++) {
+      const int64_t n0 = (int64_t)nb * RB;
+      const float* wr[RB];
+      for (int r = 0; r < RB; r++) wr[r] = w + (n0 + r) * K;
+      for (int p = 0; p < npan; p++) {
+        const int np = ng - (int64_t)p * NR < NR ? (int)(ng - (int64_t)p * NR) : NR;
+        __m512 acc[RB][3];
+        const char* pf[2] = {0, 0};
+        if (p == 0 && nb + PF_AHEAD < nblocks) {
+          pf[0] = (const char*)(wr[0] + PF_AHEAD * RB * K);
+          pf[1] = (const char*)(wr[4] + PF_AHEAD * RB * K);
+        }
+        micro(wr, xp + (int64_t)p * K * NR, K, np, pf, acc);
+        for (int v = 0; v * 16 < np; v++)
+          put_tile(acc, v, yrow + (int64_t)p * NR + 16 * v, np - 16 * v < 16 ? np - 16 * v : 16, n0, y, b);
+      }
+    }
+  }
+  return 0;
+#else
+  (void)x; (void)ldx; (void)M; (void)w; (void)b; (void)K; (void)N; (void)y; (void)ldy; (void)nt;
+  return -1;
+#endif
 }
 
 /* y[M, N] = x[M, K] @ w[N, K]^T for a few rows (decode): the weight (float32 or bf16) streamed once. */

@@ -295,7 +295,35 @@ def test_linear_bf16_weight_matches_float64(M, K, N, threads):
     want = (x.bfloat16().double() @ w.double().T + b.double())
     torch.testing.assert_close(pub.double(), want, rtol=1e-2, atol=1e-2)  # one bf16 rounding of the output
     assert not cpu_ops.linear_fits(torch.randn(cpu_ops.LINEAR_MAX_ROWS + 1, K), w)  # prefill rows: torch's GEMM
-    assert not cpu_ops.linear_fits(x, w.float())  # float32 weights: torch reads them at bandwidth here
+
+
+@pytest.mark.parametrize("M,K,N", [(1, 512, 512), (4, 40, 17), (5, 64, 96), (17, 33, 40), (48, 100, 8),
+                                   (96, 128, 200)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_linear_float32_weight_matches_float64(M, K, N, threads):
+    """Float32 weights: the dot-product tiles up to 4 rows (any N), the panel kernel from 5 to 96
+    rows (N % 8 == 0; partial panels, K off the vector width, more rows than threads have blocks),
+    strided input rows and a bias; cpu_gemm.linear routes to it; prefill rows and N % 8 != 0 above
+    4 rows stay with torch."""
+    from kernels.cpu_gemm import linear
+
+    g = torch.Generator().manual_seed(M * K + N)
+    w = torch.randn(N, K, generator=g) * K ** -0.5
+    x = torch.randn(M, K + 8, generator=g)[:, 3:3 + K]  # rows K + 8 apart
+    b = torch.randn(N, generator=g)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert cpu_ops.linear_fits(x, w)
+        got = cpu_ops.linear(x, w, b)
+        pub = linear(x, w, b)
+    finally:
+        torch.set_num_threads(old)
+    ref = x.double() @ w.double().T + b.double()
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pub.double(), ref, rtol=1e-5, atol=1e-5)
+    assert not cpu_ops.linear_fits(torch.randn(cpu_ops.LINEAR_PANEL_MAX_ROWS + 1, K), w)  # oneDNN's
+    assert not cpu_ops.linear_fits(torch.randn(5, K), torch.randn(17, K))  # panel rows need N % 8 == 0
 
 
 @pytest.mark.parametrize("hd,rot,norm", [(64, 64, True), (64, 64, False), (128, 64, True), (40, 24, False)])
