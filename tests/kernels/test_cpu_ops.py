@@ -270,6 +270,85 @@ def test_reference_backend_takes_it_for_the_decodes_of_a_mixed_step():
     assert calls == [3, 2]
 
 
+@pytest.mark.parametrize("N,G,H,bs", [(8, 2, 64, 16), (4, 4, 40, 4), (3, 1, 16, 1), (6, 2, 96, 8)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prefill_attention_matches_float64(N, G, H, bs, threads):
+    """Causal query chunks over paged contexts in scattered blocks, against a float64 reference:
+    whole prompts, a chunk after cached tokens (prefix hits, earlier chunks), single-token rows,
+    a long chunk (scores across several 64-key blocks), grouped heads (1-4 query heads per kv head,
+    so row blocks of 4 span queries), head sizes off the vector width, only sequences b0.. written."""
+    g = torch.Generator().manual_seed(N * 10 + H + bs)
+    q_lens = [1, 7, 5, 1, 150, 3]
+    seq_lens = [9, 7, 40, 1, 150, 3]  # sequence 2: 35 cached tokens, then a chunk of 5
+    nblocks = sum(-(-s // bs) for s in seq_lens) + 5
+    k_cache = torch.randn(nblocks, bs, G, H, generator=g)
+    v_cache = torch.randn(nblocks, bs, G, H, generator=g)
+    W = max(-(-s // bs) for s in seq_lens)
+    perm = torch.randperm(nblocks, generator=g)
+    tables = torch.zeros(len(seq_lens), W, dtype=torch.int32)
+    used = 0
+    for b, s in enumerate(seq_lens):
+        n = -(-s // bs)
+        tables[b, :n] = perm[used:used + n].to(torch.int32)
+        used += n
+    qsl = torch.tensor([0] + list(torch.cumsum(torch.tensor(q_lens), 0)), dtype=torch.int32)
+    T = int(qsl[-1])
+    q = torch.randn(T, N, H, generator=g)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    out = torch.full((T, N, H), 7.0)
+    scale = H ** -0.5
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert cpu_ops.decode_attention_fits(q, k_cache, v_cache, tables, lens)
+        cpu_ops.prefill_attention(q, k_cache, v_cache, tables, lens, qsl, 1, len(seq_lens), out, scale)
+    finally:
+        torch.set_num_threads(old)
+    assert (out[:int(qsl[1])] == 7.0).all()  # sequence 0 (before b0) untouched
+    for b in range(1, len(seq_lens)):
+        s, ql, q0 = seq_lens[b], q_lens[b], int(qsl[b])
+        pos = torch.arange(s)
+        slots = tables[b, pos // bs].long() * bs + pos % bs
+        kq = k_cache.flatten(0, 1)[slots].double().repeat_interleave(N // G, dim=1)  # (s, N, H)
+        vq = v_cache.flatten(0, 1)[slots].double().repeat_interleave(N // G, dim=1)
+        sc = torch.einsum("inh,snh->nis", q[q0:q0 + ql].double(), kq) * scale  # (N, ql, s)
+        visible = torch.arange(s)[None, :] <= (s - ql + torch.arange(ql))[:, None]
+        p = torch.softmax(sc.masked_fill(~visible, float("-inf")), dim=-1)
+        ref = torch.einsum("nis,snh->inh", p, vq)
+        torch.testing.assert_close(out[q0:q0 + ql].double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_reference_backend_takes_it_for_prefill_chunks():
+    """The torch attention backend runs a step's prefill chunks (after its decodes) in one C call
+    and gives what its per-sequence SDPA path gives; under suspension no C kernel runs."""
+    from attention.backends import reference as ref
+    from attention.metadata import AttentionMetadata
+
+    g = torch.Generator().manual_seed(3)
+    nb, bs, G, N, H = 16, 4, 2, 4, 32
+    k = torch.randn(nb, bs, G, H, generator=g)
+    v = torch.randn(nb, bs, G, H, generator=g)
+    calls = []
+    orig = cpu_ops.prefill_attention
+
+    def counting(*a):
+        calls.append(a[6])  # b0: the first sequence after the decodes
+        return orig(*a)
+
+    q_lens, seq_lens, tables = [1, 3, 6], [6, 7, 6], [[3, 7], [1, 4], [9, 12]]
+    meta = AttentionMetadata.build(q_lens, seq_lens, tables, bs)
+    q = torch.randn(sum(q_lens), N, H, generator=g)
+    cpu_ops.prefill_attention = counting
+    try:
+        got = ref.paged_attention(q, k, v, meta, 0.2)
+        with cpu_ops.suspended():
+            want = ref.paged_attention(q, k, v, AttentionMetadata.build(q_lens, seq_lens, tables, bs), 0.2)
+    finally:
+        cpu_ops.prefill_attention = orig
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert calls == [1]
+
+
 @pytest.mark.parametrize("M,K,N", [(1, 576, 576), (3, 40, 17), (16, 64, 96), (5, 17, 1030)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_linear_bf16_weight_matches_float64(M, K, N, threads):
