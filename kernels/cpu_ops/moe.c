@@ -50,13 +50,19 @@ static inline __m512 load_w(const void* w, int bf16, int64_t k, __mmask16 m) {
 static inline __attribute__((always_inline)) void tile(const float* const* ar, const int MBC, const char* const* wr,
                                                        int bf16, int64_t K, float* y, int64_t ldy, int nb,
                                                        const char* pf) {
+  /* The row pointers as locals: loads through the callers' pointer arrays could alias the
+   * accumulators (__m512 may alias anything), which would then be stored back on every step. */
+  const float* a[MB];
+  const char* wp[NB];
+  _Pragma("GCC unroll 4") for (int i = 0; i < MB; i++) a[i] = ar[i];
+  _Pragma("GCC unroll 4") for (int j = 0; j < NB; j++) wp[j] = wr[j];
   __m512 acc[MB][NB];
-  for (int i = 0; i < MBC; i++)
-    for (int j = 0; j < NB; j++) acc[i][j] = _mm512_setzero_ps();
+  _Pragma("GCC unroll 4") for (int i = 0; i < MBC; i++)
+    _Pragma("GCC unroll 4") for (int j = 0; j < NB; j++) acc[i][j] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 16) {
     const __mmask16 msk = K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1);
     __m512 wv[NB];
-    for (int j = 0; j < NB; j++) wv[j] = load_w(wr[j], bf16, k, msk);
+    _Pragma("GCC unroll 4") for (int j = 0; j < NB; j++) wv[j] = load_w(wp[j], bf16, k, msk);
     /* The next NB weight rows (contiguous after these) into cache ahead of their tile: a step reads
      * NB * 16 weights, as many bytes as there are of the next rows per step (bf16: 2 lines, fp32: 4). */
     if (pf) {
@@ -68,13 +74,18 @@ static inline __attribute__((always_inline)) void tile(const float* const* ar, c
         _mm_prefetch(at + 192, _MM_HINT_T0);
       }
     }
-    for (int i = 0; i < MBC; i++) {
-      const __m512 xv = _mm512_maskz_loadu_ps(msk, ar[i] + k);
-      for (int j = 0; j < NB; j++) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+    _Pragma("GCC unroll 4") for (int i = 0; i < MBC; i++) {
+      const __m512 xv = _mm512_maskz_loadu_ps(msk, a[i] + k);
+      _Pragma("GCC unroll 4") for (int j = 0; j < NB; j++) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
     }
   }
-  for (int i = 0; i < MBC; i++)
-    for (int j = 0; j < nb; j++) y[i * ldy + j] = _mm512_reduce_add_ps(acc[i][j]);
+  /* (constant indices into acc only, so it lives in registers: a runtime index would keep it in
+   * memory, stored on every step since the float loads above might alias it) */
+  _Pragma("GCC unroll 4") for (int i = 0; i < MBC; i++) {
+    float sums[NB];
+    _Pragma("GCC unroll 4") for (int j = 0; j < NB; j++) sums[j] = _mm512_reduce_add_ps(acc[i][j]);
+    _Pragma("GCC unroll 4") for (int j = 0; j < nb; j++) y[i * ldy + j] = sums[j];
+  }
 }
 #endif
 
