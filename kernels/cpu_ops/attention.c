@@ -85,18 +85,23 @@ int decode_attention_f32(const float* q, int64_t ldq, const float* k_cache, cons
           memset(og, 0, (size_t)(R * Hv) * sizeof(float));
           if (ctx <= 0) continue;
           const int32_t* table = bt + b * ldbt;
-          for (int64_t s = 0; s < ctx; s++) {
-            const float* key = k_cache + (((int64_t)table[s / bs] * bs + s % bs) * G + g) * H;
-            for (int64_t r = 0; r < R; r++) p[r * ctx + s] = dot(qg + r * H, key, H) * scale;
+          /* block by block (a division per key would cost more than its dot products) */
+          for (int64_t s0 = 0; s0 < ctx; s0 += bs) {
+            const float* key = k_cache + ((int64_t)table[s0 / bs] * bs * G + g) * H;
+            const int64_t n = ctx - s0 < bs ? ctx - s0 : bs;
+            for (int64_t o = 0; o < n; o++, key += G * H)
+              for (int64_t r = 0; r < R; r++) p[r * ctx + s0 + o] = dot(qg + r * H, key, H) * scale;
           }
           for (int64_t r = 0; r < R; r++) {
             float m = -FLT_MAX;
             for (int64_t s = 0; s < ctx; s++) m = p[r * ctx + s] > m ? p[r * ctx + s] : m;
             invp[r] = 1.f / exp_shift(p + r * ctx, ctx, m);
           }
-          for (int64_t s = 0; s < ctx; s++) {
-            const float* val = v_cache + (((int64_t)table[s / bs] * bs + s % bs) * G + g) * Hv;
-            for (int64_t r = 0; r < R; r++) axpy(og + r * Hv, p[r * ctx + s], val, Hv);
+          for (int64_t s0 = 0; s0 < ctx; s0 += bs) {
+            const float* val = v_cache + ((int64_t)table[s0 / bs] * bs * G + g) * Hv;
+            const int64_t n = ctx - s0 < bs ? ctx - s0 : bs;
+            for (int64_t o = 0; o < n; o++, val += G * Hv)
+              for (int64_t r = 0; r < R; r++) axpy(og + r * Hv, p[r * ctx + s0 + o], val, Hv);
           }
           for (int64_t r = 0; r < R; r++)
             for (int64_t d = 0; d < Hv; d++) og[r * Hv + d] *= invp[r];
@@ -204,16 +209,17 @@ int prefill_attention_f32(const float* q, int64_t ldq, const float* k_cache, con
         const int32_t* table = bt + b * ldbt;
         const int64_t S16 = (ctx + 15) / 16 * 16;
         float* p = kt + H * S16;
-        for (int64_t s = 0; s < S16; s++) {
-          if (s < ctx) {
-            const int64_t slot = (int64_t)table[s / bs] * bs + s % bs;
-            const float* key = k_cache + (slot * G + g) * H;
-            for (int64_t h = 0; h < H; h++) kt[h * S16 + s] = key[h];
-            vrow[s] = v_cache + (slot * G + g) * Hv;
-          } else {
-            for (int64_t h = 0; h < H; h++) kt[h * S16 + s] = 0.f;
+        for (int64_t s0 = 0; s0 < ctx; s0 += bs) { /* block by block: no division per key */
+          const int64_t slot0 = (int64_t)table[s0 / bs] * bs;
+          const int64_t n = ctx - s0 < bs ? ctx - s0 : bs;
+          for (int64_t o = 0; o < n; o++) {
+            const float* key = k_cache + ((slot0 + o) * G + g) * H;
+            for (int64_t h = 0; h < H; h++) kt[h * S16 + s0 + o] = key[h];
+            vrow[s0 + o] = v_cache + ((slot0 + o) * G + g) * Hv;
           }
         }
+        for (int64_t s = ctx; s < S16; s++)
+          for (int64_t h = 0; h < H; h++) kt[h * S16 + s] = 0.f;
         const int64_t rows = ql * R; /* (query i, head r) as row i * R + r */
         for (int64_t r0 = 0; r0 < rows; r0 += QR) {
           const float* qr[QR];
