@@ -33,12 +33,12 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     """F.linear(x, w, b), upcast to float32 on CPUs without half-precision matrix instructions.
     A weight already stored in float32 for such a CPU (moe_serve/prepare.py) is used as it is:
     only the activations are cast, never the weight."""
-    if x.device.type == "cpu" and cpu_ops.linear_fits(x, w):  # our C GEMMs (kernels/cpu_ops/moe.c)
+    if x.is_cpu and cpu_ops.linear_fits(x, w):  # our C GEMMs (kernels/cpu_ops/moe.c)
         y = cpu_ops.linear(x, w, b)
         return y if y.dtype == x.dtype else y.to(x.dtype)
     if w.dtype != x.dtype:
         return F.linear(x.to(w.dtype), w, b).to(x.dtype)
-    if (x.device.type == "cpu" and x.dtype in _HALF and x.dim() >= 2 and x.shape[-2] >= 2
+    if (x.is_cpu and x.dtype in _HALF and x.dim() >= 2 and x.shape[-2] >= 2
             and not cpu_has_half_matmul()):
         return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
     return F.linear(x, w, b)

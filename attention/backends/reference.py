@@ -165,7 +165,7 @@ def paged_attention(q_TNH: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 def _decodes_in_c(q_TNH, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor | None:
     """(nd, N, Hv) float32 attention of the step's leading decodes by kernels/cpu_ops (CPU, float32),
     or None where it does not apply (no decodes, other dtypes or devices, kernels not built)."""
-    if q_TNH.device.type != "cpu":
+    if not q_TNH.is_cpu:
         return None
     nd = meta.derived.get("leading_decodes")
     if nd is None:
@@ -183,7 +183,7 @@ def _decodes_in_c(q_TNH, k_cache, v_cache, meta: AttentionMetadata, scale: float
 def _prefills_in_c(q_TNH, k_cache, v_cache, meta: AttentionMetadata, scale: float, nd: int, out: torch.Tensor) -> bool:
     """The step's sequences after its nd leading decodes, by kernels/cpu_ops in one call (CPU,
     float32), written into out; False where it does not apply (then nothing is written)."""
-    if q_TNH.device.type != "cpu" or out.dtype != torch.float32:
+    if not q_TNH.is_cpu or out.dtype != torch.float32:
         return False
     from kernels import cpu_ops
 

@@ -167,7 +167,7 @@ def _rows(t: torch.Tensor) -> int | None:
 
 
 def rms_norm_fits(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and w.dtype == torch.float32 and w.is_contiguous()
+    return (x.is_cpu and x.dtype == torch.float32 and w.dtype == torch.float32 and w.is_contiguous()
             and x.dim() >= 2 and x.shape[-1] == w.shape[0] and _rows(x) is not None
             and (residual is None or (residual.shape == x.shape and residual.dtype == torch.float32
                                       and _rows(residual) is not None))
@@ -190,7 +190,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, residual: torch.Tenso
 def norm_rope_fits(x_THD: torch.Tensor, rot: int, cos_PR: torch.Tensor, w: torch.Tensor | None = None) -> bool:
     """float32 CPU (T, heads, hd) with heads contiguous in each token's row, hd <= 1024, an even
     rotary dim rot <= hd, float32 contiguous (P, rot) tables, a float32 (hd,) norm weight if any."""
-    return (x_THD.device.type == "cpu" and x_THD.dtype == torch.float32 and x_THD.dim() == 3
+    return (x_THD.is_cpu and x_THD.dtype == torch.float32 and x_THD.dim() == 3
             and x_THD.stride(2) == 1 and x_THD.stride(1) == x_THD.shape[2] and x_THD.shape[2] <= 1024
             and rot % 2 == 0 and 0 < rot <= x_THD.shape[2] and cos_PR.dtype == torch.float32
             and cos_PR.is_contiguous() and cos_PR.dim() == 2 and cos_PR.shape[1] == rot
@@ -238,7 +238,7 @@ def use_for(x_TD: torch.Tensor, w13_EFD: torch.Tensor, w2_EDF: torch.Tensor, top
     T, K = topk_ids_TK.shape
     return ((T * K <= MAX_ROWS_PER_EXPERT * w13_EFD.shape[0] or panels_fit(w13_EFD, w2_EDF))
             and x_TD.dtype in (torch.float32, torch.bfloat16, torch.float16) and w13_EFD.dtype in (torch.float32, torch.bfloat16) and w2_EDF.dtype == w13_EFD.dtype
-            and x_TD.device.type == "cpu" and w13_EFD.device.type == "cpu" and w13_EFD.is_contiguous()
+            and x_TD.is_cpu and w13_EFD.is_cpu and w13_EFD.is_contiguous()
             and w2_EDF.is_contiguous() and available())
 
 
@@ -269,8 +269,8 @@ def decode_attention_fits(q_BNH: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                           block_tables: torch.Tensor, seq_lens: torch.Tensor) -> bool:
     """float32 CPU queries (rows of N heads of H contiguous) over float32 contiguous paged caches,
     int32 block tables (rows contiguous) and sequence lengths."""
-    return (q_BNH.device.type == "cpu" and q_BNH.dtype == torch.float32 and k_cache.dtype == torch.float32
-            and v_cache.dtype == torch.float32 and k_cache.device.type == "cpu" and k_cache.is_contiguous()
+    return (q_BNH.is_cpu and q_BNH.dtype == torch.float32 and k_cache.dtype == torch.float32
+            and v_cache.dtype == torch.float32 and k_cache.is_cpu and k_cache.is_contiguous()
             and v_cache.is_contiguous() and q_BNH.stride(2) == 1 and q_BNH.stride(1) == q_BNH.shape[2]
             and block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1
             and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
@@ -324,7 +324,7 @@ LINEAR_PANEL_MAX_ROWS = 96
 
 
 def linear_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
-    if not (x.device.type == "cpu" and w.device.type == "cpu" and w.dim() == 2 and w.is_contiguous()
+    if not (x.is_cpu and w.is_cpu and w.dim() == 2 and w.is_contiguous()
             and x.shape[-1] == w.shape[1] and x.stride(-1) == 1 and (x.dim() == 2 or x.is_contiguous())):
         return False
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0

@@ -70,10 +70,10 @@ def fused_experts(
         # One token on the CPU: only its K experts run (the grouped GEMM visits every expert).
         # Decode-sized batches on the CPU: our C kernel (kernels/cpu_ops), one call for the layer,
         # float32 or bf16 weights read once (no GPU path comes here: it is opaque to capture).
-        if x_TD.device.type == "cpu" and _host_reads_ok[-1] and cpu_ops.use_for(x_TD, w13_EFD, w2_EDF, topk_ids_TK):
+        if x_TD.is_cpu and _host_reads_ok[-1] and cpu_ops.use_for(x_TD, w13_EFD, w2_EDF, topk_ids_TK):
             out = cpu_ops.moe_experts(_as_f32(x_TD), w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK)
             return out if out.dtype == x_TD.dtype else out.to(x_TD.dtype)
-        if (x_TD.shape[0] == 1 and x_TD.device.type == "cpu" and w13_EFD.dtype == torch.float32
+        if (x_TD.shape[0] == 1 and x_TD.is_cpu and w13_EFD.dtype == torch.float32
                 and _host_reads_ok[-1]):
             return fused_experts_single_token(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK)
         if (x_TD.shape[0] and w13_EFD.dtype == torch.float32 and grouped_mm_available(torch.float32, x_TD.device.type)

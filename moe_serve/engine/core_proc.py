@@ -17,6 +17,7 @@ the front end); torchrun ranks run `CoreLoop` from launcher/worker.py.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -59,6 +60,12 @@ class CoreLoop:
 
     def ready(self) -> None:
         c = self.core
+        # What start-up made (modules, weights, tokenizer, buffers) lives as long as this process:
+        # moved out of the collector's generations, so the collections the step loop's small
+        # allocations trigger never scan it again (a full one scanned all of it). Only here, in a
+        # process that runs one engine: an in-process LLM may be dropped, and frozen cycles would leak.
+        gc.collect()
+        gc.freeze()
         self.send(CoreReady(self.rank, c.max_model_len, c.vocab_size, c.runner.num_blocks, sorted(c.eos_token_ids)))
 
     def _receive(self, timeout_ms: int) -> tuple[list, bool]:

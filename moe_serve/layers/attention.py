@@ -59,7 +59,7 @@ class GQASelfAttention(nn.Module):
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         head_norm = self.q_norm is not None and self.qk_norm == "head"
-        if x_TD.device.type == "cpu" and not self.rotary.interleaved and self._norm_rope_in_c(q, k, head_norm):
+        if x_TD.is_cpu and not self.rotary.interleaved and self._norm_rope_in_c(q, k, head_norm):
             # one C pass each for q and k: per-head norm (if any) and RoPE (kernels/cpu_ops/norm.c)
             cos, sin = self.rotary.tables(q.device)
             qn, kn = (self.q_norm, self.k_norm) if head_norm else (None, None)

@@ -16,7 +16,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        if x.device.type == "cpu" and cpu_ops.rms_norm_fits(x, self.weight):
+        if x.is_cpu and cpu_ops.rms_norm_fits(x, self.weight):
             return cpu_ops.rms_norm(x, self.weight, self.eps)  # one C call (kernels/cpu_ops/norm.c)
         if dtype == torch.float32 and self.weight.dtype == torch.float32:
             # One fused op; in float32 it equals the steps below bit for bit (checked). Half
@@ -29,7 +29,7 @@ class RMSNorm(nn.Module):
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(h, norm(h)) for h = x + residual: one C call on the CPU where it fits, else the add and
         forward (the same numbers: the add is the same float32 sum)."""
-        if x.device.type == "cpu" and cpu_ops.rms_norm_fits(x, self.weight, residual):
+        if x.is_cpu and cpu_ops.rms_norm_fits(x, self.weight, residual):
             return cpu_ops.rms_norm(residual, self.weight, self.eps, residual=x)
         h = x + residual
         return h, self(h)
