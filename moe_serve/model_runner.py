@@ -65,6 +65,14 @@ def memory_probe(device: torch.device):
     return CudaMemoryProbe(device) if device.type == "cuda" else None
 
 
+def graph_memory_estimate(largest_bytes: int, smallest_bytes: int, num_graphs: int) -> int:
+    """Device memory the decode graphs of a ladder will take, from trial captures of its largest
+    and smallest sizes: the largest's private pool holds the activations every smaller graph
+    reuses (one pool for all), and each further graph costs about what the smallest did (its
+    executable graph and its output)."""
+    return largest_bytes + max(0, num_graphs - 1) * smallest_bytes
+
+
 def kv_budget_after_profile(free_bytes: int, peak_bytes: int, fraction: float) -> int:
     """KV-cache bytes once the largest step has run: `fraction` of what is free then (weights and
     persistent buffers such as DeepEP's already taken), less the step's peak activations, which
@@ -120,14 +128,18 @@ class ModelRunner:
         elem = torch.empty((), dtype=self.cfg.model.dtype).element_size()
         per_block = sum(elem * _numel(s) for layer in self.attn_layers for s in layer.cache_shape(1, bs))
         self.profile_peak_bytes = None
+        self.graph_estimate_bytes = 0
         probe = None if kv_cache_memory or self.cfg.cache.num_blocks else memory_probe(self.device)
         if probe is not None:
             self.profile_peak_bytes = self.profile_step_memory(probe)
+            if self._captures_graphs():
+                self.graph_estimate_bytes = self.profile_graph_memory(probe)
             free = probe.free_bytes()
-            budget = kv_budget_after_profile(free, self.profile_peak_bytes, fraction)
-            log.info("memory profile: a %d-token step peaks at %.1f MiB above the weights; %.1f MiB free after "
-                     "it; KV cache gets %.2f x free - peak = %.1f MiB", self.cfg.scheduler.max_num_batched_tokens,
-                     self.profile_peak_bytes / 2**20, free / 2**20, fraction, budget / 2**20)
+            budget = kv_budget_after_profile(free, self.profile_peak_bytes + self.graph_estimate_bytes, fraction)
+            log.info("memory profile: a %d-token step peaks at %.1f MiB above the weights, decode graphs are "
+                     "estimated at %.1f MiB; %.1f MiB free after them; KV cache gets %.2f x free - peak - graphs "
+                     "= %.1f MiB", self.cfg.scheduler.max_num_batched_tokens, self.profile_peak_bytes / 2**20,
+                     self.graph_estimate_bytes / 2**20, free / 2**20, fraction, budget / 2**20)
         else:
             budget = kv_cache_memory if kv_cache_memory else default_kv_cache_memory(self.device, self.weight_bytes,
                                                                                      fraction)
@@ -182,22 +194,58 @@ class ModelRunner:
         del h
         return peak
 
+    @torch.inference_mode()
+    def profile_graph_memory(self, probe) -> int:
+        """Before the KV cache is sized: capture the ladder's largest and smallest decode graphs
+        against a one-block temporary KV cache (every row of a capture reads and writes the scratch
+        block only), measure the device memory each took, free them, and return the estimate for
+        the whole ladder (`graph_memory_estimate`). The warm-up runs of these captures also compile
+        and autotune what the real captures then find cached."""
+        from moe_serve import cuda_graph
+
+        bs, dtype, dev = self.cfg.cache.block_size, self.cfg.model.dtype, self.device
+        sizes = cuda_graph.capture_sizes(self.cfg.scheduler.max_num_seqs, self.cfg.graphs.max_capture_size)
+        max_len = self.cfg.model.max_model_len
+        took = []
+        for B in sorted({sizes[-1], sizes[0]}, reverse=True):
+            for layer in self.attn_layers:
+                layer.bind([torch.zeros(s, dtype=dtype, device=dev) for s in layer.cache_shape(1, bs)])
+            free0 = probe.free_bytes()
+            trial = cuda_graph.DecodeGraphs(self.model, [B], -(-max_len // bs), bs, max_len, 0, dev)
+            try:
+                trial.capture()
+                took.append(max(0, free0 - probe.free_bytes()))
+            except RuntimeError as e:  # the real capture will fail the same way and run eagerly
+                log.warning("trial decode graph capture failed (no graph memory reserved): %s", str(e)[:300])
+                return 0
+            finally:
+                del trial
+                for layer in self.attn_layers:
+                    layer.bind([None] * len(layer.cache_shape(1, bs)))
+        return graph_memory_estimate(took[0], took[-1], len(sizes))
+
     # --- decode padding and CUDA graphs (moe_serve/cuda_graph.py) -------------------------------
+    def _captures_graphs(self) -> bool:
+        """Whether decode graphs are captured (and so padding on unless pad_decode says otherwise).
+        Graphs of one process only: an EP step's collectives are not captured (yet). Nor with
+        EPLB: a rebalance swaps expert weight buffers, which a graph would keep reading. Nor with
+        the torch attention backend: its single-decode path sizes its gather from host lengths."""
+        gc, par = self.cfg.graphs, self.cfg.parallel
+        capture = (self.device.type == "cuda" and not gc.enforce_eager and par.world_size == 1 and par.eplb is None
+                   and self.cfg.attention_backend == "triton")
+        return capture and (gc.pad_decode is None or gc.pad_decode)
+
     def _init_decode_graphs(self, max_len: int) -> None:
         """The ladder decode steps are padded to, and on CUDA one graph per size (captured now, the
         KV cache bound). Padding is on where graphs are captured, or where pad_decode forces it."""
         from moe_serve import cuda_graph
 
-        gc, par = self.cfg.graphs, self.cfg.parallel
-        # Graphs of one process only: an EP step's collectives are not captured (yet). Nor with
-        # EPLB: a rebalance swaps expert weight buffers, which a graph would keep reading. Nor with
-        # the torch attention backend: its single-decode path sizes its gather from host lengths.
-        capture = (self.device.type == "cuda" and not gc.enforce_eager and par.world_size == 1 and par.eplb is None
-                   and self.cfg.attention_backend == "triton")
+        gc = self.cfg.graphs
+        capture = self._captures_graphs()
         pad = capture if gc.pad_decode is None else gc.pad_decode
         self.pad_sizes = cuda_graph.capture_sizes(self.cfg.scheduler.max_num_seqs, gc.max_capture_size) if pad else []
         self.graphs = None
-        if capture and pad:
+        if capture:
             graphs = cuda_graph.DecodeGraphs(self.model, self.pad_sizes, self.batch.max_blocks,
                                              self.cfg.cache.block_size, max_len, self.scratch_block, self.device)
             try:
@@ -205,6 +253,12 @@ class ModelRunner:
                 self.graphs = graphs
             except RuntimeError as e:  # e.g. an op that syncs the host: decode steps stay eager
                 log.warning("decode CUDA graph capture failed, running eagerly: %s", str(e)[:300])
+                return
+            est = self.graph_estimate_bytes
+            if est and graphs.memory_bytes > est:
+                log.warning("decode graphs took %.1f MiB, above the %.1f MiB reserved for them before the KV cache "
+                            "was sized (--kv-cache-memory sizes the cache explicitly if memory runs short)", graphs.memory_bytes / 2**20,
+                            est / 2**20)
 
     def _pad_to(self, pieces: list[Piece], max_tokens_any_rank: int | None, all_ranks_decode: bool) -> int | None:
         """The ladder size a decode-only step pads to: that of the most tokens any rank scheduled

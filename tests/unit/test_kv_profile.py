@@ -49,6 +49,7 @@ def test_profiling_forward_sizes_the_kv_cache(checkpoints, monkeypatch, max_mode
     runner = llm.engine.runner
     assert probe.calls == ["reset", "peak", "free"] and probe.widest == N_TOKENS
     assert runner.profile_peak_bytes == 4 << 20
+    assert runner.graph_estimate_bytes == 0  # no decode graphs on the CPU: nothing reserved for them
     per_block = runner.kv_cache_bytes // runner.num_blocks
     assert runner.num_blocks == mr.kv_budget_after_profile(24 << 20, 4 << 20, 0.5) // per_block == (8 << 20) // per_block
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -64,3 +65,11 @@ def test_profiling_forward_sizes_the_kv_cache(checkpoints, monkeypatch, max_mode
 def test_cpu_default_does_not_profile():
     assert mr.memory_probe(torch.device("cpu")) is None
     assert mr.kv_budget_after_profile(10, 20, 0.9) == 0
+
+
+def test_graph_memory_estimate():
+    """The ladder's graphs: the largest capture's pool (shared by all) plus, for each other graph,
+    what the smallest capture took; a ladder of one graph is its capture."""
+    assert mr.graph_memory_estimate(300 << 20, 2 << 20, 10) == (300 << 20) + 9 * (2 << 20)
+    assert mr.graph_memory_estimate(5 << 20, 5 << 20, 1) == 5 << 20
+    assert mr.kv_budget_after_profile(1000, 100 + 50, 0.9) == 750  # peak and graphs both come off
