@@ -57,6 +57,49 @@ static float exp_shift(float* p, int64_t n, float m) {
   return (float)sum;
 }
 
+/* max of p[0..n) */
+static float max_of(const float* p, int64_t n) {
+  float m = -FLT_MAX;
+  int64_t s = 0;
+#ifdef __AVX512F__
+  __m512 mv = _mm512_set1_ps(-FLT_MAX);
+  for (; s + 16 <= n; s += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(p + s));
+  m = _mm512_reduce_max_ps(mv);
+#endif
+  for (; s < n; s++) m = p[s] > m ? p[s] : m;
+  return m;
+}
+
+#define QR 4 /* (query, head) rows per block */
+#ifdef __AVX512F__
+static void values_block(const float* p, int64_t lds, const float* const* vrow, int64_t n, int64_t Hv,
+                         float* const* o);
+
+/* The sums of the 16 lanes of each of a, b, c, d: the four reductions share their shuffles. */
+static inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+  /* 128-bit quarter i of abcd: two partial quarters of input i, added */
+  __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+  x = _mm512_add_ps(x, _mm512_permute_ps(x, 0xB1));
+  x = _mm512_add_ps(x, _mm512_permute_ps(x, 0x4E)); /* every lane of quarter i: the sum of input i */
+  return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                                          0, 0, 0), x));
+}
+
+/* s[r * lds] = scale * q_r . key for the 4 query heads q_r (rows H apart), H % 16 == 0. */
+static inline void scores4(const float* q, const float* key, int64_t H, float scale, float* s, int64_t lds) {
+  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  for (int64_t c = 0; c < H; c += 16) {
+    const __m512 kv = _mm512_loadu_ps(key + c);
+    for (int r = 0; r < 4; r++) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * H + c), kv, acc[r]);
+  }
+  float t[4];
+  _mm_storeu_ps(t, _mm_mul_ps(reduce4(acc[0], acc[1], acc[2], acc[3]), _mm_set1_ps(scale)));
+  for (int r = 0; r < 4; r++) s[r * lds] = t[r];
+}
+#endif
+
 /* Returns 0, or -1 without scratch memory. */
 int decode_attention_f32(const float* q, int64_t ldq, const float* k_cache, const float* v_cache, const int32_t* bt,
                          int64_t ldbt, const int32_t* seq_lens, float* out, int64_t B, int64_t N, int64_t G,
@@ -68,7 +111,9 @@ int decode_attention_f32(const float* q, int64_t ldq, const float* k_cache, cons
   int failed = 0;
 #pragma omp parallel num_threads(nt) if (nt > 1 && B * G > 1)
   {
-    float* p = malloc((size_t)(R * max_ctx) * sizeof(float)); /* scores, then weights, of one group */
+    /* scores, then weights, of one group; then the context's value row pointers */
+    float* p = malloc((size_t)(R * max_ctx) * sizeof(float) + (size_t)max_ctx * sizeof(float*));
+    const float** vrow = p ? (const float**)(p + R * max_ctx) : 0;
     float inv[64];
     float* invp = R <= 64 ? inv : malloc((size_t)R * sizeof(float));
 #pragma omp for schedule(dynamic, 1) collapse(2)
@@ -85,18 +130,58 @@ int decode_attention_f32(const float* q, int64_t ldq, const float* k_cache, cons
           memset(og, 0, (size_t)(R * Hv) * sizeof(float));
           if (ctx <= 0) continue;
           const int32_t* table = bt + b * ldbt;
+#ifdef __AVX512F__
+          const int grouped = R % 4 == 0 && H % 16 == 0; /* 4 heads per key: one reduction for 4 */
+#else
+          const int grouped = 0;
+#endif
           /* block by block (a division per key would cost more than its dot products) */
           for (int64_t s0 = 0; s0 < ctx; s0 += bs) {
             const float* key = k_cache + ((int64_t)table[s0 / bs] * bs * G + g) * H;
             const int64_t n = ctx - s0 < bs ? ctx - s0 : bs;
-            for (int64_t o = 0; o < n; o++, key += G * H)
+            for (int64_t o = 0; o < n; o++, key += G * H) {
+#ifdef __AVX512F__
+              if (grouped) {
+                for (int64_t r = 0; r < R; r += 4) scores4(qg + r * H, key, H, scale, p + r * ctx + s0 + o, ctx);
+                continue;
+              }
+#endif
               for (int64_t r = 0; r < R; r++) p[r * ctx + s0 + o] = dot(qg + r * H, key, H) * scale;
+            }
+          }
+          for (int64_t r = 0; r < R; r++) invp[r] = 1.f / exp_shift(p + r * ctx, ctx, max_of(p + r * ctx, ctx));
+#ifdef __AVX512F__
+          /* values: 4 heads' outputs, 64 values at a time, held in registers over the context */
+          for (int64_t s0 = 0; s0 < ctx; s0 += bs) {
+            const float* val = v_cache + ((int64_t)table[s0 / bs] * bs * G + g) * Hv;
+            const int64_t n = ctx - s0 < bs ? ctx - s0 : bs;
+            for (int64_t o = 0; o < n; o++, val += G * Hv) vrow[s0 + o] = val;
           }
           for (int64_t r = 0; r < R; r++) {
-            float m = -FLT_MAX;
-            for (int64_t s = 0; s < ctx; s++) m = p[r * ctx + s] > m ? p[r * ctx + s] : m;
-            invp[r] = 1.f / exp_shift(p + r * ctx, ctx, m);
+            float* pr = p + r * ctx;
+            const __m512 iv = _mm512_set1_ps(invp[r]);
+            int64_t s = 0;
+            for (; s + 16 <= ctx; s += 16) _mm512_storeu_ps(pr + s, _mm512_mul_ps(_mm512_loadu_ps(pr + s), iv));
+            for (; s < ctx; s++) pr[s] *= invp[r];
           }
+          for (int64_t r0 = 0; r0 < R; r0 += QR) {
+            float* orow[QR];
+            for (int r = 0; r < QR; r++) orow[r] = r0 + r < R ? og + (r0 + r) * Hv : 0;
+            if (r0 + QR <= R) {
+              values_block(p + r0 * ctx, ctx, vrow, ctx, Hv, orow);
+            } else { /* the last rows: pad the weight rows with the first (their outputs are dropped) */
+              float* tmp = malloc((size_t)(QR * ctx) * sizeof(float));
+              if (!tmp) {
+#pragma omp atomic write
+                failed = 1;
+                continue;
+              }
+              for (int r = 0; r < QR; r++) memcpy(tmp + r * ctx, p + (r0 + r < R ? r0 + r : r0) * ctx, (size_t)ctx * sizeof(float));
+              values_block(tmp, ctx, vrow, ctx, Hv, orow);
+              free(tmp);
+            }
+          }
+#else
           for (int64_t s0 = 0; s0 < ctx; s0 += bs) {
             const float* val = v_cache + ((int64_t)table[s0 / bs] * bs * G + g) * Hv;
             const int64_t n = ctx - s0 < bs ? ctx - s0 : bs;
@@ -105,6 +190,7 @@ int decode_attention_f32(const float* q, int64_t ldq, const float* k_cache, cons
           }
           for (int64_t r = 0; r < R; r++)
             for (int64_t d = 0; d < Hv; d++) og[r * Hv + d] *= invp[r];
+#endif
         }
     free(p);
     if (invp != inv) free(invp);
@@ -123,8 +209,6 @@ int decode_attention_f32(const float* q, int64_t ldq, const float* k_cache, cons
  * time (the heads of a group share their query's visibility; rows past it are masked), each head
  * dimension's 16-key vector of K^T serving the 4 rows. Softmax in float32 per row, then the values
  * are read in place from the cache, one key row (64 values at a time) serving the same 4 rows. */
-#define QR 4 /* (query, head) rows per block */
-
 #ifdef __AVX512F__
 /* s[r][j] = scale * q_r . K[:, j] for j < S16 (a multiple of 16), from kt [H][ldk]. */
 static void scores_block(const float* const* qr, const float* kt, int64_t ldk, int64_t H, int64_t S16, float scale,
