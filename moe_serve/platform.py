@@ -112,8 +112,9 @@ def choose(device: str = "auto", moe_backend: str = "auto", attention_backend: s
         from kernels import cpu_ops
 
         # Built here, at start-up, rather than inside the first request's step.
-        log.info("platform: CPU kernels: %s", "kernels/cpu_ops (C: decode experts, decode attention, RMSNorm, "
-                 "bf16 decode GEMVs)" if cpu_ops.available() else "torch ops only (see the cpu_ops line above)")
+        log.info("platform: CPU kernels: %s", "kernels/cpu_ops (C: experts, paged attention, RMSNorm, q/k norm and "
+                 "RoPE, decode-sized linear layers)" if cpu_ops.available() else
+                 "torch ops only (see the cpu_ops line above)")
     return choice
 
 
