@@ -111,6 +111,7 @@ def _lib() -> ctypes.CDLL | None:
     f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                   ctypes.c_int]
+    lib.moe_panel_groups_run.restype = ctypes.c_int64
     f = lib.decode_attention_f32
     f.restype = ctypes.c_int
     f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
@@ -240,6 +241,11 @@ def use_for(x_TD: torch.Tensor, w13_EFD: torch.Tensor, w2_EDF: torch.Tensor, top
             and x_TD.dtype in (torch.float32, torch.bfloat16, torch.float16) and w13_EFD.dtype in (torch.float32, torch.bfloat16) and w2_EDF.dtype == w13_EFD.dtype
             and x_TD.is_cpu and w13_EFD.is_cpu and w13_EFD.is_contiguous()
             and w2_EDF.is_contiguous() and available())
+
+
+def panel_groups_run() -> int:
+    """How many expert panel groups (moe.c's prefill path) this process has run."""
+    return _lib().moe_panel_groups_run()
 
 
 def moe_experts(x_TD: torch.Tensor, w13_EFD: torch.Tensor, w2_EDF: torch.Tensor, topk_weights_TK: torch.Tensor,

@@ -111,9 +111,10 @@ int decode_attention_f32(const float* q, int64_t ldq, const float* k_cache, cons
   int failed = 0;
 #pragma omp parallel num_threads(nt) if (nt > 1 && B * G > 1)
   {
-    /* scores, then weights, of one group; then the context's value row pointers */
-    float* p = malloc((size_t)(R * max_ctx) * sizeof(float) + (size_t)max_ctx * sizeof(float*));
-    const float** vrow = p ? (const float**)(p + R * max_ctx) : 0;
+    /* scores, then weights, of one group, in rows rounded up to whole blocks of QR (the rows past R
+     * zero: the value blocks read them, their outputs dropped); then the value row pointers */
+    const int64_t Rp = (R + QR - 1) / QR * QR;
+    float* p = malloc((size_t)(Rp * max_ctx) * sizeof(float) + (size_t)max_ctx * sizeof(float*));
     float inv[64];
     float* invp = R <= 64 ? inv : malloc((size_t)R * sizeof(float));
 #pragma omp for schedule(dynamic, 1) collapse(2)
@@ -132,8 +133,6 @@ int decode_attention_f32(const float* q, int64_t ldq, const float* k_cache, cons
           const int32_t* table = bt + b * ldbt;
 #ifdef __AVX512F__
           const int grouped = R % 4 == 0 && H % 16 == 0; /* 4 heads per key: one reduction for 4 */
-#else
-          const int grouped = 0;
 #endif
           /* block by block (a division per key would cost more than its dot products) */
           for (int64_t s0 = 0; s0 < ctx; s0 += bs) {
@@ -152,6 +151,7 @@ int decode_attention_f32(const float* q, int64_t ldq, const float* k_cache, cons
           for (int64_t r = 0; r < R; r++) invp[r] = 1.f / exp_shift(p + r * ctx, ctx, max_of(p + r * ctx, ctx));
 #ifdef __AVX512F__
           /* values: 4 heads' outputs, 64 values at a time, held in registers over the context */
+          const float** vrow = (const float**)(p + Rp * max_ctx);
           for (int64_t s0 = 0; s0 < ctx; s0 += bs) {
             const float* val = v_cache + ((int64_t)table[s0 / bs] * bs * G + g) * Hv;
             const int64_t n = ctx - s0 < bs ? ctx - s0 : bs;
@@ -164,22 +164,11 @@ int decode_attention_f32(const float* q, int64_t ldq, const float* k_cache, cons
             for (; s + 16 <= ctx; s += 16) _mm512_storeu_ps(pr + s, _mm512_mul_ps(_mm512_loadu_ps(pr + s), iv));
             for (; s < ctx; s++) pr[s] *= invp[r];
           }
+          memset(p + R * ctx, 0, (size_t)((Rp - R) * ctx) * sizeof(float));
           for (int64_t r0 = 0; r0 < R; r0 += QR) {
             float* orow[QR];
             for (int r = 0; r < QR; r++) orow[r] = r0 + r < R ? og + (r0 + r) * Hv : 0;
-            if (r0 + QR <= R) {
-              values_block(p + r0 * ctx, ctx, vrow, ctx, Hv, orow);
-            } else { /* the last rows: pad the weight rows with the first (their outputs are dropped) */
-              float* tmp = malloc((size_t)(QR * ctx) * sizeof(float));
-              if (!tmp) {
-#pragma omp atomic write
-                failed = 1;
-                continue;
-              }
-              for (int r = 0; r < QR; r++) memcpy(tmp + r * ctx, p + (r0 + r < R ? r0 + r : r0) * ctx, (size_t)ctx * sizeof(float));
-              values_block(tmp, ctx, vrow, ctx, Hv, orow);
-              free(tmp);
-            }
+            values_block(p + r0 * ctx, ctx, vrow, ctx, Hv, orow);
           }
 #else
           for (int64_t s0 = 0; s0 < ctx; s0 += bs) {

@@ -265,6 +265,34 @@ static inline void put_tile(__m512 acc[RB][3], int v, const int64_t* row, int nt
 }
 #undef TOKEN
 
+/* Rows of panel p of n packed rows. */
+static inline int panel_rows(int64_t n, int p) {
+  const int64_t left = n - (int64_t)p * NR;
+  return left < NR ? (int)left : NR;
+}
+
+/* Row block nb (rows 8 nb .. 8 nb + 7 of w, rows K apart) against every one of npan packed panels
+ * [K][NR] of n rows: dst[drow[i] + 8 nb + r] = w_r . x_i (+ bias[8 nb + r]). The row block PF_AHEAD
+ * on is prefetched while the first panel passes (the weight rows stay in L1 for the others). */
+static void row_block(const float* w, int64_t K, int nb, int nblocks, const float* xp, int npan, int64_t n,
+                      const int64_t* drow, float* dst, const float* bias) {
+  const int64_t n0 = (int64_t)nb * RB;
+  const float* wr[RB];
+  for (int r = 0; r < RB; r++) wr[r] = w + (n0 + r) * K;
+  for (int p = 0; p < npan; p++) {
+    const int np = panel_rows(n, p);
+    __m512 acc[RB][3];
+    const char* pf[2] = {0, 0};
+    if (p == 0 && nb + PF_AHEAD < nblocks) {
+      pf[0] = (const char*)(wr[0] + PF_AHEAD * RB * K);
+      pf[1] = (const char*)(wr[4] + PF_AHEAD * RB * K);
+    }
+    micro(wr, xp + (int64_t)p * K * NR, K, np, pf, acc);
+    for (int v = 0; v * 16 < np; v++)
+      put_tile(acc, v, drow + (int64_t)p * NR + 16 * v, np - 16 * v < 16 ? np - 16 * v : 16, n0, dst, bias);
+  }
+}
+
 /* A panel of np rows of x (their offsets in row[]), D values each, packed [D][NR], the lanes past np
  * zero. Gathers where every offset fits 32 bits (small_offsets). */
 static void pack_tokens(const float* x, int small_offsets, int64_t D, const int64_t* row, int np, float* bp) {
@@ -292,8 +320,8 @@ static void pack_tokens(const float* x, int small_offsets, int64_t D, const int6
 
 /* One panel group of an expert: ng tokens (pairs pe[0..ng)) through gate/up, SiLU-and-mul, the
  * routing weight and down, added into out. xp: ceil(ng/NR) panels [D][NR]; ap: as many [F][NR],
- * followed by room for ng int64 row offsets, a whole number of panels' float weights and the
- * group's token-major down output [ng][D + 16] (64-byte aligned). */
+ * followed by room for ng int64 row offsets, a whole number of panels' float weights, ng int64
+ * offsets into the group's token-major down output and that output, [ng][D + 16] (64-byte aligned). */
 static void panel_group(const float* x, int64_t T, int64_t D, const int64_t* pe, int64_t ng, const float* wts,
                         int64_t K, const float* w13, const float* w2, int64_t F, float* out, float* xp, float* ap,
                         int nt) {
@@ -307,9 +335,10 @@ static void panel_group(const float* x, int64_t T, int64_t D, const int64_t* pe,
     wg[i] = wts[pe[i]];
   }
   for (int64_t i = ng; i < (int64_t)npan * NR; i++) wg[i] = 0.f;
-  float* yb = (float*)(((uintptr_t)(wg + (int64_t)npan * NR) + 63) & ~(uintptr_t)63); /* [NR][D + 16] */
+  int64_t* yrow = (int64_t*)(wg + (int64_t)npan * NR); /* the rows' offsets in yb */
+  float* yb = (float*)(((uintptr_t)(yrow + ng) + 63) & ~(uintptr_t)63); /* [ng][D + 16] */
   for (int p = 0; p < npan; p++) {
-    const int np = ng - (int64_t)p * NR < NR ? (int)(ng - (int64_t)p * NR) : NR;
+    const int np = panel_rows(ng, p);
     pack_tokens(x, T * D < ((int64_t)1 << 31), D, row + (int64_t)p * NR, np, xp + (int64_t)p * D * NR);
   }
   /* gate/up: row blocks of 4 gate rows f0.. and their up rows F+f0.. (split over threads) */
@@ -325,7 +354,7 @@ static void panel_group(const float* x, int64_t T, int64_t D, const int64_t* pe,
     const char* pf[2] = {(const char*)(wr[0] + PF_AHEAD * 4 * D), (const char*)(wr[4] + PF_AHEAD * 4 * D)};
     const char* nopf[2] = {0, 0};
     for (int p = 0; p < npan; p++) {
-      const int np = ng - (int64_t)p * NR < NR ? (int)(ng - (int64_t)p * NR) : NR;
+      const int np = panel_rows(ng, p);
       __m512 acc[RB][3];
       micro(wr, xp + (int64_t)p * D * NR, D, np, p == 0 && fb + PF_AHEAD < fblocks ? pf : nopf, acc);
       const float* wt = wg + (int64_t)p * NR;
@@ -351,26 +380,9 @@ static void panel_group(const float* x, int64_t T, int64_t D, const int64_t* pe,
    * multiple of 4 KB: out's rows, D apart, fall in a few cache sets), then added into out's rows. */
   const int dblocks = (int)(D / RB);
   const int64_t ldy = D + 16;
-  int64_t yrow[NR];
-  for (int i = 0; i < NR; i++) yrow[i] = i * ldy;
+  for (int64_t i = 0; i < ng; i++) yrow[i] = i * ldy;
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
-  for (int db = 0; db < dblocks; db++) {
-    const int64_t d0 = (int64_t)db * RB;
-    const float* wr[RB];
-    for (int r = 0; r < RB; r++) wr[r] = w2 + (d0 + r) * F;
-    for (int p = 0; p < npan; p++) {
-      const int np = ng - (int64_t)p * NR < NR ? (int)(ng - (int64_t)p * NR) : NR;
-      __m512 acc[RB][3];
-      const char* pf[2] = {0, 0};
-      if (p == 0 && db + PF_AHEAD < dblocks) {
-        pf[0] = (const char*)(wr[0] + PF_AHEAD * RB * F);
-        pf[1] = (const char*)(wr[4] + PF_AHEAD * RB * F);
-      }
-      micro(wr, ap + (int64_t)p * F * NR, F, np, pf, acc);
-      for (int v = 0; v * 16 < np; v++)
-        put_tile(acc, v, yrow + 16 * v, np - 16 * v < 16 ? np - 16 * v : 16, d0, yb + (int64_t)p * NR * ldy, 0);
-    }
-  }
+  for (int db = 0; db < dblocks; db++) row_block(w2, F, db, dblocks, ap, npan, ng, yrow, yb, 0);
   for (int64_t i = 0; i < ng; i++) {
     float* o = out + row[i];
     const float* yi = yb + i * ldy;
@@ -406,6 +418,10 @@ static void* scratch(int slot, size_t bytes) {
   return buf[slot];
 }
 
+/* Panel groups run so far by this process (the tests check which path a shape takes). */
+static int64_t panel_groups_run;
+int64_t moe_panel_groups_run(void) { return panel_groups_run; }
+
 /* Returns 0, or -1 when scratch memory could not be had (out is then untouched). */
 int moe_experts_f32(const float* x, int64_t T, int64_t D, const int64_t* ids, const float* wts, int64_t K,
                     const void* w13, const void* w2, int w_bf16, int64_t E, int64_t F, float* out, int nt) {
@@ -433,7 +449,7 @@ int moe_experts_f32(const float* x, int64_t T, int64_t D, const int64_t* ids, co
   const int64_t small = panels ? PANEL_MIN_ROWS - 1 : rows;
   int64_t group = ((int64_t)1 << 20) / (D * NR * (int64_t)sizeof(float));
   group = (group < 1 ? 1 : group) * NR;
-  const int64_t panel_floats = panels ? (group / NR) * (D + F) * NR + 3 * group + 16 + group * (D + 16) : 0;
+  const int64_t panel_floats = panels ? (group / NR) * (D + F) * NR + 5 * group + 16 + group * (D + 16) : 0;
   const int64_t dot_floats = small * (D + 2 * F + F + D);
   const int64_t floats = panel_floats > dot_floats ? panel_floats : dot_floats;
   float* xs = scratch(1, (size_t)floats * sizeof(float));
@@ -450,7 +466,7 @@ int moe_experts_f32(const float* x, int64_t T, int64_t D, const int64_t* ids, co
     if (panel_path(n, w_bf16, D, F)) {
       const float* w13e = (const float*)w13 + e * 2 * F * D;
       const float* w2e = (const float*)w2 + e * D * F;
-      for (int64_t g0 = 0; g0 < n; g0 += group)
+      for (int64_t g0 = 0; g0 < n; g0 += group, panel_groups_run++)
         panel_group(x, T, D, pe + g0, n - g0 < group ? n - g0 : group, wts, K, w13e, w2e, F, out, xs,
                     xs + (group / NR) * D * NR, nt);
       continue;
@@ -498,27 +514,11 @@ int linear_panels_f32(const float* x, int64_t ldx, int64_t M, const float* w, co
       yrow[i] = (m0 + i) * ldy;
     }
     for (int p = 0; p < npan; p++) {
-      const int np = ng - (int64_t)p * NR < NR ? (int)(ng - (int64_t)p * NR) : NR;
+      const int np = panel_rows(ng, p);
       pack_tokens(x, M * ldx < ((int64_t)1 << 31), K, xrow + (int64_t)p * NR, np, xp + (int64_t)p * K * NR);
     }
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
-    for (int nb = 0; nb < nblocks; nb++) {
-      const int64_t n0 = (int64_t)nb * RB;
-      const float* wr[RB];
-      for (int r = 0; r < RB; r++) wr[r] = w + (n0 + r) * K;
-      for (int p = 0; p < npan; p++) {
-        const int np = ng - (int64_t)p * NR < NR ? (int)(ng - (int64_t)p * NR) : NR;
-        __m512 acc[RB][3];
-        const char* pf[2] = {0, 0};
-        if (p == 0 && nb + PF_AHEAD < nblocks) {
-          pf[0] = (const char*)(wr[0] + PF_AHEAD * RB * K);
-          pf[1] = (const char*)(wr[4] + PF_AHEAD * RB * K);
-        }
-        micro(wr, xp + (int64_t)p * K * NR, K, np, pf, acc);
-        for (int v = 0; v * 16 < np; v++)
-          put_tile(acc, v, yrow + (int64_t)p * NR + 16 * v, np - 16 * v < 16 ? np - 16 * v : 16, n0, y, b);
-      }
-    }
+    for (int nb = 0; nb < nblocks; nb++) row_block(w, K, nb, nblocks, xp, npan, ng, yrow, y, b);
   }
   return 0;
 #else

@@ -58,28 +58,27 @@ class GQASelfAttention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
+        q, k = self._norm_rope(q, k, positions_T, meta)
+        o = self.attn(q, k, v, meta)
+        return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
+
+    def _norm_rope(self, q: torch.Tensor, k: torch.Tensor, positions_T: torch.Tensor, meta: AttentionMetadata):
+        """Per-head q/k norm (where the model has it) and RoPE; (T, heads, head_dim) each."""
         head_norm = self.q_norm is not None and self.qk_norm == "head"
-        if x_TD.is_cpu and not self.rotary.interleaved and self._norm_rope_in_c(q, k, head_norm):
-            # one C pass each for q and k: per-head norm (if any) and RoPE (kernels/cpu_ops/norm.c)
-            cos, sin = self.rotary.tables(q.device)
+        if q.is_cpu and not self.rotary.interleaved:
             qn, kn = (self.q_norm, self.k_norm) if head_norm else (None, None)
-            q = cpu_ops.norm_rope(q, cos, sin, positions_T, qn.weight if qn else None, qn.eps if qn else 0.0)
-            k = cpu_ops.norm_rope(k, cos, sin, positions_T, kn.weight if kn else None, kn.eps if kn else 0.0)
-            return self.o_proj(self.attn(q, k, v, meta).reshape(T, self.num_heads * self.head_dim))
+            qw, kw = (qn.weight, kn.weight) if head_norm else (None, None)
+            cos, sin = self.rotary.tables(q.device)
+            if cpu_ops.norm_rope_fits(q, self.rotary_dim, cos, qw) and cpu_ops.norm_rope_fits(k, self.rotary_dim, cos, kw):
+                # one C pass each: the per-head norm (if any) and RoPE (kernels/cpu_ops/norm.c)
+                return (cpu_ops.norm_rope(q, cos, sin, positions_T, qw, qn.eps if qn else 0.0),
+                        cpu_ops.norm_rope(k, cos, sin, positions_T, kw, kn.eps if kn else 0.0))
         if head_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = self.rotary.cos_sin(positions_T, meta.derived)
         if self.rotary_dim == self.head_dim:
-            q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
-        else:  # partial rotary (GLM-4.5): the first rotary_dim channels of each head turn, the rest pass
-            r = self.rotary_dim
-            q = torch.cat([self.rotary.apply(q[..., :r], cos, sin), q[..., r:]], dim=-1)
-            k = torch.cat([self.rotary.apply(k[..., :r], cos, sin), k[..., r:]], dim=-1)
-        o = self.attn(q, k, v, meta)
-        return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
-
-    def _norm_rope_in_c(self, q: torch.Tensor, k: torch.Tensor, head_norm: bool) -> bool:
-        r, (cos, _) = self.rotary_dim, self.rotary.tables(q.device)
-        qw = self.q_norm.weight if head_norm else None
-        kw = self.k_norm.weight if head_norm else None
-        return cpu_ops.norm_rope_fits(q, r, cos, qw) and cpu_ops.norm_rope_fits(k, r, cos, kw)
+            return self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
+        # partial rotary (GLM-4.5): the first rotary_dim channels of each head turn, the rest pass
+        r = self.rotary_dim
+        return (torch.cat([self.rotary.apply(q[..., :r], cos, sin), q[..., r:]], dim=-1),
+                torch.cat([self.rotary.apply(k[..., :r], cos, sin), k[..., r:]], dim=-1))

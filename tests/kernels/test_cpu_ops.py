@@ -1,6 +1,7 @@
 """Our C experts kernel (kernels/cpu_ops) against a float64 reference, and how it is built and chosen."""
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -13,7 +14,18 @@ from kernels import cpu_ops
 from kernels.grouped_gemm import device_side_only, fused_experts
 from kernels.grouped_gemm.reference import fused_experts_reference
 
-pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler on this machine")
+pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the C kernels did not build here (no compiler, or no AVX-512)")
+
+
+@contextlib.contextmanager
+def _threads(n: int):
+    """torch's (and so the kernels') thread count set to n within."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
 
 
 def _case(T, D, F, E, K, dtype, seed=0, held_elsewhere=False):
@@ -37,12 +49,8 @@ def test_matches_float64_reference(dtype, T, D, F, E, K, threads):
     every row count 1..4 of a micro-tile, ids held elsewhere, one and two OpenMP threads."""
     x, w13, w2, wts, ids = _case(T, D, F, E, K, dtype, held_elsewhere=True)
     ref = fused_experts_reference(x.double(), w13.double(), w2.double(), wts.double(), ids)
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _threads(threads):
         got = cpu_ops.moe_experts(x, w13, w2, wts, ids)
-    finally:
-        torch.set_num_threads(old)
     assert got.dtype == torch.float32 and got.shape == (T, D)
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
 
@@ -66,24 +74,25 @@ def test_silu_over_the_whole_float_range():
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("T,D,F,E,K", [
-    (17, 40, 12, 1, 1),     # one expert of 17 rows: the smallest panel case, D off the vector width
-    (100, 64, 32, 3, 2),    # panels of 48, 48 and a partial one; F/4 and D/8 row blocks
-    (700, 256, 64, 2, 1),   # an expert beyond one panel group (1 MB of packed tokens)
-    (300, 128, 80, 16, 4),  # experts on both sides of the panel threshold in one call
+@pytest.mark.parametrize("T,D,F,E,K,held", [
+    (17, 40, 12, 1, 1, False),   # one expert of exactly 17 rows: the smallest panel case, D off the vector width
+    (100, 64, 32, 3, 2, True),   # panels of 48, 48 and a partial one; F/4 and D/8 row blocks
+    (700, 256, 64, 2, 1, True),  # an expert beyond one panel group (1 MB of packed tokens)
+    (300, 128, 80, 16, 4, True),  # experts on both sides of the panel threshold in one call
 ])
-def test_panel_path_matches_float64_reference(T, D, F, E, K, threads):
+def test_panel_path_matches_float64_reference(T, D, F, E, K, held, threads):
     """Experts with many rows (prefill) take the outer-product panel kernel in float32: partial
     panels, several panel groups, ids held elsewhere, experts below the threshold in the same call."""
-    x, w13, w2, wts, ids = _case(T, D, F, E, K, torch.float32, seed=T + D, held_elsewhere=True)
+    x, w13, w2, wts, ids = _case(T, D, F, E, K, torch.float32, seed=T + D, held_elsewhere=held)
     ref = fused_experts_reference(x.double(), w13.double(), w2.double(), wts.double(), ids)
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    ran = cpu_ops.panel_groups_run()
+    with _threads(threads):
         got = cpu_ops.moe_experts(x, w13, w2, wts, ids)
-    finally:
-        torch.set_num_threads(old)
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+    rows = torch.bincount(ids[ids >= 0], minlength=E)
+    groups = (1 << 20) // (D * 48 * 4) * 48  # rows per panel group (moe.c)
+    want = sum(-(-int(n) // groups) for n in rows if n >= 17)
+    assert want > 0 and cpu_ops.panel_groups_run() - ran == want  # the panel path ran, group by group
 
 
 def test_fused_experts_takes_it_where_it_is_written_for():
@@ -164,14 +173,10 @@ def test_rms_norm_matches_float64(shape, threads):
     x = torch.randn(*shape, generator=g) * 3
     r = torch.randn(*shape, generator=g)
     w = torch.randn(shape[-1], generator=g)
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _threads(threads):
         assert cpu_ops.rms_norm_fits(x, w) and cpu_ops.rms_norm_fits(x, w, r)
         got = cpu_ops.rms_norm(x, w, 1e-6)
         h, got_r = cpu_ops.rms_norm(x, w, 1e-5, residual=r)
-    finally:
-        torch.set_num_threads(old)
     torch.testing.assert_close(got.double(), _rms64(x, w, 1e-6), rtol=1e-5, atol=1e-5)
     assert torch.equal(h, x + r)  # the residual sum is the same float32 add
     torch.testing.assert_close(got_r.double(), _rms64(x + r, w, 1e-5), rtol=1e-5, atol=1e-5)
@@ -218,14 +223,10 @@ def test_decode_attention_matches_float64(N, G, H, bs, threads):
     tables = torch.stack([torch.randperm(nblocks, generator=g)[:W] for _ in range(B)]).to(torch.int32)
     q = torch.randn(B, N, H, generator=g)
     scale = H ** -0.5
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _threads(threads):
         lens = torch.tensor(seq, dtype=torch.int32)
         assert cpu_ops.decode_attention_fits(q, k_cache, v_cache, tables, lens)
         got = cpu_ops.decode_attention(q, k_cache, v_cache, tables, lens, scale)
-    finally:
-        torch.set_num_threads(old)
     for b, s in enumerate(seq):
         pos = torch.arange(s)
         slots = tables[b, pos // bs].long() * bs + pos % bs
@@ -297,13 +298,9 @@ def test_prefill_attention_matches_float64(N, G, H, bs, threads):
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     out = torch.full((T, N, H), 7.0)
     scale = H ** -0.5
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _threads(threads):
         assert cpu_ops.decode_attention_fits(q, k_cache, v_cache, tables, lens)
         cpu_ops.prefill_attention(q, k_cache, v_cache, tables, lens, qsl, 1, len(seq_lens), out, scale)
-    finally:
-        torch.set_num_threads(old)
     assert (out[:int(qsl[1])] == 7.0).all()  # sequence 0 (before b0) untouched
     for b in range(1, len(seq_lens)):
         s, ql, q0 = seq_lens[b], q_lens[b], int(qsl[b])
@@ -360,14 +357,10 @@ def test_linear_bf16_weight_matches_float64(M, K, N, threads):
     w = (torch.randn(N, K, generator=g) * K ** -0.5).bfloat16()
     x = torch.randn(M, K, generator=g)
     b = torch.randn(N, generator=g).bfloat16()
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _threads(threads):
         assert cpu_ops.linear_fits(x, w) and cpu_ops.linear_fits(x.bfloat16(), w)
         got = cpu_ops.linear(x, w)
         pub = linear(x.bfloat16(), w, b)
-    finally:
-        torch.set_num_threads(old)
     ref = x.double() @ w.double().T
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
     assert pub.dtype == torch.bfloat16
@@ -390,14 +383,10 @@ def test_linear_float32_weight_matches_float64(M, K, N, threads):
     w = torch.randn(N, K, generator=g) * K ** -0.5
     x = torch.randn(M, K + 8, generator=g)[:, 3:3 + K]  # rows K + 8 apart
     b = torch.randn(N, generator=g)
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _threads(threads):
         assert cpu_ops.linear_fits(x, w)
         got = cpu_ops.linear(x, w, b)
         pub = linear(x, w, b)
-    finally:
-        torch.set_num_threads(old)
     ref = x.double() @ w.double().T + b.double()
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(pub.double(), ref, rtol=1e-5, atol=1e-5)
@@ -420,13 +409,9 @@ def test_norm_rope_matches_float64(hd, rot, norm, threads):
     pos = torch.randint(0, P, (T,), generator=g)
     rope = RotaryEmbedding(rot, {"rope_theta": 10000.0, "rope_type": "default"}, P)
     cos, sin = rope.tables(torch.device("cpu"))
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _threads(threads):
         assert cpu_ops.norm_rope_fits(x, rot, cos, w)
         got = cpu_ops.norm_rope(x, cos, sin, pos, w, 1e-6)
-    finally:
-        torch.set_num_threads(old)
     xd = x.double()
     if norm:
         xd = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
@@ -450,3 +435,32 @@ def test_norm_rope_refuses_positions_outside_the_table():
         cpu_ops.norm_rope(x, cos, sin, torch.tensor([0, 31, 32]))
     assert not cpu_ops.norm_rope_fits(x, 16, cos, torch.ones(8))  # a weight of the wrong size
     assert not cpu_ops.norm_rope_fits(x.double(), 16, cos)
+
+
+def test_models_forward_runs_the_kernels(checkpoints):
+    """A Qwen3-MoE prefill and decode on the CPU reach each C kernel the model forward is meant to
+    use (their numbers are checked against transformers in tests/models): the experts' panel path,
+    prefill and decode attention, q/k norm with RoPE, and the float32 linear layers."""
+    from moe_serve import LLM, SamplingParams
+
+    llm = LLM(checkpoints["qwen3_moe"], dtype="float32", show_progress=False)
+    calls = {}
+    names = ("prefill_attention", "decode_attention", "norm_rope", "linear")
+    origs = {n: getattr(cpu_ops, n) for n in names}
+
+    def counting(name):
+        def f(*a, **k):
+            calls[name] = calls.get(name, 0) + 1
+            return origs[name](*a, **k)
+        return f
+
+    ran = cpu_ops.panel_groups_run()
+    for n in names:
+        setattr(cpu_ops, n, counting(n))
+    try:
+        llm.generate([{"prompt_token_ids": list(range(3, 3 + 150))}], SamplingParams(max_tokens=3, ignore_eos=True))
+    finally:
+        for n in names:
+            setattr(cpu_ops, n, origs[n])
+    assert cpu_ops.panel_groups_run() > ran  # 150 tokens x top-3 over 8 experts: panels
+    assert all(calls.get(n, 0) > 0 for n in names), calls
