@@ -91,16 +91,20 @@ def test_killed_engine_core_gives_503_and_the_server_exits_naming_it(checkpoints
     s = ServerProcess(["--model", checkpoints["mixtral"], "--dtype", "float32", "--kv-cache-memory", str(4 << 20)])
     try:
         pid = int(re.search(r"engine core process started \(pid (\d+)\)", s.log()).group(1))
-        got = {}
+        got = {"lines": []}
+        streaming = threading.Event()
 
-        def long_stream():
+        def long_stream():  # 900 tokens: about a second here, so the kill comes while it streams
             with httpx.stream("POST", s.url + "/v1/completions", timeout=60, json={
                     "prompt": [5, 6], "max_tokens": 900, "ignore_eos": True, "stream": True}) as r:
-                got["lines"] = [line for line in r.iter_lines() if line]
+                for line in r.iter_lines():
+                    if line:
+                        got["lines"].append(line)
+                        streaming.set()
 
         t = threading.Thread(target=long_stream)
         t.start()
-        time.sleep(1.0)
+        assert streaming.wait(30)
         os.kill(pid, signal.SIGKILL)
         codes = []
         deadline = time.monotonic() + 10

@@ -137,7 +137,7 @@ def test_built_once_and_torch_ops_without_a_compiler(tmp_path):
         x = torch.randn(3, 32, generator=g); w13 = torch.randn(4, 32, 32, generator=g); w2 = torch.randn(4, 32, 16, generator=g)
         ids = torch.tensor([[0, 1], [2, 3], [1, -1]]); wts = torch.rand(3, 2, generator=g)
         ref = fused_experts_reference(x.double(), w13.double(), w2.double(), wts.double(), ids)
-        torch.testing.assert_close(fused_experts(x, w13, w2, wts, ids).double(), ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(fused_experts(x, w13, w2, wts, ids).double(), ref, rtol=1e-4, atol=1e-4)  # fp32 sums of 32 terms of ~5
         print("ok")
     """)
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
