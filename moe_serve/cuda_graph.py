@@ -6,7 +6,9 @@ row is a dummy one-token sequence at position 0 whose KV write goes to the runne
 (one block past those the allocator hands out, so never a real request's), which attends to that
 key only, and which is never sampled (logits indices name real rows only). With expert
 parallelism every rank pads to the ladder size of the most tokens any rank scheduled (the core
-loop's per-step all-reduce), so all ranks run the same batch size.
+loop's per-step all-reduce), so all ranks run the same batch size, and the MoE layers exchange
+tokens in the dispatcher's fixed-shape form (an all-gather of every rank's padded rows and a
+reduce-scatter back: no host read, no data-dependent shape; `Dispatcher.set_static_rows`).
 
 On CUDA one `torch.cuda.CUDAGraph` per ladder size holds the model forward over static input
 buffers (ids, positions, slot mapping, query starts, sequence lengths, block tables); a decode step
@@ -57,8 +59,9 @@ class DecodeGraphs:
     Capture needs the KV cache bound (the graphs write and read it at fixed addresses)."""
 
     def __init__(self, model, sizes: list[int], max_blocks: int, block_size: int, max_seq_len: int,
-                 scratch_block: int, device: torch.device):
+                 scratch_block: int, device: torch.device, dispatcher=None):
         self.model, self.sizes, self.block_size = model, sorted(sizes), block_size
+        self.dispatcher = dispatcher  # the MoE layers': told each size, as a padded step tells it
         self.max_seq_len = max_seq_len
         n = self.sizes[-1]
         kw = dict(device=device)
@@ -79,32 +82,59 @@ class DecodeGraphs:
                                               self.slots[:B], self.block_size, [1] * B, [self.max_seq_len] * B)
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, agree=None) -> None:
+        """Capture every size, largest first. With expert parallelism every rank captures the same
+        sizes in the same order (the MoE layers' collectives are captured too, in the dispatcher's
+        fixed-shape form), and agree(ok) -> bool, a collective, says after each size whether every
+        rank captured it: if one did not, all of them raise (and so all run eagerly)."""
         from kernels.grouped_gemm import device_side_only
 
         torch.cuda.synchronize()
         free0, _ = torch.cuda.mem_get_info()
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        for B in reversed(self.sizes):  # largest first: the smaller graphs reuse its pool
-            ids, pos, meta = self.ids[:B], self.pos[:B], self._meta(B)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side), device_side_only():
-                for _ in range(2):  # compiles, autotuning and allocator warm-up outside the capture
-                    meta.derived.clear()
-                    self.model(ids, pos, meta)
-            torch.cuda.current_stream().wait_stream(side)
-            meta.derived.clear()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool), device_side_only():
-                out = self.model(ids, pos, meta)
-            self.graphs[B] = (g, out)
+        d = self.dispatcher
+        try:
+            for B in reversed(self.sizes):  # largest first: the smaller graphs reuse its pool
+                if d is not None:  # what a padded decode step of B rows on every rank sets
+                    d.set_step_max_tokens(B)
+                    d.set_static_rows(B)
+                err = None
+                try:
+                    self.graphs[B] = self._capture_one(B, pool, device_side_only)
+                except RuntimeError as e:
+                    err = e
+                if agree is not None and not agree(err is None):
+                    self.graphs.clear()
+                    raise RuntimeError(f"decode graph capture of batch {B} failed on "
+                                       f"{'this rank' if err else 'another rank'}: {err or ''}") from err
+                if err is not None:
+                    self.graphs.clear()
+                    raise err
+        finally:
+            if d is not None:
+                d.set_static_rows(None)
+                d.set_step_max_tokens(None)
         torch.cuda.synchronize()
         self.capture_s = time.perf_counter() - t0
         self.memory_bytes = free0 - torch.cuda.mem_get_info()[0]
         log.info("captured %d decode graphs (batch %s) in %.1fs, %.1f MiB of graph memory", len(self.graphs),
                  ",".join(map(str, self.sizes)), self.capture_s, self.memory_bytes / 2**20)
+
+    def _capture_one(self, B: int, pool, device_side_only) -> tuple:
+        ids, pos, meta = self.ids[:B], self.pos[:B], self._meta(B)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), device_side_only():
+            for _ in range(2):  # compiles, autotuning and allocator warm-up outside the capture
+                meta.derived.clear()
+                self.model(ids, pos, meta)
+        torch.cuda.current_stream().wait_stream(side)
+        meta.derived.clear()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=pool), device_side_only():
+            out = self.model(ids, pos, meta)
+        return g, out
 
     def replay(self, ids_T: torch.Tensor, pos_T: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states of a padded decode step (its size a ladder size): inputs copied into the

@@ -185,6 +185,7 @@ class ModelRunner:
         for layer in self.attn_layers:
             layer.bind([torch.zeros(s, dtype=dtype, device=dev) for s in layer.cache_shape(first, bs)])
         self.moe_ctx.dispatcher.set_step_max_tokens(N)  # the same N on every rank: nothing to agree
+        self.moe_ctx.dispatcher.set_static_rows(None)
         probe.reset()
         h = self.model(ids, positions, meta)
         self.model.compute_logits(h[: min(N, sc.max_num_seqs)])  # the most rows a step samples
@@ -211,9 +212,10 @@ class ModelRunner:
             for layer in self.attn_layers:
                 layer.bind([torch.zeros(s, dtype=dtype, device=dev) for s in layer.cache_shape(1, bs)])
             free0 = probe.free_bytes()
-            trial = cuda_graph.DecodeGraphs(self.model, [B], -(-max_len // bs), bs, max_len, 0, dev)
+            trial = cuda_graph.DecodeGraphs(self.model, [B], -(-max_len // bs), bs, max_len, 0, dev,
+                                            self.moe_ctx.dispatcher)
             try:
-                trial.capture()
+                trial.capture(self._agree_captured())
                 took.append(max(0, free0 - probe.free_bytes()))
             except RuntimeError as e:  # the real capture will fail the same way and run eagerly
                 log.warning("trial decode graph capture failed (no graph memory reserved): %s", str(e)[:300])
@@ -225,14 +227,22 @@ class ModelRunner:
         return graph_memory_estimate(took[0], took[-1], len(sizes))
 
     # --- decode padding and CUDA graphs (moe_serve/cuda_graph.py) -------------------------------
+    def _agree_captured(self):
+        """With expert parallelism: agree(ok) -> whether every rank captured a size (one small
+        all-reduce), so that the ranks keep graphs or run eagerly together; None with one rank."""
+        d = self.moe_ctx.dispatcher
+        return None if d.world_size == 1 else (lambda ok: d.agree_max(0 if ok else 1) == 0)
+
     def _captures_graphs(self) -> bool:
         """Whether decode graphs are captured (and so padding on unless pad_decode says otherwise).
-        Graphs of one process only: an EP step's collectives are not captured (yet). Nor with
-        EPLB: a rebalance swaps expert weight buffers, which a graph would keep reading. Nor with
-        the torch attention backend: its single-decode path sizes its gather from host lengths."""
+        With expert parallelism only where the dispatcher has a fixed-shape exchange over NCCL for
+        padded decode steps (all_to_all, allgather; not DeepEP, whose dispatch picks its mode and
+        buffers per step). Not with EPLB: a rebalance swaps expert weight buffers, which a graph would
+        keep reading. Nor with the torch attention backend: its single-decode path sizes its gather
+        from host lengths."""
         gc, par = self.cfg.graphs, self.cfg.parallel
-        capture = (self.device.type == "cuda" and not gc.enforce_eager and par.world_size == 1 and par.eplb is None
-                   and self.cfg.attention_backend == "triton")
+        capture = (self.device.type == "cuda" and not gc.enforce_eager and par.eplb is None
+                   and self.moe_ctx.dispatcher.captures_decode() and self.cfg.attention_backend == "triton")
         return capture and (gc.pad_decode is None or gc.pad_decode)
 
     def _init_decode_graphs(self, max_len: int) -> None:
@@ -247,9 +257,10 @@ class ModelRunner:
         self.graphs = None
         if capture:
             graphs = cuda_graph.DecodeGraphs(self.model, self.pad_sizes, self.batch.max_blocks,
-                                             self.cfg.cache.block_size, max_len, self.scratch_block, self.device)
+                                             self.cfg.cache.block_size, max_len, self.scratch_block, self.device,
+                                             self.moe_ctx.dispatcher)
             try:
-                graphs.capture()
+                graphs.capture(self._agree_captured())
                 self.graphs = graphs
             except RuntimeError as e:  # e.g. an op that syncs the host: decode steps stay eager
                 log.warning("decode CUDA graph capture failed, running eagerly: %s", str(e)[:300])
@@ -298,6 +309,8 @@ class ModelRunner:
         # agreed maximum (a padded decode step runs pad_to rows on every rank); None (not agreed
         # this step) makes them agree themselves.
         dispatcher.set_step_max_tokens(None if max_tokens_any_rank is None else max(max_tokens_any_rank, pad_to or 0))
+        # A padded decode step runs pad_to rows on every rank: the dispatcher's fixed-shape exchange.
+        dispatcher.set_static_rows(pad_to)
         step = self.batch.prepare(pieces, split, pad_to, self.scratch_block)
         if split:
             return self.model.forward_microbatches(step.batches), step

@@ -14,6 +14,24 @@ class HostSyncError(AssertionError):
 
 
 class NoHostSync(TorchDispatchMode):
+    """Also fails on Tensor.tolist(), which reads the data without dispatching an op."""
+
+    def __enter__(self):
+        self._own_tolist = torch.Tensor.__dict__.get("tolist")
+
+        def tolist(t, *args, **kwargs):
+            raise HostSyncError("Tensor.tolist inside code that must be capturable")
+
+        torch.Tensor.tolist = tolist
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        if self._own_tolist is None:
+            del torch.Tensor.tolist
+        else:
+            torch.Tensor.tolist = self._own_tolist
+        return super().__exit__(*exc)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         if name in _FORBIDDEN:

@@ -15,7 +15,9 @@ index_add_ in float32, so a token's sum over ranks does not round after each ran
 
 Host syncs: one .tolist() of the counts in dispatch (all_to_all_single takes the splits as Python
 lists and the output size must be known); the send layout is built after it with nonzero_static, so
-no second sync. combine has none.
+no second sync. combine has none. A padded decode step (`set_static_rows`: the same row count on
+every rank) has neither: it takes the all-gather backend's fixed-shape exchange, which a CUDA graph
+can capture (at decode sizes the all-gather is the cheaper exchange anyway).
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from expert_parallel.dispatch.base import Dispatcher, DispatchOutput, Pending
+from expert_parallel.dispatch.allgather import AllGatherDispatcher, AllGatherHandle
+from expert_parallel.dispatch.base import Dispatcher, DispatchOutput, Pending, done, pack_rows, unpack_rows  # noqa: F401
 
 
 @dataclass
@@ -43,24 +46,6 @@ class AllToAllHandle:
     num_tokens: int
 
 
-def pack_rows(x_ND: torch.Tensor, ids_NK: torch.Tensor, weights_NK: torch.Tensor) -> torch.Tensor:
-    """(N, D) any dtype, (N, K) int ids, (N, K) weights -> (N, B) uint8 rows, B = D*elt + 8K."""
-    parts = [x_ND.contiguous().view(torch.uint8),
-             ids_NK.to(torch.int32).contiguous().view(torch.uint8),
-             weights_NK.to(torch.float32).contiguous().view(torch.uint8)]
-    return torch.cat(parts, dim=1)
-
-
-def unpack_rows(rows_NB: torch.Tensor, D: int, K: int, dtype: torch.dtype):
-    """Inverse of pack_rows: -> x (N, D) dtype, ids (N, K) int64, weights (N, K) float32."""
-    x_bytes = D * torch.empty((), dtype=dtype).element_size()
-    # Column slices are strided; .contiguous() gives each piece its own dense storage to view.
-    x_ND = rows_NB[:, :x_bytes].contiguous().view(dtype)
-    ids_NK = rows_NB[:, x_bytes:x_bytes + 4 * K].contiguous().view(torch.int32).to(torch.int64)
-    weights_NK = rows_NB[:, x_bytes + 4 * K:].contiguous().view(torch.float32)
-    return x_ND, ids_NK, weights_NK
-
-
 class AllToAllDispatcher(Dispatcher):
     """Uneven all-to-all dispatch/combine; each token crosses the wire once per destination rank.
 
@@ -72,6 +57,15 @@ class AllToAllDispatcher(Dispatcher):
     """
 
     name = "all_to_all"
+    has_fixed_shape_exchange = True
+
+    def __init__(self, num_slots: int, rank: int = 0, world_size: int = 1, group=None):
+        super().__init__(num_slots, rank, world_size, group)
+        self._fixed = AllGatherDispatcher(num_slots, rank, world_size, group)  # padded decode steps
+
+    def set_static_rows(self, m: int | None) -> None:
+        super().set_static_rows(m)
+        self._fixed.set_static_rows(m)
 
     def dispatch(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor,
                  topk_weights_TK: torch.Tensor) -> DispatchOutput:
@@ -96,6 +90,8 @@ class AllToAllDispatcher(Dispatcher):
             Received rows are ordered by source rank, then by the source's token order.
         """
         T, D = x_TD.shape
+        if self.is_static(T):
+            return done(self._fixed.dispatch(x_TD, topk_ids_TK, topk_weights_TK))
         K = topk_ids_TK.shape[1]
         W, spr, dev = self.world_size, self.slots_per_rank, x_TD.device
         ids_TK = topk_ids_TK.to(torch.int64)
@@ -142,6 +138,8 @@ class AllToAllDispatcher(Dispatcher):
             Pending whose wait() gives (T, D) in y's dtype: for each original token, the sum over
             ranks of their partial sums.
         """
+        if isinstance(handle, AllGatherHandle):  # a padded decode step's fixed-shape exchange
+            return done(self._fixed.combine(y_RD, handle))
         D = y_RD.shape[1]
         back_SD = y_RD.new_empty((sum(handle.send_splits), D))
         work = dist.all_to_all_single(back_SD, y_RD.contiguous(), output_split_sizes=handle.send_splits,

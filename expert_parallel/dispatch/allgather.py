@@ -13,6 +13,11 @@ Compared with all_to_all this sends every token to every rank (W-1 copies instea
 min(K, W-1)) and needs no per-rank counts exchange; with tiny T the fixed latency of the collectives,
 not bytes, is the cost. Host syncs: the agreed M (.item()) and the kept-row selection (nonzero).
 
+A padded decode step (`set_static_rows`: every rank runs the same M rows, agreed before the step)
+skips both: M is known, and every gathered row is kept (rows with no slot here carry only -1 ids, so
+the grouped GEMM skips them), and combine reduce-scatters the partial sums as they are. No host read,
+no data-dependent shape: the exchange a CUDA graph captures, for this backend and for all_to_all.
+
 reduce-scatter: torch >= 2.13 gloo implements it, older gloo builds raise "not supported". The first
 combine tries it and, if the backend refuses before any data moves (identical on every rank, since it
 is a property of the backend), falls back to all_reduce + slice for the rest of the process.
@@ -24,8 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from expert_parallel.dispatch.all_to_all import pack_rows, unpack_rows
-from expert_parallel.dispatch.base import Dispatcher, DispatchOutput
+from expert_parallel.dispatch.base import Dispatcher, DispatchOutput, pack_rows, unpack_rows
 
 
 def _all_gather_single(out: torch.Tensor, inp: torch.Tensor, group) -> None:
@@ -44,12 +48,13 @@ def _reduce_scatter_single(out: torch.Tensor, inp: torch.Tensor, group) -> None:
 class AllGatherHandle:
     """What combine needs.
 
-    kept_R: (R,) int64 indices of this rank's kept rows in the gathered (G, D) layout.
+    kept_R: (R,) int64 indices of this rank's kept rows in the gathered (G, D) layout; None when
+        every gathered row was kept (a fixed-shape step).
     rows_per_rank: M, the padded per-rank row count every rank used.
     num_tokens: T on this rank.
     """
 
-    kept_R: torch.Tensor
+    kept_R: torch.Tensor | None
     rows_per_rank: int
     num_tokens: int
 
@@ -65,6 +70,7 @@ class AllGatherDispatcher(Dispatcher):
     """
 
     name = "allgather"
+    has_fixed_shape_exchange = True
 
     def __init__(self, num_slots: int, rank: int = 0, world_size: int = 1, group=None):
         super().__init__(num_slots, rank, world_size, group)
@@ -87,9 +93,13 @@ class AllGatherDispatcher(Dispatcher):
         K = topk_ids_TK.shape[1]
         W, dev = self.world_size, x_TD.device
 
-        max_T = torch.tensor([T], dtype=torch.int64, device=dev)
-        dist.all_reduce(max_T, op=dist.ReduceOp.MAX, group=self.group)
-        M = int(max_T.item())
+        static = self.is_static(T)
+        if static:
+            M = T
+        else:
+            max_T = torch.tensor([T], dtype=torch.int64, device=dev)
+            dist.all_reduce(max_T, op=dist.ReduceOp.MAX, group=self.group)
+            M = int(max_T.item())
 
         rows_TB = pack_rows(x_TD, topk_ids_TK, topk_weights_TK)
         # Padding rows carry id -1 everywhere, so no rank keeps them. pack_rows stores ids as int32,
@@ -103,6 +113,8 @@ class AllGatherDispatcher(Dispatcher):
 
         x_GD, ids_GK, weights_GK = unpack_rows(gathered_GB, D, K, x_TD.dtype)
         local_GK = self.to_local_ids(ids_GK)
+        if static:
+            return DispatchOutput(x_GD, local_GK, weights_GK, AllGatherHandle(None, M, T))
         kept_R = torch.nonzero((local_GK >= 0).any(dim=1), as_tuple=True)[0]
         handle = AllGatherHandle(kept_R, M, T)
         return DispatchOutput(x_GD[kept_R], local_GK[kept_R], weights_GK[kept_R], handle)
@@ -118,8 +130,11 @@ class AllGatherDispatcher(Dispatcher):
         """
         W, M, D = self.world_size, handle.rows_per_rank, y_RD.shape[1]
         # Reduce in float32 where y is narrower: W bf16 additions would round after each one.
-        full_GD = torch.zeros(W * M, D, dtype=torch.float32, device=y_RD.device)
-        full_GD[handle.kept_R] = y_RD.to(torch.float32)
+        if handle.kept_R is None:  # every gathered row was kept: y is already in the gathered layout
+            full_GD = y_RD.to(torch.float32).contiguous()
+        else:
+            full_GD = torch.zeros(W * M, D, dtype=torch.float32, device=y_RD.device)
+            full_GD[handle.kept_R] = y_RD.to(torch.float32)
         mine_MD = full_GD.new_empty((M, D))
         if self._reduce_scatter_ok is not False:
             try:

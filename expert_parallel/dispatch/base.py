@@ -39,6 +39,24 @@ class DispatchOutput:
     expert_major: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
+def pack_rows(x_ND: torch.Tensor, ids_NK: torch.Tensor, weights_NK: torch.Tensor) -> torch.Tensor:
+    """(N, D) any dtype, (N, K) int ids, (N, K) weights -> (N, B) uint8 rows, B = D*elt + 8K."""
+    parts = [x_ND.contiguous().view(torch.uint8),
+             ids_NK.to(torch.int32).contiguous().view(torch.uint8),
+             weights_NK.to(torch.float32).contiguous().view(torch.uint8)]
+    return torch.cat(parts, dim=1)
+
+
+def unpack_rows(rows_NB: torch.Tensor, D: int, K: int, dtype: torch.dtype):
+    """Inverse of pack_rows: -> x (N, D) dtype, ids (N, K) int64, weights (N, K) float32."""
+    x_bytes = D * torch.empty((), dtype=dtype).element_size()
+    # Column slices are strided; .contiguous() gives each piece its own dense storage to view.
+    x_ND = rows_NB[:, :x_bytes].contiguous().view(dtype)
+    ids_NK = rows_NB[:, x_bytes:x_bytes + 4 * K].contiguous().view(torch.int32).to(torch.int64)
+    weights_NK = rows_NB[:, x_bytes + 4 * K:].contiguous().view(torch.float32)
+    return x_ND, ids_NK, weights_NK
+
+
 class Pending:
     """A communication in flight. `wait()` blocks until it is done and returns its result (once;
     later calls return the same result). Between the start and `wait()` the caller computes
@@ -100,6 +118,28 @@ class Dispatcher(ABC):
     def combine_async(self, y_RD: torch.Tensor, handle: Any) -> Pending:
         """Start combine; `.wait()` gives y_TD."""
         return done(self.combine(y_RD, handle))
+
+    # Rows every rank runs in this step when it is a padded decode step (the same count on every
+    # rank), else None: set by the model runner before each forward (`set_static_rows`).
+    static_rows: int | None = None
+    has_fixed_shape_exchange = False  # backends with a fixed-shape form for those steps
+
+    def set_static_rows(self, m: int | None) -> None:
+        """A padded decode step: every rank of the EP group runs exactly m rows in every MoE layer
+        (m agreed by the core loop's per-step all-reduce), or None. Backends that size their
+        exchange from the data (counts read back on the host, kept rows selected) switch to an
+        exchange of fixed shapes for such a step, with no host read and no data-dependent shape:
+        what a CUDA graph holds."""
+        self.static_rows = m if self.world_size > 1 else None
+
+    def captures_decode(self) -> bool:
+        """Whether a CUDA graph can hold this backend's padded decode step: one rank (nothing to
+        exchange), or a fixed-shape exchange (`set_static_rows`) over NCCL."""
+        return self.world_size == 1 or (self.has_fixed_shape_exchange and dist.get_backend(self.group) == "nccl")
+
+    def is_static(self, num_tokens: int) -> bool:
+        """Whether a dispatch of num_tokens rows takes the fixed-shape exchange (see set_static_rows)."""
+        return self.static_rows is not None and num_tokens == self.static_rows
 
     def set_step_max_tokens(self, n: int | None) -> None:
         """The most tokens any rank of the EP group runs in this step (agreed once per step by the

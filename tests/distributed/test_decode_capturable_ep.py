@@ -1,0 +1,133 @@
+"""The decode forward at EP 2 can be captured: a real 2-rank gloo job runs the engine's padded decode
+steps (both ranks pad to the ladder size of the larger batch, the idle rank included) with each
+rank's model forward under the guard that fails on any device-to-host read or data-dependent shape
+(tests/sync_guard.py), so every MoE layer's dispatch and combine take the dispatcher's fixed-shape
+exchange. The greedy tokens equal the single-process engine's on the same prompts."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+WORLD = 2
+# Rank 0 runs 3 sequences, rank 1 one that ends early: decode steps of 3 and 1 both pad to 4, then
+# rank 1 runs empty padded forwards while rank 0 finishes.
+PROMPTS = {0: [[5, 77, 301, 42], [9, 8, 7, 6, 5, 4], [450, 12, 13]], 1: [[31, 41, 59, 26, 5]]}
+MAX_TOKENS = {0: 6, 1: 3}
+
+
+def worker(path: str, backend: str, out_path: str) -> None:
+    sys.path.insert(0, str(REPO))
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    result = {"error": None}
+    try:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+        rank = dist.get_rank()
+        from kernels.grouped_gemm import device_side_only
+        from moe_serve.engine.args import EngineArgs
+        from moe_serve.engine.core import build_engine
+        from moe_serve.protocol import NewRequest
+        from moe_serve.sampling_params import SamplingParams
+        from moe_serve.scheduler import SchedulerOutput
+        from tests.sync_guard import NoHostSync
+
+        args = EngineArgs(model=path, dtype="float32", kv_cache_memory=1 << 20, pad_decode=True,
+                          all2all_backend=backend, show_progress=False)
+        core = build_engine(args.create_engine_config(rank, WORLD))
+        model, dispatcher = core.runner.model, core.moe_ctx.dispatcher
+        guarded, static = [], []
+        plain = model.forward
+
+        def forward(ids_T, positions_T, meta):
+            if meta.is_decode_only:
+                guarded.append(ids_T.shape[0])
+                static.append(dispatcher.static_rows)
+                with NoHostSync(), device_side_only():
+                    return plain(ids_T, positions_T, meta)
+            return plain(ids_T, positions_T, meta)
+
+        model.forward = forward
+        for i, p in enumerate(PROMPTS[rank]):
+            core.add_request(NewRequest(str(i), p, SamplingParams(temperature=0, max_tokens=MAX_TOKENS[rank],
+                                                                  ignore_eos=True)))
+        toks = {str(i): [] for i in range(len(PROMPTS[rank]))}
+        while True:  # the core loop's per-step agreement, reduced to what padding needs
+            sched = core.schedule() if core.has_unfinished() else None
+            not_decode = sched is not None and any(s.num_tokens != 1 for s in sched.scheduled)
+            flags = torch.tensor([sched.num_batched_tokens if sched else 0, int(not_decode)])
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            max_tok, any_not_decode = (int(v) for v in flags)
+            if max_tok == 0:
+                break
+            for o in core.execute(sched or SchedulerOutput(), lockstep=True, max_tokens_any_rank=max_tok,
+                                  all_ranks_decode=not any_not_decode):
+                toks[o.request_id] += o.new_token_ids
+        result.update(tokens=[toks[str(i)] for i in range(len(PROMPTS[rank]))], guarded=guarded, static=static)
+        dist.destroy_process_group()
+    except BaseException:
+        result["error"] = traceback.format_exc()
+    Path(out_path).write_text(json.dumps(result))
+
+
+def _run_job(tmp_path, path: str, backend: str) -> list[dict]:
+    from tests.distributed.test_dispatch import free_port, kill_tree
+
+    port = free_port()
+    procs, outs = [], []
+    for rank in range(WORLD):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
+                   PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+        outs.append(tmp_path / f"rank{rank}.json")
+        log = open(tmp_path / f"rank{rank}.log", "w")
+        procs.append(subprocess.Popen([sys.executable, __file__, path, backend, str(outs[-1])], env=env, stdout=log,
+                                      stderr=subprocess.STDOUT, start_new_session=True))
+    try:
+        for p in procs:
+            p.wait(timeout=150)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                kill_tree(p)
+                p.wait(10)
+    res = []
+    for rank, out in enumerate(outs):
+        assert out.exists(), (tmp_path / f"rank{rank}.log").read_text()[-3000:]
+        res.append(json.loads(out.read_text()))
+        assert res[-1]["error"] is None, res[-1]["error"]
+    return res
+
+
+@pytest.mark.parametrize("arch,backend", [("mixtral", "all_to_all"), ("qwen3_moe", "all_to_all"),
+                                          ("deepseek_v3", "all_to_all"), ("qwen3_moe", "allgather")])
+def test_ep2_decode_forward_has_no_host_sync(checkpoints, tmp_path, arch, backend):
+    from moe_serve import LLM, SamplingParams
+
+    path = checkpoints[arch]
+    res = _run_job(tmp_path, path, backend)
+    llm = LLM(path, dtype="float32", kv_cache_memory=1 << 20, show_progress=False)
+    for rank in range(WORLD):
+        sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS[rank], ignore_eos=True)
+        want = [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS[rank]],
+                                                                    sp)]
+        assert res[rank]["tokens"] == want, rank
+    # Every decode step ran guarded, padded to 4 rows on both ranks (rank 1's empty steps too), with
+    # the dispatcher told so: the same number of guarded steps on each rank, all of the same size.
+    assert res[0]["guarded"] == res[1]["guarded"] and set(res[0]["guarded"]) == {4}
+    assert len(res[0]["guarded"]) == MAX_TOKENS[0] - 1
+    assert all(s == 4 for r in res for s in r["static"])
+
+
+if __name__ == "__main__":
+    worker(*sys.argv[1:])
