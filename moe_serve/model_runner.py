@@ -13,7 +13,7 @@ from expert_parallel.layer import MoEContext
 from moe_serve.config import EngineConfig
 from moe_serve.input_batch import InputBatch, Piece, StepInputs
 from moe_serve.models.registry import model_class
-from moe_serve.prepare import prepare_gemm_weights
+from moe_serve.prepare import place_weights_on_huge_pages, prepare_gemm_weights
 from moe_serve.sampler import Sampler, SampleResult
 from moe_serve.scheduler import SchedulerOutput
 from moe_serve.weights import init_dummy_weights, load_weights
@@ -106,6 +106,7 @@ class ModelRunner:
         else:
             load_weights(self.model, mc.path, mc.dtype, show_progress=show_progress, quantization=mc.quantization)
         prepare_gemm_weights(self.model, mc.dtype, self.device)
+        place_weights_on_huge_pages(self.model, self.device)
         self.weight_bytes = sum(t.numel() * t.element_size() for t in self.model.parameters())
         self.weight_bytes += sum(b.numel() * b.element_size() for n, b in self.model.named_buffers()
                                  if n.endswith("scale_inv"))  # block-FP8 scales

@@ -71,3 +71,71 @@ def prepare_gemm_weights(model: nn.Module, model_dtype: torch.dtype, device: tor
     log.info("GEMM weights kept in %s on this CPU (no %s matrix instructions): +%.1f MiB, converted once at load",
              str(target).replace("torch.", ""), str(model_dtype).replace("torch.", ""), added / 2**20)
     return added
+
+
+# --- huge pages for the weights a CPU decode step streams ------------------------------------------
+HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+def transparent_huge_pages() -> str | None:
+    """The kernel's transparent huge page mode ("always", "madvise", "never"), None off Linux."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            text = f.read()
+    except OSError:
+        return None
+    return text[text.index("[") + 1:text.index("]")] if "[" in text else None
+
+
+def _madvise_huge(address: int, length: int) -> bool:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return libc.madvise(address, length, _MADV_HUGEPAGE) == 0
+
+
+def on_huge_pages(t: torch.Tensor) -> torch.Tensor | None:
+    """A contiguous copy of a CPU tensor in memory asked for as transparent huge pages (2 MiB aligned,
+    madvised before its first touch, so the copy's page faults take huge pages); None if refused.
+    Only its whole 2 MiB pages are asked for: a partial last one would take memory it does not use."""
+    nbytes = t.numel() * t.element_size()
+    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)  # not touched yet: no page is mapped
+    off = (-raw.data_ptr()) % HUGE_PAGE
+    if not _madvise_huge(raw.data_ptr() + off, nbytes // HUGE_PAGE * HUGE_PAGE):
+        return None
+    out = raw[off:off + nbytes].view(t.dtype).view(t.shape)
+    out.copy_(t)
+    return out
+
+
+def place_weights_on_huge_pages(model: nn.Module, device: torch.device) -> int:
+    """CPU, transparent huge pages in "madvise" mode: move every weight of at least 2 MiB onto huge
+    pages, once at load; returns the bytes moved. A decode step streams its weights once each:
+    with 4 KiB pages every weight row of 1024 float32 is its own page (a TLB miss and a restart of
+    the hardware prefetcher per row). Measured on a one-row GEMV over 512 MB of float32 rows, 1
+    thread: 18-20 GB/s on 4 KiB pages, 20-26 on huge pages. In "always" mode they are already huge
+    pages, in "never" mode nothing can be done; on CUDA nothing applies. Tensors shared by modules
+    (a tied LM head) stay shared."""
+    if device.type != "cpu" or transparent_huge_pages() != "madvise":
+        return 0
+    moved: dict[int, nn.Parameter] = {}
+    total = 0
+    for m in model.modules():
+        for name, p in list(m._parameters.items()):
+            if p is None or not p.is_contiguous() or p.numel() * p.element_size() < HUGE_PAGE:
+                continue
+            new = moved.get(id(p))
+            if new is None:
+                t = on_huge_pages(p.detach())
+                if t is None:
+                    log.info("weights stay on small pages: madvise(MADV_HUGEPAGE) was refused")
+                    return total
+                new = moved[id(p)] = nn.Parameter(t, requires_grad=p.requires_grad)
+                total += p.numel() * p.element_size()
+            m._parameters[name] = new
+    if moved:
+        log.info("weights on transparent huge pages: %d tensors, %.1f MiB (decode streams them faster)", len(moved),
+                 total / 2**20)
+    return total

@@ -47,3 +47,42 @@ def test_bf16_weights_converted_at_most_once(checkpoints, arch, half_matmul, mon
                            SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == 4 for o in out)
     assert mode.seen == [], mode.seen[:5]
+
+
+def _anon_huge_kb(address: int) -> int:
+    """AnonHugePages of the mapping of this process holding address (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(v, 16) for v in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and line.startswith("AnonHugePages:"):
+                return int(line.split()[1])
+    return 0
+
+
+def test_cpu_weights_move_onto_huge_pages_unchanged_and_shared_ones_stay_shared():
+    from torch import nn
+
+    from moe_serve.prepare import HUGE_PAGE, place_weights_on_huge_pages, transparent_huge_pages
+
+    mode = transparent_huge_pages()
+    if mode != "madvise":
+        pytest.skip(f"transparent huge pages are {mode!r} here: only 'madvise' mode asks for them")
+    g = torch.Generator().manual_seed(0)
+    big = nn.Linear(1024, 2048 + 3, bias=False)  # 8 MiB + 12 KiB: 4 whole huge pages and a tail
+    small = nn.Linear(64, 64, bias=False)
+    with torch.no_grad():
+        big.weight.copy_(torch.randn(big.weight.shape, generator=g))
+    tied = nn.Linear(1024, 2048 + 3, bias=False)
+    tied.weight = big.weight
+    model = nn.ModuleList([big, small, tied]).requires_grad_(False)
+    want, small_ptr = big.weight.clone(), small.weight.data_ptr()
+    moved = place_weights_on_huge_pages(model, torch.device("cpu"))
+    assert moved == big.weight.numel() * 4  # the shared tensor counted once; the small one left alone
+    assert torch.equal(big.weight, want) and tied.weight is big.weight and small.weight.data_ptr() == small_ptr
+    assert big.weight.data_ptr() % HUGE_PAGE == 0
+    assert _anon_huge_kb(big.weight.data_ptr()) >= 4 * HUGE_PAGE // 1024  # the whole pages are huge pages
+    assert place_weights_on_huge_pages(model, torch.device("meta")) == 0  # not a CPU: nothing to do
