@@ -75,7 +75,6 @@ def prepare_gemm_weights(model: nn.Module, model_dtype: torch.dtype, device: tor
 
 # --- huge pages for the weights a CPU decode step streams ------------------------------------------
 HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14
 
 
 def transparent_huge_pages() -> str | None:
@@ -88,22 +87,27 @@ def transparent_huge_pages() -> str | None:
     return text[text.index("[") + 1:text.index("]")] if "[" in text else None
 
 
-def _madvise_huge(address: int, length: int) -> bool:
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return libc.madvise(address, length, _MADV_HUGEPAGE) == 0
-
-
 def on_huge_pages(t: torch.Tensor) -> torch.Tensor | None:
-    """A contiguous copy of a CPU tensor in memory asked for as transparent huge pages (2 MiB aligned,
-    madvised before its first touch, so the copy's page faults take huge pages); None if refused.
-    Only its whole 2 MiB pages are asked for: a partial last one would take memory it does not use."""
+    """A contiguous copy of a CPU tensor in a fresh anonymous mapping asked for as transparent huge
+    pages (2 MiB aligned, madvised before its first touch, so the copy's page faults take huge
+    pages; memory from torch's allocator may be recycled heap whose small pages are already
+    mapped); None if refused. Only its whole 2 MiB pages are asked for: a partial last one would
+    take memory it does not use. The mapping lives as long as the tensor."""
+    import mmap
+
     nbytes = t.numel() * t.element_size()
-    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)  # not touched yet: no page is mapped
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return None
+    # anonymous and private (a shared mapping is shmem, whose huge pages are another setting),
+    # untouched: no page is mapped yet
+    m = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(m, dtype=torch.uint8)  # holds a reference to m
     off = (-raw.data_ptr()) % HUGE_PAGE
-    if not _madvise_huge(raw.data_ptr() + off, nbytes // HUGE_PAGE * HUGE_PAGE):
+    whole = nbytes // HUGE_PAGE * HUGE_PAGE
+    try:
+        if whole:
+            m.madvise(mmap.MADV_HUGEPAGE, off, whole)
+    except OSError:
         return None
     out = raw[off:off + nbytes].view(t.dtype).view(t.shape)
     out.copy_(t)
