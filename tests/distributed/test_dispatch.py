@@ -16,7 +16,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -209,10 +208,7 @@ def worker_main(out_path: str) -> int:
 
 # ----------------------------------------------------------------------------- launcher (in pytest)
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.e2e.server import free_port  # noqa: E402,F401 (the distributed tests import it from here too)
 
 
 def kill_tree(proc: subprocess.Popen) -> None:

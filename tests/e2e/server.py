@@ -11,10 +11,31 @@ import time
 import httpx
 
 
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range: a port the OS hands out for binding to port 0
+    can be handed out again, before the test's server binds it, to any socket that binds to port 0
+    (seen: gloo's listeners in a 4-rank job took a test server's port). Below that range only an
+    explicit bind can take it."""
+    import random
+
+    hi = _ephemeral_low() - 1
+    for _ in range(200):
+        port = random.randint(min(20000, hi // 2), hi)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 class ServerProcess:
