@@ -70,3 +70,38 @@ class TorchrunJob:
                 pass
             self.proc.wait(10)
         self._log.close()
+
+
+def run_rank_scripts(tmp_path, script: str, args: list[str], world: int, timeout_s: float = 150) -> list[dict]:
+    """Run `python script *args OUT_JSON` as ranks 0..world-1 of a gloo job on 127.0.0.1 (one thread
+    each, its own session), wait for all, and return each rank's JSON result. A rank that wrote
+    none fails with the tail of its log; one whose result has an "error" fails with it."""
+    import json
+
+    from tests.distributed.test_dispatch import kill_tree
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    port = free_port()
+    procs, outs = [], []
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
+                   PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
+        outs.append(tmp_path / f"rank{rank}.json")
+        log = open(tmp_path / f"rank{rank}.log", "w")
+        procs.append(subprocess.Popen([sys.executable, script, *args, str(outs[-1])], env=env, stdout=log,
+                                      stderr=subprocess.STDOUT, start_new_session=True))
+    try:
+        for p in procs:
+            p.wait(timeout=timeout_s)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                kill_tree(p)
+                p.wait(10)
+    res = []
+    for rank, out in enumerate(outs):
+        assert out.exists(), (tmp_path / f"rank{rank}.log").read_text()[-3000:]
+        res.append(json.loads(out.read_text()))
+        assert res[-1]["error"] is None, res[-1]["error"]
+    return res

@@ -6,8 +6,6 @@ exchange. The greedy tokens equal the single-process engine's on the same prompt
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -80,42 +78,14 @@ def worker(path: str, backend: str, out_path: str) -> None:
     Path(out_path).write_text(json.dumps(result))
 
 
-def _run_job(tmp_path, path: str, backend: str) -> list[dict]:
-    from tests.distributed.test_dispatch import free_port, kill_tree
-
-    port = free_port()
-    procs, outs = [], []
-    for rank in range(WORLD):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
-                   PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-        outs.append(tmp_path / f"rank{rank}.json")
-        log = open(tmp_path / f"rank{rank}.log", "w")
-        procs.append(subprocess.Popen([sys.executable, __file__, path, backend, str(outs[-1])], env=env, stdout=log,
-                                      stderr=subprocess.STDOUT, start_new_session=True))
-    try:
-        for p in procs:
-            p.wait(timeout=150)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                kill_tree(p)
-                p.wait(10)
-    res = []
-    for rank, out in enumerate(outs):
-        assert out.exists(), (tmp_path / f"rank{rank}.log").read_text()[-3000:]
-        res.append(json.loads(out.read_text()))
-        assert res[-1]["error"] is None, res[-1]["error"]
-    return res
-
-
 @pytest.mark.parametrize("arch,backend", [("mixtral", "all_to_all"), ("qwen3_moe", "all_to_all"),
                                           ("deepseek_v3", "all_to_all"), ("qwen3_moe", "allgather")])
 def test_ep2_decode_forward_has_no_host_sync(checkpoints, tmp_path, arch, backend):
     from moe_serve import LLM, SamplingParams
+    from tests.distributed.jobs import run_rank_scripts
 
     path = checkpoints[arch]
-    res = _run_job(tmp_path, path, backend)
+    res = run_rank_scripts(tmp_path, __file__, [path, backend], WORLD)
     llm = LLM(path, dtype="float32", kv_cache_memory=1 << 20, show_progress=False)
     for rank in range(WORLD):
         sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS[rank], ignore_eos=True)

@@ -9,8 +9,6 @@ reference over the logical experts' weights."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import time
 import traceback
@@ -144,31 +142,9 @@ def worker(out_path: str) -> None:
 
 
 def test_one_collective_per_rebalance(tmp_path):
-    from tests.distributed.test_dispatch import free_port, kill_tree
+    from tests.distributed.jobs import run_rank_scripts
 
-    port = free_port()
-    procs, outs = [], []
-    for rank in range(WORLD):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
-                   PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-        outs.append(tmp_path / f"rank{rank}.json")
-        log = open(tmp_path / f"rank{rank}.log", "w")
-        procs.append(subprocess.Popen([sys.executable, __file__, str(outs[-1])], env=env, stdout=log,
-                                      stderr=subprocess.STDOUT, start_new_session=True))
-    try:
-        for p in procs:
-            p.wait(timeout=150)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                kill_tree(p)
-                p.wait(10)
-    res = []
-    for rank, out in enumerate(outs):
-        assert out.exists(), (tmp_path / f"rank{rank}.log").read_text()[-3000:]
-        res.append(json.loads(out.read_text()))
-        assert res[-1]["error"] is None, res[-1]["error"]
+    res = run_rank_scripts(tmp_path, __file__, [], WORLD)
     from expert_parallel import tuner
 
     # The placement is the tuner's on the load summed over both ranks: windows of steps_per_window
