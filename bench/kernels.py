@@ -36,7 +36,7 @@ from attention.metadata import AttentionMetadata  # noqa: E402
 from kernels.grouped_gemm.align import align_block_size  # noqa: E402
 from kernels.grouped_gemm.config import DEFAULT_CONFIGS, tuned_configs  # noqa: E402
 from kernels.grouped_gemm.reference import fused_experts_float64, fused_experts_reference  # noqa: E402
-from kernels.grouped_gemm.triton_kernel import fused_experts_triton, spill_free_tile  # noqa: E402
+from kernels.grouped_gemm.triton_kernel import fused_experts_triton  # noqa: E402
 
 DEV = torch.device("cpu" if SMOKE else "cuda")
 # (name, experts in the model, experts on this GPU, top-k, D, F)
@@ -159,9 +159,6 @@ def run_checks() -> list[dict]:
             seen.append(cfg)
             name = f"BM={cfg['BLOCK_SIZE_M']} BN={cfg['BLOCK_SIZE_N']} BK={cfg['BLOCK_SIZE_K']} G={cfg['GROUP_SIZE_M']} " \
                    f"w{cfg['num_warps']} s{cfg['num_stages']}"
-            tiles = [spill_free_tile(cfg, dtype, gated) for gated in (True, False)]  # what is launched
-            if any(t != (cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"]) for t in tiles):
-                name += f" (gate/up BN={tiles[0][0]} BK={tiles[0][1]}, down BN={tiles[1][0]} BK={tiles[1][1]})"
             shapes = [(40, 8, 6, 4, 48, 40)] if SMOKE else [(300, 16, 12, 4, 200, 136), (1100, 8, 8, 2, 256, 160)]
             for T, E_total, E, K, D, F in shapes:
                 args = moe_inputs(T, E_total, E, K, D, F, dtype, seed=T + 1)

@@ -7,16 +7,22 @@
 
 No GPU is needed: `triton.compile` takes an `ASTSource` and a `GPUTarget`, and Triton's bundled
 ptxas turns the PTX into a cubin for the named architecture. What is compiled is what the launchers
-can pick, taken from the same functions they call (`gemm_launch`, `topk_sum_launch`,
-`attention_launch`, `reduce_launch`, `write_launch`):
+launch: each configuration is recorded from the launcher itself (`fused_experts_triton`,
+`masked_experts_triton`, `fp8_linear_triton`, `paged_attention`, `mla_paged_attention`, the KV
+writes) run on "meta" tensors of a model's shapes (kernels/specialization.py), so its constexprs,
+launch options, argument types and Triton's marks on the arguments (an integer equal to 1 becomes a
+constant; integers divisible by 16 and 16-byte-aligned pointers are marked divisible, which decides
+whether loads vectorise) are those of the real launch. A compile without those marks is another
+variant, with more registers (it made the decode gate/up tile look like spilling 4.7 KB; as
+launched it spills nothing). The configurations, per model of MODELS (plus --model files) and
+dtype it is served in (bf16 / fp16; fp32 too for the small fp32 test checkpoint and --model files):
   - grouped GEMM: each default config (decode / middle / prefill) and each entry of each tuned file
-    in kernels/grouped_gemm/configs/, gated (gate/up) and ungated (down), for bf16, fp16 and fp32;
-    the masked grouped GEMM (DeepEP's low-latency layout, kernels/grouped_gemm/masked.py) likewise;
+    in kernels/grouped_gemm/configs/, gated (gate/up) and ungated (down), with block-FP8 weights and
+    W8A8 in bf16; the masked grouped GEMM (DeepEP's low-latency layout) likewise;
   - top-k sum, KV / latent writes, paged attention (decode with and without split-K, prefill) and
-    the split reduce, for the head and hidden shapes of the models in MODELS (plus --model files),
-    in the dtypes each is served in (bf16 / fp16; fp32 too for the small fp32 test checkpoint and
-    for --model files).
-Identical configurations (same kernel, signature, constexprs, launch options) are compiled once.
+    the split reduce; FP8 linear layers and activation quantization.
+Identical configurations (same kernel, argument types and marks, constexprs, launch options) are
+compiled once. tests/kernels/test_aot_check.py checks that an engine run's launches are all among them.
 
 Each line gives registers per thread and spill-store bytes (ptxas -v: the numbers a GPU later
 reports as n_regs / n_spills) and the shared memory in the compiled kernel's metadata (`shared`);
@@ -48,7 +54,7 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from concurrent.futures import ProcessPoolExecutor  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
+from dataclasses import dataclass, field, replace  # noqa: E402
 import multiprocessing  # noqa: E402
 
 import torch  # noqa: E402
@@ -57,28 +63,27 @@ DTYPE_SIG = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32
 DTYPES = tuple(DTYPE_SIG)
 # Shared memory a block may use (the opt-in maximum): 227 KiB on both Hopper and Blackwell.
 MAX_SHARED = {90: 232448, 100: 232448}
-GEMM = "kernels.grouped_gemm.triton_kernel:_grouped_gemm_kernel"
-TOPK = "kernels.grouped_gemm.triton_kernel:_topk_sum_kernel"
-ATTN = "attention.backends.triton_paged:_paged_attn_kernel"
-REDUCE = "attention.backends.triton_paged:_reduce_splits_kernel"
-WRITE = "attention.backends.triton_paged:_write_rows_kernel"
-FP8_LINEAR = "kernels.fp8_linear:_fp8_linear_kernel"
-MASKED = "kernels.grouped_gemm.masked:_masked_gemm_kernel"
+# The kernels, as "module:function".
+from kernels.specialization import ATTN, FP8_LINEAR, GEMM, MASKED, QUANT, REDUCE, TOPK, WRITE  # noqa: E402,F401
+from kernels import specialization  # noqa: E402
 # Spill-store bytes per thread above which a grouped-GEMM or decode configuration fails the check
 # (--max-spill): a few words spilled around the epilogue cost nothing measurable, a register file's
 # worth of accumulator spilled in the main loop does.
 DEFAULT_MAX_SPILL = 64
-QUANT = "kernels.fp8_quant:_quant_kernel"
 
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the kernel configurations depend on: hidden size D, top-k K, and the attention heads
-    (GQA: N query heads over G kv heads of H (values Hv); MLA: N heads over a latent of L + R)."""
+    """What the kernel configurations depend on: hidden size D, top-k K of E experts of width F, and
+    the attention heads (GQA: N query heads over G kv heads of H (values Hv); MLA: N heads over a
+    latent of L + R). Sizes matter beyond the tiles: Triton marks each integer argument divisible
+    by 16 or not, and compiles a variant per mark."""
     name: str
     D: int
     K: int
     N: int
+    E: int = 8
+    F: int = 0
     G: int = 1
     H: int = 0
     Hv: int = 0
@@ -96,14 +101,18 @@ class ModelShape:
 
 
 MODELS = (
-    ModelShape("qwen3-30b-a3b", D=2048, K=8, N=32, G=4, H=128, Hv=128),
-    ModelShape("qwen3-235b-a22b", D=4096, K=8, N=64, G=4, H=128, Hv=128),
-    ModelShape("mixtral-8x7b", D=4096, K=2, N=32, G=8, H=128, Hv=128),
-    ModelShape("deepseek-v3", D=7168, K=8, N=128, L=512, R=64),
-    ModelShape("deepseek-v2-lite", D=2048, K=6, N=16, L=512, R=64),
-    ModelShape("gpt-oss-120b", D=2880, K=4, N=64, G=8, H=64, Hv=64, sinks=True),
-    ModelShape("moe-tiny", D=64, K=2, N=4, G=2, H=16, Hv=16, dtypes=DTYPES),  # the built-in test checkpoint
+    ModelShape("qwen3-30b-a3b", D=2048, K=8, E=128, F=768, N=32, G=4, H=128, Hv=128),
+    ModelShape("qwen3-235b-a22b", D=4096, K=8, E=128, F=1536, N=64, G=4, H=128, Hv=128),
+    ModelShape("mixtral-8x7b", D=4096, K=2, E=8, F=14336, N=32, G=8, H=128, Hv=128),
+    ModelShape("deepseek-v3", D=7168, K=8, E=256, F=2048, N=128, L=512, R=64),
+    ModelShape("deepseek-v2-lite", D=2048, K=6, E=64, F=1408, N=16, L=512, R=64),
+    ModelShape("gpt-oss-120b", D=2880, K=4, E=128, F=2880, N=64, G=8, H=64, Hv=64, sinks=True),
+    # the built-in random test checkpoint (moe_serve/default_model/tiny.py)
+    ModelShape("moe-tiny", D=64, K=2, E=4, F=128, N=4, G=2, H=16, Hv=16, dtypes=DTYPES),
 )
+# The engine's KV block size (EngineArgs.block_size's default): attention launches pass it as an
+# integer Triton marks, so the probes use the same.
+ENGINE_BLOCK_SIZE = 16
 
 
 def model_from_hf_config(path: str) -> ModelShape:
@@ -112,23 +121,29 @@ def model_from_hf_config(path: str) -> ModelShape:
         hf = json.load(f)
     D, N = hf["hidden_size"], hf["num_attention_heads"]
     K = hf.get("num_experts_per_tok", 2)
+    E = next((hf[k] for k in ("n_routed_experts", "num_experts", "num_local_experts") if hf.get(k)), 8)
+    F = hf.get("moe_intermediate_size") or hf["intermediate_size"]
     name = os.path.basename(os.path.dirname(os.path.abspath(path))) or path
     dtypes = DTYPES  # whatever the file says, --model compiles every dtype
     if "kv_lora_rank" in hf:
-        return ModelShape(name, D=D, K=K, N=N, L=hf["kv_lora_rank"], R=hf["qk_rope_head_dim"], dtypes=dtypes)
+        return ModelShape(name, D=D, K=K, E=E, F=F, N=N, L=hf["kv_lora_rank"], R=hf["qk_rope_head_dim"],
+                          dtypes=dtypes)
     H = hf.get("head_dim") or D // N
-    return ModelShape(name, D=D, K=K, N=N, G=hf.get("num_key_value_heads", N), H=H, Hv=H, dtypes=dtypes,
+    return ModelShape(name, D=D, K=K, E=E, F=F, N=N, G=hf.get("num_key_value_heads", N), H=H, Hv=H, dtypes=dtypes,
                       sinks=hf.get("model_type") == "gpt_oss")
 
 
 @dataclass
 class Job:
-    """One configuration: kernel ("module:function"), pointer/scalar types of its runtime arguments
-    (anything else not constexpr is an i32), constexprs, launch options, the users that chose it."""
+    """One configuration: kernel ("module:function"), the type of each runtime argument and Triton's
+    mark on it ("1": specialised to the constant 1, "D": divisible by 16 / 16-byte aligned, ""), the
+    constexprs, launch options, and the users that chose it. Built from a recorded launch
+    (kernels/specialization.py), so it is the variant the launch compiles on a GPU."""
     kernel: str
     types: dict
     constexprs: dict
     options: dict
+    marks: dict = field(default_factory=dict)
     users: list = field(default_factory=list)
 
     @property
@@ -136,8 +151,8 @@ class Job:
         return self.kernel.split(":")[1].strip("_").replace("_kernel", "")
 
     def key(self) -> tuple:
-        return (self.kernel, tuple(sorted(self.types.items())), tuple(sorted(self.constexprs.items())),
-                tuple(sorted(self.options.items())))
+        return (self.kernel, tuple(sorted(self.types.items())), tuple(sorted(self.marks.items())),
+                tuple(sorted(self.constexprs.items())), tuple(sorted(self.options.items())))
 
     @property
     def dtype(self) -> str:
@@ -153,7 +168,28 @@ class Job:
                       if k not in hidden)
         if "ids_ptr" in self.types:
             cx += f" ids={self.types['ids_ptr'].lstrip('*')}"
+        # Runtime integers that are neither 1 nor divisible by 16 (model sizes such as a 48-wide
+        # expert, unaligned views): the variant differs from the aligned one of the same tiles.
+        odd = [n for n, m in self.marks.items() if m == "" and self.types[n] in ("i32", "i64")
+               and n not in self.unspecialised]
+        if odd:
+            cx += " odd=" + ",".join(odd)
         return f"{self.short} {cx} w{self.options.get('num_warps', 4)} s{self.options.get('num_stages', 3)}"
+
+    @property
+    def unspecialised(self) -> frozenset:
+        import importlib
+
+        module, name = self.kernel.split(":")
+        return specialization.do_not_specialize(getattr(importlib.import_module(module), name))
+
+
+def job_from_launch(launch: "specialization.Launch") -> Job:
+    """The configuration a recorded launch compiles (UPCAST off: compiled code never upcasts)."""
+    constexprs = dict(launch.constexprs)
+    if "UPCAST" in constexprs:
+        constexprs["UPCAST"] = False
+    return Job(launch.kernel, launch.types, constexprs, dict(launch.options), launch.marks)
 
 
 def _split_options(launch: dict) -> tuple[dict, dict]:
@@ -164,97 +200,169 @@ def _split_options(launch: dict) -> tuple[dict, dict]:
     return launch, options
 
 
+# ---- probes: the launchers run on meta tensors under specialization.record --------------------------
+
+_META = torch.device("meta")
+
+
+def _t(shape, dtype=torch.float32) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=_META)
+
+
+def _probe(call) -> list:
+    """The launches `call` makes, as the compiled engine makes them: the activation quantizer, which
+    runs its torch reference under the interpreter, takes its kernel path here too (nothing runs)."""
+    from kernels import fp8_quant
+
+    interpreted, fp8_quant._INTERPRETED = fp8_quant._INTERPRETED, False
+    try:
+        with specialization.record() as launches:
+            call()
+    finally:
+        fp8_quant._INTERPRETED = interpreted
+    return launches
+
+
+def _experts_probe(m: ModelShape, dt, cfg: dict | None, weights: str = "plain", ids=torch.int64) -> list:
+    """fused_experts_triton on m's expert shapes: weights "plain" (dt), "fp8" (block FP8, weight-only)
+    or "w8a8"; a decode-sized batch (the config is forced, so T only sets the top-k launch)."""
+    from kernels.grouped_gemm import triton_kernel as tk
+
+    T, E, F, D, K = 4, m.E, m.F, m.D, m.K
+    kw = {}
+    wdt = dt
+    if weights != "plain":
+        wdt = torch.float8_e4m3fn
+        nF, b = -(-F // 128), 128
+        kw = dict(w13_scale=_t((E, 2 * nF, -(-D // b))), w2_scale=_t((E, -(-D // b), -(-F // b))), scale_block=(b, b),
+                  act_quant=weights == "w8a8")
+    return _probe(lambda: tk.fused_experts_triton(_t((T, D), dt), _t((E, 2 * F, D), wdt), _t((E, D, F), wdt),
+                                                  _t((T, K)), _t((T, K), ids), cfg, **kw))
+
+
+def _masked_probe(m: ModelShape, dt, cfg: dict, fp8: bool) -> list:
+    """masked_experts_triton over DeepEP's expert-major layout: 8 local experts of 128 rows each."""
+    from kernels.grouped_gemm import masked
+
+    E, C, F, D = 8, 128, m.F, m.D
+    kw, wdt = {}, dt
+    if fp8:
+        wdt, b = torch.float8_e4m3fn, 128
+        kw = dict(w13_scale=_t((E, 2 * -(-F // b), -(-D // b))), w2_scale=_t((E, -(-D // b), -(-F // b))),
+                  scale_block=(b, b))
+    return _probe(lambda: masked.masked_experts_triton(_t((E, C, D), dt), _t((E,), torch.int32), _t((E, 2 * F, D), wdt),
+                                                      _t((E, D, F), wdt), cfg, **kw))
+
+
+def _attention_probe(m: ModelShape, dt, decode: bool, split_k: bool, sliding: bool = False) -> list:
+    """The KV / latent write and one attention call (plus the split reduce) as the model layers make
+    them: GQA q, k, v as (T, heads, head_dim) views of their projections; MLA's q_latent as the
+    absorbing einsum returns it, q_pe contiguous."""
+    from attention.backends import triton_paged as tp
+    from attention.metadata import AttentionMetadata
+
+    bs = ENGINE_BLOCK_SIZE
+    B = 4
+    q_lens = [1] * B if decode else [5, 1, 3, 1]
+    meta = AttentionMetadata.build(q_lens, [40] * B, [[0, 1, 2]] * B, bs)
+    T = sum(q_lens)
+    S = 2 if split_k else 1
+
+    def call():
+        if m.mla:
+            lat = _t((8, bs, m.L + m.R), dt)
+            q_nope = _t((T, m.N, 2 * m.R), dt)
+            q_latent = torch.einsum("tnp,npl->tnl", q_nope, _t((m.N, 2 * m.R, m.L), dt))
+            tp.write_latent(_t((T, m.L + m.R), dt), lat, meta.slot_mapping)
+            tp.mla_paged_attention(q_latent, _t((T, m.N, m.R), dt), lat, meta, 0.1, num_splits=S)
+        else:
+            kc, vc = _t((8, bs, m.G, m.H), dt), _t((8, bs, m.G, m.Hv), dt)
+            tp.write_kv(_t((T, m.G * m.H), dt).view(T, m.G, m.H), _t((T, m.G * m.Hv), dt).view(T, m.G, m.Hv),
+                        kc, vc, meta.slot_mapping)
+            tp.paged_attention(_t((T, m.N * m.H), dt).view(T, m.N, m.H), kc, vc, meta, 0.1, num_splits=S,
+                               sliding_window=128 if sliding else None, sinks=_t((m.N,)) if m.sinks else None)
+    return _probe(call)
+
+
 def enumerate_jobs(models=MODELS, dtypes=DTYPES, inject_broken: bool = False, quick: bool = False) -> list[Job]:
     """Every configuration the launchers can choose for these models and dtypes, deduplicated; with
-    quick, only `quick_jobs` of them."""
-    from attention.backends import triton_paged as tp
+    quick, only `quick_jobs` of them. Each is recorded from the launcher itself, run on meta tensors
+    of the model's shapes, so types, Triton's integer and alignment marks, constexprs and launch
+    options are those of a real launch."""
     from kernels.grouped_gemm import config as gcfg
-    from kernels.grouped_gemm import triton_kernel as tk
 
     jobs: dict[tuple, Job] = {}
 
-    def add(kernel, types, launch, user):
-        constexprs, options = _split_options(launch)
-        job = Job(kernel, types, constexprs, options)
-        jobs.setdefault(job.key(), job).users.append(user)
+    def add(job: Job, user: str) -> Job:
+        return jobs.setdefault(job.key(), job).users.append(user) or jobs[job.key()]
+
+    def add_launches(launches, users: dict):
+        """users: kernel -> user name, or a function of the job giving it; kernels not named are skipped."""
+        for launch in launches:
+            if launch.kernel in users:
+                job = job_from_launch(launch)
+                u = users[launch.kernel]
+                add(job, u(job) if callable(u) else u)
+
+    def gemm_user(origin, d, suffix=""):
+        return lambda job: f"{origin} {'w13' if job.constexprs['GATED'] else 'w2'} {d}{suffix}"
 
     # Each default config is named after the batches it serves (decode / middle / prefill).
     default_names = ("default decode", "default middle", "default prefill")
     gemm_cfgs = [(dt, cfg, name) for dt in dtypes for cfg, name in zip(gcfg.DEFAULT_CONFIGS, default_names)]
     gemm_cfgs += [(dt, cfg, "tuned") for dt, cfg in gcfg.tuned_configs() if dt in dtypes]
-    if inject_broken:  # a config tl.dot cannot compile (K tile < 16): must be reported as failed
-        gemm_cfgs.append((torch.bfloat16, {**gcfg.DECODE_CONFIG, "BLOCK_SIZE_K": 8}, "broken"))
-        # and the decode gate/up tile before its K tile was capped (spills ~4.7 KB): over --max-spill
-        add(GEMM, dict(a_ptr="*bf16", b_ptr="*bf16", c_ptr="*bf16", weights_ptr="*fp32", sorted_ids_ptr="*i32",
-                       expert_ids_ptr="*i32", num_padded_ptr="*i32", s_ptr="*fp32", as_ptr="*fp32"),
-            {**tk.gemm_launch(gcfg.DECODE_CONFIG, torch.bfloat16, True), "BLOCK_SIZE_K": 128, "GATED": True,
-             "MUL_WEIGHT": False}, "broken spilling w13 bf16")
-    for dt, cfg, origin in gemm_cfgs:
-        d = DTYPE_SIG[dt]
-        types = dict(a_ptr=f"*{d}", b_ptr=f"*{d}", c_ptr=f"*{d}", weights_ptr="*fp32", sorted_ids_ptr="*i32",
-                     expert_ids_ptr="*i32", num_padded_ptr="*i32", s_ptr="*fp32", as_ptr="*fp32")
-        for gated in (True, False):
-            add(GEMM, types, {**tk.gemm_launch(cfg, dt, gated), "GATED": gated, "MUL_WEIGHT": not gated},
-                f"{origin} {'w13' if gated else 'w2'} {d}")
-            if dt == torch.bfloat16 and origin != "broken":  # block-FP8 experts (weight-only), bf16 activations
-                add(GEMM, {**types, "b_ptr": "*fp8e4nv"},
-                    {**tk.fp8_gemm_launch(cfg, dt, (128, 128), gated), "GATED": gated, "MUL_WEIGHT": not gated},
-                    f"{origin} {'w13' if gated else 'w2'} {d} fp8-weights")
-                add(GEMM, {**types, "a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv"},
-                    {**tk.w8a8_gemm_launch(cfg, dt, (128, 128), gated), "GATED": gated, "MUL_WEIGHT": not gated},
-                    f"{origin} {'w13' if gated else 'w2'} {d} fp8-w8a8")
-
-    # Masked grouped GEMM (DeepEP low-latency layout): the configs masked_config picks (the default
-    # configs) and the tuned entries, gate/up and down, each dtype; block-FP8 weights with bf16.
-    from kernels.grouped_gemm import masked
-
-    for dt, cfg, origin in gemm_cfgs:
-        if origin == "broken":
-            continue
-        d = DTYPE_SIG[dt]
-        types = dict(a_ptr=f"*{d}", b_ptr=f"*{d}", c_ptr=f"*{d}", count_ptr="*i32", s_ptr="*fp32")
-        for gated in (True, False):
-            which = 'w13' if gated else 'w2'
-            add(MASKED, types, masked.masked_launch(cfg, dt, None, gated), f"{origin} masked {which} {d}")
-            if dt == torch.bfloat16:
-                add(MASKED, {**types, "b_ptr": "*fp8e4nv"}, masked.masked_launch(cfg, dt, (128, 128), gated),
-                    f"{origin} masked {which} {d} fp8-weights")
+    for m in models:
+        for dt, cfg, origin in gemm_cfgs:
+            if dt not in m.dtypes:
+                continue
+            d = DTYPE_SIG[dt]
+            add_launches(_experts_probe(m, dt, cfg), {GEMM: gemm_user(origin, d)})
+            # Masked grouped GEMM (DeepEP low-latency layout): the same configs, gate/up and down.
+            add_launches(_masked_probe(m, dt, cfg, False), {MASKED: gemm_user(f"{origin} masked", d)})
+            if dt == torch.bfloat16:  # block-FP8 experts with bf16 activations: weight-only and W8A8
+                add_launches(_experts_probe(m, dt, cfg, "fp8"), {GEMM: gemm_user(origin, d, " fp8-weights")})
+                add_launches(_experts_probe(m, dt, cfg, "w8a8"), {GEMM: gemm_user(origin, d, " fp8-w8a8"),
+                                                                 QUANT: "fp8 activation quant bf16"})
+                add_launches(_masked_probe(m, dt, cfg, True), {MASKED: gemm_user(f"{origin} masked", d, " fp8-weights")})
+    if inject_broken:
+        # A config tl.dot cannot compile (K tile < 16), and a gate/up tile too large for 4 warps'
+        # registers (64 x 256 rows and columns, two fp32 accumulators: ~2.2 KB spilled per thread):
+        # both must be reported. They are the decode default's launches of the first model with
+        # their tiles changed, so everything else is real.
+        base = [job_from_launch(x) for x in _experts_probe(models[0], torch.bfloat16, gcfg.DECODE_CONFIG)
+                if x.kernel == GEMM]
+        for job in base:
+            add(replace(job, constexprs={**job.constexprs, "BLOCK_SIZE_K": 8}, users=[]),
+                f"broken {'w13' if job.constexprs['GATED'] else 'w2'} bf16")
+        w13 = next(j for j in base if j.constexprs["GATED"])
+        add(replace(w13, constexprs={**w13.constexprs, "BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 256, "BLOCK_SIZE_K": 64},
+                    users=[]), "broken spilling w13 bf16")
 
     if torch.bfloat16 in dtypes:  # block-FP8 dense layers (kernels/fp8_linear.py): each M bucket, bias or not
         from kernels import fp8_linear
 
-        ltypes = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", s_ptr="*fp32", b_ptr="*bf16", y_ptr="*bf16", xs_ptr="*fp32")
+        N, K = 2048, 7168
         for M in (1, 64, 4096):
             for bias in (False, True):
                 for aq in (False, True):
-                    add(FP8_LINEAR, {**ltypes, "x_ptr": "*fp8e4nv"} if aq else ltypes,
-                        {**fp8_linear.fp8_linear_launch(M, torch.bfloat16, (128, 128), aq), "HAS_BIAS": bias},
-                        f"fp8 linear{' decode' if M == 1 else ''} M={M} bias={int(bias)} {'w8a8' if aq else 'w8a16'} bf16")
-        add(QUANT, dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32"), dict(GROUP=128, FP8_MAX_C=448.0),
-            "fp8 activation quant bf16")
+                    user = (f"fp8 linear{' decode' if M == 1 else ''} M={M} bias={int(bias)} "
+                            f"{'w8a8' if aq else 'w8a16'} bf16")
+                    add_launches(_probe(lambda: fp8_linear.fp8_linear_triton(
+                        _t((M, K), torch.bfloat16), _t((N, K), torch.float8_e4m3fn), _t((N // 128, K // 128)),
+                        (128, 128), _t((N,), torch.bfloat16) if bias else None, aq)),
+                        {FP8_LINEAR: user, QUANT: "fp8 activation quant bf16"})
 
     for m in models:
         for dt in (dt for dt in dtypes if dt in m.dtypes):
             d = DTYPE_SIG[dt]
-            for ids in ("*i64", "*i32"):  # router ids are int64; remapped placements give int32
-                add(TOPK, dict(y_ptr=f"*{d}", ids_ptr=ids, out_ptr=f"*{d}"), tk.topk_sum_launch(m.K, m.D),
-                    f"{m.name} {d}")
-            wtypes = dict(src_ptr=f"*{d}", cache_ptr=f"*{d}", slot_ptr="*i64")
-            rows = [(1, m.L + m.R)] if m.mla else [(m.G, m.H), (m.G, m.Hv)]
-            for R, C in rows:
-                add(WRITE, wtypes, tp.write_launch(R, C), f"{m.name} {d}")
-            QH, HD, HR, HV = (m.N, m.L, m.R, m.L) if m.mla else (m.N // m.G, m.H, 0, m.Hv)
+            for ids in (torch.int64, torch.int32):  # router ids are int64; remapped placements give int32
+                add_launches(_experts_probe(m, dt, None, ids=ids), {TOPK: f"{m.name} {d}"})
             for decode, split_k in ((True, False), (True, True), (False, False)):
-                out = "*fp32" if split_k else f"*{d}"
-                types = dict(q_ptr=f"*{d}", qr_ptr=f"*{d}", k_ptr=f"*{d}", kr_ptr=f"*{d}", v_ptr=f"*{d}",
-                             out_ptr=out, lse_ptr=out, sinks_ptr="*fp32", block_tables_ptr="*i32", seq_lens_ptr="*i32",
-                             query_start_ptr="*i32", scale_log2="fp32")
                 for sliding in ((False, True) if m.sinks else (False,)):
-                    launch = tp.attention_launch(decode, QH, HD, HR, HV, dt, m.mla, m.mla, split_k, sliding, m.sinks)
-                    add(ATTN, types, launch, f"{m.name} {'decode' if decode else 'prefill'}"
-                        f"{' split' if split_k else ''}{' sliding' if sliding else ''} {d}")
-            add(REDUCE, dict(ws_ptr="*fp32", lse_ptr="*fp32", out_ptr=f"*{d}", sinks_ptr="*fp32"),
-                tp.reduce_launch(HV, m.sinks), f"{m.name} {d}")
+                    kind = (f"{'decode' if decode else 'prefill'}{' split' if split_k else ''}"
+                            f"{' sliding' if sliding else ''}")
+                    add_launches(_attention_probe(m, dt, decode, split_k, sliding),
+                                 {ATTN: f"{m.name} {kind} {d}", REDUCE: f"{m.name} {d}", WRITE: f"{m.name} {d}"})
     return quick_jobs(list(jobs.values())) if quick else list(jobs.values())
 
 
@@ -345,14 +453,15 @@ def compile_job(job: Job, arch: int) -> dict:
             if arg in job.constexprs:
                 signature[arg] = "constexpr"
                 constexprs[(i,)] = job.constexprs[arg]
-            elif arg in job.types:
-                signature[arg] = job.types[arg]
-                if job.types[arg].startswith("*"):
-                    attrs[(i,)] = [["tt.divisibility", 16]]  # torch allocations are 16-byte aligned
-            elif arg.endswith("_ptr"):
-                raise TypeError(f"aot_check gives no type for pointer argument {arg!r} of {job.kernel}")
+            elif arg not in job.types:
+                raise TypeError(f"aot_check has no type for argument {arg!r} of {job.kernel}")
+            elif job.marks.get(arg) == "1":  # Triton turns an integer argument equal to 1 into a constant
+                signature[arg] = "constexpr"
+                constexprs[(i,)] = 1
             else:
-                signature[arg] = "i32"  # sizes and strides
+                signature[arg] = job.types[arg]
+                if job.marks.get(arg) == "D":
+                    attrs[(i,)] = [["tt.divisibility", 16]]
         unknown = set(job.constexprs) - set(fn.arg_names)
         if unknown:
             raise TypeError(f"{job.kernel} has no arguments {sorted(unknown)}")

@@ -17,7 +17,10 @@ import triton.language as tl
 from kernels.grouped_gemm.triton_kernel import INTERPRETED, _dequant, _dot, _dot8, check_triton_device
 
 
-@triton.jit
+# M (the step's token count) is unspecialised: its "== 1" / "divisible by 16" marks would otherwise
+# compile a new variant mid-serving as the batch changes; the scales' strides (sizes / 128) are read
+# once per tile and left unspecialised so they add no variant per model.
+@triton.jit(do_not_specialize=("M", "stride_sn", "stride_sk", "stride_xsm", "stride_xsk"))
 def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, xs_ptr, M, N, Kdim,
                        stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk, stride_ym, stride_yn,
                        stride_xsm, stride_xsk,

@@ -14,7 +14,7 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("stride_sm",))  # the scales' row stride (K / 128): no variant per model
 def _quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm,
                   GROUP: tl.constexpr, FP8_MAX_C: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)

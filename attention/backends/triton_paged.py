@@ -306,21 +306,18 @@ def attention_launch(decode_only: bool, QH: int, HD: int, HR: int, HV: int, dtyp
     BLOCK_N, warps = (32, 8) if big else (64, 4)
     if decode_only:
         # One token per sequence: the tile is the query heads of one kv head (>= 16 rows for tl.dot).
-        # MLA: 32 heads x 512 fp32 of accumulator are a quarter of 8 warps' registers; 64 heads (half) spill
-        # 0.6-1.6 KB per thread on sm_90 whatever the key tile or warps, and 32 with 32 keys 76 B, with 16 none
-        # (kernels.aot_check). GQA heads of 128+: 8 warps (4 spill ~1.2 KB).
-        BLOCK_Q, BLOCK_QH = 1, max(16, min(triton.next_power_of_2(QH), 32 if big else 64))
+        # MLA: up to 64 heads per program, FlashMLA's tile: 64 x 512 fp32 accumulators are half of
+        # 8 warps' registers (at most 32 B spilled per thread on sm_90, none on sm_100, as launched:
+        # kernels.aot_check). A 64-head model (Kimi-K2) reads its latent once per program; 128 heads
+        # would be the whole register file (8 warps spill 2.2 KB and need 256 KB of shared memory;
+        # 16 warps cannot be allocated), so DeepSeek-V3's two head tiles of a sequence run side by
+        # side (head tiles are the fastest grid axis) and share its latent rows through L2.
+        BLOCK_Q, BLOCK_QH = 1, max(16, min(triton.next_power_of_2(QH), 64))
         if big:
             BLOCK_N = 16
-        elif HD >= 128:
-            warps = 8
     else:
         BLOCK_QH = min(triton.next_power_of_2(QH), 16)
         BLOCK_Q = (32 if big else 64) // BLOCK_QH  # 32-64 rows: BLOCK_QH <= 16 keeps BLOCK_Q >= 2
-        # 64 rows of 128-wide heads with 64 keys and 4 warps spilled 0.7-2.7 KB per thread; 32 keys
-        # and 8 warps: none on sm_90, <= 32 B on sm_100 (kernels.aot_check).
-        if not big and HD >= 128:
-            BLOCK_N, warps = 32, 8
     return dict(BLOCK_Q=BLOCK_Q, BLOCK_QH=BLOCK_QH, BLOCK_N=BLOCK_N,
                 BLOCK_HD=max(16, triton.next_power_of_2(HD)), BLOCK_HR=max(16, triton.next_power_of_2(max(HR, 1))),
                 BLOCK_HV=max(16, triton.next_power_of_2(HV)), SPLIT_K=split_k, HAS_ROPE=has_rope,

@@ -26,8 +26,9 @@ from kernels.grouped_gemm.triton_kernel import _dequant, _dot, check_triton_devi
 
 
 # C (the capacity) is fixed per engine, but it is left unspecialised like num_pairs in the generic kernel
-# so that its divisibility flags never select another compiled variant.
-@triton.jit(do_not_specialize=("C",))
+# so that its divisibility flags never select another compiled variant; so are the FP8 scales' strides
+# (as in the generic kernel).
+@triton.jit(do_not_specialize=("C", "stride_se", "stride_sn", "stride_sk", "s_up_row0"))
 def _masked_gemm_kernel(
     a_ptr, b_ptr, c_ptr, count_ptr,
     N, Kdim, C,
@@ -100,10 +101,8 @@ def masked_launch(cfg: dict, dtype: torch.dtype, scale_block: tuple[int, int] | 
     """Constexprs and launch options of `_masked_gemm_kernel` for one grouped-GEMM config
     (config.py's keys; GROUP_SIZE_M has no use here), activation dtype and launch (gated = gate/up,
     else down); with scale_block, for block-FP8 weights. kernels/aot_check.py compiles what this
-    returns. The N and K tiles are the grouped GEMM's `spill_free_tile` caps (the masked kernel
-    spills at the same tiles: kernels.aot_check --only masked)."""
-    bn, bk = tk.spill_free_tile(cfg, dtype, gated, scaled=scale_block is not None)
-    launch = dict(BLOCK_SIZE_M=cfg["BLOCK_SIZE_M"], BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk,
+    returns (as the launch specialises it)."""
+    launch = dict(BLOCK_SIZE_M=cfg["BLOCK_SIZE_M"], BLOCK_SIZE_N=cfg["BLOCK_SIZE_N"], BLOCK_SIZE_K=cfg["BLOCK_SIZE_K"],
                   PREC="ieee" if dtype == torch.float32 else "tf32", UPCAST=INTERPRETED, GATED=gated,
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], B_SCALED=False, SB_N=128, SB_K=128)
     if scale_block is not None:

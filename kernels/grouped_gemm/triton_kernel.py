@@ -32,8 +32,6 @@ def _dot(a, b, acc, PREC: tl.constexpr, UPCAST: tl.constexpr):
     return acc
 
 
-# num_pairs = T * K changes every step; left unspecialised so its "== 1" / "divisible by 16" flags
-# never select a new compiled variant mid-serving (num_slots is always a multiple of BLOCK_SIZE_M).
 @triton.jit
 def _dequant(b, s_ptr, s_base, offs_n, k0, offs_k, k_mask, n_mask, stride_sn, stride_sk,
              SB_N: tl.constexpr, SB_K: tl.constexpr, BLOCK_SIZE_K: tl.constexpr):
@@ -58,7 +56,14 @@ def _dot8(a, b, UPCAST: tl.constexpr):
     return tl.dot(a, b)
 
 
-@triton.jit(do_not_specialize=("num_pairs",))
+# num_pairs = T * K changes every step; left unspecialised so its "== 1" / "divisible by 16" flags
+# never select a new compiled variant mid-serving (num_slots is always a multiple of BLOCK_SIZE_M).
+# The FP8 scale tensors' strides and row offset (whose divisibility follows each model's sizes / 128)
+# are read once per tile, never vectorised: unspecialised too, so they add no variant per model.
+_SCALE_ARGS = ("stride_se", "stride_sn", "stride_sk", "s_up_row0", "stride_asm", "stride_ask")
+
+
+@triton.jit(do_not_specialize=("num_pairs",) + _SCALE_ARGS)
 def _grouped_gemm_kernel(
     a_ptr, b_ptr, c_ptr, weights_ptr,
     sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
@@ -188,51 +193,27 @@ def check_triton_device(t: torch.Tensor) -> None:
                            "TRITON_INTERPRET=1 before the kernel modules are imported")
 
 
-def spill_free_tile(cfg: dict, dtype: torch.dtype, gated: bool, scaled: bool = False) -> tuple[int, int]:
-    """(BLOCK_SIZE_N, BLOCK_SIZE_K) of a config, capped where ptxas spills registers on sm_90 or
-    sm_100 (kernels.aot_check prints the spills of each). Gate/up keeps two fp32 accumulators and two
-    weight tiles live: at BLOCK_M 16 a K tile of 128 spills ~4.7 KB per thread in bf16/fp16 (64 does
-    not), at BLOCK_M >= 32 one of 64 spills 70-190 B (32 does not); fp32 tiles take twice the
-    registers (N tile at most 64, K tile 32 / 16); block-FP8 dequantization takes a K tile of at
-    most 64. BLOCK_M is never changed (the routing is aligned to it)."""
-    bn, bk = cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"]
-    small_m = cfg["BLOCK_SIZE_M"] <= 16
-    if dtype == torch.float32:
-        bn = min(bn, 64)
-        bk = min(bk, (32 if small_m else 16) if gated else 32)
-    elif gated:
-        bk = min(bk, 64 if small_m else 32)
-    if scaled:
-        bk = min(bk, 64)
-    return bn, bk
-
-
 def gemm_launch(cfg: dict, dtype: torch.dtype, gated: bool = False) -> dict:
     """Constexprs and launch options of `_grouped_gemm_kernel` (GATED / MUL_WEIGHT aside) for one
     config, activation dtype and GEMM (gated: gate/up, else down): what selects a compiled variant
-    (kernels/aot_check.py compiles each). The N and K tiles are `spill_free_tile`'s."""
-    bn, bk = spill_free_tile(cfg, dtype, gated)
-    return dict(GROUP_SIZE_M=cfg["GROUP_SIZE_M"], BLOCK_SIZE_M=cfg["BLOCK_SIZE_M"], BLOCK_SIZE_N=bn,
-                BLOCK_SIZE_K=bk, PREC="ieee" if dtype == torch.float32 else "tf32",
+    (kernels/aot_check.py compiles each, as the launch specialises it, and holds it to --max-spill:
+    none of the default or tuned tiles spills more than 16 B per thread on sm_90 or sm_100)."""
+    return dict(GROUP_SIZE_M=cfg["GROUP_SIZE_M"], BLOCK_SIZE_M=cfg["BLOCK_SIZE_M"], BLOCK_SIZE_N=cfg["BLOCK_SIZE_N"],
+                BLOCK_SIZE_K=cfg["BLOCK_SIZE_K"], PREC="ieee" if dtype == torch.float32 else "tf32",
                 UPCAST=INTERPRETED, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                 B_SCALED=False, SB_N=128, SB_K=128, A_SCALED=False)
 
 
 def fp8_gemm_launch(cfg: dict, dtype: torch.dtype, scale_block: tuple[int, int], gated: bool = False) -> dict:
-    """`gemm_launch` for block-FP8 weights with (b0, b1) scale blocks (the Hub's are 128 x 128). The
-    k tile is at most 64: dequantizing two 128-deep fp32 tiles (gate and up) spills registers on
-    sm_90 (5.7 KB per thread at BLOCK_M=16, kernels.aot_check); at 64 it does not."""
-    bn, bk = spill_free_tile(cfg, dtype, gated, scaled=True)
-    return {**gemm_launch(cfg, dtype, gated), "BLOCK_SIZE_N": bn, "BLOCK_SIZE_K": bk, "B_SCALED": True,
-            "SB_N": scale_block[0], "SB_K": scale_block[1], "A_SCALED": False}
+    """`gemm_launch` for block-FP8 weights with (b0, b1) scale blocks (the Hub's are 128 x 128)."""
+    return {**gemm_launch(cfg, dtype, gated), "B_SCALED": True, "SB_N": scale_block[0], "SB_K": scale_block[1],
+            "A_SCALED": False}
 
 
 def w8a8_gemm_launch(cfg: dict, dtype: torch.dtype, scale_block: tuple[int, int], gated: bool = False) -> dict:
     """`fp8_gemm_launch` with the activations quantized too (per row per scale_block[1] channels):
     the k tile must divide the scale block along k."""
     launch = {**fp8_gemm_launch(cfg, dtype, scale_block, gated), "A_SCALED": True}
-    if gated and cfg["BLOCK_SIZE_M"] >= 64:  # the per-tile rescale of two 64x128 products spills 110-250 B
-        launch["BLOCK_SIZE_N"] = min(launch["BLOCK_SIZE_N"], 64)
     while scale_block[1] % launch["BLOCK_SIZE_K"]:
         launch["BLOCK_SIZE_K"] //= 2
     if launch["BLOCK_SIZE_K"] < 16:
@@ -318,7 +299,7 @@ def fused_experts_triton(
         launches = [fp8_gemm_launch(cfg, x_TD.dtype, scale_block, gated) for gated in (True, False)]
     else:
         launches = [gemm_launch(cfg, x_TD.dtype, gated) for gated in (True, False)]
-    launch13, launch2 = launches  # gate/up and down: their N / K tiles may differ (spill_free_tile)
+    launch13, launch2 = launches  # gate/up and down (the W8A8 K tile can differ from the config's)
     if scaled:
         s13 = (w13_scale, w13_scale.stride(0), w13_scale.stride(1), w13_scale.stride(2), nF)
         s2 = (w2_scale, w2_scale.stride(0), w2_scale.stride(1), w2_scale.stride(2), 0)

@@ -6,7 +6,7 @@ attention's launch choice selects only a few compiled variants whatever the batc
 The compile runs use Triton's bundled ptxas in a subprocess (no TRITON_INTERPRET there); the
 variant-count test is pure Python over the launchers' choice functions.
 """
-import inspect
+import json
 import os
 import random
 import re
@@ -36,8 +36,8 @@ def run_aot(*args: str, timeout: int) -> tuple[int, list[str]]:
 
 def test_a_broken_config_is_reported_as_failed():
     """The check can fail: a config tl.dot cannot compile is counted, named, and exits 1, and so is
-    the decode gate/up tile as it was before its K tile was capped (it compiles, spilling ~4.7 KB
-    per thread), while the working configurations compiled in the same run still count as compiled."""
+    a gate/up tile too large for its warps' registers (it compiles, spilling ~2.2 KB per thread),
+    while the working configurations compiled in the same run still count as compiled."""
     rc, lines = run_aot("--arch", "90", "--dtype", "bf16", "--only", "broken", "moe-tiny decode",
                         "--inject-broken", timeout=600)
     m = LAST_LINE.match(lines[-1])
@@ -48,7 +48,7 @@ def test_a_broken_config_is_reported_as_failed():
     fails = [line for line in lines if line.lstrip().startswith("FAIL")]
     assert len(fails) == 2 and all("BLOCK_SIZE_K=8" in f for f in fails), fails
     spilled = [line for line in lines if line.lstrip().startswith("SPILL")]
-    assert len(spilled) == 1 and "BLOCK_SIZE_K=128" in spilled[0] and "GATED=1" in spilled[0], spilled
+    assert len(spilled) == 1 and "BLOCK_SIZE_N=256" in spilled[0] and "GATED=1" in spilled[0], spilled
     assert int(re.search(r"spills (\d+) B >", spilled[0]).group(1)) > 1000
     s = SPILL_LINE.match(lines[-3])
     assert s and int(s.group(1)) >= 1 and s.group(2) == "1" and s.group(3) == "64", lines[-4:]
@@ -131,55 +131,26 @@ def test_decode_launch_choice_has_few_variants_all_compiled_ahead():
             assert len(splits) >= 8  # the split count does vary: it is the runtime argument now
 
 
-class _Recorder:
-    """Stands in for a @triton.jit kernel: records each launch's arguments and runs nothing."""
-
-    def __init__(self, kernel):
-        self.names = list(inspect.signature(getattr(kernel, "fn", kernel)).parameters)
-        self.launches = []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.launches.append((dict(zip(self.names, args)), kwargs))
-        return launch
-
-
-def _do_not_specialize(kernel) -> tuple:
-    """The do_not_specialize list a kernel was decorated with (compiled or interpreted)."""
-    if hasattr(kernel, "kwargs"):  # InterpretedFunction keeps the decorator's arguments
-        return tuple(kernel.kwargs.get("do_not_specialize") or ())
-    return tuple(kernel.do_not_specialize or ())
-
-
-def _compile_keys(launches: list, unspecialised) -> set:
-    """What selects a compiled variant, by Triton's rules: the constexprs and launch options, and for
-    each specialised integer argument whether it is 1 and whether it is divisible by 16."""
-    keys = set()
-    for args, kwargs in launches:
-        ints = tuple((n, v == 1, v % 16 == 0) for n, v in args.items()
-                     if isinstance(v, int) and not isinstance(v, bool) and n not in unspecialised)
-        keys.add((tuple(sorted(kwargs.items())), ints))
-    return keys
-
-
 def test_serving_sweep_launches_few_compiled_variants(monkeypatch):
     """The launchers themselves, over decode batches of mixed contexts (1..32k, batch 1..256, split
-    counts as on a 132-SM H200) and mixed prefill chunks: the kernels record their arguments
-    instead of running, and the compile keys Triton would derive stay few."""
+    counts as on a 132-SM H200), mixed prefill chunks, expert batches of 1..4096 tokens and FP8 linear
+    layers of 1..4096 rows: the kernels record the compile key Triton derives from each launch
+    (kernels/specialization.py: constexprs, options, each argument's type and "== 1" / "divisible
+    by 16" marks) instead of running, and the keys stay few."""
     from attention.backends import triton_paged as tp
     from attention.metadata import AttentionMetadata
+    from kernels import fp8_linear
+    from kernels import specialization as sp
     from kernels.grouped_gemm import config as gcfg
     from kernels.grouped_gemm import triton_kernel as tk
 
     if not tp.INTERPRETED:
         pytest.skip("CPU tensors reach the launchers only under the interpreter")
-    # The kernels are decorated with the argument lists this test treats as unspecialised.
-    for kernel, names in ((tp._paged_attn_kernel, tp._PER_STEP_ATTN_ARGS), (tp._reduce_splits_kernel,
-                          tp._PER_STEP_REDUCE_ARGS), (tk._grouped_gemm_kernel, ("num_pairs",))):
-        assert set(_do_not_specialize(kernel)) == set(names)
-    attn, red = _Recorder(tp._paged_attn_kernel), _Recorder(tp._reduce_splits_kernel)
-    monkeypatch.setattr(tp, "_paged_attn_kernel", attn)
-    monkeypatch.setattr(tp, "_reduce_splits_kernel", red)
+    # The per-step arguments each kernel leaves unspecialised (besides scale strides).
+    assert {"num_q_tiles", "num_splits", "window"} <= sp.do_not_specialize(tp._paged_attn_kernel)
+    assert {"num_splits"} <= sp.do_not_specialize(tp._reduce_splits_kernel)
+    assert {"num_pairs"} <= sp.do_not_specialize(tk._grouped_gemm_kernel)
+    assert {"M"} <= sp.do_not_specialize(fp8_linear._fp8_linear_kernel)
     monkeypatch.setattr(tp, "_device_sms", lambda device: 132)
     rng = random.Random(1)
     bs, N, G, H, L, R = 16, 8, 2, 16, 32, 16
@@ -190,35 +161,82 @@ def test_serving_sweep_launches_few_compiled_variants(monkeypatch):
         return AttentionMetadata.build(q_lens, ctx_lens, [[0] * -(-c // bs) for c in ctx_lens], bs)
 
     splits = set()
-    for B in (1, 2, 3, 8, 33, 64, 128, 256):
-        for _ in range(4):
-            ctx = [rng.choice([rng.randint(1, 300), rng.randint(1, 32768)]) for _ in range(B)]
-            m = meta([1] * B, ctx)
-            tp.paged_attention(torch.zeros(B, N, H), kc, kc, m, 1.0)
-            tp.mla_paged_attention(torch.zeros(B, N, L), torch.zeros(B, N, R), lat, m, 1.0)
-            splits.add(attn.launches[-1][0]["num_splits"])
-    decode_launches = len(attn.launches)
-    for _ in range(12):  # prefill / chunked prefill with decodes mixed in
-        q = [rng.randint(2, 200)] + [rng.choice([1, rng.randint(1, 200)]) for _ in range(rng.randint(0, 5))]
-        ctx = [ql + rng.choice([0, rng.randint(0, 5000)]) for ql in q]
-        tp.paged_attention(torch.zeros(sum(q), N, H), kc, kc, meta(q, ctx), 1.0)
-        tp.mla_paged_attention(torch.zeros(sum(q), N, L), torch.zeros(sum(q), N, R), lat, meta(q, ctx), 1.0)
+    with sp.record((sp.ATTN, sp.REDUCE)) as decode:
+        for B in (1, 2, 3, 8, 33, 64, 128, 256):
+            for _ in range(4):
+                ctx = [rng.choice([rng.randint(1, 300), rng.randint(1, 32768)]) for _ in range(B)]
+                m = meta([1] * B, ctx)
+                tp.paged_attention(torch.zeros(B, N, H), kc, kc, m, 1.0)
+                tp.mla_paged_attention(torch.zeros(B, N, L), torch.zeros(B, N, R), lat, m, 1.0)
+                splits.add(next(x for x in reversed(decode) if x.kernel == sp.ATTN).grid[2])
+    with sp.record((sp.ATTN,)) as prefill:
+        for _ in range(12):  # prefill / chunked prefill with decodes mixed in
+            q = [rng.randint(2, 200)] + [rng.choice([1, rng.randint(1, 200)]) for _ in range(rng.randint(0, 5))]
+            ctx = [ql + rng.choice([0, rng.randint(0, 5000)]) for ql in q]
+            tp.paged_attention(torch.zeros(sum(q), N, H), kc, kc, meta(q, ctx), 1.0)
+            tp.mla_paged_attention(torch.zeros(sum(q), N, L), torch.zeros(sum(q), N, R), lat, meta(q, ctx), 1.0)
     assert len(splits) >= 4  # the split count does vary with the batch...
-    decode, prefill = attn.launches[:decode_launches], attn.launches[decode_launches:]
     # ...but decode compiles 2 variants per attention kind (GQA, MLA: split or not), the reduce 1 per
     # kind, and prefill 1 per kind.
-    assert len(_compile_keys(decode, tp._PER_STEP_ATTN_ARGS)) <= 2 * MAX_DECODE_VARIANTS
-    assert len(_compile_keys(red.launches, tp._PER_STEP_REDUCE_ARGS)) <= 2
-    assert len(_compile_keys(prefill, tp._PER_STEP_ATTN_ARGS)) <= 2
+    attn = {x for x in decode if x.kernel == sp.ATTN}
+    assert len(attn) <= 2 * MAX_DECODE_VARIANTS
+    assert len({x for x in decode if x.kernel == sp.REDUCE}) <= 2
+    assert len(set(prefill)) <= 2
 
-    gemm, topk = _Recorder(tk._grouped_gemm_kernel), _Recorder(tk._topk_sum_kernel)
-    monkeypatch.setattr(tk, "_grouped_gemm_kernel", gemm)
-    monkeypatch.setattr(tk, "_topk_sum_kernel", topk)
     E, K, D, F = 8, 2, 32, 16
     w13, w2 = torch.zeros(E, 2 * F, D), torch.zeros(E, D, F)
-    for T in list(range(1, 40)) + [64, 100, 255, 256, 1000, 4096]:
-        ids = torch.randint(-1, E, (T, K), generator=torch.Generator().manual_seed(T))
-        tk.fused_experts_triton(torch.zeros(T, D), w13, w2, torch.rand(T, K), ids)
+    with sp.record((sp.GEMM, sp.TOPK)) as experts:
+        for T in list(range(1, 40)) + [64, 100, 255, 256, 1000, 4096]:
+            ids = torch.randint(-1, E, (T, K), generator=torch.Generator().manual_seed(T))
+            tk.fused_experts_triton(torch.zeros(T, D), w13, w2, torch.rand(T, K), ids)
     # One variant per default config and GEMM (gate/up, down); one top-k sum.
-    assert len(_compile_keys(gemm.launches, ("num_pairs",))) <= 2 * len(gcfg.DEFAULT_CONFIGS)
-    assert len(_compile_keys(topk.launches, ())) == 1
+    assert len({x for x in experts if x.kernel == sp.GEMM}) <= 2 * len(gcfg.DEFAULT_CONFIGS)
+    assert len({x for x in experts if x.kernel == sp.TOPK}) == 1
+
+    Nl, Kl = 256, 256
+    w8 = torch.zeros(Nl, Kl).to(torch.float8_e4m3fn)
+    with sp.record((sp.FP8_LINEAR,)) as linear:
+        for M in list(range(1, 40)) + [64, 100, 255, 256, 1000, 4096]:
+            fp8_linear.fp8_linear_triton(torch.zeros(M, Kl), w8, torch.ones(2, 2), (128, 128))
+    # One variant per row bucket (16 / 32 / 64-row tiles), whatever M's divisibility.
+    assert len(set(linear)) == 3
+
+
+ENGINE_RUN = r"""
+import json, sys
+from kernels import specialization
+from moe_serve import LLM, SamplingParams
+path = sys.argv[1]
+prompts = [[5, 77, 301, 42], [9, 8, 7, 6, 5, 4, 3, 200, 100, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27], [450]]
+with specialization.record(run=True) as launches:
+    llm = LLM(path, dtype="float32", kv_cache_memory=1 << 20, max_num_batched_tokens=16, moe_backend="triton",
+              attention_backend="triton", show_progress=False)
+    llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=3))
+print(json.dumps([[x.kernel, x.args, x.constexprs, x.options] for x in set(launches)]))
+"""
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_aot_check_compiles_what_an_engine_run_launches(checkpoints, arch):
+    """An engine serving a checkpoint through the Triton backends (the interpreter here; chunked
+    prefill, decodes, GQA or MLA, experts 48 or 32 wide, whose sizes Triton does not mark divisible
+    by 16) records every launch's compile key; `aot_check --model config.json` compiles each of them,
+    the integer and alignment marks included (not a generic variant of the same tiles)."""
+    from kernels import specialization as sp
+
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-c", ENGINE_RUN, checkpoints[arch]], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    launched = [aot_check.job_from_launch(sp.Launch(k, tuple(map(tuple, a)), tuple(map(tuple, c)), tuple(map(tuple, o))))
+                for k, a, c, o in json.loads(r.stdout.strip().splitlines()[-1])]
+    assert {j.kernel for j in launched} >= {sp.ATTN, sp.WRITE, sp.GEMM, sp.TOPK}
+    model = aot_check.model_from_hf_config(os.path.join(checkpoints[arch], "config.json"))
+    jobs = {j.key(): j for j in aot_check.enumerate_jobs((model,), (torch.float32,))}
+    missing = [j for j in launched if j.key() not in jobs]
+    assert not missing, [(j.describe(), j.marks) for j in missing]
+    # The marks matter: the runtime specialises unit strides to the constant 1, and the expert width
+    # (48 / 32 here) decides the GEMM's N mark.
+    gemm = [j for j in launched if j.kernel == sp.GEMM]
+    assert all(j.marks["stride_ak"] == "1" and j.marks["stride_bk"] == "1" for j in gemm)
+    assert {j.marks["N"] for j in gemm if j.constexprs["GATED"]} == {"D" if model.F % 16 == 0 else ""}

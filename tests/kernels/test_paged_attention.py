@@ -86,7 +86,7 @@ CASES = {
     "prefill_causal": ([19], [19], 16, 4, 2, 32, 32, 0, None),
     "chunked_prefill_mixed": ([7, 1, 12], [30, 48, 12], 8, 8, 4, 20, 16, 0, None),
     "chunked_prefill_shared_split": ([9, 3], [33, 27], 8, 2, 2, 16, 16, 2, 2),
-    # 128-wide heads (Qwen3, Mixtral): the prefill tile takes 32 keys, decode 8 warps
+    # 128-wide heads (Qwen3, Mixtral)
     "chunked_prefill_head_dim_128": ([21, 1], [50, 70], 16, 8, 2, 128, 128, 0, None),
 }
 
@@ -125,9 +125,9 @@ MLA_CASES = {
     # launched side by side over the same latent rows; with and without split-K.
     "decode_128_heads": ([1, 1, 1], [21, 3, 40], 8, 128, 32, 16, None),
     "decode_128_heads_split": ([1, 1], [45, 9], 8, 128, 32, 16, 3),
-    # DeepSeek's latent (512 + 64): the decode tile the GPU compiles (32 heads, 16 keys, 8 warps);
-    # 40 heads are two head tiles, the second partly masked.
-    "decode_deepseek_latent_split": ([1, 1], [37, 20], 16, 40, 512, 64, 2),
+    # DeepSeek's latent (512 + 64): the decode tile the GPU compiles (64 heads, 16 keys, 8 warps);
+    # 72 heads are two head tiles, the second mostly masked.
+    "decode_deepseek_latent_split": ([1, 1], [37, 20], 16, 72, 512, 64, 2),
     "chunked_prefill": ([6, 1], [20, 35], 8, 3, 32, 16, None),
 }
 
