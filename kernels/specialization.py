@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
+import logging
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -38,6 +39,7 @@ _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
            torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5", torch.int64: "i64", torch.int32: "i32",
            torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
 _LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+log = logging.getLogger("moe_serve.kernels")
 
 
 def argument_spec(value, specialize: bool) -> tuple[str, str]:
@@ -129,17 +131,29 @@ def launch_key(kernel_name: str, kernel, args: tuple, kwargs: dict, grid=None) -
 @dataclass
 class _Proxy:
     """Stands in for a kernel in its module: `proxy[grid](...)` records the launch's key and, with
-    run, launches the real kernel too."""
+    run, launches the real kernel too; with warmup, compiles it for the current device without
+    launching (once per key; a failure is logged and left to the first real launch)."""
     name: str
     kernel: object
     run: bool
     launches: list = field(default_factory=list)
+    warmup: bool = False
+    failed: list = field(default_factory=list)
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            self.launches.append(launch_key(self.name, self.kernel, args, kwargs, grid))
+            key = launch_key(self.name, self.kernel, args, kwargs, grid)
+            new = key not in self.launches
+            self.launches.append(key)
             if self.run:
                 return self.kernel[grid](*args, **kwargs)
+            if self.warmup and new:
+                try:
+                    self.kernel.warmup(*args, grid=grid, **kwargs)
+                except Exception as e:  # noqa: BLE001 - compile errors of every kind are reported alike
+                    self.failed.append(key)
+                    log.warning("Triton: %s did not compile ahead of serving (%s: %s); it compiles at its "
+                                "first launch", self.name, type(e).__name__, str(e)[:300])
         return launch
 
     # Attributes the launchers or tests read off a kernel object pass through.
@@ -148,16 +162,18 @@ class _Proxy:
 
 
 @contextlib.contextmanager
-def record(kernels=KERNELS, run: bool = False) -> Iterator[list]:
+def record(kernels=KERNELS, run: bool = False, warmup: bool = False) -> Iterator[list]:
     """Within the block, launches of these kernels append their `Launch` to the yielded list (in
-    launch order) and, with run, still launch; without it nothing runs (meta tensors are fine)."""
+    launch order) and, with run, still launch; with warmup, each new key is compiled for the current
+    device instead (Triton's `kernel.warmup`: no memory is read, meta tensors are fine); with
+    neither, nothing runs."""
     out: list[Launch] = []
     patched = []
     try:
         for name in kernels:
             module, attr = name.split(":")
             mod = importlib.import_module(module)
-            proxy = _Proxy(name, getattr(mod, attr), run, out)
+            proxy = _Proxy(name, getattr(mod, attr), run, out, warmup and not run)
             patched.append((mod, attr, proxy.kernel))
             setattr(mod, attr, proxy)
         yield out

@@ -112,6 +112,8 @@ class ModelRunner:
                                  if n.endswith("scale_inv"))  # block-FP8 scales
         log.info("model %s loaded in %.1fs: %.1f MiB of weights on this rank (%s)", mc.architecture,
                  time.perf_counter() - t0, self.weight_bytes / 2**20, mc.dtype)
+        if self.device.type == "cuda":  # no Triton compile in the middle of serving
+            self.warm_up_kernels()
         self._init_kv_cache(kv_cache_memory, memory_fraction)
         self.sampler = Sampler(self.device, mc.seed)
         # One row per running request; no request outgrows the model's context or the whole cache
@@ -121,6 +123,16 @@ class ModelRunner:
                                 mc.hf["vocab_size"], self.device)
         self._init_decode_graphs(max_len)
         self._bitmask = None  # structured_output.bitmask.BitmaskFiller, made on the first constrained step
+
+    def warm_up_kernels(self) -> set:
+        """Compile every Triton kernel variant this model's layers can launch (moe_serve/kernel_warmup.py);
+        their compile keys."""
+        from moe_serve.kernel_warmup import warm_up
+
+        mc = self.cfg.model
+        return warm_up(self.model, dtype=mc.dtype, device=self.device, block_size=self.cfg.cache.block_size,
+                       max_model_len=mc.max_model_len, num_heads=mc.hf["num_attention_heads"],
+                       dispatcher=self.moe_ctx.dispatcher)
 
     # --- KV cache -------------------------------------------------------------------------------
     def _init_kv_cache(self, kv_cache_memory: int | None, fraction: float) -> None:

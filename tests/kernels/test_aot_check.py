@@ -215,33 +215,41 @@ from kernels import specialization
 from moe_serve import LLM, SamplingParams
 path = sys.argv[1]
 prompts = [[5, 77, 301, 42], [9, 8, 7, 6, 5, 4, 3, 200, 100, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27], [450]]
+llm = LLM(path, dtype="float32", kv_cache_memory=1 << 20, max_num_batched_tokens=16, moe_backend="triton",
+          attention_backend="triton", show_progress=False)
+warmed = llm.engine.runner.warm_up_kernels()  # what start-up compiles on a GPU (here: recorded only)
 with specialization.record(run=True) as launches:
-    llm = LLM(path, dtype="float32", kv_cache_memory=1 << 20, max_num_batched_tokens=16, moe_backend="triton",
-              attention_backend="triton", show_progress=False)
     llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=3))
-print(json.dumps([[x.kernel, x.args, x.constexprs, x.options] for x in set(launches)]))
+print(json.dumps({name: [[x.kernel, x.args, x.constexprs, x.options] for x in set(keys)]
+                  for name, keys in (("launched", launches), ("warmed", warmed))}))
 """
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
-def test_aot_check_compiles_what_an_engine_run_launches(checkpoints, arch):
+def test_what_an_engine_run_launches_is_compiled_ahead_and_warmed_up(checkpoints, arch):
     """An engine serving a checkpoint through the Triton backends (the interpreter here; chunked
     prefill, decodes, GQA or MLA, experts 48 or 32 wide, whose sizes Triton does not mark divisible
-    by 16) records every launch's compile key; `aot_check --model config.json` compiles each of them,
-    the integer and alignment marks included (not a generic variant of the same tiles)."""
+    by 16) records every launch's compile key. `aot_check --model config.json` compiles each of them,
+    the integer and alignment marks included (not a generic variant of the same tiles), and the
+    start-up warm-up (moe_serve/kernel_warmup.py, run on CUDA before serving) met each one first."""
     from kernels import specialization as sp
 
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     r = subprocess.run([sys.executable, "-c", ENGINE_RUN, checkpoints[arch]], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    launched = [aot_check.job_from_launch(sp.Launch(k, tuple(map(tuple, a)), tuple(map(tuple, c)), tuple(map(tuple, o))))
-                for k, a, c, o in json.loads(r.stdout.strip().splitlines()[-1])]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    launched, warmed = ([aot_check.job_from_launch(sp.Launch(k, tuple(map(tuple, a)), tuple(map(tuple, c)),
+                                                             tuple(map(tuple, o))))
+                         for k, a, c, o in out[name]] for name in ("launched", "warmed"))
     assert {j.kernel for j in launched} >= {sp.ATTN, sp.WRITE, sp.GEMM, sp.TOPK}
     model = aot_check.model_from_hf_config(os.path.join(checkpoints[arch], "config.json"))
     jobs = {j.key(): j for j in aot_check.enumerate_jobs((model,), (torch.float32,))}
     missing = [j for j in launched if j.key() not in jobs]
     assert not missing, [(j.describe(), j.marks) for j in missing]
+    warmed_keys = {j.key() for j in warmed}
+    cold = [j for j in launched if j.key() not in warmed_keys]
+    assert not cold, [(j.describe(), j.marks) for j in cold]
     # The marks matter: the runtime specialises unit strides to the constant 1, and the expert width
     # (48 / 32 here) decides the GEMM's N mark.
     gemm = [j for j in launched if j.kernel == sp.GEMM]
