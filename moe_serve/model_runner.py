@@ -113,7 +113,11 @@ class ModelRunner:
         log.info("model %s loaded in %.1fs: %.1f MiB of weights on this rank (%s)", mc.architecture,
                  time.perf_counter() - t0, self.weight_bytes / 2**20, mc.dtype)
         if self.device.type == "cuda":  # no Triton compile in the middle of serving
-            self.warm_up_kernels()
+            try:
+                self.warm_up_kernels()
+            except Exception as e:  # noqa: BLE001 - a warm-up fault must not stop serving: kernels then JIT
+                log.warning("Triton warm-up stopped (%s: %s); kernels not compiled yet compile at their first "
+                            "launch", type(e).__name__, str(e)[:300])
         self._init_kv_cache(kv_cache_memory, memory_fraction)
         self.sampler = Sampler(self.device, mc.seed)
         # One row per running request; no request outgrows the model's context or the whole cache
