@@ -293,8 +293,8 @@ def enumerate_jobs(models=MODELS, dtypes=DTYPES, inject_broken: bool = False, qu
 
     jobs: dict[tuple, Job] = {}
 
-    def add(job: Job, user: str) -> Job:
-        return jobs.setdefault(job.key(), job).users.append(user) or jobs[job.key()]
+    def add(job: Job, user: str) -> None:
+        jobs.setdefault(job.key(), job).users.append(user)
 
     def add_launches(launches, users: dict):
         """users: kernel -> user name, or a function of the job giving it; kernels not named are skipped."""
