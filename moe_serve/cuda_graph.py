@@ -52,6 +52,45 @@ def padded_size(n: int, sizes: list[int]) -> int | None:
     return None
 
 
+def capture_agreement(dispatcher):
+    """With expert parallelism, agree(ok) -> whether every rank captured a size (one small MAX
+    all-reduce over the dispatcher's group), so that the ranks keep graphs or run eagerly together;
+    None with one rank."""
+    if dispatcher is None or dispatcher.world_size == 1:
+        return None
+    return lambda ok: dispatcher.agree_max(0 if ok else 1) == 0
+
+
+def capture_ladder(sizes: list[int], capture_one, agree=None, dispatcher=None) -> dict:
+    """{size: capture_one(size)} for every ladder size, largest first (the smaller graphs reuse its
+    pool). dispatcher (the MoE layers'): told each size as a padded decode step of that many rows on
+    every rank tells it, and reset afterwards. agree(ok) -> bool, a collective over the EP group,
+    says after each size whether every rank captured it; if any did not, every rank raises
+    RuntimeError at that same size (so all of them run eagerly, and none waits in a collective the
+    others never enter). A capture's failure of any kind counts; without agree it is raised as is."""
+    graphs = {}
+    try:
+        for B in sorted(sizes, reverse=True):
+            if dispatcher is not None:
+                dispatcher.set_step_max_tokens(B)
+                dispatcher.set_static_rows(B)
+            err = None
+            try:
+                graphs[B] = capture_one(B)
+            except Exception as e:  # noqa: BLE001 - every rank must reach agree() whatever failed here
+                if agree is None:
+                    raise
+                err = e
+            if agree is not None and not agree(err is None):
+                raise RuntimeError(f"decode graph capture of batch {B} failed on "
+                                   f"{'this rank' if err else 'another rank'}: {err or ''}") from err
+    finally:
+        if dispatcher is not None:
+            dispatcher.set_static_rows(None)
+            dispatcher.set_step_max_tokens(None)
+    return graphs
+
+
 class DecodeGraphs:
     """One captured decode forward per ladder size, over static buffers sized for the largest.
 
@@ -93,28 +132,9 @@ class DecodeGraphs:
         free0, _ = torch.cuda.mem_get_info()
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        d = self.dispatcher
-        try:
-            for B in reversed(self.sizes):  # largest first: the smaller graphs reuse its pool
-                if d is not None:  # what a padded decode step of B rows on every rank sets
-                    d.set_step_max_tokens(B)
-                    d.set_static_rows(B)
-                err = None
-                try:
-                    self.graphs[B] = self._capture_one(B, pool, device_side_only)
-                except RuntimeError as e:
-                    err = e
-                if agree is not None and not agree(err is None):
-                    self.graphs.clear()
-                    raise RuntimeError(f"decode graph capture of batch {B} failed on "
-                                       f"{'this rank' if err else 'another rank'}: {err or ''}") from err
-                if err is not None:
-                    self.graphs.clear()
-                    raise err
-        finally:
-            if d is not None:
-                d.set_static_rows(None)
-                d.set_step_max_tokens(None)
+        self.graphs = {}  # none kept unless every size is captured (on every rank)
+        self.graphs = capture_ladder(self.sizes, lambda B: self._capture_one(B, pool, device_side_only), agree,
+                                     self.dispatcher)
         torch.cuda.synchronize()
         self.capture_s = time.perf_counter() - t0
         self.memory_bytes = free0 - torch.cuda.mem_get_info()[0]

@@ -245,10 +245,9 @@ class ModelRunner:
 
     # --- decode padding and CUDA graphs (moe_serve/cuda_graph.py) -------------------------------
     def _agree_captured(self):
-        """With expert parallelism: agree(ok) -> whether every rank captured a size (one small
-        all-reduce), so that the ranks keep graphs or run eagerly together; None with one rank."""
-        d = self.moe_ctx.dispatcher
-        return None if d.world_size == 1 else (lambda ok: d.agree_max(0 if ok else 1) == 0)
+        from moe_serve.cuda_graph import capture_agreement
+
+        return capture_agreement(self.moe_ctx.dispatcher)
 
     def _captures_graphs(self) -> bool:
         """Whether decode graphs are captured (and so padding on unless pad_decode says otherwise).
@@ -279,8 +278,9 @@ class ModelRunner:
             try:
                 graphs.capture(self._agree_captured())
                 self.graphs = graphs
-            except RuntimeError as e:  # e.g. an op that syncs the host: decode steps stay eager
-                log.warning("decode CUDA graph capture failed, running eagerly: %s", str(e)[:300])
+            except Exception as e:  # noqa: BLE001 - e.g. an op that syncs the host: decode steps stay eager
+                log.warning("decode CUDA graph capture failed, running eagerly: %s: %s", type(e).__name__,
+                            str(e)[:300])
                 return
             est = self.graph_estimate_bytes
             if est and graphs.memory_bytes > est:
