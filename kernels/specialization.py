@@ -54,7 +54,7 @@ def argument_spec(value, specialize: bool) -> tuple[str, str]:
         if kind == "constexpr":
             return "i32", "1"
         return kind, mark or ""
-    except ImportError:  # older Triton: the rules of its Python specialisation
+    except (ImportError, TypeError):  # a Triton without it (or another signature): the same rules here
         pass
     if isinstance(value, bool):
         return "u1", ""
