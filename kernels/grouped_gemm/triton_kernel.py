@@ -193,9 +193,9 @@ def check_triton_device(t: torch.Tensor) -> None:
                            "TRITON_INTERPRET=1 before the kernel modules are imported")
 
 
-def gemm_launch(cfg: dict, dtype: torch.dtype, gated: bool = False) -> dict:
+def gemm_launch(cfg: dict, dtype: torch.dtype) -> dict:
     """Constexprs and launch options of `_grouped_gemm_kernel` (GATED / MUL_WEIGHT aside) for one
-    config, activation dtype and GEMM (gated: gate/up, else down): what selects a compiled variant
+    config and activation dtype, the same for gate/up and down: what selects a compiled variant
     (kernels/aot_check.py compiles each, as the launch specialises it, and holds it to --max-spill:
     none of the default or tuned tiles spills more than 16 B per thread on sm_90 or sm_100)."""
     return dict(GROUP_SIZE_M=cfg["GROUP_SIZE_M"], BLOCK_SIZE_M=cfg["BLOCK_SIZE_M"], BLOCK_SIZE_N=cfg["BLOCK_SIZE_N"],
@@ -204,16 +204,16 @@ def gemm_launch(cfg: dict, dtype: torch.dtype, gated: bool = False) -> dict:
                 B_SCALED=False, SB_N=128, SB_K=128, A_SCALED=False)
 
 
-def fp8_gemm_launch(cfg: dict, dtype: torch.dtype, scale_block: tuple[int, int], gated: bool = False) -> dict:
+def fp8_gemm_launch(cfg: dict, dtype: torch.dtype, scale_block: tuple[int, int]) -> dict:
     """`gemm_launch` for block-FP8 weights with (b0, b1) scale blocks (the Hub's are 128 x 128)."""
-    return {**gemm_launch(cfg, dtype, gated), "B_SCALED": True, "SB_N": scale_block[0], "SB_K": scale_block[1],
+    return {**gemm_launch(cfg, dtype), "B_SCALED": True, "SB_N": scale_block[0], "SB_K": scale_block[1],
             "A_SCALED": False}
 
 
-def w8a8_gemm_launch(cfg: dict, dtype: torch.dtype, scale_block: tuple[int, int], gated: bool = False) -> dict:
+def w8a8_gemm_launch(cfg: dict, dtype: torch.dtype, scale_block: tuple[int, int]) -> dict:
     """`fp8_gemm_launch` with the activations quantized too (per row per scale_block[1] channels):
     the k tile must divide the scale block along k."""
-    launch = {**fp8_gemm_launch(cfg, dtype, scale_block, gated), "A_SCALED": True}
+    launch = {**fp8_gemm_launch(cfg, dtype, scale_block), "A_SCALED": True}
     while scale_block[1] % launch["BLOCK_SIZE_K"]:
         launch["BLOCK_SIZE_K"] //= 2
     if launch["BLOCK_SIZE_K"] < 16:
@@ -294,12 +294,11 @@ def fused_experts_triton(
     if act_quant and not scaled:
         raise ValueError("act_quant needs block-FP8 weights")
     if act_quant:
-        launches = [w8a8_gemm_launch(cfg, x_TD.dtype, scale_block, gated) for gated in (True, False)]
+        launch = w8a8_gemm_launch(cfg, x_TD.dtype, scale_block)
     elif scaled:
-        launches = [fp8_gemm_launch(cfg, x_TD.dtype, scale_block, gated) for gated in (True, False)]
+        launch = fp8_gemm_launch(cfg, x_TD.dtype, scale_block)
     else:
-        launches = [gemm_launch(cfg, x_TD.dtype, gated) for gated in (True, False)]
-    launch13, launch2 = launches  # gate/up and down (the W8A8 K tile can differ from the config's)
+        launch = gemm_launch(cfg, x_TD.dtype)  # gate/up and down alike
     if scaled:
         s13 = (w13_scale, w13_scale.stride(0), w13_scale.stride(1), w13_scale.stride(2), nF)
         s2 = (w2_scale, w2_scale.stride(0), w2_scale.stride(1), w2_scale.stride(2), 0)
@@ -314,24 +313,24 @@ def fused_experts_triton(
     y_PD = _empty((P, D), x_TD.dtype, x_TD.device)
     if S > 0:
         h_PF = _empty((P, F), x_TD.dtype, x_TD.device)
-        _grouped_gemm_kernel[(S // BM * triton.cdiv(F, launch13["BLOCK_SIZE_N"]),)](
+        _grouped_gemm_kernel[(S // BM * triton.cdiv(F, launch["BLOCK_SIZE_N"]),)](
             a_in, w13_EFD, h_PF, weights_P,
             routing.sorted_pair_ids_S, routing.expert_ids_B, routing.num_padded,
             F, D, S, P, K,
             a_in.stride(0), a_in.stride(1), w13_EFD.stride(0), w13_EFD.stride(1), w13_EFD.stride(2),
             h_PF.stride(0), h_PF.stride(1), *s13, *a_scales,
-            GATED=True, MUL_WEIGHT=False, **launch13)
+            GATED=True, MUL_WEIGHT=False, **launch)
         h_in, h_scales = h_PF, (weights_P, 0, 0)
         if act_quant:
             h_in, hs = quantize_per_token_group(h_PF, scale_block[1])
             h_scales = (hs, hs.stride(0), hs.stride(1))
-        _grouped_gemm_kernel[(S // BM * triton.cdiv(D, launch2["BLOCK_SIZE_N"]),)](
+        _grouped_gemm_kernel[(S // BM * triton.cdiv(D, launch["BLOCK_SIZE_N"]),)](
             h_in, w2_EDF, y_PD, weights_P,
             routing.sorted_pair_ids_S, routing.expert_ids_B, routing.num_padded,
             D, F, S, P, 1,
             h_in.stride(0), h_in.stride(1), w2_EDF.stride(0), w2_EDF.stride(1), w2_EDF.stride(2),
             y_PD.stride(0), y_PD.stride(1), *s2, *h_scales,
-            GATED=False, MUL_WEIGHT=True, **launch2)
+            GATED=False, MUL_WEIGHT=True, **launch)
     topk = topk_sum_launch(K, D)
     _topk_sum_kernel[(T, triton.cdiv(D, topk["BLOCK_D"]))](
         y_PD, ids_TK, out, D, y_PD.stride(0), out.stride(0), out.stride(1), **topk)
