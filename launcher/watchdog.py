@@ -19,14 +19,17 @@ log = logging.getLogger("moe_serve.watchdog")
 
 
 class Watchdog:
-    def __init__(self, rank: int, world_size: int, timeout_s: float):
+    def __init__(self, rank: int, world_size: int, timeout_s: float, store=None):
+        """store: a client of the job's store whose operations time out within timeout_s (so a
+        host cut off from node 0 notices too); default: the process group's store."""
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         self.turn = 0
         self.turn_started = time.monotonic()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.store = None
-        if world_size > 1 and dist.is_initialized():
+        self.store = store
+        self._store_call_since: float | None = None  # when the watchdog's current store round began
+        if store is None and world_size > 1 and dist.is_initialized():
             try:
                 from torch.distributed.distributed_c10d import _get_default_store
 
@@ -45,16 +48,32 @@ class Watchdog:
             return
         self._thread = threading.Thread(target=self._run, name="rank-watchdog", daemon=True)
         self._thread.start()
+        threading.Thread(target=self._deadman, name="rank-watchdog-store", daemon=True).start()
 
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)  # not inside a store call while the groups are torn down
 
+    def _deadman(self) -> None:
+        """A store call that never returns (a host whose link to node 0 is cut: the call waits on
+        TCP, which gives up only after many minutes) cannot be interrupted; this thread sees it and
+        ends the process."""
+        period = min(1.0, self.timeout_s / 4)
+        while not self._stop.wait(period):
+            since = self._store_call_since
+            if since is not None and time.monotonic() - since > self.timeout_s:
+                log.error("rank %d: the job's key-value store (MASTER_ADDR %s:%s, on node 0) has not answered for "
+                          "%.0fs: this host has lost node 0 (its link is down, or node 0 is gone); stopping",
+                          self.rank, os.environ.get("MASTER_ADDR", "?"), os.environ.get("MASTER_PORT", "?"),
+                          time.monotonic() - since)
+                os._exit(1)
+
     def _run(self) -> None:
         period = min(1.0, self.timeout_s / 4)
         while not self._stop.wait(period):
             now = time.monotonic()
+            self._store_call_since = now
             try:
                 self.store.set(f"moe_serve/alive/{self.rank}", str(time.time()))
                 if now - self.turn_started < self.timeout_s:
@@ -75,6 +94,8 @@ class Watchdog:
                     return
                 log.error("rank %d: lost the job's key-value store (%s); exiting", self.rank, e)
                 os._exit(1)
+            finally:
+                self._store_call_since = None
             if behind:
                 names = ", ".join(f"rank {r} (at turn {t}, last heartbeat {age:.0f}s ago)" for r, t, age in behind)
                 log.error("rank %d waited %.0fs in turn %d for %s: dead or hung; stopping the job", self.rank,

@@ -8,6 +8,8 @@ import logging
 import os
 import sys
 
+from launcher.network import DistNetworkError
+
 log = logging.getLogger("moe_serve.launcher")
 
 
@@ -20,7 +22,18 @@ def parse(argv: list[str]) -> argparse.Namespace:
     add_serve_args(s)
     s.add_argument("--dist-timeout", type=float, default=60.0,
                    help="seconds a rank may fall behind before the job stops with an error naming it")
+    add_network_args(s)
     return p.parse_args(argv)
+
+
+def add_network_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dist-interface", default=None, metavar="NAME",
+                   help="the network interface this rank uses to reach the others (gloo, NCCL's bootstrap, the "
+                        "front end's sockets); default: the one that routes to MASTER_ADDR, or GLOO_SOCKET_IFNAME "
+                        "where set")
+    p.add_argument("--dist-join-timeout", type=float, default=120.0,
+                   help="seconds every rank waits at start-up for MASTER_ADDR to answer and for every rank of every "
+                        "node to join, before it stops with an error naming the ranks missing")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"moe-serve (rank {rank_env}): error: {e}", file=sys.stderr)
         rc = 2
+    except DistNetworkError as e:
+        log.error("%s", e)
+        print(f"moe-serve (rank {rank_env}): error: {e}", file=sys.stderr)
+        rc = 1
     except Exception as e:
         log.exception("rank %s failed", rank_env)
         print(f"moe-serve (rank {rank_env}): error: {type(e).__name__}: {e}", file=sys.stderr)
@@ -50,6 +67,7 @@ def run(ns: argparse.Namespace, serve_argv: list[str]) -> int:
     import json
 
     from expert_parallel.groups import destroy_process_groups, init_process_groups
+    from launcher import network
     from launcher.watchdog import Watchdog
     from moe_serve import platform
     from moe_serve.engine.args import EngineArgs
@@ -59,11 +77,24 @@ def run(ns: argparse.Namespace, serve_argv: list[str]) -> int:
     from moe_serve.entrypoints.openai.launch import spawn_frontend
 
     dev = platform.resolve_device(ns.device)
-    groups = init_process_groups("nccl" if dev.type == "cuda" else "gloo", timeout_s=max(ns.dist_timeout * 2, 120))
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    endpoint, peers, watch_store = join_network(ns, backend)
+    try:
+        groups = init_process_groups(backend, timeout_s=max(ns.dist_timeout * 2, 120))
+    except (RuntimeError, dist_errors()) as e:
+        if endpoint is None:
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DistNetworkError(
+            f"the {backend} process group did not form: {first}. This rank used {endpoint.address} on "
+            f"{endpoint.interface} ({endpoint.why})" + (f"; the ranks' addresses: {network.table_of(peers)}" if peers
+                                                         else "") +
+            ". Every rank must reach every other rank's address: on hosts with several interfaces set "
+            "--dist-interface to the one that reaches the other nodes") from None
     rank, world = groups.rank, groups.world_size
     log.info("rank %d of %d (local rank %d, pid %d, device %s)", rank, world, groups.local_rank, os.getpid(),
              groups.device)
-    watchdog = Watchdog(rank, world, ns.dist_timeout)
+    watchdog = Watchdog(rank, world, ns.dist_timeout, watch_store)
     # Every rank resolves the model itself (the default one is built under a lock, once per machine),
     # so nodes without a shared filesystem work too.
     path, _ = resolve_model(ns.model)
@@ -75,10 +106,12 @@ def run(ns: argparse.Namespace, serve_argv: list[str]) -> int:
     addrs = None
     if rank == 0:
         # The front end binds; every core connects to it, on this node or from the others.
+        # On one node the cores reach it on loopback; across nodes, on rank 0's chosen address.
         multi_node = int(os.environ.get("LOCAL_WORLD_SIZE", world)) != world
-        frontend, in_ports, out_port = spawn_frontend(serve_argv + ["--model", path], world,
-                                                      "0.0.0.0" if multi_node else "127.0.0.1")
-        host = os.environ.get("MASTER_ADDR", "127.0.0.1") if multi_node else "127.0.0.1"
+        host = endpoint.address if multi_node and endpoint is not None else "127.0.0.1"
+        frontend, in_ports, out_port = spawn_frontend(serve_argv + ["--model", path], world, host)
+        if multi_node:
+            log.info("front end sockets bound on %s (%s), for the cores of every node", host, endpoint.interface)
         addrs = json.dumps({"host": host, "in": in_ports, "out": out_port}).encode()
     loop, clean = None, False
     try:
@@ -86,7 +119,7 @@ def run(ns: argparse.Namespace, serve_argv: list[str]) -> int:
         core = build_engine(cfg, groups.ep_group, show_progress=rank == 0)
         agree_max_model_len(core, groups.cpu_group)
         peer_alive = (lambda: frontend.poll() is None) if frontend is not None else (lambda: True)
-        loop = CoreLoop(core, rank, world, f"tcp://{a['host']}:{a['in'][rank]}", f"tcp://{a['host']}:{a['out']}",
+        loop = CoreLoop(core, rank, world, network.url(a["host"], a["in"][rank]), network.url(a["host"], a["out"]),
                         groups.cpu_group, on_turn=watchdog.beat, peer_alive=peer_alive)
         install_signal_handlers(loop)
         log.info("data-parallel attention on %d ranks, experts sharded %d ways (%s dispatch)", world, world,
@@ -114,6 +147,48 @@ def run(ns: argparse.Namespace, serve_argv: list[str]) -> int:
         # After a failure the other ranks may be inside a collective: leave teardown to exit.
         if clean and clean_exit(groups):
             destroy_process_groups(groups)
+
+
+def dist_errors() -> type:
+    import torch.distributed as dist
+
+    return getattr(dist, "DistError", RuntimeError)
+
+
+def join_network(ns: argparse.Namespace, backend: str):
+    """Choose this rank's address, point gloo/NCCL at it, check that MASTER_ADDR answers from it,
+    and (under torchrun) meet every rank in the job's store. Returns (endpoint, every rank's
+    endpoint, a store client for the watchdog whose calls time out within --dist-timeout), with
+    None for what a one-rank job or a job outside torchrun does not have."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from launcher import network
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1 or "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        return None, None, None
+    rank = int(os.environ.get("RANK", "0"))
+    master, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    ep = network.choose_endpoint(master, port, ns.dist_interface)
+    settings = network.apply(ep)
+    log.info("rank %d reaches the other ranks from %s on %s, because %s (%s)", rank, ep.address, ep.interface,
+             ep.why, ", ".join(s for s in settings if backend == "nccl" or not s.startswith("NCCL")))
+    took = network.wait_reachable(master, port, ep, ns.dist_join_timeout)
+    if took > 1:
+        log.info("MASTER_ADDR %s:%d answered after %.0fs", master, port, took)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return ep, None, None  # no store runs before the process group does: torch's own timeout bounds the wait
+    store = dist.TCPStore(master, port, is_master=False, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=max(ns.dist_join_timeout, 1)))
+    prefix = (f"moe_serve/net/{os.environ.get('TORCHELASTIC_RUN_ID', 'job')}/"
+              f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
+    peers = network.meet(store, rank, world, int(os.environ.get("GROUP_RANK", "0")), ep, ns.dist_join_timeout, prefix)
+    if rank == 0:
+        log.info("every rank joined: %s", network.table_of(peers))
+    store.set_timeout(datetime.timedelta(seconds=ns.dist_timeout))
+    return ep, peers, dist.PrefixStore(prefix + "/watchdog", store)
 
 
 def _wait(proc, timeout_s: float = 30.0) -> int:

@@ -24,19 +24,23 @@ class CoreClient:
     def __init__(self, world_size: int, bind_host: str = "127.0.0.1"):
         self.world_size = world_size
         self.ctx = zmq.Context()
+        if ":" in bind_host:  # an IPv6 address: ZMQ wants it in brackets, and IPv6 switched on
+            self.ctx.setsockopt(zmq.IPV6, 1)
+        where = f"tcp://[{bind_host}]" if ":" in bind_host else f"tcp://{bind_host}"
         self.out_sock = self.ctx.socket(zmq.PULL)
-        self.out_port = self.out_sock.bind_to_random_port(f"tcp://{bind_host}")
+        self.out_port = self.out_sock.bind_to_random_port(where)
         self.in_socks, self.in_ports = [], []
         for _ in range(world_size):
             s = self.ctx.socket(zmq.PUSH)
             s.setsockopt(zmq.LINGER, 1000)
-            self.in_ports.append(s.bind_to_random_port(f"tcp://{bind_host}"))
+            self.in_ports.append(s.bind_to_random_port(where))
             self.in_socks.append(s)
         self.bind_host = bind_host
 
     def addresses(self, host: str | None = None) -> tuple[list[str], str]:
         """(per-rank input addresses, output address) as the cores should connect to them."""
         h = host or self.bind_host
+        h = f"[{h}]" if ":" in h else h
         return [f"tcp://{h}:{p}" for p in self.in_ports], f"tcp://{h}:{self.out_port}"
 
     def send(self, rank: int, msg: CoreInput) -> None:

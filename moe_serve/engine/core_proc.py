@@ -43,6 +43,8 @@ class CoreLoop:
         self.core, self.rank, self.world_size, self.group = core, rank, world_size, sync_group
         self.on_turn, self.peer_alive = on_turn, peer_alive
         self.ctx = zmq.Context()
+        if "[" in in_addr:  # the front end is on an IPv6 address
+            self.ctx.setsockopt(zmq.IPV6, 1)
         self.inp = self.ctx.socket(zmq.PULL)
         self.inp.connect(in_addr)
         self.out = self.ctx.socket(zmq.PUSH)

@@ -188,7 +188,10 @@ def frontend_main(argv: list[str] | None = None) -> int:
     p.add_argument("--bind-host", default="127.0.0.1")
     p.add_argument("--announce-fd", type=int, required=True)
     p.add_argument("--parent-pid", type=int, required=True)
+    # The launcher's own flags: rank 0 passes every serve flag on, and they are used there.
     p.add_argument("--dist-timeout", type=float, default=60.0)
+    p.add_argument("--dist-interface", default=None)
+    p.add_argument("--dist-join-timeout", type=float, default=120.0)
     ns = p.parse_args(argv)
     http_flags_check(ns)
     rank_env = os.environ.get("RANK", "0")
