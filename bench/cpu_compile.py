@@ -38,7 +38,7 @@ from bench.synthetic_models import resolve_model  # noqa: E402
 
 
 def decode_inputs(llm, B: int):
-    """The (ids, positions, meta) of one padded decode step of B sequences, as the model sees them."""
+    """The (ids, positions, meta, step) of one padded decode step of B sequences, as the model sees them."""
     from moe_serve import SamplingParams
     from moe_serve.protocol import NewRequest
 
@@ -49,10 +49,10 @@ def decode_inputs(llm, B: int):
     seen = []
     plain = model.forward
 
-    def forward(ids_T, positions_T, meta):
+    def forward(ids_T, positions_T, meta, step):
         if meta.is_decode_only and not seen:
-            seen.append((ids_T, positions_T, meta))
-        return plain(ids_T, positions_T, meta)
+            seen.append((ids_T, positions_T, meta, step))
+        return plain(ids_T, positions_T, meta, step)
 
     model.forward = forward
     try:
@@ -93,13 +93,13 @@ def main(argv=None) -> int:
     model = llm.engine.runner.model
     rows = []
     for B in [int(b) for b in args.batches.split(",")]:
-        ids, pos, meta = decode_inputs(llm, B)
+        ids, pos, meta, step = decode_inputs(llm, B)
         B = ids.shape[0]  # the padded size
         with torch.inference_mode():
-            ref = model(ids, pos, meta)
-            eager = time_ms(lambda: model(ids, pos, meta), args.steps)
+            ref = model(ids, pos, meta, step)
+            eager = time_ms(lambda: model(ids, pos, meta, step), args.steps)
             with device_side_only():
-                torch_ops = time_ms(lambda: model(ids, pos, meta), args.steps)
+                torch_ops = time_ms(lambda: model(ids, pos, meta, step), args.steps)
                 torch._dynamo.reset()
                 compiled_fn = torch.compile(model.forward, dynamic=False)
                 # The probe's answer here, as a constant (dynamo would re-run it on fake tensors),
@@ -109,9 +109,9 @@ def main(argv=None) -> int:
                 grouped_gemm.fused_experts_grouped = torch.compiler.disable(fused_experts_grouped)
                 try:
                     t0 = time.perf_counter()
-                    out = compiled_fn(ids, pos, meta)
+                    out = compiled_fn(ids, pos, meta, step)
                     compile_s = time.perf_counter() - t0
-                    compiled = time_ms(lambda: compiled_fn(ids, pos, meta), args.steps)
+                    compiled = time_ms(lambda: compiled_fn(ids, pos, meta, step), args.steps)
                 finally:
                     grouped_gemm.grouped_mm_available = grouped_mm_available
                     grouped_gemm.fused_experts_grouped = fused_experts_grouped

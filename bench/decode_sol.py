@@ -127,8 +127,8 @@ class ModelOnlyDecoder:
                  max_batch: int, max_len: int, block_size: int = 16, seed: int = 0,
                  dtype: torch.dtype = torch.bfloat16):
         from attention.layer import PagedAttention, PagedMLAAttention
-        from expert_parallel.dispatch.local import LocalDispatcher
-        from expert_parallel.layer import MoEContext, num_default_slots
+        from expert_parallel.runtime.dispatch.local import LocalDispatcher
+        from expert_parallel.runtime.layer import MoEContext, num_default_slots
         from moe_serve import platform
         from moe_serve.models.registry import model_class, num_logical_experts
 

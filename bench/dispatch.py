@@ -40,8 +40,8 @@ import torch.distributed as dist
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from expert_parallel.dispatch import make_dispatcher  # noqa: E402
-from expert_parallel.groups import destroy_process_groups, init_process_groups  # noqa: E402
+from expert_parallel.runtime.dispatch import make_dispatcher  # noqa: E402
+from expert_parallel.runtime.groups import destroy_process_groups, init_process_groups  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 

@@ -4,7 +4,7 @@ For T tokens per rank split into two micro-batches it times, per MoE layer (medi
   comm      dispatch + combine of both micro-batches alone (no expert compute),
   compute   router + expert GEMMs of both micro-batches alone (no communication),
   plain     the whole layer, micro-batches one after the other,
-  overlap   the whole layer, micro-batches interleaved (expert_parallel/overlap.py),
+  overlap   the whole layer, micro-batches interleaved (expert_parallel/runtime/overlap.py),
 and the overlap efficiency (comm + compute - overlap) / min(comm, compute): 1 means the shorter of
 the two is hidden completely. Results go to bench/results/overlap_<device>.json in the form the
 cluster cost model (bench/cluster_model.py) reads.
@@ -28,10 +28,11 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from expert_parallel.dispatch.all_to_all import AllToAllDispatcher  # noqa: E402
-from expert_parallel.layer import MoE, MoEContext, run_to_end  # noqa: E402
-from expert_parallel.overlap import run_interleaved  # noqa: E402
-from expert_parallel.router import SoftmaxTopKRouter  # noqa: E402
+from expert_parallel.runtime.dispatch.all_to_all import AllToAllDispatcher  # noqa: E402
+from expert_parallel.runtime.layer import MoE, MoEContext, run_to_end  # noqa: E402
+from expert_parallel.runtime.overlap import run_interleaved  # noqa: E402
+from expert_parallel.runtime.router import SoftmaxTopKRouter  # noqa: E402
+from expert_parallel.runtime.step import MoEStep  # noqa: E402
 from kernels.grouped_gemm import fused_experts  # noqa: E402
 
 
@@ -42,7 +43,8 @@ def build(args, rank: int, world: int, device) -> MoE:
     ctx = MoEContext(d, "triton" if device.type == "cuda" else "torch")
     with torch.device(device):
         router = SoftmaxTopKRouter(args.hidden, E, args.top_k, True)
-        moe = MoE(args.hidden, args.inter, E, router, ctx, torch.float32 if device.type == "cpu" else torch.bfloat16)
+        moe = MoE(args.hidden, args.inter, E, router, ctx, torch.float32 if device.type == "cpu" else torch.bfloat16,
+                  layer_index=0)
     for p in moe.parameters():
         p.data.normal_(0, p.shape[-1] ** -0.5)
     return moe
@@ -85,10 +87,10 @@ def measure(args, rank: int, world: int, device) -> dict:
 
     def plain():
         for i, x in enumerate(xs):
-            run_to_end(moe.stages(x, i))
+            run_to_end(moe.stages(x, MoEStep(microbatch=i)))
 
     def overlapped():
-        run_interleaved([moe.stages(x, i) for i, x in enumerate(xs)])
+        run_interleaved([moe.stages(x, MoEStep(split=True, microbatch=i)) for i, x in enumerate(xs)])
 
     with torch.inference_mode():
         for f in (comm, compute, plain, overlapped):  # warm up

@@ -20,7 +20,7 @@ busiest expert, 10-40x the mean) plus a per-group bias, then
   spiky   the same, but spikes last one window: nothing in the past predicts the judged one.
 A window holds `copies` routed token copies per layer (e.g. 100 steps x 4k tokens x top-8 ~ 3M).
 
-Metrics (expert_parallel/tuner.py evaluate): balancedness = sum over layers of mean GPU load / sum
+Metrics (expert_parallel/placement/tuner.py evaluate): balancedness = sum over layers of mean GPU load / sum
 of max GPU load (the share of MoE time not spent waiting on the slowest GPU); max load = tokens on
 the busiest GPU, mean over layers; cross-node = share of token copies computed away from their
 expert group's home node. The Qwen3-MoE-like shape has no expert groups (its router may pick any
@@ -38,9 +38,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from expert_parallel import tuner  # noqa: E402
+from expert_parallel.placement import tuner  # noqa: E402
 
-from expert_parallel.synthetic_load import SCENARIOS, synthetic_load  # noqa: E402
+from expert_parallel.placement.synthetic_load import SCENARIOS, synthetic_load  # noqa: E402
 SHAPES = {
     # name: (layers, experts, gpus, nodes, slots, groups)
     "deepseek-v3-like": (58, 256, 32, 4, 288, 8),
@@ -71,7 +71,7 @@ def run(shape: str, scenario: str, seed: int, windows: int, copies: int, layers:
 
 
 def held_out_cases(args) -> int:
-    from expert_parallel import evaluation
+    from expert_parallel.placement import evaluation
 
     tune = lambda fit, G, N, S, K: tuner.tune(fit, G, N, S, K)[0]  # noqa: E731
     # Served evenly, the tuner is told so (--replica-split round_robin does that while serving).

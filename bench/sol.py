@@ -93,7 +93,7 @@ def decode_bytes_of(llm) -> DecodeBytes:
 
 def decode_bytes_of_model(model, kv_bytes_per_token: int) -> DecodeBytes:
     """The byte model of a built model (`CausalLM`), given its KV bytes per cached token."""
-    from expert_parallel.layer import MoE
+    from expert_parallel.runtime.layer import MoE
 
     seen: set[int] = set()
     total = 0

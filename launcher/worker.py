@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(ns: argparse.Namespace, serve_argv: list[str]) -> int:
     import json
 
-    from expert_parallel.groups import destroy_process_groups, init_process_groups
+    from expert_parallel.runtime.groups import destroy_process_groups, init_process_groups
     from launcher import network
     from launcher.watchdog import Watchdog
     from moe_serve import platform

@@ -124,7 +124,7 @@ class ParallelConfig:
     overlap_min_tokens: int = 64  # below this many tokens (max over ranks) a step is not split
     expert_load_window: int = 100  # steps per expert-load window (0: no recorder)
     expert_load_record: str | None = None  # record from the start; written here at shutdown
-    eplb: Any = None  # expert_parallel.eplb_config.EplbConfig: rebalance experts while serving (None: off)
+    eplb: Any = None  # expert_parallel.rebalance.config.EplbConfig: rebalance experts while serving (None: off)
     replica_split: str = "balanced"  # how replicas share an expert's tokens (placement.ReplicaMap)
 
 

@@ -8,7 +8,7 @@ key only, and which is never sampled (logits indices name real rows only). With 
 parallelism every rank pads to the ladder size of the most tokens any rank scheduled (the core
 loop's per-step all-reduce), so all ranks run the same batch size, and the MoE layers exchange
 tokens in the dispatcher's fixed-shape form (an all-gather of every rank's padded rows and a
-reduce-scatter back: no host read, no data-dependent shape; `Dispatcher.set_static_rows`).
+reduce-scatter back: no host read, no data-dependent shape; `MoEStep.static_rows`, `decode_step`).
 
 On CUDA one `torch.cuda.CUDAGraph` per ladder size holds the model forward over static input
 buffers (ids, positions, slot mapping, query starts, sequence lengths, block tables); a decode step
@@ -26,6 +26,7 @@ import time
 import torch
 
 from attention.metadata import AttentionMetadata
+from expert_parallel.runtime.step import MoEStep
 
 log = logging.getLogger("moe_serve.cuda_graph")
 
@@ -61,33 +62,30 @@ def capture_agreement(dispatcher):
     return lambda ok: dispatcher.agree_max(0 if ok else 1) == 0
 
 
-def capture_ladder(sizes: list[int], capture_one, agree=None, dispatcher=None) -> dict:
+def decode_step(B: int) -> MoEStep:
+    """What the MoE layers are told of a padded decode step of B rows: every rank runs B rows (the
+    dispatcher's fixed-shape exchange, which a graph can hold), and B is the most any rank runs."""
+    return MoEStep(max_tokens_any_rank=B, static_rows=B)
+
+
+def capture_ladder(sizes: list[int], capture_one, agree=None) -> dict:
     """{size: capture_one(size)} for every ladder size, largest first (the smaller graphs reuse its
-    pool). dispatcher (the MoE layers'): told each size as a padded decode step of that many rows on
-    every rank tells it, and reset afterwards. agree(ok) -> bool, a collective over the EP group,
+    pool). agree(ok) -> bool, a collective over the EP group,
     says after each size whether every rank captured it; if any did not, every rank raises
     RuntimeError at that same size (so all of them run eagerly, and none waits in a collective the
     others never enter). A capture's failure of any kind counts; without agree it is raised as is."""
     graphs = {}
-    try:
-        for B in sorted(sizes, reverse=True):
-            if dispatcher is not None:
-                dispatcher.set_step_max_tokens(B)
-                dispatcher.set_static_rows(B)
-            err = None
-            try:
-                graphs[B] = capture_one(B)
-            except Exception as e:  # noqa: BLE001 - every rank must reach agree() whatever failed here
-                if agree is None:
-                    raise
-                err = e
-            if agree is not None and not agree(err is None):
-                raise RuntimeError(f"decode graph capture of batch {B} failed on "
-                                   f"{'this rank' if err else 'another rank'}: {err or ''}") from err
-    finally:
-        if dispatcher is not None:
-            dispatcher.set_static_rows(None)
-            dispatcher.set_step_max_tokens(None)
+    for B in sorted(sizes, reverse=True):
+        err = None
+        try:
+            graphs[B] = capture_one(B)
+        except Exception as e:  # noqa: BLE001 - every rank must reach agree() whatever failed here
+            if agree is None:
+                raise
+            err = e
+        if agree is not None and not agree(err is None):
+            raise RuntimeError(f"decode graph capture of batch {B} failed on "
+                               f"{'this rank' if err else 'another rank'}: {err or ''}") from err
     return graphs
 
 
@@ -98,9 +96,8 @@ class DecodeGraphs:
     Capture needs the KV cache bound (the graphs write and read it at fixed addresses)."""
 
     def __init__(self, model, sizes: list[int], max_blocks: int, block_size: int, max_seq_len: int,
-                 scratch_block: int, device: torch.device, dispatcher=None):
+                 scratch_block: int, device: torch.device):
         self.model, self.sizes, self.block_size = model, sorted(sizes), block_size
-        self.dispatcher = dispatcher  # the MoE layers': told each size, as a padded step tells it
         self.max_seq_len = max_seq_len
         n = self.sizes[-1]
         kw = dict(device=device)
@@ -133,8 +130,7 @@ class DecodeGraphs:
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         self.graphs = {}  # none kept unless every size is captured (on every rank)
-        self.graphs = capture_ladder(self.sizes, lambda B: self._capture_one(B, pool, device_side_only), agree,
-                                     self.dispatcher)
+        self.graphs = capture_ladder(self.sizes, lambda B: self._capture_one(B, pool, device_side_only), agree)
         torch.cuda.synchronize()
         self.capture_s = time.perf_counter() - t0
         self.memory_bytes = free0 - torch.cuda.mem_get_info()[0]
@@ -142,18 +138,18 @@ class DecodeGraphs:
                  ",".join(map(str, self.sizes)), self.capture_s, self.memory_bytes / 2**20)
 
     def _capture_one(self, B: int, pool, device_side_only) -> tuple:
-        ids, pos, meta = self.ids[:B], self.pos[:B], self._meta(B)
+        ids, pos, meta, step = self.ids[:B], self.pos[:B], self._meta(B), decode_step(B)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), device_side_only():
             for _ in range(2):  # compiles, autotuning and allocator warm-up outside the capture
                 meta.derived.clear()
-                self.model(ids, pos, meta)
+                self.model(ids, pos, meta, step)
         torch.cuda.current_stream().wait_stream(side)
         meta.derived.clear()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=pool), device_side_only():
-            out = self.model(ids, pos, meta)
+            out = self.model(ids, pos, meta, step)
         return g, out
 
     def replay(self, ids_T: torch.Tensor, pos_T: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -171,7 +167,7 @@ class DecodeGraphs:
         bt = meta.block_tables
         self.block_tables[:B, :bt.shape[1]].copy_(bt, non_blocking=True)
         if B not in self.graphs:
-            return self.model(self.ids[:B], self.pos[:B], self._meta(B))
+            return self.model(self.ids[:B], self.pos[:B], self._meta(B), decode_step(B))
         g, out = self.graphs[B]
         g.replay()
         return out

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from attention.metadata import AttentionMetadata
-from expert_parallel.overlap import ATTENTION_TOKENS_PER_UNIT, split_pieces
+from expert_parallel.runtime.overlap import ATTENTION_TOKENS_PER_UNIT, split_pieces
 from moe_serve.request import Request, RequestStatus
 from moe_serve.sampling_metadata import SamplingMetadata, SamplingRows
 from moe_serve.scheduler import SchedulerOutput
@@ -141,7 +141,7 @@ class InputBatch:
     def prepare(self, pieces: list[Piece], split: bool = False, pad_to: int | None = None,
                 scratch_block: int = 0) -> StepInputs:
         """Device inputs of one step; with split, two micro-batches cut at a cost-balanced token
-        (expert_parallel/overlap.py) and built from the same rows. One host->device copy.
+        (expert_parallel/runtime/overlap.py) and built from the same rows. One host->device copy.
         pad_to (decode-only steps, unsplit): dummy one-token sequences appended up to pad_to, each
         at position 0 writing its KV to slot 0 of scratch_block and never sampled."""
         groups = [pieces]

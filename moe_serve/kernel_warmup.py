@@ -93,7 +93,7 @@ def warm_up(model: torch.nn.Module, *, dtype: torch.dtype, device: torch.device,
     are skipped. A variant that fails to compile is logged and left to its first launch."""
     from attention.backends import triton_paged as tp
     from attention.layer import PagedAttention, PagedMLAAttention
-    from expert_parallel.layer import MoE
+    from expert_parallel.runtime.layer import MoE
     from kernels import specialization
     from moe_serve.layers.linear import Linear
 

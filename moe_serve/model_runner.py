@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
 
 import torch
 
 from attention.layer import PagedAttention, PagedMLAAttention
 from attention.metadata import AttentionMetadata
-from expert_parallel.layer import MoEContext
+from expert_parallel.runtime.layer import MoEContext
+from expert_parallel.runtime.step import MoEStep
 from moe_serve.config import EngineConfig
 from moe_serve.input_batch import InputBatch, Piece, StepInputs
 from moe_serve.models.registry import model_class
@@ -92,9 +94,13 @@ class ModelRunner:
         cls = model_class(mc.architecture)
         with torch.device(self.device):
             self.model = cls(mc.hf, moe_ctx, cfg.attention_backend, mc.dtype)
-        if moe_ctx.physical_to_logical is not None and moe_ctx.moe_layer_count[0] != len(moe_ctx.physical_to_logical):
+        n_moe = self.model.num_moe_layers
+        if moe_ctx.physical_to_logical is not None and n_moe != len(moe_ctx.physical_to_logical):
             raise ValueError(f"expert placement has {len(moe_ctx.physical_to_logical)} layers; "
-                             f"the model has {moe_ctx.moe_layer_count[0]} MoE layers")
+                             f"the model has {n_moe} MoE layers")
+        # Expert-load hooks (moe_layer_index, logical top-k ids): the engine's recorder and the
+        # online rebalancer add theirs; each step's MoEStep carries them to the MoE layers.
+        self.load_hooks: list[Callable[[int, torch.Tensor], None]] = []
         self.model.requires_grad_(False)
         self.model.eval()
         if mc.load_format == "dummy":
@@ -201,10 +207,8 @@ class ModelRunner:
         positions = torch.cat([torch.arange(q) for q in q_lens]).to(dev)
         for layer in self.attn_layers:
             layer.bind([torch.zeros(s, dtype=dtype, device=dev) for s in layer.cache_shape(first, bs)])
-        self.moe_ctx.dispatcher.set_step_max_tokens(N)  # the same N on every rank: nothing to agree
-        self.moe_ctx.dispatcher.set_static_rows(None)
         probe.reset()
-        h = self.model(ids, positions, meta)
+        h = self.model(ids, positions, meta, MoEStep(max_tokens_any_rank=N))  # the same N on every rank
         self.model.compute_logits(h[: min(N, sc.max_num_seqs)])  # the most rows a step samples
         peak = probe.peak_bytes()
         for layer in self.attn_layers:
@@ -229,8 +233,7 @@ class ModelRunner:
             for layer in self.attn_layers:
                 layer.bind([torch.zeros(s, dtype=dtype, device=dev) for s in layer.cache_shape(1, bs)])
             free0 = probe.free_bytes()
-            trial = cuda_graph.DecodeGraphs(self.model, [B], -(-max_len // bs), bs, max_len, 0, dev,
-                                            self.moe_ctx.dispatcher)
+            trial = cuda_graph.DecodeGraphs(self.model, [B], -(-max_len // bs), bs, max_len, 0, dev)
             try:
                 trial.capture(self._agree_captured())
                 took.append(max(0, free0 - probe.free_bytes()))
@@ -273,8 +276,7 @@ class ModelRunner:
         self.graphs = None
         if capture:
             graphs = cuda_graph.DecodeGraphs(self.model, self.pad_sizes, self.batch.max_blocks,
-                                             self.cfg.cache.block_size, max_len, self.scratch_block, self.device,
-                                             self.moe_ctx.dispatcher)
+                                             self.cfg.cache.block_size, max_len, self.scratch_block, self.device)
             try:
                 graphs.capture(self._agree_captured())
                 self.graphs = graphs
@@ -303,8 +305,13 @@ class ModelRunner:
     def _recording_load(self) -> bool:
         """Whether the MoE layers' load hook counts this step: an ExpertLoadRecorder's bound
         `record` counts only while started; any other hook (EPLB's) always."""
-        rec = self.moe_ctx.load_recorder
-        return rec is not None and getattr(getattr(rec, "__self__", None), "active", True)
+        return any(getattr(getattr(h, "__self__", None), "active", True) for h in self.load_hooks)
+
+    def _load_recorder(self) -> Callable[[int, torch.Tensor], None] | None:
+        hooks = list(self.load_hooks)
+        if len(hooks) <= 1:
+            return hooks[0] if hooks else None
+        return lambda layer, ids: [h(layer, ids) for h in hooks]
 
     # --- one step -------------------------------------------------------------------------------
     def _forward(self, pieces: list[Piece], max_tokens_any_rank: int | None = None,
@@ -324,18 +331,18 @@ class ModelRunner:
         pad_to = None if split else self._pad_to(pieces, max_tokens_any_rank, all_ranks_decode)
         # Per-step decisions inside the MoE layers (DeepEP's normal vs low-latency kernels) take the
         # agreed maximum (a padded decode step runs pad_to rows on every rank); None (not agreed
-        # this step) makes them agree themselves.
-        dispatcher.set_step_max_tokens(None if max_tokens_any_rank is None else max(max_tokens_any_rank, pad_to or 0))
-        # A padded decode step runs pad_to rows on every rank: the dispatcher's fixed-shape exchange.
-        dispatcher.set_static_rows(pad_to)
+        # this step) makes them agree themselves. A padded decode step runs pad_to rows on every
+        # rank: the dispatcher's fixed-shape exchange.
+        moe = MoEStep(None if max_tokens_any_rank is None else max(max_tokens_any_rank, pad_to or 0), pad_to,
+                      self._load_recorder(), split)
         step = self.batch.prepare(pieces, split, pad_to, self.scratch_block)
         if split:
-            return self.model.forward_microbatches(step.batches), step
+            return self.model.forward_microbatches(step.batches, moe), step
         if pad_to is not None:
             log.debug("decode step of %d sequences padded to %d", len(pieces), pad_to)
         if pad_to is not None and self.graphs is not None:
             return self.graphs.replay(*step.batches[0]), step
-        return self.model(*step.batches[0]), step
+        return self.model(*step.batches[0], moe), step
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, max_tokens_any_rank: int | None = None,

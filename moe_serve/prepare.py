@@ -29,7 +29,7 @@ def gemm_weight_dtype(model_dtype: torch.dtype, device: torch.device) -> torch.d
 
 def prepare_gemm_weights(model: nn.Module, model_dtype: torch.dtype, device: torch.device) -> int:
     """Convert GEMM weights to `gemm_weight_dtype` once; returns the bytes this adds."""
-    from expert_parallel.layer import GroupedExperts
+    from expert_parallel.runtime.layer import GroupedExperts
     from moe_serve.layers.embedding import LMHead
     from moe_serve.layers.linear import Linear
 

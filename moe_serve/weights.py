@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from expert_parallel.layer import GroupedExperts
+from expert_parallel.runtime.layer import GroupedExperts
 
 log = logging.getLogger("moe_serve.weights")
 

@@ -61,11 +61,11 @@ class EngineArgs:
             raise ValueError(f"max_capture_size={self.max_capture_size} must be >= 1")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction={self.memory_fraction} must be in (0, 1]")
-        from expert_parallel.placement import SPLITS
+        from expert_parallel.placement.map import SPLITS
 
         if self.replica_split not in SPLITS:
             raise ValueError(f"replica_split={self.replica_split!r} must be one of {list(SPLITS)}")
-        from expert_parallel.eplb_config import resolve_eplb
+        from expert_parallel.rebalance.config import resolve_eplb
 
         eplb = resolve_eplb(self.enable_eplb, self.num_redundant_experts, self.eplb_window_size,
                             self.eplb_step_interval, self.eplb_config)

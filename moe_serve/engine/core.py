@@ -26,7 +26,7 @@ def load_placement(path: str | None, world_size: int) -> list[list[int]] | None:
     """--expert-placement: per MoE layer, the logical expert of every physical slot (or None)."""
     if not path:
         return None
-    from expert_parallel.placement import load_placement as read
+    from expert_parallel.placement.map import load_placement as read
 
     p = read(path)
     if p.slots % world_size:
@@ -59,8 +59,8 @@ def build_engine(cfg: EngineConfig, ep_group=None, show_progress: bool = True) -
 
 class EngineCore:
     def __init__(self, cfg: EngineConfig, ep_group=None, show_progress: bool = True):
-        from expert_parallel.dispatch import make_dispatcher
-        from expert_parallel.layer import MoEContext, num_default_slots
+        from expert_parallel.runtime.dispatch import make_dispatcher
+        from expert_parallel.runtime.layer import MoEContext, num_default_slots
         from moe_serve.model_runner import ModelRunner
         from moe_serve.models.registry import num_logical_experts
         from moe_serve.tokenizer import Tokenizer
@@ -238,7 +238,7 @@ class EngineCore:
         """Count routed tokens per (MoE layer, logical expert) in windows of `window_steps` steps.
         With expert parallelism every window is summed over the ranks (one all_reduce per window,
         at the same step on every rank)."""
-        from expert_parallel.load_stats import ExpertLoadRecorder
+        from expert_parallel.placement.load_stats import ExpertLoadRecorder
         from moe_serve.models.registry import num_logical_experts
 
         reduce_fn = None
@@ -246,10 +246,10 @@ class EngineCore:
             import torch.distributed as dist
 
             reduce_fn = lambda t: dist.all_reduce(t, group=ep_group)  # noqa: E731
-        rec = ExpertLoadRecorder(self.moe_ctx.moe_layer_count[0], num_logical_experts(self.cfg.model.architecture,
+        rec = ExpertLoadRecorder(self.runner.model.num_moe_layers, num_logical_experts(self.cfg.model.architecture,
                                  self.cfg.model.hf), window_steps, reduce_fn=reduce_fn, device=self.cfg.device)
         self.load_recorder = rec
-        self.moe_ctx.load_recorder = rec.record
+        self.runner.load_hooks.append(rec.record)
         if start:
             rec.start()
         return rec
@@ -261,8 +261,8 @@ class EngineCore:
 
     # --- expert rebalancing ---------------------------------------------------------------------
     def _make_eplb(self, num_slots: int):
-        from expert_parallel.eplb import EplbManager, tuner_fn
-        from expert_parallel.layer import MoE, default_physical_to_logical
+        from expert_parallel.rebalance.eplb import EplbManager, tuner_fn
+        from expert_parallel.runtime.layer import MoE, default_physical_to_logical
         from moe_serve.models.registry import num_logical_experts
 
         E = num_logical_experts(self.cfg.model.architecture, self.cfg.model.hf)
@@ -277,9 +277,7 @@ class EngineCore:
         groups = groups if nodes > 1 and isinstance(groups, int) and groups > 0 and E % groups == 0 else None
         mgr = EplbManager(moes, rows, E, par.eplb, par.rank, par.world_size, self.cfg.device,
                           tune_fn=tuner_fn(nodes, groups, par.replica_split))
-        other = self.moe_ctx.load_recorder  # the HTTP-controlled recorder, if any: both count
-        self.moe_ctx.load_recorder = mgr.record if other is None else \
-            (lambda layer, ids: (other(layer, ids), mgr.record(layer, ids)))
+        self.runner.load_hooks.append(mgr.record)  # beside the HTTP-controlled recorder, if any: both count
         return mgr
 
     def eplb_flag(self) -> int:

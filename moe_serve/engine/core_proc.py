@@ -8,7 +8,7 @@ on: the most tokens any rank scheduled (0: nobody has work, so nobody runs the m
 every rank runs the step, an empty forward where it has nothing, so the MoE collectives line up),
 whether any rank got SIGTERM, whether the front end said shut down, expert-load recording
 starting or stopping (so every rank's windows cover the same steps), and whether any rank's part
-of a pending expert-rebalancing step is unfinished (expert_parallel/eplb.py: 0 means every rank
+of a pending expert-rebalancing step is unfinished (expert_parallel/rebalance/eplb.py: 0 means every rank
 switches the layer at this turn).
 
 `python -m moe_serve.engine.core_proc` is the single-process server's core (one rank, spawned by

@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="the tiny random model instead of SmolLM2-MoE")
     p.set_defaults(fn=cmd_default_model)
     try:
-        from expert_parallel.placement_cli import add_placement_parser, run_placement
+        from expert_parallel.placement.cli import add_placement_parser, run_placement
 
         add_placement_parser(sub)
         sub.choices["placement"].set_defaults(fn=run_placement)

@@ -24,6 +24,8 @@ class Linear(nn.Module):
     fp8_backend: str = "torch"  # "triton" on CUDA (moe_serve/platform.py, set by prepare.py)
     fp8_act_quant: bool = False  # W8A8 in the Triton kernel (sm_89+; the platform's decision)
 
+    fp8_checkpoint_suffix = ".weight"  # the checkpoint names this layer's FP8 weight <name>.weight
+
     def to_block_fp8(self, block: tuple[int, int]) -> None:
         """Keep this weight in block FP8: an FP8 weight and its float32 block scales (filled by the
         loader, which quantizes an unquantized tensor itself). Dequantized per call in forward."""

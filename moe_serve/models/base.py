@@ -12,7 +12,9 @@ import torch
 from torch import nn
 
 from attention.metadata import AttentionMetadata
-from expert_parallel.layer import run_to_end
+from expert_parallel.runtime.layer import MoE, run_to_end
+from expert_parallel.runtime.overlap import run_interleaved
+from expert_parallel.runtime.step import NO_STEP, MoEStep
 from moe_serve.layers.embedding import Embedding, LMHead
 from moe_serve.layers.norm import RMSNorm
 
@@ -26,13 +28,13 @@ class DecoderStack(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(hidden_size, eps, dtype)
 
-    def forward(self, ids_T, positions_T, meta: AttentionMetadata) -> torch.Tensor:
-        return run_to_end(self.stages(ids_T, positions_T, meta))
+    def forward(self, ids_T, positions_T, meta: AttentionMetadata, step: MoEStep = NO_STEP) -> torch.Tensor:
+        return run_to_end(self.stages(ids_T, positions_T, meta, step))
 
-    def stages(self, ids_T, positions_T, meta: AttentionMetadata, mb: int = 0):
+    def stages(self, ids_T, positions_T, meta: AttentionMetadata, step: MoEStep = NO_STEP):
         h = self.embed_tokens(ids_T)
         for layer in self.layers:
-            h = yield from layer.stages(h, positions_T, meta, mb)
+            h = yield from layer.stages(h, positions_T, meta, step)
         return self.norm(h)
 
 
@@ -52,15 +54,22 @@ class CausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
 
-    def forward(self, ids_T, positions_T, meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(ids_T, positions_T, meta)
+    def forward(self, ids_T, positions_T, meta: AttentionMetadata, step: MoEStep = NO_STEP) -> torch.Tensor:
+        """Hidden states of every token; `step` is what the MoE layers need of this step (the
+        runner builds it: runtime/step.py), as `meta` is what attention needs."""
+        return self.model(ids_T, positions_T, meta, step)
 
-    def forward_microbatches(self, batches: list[tuple[torch.Tensor, torch.Tensor, AttentionMetadata]]) -> torch.Tensor:
-        """Run micro-batches interleaved (see expert_parallel/overlap.py); hidden states in order."""
-        from expert_parallel.overlap import run_interleaved
-
-        outs = run_interleaved([self.model.stages(ids, pos, meta, mb) for mb, (ids, pos, meta) in enumerate(batches)])
+    def forward_microbatches(self, batches: list[tuple[torch.Tensor, torch.Tensor, AttentionMetadata]],
+                             step: MoEStep = NO_STEP) -> torch.Tensor:
+        """Run micro-batches interleaved (see expert_parallel/runtime/overlap.py); hidden states in order."""
+        outs = run_interleaved([self.model.stages(ids, pos, meta, step.for_microbatch(mb))
+                                for mb, (ids, pos, meta) in enumerate(batches)])
         return torch.cat(outs, dim=0)
+
+    @property
+    def num_moe_layers(self) -> int:
+        """How many MoE layers the model has (their `layer_index` runs 0 .. this - 1)."""
+        return sum(isinstance(m, MoE) for m in self.modules())
 
     def compute_logits(self, h_BD: torch.Tensor) -> torch.Tensor:
         return self.lm_head(h_BD)

@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from attention.metadata import AttentionMetadata
-from expert_parallel.layer import MoE, run_to_end
+from expert_parallel.runtime.layer import MoE, run_to_end
+from expert_parallel.runtime.step import NO_STEP, MoEStep
 from moe_serve.layers.norm import RMSNorm
 
 
@@ -20,13 +21,14 @@ class DecoderLayer(nn.Module):
         self.ffn_name = ffn_name
         self.add_module(ffn_name, ffn)
 
-    def forward(self, x_TD: torch.Tensor, positions_T: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return run_to_end(self.stages(x_TD, positions_T, meta))
+    def forward(self, x_TD: torch.Tensor, positions_T: torch.Tensor, meta: AttentionMetadata,
+                step: MoEStep = NO_STEP) -> torch.Tensor:
+        return run_to_end(self.stages(x_TD, positions_T, meta, step))
 
-    def stages(self, x_TD, positions_T, meta: AttentionMetadata, mb: int = 0):
+    def stages(self, x_TD, positions_T, meta: AttentionMetadata, step: MoEStep = NO_STEP):
         """Generator form: yields while an MoE block's communication is in flight."""
         a = self.self_attn(self.input_layernorm(x_TD), positions_T, meta)
         h, x = self.post_attention_layernorm.add_norm(x_TD, a)  # h = x + a, fused on the CPU
         ffn = getattr(self, self.ffn_name)
-        out = (yield from ffn.stages(x, mb)) if isinstance(ffn, MoE) else ffn(x)
+        out = (yield from ffn.stages(x, step)) if isinstance(ffn, MoE) else ffn(x)
         return h + out

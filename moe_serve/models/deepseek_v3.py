@@ -12,8 +12,8 @@ from torch import nn
 
 from attention.layer import PagedMLAAttention
 from attention.metadata import AttentionMetadata
-from expert_parallel.layer import MoE, MoEContext
-from expert_parallel.router import GroupLimitedSigmoidRouter
+from expert_parallel.runtime.layer import MoE, MoEContext
+from expert_parallel.runtime.router import GroupLimitedSigmoidRouter
 from moe_serve.layers.linear import DenseMLP, Linear
 from moe_serve.layers.norm import RMSNorm
 from moe_serve.layers.rotary import RotaryEmbedding, rope_config, yarn_get_mscale
@@ -77,16 +77,18 @@ class DeepseekV3ForCausalLM(CausalLM):
         rotary = RotaryEmbedding(hf["qk_rope_head_dim"], rope_config(hf), hf.get("max_position_embeddings", 4096),
                                  interleaved=bool(hf.get("rope_interleave", True)))
         first_dense, freq = hf.get("first_k_dense_replace", 0), hf.get("moe_layer_freq", 1) or 1
+        moe_ids = [i for i in range(hf["num_hidden_layers"]) if E and i >= first_dense and i % freq == 0]
         layers = []
         for i in range(hf["num_hidden_layers"]):
             attn = MLASelfAttention(hf, rotary, attention_backend, dtype)
-            if E and i >= first_dense and i % freq == 0:
+            if i in moe_ids:
                 router = GroupLimitedSigmoidRouter(
                     D, E, hf["num_experts_per_tok"], hf.get("n_group") or 1, hf.get("topk_group") or 1,
                     bool(hf.get("norm_topk_prob", True)), float(hf.get("routed_scaling_factor", 1.0)))
                 n_shared = hf.get("n_shared_experts") or 0
                 shared = DenseMLP(D, hf["moe_intermediate_size"] * n_shared, dtype) if n_shared else None
-                ffn = MoE(D, hf["moe_intermediate_size"], E, router, moe, dtype, shared_experts=shared)
+                ffn = MoE(D, hf["moe_intermediate_size"], E, router, moe, dtype, shared_experts=shared,
+                          layer_index=moe_ids.index(i))
             else:
                 ffn = DenseMLP(D, hf["intermediate_size"], dtype)
             layers.append(DecoderLayer(D, eps, attn, ffn, "mlp", dtype))

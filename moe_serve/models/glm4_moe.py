@@ -5,8 +5,8 @@ e_score_correction_bias (DeepSeek-V3's router, as transformers' Glm4MoeTopkRoute
 plus shared experts. Multi-token-prediction layers after the last layer are skipped at load."""
 from __future__ import annotations
 
-from expert_parallel.layer import MoE, MoEContext
-from expert_parallel.router import GroupLimitedSigmoidRouter
+from expert_parallel.runtime.layer import MoE, MoEContext
+from expert_parallel.runtime.router import GroupLimitedSigmoidRouter
 from moe_serve.layers.attention import GQASelfAttention
 from moe_serve.layers.linear import DenseMLP
 from moe_serve.layers.rotary import RotaryEmbedding, rope_config
@@ -29,18 +29,20 @@ class Glm4MoeForCausalLM(CausalLM):
         rotary = RotaryEmbedding(int(head_dim * factor), rope, hf.get("max_position_embeddings", 4096))
         qk_norm_eps = eps if hf.get("use_qk_norm", False) else None
         first_dense = hf.get("first_k_dense_replace", 1)
+        moe_ids = [i for i in range(hf["num_hidden_layers"]) if E and i >= first_dense]
         layers = []
         for i in range(hf["num_hidden_layers"]):
             attn = GQASelfAttention(D, heads, kv, head_dim, rotary, attention_backend, dtype,
                                     bias=bool(hf.get("attention_bias", False)), o_bias=False,
                                     qk_norm_eps=qk_norm_eps)
-            if E and i >= first_dense:
+            if i in moe_ids:
                 router = GroupLimitedSigmoidRouter(
                     D, E, hf["num_experts_per_tok"], hf.get("n_group") or 1, hf.get("topk_group") or 1,
                     bool(hf.get("norm_topk_prob", True)), float(hf.get("routed_scaling_factor", 1.0)))
                 n_shared = hf.get("n_shared_experts") or 0
                 shared = DenseMLP(D, hf["moe_intermediate_size"] * n_shared, dtype) if n_shared else None
-                ffn = MoE(D, hf["moe_intermediate_size"], E, router, moe, dtype, shared_experts=shared)
+                ffn = MoE(D, hf["moe_intermediate_size"], E, router, moe, dtype, shared_experts=shared,
+                          layer_index=moe_ids.index(i))
             else:
                 ffn = DenseMLP(D, hf["intermediate_size"], dtype)
             layers.append(DecoderLayer(D, eps, attn, ffn, "mlp", dtype))

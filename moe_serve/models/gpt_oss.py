@@ -24,8 +24,8 @@ import re
 import torch
 from torch import nn
 
-from expert_parallel.layer import GroupedExperts, MoE, MoEContext
-from expert_parallel.router import TopKThenSoftmaxRouter
+from expert_parallel.runtime.layer import GroupedExperts, MoE, MoEContext
+from expert_parallel.runtime.router import TopKThenSoftmaxRouter
 from kernels.grouped_gemm.mxfp4 import Mxfp4Weight, dequantize_mxfp4
 from kernels.grouped_gemm.reference import ClampedSwiGLU
 from moe_serve.layers.attention import GQASelfAttention
@@ -110,7 +110,7 @@ class GptOssForCausalLM(CausalLM):
                                     sliding_window=window if sliding and window else None, sinks=True)
             router = TopKThenSoftmaxRouter(D, E, hf["num_experts_per_tok"])
             ffn = MoE(D, F, E, router, moe, dtype, experts_cls=Mxfp4Experts if self.compressed else None,
-                      experts_kwargs=dict(bias=True, activation=act))
+                      experts_kwargs=dict(bias=True, activation=act), layer_index=i)
             layers.append(DecoderLayer(D, eps, attn, ffn, "mlp", dtype))
         super().__init__(hf, DecoderStack(hf["vocab_size"], D, layers, eps, dtype), dtype)
         self._experts = {f"model.layers.{i}.mlp": layer.mlp.experts for i, layer in enumerate(self.model.layers)}

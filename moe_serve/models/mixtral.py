@@ -1,8 +1,8 @@
 """Mixtral (MixtralForCausalLM): GQA attention, sparse MoE in every layer, softmax top-k renormalised."""
 from __future__ import annotations
 
-from expert_parallel.layer import MoE, MoEContext
-from expert_parallel.router import SoftmaxTopKRouter
+from expert_parallel.runtime.layer import MoE, MoEContext
+from expert_parallel.runtime.router import SoftmaxTopKRouter
 from moe_serve.layers.attention import GQASelfAttention
 from moe_serve.layers.rotary import RotaryEmbedding, rope_config
 from moe_serve.models.base import CausalLM, DecoderStack
@@ -22,9 +22,9 @@ class MixtralForCausalLM(CausalLM):
         eps = hf.get("rms_norm_eps", 1e-5)
         rotary = RotaryEmbedding(head_dim, rope_config(hf), hf.get("max_position_embeddings", 4096))
         layers = []
-        for _ in range(hf["num_hidden_layers"]):
+        for i in range(hf["num_hidden_layers"]):
             attn = GQASelfAttention(D, heads, kv, head_dim, rotary, attention_backend, dtype)
             router = SoftmaxTopKRouter(D, E, hf["num_experts_per_tok"], renormalize=True, dtype=dtype)
-            ffn = MoE(D, hf["intermediate_size"], E, router, moe, dtype)
+            ffn = MoE(D, hf["intermediate_size"], E, router, moe, dtype, layer_index=i)
             layers.append(DecoderLayer(D, eps, attn, ffn, "block_sparse_moe", dtype))
         super().__init__(hf, DecoderStack(hf["vocab_size"], D, layers, eps, dtype), dtype)

@@ -3,8 +3,8 @@ head) and optional clip_qkv, softmax top-k routing (renormalised when norm_topk_
 in every layer with experts of `intermediate_size`."""
 from __future__ import annotations
 
-from expert_parallel.layer import MoE, MoEContext
-from expert_parallel.router import SoftmaxTopKRouter
+from expert_parallel.runtime.layer import MoE, MoEContext
+from expert_parallel.runtime.router import SoftmaxTopKRouter
 from moe_serve.layers.attention import GQASelfAttention
 from moe_serve.layers.rotary import RotaryEmbedding, rope_config
 from moe_serve.models.base import CausalLM, DecoderStack
@@ -27,11 +27,11 @@ class OlmoeForCausalLM(CausalLM):
         clip = hf.get("clip_qkv")
         rotary = RotaryEmbedding(head_dim, rope_config(hf), hf.get("max_position_embeddings", 4096))
         layers = []
-        for _ in range(hf["num_hidden_layers"]):
+        for i in range(hf["num_hidden_layers"]):
             attn = GQASelfAttention(D, heads, kv, head_dim, rotary, attention_backend, dtype,
                                     bias=bool(hf.get("attention_bias", False)), qk_norm_eps=eps, qk_norm="full",
                                     clip_qkv=None if clip is None else float(clip))
             router = SoftmaxTopKRouter(D, E, hf["num_experts_per_tok"], bool(hf.get("norm_topk_prob", False)), dtype)
-            ffn = MoE(D, hf["intermediate_size"], E, router, moe, dtype)
+            ffn = MoE(D, hf["intermediate_size"], E, router, moe, dtype, layer_index=i)
             layers.append(DecoderLayer(D, eps, attn, ffn, "mlp", dtype))
         super().__init__(hf, DecoderStack(hf["vocab_size"], D, layers, eps, dtype), dtype)

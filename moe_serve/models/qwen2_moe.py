@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from expert_parallel.layer import MoE, MoEContext
-from expert_parallel.router import SoftmaxTopKRouter
+from expert_parallel.runtime.layer import MoE, MoEContext
+from expert_parallel.runtime.router import SoftmaxTopKRouter
 from moe_serve.layers.attention import GQASelfAttention
 from moe_serve.layers.linear import DenseMLP, Linear
 from moe_serve.layers.rotary import RotaryEmbedding, rope_config
@@ -46,14 +46,15 @@ class Qwen2MoeForCausalLM(CausalLM):
         sparse_step = hf.get("decoder_sparse_step", 1) or 1
         mlp_only = set(hf.get("mlp_only_layers") or [])
         shared_size = hf.get("shared_expert_intermediate_size") or 0
+        moe_ids = [i for i in range(hf["num_hidden_layers"]) if i not in mlp_only and E and (i + 1) % sparse_step == 0]
         layers = []
         for i in range(hf["num_hidden_layers"]):
             attn = GQASelfAttention(D, heads, kv, head_dim, rotary, attention_backend, dtype,
                                     bias=bool(hf.get("qkv_bias", True)), o_bias=False)
-            if i not in mlp_only and E and (i + 1) % sparse_step == 0:
+            if i in moe_ids:
                 router = SoftmaxTopKRouter(D, E, hf["num_experts_per_tok"], bool(hf.get("norm_topk_prob", False)), dtype)
                 shared = GatedSharedExpert(D, shared_size, dtype) if shared_size else None
-                ffn = MoE(D, hf["moe_intermediate_size"], E, router, moe, dtype, shared_experts=shared)
+                ffn = MoE(D, hf["moe_intermediate_size"], E, router, moe, dtype, shared_experts=shared, layer_index=moe_ids.index(i))
             else:
                 ffn = DenseMLP(D, hf["intermediate_size"], dtype)
             layers.append(DecoderLayer(D, eps, attn, ffn, "mlp", dtype))

@@ -124,32 +124,28 @@ def to_block_fp8(model: torch.nn.Module, block: tuple[int, int], weight_names: s
     `--quantization fp8` (None), every quantizable linear layer and every expert stack. Returns the
     number of modules converted. Modules are converted before any tensor is read, so the
     unquantized allocation they replace was never filled."""
-    from expert_parallel.layer import GroupedExperts
-    from moe_serve.layers.linear import Linear
-
+    # Duck-typed, so this module needs neither layers nor expert_parallel (both import it): a module
+    # that can hold FP8 weights has `to_block_fp8` and names its checkpoint key's suffix.
     n = 0
     for name, m in model.named_modules():
-        if isinstance(m, Linear):
-            if weight_names is None:
-                if getattr(m, "weight_used_directly", False) or not getattr(m, "quantizable", True):
-                    continue
-            elif f"{name}.weight" not in weight_names:
+        if not hasattr(m, "to_block_fp8"):
+            continue
+        if weight_names is None:
+            if getattr(m, "weight_used_directly", False) or not getattr(m, "quantizable", True):
                 continue
-            m.to_block_fp8(block)
-            n += 1
-        elif isinstance(m, GroupedExperts) and (weight_names is None or name in weight_names):
-            m.to_block_fp8(block)
-            n += 1
+        elif name + m.fp8_checkpoint_suffix not in weight_names:
+            continue
+        m.to_block_fp8(block)
+        n += 1
     return n
 
 
 def finish_block_fp8(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """After loading: a layer whose weight the model reads directly (MLA's kv_b_proj, split into
     its absorbed halves) is dequantized once into the model's dtype (it is small)."""
-    from moe_serve.layers.linear import Linear
-
     for m in model.modules():
-        if isinstance(m, Linear) and m.weight_scale_inv is not None and getattr(m, "weight_used_directly", False):
+        if (getattr(m, "weight_scale_inv", None) is not None and getattr(m, "weight_used_directly", False)
+                and hasattr(m, "dense_weight")):
             dense = m.dense_weight(dtype)
             m.weight = torch.nn.Parameter(dense, requires_grad=False)
             m.weight_scale_inv = None

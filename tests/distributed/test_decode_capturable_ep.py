@@ -47,13 +47,13 @@ def worker(path: str, backend: str, out_path: str) -> None:
         guarded, static = [], []
         plain = model.forward
 
-        def forward(ids_T, positions_T, meta):
+        def forward(ids_T, positions_T, meta, step):
             if meta.is_decode_only:
                 guarded.append(ids_T.shape[0])
-                static.append(dispatcher.static_rows)
+                static.append(step.static_rows)
                 with NoHostSync(), device_side_only():
-                    return plain(ids_T, positions_T, meta)
-            return plain(ids_T, positions_T, meta)
+                    return plain(ids_T, positions_T, meta, step)
+            return plain(ids_T, positions_T, meta, step)
 
         model.forward = forward
         for i, p in enumerate(PROMPTS[rank]):

@@ -130,7 +130,7 @@ def run_pipeline(disp, case, w13_EFD, w2_EDF, x_TD, ids_TK, w_TK):
 
 
 def run_cases(rank: int, W: int, group, device, backends: list[str]) -> tuple[int, list[str]]:
-    from expert_parallel.dispatch import make_dispatcher
+    from expert_parallel.runtime.dispatch import make_dispatcher
     from kernels.grouped_gemm.reference import fused_experts_reference
     checks, failures = 0, []
 
@@ -186,7 +186,7 @@ def worker_main(out_path: str) -> int:
     result = {"rank": int(os.environ.get("RANK", -1)), "checks": 0, "failures": [], "error": None}
     try:
         import torch.distributed as dist
-        from expert_parallel.groups import destroy_process_groups, init_process_groups
+        from expert_parallel.runtime.groups import destroy_process_groups, init_process_groups
         backend = os.environ["MOE_TEST_DIST_BACKEND"]
         groups = init_process_groups(backend, timeout_s=COLLECTIVE_TIMEOUT_S)
         W = groups.world_size
@@ -298,7 +298,7 @@ def test_deepep_matches_reference(world_size, tmp_path):
 
 
 def test_reference_dispatcher_at_ep1_needs_no_process_group():
-    from expert_parallel.dispatch import make_dispatcher
+    from expert_parallel.runtime.dispatch import make_dispatcher
     from kernels.grouped_gemm.reference import fused_experts_reference
     case = Case("ep1", 8, 3, (9,))
     w13, w2, [(x_TD, ids_TK, w_TK)] = make_inputs(case, 1)
@@ -308,7 +308,7 @@ def test_reference_dispatcher_at_ep1_needs_no_process_group():
 
 
 def test_init_process_groups_single_process_and_bad_backend(monkeypatch):
-    from expert_parallel.groups import init_process_groups
+    from expert_parallel.runtime.groups import init_process_groups
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
     groups = init_process_groups("gloo")
@@ -319,7 +319,7 @@ def test_init_process_groups_single_process_and_bad_backend(monkeypatch):
 
 @pytest.mark.skipif(HAS_DEEP_EP, reason="deep_ep is installed; the error path cannot be reached")
 def test_deepep_without_package_names_the_fix():
-    from expert_parallel.dispatch.deepep import DeepEPDispatcher
+    from expert_parallel.runtime.dispatch.deepep import DeepEPDispatcher
     with pytest.raises(RuntimeError, match=r"all2all_backend='deepep' needs the deep_ep package and a "
                                            r"CUDA device; it builds from source against NVSHMEM \(README.md: Installing DeepEP\)"):
         DeepEPDispatcher(8, 0, 2, None)

@@ -36,21 +36,21 @@ def worker(out_path: str) -> None:
         dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=60))
         rank = dist.get_rank()
         cpu_group = dist.new_group(backend="gloo")
-        from expert_parallel.dispatch.all_to_all import AllToAllDispatcher
-        from expert_parallel.eplb import EplbManager
-        from expert_parallel.eplb_config import EplbConfig
-        from expert_parallel.layer import MoE, MoEContext, default_physical_to_logical
-        from expert_parallel.router import SoftmaxTopKRouter
+        from expert_parallel.runtime.dispatch.all_to_all import AllToAllDispatcher
+        from expert_parallel.rebalance.eplb import EplbManager
+        from expert_parallel.rebalance.config import EplbConfig
+        from expert_parallel.runtime.layer import MoE, MoEContext, default_physical_to_logical
+        from expert_parallel.runtime.router import SoftmaxTopKRouter
 
         S = E + REDUNDANT
         torch.manual_seed(0)  # the same routers and weights on both ranks
         rows0 = [default_physical_to_logical(E, S) for _ in range(LAYERS)]
         ctx = MoEContext(AllToAllDispatcher(S, rank, WORLD, None), physical_to_logical=[list(r) for r in rows0])
         moes, weights = [], []
-        for _ in range(LAYERS):
+        for layer in range(LAYERS):
             router = SoftmaxTopKRouter(D, E, K, True).requires_grad_(False)
             router.weight.normal_()
-            moe = MoE(D, FF, E, router, ctx, torch.float32).requires_grad_(False)
+            moe = MoE(D, FF, E, router, ctx, torch.float32, layer_index=layer).requires_grad_(False)
             w13, w2 = torch.randn(E, 2 * FF, D), torch.randn(E, D, FF)
             for e in range(E):
                 moe.experts.load(e, "gate_up", w13[e])
@@ -114,7 +114,7 @@ def worker(out_path: str) -> None:
         counting[0] = False
         # After the switch: every token's output equals the dense reference over logical experts,
         # with a batch big enough for the balanced replica split (ReplicaMap.min_copies).
-        from expert_parallel.placement import BALANCED_MIN_COPIES
+        from expert_parallel.placement.map import BALANCED_MIN_COPIES
 
         T = BALANCED_MIN_COPIES // K
         max_err, balanced = 0.0, []
@@ -145,11 +145,11 @@ def test_one_collective_per_rebalance(tmp_path):
     from tests.distributed.jobs import run_rank_scripts
 
     res = run_rank_scripts(tmp_path, __file__, [], WORLD)
-    from expert_parallel import tuner
+    from expert_parallel.placement import tuner
 
     # The placement is the tuner's on the load summed over both ranks: windows of steps_per_window
     # steps, the last max_windows of them (EplbConfig(window_size=8): one step each, eight kept).
-    from expert_parallel.eplb_config import EplbConfig
+    from expert_parallel.rebalance.config import EplbConfig
 
     cfg = EplbConfig(window_size=8, step_interval=4, num_redundant_experts=REDUNDANT)
     steps = np.sum([r["recorded"] for r in res], axis=0)  # (steps, L, E)

@@ -68,7 +68,7 @@ def test_greedy_text_unchanged_through_rebalances(checkpoints, arch, nproc, over
 
 def test_rank_killed_mid_transfer_stops_job_naming_it(checkpoints, monkeypatch):
     # Rank 1 SIGKILLs itself right after posting its sends and receives of MoE layer 0 in the
-    # first rebalance (expert_parallel/eplb.py's test hook), with its peers' receives pending.
+    # first rebalance (expert_parallel/rebalance/eplb.py's test hook), with its peers' receives pending.
     monkeypatch.setenv("MOE_SERVE_EPLB_KILL_DURING_TRANSFER", "1:0")
     timeout = 15
     job = TorchrunJob(2, ["--model", checkpoints["mixtral"], *ARGS, *EPLB_FLAGS, "--num-redundant-experts", "2",

@@ -1,11 +1,10 @@
 """Decode-graph capture under expert parallelism: the ranks keep their graphs or run eagerly
 together. A real 2-rank gloo job runs `cuda_graph.capture_ladder` with the engine's agreement
 (`capture_agreement`: one MAX all-reduce over the dispatcher's group per size) and a stand-in for
-the per-size CUDA capture (the only CUDA part; it records what the dispatcher was told and can fail
-on one rank at one size, with any kind of exception). Checked: with no failure every rank keeps
-every size; when one rank fails, every rank raises at that same size, saying which rank failed,
-none goes on to a smaller size (a rank that did would wait in a collective the others never
-enter), and the dispatcher's per-step settings are reset on every rank either way."""
+the per-size CUDA capture (the only CUDA part; it records the sizes tried and can fail on one rank
+at one size, with any kind of exception). Checked: with no failure every rank keeps every size;
+when one rank fails, every rank raises at that same size, saying which rank failed, and none goes
+on to a smaller size (a rank that did would wait in a collective the others never enter)."""
 from __future__ import annotations
 
 import json
@@ -27,30 +26,25 @@ def worker(fail_rank: int, fail_size: int, kind: str, out_path: str) -> None:
     try:
         dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=60))
         rank = dist.get_rank()
-        from expert_parallel.dispatch.all_to_all import AllToAllDispatcher
-        from moe_serve.cuda_graph import capture_agreement, capture_ladder
+        from expert_parallel.runtime.dispatch.all_to_all import AllToAllDispatcher
+        from moe_serve.cuda_graph import capture_agreement, capture_ladder, decode_step
 
-        class Recording(AllToAllDispatcher):  # keeps what the base class's no-op is told
-            most = None
-
-            def set_step_max_tokens(self, n):
-                self.most = n
-
-        d = Recording(4, rank, 2, None)
+        d = AllToAllDispatcher(4, rank, 2, None)
         told = []
 
         def capture_one(B):
-            told.append([B, d.static_rows, d.most])
+            s = decode_step(B)  # what DecodeGraphs passes the model for this size
+            told.append([B, s.static_rows, s.max_tokens_any_rank])
             if rank == fail_rank and B == fail_size:
                 raise {"runtime": RuntimeError, "value": ValueError}[kind](f"cannot capture {B}")
             return f"graph {B}"
 
         try:
-            graphs = capture_ladder(SIZES, capture_one, capture_agreement(d), d)
+            graphs = capture_ladder(SIZES, capture_one, capture_agreement(d))
             result.update(graphs=sorted(graphs), raised=None)
         except Exception as e:  # noqa: BLE001 - the outcome under test
             result.update(graphs=None, raised=[type(e).__name__, str(e)])
-        result.update(told=told, after=[d.static_rows, d.most], agree_none_alone=capture_agreement(
+        result.update(told=told, agree_none_alone=capture_agreement(
             AllToAllDispatcher(4, 0, 1, None)) is None)
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001
@@ -66,7 +60,6 @@ def test_ranks_keep_graphs_or_run_eagerly_together(tmp_path, fail_rank, fail_siz
     res = run_rank_scripts(tmp_path, __file__, [str(fail_rank), str(fail_size), kind], world=2)
     for rank, r in enumerate(res):
         assert r["agree_none_alone"] is True
-        assert r["after"] == [None, None]  # reset on every rank, whatever happened
         # Largest first, each size told to the dispatcher as a padded step of B rows on every rank.
         attempted = [b for b, _, _ in r["told"]]
         assert all(rows == B and most == B for B, rows, most in r["told"])

@@ -101,8 +101,8 @@ def test_moe_layer_runs_the_masked_kernel_on_deepep_low_latency_output():
     """The DeepEP low-latency receive, built by the dispatcher's own pure function from an (E, C, D)
     buffer and counts, goes to the masked kernel on the Triton backend (y in the same layout, valid
     rows equal to the generic grouped GEMM's on the flat form) and to the generic path otherwise."""
-    from expert_parallel.dispatch.deepep import low_latency_output
-    from expert_parallel.layer import GroupedExperts, expert_outputs, masked_applies
+    from expert_parallel.runtime.dispatch.deepep import low_latency_output
+    from expert_parallel.runtime.layer import GroupedExperts, expert_outputs, masked_applies
 
     E, C, D, F = 3, 20, 48, 32
     counts = [7, 0, 20]

@@ -39,8 +39,8 @@ def test_qwen2_moe_layer_kinds_follow_sparse_step_and_mlp_only_layers():
     """Which layers are MoE (decoder_sparse_step, mlp_only_layers) is decided as transformers does."""
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM as HF
 
-    from expert_parallel.dispatch.local import LocalDispatcher
-    from expert_parallel.layer import MoE, MoEContext
+    from expert_parallel.runtime.dispatch.local import LocalDispatcher
+    from expert_parallel.runtime.layer import MoE, MoEContext
     from moe_serve.models.qwen2_moe import Qwen2MoeForCausalLM
 
     cfg = Qwen2MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,

@@ -20,12 +20,12 @@ def test_decode_forward_has_no_host_sync(checkpoints, arch, monkeypatch):
         if guard:
             plain = model.forward
 
-            def forward(ids_T, positions_T, meta):
+            def forward(ids_T, positions_T, meta, step):
                 if meta.is_decode_only:  # prefill may sync; the captured decode step may not
                     guarded.append(ids_T.shape[0])
                     with NoHostSync(), device_side_only():
-                        return plain(ids_T, positions_T, meta)
-                return plain(ids_T, positions_T, meta)
+                        return plain(ids_T, positions_T, meta, step)
+                return plain(ids_T, positions_T, meta, step)
 
             monkeypatch.setattr(model, "forward", forward)
         for i, p in enumerate(PROMPTS):

@@ -76,12 +76,12 @@ def _run(path: str, pad: bool, static_buffers: bool = False):
     model, plain = runner.model, runner.model.forward
     seen: list[int] = []
 
-    def forward(ids_T, positions_T, meta):
+    def forward(ids_T, positions_T, meta, step):
         if meta.is_decode_only:
             seen.append(ids_T.shape[0])
             with NoHostSync(), device_side_only():
-                return plain(ids_T, positions_T, meta)
-        return plain(ids_T, positions_T, meta)
+                return plain(ids_T, positions_T, meta, step)
+        return plain(ids_T, positions_T, meta, step)
 
     model.forward = forward
     used: set[int] = set()

@@ -4,8 +4,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from expert_parallel.dispatch import deepep
-from expert_parallel.dispatch.base import Dispatcher
+from expert_parallel.runtime.dispatch import deepep
+from expert_parallel.runtime.dispatch.base import Dispatcher
+from expert_parallel.runtime.step import NO_STEP, MoEStep
 
 
 def test_choose_mode_from_the_group_maximum():
@@ -24,18 +25,25 @@ def test_dispatcher_uses_the_step_maximum_without_a_collective():
     # No process group exists in this process: a per-layer all_reduce would raise.
     assert not dist.is_initialized()
     d = object.__new__(deepep.DeepEPDispatcher)  # no deep_ep / CUDA here; only the decision state
-    d.mode, d.max_low_latency_tokens, d._step_max_tokens, d.group = "auto", 64, None, None
-    d.set_step_max_tokens(64)
-    assert [d._choose_mode(T, torch.device("cpu")) for T in (0, 17, 64)] == ["low_latency"] * 3
-    d.set_step_max_tokens(65)
-    assert d._choose_mode(1, torch.device("cpu")) == "normal"
-    d.set_step_max_tokens(None)
+    d.mode, d.max_low_latency_tokens, d.group = "auto", 64, None
+    cpu = torch.device("cpu")
+    assert [d._choose_mode(T, cpu, MoEStep(max_tokens_any_rank=64)) for T in (0, 17, 64)] == ["low_latency"] * 3
+    assert d._choose_mode(1, cpu, MoEStep(max_tokens_any_rank=65)) == "normal"
     with pytest.raises((RuntimeError, ValueError)):  # unknown maximum: falls back to agreeing itself
-        d._choose_mode(1, torch.device("cpu"))
+        d._choose_mode(1, cpu, NO_STEP)
 
 
-def test_other_dispatchers_accept_the_step_maximum():
-    assert Dispatcher.set_step_max_tokens(None, 5) is None  # the base's no-op
+def test_every_dispatcher_takes_the_step():
+    # The step is an argument of dispatch on every backend (none keeps per-step state).
+    import inspect
+
+    from expert_parallel.runtime.dispatch import all_to_all, allgather, local, reference
+
+    for cls in (Dispatcher, deepep.DeepEPDispatcher, all_to_all.AllToAllDispatcher, allgather.AllGatherDispatcher,
+                local.LocalDispatcher, reference.ReferenceDispatcher):
+        assert "step" in inspect.signature(cls.dispatch).parameters, cls
+        assert "step" in inspect.signature(cls.dispatch_async).parameters, cls
+        assert not any(n.startswith("set_st") for n in dir(cls)), cls
 
 
 def test_low_latency_output_layout():

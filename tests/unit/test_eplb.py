@@ -11,12 +11,13 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
-from expert_parallel.dispatch.local import LocalDispatcher
-from expert_parallel.eplb import EplbManager
-from expert_parallel.eplb_config import EplbConfig, resolve_eplb
-from expert_parallel.layer import MoE, MoEContext, default_physical_to_logical
-from expert_parallel.rebalance_plan import LayerPlan, plan_layer
-from expert_parallel.router import SoftmaxTopKRouter
+from expert_parallel.runtime.step import MoEStep
+from expert_parallel.runtime.dispatch.local import LocalDispatcher
+from expert_parallel.rebalance.eplb import EplbManager
+from expert_parallel.rebalance.config import EplbConfig, resolve_eplb
+from expert_parallel.runtime.layer import MoE, MoEContext, default_physical_to_logical
+from expert_parallel.rebalance.plan import LayerPlan, plan_layer
+from expert_parallel.runtime.router import SoftmaxTopKRouter
 
 
 # ---- settings ------------------------------------------------------------------------------------
@@ -108,7 +109,8 @@ def test_map_switch_serves_every_expert_by_exactly_its_replicas(experts, redunda
     router = SoftmaxTopKRouter(D, experts, K, True).requires_grad_(False)
     for prm in router.parameters():  # built uninitialised, like every module before loading
         prm.normal_()
-    moe = MoE(D, FF, experts, router, MoEContext(LocalDispatcher(slots)), torch.float32).requires_grad_(False)
+    moe = MoE(D, FF, experts, router, MoEContext(LocalDispatcher(slots)), torch.float32,
+              layer_index=0).requires_grad_(False)
     w13_E, w2_E = torch.randn(experts, 2 * FF, D), torch.randn(experts, D, FF)
     for e in range(experts):
         moe.experts.load(e, "gate_up", w13_E[e])
@@ -124,12 +126,12 @@ def test_map_switch_serves_every_expert_by_exactly_its_replicas(experts, redunda
     mgr = EplbManager([moe], [default_physical_to_logical(experts, slots)], experts,
                       EplbConfig(window_size=2, step_interval=1, num_redundant_experts=redundant), 0, 1, "cpu",
                       tune_fn=lambda h, gpus, S: next(served)[None])
-    moe.ctx.load_recorder = mgr.record  # as EngineCore wires it
+    moe_step = MoEStep(load_recorder=mgr.record)  # as the model runner passes EngineCore's hooks
     row = default_physical_to_logical(experts, slots)
     switched = 0
     for step in range(60):
         x = torch.randn(12, D)
-        y = moe(x)
+        y = moe(x, moe_step)
         # Each (token, k) goes to a slot of its logical expert, and every replica of a busy expert gets work.
         w, ids = router(x)
         slots_TK = moe.replica_map(ids) if moe.replica_map is not None else ids
@@ -152,11 +154,12 @@ def test_ranks_that_tuned_different_placements_stop_with_an_error():
     # Every rank tunes the same summed load and must get the same placement; the per-turn
     # agreement carries each rank's placement digest as (MAX d, MAX -d), equal up to sign only
     # when all ranks agree. A mismatch is an error, not a rank serving a different map.
-    from expert_parallel.eplb import placement_digest
+    from expert_parallel.rebalance.eplb import placement_digest
 
     experts, slots = 3, 4
     router = SoftmaxTopKRouter(D, experts, K, True).requires_grad_(False)
-    moe = MoE(D, FF, experts, router, MoEContext(LocalDispatcher(slots)), torch.float32).requires_grad_(False)
+    moe = MoE(D, FF, experts, router, MoEContext(LocalDispatcher(slots)), torch.float32,
+              layer_index=0).requires_grad_(False)
     new = [2, 0, 1, 2]
 
     def make():

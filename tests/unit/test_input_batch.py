@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attention.blocks import BlockAllocator
-from expert_parallel.overlap import split_pieces, split_point
+from expert_parallel.runtime.overlap import split_pieces, split_point
 from moe_serve.input_batch import InputBatch, split_point_T
 from moe_serve.request import Request, RequestStatus
 from moe_serve.sampling_params import SamplingParams

@@ -8,8 +8,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from expert_parallel.load_stats import ExpertLoadRecorder
-from expert_parallel.placement import check_expert_load, load_expert_load
+from expert_parallel.placement.load_stats import ExpertLoadRecorder
+from expert_parallel.placement.map import check_expert_load, load_expert_load
 
 
 def _ids(rng, T, K, E):

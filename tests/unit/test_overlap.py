@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from expert_parallel.dispatch.base import Pending
-from expert_parallel.dispatch.local import LocalDispatcher
-from expert_parallel.overlap import split_pieces, split_point
+from expert_parallel.runtime.dispatch.base import Pending
+from expert_parallel.runtime.dispatch.local import LocalDispatcher
+from expert_parallel.runtime.overlap import split_pieces, split_point
 from moe_serve import LLM, SamplingParams
 
 PROMPTS = [[5, 77, 301, 42, 9], [9, 8, 7, 6, 5, 4, 3, 200, 100], [450], [33] * 23, [7, 8, 9]]
@@ -34,7 +34,7 @@ def test_overlap_gives_identical_tokens(checkpoints, arch):
     llm = LLM(checkpoints[arch], enable_overlap=True, overlap_min_tokens=1, **kw)
     splits = []
     orig = llm.engine.runner.model.forward_microbatches
-    llm.engine.runner.model.forward_microbatches = lambda b: splits.append([x[0].numel() for x in b]) or orig(b)
+    llm.engine.runner.model.forward_microbatches = lambda b, s: splits.append([x[0].numel() for x in b]) or orig(b, s)
     got = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
     assert any(min(s) > 0 for s in splits)
@@ -50,10 +50,11 @@ class RecordingDispatcher(LocalDispatcher):
         super().__init__(num_slots)
         self.events = events
 
-    def dispatch_async(self, x, ids, w):
+    def dispatch_async(self, x, ids, w, step):
+        assert step.microbatch == self.current_mb and step.split  # the step tells the layer which half it is
         mb = self.current_mb
         self.events.append(("comm_start", mb))
-        out = super().dispatch(x, ids, w)
+        out = super().dispatch(x, ids, w, step)
         return Pending(lambda: self.events.append(("comm_end", mb)) or out)
 
     def combine_async(self, y, handle):

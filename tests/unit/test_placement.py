@@ -12,7 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from expert_parallel.placement import (Placement, PlacementError, ReplicaMap, load_expert_load, load_placement,
+from expert_parallel.placement.map import (Placement, PlacementError, ReplicaMap, load_expert_load, load_placement,
                                        save_expert_load, save_placement)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -233,7 +233,7 @@ def test_replica_map_builds_on_cpu_under_a_default_device():
 # ---- CLI -----------------------------------------------------------------------------------------
 def _cli(*args):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "expert_parallel.placement_cli", "placement", *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "expert_parallel.placement.cli", "placement", *map(str, args)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
 
 

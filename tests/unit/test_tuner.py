@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from expert_parallel import tuner
-from expert_parallel.placement import Placement
-from expert_parallel.synthetic_load import synthetic_load as make_load
+from expert_parallel.placement import tuner
+from expert_parallel.placement.map import Placement
+from expert_parallel.placement.synthetic_load import synthetic_load as make_load
 
 # ---- synthetic load ------------------------------------------------------------------------------
 SCENARIOS = ("zipf", "drift", "shift", "bursty")
@@ -16,7 +16,7 @@ SCENARIOS = ("zipf", "drift", "shift", "bursty")
 
 def synthetic_load(scenario: str, seed: int, windows: int = 10, layers: int = 8, experts: int = 64,
                    groups: int = 8, copies: int = 100_000) -> np.ndarray:
-    """(W, L, E) drifting, skewed token counts (expert_parallel/synthetic_load.py)."""
+    """(W, L, E) drifting, skewed token counts (expert_parallel/placement/synthetic_load.py)."""
     return make_load(scenario, seed, windows, layers, experts, groups, copies, skew=(0.6, 1.2))
 
 
@@ -199,9 +199,9 @@ def test_config_errors_name_the_field():
 
 
 # ---- never worse than EPLB -----------------------------------------------------------------------
-from expert_parallel import evaluation  # noqa: E402
-from expert_parallel.dispatch.local import LocalDispatcher  # noqa: E402
-from expert_parallel.layer import MoEContext  # noqa: E402
+from expert_parallel.placement import evaluation  # noqa: E402
+from expert_parallel.runtime.dispatch.local import LocalDispatcher  # noqa: E402
+from expert_parallel.runtime.layer import MoEContext  # noqa: E402
 
 
 def _tune(fit, G, N, S, K):
@@ -266,7 +266,7 @@ def test_served_worst_gpu_never_above_eplbs(problem):
     # With replicas on several GPUs the default config scores candidates by the mean worst GPU over
     # bootstrap next windows, each split as ReplicaMap's balanced split would split it: the chosen
     # placement is never above EPLB's own (twins on one GPU separated) on those windows.
-    from expert_parallel.placement import ReplicaMap
+    from expert_parallel.placement.map import ReplicaMap
 
     load, gpus, nodes, slots, _ = problem
     cfg = tuner.TuneConfig()

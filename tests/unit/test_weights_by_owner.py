@@ -6,8 +6,8 @@ import re
 import pytest
 import safetensors
 
-from expert_parallel.dispatch.base import Dispatcher
-from expert_parallel.layer import GroupedExperts, MoEContext
+from expert_parallel.runtime.dispatch.base import Dispatcher
+from expert_parallel.runtime.layer import GroupedExperts, MoEContext
 from moe_serve.config import ModelConfig
 from moe_serve.models.registry import model_class
 from moe_serve.weights import load_weights

@@ -1,7 +1,7 @@
 """Dispatch/combine backends behind one interface; `make_dispatcher` picks one by name (lazy imports)."""
 from __future__ import annotations
 
-from expert_parallel.dispatch.base import Dispatcher, DispatchOutput
+from expert_parallel.runtime.dispatch.base import Dispatcher, DispatchOutput
 
 BACKENDS = ("local", "all_to_all", "allgather", "deepep", "reference")
 
@@ -15,17 +15,17 @@ def make_dispatcher(name: str, num_slots: int, rank: int = 0, world_size: int = 
     if world_size == 1 and name != "reference":
         name = "local"
     if name == "local":
-        from expert_parallel.dispatch.local import LocalDispatcher as cls
+        from expert_parallel.runtime.dispatch.local import LocalDispatcher as cls
     elif name == "all_to_all":
-        from expert_parallel.dispatch.all_to_all import AllToAllDispatcher as cls
+        from expert_parallel.runtime.dispatch.all_to_all import AllToAllDispatcher as cls
     elif name == "allgather":
-        from expert_parallel.dispatch.allgather import AllGatherDispatcher as cls
+        from expert_parallel.runtime.dispatch.allgather import AllGatherDispatcher as cls
     elif name == "deepep":
-        from expert_parallel.dispatch.deepep import DeepEPDispatcher
+        from expert_parallel.runtime.dispatch.deepep import DeepEPDispatcher
 
         return DeepEPDispatcher(num_slots, rank, world_size, group, **options)
     else:
-        from expert_parallel.dispatch.reference import ReferenceDispatcher as cls
+        from expert_parallel.runtime.dispatch.reference import ReferenceDispatcher as cls
     return cls(num_slots, rank, world_size, group)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from expert_parallel.packing import _layout, check_shape, replicate
+from expert_parallel.placement.packing import _layout, check_shape, replicate
 
 
 # ------------------------------------------------------------------------------------ baselines
@@ -75,7 +75,7 @@ def slot_loads(load_E, physical_to_logical_S, gpus: int, split: str = "round_rob
         return load[p2l] / replicas[p2l]
     if split != "balanced":
         raise ValueError(f"split={split!r} must be 'balanced' or 'round_robin'")
-    from expert_parallel.placement import ReplicaMap
+    from expert_parallel.placement.map import ReplicaMap
 
     counts = np.rint(load).astype(np.int64)
     B = max(1, int(round(counts.sum() / batch_copies)))
@@ -154,7 +154,7 @@ def held_out(case: str, tune_fn, seed: int = 0, windows: int = 8, layers: int = 
     fed) both see windows [0, t) and are judged on window t, served the same way (split: the
     runtime's by default). Returns the mean overall balancedness of each ("tuned", "eplb") and the
     per-t figures ("tuned_t", "eplb_t")."""
-    from expert_parallel.synthetic_load import synthetic_load
+    from expert_parallel.placement.synthetic_load import synthetic_load
 
     E, G, N, S, K = HELD_OUT_CASES[case]
     load = synthetic_load("drift", seed, windows, layers, E, K, copies, skew)

@@ -3,21 +3,23 @@
 One composition for every EP size: with EP=1 the dispatcher is the local one and moves nothing.
 Shape legend: T tokens, D hidden, F expert intermediate size, E local expert slots, K top-k.
 
-Experts live in physical slots (see expert_parallel/dispatch/base.py). Without a placement there
+Experts live in physical slots (see expert_parallel/runtime/dispatch/base.py). Without a placement there
 is one slot per logical expert; with one, hot experts have replicas and `replica_map` picks, for
 every (token, k), which replica serves it. This rank holds slots
 [rank * E, (rank + 1) * E) as w13 (E, 2F, D) and w2 (E, D, F).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from expert_parallel.dispatch.base import Dispatcher
+from expert_parallel.runtime.dispatch.base import Dispatcher
+from expert_parallel.runtime.step import NO_STEP, MoEStep
 from kernels.grouped_gemm import fused_experts
+from moe_serve.quantization.fp8 import FP8, BlockFp8Experts, quantize_blocks, scale_shape
 
 
 @dataclass
@@ -28,19 +30,11 @@ class MoEContext:
     moe_backend: str = "torch"
     # Per MoE layer (in layer order), the logical expert of each physical slot; None = identity.
     physical_to_logical: list[list[int]] | None = None
-    # Called with (moe_layer_index, topk_ids_TK logical) when expert load is being recorded.
-    load_recorder: Callable[[int, torch.Tensor], None] | None = None
-    moe_layer_count: list[int] = field(default_factory=lambda: [0])  # running index while building
     # Optional (event, micro-batch, layer) callback, for tests that check the overlap schedule.
     trace: Callable[[str, int, int], None] | None = None
     # How a replicated expert's tokens are shared among its replicas (placement.ReplicaMap):
     # "balanced" (from each batch's counts, evening out the ranks) or "round_robin".
     replica_split: str = "balanced"
-
-    def next_layer_index(self) -> int:
-        i = self.moe_layer_count[0]
-        self.moe_layer_count[0] += 1
-        return i
 
 
 def num_default_slots(num_experts: int, world_size: int) -> int:
@@ -87,11 +81,11 @@ class GroupedExperts(nn.Module):
     fp8_block: tuple[int, int] | None = None  # set by to_block_fp8 (moe_serve/quantization/fp8.py)
     fp8_act_quant: bool = False  # W8A8 in the Triton expert kernel (sm_89+; set by prepare.py)
 
+    fp8_checkpoint_suffix = ""  # the checkpoint's expert weights are named <name> (see weights.py)
+
     def to_block_fp8(self, block: tuple[int, int]) -> None:
         """Keep the expert weights in block FP8: FP8 values and float32 block scales per expert, gate
         and up quantized separately (as checkpoints have them). Filled by the loader."""
-        from moe_serve.quantization.fp8 import FP8, scale_shape
-
         E, twoF, D = self.w13.shape
         dev = self.w13.device
         self.fp8_block = block
@@ -106,8 +100,6 @@ class GroupedExperts(nn.Module):
         """(w13, w2) as the expert op takes them: tensors, or FP8 weights it dequantizes per step."""
         if self.fp8_block is None:
             return self.w13, self.w2
-        from moe_serve.quantization.fp8 import BlockFp8Experts
-
         return (BlockFp8Experts(self.w13, self.w13_scale_inv, self.fp8_block, (self.F, self.F), self.fp8_act_quant),
                 BlockFp8Experts(self.w2, self.w2_scale_inv, self.fp8_block, (self.w2.shape[1],), self.fp8_act_quant))
 
@@ -129,8 +121,6 @@ class GroupedExperts(nn.Module):
                 raise ValueError(f"unknown expert weight kind {kind!r}")
 
     def _load_fp8(self, logical_id: int, kind: str, w: torch.Tensor, scale_inv: torch.Tensor | None) -> None:
-        from moe_serve.quantization.fp8 import FP8, quantize_blocks
-
         if kind == "gate_up":
             if w.dtype == FP8:
                 raise ValueError("fused gate_up FP8 expert tensors are not supported (the Hub's FP8 checkpoints "
@@ -172,12 +162,14 @@ class MoE(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, router: nn.Module,
                  ctx: MoEContext, dtype, shared_experts: nn.Module | None = None,
-                 experts_cls: type | None = None, experts_kwargs: dict | None = None):
-        """experts_cls / experts_kwargs: another GroupedExperts (GPT-OSS's MXFP4 experts) and extra
+                 experts_cls: type | None = None, experts_kwargs: dict | None = None, *, layer_index: int):
+        """layer_index: this layer's place among the model's MoE layers (0 for the first), which
+        indexes placements and recorded load; the model derives it from its layer ids.
+        experts_cls / experts_kwargs: another GroupedExperts (GPT-OSS's MXFP4 experts) and extra
         arguments (bias, activation)."""
         super().__init__()
         self.ctx = ctx
-        self.layer_index = ctx.next_layer_index()
+        self.layer_index = layer_index
         self.num_experts = num_experts
         d = ctx.dispatcher
         if ctx.physical_to_logical is not None:
@@ -200,7 +192,7 @@ class MoE(nn.Module):
     def _set_map(self, p2l: list[int]) -> None:
         self.replica_map = None
         if list(p2l) != list(range(self.num_experts)):
-            from expert_parallel.placement import ReplicaMap
+            from expert_parallel.placement.map import ReplicaMap
 
             # Each data-parallel rank starts its round over replicas at its own offset.
             d = self.ctx.dispatcher
@@ -236,22 +228,22 @@ class MoE(nn.Module):
             self.ctx.physical_to_logical[self.layer_index] = list(physical_to_logical_S)
         return old
 
-    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        return run_to_end(self.stages(x_TD))
+    def forward(self, x_TD: torch.Tensor, step: MoEStep = NO_STEP) -> torch.Tensor:
+        return run_to_end(self.stages(x_TD, step))
 
-    def stages(self, x_TD: torch.Tensor, mb: int = 0):
+    def stages(self, x_TD: torch.Tensor, step: MoEStep = NO_STEP):
         """The layer as a generator that yields while its communication is in flight: once after
         starting dispatch, once after starting combine. Run alone (`forward`) the yields cost
-        nothing; with two micro-batches (expert_parallel/overlap.py) the other micro-batch computes
+        nothing; with two micro-batches (expert_parallel/runtime/overlap.py) the other micro-batch computes
         during them. Returns y_TD."""
-        trace = self.ctx.trace
+        trace, mb = self.ctx.trace, step.microbatch
         w_TK, ids_TK = self.gate(x_TD)
-        if self.ctx.load_recorder is not None:
-            self.ctx.load_recorder(self.layer_index, ids_TK)
+        if step.load_recorder is not None:
+            step.load_recorder(self.layer_index, ids_TK)
         slots_TK = self.replica_map(ids_TK) if self.replica_map is not None else ids_TK
         d = self.ctx.dispatcher
         trace and trace("dispatch_start", mb, self.layer_index)
-        pending = d.dispatch_async(x_TD, slots_TK, w_TK)
+        pending = d.dispatch_async(x_TD, slots_TK, w_TK, step)
         # The shared experts need no communication: they fill the wait.
         shared = self.shared_experts(x_TD) if self.shared_experts is not None else None
         yield

@@ -13,7 +13,7 @@ Compared with all_to_all this sends every token to every rank (W-1 copies instea
 min(K, W-1)) and needs no per-rank counts exchange; with tiny T the fixed latency of the collectives,
 not bytes, is the cost. Host syncs: the agreed M (.item()) and the kept-row selection (nonzero).
 
-A padded decode step (`set_static_rows`: every rank runs the same M rows, agreed before the step)
+A padded decode step (`MoEStep.static_rows`: every rank runs the same M rows, agreed before the step)
 skips both: M is known, and every gathered row is kept (rows with no slot here carry only -1 ids, so
 the grouped GEMM skips them), and combine reduce-scatters the partial sums as they are. No host read,
 no data-dependent shape: the exchange a CUDA graph captures, for this backend and for all_to_all.
@@ -29,7 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from expert_parallel.dispatch.base import Dispatcher, DispatchOutput, pack_rows, unpack_rows
+from expert_parallel.runtime.dispatch.base import Dispatcher, DispatchOutput, pack_rows, unpack_rows
+from expert_parallel.runtime.step import NO_STEP, MoEStep
 
 
 def _all_gather_single(out: torch.Tensor, inp: torch.Tensor, group) -> None:
@@ -76,8 +77,8 @@ class AllGatherDispatcher(Dispatcher):
         super().__init__(num_slots, rank, world_size, group)
         self._reduce_scatter_ok: bool | None = None  # None until the first combine finds out
 
-    def dispatch(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor,
-                 topk_weights_TK: torch.Tensor) -> DispatchOutput:
+    def dispatch(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                 step: MoEStep = NO_STEP) -> DispatchOutput:
         """Gather every rank's tokens and keep those routed to a slot held here.
 
         Args:
@@ -93,7 +94,7 @@ class AllGatherDispatcher(Dispatcher):
         K = topk_ids_TK.shape[1]
         W, dev = self.world_size, x_TD.device
 
-        static = self.is_static(T)
+        static = self.is_static(T, step)
         if static:
             M = T
         else:

@@ -30,8 +30,8 @@ clean_low_latency_buffer after normal kernels before the next low-latency kernel
                and writes only the recv_count_E[e] valid rows of each expert (low_latency_combine
                sends only those back), instead of all E*C rows through the generic kernel.
 "auto" picks from the largest T over the group. The engine agrees on that once per step (the core
-loop's MAX all-reduce) and hands it over with `set_step_max_tokens`, so the choice costs nothing per
-layer; without it (a caller that never set it) each dispatch agrees by itself (one small all_reduce
+loop's MAX all-reduce) and passes it in the step (`MoEStep.max_tokens_any_rank`), so the choice costs
+nothing per layer; without it (a forward outside the engine's steps) each dispatch agrees by itself (one small all_reduce
 on the EP group and a host sync per MoE layer). With two overlapped micro-batches the step's maximum
 bounds each micro-batch's T, so low-latency is chosen only when every call fits. Engines that run
 prefill and decode on separate instances can fix the mode instead.
@@ -46,7 +46,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from expert_parallel.dispatch.base import Dispatcher, DispatchOutput, Pending
+from expert_parallel.runtime.dispatch.base import Dispatcher, DispatchOutput, Pending
+from expert_parallel.runtime.step import NO_STEP, MoEStep
 
 NEEDS_DEEPEP = ("all2all_backend='deepep' needs the deep_ep package and a CUDA device; it builds from "
                 "source against NVSHMEM (README.md: Installing DeepEP), or use all2all_backend='all_to_all'")
@@ -136,10 +137,7 @@ class DeepEPDispatcher(Dispatcher):
         self._buffer = None
         self._buffer_hidden = None
         self._last_mode: str | None = None
-        self._step_max_tokens: int | None = None
 
-    def set_step_max_tokens(self, n: int | None) -> None:
-        self._step_max_tokens = n
 
     def _get_buffer(self, hidden: int):
         """Create the Buffer on first use, when D is known. Collective (all_gather_object inside),
@@ -167,23 +165,23 @@ class DeepEPDispatcher(Dispatcher):
         self._buffer_hidden = hidden
         return self._buffer
 
-    def _choose_mode(self, T: int, device: torch.device) -> str:
-        if self.mode == "auto" and self._step_max_tokens is None:
+    def _choose_mode(self, T: int, device: torch.device, step: MoEStep) -> str:
+        if self.mode == "auto" and step.max_tokens_any_rank is None:
             # Every rank must pick the same kernels, so decide on the largest T in the group.
             max_T = torch.tensor([T], dtype=torch.int64, device=device)
             dist.all_reduce(max_T, op=dist.ReduceOp.MAX, group=self.group)
             return choose_mode(self.mode, int(max_T.item()), self.max_low_latency_tokens)
-        return choose_mode(self.mode, self._step_max_tokens, self.max_low_latency_tokens, T)
+        return choose_mode(self.mode, step.max_tokens_any_rank, self.max_low_latency_tokens, T)
 
-    def dispatch(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor,
-                 topk_weights_TK: torch.Tensor) -> DispatchOutput:
-        return self.dispatch_async(x_TD, topk_ids_TK, topk_weights_TK).wait()
+    def dispatch(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                 step: MoEStep = NO_STEP) -> DispatchOutput:
+        return self.dispatch_async(x_TD, topk_ids_TK, topk_weights_TK, step).wait()
 
     def combine(self, y_RD: torch.Tensor, handle: "DeepEPHandle") -> torch.Tensor:
         return self.combine_async(y_RD, handle).wait()
 
-    def dispatch_async(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor,
-                       topk_weights_TK: torch.Tensor) -> Pending:
+    def dispatch_async(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                       step: MoEStep = NO_STEP) -> Pending:
         """Start dispatch; `.wait()` gives the DispatchOutput. Normal mode finishes on DeepEP's
         communication stream (async_finish; wait() makes the compute stream wait for its event);
         low-latency mode only issues the sends (return_recv_hook) and wait() calls the receive hook,
@@ -199,7 +197,7 @@ class DeepEPDispatcher(Dispatcher):
         """
         T, D = x_TD.shape
         buffer = self._get_buffer(D)
-        mode = self._choose_mode(T, x_TD.device)
+        mode = self._choose_mode(T, x_TD.device, step)
         x_bf16 = x_TD.to(torch.bfloat16)
         topk_idx = topk_ids_TK.to(torch.int64).contiguous()   # DeepEP requires int64 indices
         weights = topk_weights_TK.to(torch.float32).contiguous()

@@ -10,7 +10,7 @@ Every rank runs the same state machine, driven from the core loop at step bounda
   tune     every step_interval model steps (every rank counts the same steps: lockstep), the ranks
            sum their windows in one all_reduce over the CPU group, so every rank holds the same
            numbers (int64 token counts: the sum is exact). Each rank then runs the
-           same deterministic tuner (expert_parallel/tuner.py: a fixed-seed RNG, stable sorts, the
+           same deterministic tuner (expert_parallel/placement/tuner.py: a fixed-seed RNG, stable sorts, the
            same float operations in the same order) on every layer in a background thread while serving goes
            on, and so computes the same placement with no further collective. It is used once every
            rank is done (the per-turn flag below); the per-turn all-reduce also carries a digest of
@@ -49,9 +49,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from expert_parallel.eplb_config import LAYERS_IN_FLIGHT, EplbConfig
-from expert_parallel.load_stats import ExpertLoadRecorder
-from expert_parallel.rebalance_plan import LayerPlan, plan_layer
+from expert_parallel.rebalance.config import LAYERS_IN_FLIGHT, EplbConfig
+from expert_parallel.placement.load_stats import ExpertLoadRecorder
+from expert_parallel.rebalance.plan import LayerPlan, plan_layer
 
 log = logging.getLogger("moe_serve.eplb")
 
@@ -64,7 +64,7 @@ def tuner_fn(nodes: int = 1, groups: int | None = None, split: str = "balanced")
     several nodes (and the router's expert groups) it also keeps tokens near their node; split:
     how the MoE layers share replicas' tokens (MoEContext.replica_split), which it judges by."""
     def tune(history_WLE: np.ndarray, gpus: int, slots: int) -> np.ndarray:
-        from expert_parallel import tuner
+        from expert_parallel.placement import tuner
 
         return tuner.tune(history_WLE, gpus, nodes, slots, groups, tuner.TuneConfig(split=split))[0]
     return tune
@@ -218,7 +218,7 @@ class EplbManager:
         if self.world > 1:
             dist.all_reduce(history, group=sync_group)  # every rank: the same numbers
         h = history.numpy()
-        from expert_parallel.evaluation import evaluate
+        from expert_parallel.placement.evaluation import evaluate
 
         # The last window as the layers' split would have served it (evaluation.slot_loads replays it
         # as batches through ReplicaMap): an estimate, the steps' own batches are not kept.

@@ -25,6 +25,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from expert_parallel.runtime.step import NO_STEP, MoEStep
+
 
 @dataclass
 class DispatchOutput:
@@ -103,48 +105,38 @@ class Dispatcher(ABC):
         return torch.where(held, local, torch.full_like(local, -1))
 
     @abstractmethod
-    def dispatch(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor,
-                 topk_weights_TK: torch.Tensor) -> DispatchOutput: ...
+    def dispatch(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                 step: MoEStep = NO_STEP) -> DispatchOutput:
+        """step: what this step's MoE layers know (runtime/step.py): a padded decode step's rows
+        (`static_rows`), the agreed most tokens any rank runs."""
 
     @abstractmethod
     def combine(self, y_RD: torch.Tensor, handle: Any) -> torch.Tensor: ...
 
     # Asynchronous forms, used to overlap one micro-batch's communication with the other's compute.
     # Backends with asynchronous collectives override them; these defaults finish at once.
-    def dispatch_async(self, x_TD, topk_ids_TK, topk_weights_TK) -> Pending:
+    def dispatch_async(self, x_TD, topk_ids_TK, topk_weights_TK, step: MoEStep = NO_STEP) -> Pending:
         """Start dispatch; `.wait()` gives the DispatchOutput."""
-        return done(self.dispatch(x_TD, topk_ids_TK, topk_weights_TK))
+        return done(self.dispatch(x_TD, topk_ids_TK, topk_weights_TK, step))
 
     def combine_async(self, y_RD: torch.Tensor, handle: Any) -> Pending:
         """Start combine; `.wait()` gives y_TD."""
         return done(self.combine(y_RD, handle))
 
-    # Rows every rank runs in this step when it is a padded decode step (the same count on every
-    # rank), else None: set by the model runner before each forward (`set_static_rows`).
-    static_rows: int | None = None
-    has_fixed_shape_exchange = False  # backends with a fixed-shape form for those steps
-
-    def set_static_rows(self, m: int | None) -> None:
-        """A padded decode step: every rank of the EP group runs exactly m rows in every MoE layer
-        (m agreed by the core loop's per-step all-reduce), or None. Backends that size their
-        exchange from the data (counts read back on the host, kept rows selected) switch to an
-        exchange of fixed shapes for such a step, with no host read and no data-dependent shape:
-        what a CUDA graph holds."""
-        self.static_rows = m if self.world_size > 1 else None
+    has_fixed_shape_exchange = False  # backends with a fixed-shape form for padded decode steps
 
     def captures_decode(self) -> bool:
         """Whether a CUDA graph can hold this backend's padded decode step: one rank (nothing to
-        exchange), or a fixed-shape exchange (`set_static_rows`) over NCCL."""
+        exchange), or a fixed-shape exchange (`is_static`) over NCCL."""
         return self.world_size == 1 or (self.has_fixed_shape_exchange and dist.get_backend(self.group) == "nccl")
 
-    def is_static(self, num_tokens: int) -> bool:
-        """Whether a dispatch of num_tokens rows takes the fixed-shape exchange (see set_static_rows)."""
-        return self.static_rows is not None and num_tokens == self.static_rows
-
-    def set_step_max_tokens(self, n: int | None) -> None:
-        """The most tokens any rank of the EP group runs in this step (agreed once per step by the
-        engine's core loop), or None when unknown. Backends whose kernels depend on it (DeepEP's
-        normal vs low-latency choice) use it instead of a collective per MoE layer."""
+    def is_static(self, num_tokens: int, step: MoEStep) -> bool:
+        """Whether a dispatch of num_tokens rows takes the fixed-shape exchange: a padded decode step
+        (every rank of the EP group runs exactly step.static_rows rows in every MoE layer, agreed by
+        the core loop's per-step all-reduce). Backends that size their exchange from the data
+        (counts read back on the host, kept rows selected) switch for such a step to an exchange of
+        fixed shapes, with no host read and no data-dependent shape: what a CUDA graph holds."""
+        return self.world_size > 1 and step.static_rows is not None and num_tokens == step.static_rows
 
     def agree_max(self, n: int) -> int:
         """The largest n over the EP group (one small collective), so that every rank takes the same

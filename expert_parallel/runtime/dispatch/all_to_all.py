@@ -15,7 +15,7 @@ index_add_ in float32, so a token's sum over ranks does not round after each ran
 
 Host syncs: one .tolist() of the counts in dispatch (all_to_all_single takes the splits as Python
 lists and the output size must be known); the send layout is built after it with nonzero_static, so
-no second sync. combine has none. A padded decode step (`set_static_rows`: the same row count on
+no second sync. combine has none. A padded decode step (`MoEStep.static_rows`: the same row count on
 every rank) has neither: it takes the all-gather backend's fixed-shape exchange, which a CUDA graph
 can capture (at decode sizes the all-gather is the cheaper exchange anyway).
 """
@@ -26,8 +26,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from expert_parallel.dispatch.allgather import AllGatherDispatcher, AllGatherHandle
-from expert_parallel.dispatch.base import Dispatcher, DispatchOutput, Pending, done, pack_rows, unpack_rows  # noqa: F401
+from expert_parallel.runtime.dispatch.allgather import AllGatherDispatcher, AllGatherHandle
+from expert_parallel.runtime.dispatch.base import Dispatcher, DispatchOutput, Pending, done, pack_rows, unpack_rows  # noqa: F401
+from expert_parallel.runtime.step import NO_STEP, MoEStep
 
 
 @dataclass
@@ -63,19 +64,15 @@ class AllToAllDispatcher(Dispatcher):
         super().__init__(num_slots, rank, world_size, group)
         self._fixed = AllGatherDispatcher(num_slots, rank, world_size, group)  # padded decode steps
 
-    def set_static_rows(self, m: int | None) -> None:
-        super().set_static_rows(m)
-        self._fixed.set_static_rows(m)
-
-    def dispatch(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor,
-                 topk_weights_TK: torch.Tensor) -> DispatchOutput:
-        return self.dispatch_async(x_TD, topk_ids_TK, topk_weights_TK).wait()
+    def dispatch(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                 step: MoEStep = NO_STEP) -> DispatchOutput:
+        return self.dispatch_async(x_TD, topk_ids_TK, topk_weights_TK, step).wait()
 
     def combine(self, y_RD: torch.Tensor, handle: AllToAllHandle) -> torch.Tensor:
         return self.combine_async(y_RD, handle).wait()
 
-    def dispatch_async(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor,
-                       topk_weights_TK: torch.Tensor) -> Pending:
+    def dispatch_async(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                       step: MoEStep = NO_STEP) -> Pending:
         """Send each token once to every rank holding one of its slots. The count exchange is
         synchronous (the sizes are needed); the payload all-to-all runs in the background until
         `.wait()` (async_op: gloo's worker threads on CPU, NCCL's own stream on CUDA).
@@ -90,8 +87,8 @@ class AllToAllDispatcher(Dispatcher):
             Received rows are ordered by source rank, then by the source's token order.
         """
         T, D = x_TD.shape
-        if self.is_static(T):
-            return done(self._fixed.dispatch(x_TD, topk_ids_TK, topk_weights_TK))
+        if self.is_static(T, step):
+            return done(self._fixed.dispatch(x_TD, topk_ids_TK, topk_weights_TK, step))
         K = topk_ids_TK.shape[1]
         W, spr, dev = self.world_size, self.slots_per_rank, x_TD.device
         ids_TK = topk_ids_TK.to(torch.int64)

@@ -53,9 +53,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from expert_parallel.evaluation import evaluate, gpu_loads, greedy_layout, no_replica_layout  # noqa: F401
-from expert_parallel.forecast import DECAY_CHOICES, forecast, scenarios  # noqa: F401
-from expert_parallel.packing import (_align_nodes, _Bins, _keep_labels_apart, _layout, _scores,  # noqa: F401
+from expert_parallel.placement.evaluation import evaluate, gpu_loads, greedy_layout, no_replica_layout  # noqa: F401
+from expert_parallel.placement.forecast import DECAY_CHOICES, forecast, scenarios  # noqa: F401
+from expert_parallel.placement.packing import (_align_nodes, _Bins, _keep_labels_apart, _layout, _scores,  # noqa: F401
                                      check_shape, pack, replicate)
 
 # Traffic weights of the "spill" candidates: how many tokens a swap must take off the worst GPU for
@@ -165,7 +165,7 @@ def tune_layer(history_WE, gpus: int, nodes: int, slots: int, groups: int | None
     # Step 6 applies where the runtime's split has replicas on several GPUs to work with.
     served = config.split == "balanced" and config.scenarios > 0 and slots > E and gpus > 1
     if served:
-        from expert_parallel.placement import ReplicaMap
+        from expert_parallel.placement.map import ReplicaMap
 
         X = np.rint(scenarios(h, config.scenarios, decay)).astype(np.int64)  # (scenarios, E)
     layouts, predicted = {}, {}

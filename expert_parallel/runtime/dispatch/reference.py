@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from expert_parallel.dispatch.base import Dispatcher, DispatchOutput
+from expert_parallel.runtime.dispatch.base import Dispatcher, DispatchOutput
+from expert_parallel.runtime.step import NO_STEP, MoEStep
 
 
 @dataclass
@@ -52,8 +53,8 @@ class ReferenceDispatcher(Dispatcher):
 
     name = "reference"
 
-    def dispatch(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor,
-                 topk_weights_TK: torch.Tensor) -> DispatchOutput:
+    def dispatch(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                 step: MoEStep = NO_STEP) -> DispatchOutput:
         """Args: x_TD (T, D) any float dtype; topk_ids_TK (T, K) int global slot ids; topk_weights_TK
         (T, K) float. Returns x_RD (R, D), topk_ids_RK (R, K) int64 local ids or -1, topk_weights_RK
         (R, K) float32; rows ordered by source rank, then by the source's token order."""

@@ -8,15 +8,15 @@ out), so the numbers say how each placement would have fared on load it had not 
 prints one line naming the field on stderr and exits with 2.
 
 Wired into `moe-serve` with add_placement_parser(subparsers) and run_placement(args); runs alone as
-`python -m expert_parallel.placement_cli placement ...`.
+`python -m expert_parallel.placement.cli placement ...`.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
-from expert_parallel import tuner
-from expert_parallel.placement import Placement, PlacementError, load_expert_load, load_placement, save_placement
+from expert_parallel.placement import tuner
+from expert_parallel.placement.map import Placement, PlacementError, load_expert_load, load_placement, save_placement
 
 
 def _decay(text: str) -> float | None:
@@ -143,7 +143,7 @@ def run_placement(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m expert_parallel.placement_cli")
+    parser = argparse.ArgumentParser(prog="python -m expert_parallel.placement.cli")
     add_placement_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     return args.func(args)
