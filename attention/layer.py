@@ -1,21 +1,26 @@
 """Attention layers over the paged cache. Models build their q/k/v; these store and attend.
 
-The cache tensors are bound once by the model runner (`bind_kv_cache`); the batch's metadata is
-passed into every forward call (no hidden per-step global state).
+The cache tensors are bound once by the model runner (`bind_kv_cache`), the attention backend once
+by moe_serve/platform.py (`bind_ops`: `ops`, torch ops until then); the batch's metadata is passed
+into every forward call (no hidden per-step global state).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from attention.backends import get_backend
+from attention.backends import TorchAttention
 from attention.metadata import AttentionMetadata
 
 
 class PagedAttention(nn.Module):
     """Multi-head / grouped-query attention: q (T, N, H), k and v (T, G, H) -> (T, N, Hv)."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, backend: str = "torch",
+    op_kind = "attention"
+    ops = TorchAttention()
+    latent = False
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  v_head_dim: int | None = None, sliding_window: int | None = None, sinks: bool = False):
         """sliding_window: each query sees its last `sliding_window` keys only (GPT-OSS's sliding
         layers). sinks: a learned float32 logit per head in every softmax's denominator (GPT-OSS).
@@ -30,7 +35,6 @@ class PagedAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.v_head_dim = v_head_dim or head_dim
         self.scale = scale
-        self.ops = get_backend(backend)
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
@@ -52,10 +56,15 @@ class PagedAttention(nn.Module):
 class PagedMLAAttention(nn.Module):
     """MLA over a compressed cache of [c_kv (L) | k_pe (R)] per token, attended in absorbed form."""
 
-    def __init__(self, kv_lora_rank: int, rope_dim: int, scale: float, backend: str = "torch"):
+    op_kind = "attention"
+    ops = TorchAttention()
+    latent = True
+    sliding_window = None
+    sinks = None
+
+    def __init__(self, kv_lora_rank: int, rope_dim: int, scale: float):
         super().__init__()
         self.kv_lora_rank, self.rope_dim, self.scale = kv_lora_rank, rope_dim, scale
-        self.ops = get_backend(backend)
         self.latent_cache: torch.Tensor | None = None
 
     def cache_shape(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:

@@ -7,6 +7,7 @@ earlier decode steps). Its cache blocks are block_tables[b, :ceil(seq_lens[b] / 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -24,9 +25,21 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     max_query_len: int
     max_seq_len: int
-    # Tensors a backend derives from this metadata (the same for every layer of the step), made by
-    # the first layer that needs them and reused by the others: per-step work is paid once a step.
-    derived: dict = field(default_factory=dict, repr=False, compare=False)
+    # The torch attention backend's plans for this step (which cache blocks its decodes gather, and
+    # their masks: attention/backends/reference.py), made by the first layer and reused by the
+    # others. Nothing else keeps per-step state here; a graph capture starts from an empty one.
+    backend_plans: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @functools.cached_property
+    def leading_decodes(self) -> int:
+        """How many sequences at the front of the batch have one query token each. The scheduler
+        puts every decode before any prefill chunk, so in a mixed step they are all there."""
+        n = 0
+        for q in self.query_lens_cpu:
+            if q != 1:
+                break
+            n += 1
+        return n
 
     @property
     def num_seqs(self) -> int:

@@ -6,7 +6,7 @@ rows is captured as it is called (its ids, positions and attention metadata). Th
 timed, with torch's CPU threads as set, in three ways:
 
 - eager: what the engine runs on the CPU (the C kernels of kernels/cpu_ops);
-- eager, torch ops: the same forward with the C kernels off (`device_side_only()`, the capturable
+- eager, torch ops: the same forward with the C kernels off (`platform.capturable(model)`, the capturable
   torch-op path a CUDA graph would hold);
 - compiled: `torch.compile(dynamic=False)` of that torch-op path (Inductor's C++ backend; the C
   kernels are ctypes calls a graph cannot hold), one compile per padded size, whose compile time is
@@ -84,8 +84,9 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     from kernels import grouped_gemm
-    from kernels.grouped_gemm import device_side_only, fused_experts_grouped, grouped_mm_available
+    from kernels.grouped_gemm import fused_experts_grouped, grouped_mm_available
     from moe_serve import LLM
+    from moe_serve.platform import capturable
 
     path, name, desc = resolve_model(args.model)
     print(f"{desc}; torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
@@ -98,7 +99,7 @@ def main(argv=None) -> int:
         with torch.inference_mode():
             ref = model(ids, pos, meta, step)
             eager = time_ms(lambda: model(ids, pos, meta, step), args.steps)
-            with device_side_only():
+            with capturable(model):
                 torch_ops = time_ms(lambda: model(ids, pos, meta, step), args.steps)
                 torch._dynamo.reset()
                 compiled_fn = torch.compile(model.forward, dynamic=False)

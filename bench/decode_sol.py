@@ -105,11 +105,11 @@ def init_on_device(model: torch.nn.Module, seed: int = 0) -> None:
 
 def install_device_dummy_init() -> bool:
     """Make the engine's load_format="dummy" draw weights on their own device (init_on_device)."""
-    import moe_serve.model_runner as mr
+    import moe_serve.runner.loading as loading
 
-    if not hasattr(mr, "init_dummy_weights"):
+    if not hasattr(loading, "init_dummy_weights"):
         return False
-    mr.init_dummy_weights = init_on_device
+    loading.init_dummy_weights = init_on_device
     return True
 
 
@@ -135,10 +135,12 @@ class ModelOnlyDecoder:
         arch = hf["architectures"][0]
         choice = platform.choose(device.type, moe_backend, attention_backend)
         self.moe_backend, self.attention_backend = choice.moe_backend, choice.attention_backend
-        ctx = MoEContext(LocalDispatcher(num_default_slots(num_logical_experts(arch, hf), 1)), choice.moe_backend)
+        ctx = MoEContext(LocalDispatcher(num_default_slots(num_logical_experts(arch, hf), 1)))
         self.dtype = dtype
         with torch.device(device):
-            self.model = model_class(arch)(hf, ctx, choice.attention_backend, self.dtype)
+            self.model = model_class(arch)(hf, ctx, self.dtype)
+        platform.bind_ops(self.model, platform.resolve_ops(device, choice.moe_backend, choice.attention_backend,
+                                                           choice.linear_backend, choice.norm_backend))
         self.model.requires_grad_(False)
         self.model.eval()
         init_on_device(self.model, seed)
@@ -179,7 +181,7 @@ class ModelOnlyDecoder:
         meta.seq_lens.copy_(m.seq_lens)
         meta.slot_mapping.copy_(m.slot_mapping)
         meta.seq_lens_cpu, meta.max_seq_len = [ctx] * B, ctx
-        getattr(meta, "derived", {}).clear()  # per-step plans a backend cached on the metadata
+        meta.backend_plans.clear()  # per-step plans a backend cached on the metadata
         pos.fill_(ctx - 1)
         return meta, pos
 
@@ -189,7 +191,7 @@ class ModelOnlyDecoder:
         pos += 1
         meta.seq_lens += 1
         meta.seq_lens_cpu, meta.max_seq_len = [c + 1 for c in meta.seq_lens_cpu], meta.max_seq_len + 1
-        getattr(meta, "derived", {}).clear()
+        meta.backend_plans.clear()
         blocks = meta.block_tables.gather(1, (pos // self.block_size)[:, None])[:, 0]
         meta.slot_mapping.copy_(blocks.to(torch.int64) * self.block_size + pos % self.block_size)
 
@@ -233,7 +235,7 @@ class ModelOnlyDecoder:
             # Host-side lengths only size launches (the split count; any count is right for any
             # context): capture with the longest context these runs reach.
             meta.seq_lens_cpu, meta.max_seq_len = [self.max_len] * B, self.max_len
-            getattr(meta, "derived", {}).clear()
+            meta.backend_plans.clear()
             tok_in = tok.clone()
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
@@ -322,7 +324,7 @@ def main(argv=None) -> int:
 
             write_checkpoint(cfg, tmp)
             if not args.engine_dummy_init and not install_device_dummy_init():
-                log("moe_serve.model_runner has no init_dummy_weights to replace: using the engine's own init")
+                log("moe_serve.runner.loading has no init_dummy_weights to replace: using the engine's own init")
             llm = LLM(model=tmp, dtype="bfloat16", load_format="dummy", device="cpu" if args.smoke else "auto",
                       kv_cache_memory=args.kv_cache_memory or ((64 << 20) if args.smoke else (4 << 30)),
                       max_model_len=min(4096, cfg["max_position_embeddings"]), max_num_seqs=max(args.batch, 1),

@@ -34,17 +34,19 @@ from expert_parallel.runtime.overlap import run_interleaved  # noqa: E402
 from expert_parallel.runtime.router import SoftmaxTopKRouter  # noqa: E402
 from expert_parallel.runtime.step import MoEStep  # noqa: E402
 from kernels.grouped_gemm import fused_experts  # noqa: E402
+from moe_serve import platform  # noqa: E402
 
 
 def build(args, rank: int, world: int, device) -> MoE:
     torch.manual_seed(0)
     E = args.experts_per_rank * world
     d = AllToAllDispatcher(E, rank, world, None)
-    ctx = MoEContext(d, "triton" if device.type == "cuda" else "torch")
+    ctx = MoEContext(d)
     with torch.device(device):
         router = SoftmaxTopKRouter(args.hidden, E, args.top_k, True)
         moe = MoE(args.hidden, args.inter, E, router, ctx, torch.float32 if device.type == "cpu" else torch.bfloat16,
                   layer_index=0)
+    moe.ops = platform.resolve_ops(device, "triton" if device.type == "cuda" else "torch", "torch").experts
     for p in moe.parameters():
         p.data.normal_(0, p.shape[-1] ** -0.5)
     return moe
@@ -83,7 +85,7 @@ def measure(args, rank: int, world: int, device) -> dict:
         for x, s in zip(xs, sent):
             moe.gate(x)
             fused_experts(s.x_RD, moe.experts.w13, moe.experts.w2, s.topk_weights_RK, s.topk_ids_RK,
-                          backend=moe.ctx.moe_backend)
+                          backend=moe.ops)
 
     def plain():
         for i, x in enumerate(xs):

@@ -6,10 +6,11 @@
     python -m kernels.aot_check --quick --dtype bf16   # one per kernel / dtype / code path (the test suite's)
 
 No GPU is needed: `triton.compile` takes an `ASTSource` and a `GPUTarget`, and Triton's bundled
-ptxas turns the PTX into a cubin for the named architecture. What is compiled is what the launchers
-launch: each configuration is recorded from the launcher itself (`fused_experts_triton`,
-`masked_experts_triton`, `fp8_linear_triton`, `paged_attention`, `mla_paged_attention`, the KV
-writes) run on "meta" tensors of a model's shapes (kernels/specialization.py), so its constexprs,
+ptxas turns the PTX into a cubin for the named architecture. What is compiled is what the backends
+launch: the variants each Triton backend declares (TritonExperts' configs and launches,
+TritonAttention.steps, TritonLinear.ROW_TILES: the same calls the start-up warm-up makes) are
+recorded from the backend's own launch, run for stand-in layers of a model's shapes on "meta"
+tensors (kernels/specialization.py), so each configuration's constexprs,
 launch options, argument types and Triton's marks on the arguments (an integer equal to 1 becomes a
 constant; integers divisible by 16 and 16-byte-aligned pointers are marked divisible, which decides
 whether loads vectorise) are those of the real launch. A compile without those marks is another
@@ -205,9 +206,6 @@ def _split_options(launch: dict) -> tuple[dict, dict]:
 _META = torch.device("meta")
 
 
-def _t(shape, dtype=torch.float32) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype, device=_META)
-
 
 def _probe(call) -> list:
     """The launches `call` makes, as the compiled engine makes them: the activation quantizer, which
@@ -223,65 +221,74 @@ def _probe(call) -> list:
     return launches
 
 
-def _experts_probe(m: ModelShape, dt, cfg: dict | None, weights: str = "plain", ids=torch.int64) -> list:
-    """fused_experts_triton on m's expert shapes: weights "plain" (dt), "fp8" (block FP8, weight-only)
-    or "w8a8"; a decode-sized batch (the config is forced, so T only sets the top-k launch)."""
-    from kernels.grouped_gemm import triton_kernel as tk
+# What is compiled is what the backends' own launchers launch (attention/backends TritonAttention,
+# kernels/grouped_gemm TritonExperts, kernels/linear TritonLinear: the same calls the start-up
+# warm-up makes, moe_serve/kernel_warmup.py), for stand-in layers of each model's shapes: the
+# engine's own layer classes, built on the "meta" device.
 
-    T, E, F, D, K = 4, m.E, m.F, m.D, m.K
-    kw = {}
-    wdt = dt
-    if weights != "plain":
-        wdt = torch.float8_e4m3fn
-        nF, b = -(-F // 128), 128
-        kw = dict(w13_scale=_t((E, 2 * nF, -(-D // b))), w2_scale=_t((E, -(-D // b), -(-F // b))), scale_block=(b, b),
-                  act_quant=weights == "w8a8")
-    return _probe(lambda: tk.fused_experts_triton(_t((T, D), dt), _t((E, 2 * F, D), wdt), _t((E, D, F), wdt),
-                                                  _t((T, K)), _t((T, K), ids), cfg, **kw))
+
+def _moe_stand_in(m: ModelShape, dt, weights: str = "plain", E: int | None = None):
+    """An MoE layer's experts and router top-k as the backend reads them: weights "plain" (dt),
+    "fp8" (block FP8, weight-only) or "w8a8"."""
+    from types import SimpleNamespace
+
+    from expert_parallel.runtime.layer import GroupedExperts
+
+    E = E or m.E
+    with torch.device(_META):
+        experts = GroupedExperts(E, m.D, m.F, list(range(E)), dt)
+        if weights != "plain":
+            experts.to_block_fp8((128, 128))
+            experts.fp8_act_quant = weights == "w8a8"
+    return SimpleNamespace(experts=experts, gate=SimpleNamespace(top_k=m.K))
+
+
+def _experts_probe(m: ModelShape, dt, cfg: dict | None, weights: str = "plain", ids=torch.int64) -> list:
+    """The grouped GEMM on m's expert shapes with config cfg (None: the kernel's own choice), a
+    decode-sized batch (the config is forced, so T only sets the top-k launch)."""
+    from kernels.grouped_gemm import TritonExperts
+
+    return _probe(lambda: TritonExperts("cuda").launch(_moe_stand_in(m, dt, weights), dt, cfg, ids))
 
 
 def _masked_probe(m: ModelShape, dt, cfg: dict, fp8: bool) -> list:
-    """masked_experts_triton over DeepEP's expert-major layout: 8 local experts of 128 rows each."""
-    from kernels.grouped_gemm import masked
+    """The masked grouped GEMM over DeepEP's expert-major layout: 8 local experts of 128 rows each."""
+    from kernels.grouped_gemm import TritonExperts
 
-    E, C, F, D = 8, 128, m.F, m.D
-    kw, wdt = {}, dt
-    if fp8:
-        wdt, b = torch.float8_e4m3fn, 128
-        kw = dict(w13_scale=_t((E, 2 * -(-F // b), -(-D // b))), w2_scale=_t((E, -(-D // b), -(-F // b))),
-                  scale_block=(b, b))
-    return _probe(lambda: masked.masked_experts_triton(_t((E, C, D), dt), _t((E,), torch.int32), _t((E, 2 * F, D), wdt),
-                                                      _t((E, D, F), wdt), cfg, **kw))
+    moe = _moe_stand_in(m, dt, "fp8" if fp8 else "plain", E=8)
+    return _probe(lambda: TritonExperts("cuda").launch_masked(moe, dt, cfg, 128))
 
 
-def _attention_probe(m: ModelShape, dt, decode: bool, split_k: bool, sliding: bool = False) -> list:
-    """The KV / latent write and one attention call (plus the split reduce) as the model layers make
-    them: GQA q, k, v as (T, heads, head_dim) views of their projections; MLA's q_latent as the
-    absorbing einsum returns it, q_pe contiguous."""
-    from attention.backends import triton_paged as tp
-    from attention.metadata import AttentionMetadata
+def _attention_layer(m: ModelShape, sliding: bool):
+    from attention.layer import PagedAttention, PagedMLAAttention
 
-    bs = ENGINE_BLOCK_SIZE
-    B = 4
-    q_lens = [1] * B if decode else [5, 1, 3, 1]
-    meta = AttentionMetadata.build(q_lens, [40] * B, [[0, 1, 2]] * B, bs)
-    T = sum(q_lens)
-    S = 2 if split_k else 1
-
-    def call():
+    with torch.device(_META):
         if m.mla:
-            lat = _t((8, bs, m.L + m.R), dt)
-            q_nope = _t((T, m.N, 2 * m.R), dt)
-            q_latent = torch.einsum("tnp,npl->tnl", q_nope, _t((m.N, 2 * m.R, m.L), dt))
-            tp.write_latent(_t((T, m.L + m.R), dt), lat, meta.slot_mapping)
-            tp.mla_paged_attention(q_latent, _t((T, m.N, m.R), dt), lat, meta, 0.1, num_splits=S)
-        else:
-            kc, vc = _t((8, bs, m.G, m.H), dt), _t((8, bs, m.G, m.Hv), dt)
-            tp.write_kv(_t((T, m.G * m.H), dt).view(T, m.G, m.H), _t((T, m.G * m.Hv), dt).view(T, m.G, m.Hv),
-                        kc, vc, meta.slot_mapping)
-            tp.paged_attention(_t((T, m.N * m.H), dt).view(T, m.N, m.H), kc, vc, meta, 0.1, num_splits=S,
-                               sliding_window=128 if sliding else None, sinks=_t((m.N,)) if m.sinks else None)
-    return _probe(call)
+            return PagedMLAAttention(m.L, m.R, 0.1)
+        return PagedAttention(m.N, m.G, m.H, 0.1, v_head_dim=m.Hv, sliding_window=128 if sliding else None,
+                              sinks=m.sinks)
+
+
+def _attention_probe(m: ModelShape, dt, step: tuple, sliding: bool = False) -> list:
+    """The KV / latent write and one attention call (plus the split reduce) for one of the steps
+    the attention backend declares (TritonAttention.steps)."""
+    from attention.backends import TritonAttention
+
+    _, q_lens, seq_lens, S = step
+    return _probe(lambda: TritonAttention("cuda").launch(_attention_layer(m, sliding), m.N, dt, q_lens, seq_lens, S,
+                                                         ENGINE_BLOCK_SIZE))
+
+
+def _fp8_linear_probe(N: int, K: int, M: int, bias: bool, act_quant: bool) -> list:
+    """A block-FP8 linear layer (bf16 activations) over M rows, through the linear backend."""
+    from kernels.linear import TritonLinear
+    from moe_serve.layers.linear import Linear
+
+    with torch.device(_META):
+        layer = Linear(K, N, bias=bias, dtype=torch.bfloat16)
+        layer.to_block_fp8((128, 128))
+    layer.fp8_act_quant = act_quant
+    return _probe(lambda: TritonLinear("cuda").launch(layer, torch.bfloat16, M))
 
 
 def enumerate_jobs(models=MODELS, dtypes=DTYPES, inject_broken: bool = False, quick: bool = False) -> list[Job]:
@@ -289,6 +296,7 @@ def enumerate_jobs(models=MODELS, dtypes=DTYPES, inject_broken: bool = False, qu
     quick, only `quick_jobs` of them. Each is recorded from the launcher itself, run on meta tensors
     of the model's shapes, so types, Triton's integer and alignment marks, constexprs and launch
     options are those of a real launch."""
+    from attention.backends import TritonAttention
     from kernels.grouped_gemm import config as gcfg
 
     jobs: dict[tuple, Job] = {}
@@ -339,29 +347,26 @@ def enumerate_jobs(models=MODELS, dtypes=DTYPES, inject_broken: bool = False, qu
                     users=[]), "broken spilling w13 bf16")
 
     if torch.bfloat16 in dtypes:  # block-FP8 dense layers (kernels/fp8_linear.py): each M bucket, bias or not
-        from kernels import fp8_linear
+        from kernels.linear import TritonLinear
 
         N, K = 2048, 7168
-        for M in (1, 64, 4096):
+        for M in TritonLinear.ROW_TILES:
             for bias in (False, True):
                 for aq in (False, True):
                     user = (f"fp8 linear{' decode' if M == 1 else ''} M={M} bias={int(bias)} "
                             f"{'w8a8' if aq else 'w8a16'} bf16")
-                    add_launches(_probe(lambda: fp8_linear.fp8_linear_triton(
-                        _t((M, K), torch.bfloat16), _t((N, K), torch.float8_e4m3fn), _t((N // 128, K // 128)),
-                        (128, 128), _t((N,), torch.bfloat16) if bias else None, aq)),
-                        {FP8_LINEAR: user, QUANT: "fp8 activation quant bf16"})
+                    add_launches(_fp8_linear_probe(N, K, M, bias, aq),
+                                 {FP8_LINEAR: user, QUANT: "fp8 activation quant bf16"})
 
     for m in models:
         for dt in (dt for dt in dtypes if dt in m.dtypes):
             d = DTYPE_SIG[dt]
             for ids in (torch.int64, torch.int32):  # router ids are int64; remapped placements give int32
                 add_launches(_experts_probe(m, dt, None, ids=ids), {TOPK: f"{m.name} {d}"})
-            for decode, split_k in ((True, False), (True, True), (False, False)):
+            for step in TritonAttention.steps(max_len=40, split=True):
                 for sliding in ((False, True) if m.sinks else (False,)):
-                    kind = (f"{'decode' if decode else 'prefill'}{' split' if split_k else ''}"
-                            f"{' sliding' if sliding else ''}")
-                    add_launches(_attention_probe(m, dt, decode, split_k, sliding),
+                    kind = f"{step[0]}{' sliding' if sliding else ''}"
+                    add_launches(_attention_probe(m, dt, step, sliding),
                                  {ATTN: f"{m.name} {kind} {d}", REDUCE: f"{m.name} {d}", WRITE: f"{m.name} {d}"})
     return quick_jobs(list(jobs.values())) if quick else list(jobs.values())
 

@@ -14,8 +14,6 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_ops
-
 _HALF = (torch.bfloat16, torch.float16)
 
 
@@ -29,16 +27,13 @@ def cpu_has_half_matmul() -> bool:
     return any(flag in flags for flag in ("avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16"))
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, w, b), upcast to float32 on CPUs without half-precision matrix instructions.
-    A weight already stored in float32 for such a CPU (moe_serve/prepare.py) is used as it is:
-    only the activations are cast, never the weight."""
-    if x.is_cpu and cpu_ops.linear_fits(x, w):  # our C GEMMs (kernels/cpu_ops/moe.c)
-        y = cpu_ops.linear(x, w, b)
-        return y if y.dtype == x.dtype else y.to(x.dtype)
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, upcast_half: bool = False) -> torch.Tensor:
+    """F.linear(x, w, b) in torch ops. upcast_half: compute two or more half-precision rows in
+    float32 (a CPU without half-precision matrix instructions: `cpu_has_half_matmul`). A weight
+    already stored in float32 for such a CPU (moe_serve/prepare.py) is used as it is: only the
+    activations are cast, never the weight."""
     if w.dtype != x.dtype:
         return F.linear(x.to(w.dtype), w, b).to(x.dtype)
-    if (x.is_cpu and x.dtype in _HALF and x.dim() >= 2 and x.shape[-2] >= 2
-            and not cpu_has_half_matmul()):
+    if upcast_half and x.dtype in _HALF and x.dim() >= 2 and x.shape[-2] >= 2:
         return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
     return F.linear(x, w, b)

@@ -77,7 +77,7 @@ def run(ns: argparse.Namespace, serve_argv: list[str]) -> int:
     from moe_serve.entrypoints.openai.launch import spawn_frontend
 
     dev = platform.resolve_device(ns.device)
-    backend = "nccl" if dev.type == "cuda" else "gloo"
+    backend = platform.dist_backend(dev)
     endpoint, peers, watch_store = join_network(ns, backend)
     try:
         groups = init_process_groups(backend, timeout_s=max(ns.dist_timeout * 2, 120))

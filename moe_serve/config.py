@@ -145,7 +145,9 @@ class EngineConfig:
     scheduler: SchedulerConfig
     parallel: ParallelConfig
     device: torch.device
-    moe_backend: str
+    moe_backend: str  # the experts backend (moe_serve/platform.py OPS["experts"])
     attention_backend: str
     extra: dict = field(default_factory=dict)
     graphs: GraphConfig = field(default_factory=GraphConfig)
+    linear_backend: str = "torch"
+    norm_backend: str = "torch"

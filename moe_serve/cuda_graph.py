@@ -16,7 +16,7 @@ copies its inputs into them and replays. What the attention launch reads on the 
 captured size: the grid (the padded batch), one query token per sequence, and the split-K count,
 chosen from the longest context any step can have (max_model_len) instead of the step's. Prefill,
 mixed and split (overlap) steps run eagerly. The capture code runs only on a CUDA device; on the
-CPU the padded path runs eagerly (and only when asked: it is slower there, see docs/architecture.md).
+CPU the padded path runs eagerly (and only when asked: it is slower there: bench/results/architecture-figures.md).
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ import torch
 
 from attention.metadata import AttentionMetadata
 from expert_parallel.runtime.step import MoEStep
+from moe_serve import platform
 
 log = logging.getLogger("moe_serve.cuda_graph")
 
@@ -123,32 +124,30 @@ class DecodeGraphs:
         sizes in the same order (the MoE layers' collectives are captured too, in the dispatcher's
         fixed-shape form), and agree(ok) -> bool, a collective, says after each size whether every
         rank captured it: if one did not, all of them raise (and so all run eagerly)."""
-        from kernels.grouped_gemm import device_side_only
-
         torch.cuda.synchronize()
         free0, _ = torch.cuda.mem_get_info()
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         self.graphs = {}  # none kept unless every size is captured (on every rank)
-        self.graphs = capture_ladder(self.sizes, lambda B: self._capture_one(B, pool, device_side_only), agree)
+        self.graphs = capture_ladder(self.sizes, lambda B: self._capture_one(B, pool), agree)
         torch.cuda.synchronize()
         self.capture_s = time.perf_counter() - t0
         self.memory_bytes = free0 - torch.cuda.mem_get_info()[0]
         log.info("captured %d decode graphs (batch %s) in %.1fs, %.1f MiB of graph memory", len(self.graphs),
                  ",".join(map(str, self.sizes)), self.capture_s, self.memory_bytes / 2**20)
 
-    def _capture_one(self, B: int, pool, device_side_only) -> tuple:
+    def _capture_one(self, B: int, pool) -> tuple:
         ids, pos, meta, step = self.ids[:B], self.pos[:B], self._meta(B), decode_step(B)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), device_side_only():
+        with torch.cuda.stream(side), platform.capturable(self.model):
             for _ in range(2):  # compiles, autotuning and allocator warm-up outside the capture
-                meta.derived.clear()
+                meta.backend_plans.clear()
                 self.model(ids, pos, meta, step)
         torch.cuda.current_stream().wait_stream(side)
-        meta.derived.clear()
+        meta.backend_plans.clear()
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=pool), device_side_only():
+        with torch.cuda.graph(g, pool=pool), platform.capturable(self.model):
             out = self.model(ids, pos, meta, step)
         return g, out
 

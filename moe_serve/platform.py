@@ -1,18 +1,43 @@
 """The one place that picks kernels and communication backends for the hardware, and logs it.
 
-CPU -> torch reference ops and gloo; CUDA -> Triton kernels and NCCL, DeepEP for dispatch where it
-is importable. Explicit choices (`moe_backend`, `attention_backend`, `all2all_backend`) override
-"auto" for comparisons and tests; models never name a kernel.
+At start-up `choose` resolves one backend per kind of op: experts, attention, linear layers and
+norms (the classes in OPS, by the names that say what runs: "torch" for torch ops only, "cpu_c"
+for our C kernels in kernels/cpu_ops with torch ops for the shapes they do not take, "triton"),
+the process-group backend (gloo on CPUs, NCCL on GPUs) and the dispatch backend (DeepEP where it
+runs). The model runner builds the objects (`resolve_ops`) and binds them to the layers
+(`bind_ops`); a layer calls the object it holds and never asks which device it is on. Explicit
+choices override "auto" for comparisons and tests; models never name a kernel.
+
+A new backend for one kind of op is one class (with the methods of the kind's torch class) and
+one line in OPS.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+from torch import nn
+
+from attention.backends import CpuCAttention, TorchAttention, TritonAttention
+from kernels import cpu_ops
+from kernels.grouped_gemm import CpuCExperts, TorchExperts, TritonExperts
+from kernels.linear import CpuCLinear, TorchLinear, TritonLinear
+from kernels.norm import CpuCNorm, TorchNorm
 
 log = logging.getLogger("moe_serve.platform")
+
+# kind of op -> backend name -> class. Layers declare their kind (`op_kind`) and get `ops`.
+OPS: dict[str, dict[str, type]] = {
+    "experts": {"torch": TorchExperts, "cpu_c": CpuCExperts, "triton": TritonExperts},
+    "attention": {"torch": TorchAttention, "cpu_c": CpuCAttention, "triton": TritonAttention},
+    "linear": {"torch": TorchLinear, "cpu_c": CpuCLinear, "triton": TritonLinear},
+    "norm": {"torch": TorchNorm, "cpu_c": CpuCNorm},
+}
+# Earlier names of the same backends, still accepted by the flags.
+ALIASES = {"reference": "torch"}
 
 
 @dataclass(frozen=True)
@@ -22,6 +47,90 @@ class PlatformChoice:
     attention_backend: str
     dist_backend: str
     all2all_backend: str
+    linear_backend: str = "torch"
+    norm_backend: str = "torch"
+
+
+@dataclass(frozen=True)
+class Ops:
+    """The backend object of each kind of op (the keys of OPS), as bound to the layers."""
+
+    device: torch.device
+    experts: object
+    attention: object
+    linear: object
+    norm: object
+
+    @property
+    def compiles_kernels(self) -> bool:
+        """Whether kernels compile on first launch here (Triton on CUDA; on the CPU it is interpreted),
+        so the runner compiles them before serving."""
+        return self.device.type == "cuda"
+
+    @property
+    def captures_graphs(self) -> bool:
+        """Whether a decode step can be held in a CUDA graph: CUDA and an attention backend that
+        needs no host lengths."""
+        return self.device.type == "cuda" and self.attention.captures_graphs
+
+    def capturable(self) -> "Ops":
+        """The backends a CUDA graph (or the CPU check of what one would hold) runs: no C call,
+        no host read of routing ids."""
+        return replace(self, **{kind: getattr(self, kind).capturable() for kind in OPS})
+
+    def table(self) -> str:
+        return ", ".join(f"{kind}={getattr(self, kind).name}" for kind in OPS)
+
+
+def resolve_ops(device: torch.device, experts: str, attention: str, linear: str = "torch",
+                norm: str = "torch") -> Ops:
+    """The backend objects for resolved names (EngineConfig's)."""
+    names = dict(experts=experts, attention=attention, linear=linear, norm=norm)
+    return Ops(device, **{kind: OPS[kind][name](device) for kind, name in names.items()})
+
+
+def bind_ops(model: nn.Module, ops: Ops) -> None:
+    """Give every layer that declares an `op_kind` the backend object of that kind."""
+    for m in model.modules():
+        kind = getattr(type(m), "op_kind", None)
+        if kind is not None:
+            m.ops = getattr(ops, kind)
+
+
+@contextlib.contextmanager
+def capturable(model: nn.Module):
+    """Within: every layer runs its backend's capturable form (`capturable()`: no C call, no host
+    read of routing ids), as a CUDA graph capture needs and as the CPU checks of what a graph would
+    hold use; after, the backends they held before."""
+    before = [(m, m.ops) for m in model.modules() if getattr(type(m), "op_kind", None) is not None]
+    forms: dict[int, object] = {}  # one capturable form per backend object
+    for m, o in before:
+        m.ops = forms.setdefault(id(o), o.capturable())
+    try:
+        yield
+    finally:
+        for m, o in before:
+            m.ops = o
+
+
+def _backend_name(kind: str, requested: str, on_gpu: bool) -> str:
+    """One kind's backend for a requested name ("auto" or a name in OPS, or an alias)."""
+    requested = ALIASES.get(requested, requested)
+    if requested == "auto":
+        if on_gpu:
+            return "triton" if "triton" in OPS[kind] else "torch"
+        return "cpu_c" if cpu_ops.available() and "cpu_c" in OPS[kind] else "torch"
+    if requested not in OPS[kind]:
+        flag = "moe_backend" if kind == "experts" else f"{kind}_backend"
+        raise ValueError(f"{flag}={requested!r} is not one of {('auto', *OPS[kind])}")
+    if requested == "cpu_c" and on_gpu:
+        flag = "moe_backend" if kind == "experts" else f"{kind}_backend"
+        raise ValueError(f"{flag}='cpu_c' runs on the CPU only; the device here is CUDA")
+    if requested == "cpu_c" and not cpu_ops.available():
+        flag = "moe_backend" if kind == "experts" else f"{kind}_backend"
+        raise ValueError(f"{flag}='cpu_c': our C kernels are not available here (see the cpu_ops log line: "
+                         "no compiler, a failed build, or MOE_SERVE_CPU_OPS=0)")
+    return requested
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -82,12 +191,6 @@ def choose_all2all(requested: str, on_gpu: bool, world_size: int, hidden_size: i
     return "deepep", why
 
 
-def fp8_linear_backend(device: torch.device) -> str:
-    """Block-FP8 linear layers: the Triton W8A16 kernel on CUDA (kernels/fp8_linear.py), the torch
-    dequantize-then-GEMM path on the CPU."""
-    return "triton" if device.type == "cuda" else "torch"
-
-
 def fp8_activation_quant(device: torch.device) -> bool:
     """Block-FP8 GEMMs quantize their activations too (W8A8, FP8 x FP8 on tensor cores) where the
     GPU has FP8 tensor cores (sm_89 and later); elsewhere they stay weight-only."""
@@ -95,26 +198,23 @@ def fp8_activation_quant(device: torch.device) -> bool:
 
 
 def choose(device: str = "auto", moe_backend: str = "auto", attention_backend: str = "auto",
-           all2all_backend: str = "auto", world_size: int = 1, hidden_size: int | None = None) -> PlatformChoice:
+           all2all_backend: str = "auto", world_size: int = 1, hidden_size: int | None = None,
+           linear_backend: str = "auto", norm_backend: str = "auto") -> PlatformChoice:
     dev = resolve_device(device)
     on_gpu = dev.type == "cuda"
-    for field, value in (("moe_backend", moe_backend), ("attention_backend", attention_backend)):
-        if value not in ("auto", "torch", "triton"):
-            raise ValueError(f"{field}={value!r} is not one of 'auto', 'torch', 'triton'")
-    moe = moe_backend if moe_backend != "auto" else ("triton" if on_gpu else "torch")
-    attn = attention_backend if attention_backend != "auto" else ("triton" if on_gpu else "torch")
+    names = {kind: _backend_name(kind, req, on_gpu) for kind, req in
+             (("experts", moe_backend), ("attention", attention_backend), ("linear", linear_backend),
+              ("norm", norm_backend))}
     a2a, why = choose_all2all(all2all_backend, on_gpu, world_size, hidden_size,
                               on_gpu and world_size > 1 and all2all_backend == "auto" and deepep_available())
-    choice = PlatformChoice(dev, moe, attn, "nccl" if on_gpu else "gloo", a2a)
-    log.info("platform: device=%s moe_backend=%s attention_backend=%s dist_backend=%s all2all_backend=%s (%s)",
-             dev, moe, attn, choice.dist_backend, a2a, why)
-    if not on_gpu:
-        from kernels import cpu_ops
-
-        # Built here, at start-up, rather than inside the first request's step.
-        log.info("platform: CPU kernels: %s", "kernels/cpu_ops (C: experts, paged attention, RMSNorm, q/k norm and "
-                 "RoPE, decode-sized linear layers)" if cpu_ops.available() else
-                 "torch ops only (see the cpu_ops line above)")
+    choice = PlatformChoice(dev, names["experts"], names["attention"], dist_backend(dev), a2a,
+                            names["linear"], names["norm"])
+    log.info("platform: device=%s moe_backend=%s attention_backend=%s linear_backend=%s norm_backend=%s "
+             "dist_backend=%s all2all_backend=%s (%s)", dev, choice.moe_backend, choice.attention_backend,
+             choice.linear_backend, choice.norm_backend, choice.dist_backend, a2a, why)
     return choice
 
 
+def dist_backend(device: torch.device) -> str:
+    """The torch.distributed backend for a rank on this device."""
+    return "nccl" if device.type == "cuda" else "gloo"

@@ -33,12 +33,11 @@ def prepare_gemm_weights(model: nn.Module, model_dtype: torch.dtype, device: tor
     from moe_serve.layers.embedding import LMHead
     from moe_serve.layers.linear import Linear
 
-    from moe_serve.platform import fp8_activation_quant, fp8_linear_backend
+    from moe_serve.platform import fp8_activation_quant
 
     target = gemm_weight_dtype(model_dtype, device)
     for m in model.modules():  # block-FP8 layers: which kernel runs them is the platform's decision
         if isinstance(m, Linear) and m.weight_scale_inv is not None:
-            m.fp8_backend = fp8_linear_backend(device)
             m.fp8_act_quant = fp8_activation_quant(device) and m.fp8_block[1] % 16 == 0  # W8A8's k tiles
         elif isinstance(m, GroupedExperts) and m.fp8_block is not None:
             m.fp8_act_quant = fp8_activation_quant(device) and m.fp8_block[1] % 16 == 0

@@ -1,4 +1,5 @@
-"""Pure-torch paged attention: the reference every kernel is tested against, and the CPU path.
+"""Paged attention in torch ops: the reference every kernel is tested against, and the CPU path
+(where the cpu_c backend's C kernels take the decodes and prefill chunks they can: `fast`).
 
 Cache layouts (one tensor per layer):
   - standard (MHA/GQA): k_cache, v_cache each (num_blocks, block_size, num_kv_heads, head_dim)
@@ -62,10 +63,10 @@ def _sdpa(q_BNQH: torch.Tensor, k_BGSH: torch.Tensor, v_BGSH: torch.Tensor, mask
 def _decode_plan(meta: AttentionMetadata, block_size: int) -> tuple[int, torch.Tensor, torch.Tensor]:
     """For the decodes at the front of the step: their count nd, the (nd, K) block ids covering the
     longest context and the (nd, 1, 1, K * block_size) mask of the keys each sees (SDPA's shape);
-    made once a step (meta.derived) and shared by every layer."""
-    plan = meta.derived.get("reference_decode")
+    made once a step (meta.backend_plans) and shared by every layer."""
+    plan = meta.backend_plans.get("reference_decode")
     if plan is None:
-        nd = _leading_decodes(meta)
+        nd = meta.leading_decodes
         if nd > 1:
             nblocks = (max(meta.seq_lens_cpu[:nd]) + block_size - 1) // block_size
             blocks = meta.block_tables[:nd, :nblocks].long()
@@ -74,7 +75,7 @@ def _decode_plan(meta: AttentionMetadata, block_size: int) -> tuple[int, torch.T
             plan = (nd, _FlatBlocks(blocks), visible)
         else:
             plan = (0, None, None)
-        meta.derived["reference_decode"] = plan
+        meta.backend_plans["reference_decode"] = plan
     return plan
 
 
@@ -95,20 +96,9 @@ def _decode_gather(cache: torch.Tensor, blocks) -> torch.Tensor:
     return cache.index_select(0, flat).view(B, K * cache.shape[1], *cache.shape[2:])
 
 
-def _leading_decodes(meta: AttentionMetadata) -> int:
-    """How many sequences at the front of the batch have one query token each. The scheduler puts
-    every decode before any prefill chunk, so in a mixed step they are all there."""
-    n = 0
-    for q in meta.query_lens_cpu:
-        if q != 1:
-            break
-        n += 1
-    return n
-
-
 def paged_attention(q_TNH: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, *, sliding_window: int | None = None,
-                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    sinks: torch.Tensor | None = None, fast=None) -> torch.Tensor:
     """Causal attention of the packed queries over their paged contexts (prefill, chunked, decode).
 
     Returns (T, N, Hv) in q's dtype; scores and softmax are computed in float32. The decodes at the
@@ -119,11 +109,15 @@ def paged_attention(q_TNH: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     only (transformers' sliding mask); only the blocks holding those keys are gathered. sinks (N,)
     (GPT-OSS): one learned logit per head joins each softmax's denominator (an attention sink that
     takes weight but adds no value).
+
+    fast: an object whose `decodes` and `prefills` take the step's leading decodes / its prefill
+    chunks where they can (the "cpu_c" backend's C kernels: attention/backends/cpu_c.py); None
+    (the "torch" backend): torch ops only.
     """
     if sliding_window is not None or sinks is not None:
         return _paged_attention_windowed(q_TNH, k_cache, v_cache, meta, scale, sliding_window, sinks)
     T, N, _ = q_TNH.shape
-    o = _decodes_in_c(q_TNH, k_cache, v_cache, meta, scale)
+    o = fast.decodes(q_TNH, k_cache, v_cache, meta, scale) if fast is not None else None
     if o is not None:  # the CPU's decodes, read in place from the cache by our C kernel
         nd = o.shape[0]
         if nd == T:
@@ -141,7 +135,7 @@ def paged_attention(q_TNH: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     out = torch.empty(T, N, v_cache.shape[-1], dtype=q_TNH.dtype, device=q_TNH.device)
     if nd:
         out[:nd] = o[:, :, 0].to(q_TNH.dtype)
-    if _prefills_in_c(q_TNH, k_cache, v_cache, meta, scale, nd, out):
+    if fast is not None and fast.prefills(q_TNH, k_cache, v_cache, meta, scale, nd, out):
         return out
     s = nd
     for b in range(nd, meta.num_seqs):
@@ -160,39 +154,6 @@ def paged_attention(q_TNH: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         out[s:s + q_len] = o[0].transpose(0, 1).to(out.dtype)
         s += q_len
     return out
-
-
-def _decodes_in_c(q_TNH, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor | None:
-    """(nd, N, Hv) float32 attention of the step's leading decodes by kernels/cpu_ops (CPU, float32),
-    or None where it does not apply (no decodes, other dtypes or devices, kernels not built)."""
-    if not q_TNH.is_cpu:
-        return None
-    nd = meta.derived.get("leading_decodes")
-    if nd is None:
-        nd = meta.derived["leading_decodes"] = _leading_decodes(meta)
-    if not nd:
-        return None
-    from kernels import cpu_ops
-
-    q = q_TNH if nd == q_TNH.shape[0] else q_TNH[:nd]
-    if not cpu_ops.decode_attention_fits(q, k_cache, v_cache, meta.block_tables, meta.seq_lens):
-        return None
-    return cpu_ops.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
-
-
-def _prefills_in_c(q_TNH, k_cache, v_cache, meta: AttentionMetadata, scale: float, nd: int, out: torch.Tensor) -> bool:
-    """The step's sequences after its nd leading decodes, by kernels/cpu_ops in one call (CPU,
-    float32), written into out; False where it does not apply (then nothing is written)."""
-    if not q_TNH.is_cpu or out.dtype != torch.float32:
-        return False
-    from kernels import cpu_ops
-
-    if not (cpu_ops.decode_attention_fits(q_TNH, k_cache, v_cache, meta.block_tables, meta.seq_lens)
-            and meta.query_start_loc.dtype == torch.int32 and meta.query_start_loc.is_contiguous()):
-        return False
-    cpu_ops.prefill_attention(q_TNH, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, nd,
-                              meta.num_seqs, out, scale)
-    return True
 
 
 def _attend(q_BNQH: torch.Tensor, k_BGSH: torch.Tensor, v_BGSH: torch.Tensor, visible: torch.Tensor, scale: float,
@@ -219,9 +180,9 @@ def _decode_plan_windowed(meta: AttentionMetadata, block_size: int, window: int 
     `window` keys ((nd, K) block ids, K the most any decode needs) and the (nd, K * block_size)
     mask of the keys it sees. Made once a step per window (sliding and full layers differ)."""
     key = ("reference_decode_window", window)
-    plan = meta.derived.get(key)
+    plan = meta.backend_plans.get(key)
     if plan is None:
-        nd = _leading_decodes(meta)
+        nd = meta.leading_decodes
         if nd > 1:
             lens = meta.seq_lens_cpu[:nd]
             first = [max(0, n - window) // block_size if window else 0 for n in lens]
@@ -240,7 +201,7 @@ def _decode_plan_windowed(meta: AttentionMetadata, block_size: int, window: int 
             plan = (nd, blocks, visible)
         else:
             plan = (0, None, None)
-        meta.derived[key] = plan
+        meta.backend_plans[key] = plan
     return plan
 
 

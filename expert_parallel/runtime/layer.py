@@ -18,16 +18,16 @@ from torch import nn
 
 from expert_parallel.runtime.dispatch.base import Dispatcher
 from expert_parallel.runtime.step import NO_STEP, MoEStep
-from kernels.grouped_gemm import fused_experts
+from kernels.grouped_gemm import TorchExperts
 from moe_serve.quantization.fp8 import FP8, BlockFp8Experts, quantize_blocks, scale_shape
 
 
 @dataclass
 class MoEContext:
-    """What every MoE layer of a model shares: how tokens move and which kernel runs the experts."""
+    """What every MoE layer of a model shares: how tokens move and where its experts sit. (Which
+    kernel runs the experts is each layer's bound `ops`, chosen by moe_serve/platform.py.)"""
 
     dispatcher: Dispatcher
-    moe_backend: str = "torch"
     # Per MoE layer (in layer order), the logical expert of each physical slot; None = identity.
     physical_to_logical: list[list[int]] | None = None
     # Optional (event, micro-batch, layer) callback, for tests that check the overlap schedule.
@@ -160,6 +160,9 @@ class GroupedExperts(nn.Module):
 class MoE(nn.Module):
     """Sparse MoE block; `shared_experts` (DeepSeek) run while routed tokens are away."""
 
+    op_kind = "experts"  # platform.bind_ops gives the layer its experts backend
+    ops = TorchExperts()
+
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, router: nn.Module,
                  ctx: MoEContext, dtype, shared_experts: nn.Module | None = None,
                  experts_cls: type | None = None, experts_kwargs: dict | None = None, *, layer_index: int):
@@ -250,7 +253,7 @@ class MoE(nn.Module):
         sent = pending.wait()
         trace and trace("dispatch_end", mb, self.layer_index)
         trace and trace("experts", mb, self.layer_index)
-        y_RD = expert_outputs(sent, self.experts, self.ctx.moe_backend, x_TD.shape[0], all_local=d.world_size == 1)
+        y_RD = expert_outputs(sent, self.experts, self.ops, x_TD.shape[0], all_local=d.world_size == 1)
         trace and trace("combine_start", mb, self.layer_index)
         pending = d.combine_async(y_RD, sent.handle)
         yield
@@ -259,37 +262,23 @@ class MoE(nn.Module):
         return y_TD if shared is None else y_TD + shared
 
 
-def masked_applies(sent, experts, backend: str) -> bool:
+def masked_applies(sent, experts, backend) -> bool:
     """Whether the masked grouped GEMM serves this dispatch output: an expert-major layout (DeepEP
-    low-latency), the Triton backend, plain SwiGLU experts in the activations' dtype or block FP8."""
-    if sent.expert_major is None or backend != "triton" or experts.op_kwargs():
-        return False
-    w13, _ = experts.op_weights()
-    return isinstance(w13, torch.Tensor) or hasattr(w13, "scale_inv")
+    low-latency) and an experts backend with the masked kernel that takes these experts."""
+    return sent.expert_major is not None and backend.has_masked and backend.masked_applies(experts)
 
 
-def expert_outputs(sent, experts, backend: str, num_tokens: int = 0, all_local: bool = False) -> torch.Tensor:
+def expert_outputs(sent, experts, backend, num_tokens: int = 0, all_local: bool = False) -> torch.Tensor:
     """y_RD for a dispatch output: with an expert-major layout the masked kernel writes only each
     expert's valid rows (y in the same (E*C, D) layout, unweighted, which the backend's combine
     expects); else the generic grouped GEMM over the routed rows. num_tokens: this rank's T, which
-    picks the masked kernel's tile (K * T / E expected rows per expert)."""
-    w13, w2 = experts.op_weights()
+    picks the masked kernel's tile. backend: the layer's experts backend (kernels/grouped_gemm)."""
     if masked_applies(sent, experts, backend):
-        from kernels.grouped_gemm.masked import masked_config, masked_experts_triton  # lazy: triton is heavy
-
-        x_ECD, count_E = sent.expert_major
-        E, C, D = x_ECD.shape
         K = getattr(sent.handle, "topk_ids_TK", None)
-        K = K.shape[1] if K is not None and K.dim() == 2 else 1
-        cfg = masked_config(num_tokens * K / max(E, 1))
-        if isinstance(w13, torch.Tensor):
-            y_ECD = masked_experts_triton(x_ECD, count_E, w13, w2, cfg)
-        else:  # block FP8, dequantized tile by tile
-            y_ECD = masked_experts_triton(x_ECD, count_E, w13.q, w2.q, cfg, w13_scale=w13.scale_inv,
-                                          w2_scale=w2.scale_inv, scale_block=w13.block)
-        return y_ECD.view(E * C, D)
-    return fused_experts(sent.x_RD, w13, w2, sent.topk_weights_RK, sent.topk_ids_RK, backend=backend,
-                         all_local=all_local, **experts.op_kwargs())
+        return backend.masked_experts(*sent.expert_major, experts, num_tokens, K.shape[1] if K is not None and K.dim() == 2 else 1)
+    w13, w2 = experts.op_weights()
+    return backend(sent.x_RD, w13, w2, sent.topk_weights_RK, sent.topk_ids_RK, all_local=all_local,
+                   **experts.op_kwargs())
 
 
 def run_to_end(stages):

@@ -14,13 +14,11 @@ it in milliseconds; a build takes a second or two. They are called through ctype
 data pointers (a few microseconds per call), with no torch headers to compile against.
 
 Where no compiler is found, or the build fails, `available()` is False, the reason is logged once,
-and the torch ops run instead. `MOE_SERVE_CPU_OPS=0` turns the kernels off (for comparisons);
-`suspended()` turns them off within a block (the capturability checks, which look at the torch ops
-a GPU would run).
+and moe_serve/platform.py picks the torch backends instead. `MOE_SERVE_CPU_OPS=0` turns the
+kernels off (for comparisons); the "torch" backends never call them.
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import hashlib
@@ -140,22 +138,9 @@ def _lib() -> ctypes.CDLL | None:
     return lib
 
 
-_suspended = [False]
-
-
-@contextlib.contextmanager
-def suspended():
-    """Within: no C kernel runs (the capturability checks look at the torch ops a GPU would run)."""
-    _suspended.append(True)
-    try:
-        yield
-    finally:
-        _suspended.pop()
-
-
 def available() -> bool:
-    """Whether the C kernels built and loaded here (the first call builds them), and are not suspended."""
-    return not _suspended[-1] and _lib() is not None
+    """Whether the C kernels built and loaded here (the first call builds them)."""
+    return _lib() is not None
 
 
 def _rows(t: torch.Tensor) -> int | None:

@@ -100,13 +100,16 @@ MAX_DEQUANT_BYTES = 512 << 20
 
 
 def fused_experts_mxfp4(x_TD, w13: Mxfp4Weight, w2: Mxfp4Weight, topk_weights_TK, topk_ids_TK, *,
-                        w13_bias=None, w2_bias=None, activation="silu", backend: str = "torch",
+                        w13_bias=None, w2_bias=None, activation="silu", dense=None,
                         dtype: torch.dtype = torch.float32, host_reads: bool = True) -> torch.Tensor:
     """The grouped expert op over MXFP4 weights: the routed experts (every local expert when there
     are as many pairs, or when no host read is allowed) are dequantized to `dtype` into reused
     (A, 2F, D) / (A, D, F) buffers, ids remapped onto them, and the dense op runs; at most
-    MAX_DEQUANT_BYTES of experts at a time (chunks' outputs summed in float32)."""
-    from kernels.grouped_gemm import fused_experts
+    MAX_DEQUANT_BYTES of experts at a time (chunks' outputs summed in float32). dense: the experts
+    backend that runs the dequantized weights (the reference op when None)."""
+    from kernels.grouped_gemm.reference import fused_experts_reference
+
+    dense = dense or fused_experts_reference
 
     E = w13.shape[0]  # any weight with shape and dequantize (MXFP4, block FP8)
     ids_TK = topk_ids_TK
@@ -129,8 +132,8 @@ def fused_experts_mxfp4(x_TD, w13: Mxfp4Weight, w2: Mxfp4Weight, topk_weights_TK
         if experts is None and A <= n:
             sel = None  # all of them, as they are
         ids = ids_TK if A <= n else torch.where((ids_TK >= c0) & (ids_TK < c1), ids_TK - c0, -1)
-        y = fused_experts(x_TD, _dequantize(w13, dtype, sel, "w13"), _dequantize(w2, dtype, sel, "w2"),
-                          topk_weights_TK, ids, backend=backend,
+        y = dense(x_TD, _dequantize(w13, dtype, sel, "w13"), _dequantize(w2, dtype, sel, "w2"),
+                          topk_weights_TK, ids,
                           w13_bias=w13_bias if w13_bias is None or sel is None else w13_bias.index_select(0, sel),
                           w2_bias=w2_bias if w2_bias is None or sel is None else w2_bias.index_select(0, sel),
                           activation=activation)

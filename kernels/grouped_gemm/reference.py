@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_gemm import linear
+from kernels.cpu_gemm import linear as torch_linear
 
 
 def silu_and_mul(gate_up_NF2: torch.Tensor) -> torch.Tensor:
@@ -52,6 +52,7 @@ def fused_experts_reference(
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
     activation="silu",
+    linear=torch_linear,
 ) -> torch.Tensor:
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) with a SwiGLU expert MLP.
 
@@ -65,6 +66,7 @@ def fused_experts_reference(
         w13_bias, w2_bias: optional (E, 2F) / (E, D) biases of the two projections (GPT-OSS),
             in the weights' dtype.
         activation: "silu" or a callable over the [gate | up] halves (see `activate`).
+        linear: the GEMM each expert's rows run through (an experts backend passes its own).
     Returns:
         (T, D) in x's dtype; accumulation of the top-k sum is in float32.
     """

@@ -27,6 +27,8 @@ class EngineArgs:
     max_num_seqs: int = 64
     moe_backend: str = "auto"
     attention_backend: str = "auto"
+    linear_backend: str = "auto"
+    norm_backend: str = "auto"
     all2all_backend: str = "auto"
     expert_placement: str | None = None
     enable_overlap: bool = False
@@ -73,7 +75,7 @@ class EngineArgs:
             raise ValueError(f"--enable-eplb with quantized weights ({mc.weight_quantization}) is not supported yet: "
                              "rebalancing moves unquantized expert weights only")
         choice = platform.choose(self.device, self.moe_backend, self.attention_backend, self.all2all_backend,
-                                 world_size, mc.hf.get("hidden_size"))
+                                 world_size, mc.hf.get("hidden_size"), self.linear_backend, self.norm_backend)
         return EngineConfig(
             model=mc,
             cache=CacheConfig(self.block_size, self.num_kv_blocks or 0, self.kv_cache_memory or 0,
@@ -85,6 +87,8 @@ class EngineArgs:
             device=choice.device,
             moe_backend=choice.moe_backend,
             attention_backend=choice.attention_backend,
+            linear_backend=choice.linear_backend,
+            norm_backend=choice.norm_backend,
             graphs=GraphConfig(self.enforce_eager, self.max_capture_size, self.pad_decode),
         )
 
@@ -109,8 +113,15 @@ class EngineArgs:
         g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
         g.add_argument("--max-num-batched-tokens", type=int, default=2048)
         g.add_argument("--max-num-seqs", type=int, default=64)
-        g.add_argument("--moe-backend", default="auto", choices=["auto", "torch", "triton"])
-        g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+        names = "auto (cpu_c on CPUs where our C kernels build, else torch; triton on CUDA) | torch (torch ops only)"
+        g.add_argument("--moe-backend", default="auto", choices=["auto", *platform.OPS["experts"]],
+                       help="the routed experts' kernels: " + names + " | cpu_c | triton")
+        g.add_argument("--attention-backend", default="auto", choices=["auto", *platform.OPS["attention"], *platform.ALIASES],
+                       help="paged attention: " + names + " | cpu_c | triton")
+        g.add_argument("--linear-backend", default="auto", choices=["auto", *platform.OPS["linear"]],
+                       help="linear layers: " + names + " | cpu_c | triton (block FP8 in Triton; dense in torch)")
+        g.add_argument("--norm-backend", default="auto", choices=["auto", *platform.OPS["norm"]],
+                       help="RMSNorm and the fused q/k norm + RoPE: " + names + " | cpu_c")
         g.add_argument("--all2all-backend", default="auto",
                        choices=["auto", "all_to_all", "allgather", "deepep", "reference"])
         g.add_argument("--expert-placement", default=None, help="placement JSON from `moe-serve placement tune`")

@@ -12,23 +12,76 @@ import os
 import time
 from concurrent.futures import Future, wait
 
+import torch.distributed as dist
+
 from attention.blocks import BlockAllocator
+from expert_parallel.placement.load_stats import ExpertLoadRecorder
+from expert_parallel.placement.map import load_placement as read_placement
+from expert_parallel.rebalance.eplb import EplbManager, tuner_fn
+from expert_parallel.runtime.dispatch import make_dispatcher
+from expert_parallel.runtime.layer import MoE, MoEContext, default_physical_to_logical, num_default_slots
 from moe_serve.config import EngineConfig
 from moe_serve.limits import check_request
+from moe_serve.model_runner import ModelRunner, make_input_batch
+from moe_serve.models.registry import num_logical_experts
+from moe_serve import platform
+from moe_serve.platform import deepep_support
 from moe_serve.protocol import EngineCoreOutput, EngineStats, NewRequest, TokenLogprob
 from moe_serve.request import Request, RequestStatus
+from moe_serve.runner.graphs import capture_decode_graphs, captures_graphs
+from moe_serve.runner.loading import build_model, load_model_weights, prepare_weights, warm_up_before_serving
+from moe_serve.runner.memory import attention_layers, init_kv_cache, profile_memory, size_kv_cache
+from moe_serve.sampler import Sampler
 from moe_serve.scheduler import Scheduler, SchedulerOutput
+from moe_serve.structured_output.grammar import GrammarManager
+from moe_serve.tokenizer import Tokenizer
 
 log = logging.getLogger("moe_serve.engine")
 
 
+def build_engine(cfg: EngineConfig, ep_group=None, show_progress: bool = True) -> EngineCore:
+    """The engine core for a fully resolved config, step by step. Every rank of an expert-parallel
+    job runs these steps in this order: making the dispatcher, the profiling forward, the graph
+    captures' agreement and EPLB's process group are collectives the ranks enter together."""
+    par = cfg.parallel
+    placement = load_placement(par.expert_placement, par.world_size)
+    num_slots = expert_slots(cfg, placement)
+    moe_ctx = make_moe_context(cfg, num_slots, placement, ep_group)
+    ops = platform.resolve_ops(cfg.device, cfg.moe_backend, cfg.attention_backend, cfg.linear_backend,
+                               cfg.norm_backend)
+    started = time.perf_counter()
+    model = build_model(cfg, moe_ctx, ops)
+    load_model_weights(model, cfg, show_progress)
+    weight_bytes = prepare_weights(model, cfg, started)
+    warm_up_before_serving(model, cfg, moe_ctx, ops)
+    capture = captures_graphs(cfg, moe_ctx, ops)
+    attn_layers = attention_layers(model)
+    profile = profile_memory(model, attn_layers, cfg, moe_ctx, capture)
+    kv = size_kv_cache(attn_layers, cfg, weight_bytes, profile)
+    init_kv_cache(attn_layers, cfg, kv)
+    sampler = Sampler(cfg.device, cfg.model.seed)
+    batch = make_input_batch(cfg, kv.num_blocks)
+    pad_sizes, graphs = capture_decode_graphs(model, cfg, moe_ctx, batch, kv, capture)
+    runner = ModelRunner(cfg, moe_ctx, model, weight_bytes, attn_layers, kv, sampler, batch, pad_sizes, graphs)
+    max_model_len = serving_max_model_len(cfg, kv.num_blocks)
+    scheduler = make_scheduler(cfg, kv.num_blocks, max_model_len)
+    eos = eos_token_ids(cfg)
+    grammars = GrammarManager(cfg.model.path, cfg.model.hf["vocab_size"], eos)
+    core = EngineCore(cfg, moe_ctx, runner, scheduler, eos, grammars, max_model_len)
+    if par.expert_load_record or par.expert_load_window:
+        core.enable_load_recording(par.expert_load_window or 100, ep_group, start=bool(par.expert_load_record))
+    if par.eplb is not None:
+        core.enable_eplb(make_eplb(cfg, model, moe_ctx, num_slots))
+    return core
+
+
+# --- assembly steps owned by the engine (the runner's are in moe_serve/runner/) -------------------
 def load_placement(path: str | None, world_size: int) -> list[list[int]] | None:
-    """--expert-placement: per MoE layer, the logical expert of every physical slot (or None)."""
+    """--expert-placement: per MoE layer, the logical expert of every physical slot (or None).
+    First: the slot count and the dispatcher follow from it."""
     if not path:
         return None
-    from expert_parallel.placement.map import load_placement as read
-
-    p = read(path)
+    p = read_placement(path)
     if p.slots % world_size:
         raise ValueError(f"expert placement {path}: slots={p.slots} is not divisible by the {world_size} ranks")
     if p.gpus != world_size:
@@ -51,67 +104,97 @@ def eplb_slots(eplb, num_experts: int, world_size: int, physical_to_logical) -> 
     return slots
 
 
-def build_engine(cfg: EngineConfig, ep_group=None, show_progress: bool = True) -> "EngineCore":
-    """The engine core for a fully resolved config: dispatcher, model and weights, KV cache,
-    scheduler, and the expert-load recorder the config asks for."""
-    return EngineCore(cfg, ep_group, show_progress)
+def expert_slots(cfg: EngineConfig, physical_to_logical) -> int:
+    """Physical expert slots in the EP group: the placement's, else one per expert (or as many as
+    EPLB asks for). Before the dispatcher, which is made for that many."""
+    mc, par = cfg.model, cfg.parallel
+    num_slots = (len(physical_to_logical[0]) if physical_to_logical else
+                 num_default_slots(num_logical_experts(mc.architecture, mc.hf), par.world_size))
+    if par.eplb is not None:
+        num_slots = eplb_slots(par.eplb, num_logical_experts(mc.architecture, mc.hf), par.world_size,
+                               physical_to_logical)
+    return num_slots
+
+
+def make_moe_context(cfg: EngineConfig, num_slots: int, physical_to_logical, ep_group=None) -> MoEContext:
+    """The dispatcher (collective set-up under expert parallelism: DeepEP's buffers) and the
+    context the MoE layers share. Before the model, whose MoE layers are built with it."""
+    mc, par = cfg.model, cfg.parallel
+    options = {}
+    if par.all2all_backend == "deepep":  # low-latency kernels only where DeepEP has them for this size
+        options["mode"] = "auto" if deepep_support(mc.hf.get("hidden_size"), par.world_size)[1] else "normal"
+    dispatcher = make_dispatcher(par.all2all_backend, num_slots, par.rank, par.world_size, ep_group, **options)
+    return MoEContext(dispatcher, physical_to_logical, replica_split=par.replica_split)
+
+
+def serving_max_model_len(cfg: EngineConfig, num_blocks: int) -> int:
+    """The context limit: no longer than the cache can hold for one request. Once the cache is
+    sized; before the scheduler, which enforces it."""
+    mc = cfg.model
+    capacity = num_blocks * cfg.cache.block_size
+    max_model_len = min(mc.max_model_len, capacity)
+    if max_model_len < mc.max_model_len:
+        log.warning("max_model_len lowered from %d to %d: the KV cache holds %d tokens",
+                    mc.max_model_len, max_model_len, capacity)
+    return max_model_len
+
+
+def make_scheduler(cfg: EngineConfig, num_blocks: int, max_model_len: int) -> Scheduler:
+    """The block allocator over the sized cache and the scheduler that hands out its blocks."""
+    allocator = BlockAllocator(num_blocks, cfg.cache.block_size, cfg.cache.enable_prefix_caching)
+    return Scheduler(allocator, cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs, max_model_len)
+
+
+def eos_token_ids(cfg: EngineConfig) -> frozenset[int]:
+    """The config's EOS ids and the tokenizer's; before the grammar manager, which stops on them."""
+    eos = set(cfg.model.eos_token_ids)
+    tok_eos = Tokenizer(cfg.model.path).eos_token_id
+    if tok_eos is not None:
+        eos.add(tok_eos)
+    return frozenset(eos)
+
+
+def make_eplb(cfg: EngineConfig, model, moe_ctx: MoEContext, num_slots: int) -> EplbManager:
+    """The online rebalancer over the model's MoE layers. Last: it makes a process group (a
+    collective) and its load hook goes after the recorder's."""
+    E = num_logical_experts(cfg.model.architecture, cfg.model.hf)
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    rows = moe_ctx.physical_to_logical or [default_physical_to_logical(E, num_slots) for _ in moes]
+    par = cfg.parallel
+    # Nodes (torchrun's LOCAL_WORLD_SIZE ranks each) and the router's expert groups, so the
+    # tuner also keeps tokens near their node on a multi-node job.
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", par.world_size) or par.world_size)
+    nodes = par.world_size // local if par.world_size % local == 0 else 1
+    groups = cfg.model.hf.get("n_group")
+    groups = groups if nodes > 1 and isinstance(groups, int) and groups > 0 and E % groups == 0 else None
+    return EplbManager(moes, rows, E, par.eplb, par.rank, par.world_size, cfg.device,
+                       tune_fn=tuner_fn(nodes, groups, par.replica_split))
 
 
 class EngineCore:
-    def __init__(self, cfg: EngineConfig, ep_group=None, show_progress: bool = True):
-        from expert_parallel.runtime.dispatch import make_dispatcher
-        from expert_parallel.runtime.layer import MoEContext, num_default_slots
-        from moe_serve.model_runner import ModelRunner
-        from moe_serve.models.registry import num_logical_experts
-        from moe_serve.tokenizer import Tokenizer
+    """The schedule -> run -> sample loop of one rank over the parts `build_engine` made; making one
+    does no work."""
 
+    def __init__(self, cfg: EngineConfig, moe_ctx: MoEContext, runner: ModelRunner, scheduler: Scheduler,
+                 eos_token_ids: frozenset[int], grammars: GrammarManager, max_model_len: int):
         self.cfg = cfg
-        mc, par = cfg.model, cfg.parallel
-        physical_to_logical = load_placement(par.expert_placement, par.world_size)
-        num_slots = (len(physical_to_logical[0]) if physical_to_logical else
-                     num_default_slots(num_logical_experts(mc.architecture, mc.hf), par.world_size))
-        if par.eplb is not None:
-            num_slots = eplb_slots(par.eplb, num_logical_experts(mc.architecture, mc.hf), par.world_size,
-                                   physical_to_logical)
-        options = {}
-        if par.all2all_backend == "deepep":  # low-latency kernels only where DeepEP has them for this size
-            from moe_serve.platform import deepep_support
-
-            options["mode"] = "auto" if deepep_support(mc.hf.get("hidden_size"), par.world_size)[1] else "normal"
-        dispatcher = make_dispatcher(par.all2all_backend, num_slots, par.rank, par.world_size, ep_group, **options)
-        self.moe_ctx = MoEContext(dispatcher, cfg.moe_backend, physical_to_logical,
-                                  replica_split=cfg.parallel.replica_split)
-        self.load_recorder = None
-        self.runner = ModelRunner(cfg, self.moe_ctx, cfg.cache.kv_cache_memory or None, cfg.cache.memory_fraction,
-                                  show_progress)
-        # The context cannot be longer than the cache can hold for one request.
-        capacity = self.runner.num_blocks * cfg.cache.block_size
-        self.max_model_len = min(mc.max_model_len, capacity)
-        if self.max_model_len < mc.max_model_len:
-            log.warning("max_model_len lowered from %d to %d: the KV cache holds %d tokens",
-                        mc.max_model_len, self.max_model_len, capacity)
-        self.allocator = BlockAllocator(self.runner.num_blocks, cfg.cache.block_size, cfg.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(self.allocator, cfg.scheduler.max_num_batched_tokens,
-                                   cfg.scheduler.max_num_seqs, self.max_model_len)
-        eos = set(mc.eos_token_ids)
-        tok_eos = Tokenizer(mc.path).eos_token_id
-        if tok_eos is not None:
-            eos.add(tok_eos)
-        self.eos_token_ids = frozenset(eos)
-        self.vocab_size = mc.hf["vocab_size"]
+        self.moe_ctx = moe_ctx
+        self.runner = runner
+        self.scheduler = scheduler
+        self.allocator = scheduler.alloc
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.vocab_size = cfg.model.hf["vocab_size"]
         # Structured outputs: grammars compile in a background thread; a request waits here, not
         # in the scheduler, until its grammar is ready (in arrival order among those waiting).
-        from moe_serve.structured_output.grammar import GrammarManager
-
-        self.grammars = GrammarManager(mc.path, self.vocab_size, self.eos_token_ids)
+        self.grammars = grammars
         self._awaiting_grammar: list[tuple[Request, Future]] = []
         self._early_outputs: list[EngineCoreOutput] = []  # requests ended before being scheduled
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.num_steps = 0
-        if par.expert_load_record or par.expert_load_window:
-            self.enable_load_recording(par.expert_load_window or 100, ep_group, start=bool(par.expert_load_record))
-        self.eplb = self._make_eplb(num_slots) if par.eplb is not None else None
+        self.load_recorder: ExpertLoadRecorder | None = None  # enable_load_recording
+        self.eplb: EplbManager | None = None  # enable_eplb
 
     def set_max_model_len(self, n: int) -> None:
         """Every rank serves the same context limit (the smallest any rank's cache allows)."""
@@ -238,13 +321,8 @@ class EngineCore:
         """Count routed tokens per (MoE layer, logical expert) in windows of `window_steps` steps.
         With expert parallelism every window is summed over the ranks (one all_reduce per window,
         at the same step on every rank)."""
-        from expert_parallel.placement.load_stats import ExpertLoadRecorder
-        from moe_serve.models.registry import num_logical_experts
-
         reduce_fn = None
         if self.cfg.parallel.world_size > 1:
-            import torch.distributed as dist
-
             reduce_fn = lambda t: dist.all_reduce(t, group=ep_group)  # noqa: E731
         rec = ExpertLoadRecorder(self.runner.model.num_moe_layers, num_logical_experts(self.cfg.model.architecture,
                                  self.cfg.model.hf), window_steps, reduce_fn=reduce_fn, device=self.cfg.device)
@@ -260,25 +338,11 @@ class EngineCore:
         return self.load_recorder.dump(path, metadata={"model": self.cfg.model.path})
 
     # --- expert rebalancing ---------------------------------------------------------------------
-    def _make_eplb(self, num_slots: int):
-        from expert_parallel.rebalance.eplb import EplbManager, tuner_fn
-        from expert_parallel.runtime.layer import MoE, default_physical_to_logical
-        from moe_serve.models.registry import num_logical_experts
-
-        E = num_logical_experts(self.cfg.model.architecture, self.cfg.model.hf)
-        moes = [m for m in self.runner.model.modules() if isinstance(m, MoE)]
-        rows = self.moe_ctx.physical_to_logical or [default_physical_to_logical(E, num_slots) for _ in moes]
-        par = self.cfg.parallel
-        # Nodes (torchrun's LOCAL_WORLD_SIZE ranks each) and the router's expert groups, so the
-        # tuner also keeps tokens near their node on a multi-node job.
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", par.world_size) or par.world_size)
-        nodes = par.world_size // local if par.world_size % local == 0 else 1
-        groups = self.cfg.model.hf.get("n_group")
-        groups = groups if nodes > 1 and isinstance(groups, int) and groups > 0 and E % groups == 0 else None
-        mgr = EplbManager(moes, rows, E, par.eplb, par.rank, par.world_size, self.cfg.device,
-                          tune_fn=tuner_fn(nodes, groups, par.replica_split))
-        self.runner.load_hooks.append(mgr.record)  # beside the HTTP-controlled recorder, if any: both count
-        return mgr
+    def enable_eplb(self, mgr: EplbManager) -> None:
+        """Rebalance experts online with `mgr` (make_eplb); its load hook sits beside the
+        HTTP-controlled recorder, if any: both count."""
+        self.eplb = mgr
+        self.runner.load_hooks.append(mgr.record)
 
     def eplb_flag(self) -> int:
         """What this rank adds to the per-turn agreement: 1 while its part of the pending

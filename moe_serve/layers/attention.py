@@ -9,15 +9,18 @@ from torch import nn
 
 from attention.layer import PagedAttention
 from attention.metadata import AttentionMetadata
-from kernels import cpu_ops
+from kernels.norm import TorchNorm
 from moe_serve.layers.linear import Linear
 from moe_serve.layers.norm import RMSNorm
 from moe_serve.layers.rotary import RotaryEmbedding
 
 
 class GQASelfAttention(nn.Module):
+    op_kind = "norm"  # its fused q/k norm + RoPE
+    ops = TorchNorm()
+
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 rotary: RotaryEmbedding, attention_backend: str, dtype, bias: bool = False,
+                 rotary: RotaryEmbedding, dtype, bias: bool = False,
                  qk_norm_eps: float | None = None, qk_norm: str = "head", o_bias: bool | None = None,
                  clip_qkv: float | None = None, sliding_window: int | None = None, sinks: bool = False):
         """bias: on q/k/v (and o unless `o_bias` says otherwise). qk_norm: "head" (Qwen3, GLM-4.5:
@@ -44,10 +47,12 @@ class GQASelfAttention(nn.Module):
         self.clip_qkv = clip_qkv
         self.rotary = rotary
         self.rotary_dim = rotary.dim
-        self.attn = PagedAttention(num_heads, num_kv_heads, head_dim, head_dim ** -0.5, attention_backend,
+        self.attn = PagedAttention(num_heads, num_kv_heads, head_dim, head_dim ** -0.5,
                                    sliding_window=sliding_window, sinks=sinks)
 
-    def forward(self, x_TD: torch.Tensor, positions_T: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x_TD: torch.Tensor, positions_T: torch.Tensor, meta: AttentionMetadata,
+                rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """rope: the step's (cos, sin) rows of `rotary`'s tables (gathered once for every layer)."""
         T = x_TD.shape[0]
         q, k, v = self.q_proj(x_TD), self.k_proj(x_TD), self.v_proj(x_TD)
         if self.q_norm is not None and self.qk_norm == "full":
@@ -58,24 +63,19 @@ class GQASelfAttention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        q, k = self._norm_rope(q, k, positions_T, meta)
+        q, k = self._norm_rope(q, k, positions_T, rope)
         o = self.attn(q, k, v, meta)
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
 
-    def _norm_rope(self, q: torch.Tensor, k: torch.Tensor, positions_T: torch.Tensor, meta: AttentionMetadata):
+    def _norm_rope(self, q: torch.Tensor, k: torch.Tensor, positions_T: torch.Tensor, rope):
         """Per-head q/k norm (where the model has it) and RoPE; (T, heads, head_dim) each."""
         head_norm = self.q_norm is not None and self.qk_norm == "head"
-        if q.is_cpu and not self.rotary.interleaved:
-            qn, kn = (self.q_norm, self.k_norm) if head_norm else (None, None)
-            qw, kw = (qn.weight, kn.weight) if head_norm else (None, None)
-            cos, sin = self.rotary.tables(q.device)
-            if cpu_ops.norm_rope_fits(q, self.rotary_dim, cos, qw) and cpu_ops.norm_rope_fits(k, self.rotary_dim, cos, kw):
-                # one C pass each: the per-head norm (if any) and RoPE (kernels/cpu_ops/norm.c)
-                return (cpu_ops.norm_rope(q, cos, sin, positions_T, qw, qn.eps if qn else 0.0),
-                        cpu_ops.norm_rope(k, cos, sin, positions_T, kw, kn.eps if kn else 0.0))
+        fused = self.ops.norm_rope(q, k, self.rotary, positions_T, *((self.q_norm, self.k_norm) if head_norm else ()))
+        if fused is not None:
+            return fused
         if head_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = self.rotary.cos_sin(positions_T, meta.derived)
+        cos, sin = rope
         if self.rotary_dim == self.head_dim:
             return self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
         # partial rotary (GLM-4.5): the first rotary_dim channels of each head turn, the rest pass

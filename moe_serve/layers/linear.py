@@ -5,11 +5,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu_gemm import linear
+from kernels.linear import TorchLinear
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b). Weight layout (out_features, in_features), as in checkpoints."""
+    """y = x W^T (+ b). Weight layout (out_features, in_features), as in checkpoints. The GEMM is
+    the linear backend bound by moe_serve/platform.py (`ops`; torch ops until then)."""
+
+    op_kind = "linear"
+    ops = TorchLinear()
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=torch.float32):
         super().__init__()
@@ -21,7 +25,6 @@ class Linear(nn.Module):
     # Block FP8 (moe_serve/quantization/fp8.py): set by `to_block_fp8` before loading.
     fp8_block: tuple[int, int] | None = None
     dequant_dtype: torch.dtype | None = None  # what the blocks dequantize to (prepare.py); None: x's dtype
-    fp8_backend: str = "torch"  # "triton" on CUDA (moe_serve/platform.py, set by prepare.py)
     fp8_act_quant: bool = False  # W8A8 in the Triton kernel (sm_89+; the platform's decision)
 
     fp8_checkpoint_suffix = ".weight"  # the checkpoint names this layer's FP8 weight <name>.weight
@@ -46,14 +49,9 @@ class Linear(nn.Module):
         return dequantize_blocks(self.weight, self.weight_scale_inv, self.fp8_block, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight_scale_inv is not None:  # weight-only FP8
-            if self.fp8_backend == "triton":  # tiles dequantized inside the kernel
-                from kernels.fp8_linear import fp8_linear_triton
-
-                return fp8_linear_triton(x, self.weight, self.weight_scale_inv, self.fp8_block, self.bias,
-                                         self.fp8_act_quant)
-            return linear(x, self.dense_weight(self.dequant_dtype or x.dtype), self.bias)  # this layer, now
-        return linear(x, self.weight, self.bias)
+        if self.weight_scale_inv is not None:  # block FP8
+            return self.ops.fp8(self, x)
+        return self.ops(x, self.weight, self.bias)
 
 
 class DenseMLP(nn.Module):

@@ -131,16 +131,9 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
 
-    def cos_sin(self, positions_T: torch.Tensor, step_cache: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(T, 1, dim) cos and signed sin of the positions, for `apply`. With `step_cache` (the
-        step's AttentionMetadata.derived) the rows are gathered once a step for every layer that
-        shares this embedding."""
-        if step_cache is not None:
-            key = ("rope", id(self), positions_T.data_ptr(), positions_T.shape[0])
-            hit = step_cache.get(key)
-            if hit is None:
-                hit = step_cache[key] = self.cos_sin(positions_T)
-            return hit
+    def cos_sin(self, positions_T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T, 1, dim) cos and signed sin of the positions, for `apply` (the model gathers them
+        once a step, for every layer: models/base.py DecoderStack)."""
         cos, sin = self._cos_sin_table(positions_T.device)
         return cos.index_select(0, positions_T), sin.index_select(0, positions_T)
 

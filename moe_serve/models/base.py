@@ -17,13 +17,18 @@ from expert_parallel.runtime.overlap import run_interleaved
 from expert_parallel.runtime.step import NO_STEP, MoEStep
 from moe_serve.layers.embedding import Embedding, LMHead
 from moe_serve.layers.norm import RMSNorm
+from moe_serve.layers.rotary import RotaryEmbedding
 
 
 class DecoderStack(nn.Module):
-    """model.embed_tokens -> layers -> model.norm, with HF's module names."""
+    """model.embed_tokens -> layers -> model.norm, with HF's module names. The step's rows of the
+    model's RoPE tables (`rotary`, shared by its layers) are gathered once, before the layers, and
+    passed to each."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, layers: list[nn.Module], eps: float, dtype):
+    def __init__(self, vocab_size: int, hidden_size: int, layers: list[nn.Module], eps: float, dtype,
+                 rotary: RotaryEmbedding):
         super().__init__()
+        self.rotary = rotary
         self.embed_tokens = Embedding(vocab_size, hidden_size, dtype)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(hidden_size, eps, dtype)
@@ -33,8 +38,9 @@ class DecoderStack(nn.Module):
 
     def stages(self, ids_T, positions_T, meta: AttentionMetadata, step: MoEStep = NO_STEP):
         h = self.embed_tokens(ids_T)
+        rope = self.rotary.cos_sin(positions_T)
         for layer in self.layers:
-            h = yield from layer.stages(h, positions_T, meta, step)
+            h = yield from layer.stages(h, positions_T, meta, step, rope)
         return self.norm(h)
 
 

@@ -22,12 +22,13 @@ class DecoderLayer(nn.Module):
         self.add_module(ffn_name, ffn)
 
     def forward(self, x_TD: torch.Tensor, positions_T: torch.Tensor, meta: AttentionMetadata,
-                step: MoEStep = NO_STEP) -> torch.Tensor:
-        return run_to_end(self.stages(x_TD, positions_T, meta, step))
+                step: MoEStep, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return run_to_end(self.stages(x_TD, positions_T, meta, step, rope))
 
-    def stages(self, x_TD, positions_T, meta: AttentionMetadata, step: MoEStep = NO_STEP):
-        """Generator form: yields while an MoE block's communication is in flight."""
-        a = self.self_attn(self.input_layernorm(x_TD), positions_T, meta)
+    def stages(self, x_TD, positions_T, meta: AttentionMetadata, step: MoEStep, rope: tuple[torch.Tensor, torch.Tensor]):
+        """Generator form: yields while an MoE block's communication is in flight. rope: the step's
+        (cos, sin) rows (DecoderStack gathers them once for every layer)."""
+        a = self.self_attn(self.input_layernorm(x_TD), positions_T, meta, rope)
         h, x = self.post_attention_layernorm.add_norm(x_TD, a)  # h = x + a, fused on the CPU
         ffn = getattr(self, self.ffn_name)
         out = (yield from ffn.stages(x, step)) if isinstance(ffn, MoE) else ffn(x)

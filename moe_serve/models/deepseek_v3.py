@@ -22,7 +22,7 @@ from moe_serve.models.decoder_layer import DecoderLayer
 
 
 class MLASelfAttention(nn.Module):
-    def __init__(self, hf: dict, rotary: RotaryEmbedding, attention_backend: str, dtype):
+    def __init__(self, hf: dict, rotary: RotaryEmbedding, dtype):
         super().__init__()
         D, self.N = hf["hidden_size"], hf["num_attention_heads"]
         self.P, self.R, self.V = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"], hf["v_head_dim"]
@@ -49,15 +49,16 @@ class MLASelfAttention(nn.Module):
             scale = scale * m * m
         # kv_b_proj's weight is read as W_UK / W_UV in the absorbed form: it stays in the model's dtype.
         self.kv_b_proj.weight_used_directly = True
-        self.attn = PagedMLAAttention(self.L, self.R, scale, attention_backend)
+        self.attn = PagedMLAAttention(self.L, self.R, scale)
 
-    def forward(self, x_TD: torch.Tensor, positions_T: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x_TD: torch.Tensor, positions_T: torch.Tensor, meta: AttentionMetadata,
+                rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         T = x_TD.shape[0]
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_TD))) if self.q_lora_rank else self.q_proj(x_TD)
         q_nope, q_pe = q.view(T, self.N, self.P + self.R).split([self.P, self.R], dim=-1)
         c_kv, k_pe = self.kv_a_proj_with_mqa(x_TD).split([self.L, self.R], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
-        cos, sin = self.rotary.cos_sin(positions_T, meta.derived)
+        cos, sin = rope
         q_pe = self.rotary.apply(q_pe, cos, sin)
         k_pe = self.rotary.apply(k_pe.reshape(T, 1, self.R), cos, sin).reshape(T, self.R)
         w_kv = self.kv_b_proj.weight.view(self.N, self.P + self.V, self.L)
@@ -71,7 +72,7 @@ class MLASelfAttention(nn.Module):
 class DeepseekV3ForCausalLM(CausalLM):
     expert_names = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 
-    def __init__(self, hf: dict, moe: MoEContext, attention_backend: str, dtype):
+    def __init__(self, hf: dict, moe: MoEContext, dtype):
         D, E = hf["hidden_size"], hf.get("n_routed_experts")
         eps = hf.get("rms_norm_eps", 1e-6)
         rotary = RotaryEmbedding(hf["qk_rope_head_dim"], rope_config(hf), hf.get("max_position_embeddings", 4096),
@@ -80,7 +81,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         moe_ids = [i for i in range(hf["num_hidden_layers"]) if E and i >= first_dense and i % freq == 0]
         layers = []
         for i in range(hf["num_hidden_layers"]):
-            attn = MLASelfAttention(hf, rotary, attention_backend, dtype)
+            attn = MLASelfAttention(hf, rotary, dtype)
             if i in moe_ids:
                 router = GroupLimitedSigmoidRouter(
                     D, E, hf["num_experts_per_tok"], hf.get("n_group") or 1, hf.get("topk_group") or 1,
@@ -92,4 +93,4 @@ class DeepseekV3ForCausalLM(CausalLM):
             else:
                 ffn = DenseMLP(D, hf["intermediate_size"], dtype)
             layers.append(DecoderLayer(D, eps, attn, ffn, "mlp", dtype))
-        super().__init__(hf, DecoderStack(hf["vocab_size"], D, layers, eps, dtype), dtype)
+        super().__init__(hf, DecoderStack(hf["vocab_size"], D, layers, eps, dtype, rotary), dtype)

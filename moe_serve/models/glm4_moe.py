@@ -17,7 +17,7 @@ from moe_serve.models.decoder_layer import DecoderLayer
 class Glm4MoeForCausalLM(CausalLM):
     expert_names = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 
-    def __init__(self, hf: dict, moe: MoEContext, attention_backend: str, dtype):
+    def __init__(self, hf: dict, moe: MoEContext, dtype):
         D, E = hf["hidden_size"], hf.get("n_routed_experts")
         heads = hf["num_attention_heads"]
         kv = hf.get("num_key_value_heads") or heads
@@ -32,7 +32,7 @@ class Glm4MoeForCausalLM(CausalLM):
         moe_ids = [i for i in range(hf["num_hidden_layers"]) if E and i >= first_dense]
         layers = []
         for i in range(hf["num_hidden_layers"]):
-            attn = GQASelfAttention(D, heads, kv, head_dim, rotary, attention_backend, dtype,
+            attn = GQASelfAttention(D, heads, kv, head_dim, rotary, dtype,
                                     bias=bool(hf.get("attention_bias", False)), o_bias=False,
                                     qk_norm_eps=qk_norm_eps)
             if i in moe_ids:
@@ -46,4 +46,4 @@ class Glm4MoeForCausalLM(CausalLM):
             else:
                 ffn = DenseMLP(D, hf["intermediate_size"], dtype)
             layers.append(DecoderLayer(D, eps, attn, ffn, "mlp", dtype))
-        super().__init__(hf, DecoderStack(hf["vocab_size"], D, layers, eps, dtype), dtype)
+        super().__init__(hf, DecoderStack(hf["vocab_size"], D, layers, eps, dtype, rotary), dtype)

@@ -82,7 +82,7 @@ class GptOssForCausalLM(CausalLM):
     # MXFP4 experts kept compressed: None decides by device (the CPU: yes; elsewhere dequantized at load).
     mxfp4_compressed: bool | None = None
 
-    def __init__(self, hf: dict, moe: MoEContext, attention_backend: str, dtype):
+    def __init__(self, hf: dict, moe: MoEContext, dtype):
         D, E = hf["hidden_size"], hf["num_local_experts"]
         heads = hf["num_attention_heads"]
         kv = hf.get("num_key_value_heads") or heads
@@ -105,14 +105,14 @@ class GptOssForCausalLM(CausalLM):
         layers = []
         for i in range(n):
             sliding = layer_types[i] == "sliding_attention"
-            attn = GQASelfAttention(D, heads, kv, head_dim, rotary, attention_backend, dtype,
+            attn = GQASelfAttention(D, heads, kv, head_dim, rotary, dtype,
                                     bias=bool(hf.get("attention_bias", True)),
                                     sliding_window=window if sliding and window else None, sinks=True)
             router = TopKThenSoftmaxRouter(D, E, hf["num_experts_per_tok"])
             ffn = MoE(D, F, E, router, moe, dtype, experts_cls=Mxfp4Experts if self.compressed else None,
                       experts_kwargs=dict(bias=True, activation=act), layer_index=i)
             layers.append(DecoderLayer(D, eps, attn, ffn, "mlp", dtype))
-        super().__init__(hf, DecoderStack(hf["vocab_size"], D, layers, eps, dtype), dtype)
+        super().__init__(hf, DecoderStack(hf["vocab_size"], D, layers, eps, dtype, rotary), dtype)
         self._experts = {f"model.layers.{i}.mlp": layer.mlp.experts for i, layer in enumerate(self.model.layers)}
         self._pending: dict[str, torch.Tensor] = {}  # MXFP4 blocks waiting for their scales (dequantize at load)
         if self.mxfp4:

@@ -15,7 +15,7 @@ class MixtralForCausalLM(CausalLM):
     expert_names = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up",
                     "down_proj": "down"}
 
-    def __init__(self, hf: dict, moe: MoEContext, attention_backend: str, dtype):
+    def __init__(self, hf: dict, moe: MoEContext, dtype):
         D, E = hf["hidden_size"], hf["num_local_experts"]
         heads, kv = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or D // heads
@@ -23,8 +23,8 @@ class MixtralForCausalLM(CausalLM):
         rotary = RotaryEmbedding(head_dim, rope_config(hf), hf.get("max_position_embeddings", 4096))
         layers = []
         for i in range(hf["num_hidden_layers"]):
-            attn = GQASelfAttention(D, heads, kv, head_dim, rotary, attention_backend, dtype)
+            attn = GQASelfAttention(D, heads, kv, head_dim, rotary, dtype)
             router = SoftmaxTopKRouter(D, E, hf["num_experts_per_tok"], renormalize=True, dtype=dtype)
             ffn = MoE(D, hf["intermediate_size"], E, router, moe, dtype, layer_index=i)
             layers.append(DecoderLayer(D, eps, attn, ffn, "block_sparse_moe", dtype))
-        super().__init__(hf, DecoderStack(hf["vocab_size"], D, layers, eps, dtype), dtype)
+        super().__init__(hf, DecoderStack(hf["vocab_size"], D, layers, eps, dtype, rotary), dtype)

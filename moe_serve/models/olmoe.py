@@ -14,7 +14,7 @@ from moe_serve.models.decoder_layer import DecoderLayer
 class OlmoeForCausalLM(CausalLM):
     expert_names = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 
-    def __init__(self, hf: dict, moe: MoEContext, attention_backend: str, dtype):
+    def __init__(self, hf: dict, moe: MoEContext, dtype):
         D = hf["hidden_size"]
         E = hf.get("num_experts") or hf.get("num_local_experts")
         heads = hf["num_attention_heads"]
@@ -28,10 +28,10 @@ class OlmoeForCausalLM(CausalLM):
         rotary = RotaryEmbedding(head_dim, rope_config(hf), hf.get("max_position_embeddings", 4096))
         layers = []
         for i in range(hf["num_hidden_layers"]):
-            attn = GQASelfAttention(D, heads, kv, head_dim, rotary, attention_backend, dtype,
+            attn = GQASelfAttention(D, heads, kv, head_dim, rotary, dtype,
                                     bias=bool(hf.get("attention_bias", False)), qk_norm_eps=eps, qk_norm="full",
                                     clip_qkv=None if clip is None else float(clip))
             router = SoftmaxTopKRouter(D, E, hf["num_experts_per_tok"], bool(hf.get("norm_topk_prob", False)), dtype)
             ffn = MoE(D, hf["intermediate_size"], E, router, moe, dtype, layer_index=i)
             layers.append(DecoderLayer(D, eps, attn, ffn, "mlp", dtype))
-        super().__init__(hf, DecoderStack(hf["vocab_size"], D, layers, eps, dtype), dtype)
+        super().__init__(hf, DecoderStack(hf["vocab_size"], D, layers, eps, dtype, rotary), dtype)

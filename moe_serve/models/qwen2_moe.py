@@ -34,7 +34,7 @@ class Qwen2MoeForCausalLM(CausalLM):
                      (r"\.mlp\.shared_expert_gate\.", ".mlp.shared_experts.gate."))
     expert_names = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 
-    def __init__(self, hf: dict, moe: MoEContext, attention_backend: str, dtype):
+    def __init__(self, hf: dict, moe: MoEContext, dtype):
         if hf.get("use_sliding_window"):
             raise ValueError("Qwen2MoeForCausalLM with use_sliding_window=true is not supported")
         D, E = hf["hidden_size"], hf.get("num_experts")
@@ -49,7 +49,7 @@ class Qwen2MoeForCausalLM(CausalLM):
         moe_ids = [i for i in range(hf["num_hidden_layers"]) if i not in mlp_only and E and (i + 1) % sparse_step == 0]
         layers = []
         for i in range(hf["num_hidden_layers"]):
-            attn = GQASelfAttention(D, heads, kv, head_dim, rotary, attention_backend, dtype,
+            attn = GQASelfAttention(D, heads, kv, head_dim, rotary, dtype,
                                     bias=bool(hf.get("qkv_bias", True)), o_bias=False)
             if i in moe_ids:
                 router = SoftmaxTopKRouter(D, E, hf["num_experts_per_tok"], bool(hf.get("norm_topk_prob", False)), dtype)
@@ -58,4 +58,4 @@ class Qwen2MoeForCausalLM(CausalLM):
             else:
                 ffn = DenseMLP(D, hf["intermediate_size"], dtype)
             layers.append(DecoderLayer(D, eps, attn, ffn, "mlp", dtype))
-        super().__init__(hf, DecoderStack(hf["vocab_size"], D, layers, eps, dtype), dtype)
+        super().__init__(hf, DecoderStack(hf["vocab_size"], D, layers, eps, dtype, rotary), dtype)

@@ -14,7 +14,7 @@ from moe_serve.models.decoder_layer import DecoderLayer
 class Qwen3MoeForCausalLM(CausalLM):
     expert_names = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 
-    def __init__(self, hf: dict, moe: MoEContext, attention_backend: str, dtype):
+    def __init__(self, hf: dict, moe: MoEContext, dtype):
         D = hf["hidden_size"]
         E = hf.get("num_experts") or hf.get("num_local_experts")
         heads, kv = hf["num_attention_heads"], hf["num_key_value_heads"]
@@ -26,7 +26,7 @@ class Qwen3MoeForCausalLM(CausalLM):
         moe_ids = [i for i in range(hf["num_hidden_layers"]) if i not in mlp_only and E and (i + 1) % sparse_step == 0]
         layers = []
         for i in range(hf["num_hidden_layers"]):
-            attn = GQASelfAttention(D, heads, kv, head_dim, rotary, attention_backend, dtype,
+            attn = GQASelfAttention(D, heads, kv, head_dim, rotary, dtype,
                                     bias=bool(hf.get("attention_bias", False)), qk_norm_eps=eps)
             if i in moe_ids:
                 router = SoftmaxTopKRouter(D, E, hf["num_experts_per_tok"], bool(hf.get("norm_topk_prob", False)), dtype)
@@ -34,4 +34,4 @@ class Qwen3MoeForCausalLM(CausalLM):
             else:
                 ffn = DenseMLP(D, hf["intermediate_size"], dtype)
             layers.append(DecoderLayer(D, eps, attn, ffn, "mlp", dtype))
-        super().__init__(hf, DecoderStack(hf["vocab_size"], D, layers, eps, dtype), dtype)
+        super().__init__(hf, DecoderStack(hf["vocab_size"], D, layers, eps, dtype, rotary), dtype)

@@ -32,9 +32,9 @@ def worker(path: str, backend: str, out_path: str) -> None:
     try:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
         rank = dist.get_rank()
-        from kernels.grouped_gemm import device_side_only
         from moe_serve.engine.args import EngineArgs
         from moe_serve.engine.core import build_engine
+        from moe_serve.platform import capturable
         from moe_serve.protocol import NewRequest
         from moe_serve.sampling_params import SamplingParams
         from moe_serve.scheduler import SchedulerOutput
@@ -51,7 +51,7 @@ def worker(path: str, backend: str, out_path: str) -> None:
             if meta.is_decode_only:
                 guarded.append(ids_T.shape[0])
                 static.append(step.static_rows)
-                with NoHostSync(), device_side_only():
+                with NoHostSync(), capturable(model):
                     return plain(ids_T, positions_T, meta, step)
             return plain(ids_T, positions_T, meta, step)
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from kernels import cpu_ops
-from kernels.grouped_gemm import device_side_only, fused_experts
+from attention.backends import CpuCAttention
+from kernels.grouped_gemm import CpuCExperts, fused_experts
 from kernels.grouped_gemm.reference import fused_experts_reference
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the C kernels did not build here (no compiler, or no AVX-512)")
@@ -96,10 +97,9 @@ def test_panel_path_matches_float64_reference(T, D, F, E, K, held, threads):
 
 
 def test_fused_experts_takes_it_where_it_is_written_for():
-    """fused_experts (the models' one entry point) runs the C kernel for decode-sized batches, for
-    prefill-sized ones too where the panel path takes the weights (float32, F % 4 == 0, D % 8 == 0),
-    torch's ops for other prefill shapes and always under the capturability guard; all agree with
-    the reference."""
+    """The cpu_c experts backend runs the C kernel for decode-sized batches, for prefill-sized ones
+    too where the panel path takes the weights (float32, F % 4 == 0, D % 8 == 0), torch's ops for
+    other prefill shapes and always in its capturable form; all agree with the reference."""
     calls = []
     orig = cpu_ops.moe_experts
 
@@ -112,9 +112,9 @@ def test_fused_experts_takes_it_where_it_is_written_for():
         ref = fused_experts_reference(x.double(), w13.double(), w2.double(), wts.double(), ids)
         cpu_ops.moe_experts = counting
         try:
-            got = fused_experts(x, w13, w2, wts, ids, backend="torch")
-            with device_side_only():
-                guarded = fused_experts(x, w13, w2, wts, ids, backend="torch")
+            backend = CpuCExperts("cpu")
+            got = fused_experts(x, w13, w2, wts, ids, backend=backend)
+            guarded = fused_experts(x, w13, w2, wts, ids, backend=backend.capturable())
         finally:
             cpu_ops.moe_experts = orig
         torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
@@ -240,8 +240,8 @@ def test_decode_attention_matches_float64(N, G, H, bs, threads):
 
 
 def test_reference_backend_takes_it_for_the_decodes_of_a_mixed_step():
-    """The torch attention backend runs a step's leading decodes through the C kernel (a mixed step
-    with prefill chunks after them too) and gives what its SDPA path gives."""
+    """The cpu_c attention backend runs a step's leading decodes through the C kernel (a mixed step
+    with prefill chunks after them too) and gives what the torch backend's SDPA path gives."""
     from attention.backends import reference as ref
     from attention.metadata import AttentionMetadata
 
@@ -262,11 +262,10 @@ def test_reference_backend_takes_it_for_the_decodes_of_a_mixed_step():
         q = torch.randn(sum(q_lens), N, H, generator=g)
         cpu_ops.decode_attention = counting
         try:
-            got = ref.paged_attention(q, k, v, meta, 0.2)
+            got = ref.paged_attention(q, k, v, meta, 0.2, fast=CpuCAttention())
         finally:
             cpu_ops.decode_attention = orig
-        with cpu_ops.suspended():
-            want = ref.paged_attention(q, k, v, AttentionMetadata.build(q_lens, seq_lens, tables, bs), 0.2)
+        want = ref.paged_attention(q, k, v, AttentionMetadata.build(q_lens, seq_lens, tables, bs), 0.2)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert calls == [3, 2]
 
@@ -316,8 +315,8 @@ def test_prefill_attention_matches_float64(N, G, H, bs, threads):
 
 
 def test_reference_backend_takes_it_for_prefill_chunks():
-    """The torch attention backend runs a step's prefill chunks (after its decodes) in one C call
-    and gives what its per-sequence SDPA path gives; under suspension no C kernel runs."""
+    """The cpu_c attention backend runs a step's prefill chunks (after its decodes) in one C call
+    and gives what the torch backend's per-sequence SDPA path gives (which runs no C kernel)."""
     from attention.backends import reference as ref
     from attention.metadata import AttentionMetadata
 
@@ -337,9 +336,8 @@ def test_reference_backend_takes_it_for_prefill_chunks():
     q = torch.randn(sum(q_lens), N, H, generator=g)
     cpu_ops.prefill_attention = counting
     try:
-        got = ref.paged_attention(q, k, v, meta, 0.2)
-        with cpu_ops.suspended():
-            want = ref.paged_attention(q, k, v, AttentionMetadata.build(q_lens, seq_lens, tables, bs), 0.2)
+        got = ref.paged_attention(q, k, v, meta, 0.2, fast=CpuCAttention())
+        want = ref.paged_attention(q, k, v, AttentionMetadata.build(q_lens, seq_lens, tables, bs), 0.2)
     finally:
         cpu_ops.prefill_attention = orig
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -350,8 +348,10 @@ def test_reference_backend_takes_it_for_prefill_chunks():
 @pytest.mark.parametrize("threads", [1, 2])
 def test_linear_bf16_weight_matches_float64(M, K, N, threads):
     """Decode rows over a bf16 weight (the weight-row prefetch runs past tile ends and the row tail
-    N % 4 is taken), and the public cpu_gemm.linear routes such calls to it, bias included."""
-    from kernels.cpu_gemm import linear
+    N % 4 is taken), and the cpu_c linear backend routes such calls to it, bias included."""
+    from kernels.linear import CpuCLinear
+
+    linear = CpuCLinear()
 
     g = torch.Generator().manual_seed(M * K + N)
     w = (torch.randn(N, K, generator=g) * K ** -0.5).bfloat16()
@@ -375,9 +375,11 @@ def test_linear_bf16_weight_matches_float64(M, K, N, threads):
 def test_linear_float32_weight_matches_float64(M, K, N, threads):
     """Float32 weights: the dot-product tiles up to 4 rows (any N), the panel kernel from 5 to 96
     rows (N % 8 == 0; partial panels, K off the vector width, more rows than threads have blocks),
-    strided input rows and a bias; cpu_gemm.linear routes to it; prefill rows and N % 8 != 0 above
+    strided input rows and a bias; the cpu_c linear backend routes to it; prefill rows and N % 8 != 0 above
     4 rows stay with torch."""
-    from kernels.cpu_gemm import linear
+    from kernels.linear import CpuCLinear
+
+    linear = CpuCLinear()
 
     g = torch.Generator().manual_seed(M * K + N)
     w = torch.randn(N, K, generator=g) * K ** -0.5

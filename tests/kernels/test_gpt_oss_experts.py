@@ -5,7 +5,7 @@ own unpacking of the same bytes."""
 import pytest
 import torch
 
-from kernels.grouped_gemm import device_side_only, fused_experts
+from kernels.grouped_gemm import TorchExperts, fused_experts
 from kernels.grouped_gemm.mxfp4 import Mxfp4Weight, dequantize_mxfp4
 from kernels.grouped_gemm.reference import ClampedSwiGLU, fused_experts_float64, fused_experts_reference
 from tests.checkpoints import pack_mxfp4
@@ -58,8 +58,8 @@ def test_gpt_oss_variant_matches_float64(T, K, skip):
     q13, q2 = Mxfp4Weight(bq, sq), Mxfp4Weight(b2q, s2q)
     ref_q = fused_experts_float64(x, q13.dequantize(torch.float64), q2.dequantize(torch.float64), weights, ids, **kw)
     outs_q = {"mxfp4": fused_experts(x, q13, q2, weights, ids, **kw)}
-    with device_side_only():  # every local expert dequantized, no host read of the ids
-        outs_q["mxfp4 device-side"] = fused_experts(x, q13, q2, weights, ids, **kw)
+    # every local expert dequantized, no host read of the ids
+    outs_q["mxfp4 device-side"] = fused_experts(x, q13, q2, weights, ids, backend=TorchExperts(host_reads=False), **kw)
     for name, got in [*((n, (g, ref)) for n, g in outs.items()), *((n, (g, ref_q)) for n, g in outs_q.items())]:
         out, expect = got
         if skip == 1.0:
@@ -85,5 +85,4 @@ def test_mxfp4_experts_in_chunks(monkeypatch):
     monkeypatch.setattr(mxfp4, "MAX_DEQUANT_BYTES", 3 * 64 * 32 * 3 * 4)  # 3 experts at a time
     assert rel_err(fused_experts(x[:2], q13, q2, weights[:2], ids[:2], **kw), ref[:2]) < 1e-5  # 6 pairs < 8
     assert rel_err(fused_experts(x, q13, q2, weights, ids, **kw), ref) < 1e-5
-    with device_side_only():
-        assert rel_err(fused_experts(x, q13, q2, weights, ids, **kw), ref) < 1e-5
+    assert rel_err(fused_experts(x, q13, q2, weights, ids, backend=TorchExperts(host_reads=False), **kw), ref) < 1e-5

@@ -3,7 +3,7 @@ token, one token, and no device-to-host read inside (it compiles as one graph)."
 import pytest
 import torch
 
-from kernels.grouped_gemm import device_side_only, fused_experts
+from kernels.grouped_gemm import TorchExperts, fused_experts
 from kernels.grouped_gemm.grouped_mm import fused_experts_grouped, fused_experts_single_token, grouped_mm_available
 from kernels.grouped_gemm.reference import fused_experts_float64
 from tests.sync_guard import HostSyncError, NoHostSync
@@ -38,16 +38,17 @@ def test_grouped_matches_float64_oracle(case):
         assert rel_err(got, ref) < 1e-5
     if skip == 0.0:  # no id is -1: the one-rank path that skips their masking gives the same numbers
         assert torch.equal(fused_experts_grouped(x, w13, w2, weights, ids, all_local=True), got)
-    # The public torch backend takes this path for float32 where only device-side paths are allowed
-    # and gives the same numbers; otherwise decode-sized batches take the C kernel (kernels/cpu_ops)
-    # or, for a single token, the per-token path: the same sums in another order.
-    with device_side_only():
-        assert torch.equal(fused_experts(x, w13, w2, weights, ids, backend="torch"), got)
-    public = fused_experts(x, w13, w2, weights, ids, backend="torch")
-    if case == "all_skipped":
-        assert torch.equal(public, torch.zeros(T, D))
-    else:
-        assert rel_err(public, ref) < 1e-5
+    # The torch backend takes this path for float32 where only device-side paths are allowed (its
+    # capturable form) and gives the same numbers; otherwise a single token takes the per-token
+    # path, and on the cpu_c backend decode-sized batches take the C kernel (kernels/cpu_ops): the
+    # same sums in another order.
+    assert torch.equal(fused_experts(x, w13, w2, weights, ids, backend=TorchExperts("cpu", host_reads=False)), got)
+    for backend in ("torch", "cpu_c"):
+        public = fused_experts(x, w13, w2, weights, ids, backend=backend)
+        if case == "all_skipped":
+            assert torch.equal(public, torch.zeros(T, D)), backend
+        else:
+            assert rel_err(public, ref) < 1e-5, backend
 
 
 @pytest.mark.parametrize("K,skip", [(1, 0.0), (4, 0.0), (8, 0.4), (3, 1.0)])
@@ -57,16 +58,17 @@ def test_single_token_matches_float64_oracle(K, skip):
     weights, ids = routing(1, 10, K, gen, skip)
     ref = fused_experts_float64(x, w13, w2, weights, ids)
     got = fused_experts_single_token(x, w13, w2, weights, ids)  # the path where the C kernel is not built
-    public = fused_experts(x, w13, w2, weights, ids, backend="torch")  # the C kernel where it is
+    public = fused_experts(x, w13, w2, weights, ids, backend="cpu_c")  # the C kernel where it is
     if skip == 1.0:
         assert torch.equal(got, torch.zeros(1, 48)) and torch.equal(public, torch.zeros(1, 48))
     else:
         assert rel_err(got, ref) < 1e-5 and rel_err(public, ref) < 1e-5
     # Half-precision tokens over float32 expert weights (prepare.py's layout on CPUs without bf16).
-    got_bf16 = fused_experts(x.bfloat16(), w13, w2, weights, ids, backend="torch")
-    assert got_bf16.dtype == torch.bfloat16
-    if skip < 1.0:
-        assert rel_err(got_bf16.float(), ref) < 2e-2
+    for backend in ("torch", "cpu_c"):
+        got_bf16 = fused_experts(x.bfloat16(), w13, w2, weights, ids, backend=backend)
+        assert got_bf16.dtype == torch.bfloat16
+        if skip < 1.0:
+            assert rel_err(got_bf16.float(), ref) < 2e-2, backend
 
 
 def test_unaligned_shapes_take_the_loop():

@@ -103,6 +103,7 @@ def test_moe_layer_runs_the_masked_kernel_on_deepep_low_latency_output():
     rows equal to the generic grouped GEMM's on the flat form) and to the generic path otherwise."""
     from expert_parallel.runtime.dispatch.deepep import low_latency_output
     from expert_parallel.runtime.layer import GroupedExperts, expert_outputs, masked_applies
+    from kernels.grouped_gemm import TorchExperts, TritonExperts
 
     E, C, D, F = 3, 20, 48, 32
     counts = [7, 0, 20]
@@ -113,9 +114,10 @@ def test_moe_layer_runs_the_masked_kernel_on_deepep_low_latency_output():
     experts.w13.data.copy_(w13)
     experts.w2.data.copy_(w2)
     sent = low_latency_output(x.to(torch.bfloat16), count, handle=None, dtype=torch.float32)
-    assert masked_applies(sent, experts, "triton") and not masked_applies(sent, experts, "torch")
-    y_masked = expert_outputs(sent, experts, "triton", num_tokens=9)
-    y_generic = expert_outputs(sent, experts, "torch")
+    triton, torch_ops = TritonExperts(x.device), TorchExperts(x.device)
+    assert masked_applies(sent, experts, triton) and not masked_applies(sent, experts, torch_ops)
+    y_masked = expert_outputs(sent, experts, triton, num_tokens=9)
+    y_generic = expert_outputs(sent, experts, torch_ops)
     assert y_masked.shape == y_generic.shape == (E * C, D)
     rows = torch.cat([torch.arange(e * C, e * C + n) for e, n in enumerate(counts)])
     ref = masked_float64(sent.expert_major[0], count, w13, w2).reshape(E * C, D)[rows]

@@ -48,7 +48,7 @@ def test_qwen2_moe_layer_kinds_follow_sparse_step_and_mlp_only_layers():
                          num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=2,
                          mlp_only_layers=[3])
     theirs = [hasattr(layer.mlp, "experts") for layer in HF(cfg).model.layers]
-    ours_model = Qwen2MoeForCausalLM(cfg.to_dict(), MoEContext(LocalDispatcher(4)), "torch", torch.float32)
+    ours_model = Qwen2MoeForCausalLM(cfg.to_dict(), MoEContext(LocalDispatcher(4)), torch.float32)
     ours = [isinstance(layer.mlp, MoE) for layer in ours_model.model.layers]
     assert ours == theirs == [False, True, False, False, False, True]
     assert all(layer.mlp.shared_experts is None for layer in ours_model.model.layers if isinstance(layer.mlp, MoE))

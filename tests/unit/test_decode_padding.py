@@ -10,7 +10,7 @@ import argparse
 import pytest
 import torch
 
-from kernels.grouped_gemm import device_side_only
+from moe_serve.platform import capturable
 from moe_serve import LLM, SamplingParams
 from moe_serve.cuda_graph import DecodeGraphs, capture_sizes, padded_size
 from moe_serve.engine.args import EngineArgs
@@ -79,7 +79,7 @@ def _run(path: str, pad: bool, static_buffers: bool = False):
     def forward(ids_T, positions_T, meta, step):
         if meta.is_decode_only:
             seen.append(ids_T.shape[0])
-            with NoHostSync(), device_side_only():
+            with NoHostSync(), capturable(model):
                 return plain(ids_T, positions_T, meta, step)
         return plain(ids_T, positions_T, meta, step)
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moe_serve import LLM, SamplingParams
-from moe_serve import model_runner as mr
+from moe_serve.runner import memory as mr
 
 N_TOKENS = 96
 

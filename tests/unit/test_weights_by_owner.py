@@ -65,7 +65,7 @@ def test_each_rank_reads_only_its_experts(checkpoints, arch, world, monkeypatch)
     for rank in range(world):
         read.clear()
         ctx = MoEContext(NoCommDispatcher(slots, rank, world))
-        model = model_class(mc.architecture)(mc.hf, ctx, "torch", mc.dtype)
+        model = model_class(mc.architecture)(mc.hf, ctx, mc.dtype)
         load_weights(model, mc.path, mc.dtype, show_progress=False)
         mine = set()
         for m in model.modules():

@@ -1,0 +1,56 @@
+"""Which decode steps are padded to the capture ladder, and the capture of one CUDA graph per
+ladder size (moe_serve/cuda_graph.py has the ladder, the capture and the replay; `ModelRunner`
+pads and replays). Steps of `build_engine`, in its order."""
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+
+from expert_parallel.runtime.layer import MoEContext
+from moe_serve import cuda_graph, platform
+from moe_serve.config import EngineConfig
+from moe_serve.input_batch import InputBatch
+from moe_serve.runner.memory import KVCacheSize
+
+# Every runner module logs under the runner's name: operators and the launcher tests look for it.
+log = logging.getLogger("moe_serve.model_runner")
+
+
+def captures_graphs(cfg: EngineConfig, moe_ctx: MoEContext, ops: platform.Ops) -> bool:
+    """Whether decode graphs are captured (and so padding on unless pad_decode says otherwise).
+    With expert parallelism only where the dispatcher has a fixed-shape exchange over NCCL for
+    padded decode steps (all_to_all, allgather; not DeepEP, whose dispatch picks its mode and
+    buffers per step). Not with EPLB: a rebalance swaps expert weight buffers, which a graph would
+    keep reading. Nor with the torch attention backend: its single-decode path sizes its gather
+    from host lengths. Decided before the memory profile, which reserves memory for the graphs."""
+    gc, par = cfg.graphs, cfg.parallel
+    capture = (ops.captures_graphs and not gc.enforce_eager and par.eplb is None
+               and moe_ctx.dispatcher.captures_decode())
+    return capture and (gc.pad_decode is None or gc.pad_decode)
+
+
+def capture_decode_graphs(model: nn.Module, cfg: EngineConfig, moe_ctx: MoEContext, batch: InputBatch,
+                          kv: KVCacheSize, capture: bool) -> tuple[list[int], cuda_graph.DecodeGraphs | None]:
+    """The ladder decode steps are padded to, and where `capture` one graph per size (None if not
+    captured). Padding is on where graphs are captured, or where pad_decode forces it. Last of the
+    runner's steps: a graph holds the bound KV cache and the input batch's buffers. Collective under
+    expert parallelism (the ranks agree on every size: all keep their graphs or all run eagerly)."""
+    gc = cfg.graphs
+    pad = capture if gc.pad_decode is None else gc.pad_decode
+    pad_sizes = cuda_graph.capture_sizes(cfg.scheduler.max_num_seqs, gc.max_capture_size) if pad else []
+    if not capture:
+        return pad_sizes, None
+    graphs = cuda_graph.DecodeGraphs(model, pad_sizes, batch.max_blocks, cfg.cache.block_size, batch.max_model_len,
+                                     kv.scratch_block, cfg.device)
+    try:
+        graphs.capture(cuda_graph.capture_agreement(moe_ctx.dispatcher))
+    except Exception as e:  # noqa: BLE001 - e.g. an op that syncs the host: decode steps stay eager
+        log.warning("decode CUDA graph capture failed, running eagerly: %s: %s", type(e).__name__, str(e)[:300])
+        return pad_sizes, None
+    est = kv.graph_estimate_bytes
+    if est and graphs.memory_bytes > est:
+        log.warning("decode graphs took %.1f MiB, above the %.1f MiB reserved for them before the KV cache "
+                    "was sized (--kv-cache-memory sizes the cache explicitly if memory runs short)",
+                    graphs.memory_bytes / 2**20, est / 2**20)
+    return pad_sizes, graphs

@@ -1,0 +1,91 @@
+"""This rank's model: built on the device, its weights loaded from the checkpoint (or drawn, for
+load_format="dummy") and prepared for the GEMMs that run them, then, on CUDA, every Triton kernel
+variant its layers can launch compiled before serving. Steps of `build_engine`, in its order."""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch import nn
+
+from expert_parallel.runtime.dispatch import Dispatcher
+from expert_parallel.runtime.layer import MoEContext
+from moe_serve import kernel_warmup, platform
+from moe_serve.config import EngineConfig
+from moe_serve.models.registry import model_class
+from moe_serve.prepare import place_weights_on_huge_pages, prepare_gemm_weights
+from moe_serve.quantization import fp8
+from moe_serve.weights import init_dummy_weights, load_weights
+
+# Every runner module logs under the runner's name: operators and the launcher tests look for it.
+log = logging.getLogger("moe_serve.model_runner")
+
+
+def build_model(cfg: EngineConfig, moe_ctx: MoEContext, ops: platform.Ops) -> nn.Module:
+    """The architecture's modules on the device, in eval mode and without gradients. First of the
+    runner's steps (the MoE layers take the context made just before); torch is seeded here so that
+    initial and dummy weights are the same on every start."""
+    mc = cfg.model
+    torch.manual_seed(mc.seed)
+    cls = model_class(mc.architecture)
+    with torch.device(cfg.device):
+        model = cls(mc.hf, moe_ctx, mc.dtype)
+    platform.bind_ops(model, ops)  # each layer holds the backend object of its kind of op
+    n_moe = model.num_moe_layers
+    if moe_ctx.physical_to_logical is not None and n_moe != len(moe_ctx.physical_to_logical):
+        raise ValueError(f"expert placement has {len(moe_ctx.physical_to_logical)} layers; "
+                         f"the model has {n_moe} MoE layers")
+    model.requires_grad_(False)
+    model.eval()
+    return model
+
+
+def load_model_weights(model: nn.Module, cfg: EngineConfig, show_progress: bool = True) -> None:
+    """The checkpoint's weights into the built model, or seeded dummy ones for load_format="dummy"
+    (kept in FP8 when asked, so that sizes are those of an FP8 model). Right after the build: every
+    later step reads the weights."""
+    mc = cfg.model
+    if mc.load_format == "dummy":
+        if mc.weight_quantization == "fp8":  # the sizes of an FP8 model: its weights kept in FP8
+            fp8.to_block_fp8(model, (fp8.checkpoint_config(mc.hf) or fp8.BlockFp8Config()).block, None)
+        init_dummy_weights(model, mc.seed)
+    else:
+        load_weights(model, mc.path, mc.dtype, show_progress=show_progress, quantization=mc.quantization)
+
+
+def prepare_weights(model: nn.Module, cfg: EngineConfig, started: float) -> int:
+    """The loaded weights in the layout and memory the GEMMs run from (moe_serve/prepare.py); returns
+    this rank's weight bytes (parameters and block-FP8 scales), logged with the time since `started`
+    (the build). After loading, whose tensors it converts; before the warm-up and the KV-cache
+    sizing, which must see the weights as they are served."""
+    mc = cfg.model
+    prepare_gemm_weights(model, mc.dtype, cfg.device)
+    place_weights_on_huge_pages(model, cfg.device)
+    weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
+    weight_bytes += sum(b.numel() * b.element_size() for n, b in model.named_buffers()
+                        if n.endswith("scale_inv"))  # block-FP8 scales
+    log.info("model %s loaded in %.1fs: %.1f MiB of weights on this rank (%s)", mc.architecture,
+             time.perf_counter() - started, weight_bytes / 2**20, mc.dtype)
+    return weight_bytes
+
+
+def warm_up_kernels(model: nn.Module, cfg: EngineConfig, dispatcher: Dispatcher) -> set:
+    """Compile every Triton kernel variant this model's layers can launch (moe_serve/kernel_warmup.py);
+    their compile keys."""
+    mc = cfg.model
+    return kernel_warmup.warm_up(model, dtype=mc.dtype, device=cfg.device, block_size=cfg.cache.block_size,
+                                 max_model_len=mc.max_model_len, num_heads=mc.hf["num_attention_heads"],
+                                 dispatcher=dispatcher)
+
+
+def warm_up_before_serving(model: nn.Module, cfg: EngineConfig, moe_ctx: MoEContext, ops: platform.Ops) -> None:
+    """On CUDA, `warm_up_kernels` now; a fault only costs the compile at first launch. After the
+    weights are prepared (the compile keys include their alignment), before the profiling forward
+    and the graph captures, so that no step compiles while the other ranks wait."""
+    if ops.compiles_kernels:  # no Triton compile in the middle of serving
+        try:
+            warm_up_kernels(model, cfg, moe_ctx.dispatcher)
+        except Exception as e:  # noqa: BLE001 - a warm-up fault must not stop serving: kernels then JIT
+            log.warning("Triton warm-up stopped (%s: %s); kernels not compiled yet compile at their first "
+                        "launch", type(e).__name__, str(e)[:300])
