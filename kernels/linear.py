@@ -57,7 +57,7 @@ class CpuCLinear(TorchLinear):
 
 class TritonLinear(TorchLinear):
     name = "triton"
-    ROW_TILES = (1, 32, 4096)  # rows that pick each of the FP8 kernel's three row tiles
+    ROW_TILES = (1, 32, 4096)  # rows that pick each of the FP8 kernel's row tiles (kernels/fp8_linear.py)
 
     def capturable(self) -> "TritonLinear":
         return self
