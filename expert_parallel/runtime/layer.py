@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from expert_parallel.placement.map import ReplicaMap
 from expert_parallel.runtime.dispatch.base import Dispatcher
 from expert_parallel.runtime.step import NO_STEP, MoEStep
 from kernels.grouped_gemm import TorchExperts
@@ -195,8 +196,6 @@ class MoE(nn.Module):
     def _set_map(self, p2l: list[int]) -> None:
         self.replica_map = None
         if list(p2l) != list(range(self.num_experts)):
-            from expert_parallel.placement.map import ReplicaMap
-
             # Each data-parallel rank starts its round over replicas at its own offset.
             d = self.ctx.dispatcher
             self.replica_map = ReplicaMap(p2l, self.num_experts, offset=d.rank, split=self.ctx.replica_split,

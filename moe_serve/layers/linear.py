@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.linear import TorchLinear
+from moe_serve.quantization.fp8 import FP8, dequantize_blocks, scale_shape
 
 
 class Linear(nn.Module):
@@ -32,8 +33,6 @@ class Linear(nn.Module):
     def to_block_fp8(self, block: tuple[int, int]) -> None:
         """Keep this weight in block FP8: an FP8 weight and its float32 block scales (filled by the
         loader, which quantizes an unquantized tensor itself). Dequantized per call in forward."""
-        from moe_serve.quantization.fp8 import FP8, scale_shape
-
         self.weight = nn.Parameter(torch.empty(self.out_features, self.in_features, dtype=FP8,
                                                device=self.weight.device), requires_grad=False)
         self.weight_scale_inv = torch.ones(scale_shape(self.out_features, self.in_features, block),
@@ -44,8 +43,6 @@ class Linear(nn.Module):
         """The weight as a dense tensor (dequantized when it is FP8)."""
         if self.weight_scale_inv is None:
             return self.weight
-        from moe_serve.quantization.fp8 import dequantize_blocks
-
         return dequantize_blocks(self.weight, self.weight_scale_inv, self.fp8_block, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
