@@ -116,18 +116,16 @@ def capturable(model: nn.Module):
 def _backend_name(kind: str, requested: str, on_gpu: bool) -> str:
     """One kind's backend for a requested name ("auto" or a name in OPS, or an alias)."""
     requested = ALIASES.get(requested, requested)
+    flag = "moe_backend" if kind == "experts" else f"{kind}_backend"
     if requested == "auto":
         if on_gpu:
             return "triton" if "triton" in OPS[kind] else "torch"
         return "cpu_c" if cpu_ops.available() and "cpu_c" in OPS[kind] else "torch"
     if requested not in OPS[kind]:
-        flag = "moe_backend" if kind == "experts" else f"{kind}_backend"
         raise ValueError(f"{flag}={requested!r} is not one of {('auto', *OPS[kind])}")
     if requested == "cpu_c" and on_gpu:
-        flag = "moe_backend" if kind == "experts" else f"{kind}_backend"
         raise ValueError(f"{flag}='cpu_c' runs on the CPU only; the device here is CUDA")
     if requested == "cpu_c" and not cpu_ops.available():
-        flag = "moe_backend" if kind == "experts" else f"{kind}_backend"
         raise ValueError(f"{flag}='cpu_c': our C kernels are not available here (see the cpu_ops log line: "
                          "no compiler, a failed build, or MOE_SERVE_CPU_OPS=0)")
     return requested

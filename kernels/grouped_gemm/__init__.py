@@ -37,7 +37,6 @@ class TorchExperts:
         # one token, float32: only its K experts run (the grouped GEMM visits every expert); the
         # host read of its ids is a memory load on the CPU, a sync elsewhere
         self.single_token = self.device.type == "cpu" and host_reads
-        self._grouped: dict[torch.dtype, bool] = {}
         self.linear = self.linear_backend(self.device)  # the GEMM of the per-expert loop
 
     linear_backend = TorchLinear
@@ -46,11 +45,8 @@ class TorchExperts:
         return TorchExperts(self.device, host_reads=False)
 
     def grouped(self, dtype: torch.dtype) -> bool:
-        """Whether torch's grouped GEMM runs this dtype on this device (probed once per dtype)."""
-        ok = self._grouped.get(dtype)
-        if ok is None:
-            ok = self._grouped[dtype] = grouped_mm_available(dtype, self.device.type)
-        return ok
+        """Whether torch's grouped GEMM runs this dtype on this device (probed once: lru_cache)."""
+        return grouped_mm_available(dtype, self.device.type)
 
     def __call__(self, x_TD: torch.Tensor, w13_EFD, w2_EDF, topk_weights_TK: torch.Tensor,
                  topk_ids_TK: torch.Tensor, *, w13_bias: torch.Tensor | None = None,
