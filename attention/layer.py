@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from attention.backends import TorchAttention
+from attention.cache_kinds import FULL, CacheKind, chunked, sliding
 from attention.metadata import AttentionMetadata
 
 
@@ -19,16 +20,23 @@ class PagedAttention(nn.Module):
     op_kind = "attention"
     ops = TorchAttention()
     latent = False
+    cache_group = 0  # the block table it reads: set by the model runner from `cache_kind`
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 v_head_dim: int | None = None, sliding_window: int | None = None, sinks: bool = False):
+                 v_head_dim: int | None = None, sliding_window: int | None = None, sinks: bool = False,
+                 attention_chunk: int | None = None):
         """sliding_window: each query sees its last `sliding_window` keys only (GPT-OSS's sliding
         layers). sinks: a learned float32 logit per head in every softmax's denominator (GPT-OSS).
-        Without either, the backend is called exactly as before."""
+        attention_chunk: a query at position p sees keys (p // c) * c .. p only (Llama-4's chunked
+        layers). Without any of them, the backend is called exactly as before."""
         super().__init__()
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window={sliding_window} must be at least 1")
+        if attention_chunk is not None and (attention_chunk < 1 or sliding_window is not None):
+            raise ValueError(f"attention_chunk={attention_chunk} must be at least 1 and not combined with a "
+                             f"sliding window (sliding_window={sliding_window})")
         self.sliding_window = sliding_window
+        self.attention_chunk = attention_chunk
         self.sinks = nn.Parameter(torch.zeros(num_heads, dtype=torch.float32)) if sinks else None
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
@@ -38,6 +46,14 @@ class PagedAttention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
+    @property
+    def cache_kind(self) -> CacheKind:
+        """What it keeps per request: a window, the current chunk, or every token."""
+        chunk = getattr(self, "attention_chunk", None)
+        if chunk is not None:
+            return chunked(chunk)
+        return sliding(self.sliding_window) if self.sliding_window is not None else FULL
+
     def cache_shape(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:
         return [(num_blocks, block_size, self.num_kv_heads, self.head_dim),
                 (num_blocks, block_size, self.num_kv_heads, self.v_head_dim)]
@@ -46,7 +62,11 @@ class PagedAttention(nn.Module):
         self.k_cache, self.v_cache = caches
 
     def forward(self, q_TNH, k_TGH, v_TGH, meta: AttentionMetadata) -> torch.Tensor:
+        meta = meta.for_group(self.cache_group)
         self.ops.write_kv(k_TGH, v_TGH, self.k_cache, self.v_cache, meta.slot_mapping)
+        if self.attention_chunk is not None:
+            return self.ops.paged_attention(q_TNH, self.k_cache, self.v_cache, meta, self.scale, sinks=self.sinks,
+                                            attention_chunk=self.attention_chunk)
         if self.sliding_window is None and self.sinks is None:
             return self.ops.paged_attention(q_TNH, self.k_cache, self.v_cache, meta, self.scale)
         return self.ops.paged_attention(q_TNH, self.k_cache, self.v_cache, meta, self.scale,
@@ -60,7 +80,10 @@ class PagedMLAAttention(nn.Module):
     ops = TorchAttention()
     latent = True
     sliding_window = None
+    attention_chunk = None
     sinks = None
+    cache_kind = FULL
+    cache_group = 0
 
     def __init__(self, kv_lora_rank: int, rope_dim: int, scale: float):
         super().__init__()
@@ -74,5 +97,6 @@ class PagedMLAAttention(nn.Module):
         (self.latent_cache,) = caches
 
     def forward(self, q_latent_TNL, q_pe_TNR, latent_TC, meta: AttentionMetadata) -> torch.Tensor:
+        meta = meta.for_group(self.cache_group)
         self.ops.write_latent(latent_TC, self.latent_cache, meta.slot_mapping)
         return self.ops.mla_paged_attention(q_latent_TNL, q_pe_TNR, self.latent_cache, meta, self.scale)

@@ -29,6 +29,30 @@ class AttentionMetadata:
     # their masks: attention/backends/reference.py), made by the first layer and reused by the
     # others. Nothing else keeps per-step state here; a graph capture starts from an empty one.
     backend_plans: dict = field(default_factory=dict, repr=False, compare=False)
+    # Per-sequence state slots (B,) int64 of the step, for layers that keep a fixed-size state
+    # (attention/cache_kinds.py StateCache); None when the model has none.
+    state_slots: torch.Tensor | None = None
+    # Block tables and slot mappings of the other cache groups (sliding / chunked layers keep their
+    # own tables): group -> (block_tables, slot_mapping). Group 0 is this object's own.
+    group_tables: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def for_group(self, group: int) -> "AttentionMetadata":
+        """The metadata a layer of cache group `group` attends with: the same batch, that group's
+        block table and slot mapping (and its own backend plans, which depend on the table)."""
+        if group == 0:
+            return self
+        plans = self.backend_plans.setdefault(("group", group), {})
+        if "meta" not in plans:
+            bt, slots = self.group_tables[group]
+            plans["meta"] = AttentionMetadata(self.query_start_loc, self.seq_lens, bt, slots, self.block_size,
+                                              self.query_lens_cpu, self.seq_lens_cpu, self.max_query_len,
+                                              self.max_seq_len, state_slots=self.state_slots)
+        return plans["meta"]
+
+    @functools.cached_property
+    def context_lens_cpu(self) -> list[int]:
+        """Tokens each sequence had computed before this step (0: a fresh start, no prior state)."""
+        return [s - q for s, q in zip(self.seq_lens_cpu, self.query_lens_cpu)]
 
     @functools.cached_property
     def leading_decodes(self) -> int:

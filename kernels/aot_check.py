@@ -21,7 +21,10 @@ dtype it is served in (bf16 / fp16; fp32 too for the small fp32 test checkpoint 
     in kernels/grouped_gemm/configs/, gated (gate/up) and ungated (down), with block-FP8 weights and
     W8A8 in bf16; the masked grouped GEMM (DeepEP's low-latency layout) likewise;
   - top-k sum, KV / latent writes, paged attention (decode with and without split-K, prefill) and
-    the split reduce; FP8 linear layers and activation quantization.
+    the split reduce; FP8 linear layers and activation quantization;
+  - linear attention (Gated DeltaNet) where the model has it: the convolution (decode and prefill
+    forms), the recurrent decode kernel and the chunked prefill pair, with the recurrent state
+    cached in float32 and in the model dtype.
 Identical configurations (same kernel, argument types and marks, constexprs, launch options) are
 compiled once. tests/kernels/test_aot_check.py checks that an engine run's launches are all among them.
 
@@ -65,7 +68,8 @@ DTYPES = tuple(DTYPE_SIG)
 # Shared memory a block may use (the opt-in maximum): 227 KiB on both Hopper and Blackwell.
 MAX_SHARED = {90: 232448, 100: 232448}
 # The kernels, as "module:function".
-from kernels.specialization import ATTN, FP8_LINEAR, GEMM, MASKED, QUANT, REDUCE, TOPK, WRITE  # noqa: E402,F401
+from kernels.specialization import (ATTN, FP8_LINEAR, GEMM, LINEAR_ATTENTION, MASKED, QUANT,  # noqa: E402,F401
+                                    REDUCE, TOPK, WRITE)
 from kernels import specialization  # noqa: E402
 # Spill-store bytes per thread above which a grouped-GEMM or decode configuration fails the check
 # (--max-spill): a few words spilled around the epilogue cost nothing measurable, a register file's
@@ -95,10 +99,23 @@ class ModelShape:
     # what the small float32 test checkpoints are served in (see ModelConfig / parse_dtype).
     dtypes: tuple = (torch.bfloat16, torch.float16)
     sinks: bool = False  # GPT-OSS: attention sinks in every layer, sliding-window and full layers
+    chunked: bool = False  # Llama-4: chunked-attention layers beside full ones
+    # Linear-attention (Gated DeltaNet) layers, where the model has them (Qwen3-Next): LH value heads
+    # (q/k heads repeated to them) of key / value dims LK / LV, a short convolution of LC channels
+    # and width LW.
+    LH: int = 0
+    LK: int = 0
+    LV: int = 0
+    LC: int = 0
+    LW: int = 0
 
     @property
     def mla(self) -> bool:
         return self.L > 0
+
+    @property
+    def linear_attention(self) -> bool:
+        return self.LH > 0
 
 
 MODELS = (
@@ -108,6 +125,10 @@ MODELS = (
     ModelShape("deepseek-v3", D=7168, K=8, E=256, F=2048, N=128, L=512, R=64),
     ModelShape("deepseek-v2-lite", D=2048, K=6, E=64, F=1408, N=16, L=512, R=64),
     ModelShape("gpt-oss-120b", D=2880, K=4, E=128, F=2880, N=64, G=8, H=64, Hv=64, sinks=True),
+    ModelShape("llama-4-scout", D=5120, K=1, E=16, F=8192, N=40, G=8, H=128, Hv=128, chunked=True),
+    # 3 of 4 layers Gated DeltaNet (16 key heads repeated to 32 value heads), the others gated GQA
+    ModelShape("qwen3-next-80b-a3b", D=2048, K=10, E=512, F=512, N=16, G=2, H=256, Hv=256,
+               LH=32, LK=128, LV=128, LC=2 * 16 * 128 + 32 * 128, LW=4),
     # the built-in random test checkpoint (moe_serve/default_model/tiny.py)
     ModelShape("moe-tiny", D=64, K=2, E=4, F=128, N=4, G=2, H=16, Hv=16, dtypes=DTYPES),
 )
@@ -117,9 +138,12 @@ ENGINE_BLOCK_SIZE = 16
 
 
 def model_from_hf_config(path: str) -> ModelShape:
-    """The shape of a Hugging Face config.json (Qwen3-MoE / Mixtral GQA, or DeepSeek MLA)."""
+    """The shape of a Hugging Face config.json (Qwen3-MoE / Mixtral GQA, or DeepSeek MLA; Llama-4's
+    chunked layers where attention_chunk_size is set)."""
+    from moe_serve.config import text_config
+
     with open(path) as f:
-        hf = json.load(f)
+        hf = text_config(json.load(f))  # a multimodal checkpoint's: its language model's
     D, N = hf["hidden_size"], hf["num_attention_heads"]
     K = hf.get("num_experts_per_tok", 2)
     E = next((hf[k] for k in ("n_routed_experts", "num_experts", "num_local_experts") if hf.get(k)), 8)
@@ -130,8 +154,13 @@ def model_from_hf_config(path: str) -> ModelShape:
         return ModelShape(name, D=D, K=K, E=E, F=F, N=N, L=hf["kv_lora_rank"], R=hf["qk_rope_head_dim"],
                           dtypes=dtypes)
     H = hf.get("head_dim") or D // N
+    linear = {}
+    if hf.get("linear_num_value_heads"):  # Qwen3-Next / Qwen3.5: Gated DeltaNet layers
+        LH, LK, LV = hf["linear_num_value_heads"], hf["linear_key_head_dim"], hf["linear_value_head_dim"]
+        linear = dict(LH=LH, LK=LK, LV=LV, LC=2 * hf["linear_num_key_heads"] * LK + LH * LV,
+                      LW=hf["linear_conv_kernel_dim"])
     return ModelShape(name, D=D, K=K, E=E, F=F, N=N, G=hf.get("num_key_value_heads", N), H=H, Hv=H, dtypes=dtypes,
-                      sinks=hf.get("model_type") == "gpt_oss")
+                      sinks=hf.get("model_type") == "gpt_oss", chunked=bool(hf.get("attention_chunk_size")), **linear)
 
 
 @dataclass
@@ -158,7 +187,7 @@ class Job:
     @property
     def dtype(self) -> str:
         """The activation / cache dtype of this configuration (bf16, fp16 or fp32)."""
-        for arg in ("a_ptr", "q_ptr", "y_ptr", "src_ptr", "out_ptr"):
+        for arg in ("a_ptr", "q_ptr", "y_ptr", "src_ptr", "out_ptr", "k_ptr", "x_ptr"):
             if arg in self.types:
                 return self.types[arg].lstrip("*")
         return "?"
@@ -259,24 +288,41 @@ def _masked_probe(m: ModelShape, dt, cfg: dict, fp8: bool) -> list:
     return _probe(lambda: TritonExperts("cuda").launch_masked(moe, dt, cfg, 128))
 
 
-def _attention_layer(m: ModelShape, sliding: bool):
+def _attention_layer(m: ModelShape, kind: str):
+    """kind: "" (full attention), "sliding" or "chunked" (see _attention_kinds)."""
     from attention.layer import PagedAttention, PagedMLAAttention
 
     with torch.device(_META):
         if m.mla:
             return PagedMLAAttention(m.L, m.R, 0.1)
-        return PagedAttention(m.N, m.G, m.H, 0.1, v_head_dim=m.Hv, sliding_window=128 if sliding else None,
-                              sinks=m.sinks)
+        return PagedAttention(m.N, m.G, m.H, 0.1, v_head_dim=m.Hv, sliding_window=128 if kind == "sliding" else None,
+                              sinks=m.sinks, attention_chunk=128 if kind == "chunked" else None)
 
 
-def _attention_probe(m: ModelShape, dt, step: tuple, sliding: bool = False) -> list:
+def _attention_kinds(m: ModelShape) -> list[str]:
+    """The kinds of attention layer the model has: full, GPT-OSS's sliding-window ones (the models
+    with sinks), Llama-4's chunked ones."""
+    return [""] + ["sliding"] * m.sinks + ["chunked"] * m.chunked
+
+
+def _attention_probe(m: ModelShape, dt, step: tuple, kind: str = "") -> list:
     """The KV / latent write and one attention call (plus the split reduce) for one of the steps
     the attention backend declares (TritonAttention.steps)."""
     from attention.backends import TritonAttention
 
     _, q_lens, seq_lens, S = step
-    return _probe(lambda: TritonAttention("cuda").launch(_attention_layer(m, sliding), m.N, dt, q_lens, seq_lens, S,
+    return _probe(lambda: TritonAttention("cuda").launch(_attention_layer(m, kind), m.N, dt, q_lens, seq_lens, S,
                                                          ENGINE_BLOCK_SIZE))
+
+
+def _linear_attention_probe(m: ModelShape, dt, state_dt, step: tuple) -> list:
+    """The convolution and the gated delta rule of one of the steps the linear-attention backend
+    declares (TritonLinearAttention.steps), the recurrent state cached in state_dt."""
+    from kernels.gated_delta import LinearAttentionShape, TritonLinearAttention
+
+    shape = LinearAttentionShape(m.LH, m.LK, m.LV, m.LC, m.LW, state_dtype=state_dt)
+    _, q_lens, ctx_lens = step
+    return _probe(lambda: TritonLinearAttention("cuda").launch(shape, dt, q_lens, ctx_lens))
 
 
 def _fp8_linear_probe(N: int, K: int, M: int, bias: bool, act_quant: bool) -> list:
@@ -297,6 +343,7 @@ def enumerate_jobs(models=MODELS, dtypes=DTYPES, inject_broken: bool = False, qu
     of the model's shapes, so types, Triton's integer and alignment marks, constexprs and launch
     options are those of a real launch."""
     from attention.backends import TritonAttention
+    from kernels.gated_delta import TritonLinearAttention
     from kernels.grouped_gemm import config as gcfg
 
     jobs: dict[tuple, Job] = {}
@@ -364,10 +411,17 @@ def enumerate_jobs(models=MODELS, dtypes=DTYPES, inject_broken: bool = False, qu
             for ids in (torch.int64, torch.int32):  # router ids are int64; remapped placements give int32
                 add_launches(_experts_probe(m, dt, None, ids=ids), {TOPK: f"{m.name} {d}"})
             for step in TritonAttention.steps(max_len=40, split=True):
-                for sliding in ((False, True) if m.sinks else (False,)):
-                    kind = f"{step[0]}{' sliding' if sliding else ''}"
-                    add_launches(_attention_probe(m, dt, step, sliding),
-                                 {ATTN: f"{m.name} {kind} {d}", REDUCE: f"{m.name} {d}", WRITE: f"{m.name} {d}"})
+                for kind in _attention_kinds(m):
+                    user = f"{m.name} {step[0]}{' ' + kind if kind else ''} {d}"
+                    add_launches(_attention_probe(m, dt, step, kind),
+                                 {ATTN: user, REDUCE: f"{m.name} {d}", WRITE: f"{m.name} {d}"})
+            if not m.linear_attention:
+                continue
+            for state_dt in dict.fromkeys((torch.float32, dt)):
+                for name, *step in TritonLinearAttention.steps():
+                    user = f"{m.name} linear attention {name} {d} state {DTYPE_SIG[state_dt]}"
+                    add_launches(_linear_attention_probe(m, dt, state_dt, (name, *step)),
+                                 {k: user for k in LINEAR_ATTENTION})
     return quick_jobs(list(jobs.values())) if quick else list(jobs.values())
 
 
@@ -392,7 +446,7 @@ def quick_jobs(jobs: list[Job]) -> list[Job]:
     for j in jobs:
         c = j.constexprs
         path = (j.kernel, j.dtype, j.types.get("a_ptr") or j.types.get("x_ptr"), j.types.get("b_ptr"), c.get("GATED"),
-                c.get("SPLIT_K"), c.get("HAS_ROPE"))
+                c.get("SPLIT_K"), c.get("HAS_ROPE"), c.get("DECODE"))
         if j.kernel in (GEMM, MASKED) and any(u.startswith("tuned") for u in j.users):
             path += (j.key(),)  # every tuned entry
         by_path.setdefault(path, j)

@@ -33,7 +33,13 @@ WRITE = "attention.backends.triton_paged:_write_rows_kernel"
 FP8_LINEAR = "kernels.fp8_linear:_fp8_linear_kernel"
 MASKED = "kernels.grouped_gemm.masked:_masked_gemm_kernel"
 QUANT = "kernels.fp8_quant:_quant_kernel"
-KERNELS = (GEMM, TOPK, ATTN, REDUCE, WRITE, FP8_LINEAR, MASKED, QUANT)
+GDN_CONV = "kernels.gated_delta.triton_kernels:_conv1d_kernel"
+GDN_CONV_STATE = "kernels.gated_delta.triton_kernels:_conv_state_kernel"
+GDN_RECURRENT = "kernels.gated_delta.triton_kernels:_recurrent_kernel"
+GDN_INVERSE = "kernels.gated_delta.triton_kernels:_chunk_inverse_kernel"
+GDN_SCAN = "kernels.gated_delta.triton_kernels:_chunk_scan_kernel"
+LINEAR_ATTENTION = (GDN_CONV, GDN_CONV_STATE, GDN_RECURRENT, GDN_INVERSE, GDN_SCAN)
+KERNELS = (GEMM, TOPK, ATTN, REDUCE, WRITE, FP8_LINEAR, MASKED, QUANT, *LINEAR_ATTENTION)
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
            torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5", torch.int64: "i64", torch.int32: "i32",

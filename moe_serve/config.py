@@ -16,6 +16,17 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 
 
+def text_config(hf: dict) -> dict:
+    """The language model's config of a multimodal checkpoint (config.json with a `text_config`
+    beside its `vision_config`, as Llama-4's ...ForConditionalGeneration has it): `text_config`, with
+    the top level's fields it lacks (dtype, quantization_config, architectures); other configs as
+    they are."""
+    sub = hf.get("text_config")
+    if not isinstance(sub, dict):
+        return hf
+    return {**{k: v for k, v in hf.items() if k not in ("text_config", "vision_config")}, **sub}
+
+
 def parse_dtype(value: str | torch.dtype, hf_config: dict | None = None) -> torch.dtype:
     if isinstance(value, torch.dtype):
         return value
@@ -31,7 +42,7 @@ def parse_dtype(value: str | torch.dtype, hf_config: dict | None = None) -> torc
 @dataclass(frozen=True)
 class ModelConfig:
     path: str
-    hf: dict  # the checkpoint's config.json, as read
+    hf: dict  # the checkpoint's config.json, as read (a multimodal one's language model: `text_config`)
     architecture: str
     dtype: torch.dtype
     max_model_len: int
@@ -53,12 +64,16 @@ class ModelConfig:
         with open(cfg_file) as f:
             hf = json.load(f)
         archs = hf.get("architectures") or []
-        from moe_serve.models.registry import supported_architectures
+        from moe_serve.models.registry import is_multimodal, supported_architectures
 
         arch = next((a for a in archs if a in supported_architectures()), None)
         if arch is None:
             raise ValueError(f"architectures={archs} in {cfg_file} is not supported; "
                              f"supported: {sorted(supported_architectures())}")
+        if is_multimodal(arch):  # only its language model is served
+            if not isinstance(hf.get("text_config"), dict):
+                raise ValueError(f"architectures={archs} in {cfg_file}: {arch} needs a `text_config` object")
+            hf = text_config(hf)
         if load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format={load_format!r} is not one of 'auto', 'safetensors', 'dummy'")
         if quantization not in (None, "fp8"):
@@ -151,3 +166,4 @@ class EngineConfig:
     graphs: GraphConfig = field(default_factory=GraphConfig)
     linear_backend: str = "torch"
     norm_backend: str = "torch"
+    linear_attention_backend: str = "torch"

@@ -97,7 +97,10 @@ class DecodeGraphs:
     Capture needs the KV cache bound (the graphs write and read it at fixed addresses)."""
 
     def __init__(self, model, sizes: list[int], max_blocks: int, block_size: int, max_seq_len: int,
-                 scratch_block: int, device: torch.device):
+                 scratch_block: int, device: torch.device, group_scratch: list[int] | None = None,
+                 state_scratch: int | None = None):
+        """group_scratch: the scratch block of every cache group after group 0; state_scratch: the
+        scratch state slot (models with per-sequence state): idle rows point there too."""
         self.model, self.sizes, self.block_size = model, sorted(sizes), block_size
         self.max_seq_len = max_seq_len
         n = self.sizes[-1]
@@ -109,14 +112,21 @@ class DecodeGraphs:
         self.qsl = torch.arange(n + 1, dtype=torch.int32, **kw)
         self.seq_lens = torch.ones(n, dtype=torch.int32, **kw)
         self.block_tables = torch.full((n, max_blocks), scratch_block, dtype=torch.int32, **kw)
+        self.group_tables = {g + 1: (torch.full((n, max_blocks), s, dtype=torch.int32, **kw),
+                                     torch.full((n,), s * block_size, dtype=torch.int64, **kw))
+                             for g, s in enumerate(group_scratch or [])}
+        self.state_slots = None if state_scratch is None else torch.full((n,), state_scratch, dtype=torch.int64, **kw)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.memory_bytes = 0
         self.capture_s = 0.0
 
     def _meta(self, B: int) -> AttentionMetadata:
         # Host lengths at their largest: the split count is fixed by max_model_len, not the step.
-        return AttentionMetadata.from_tensors(self.qsl[:B + 1], self.seq_lens[:B], self.block_tables[:B],
+        meta = AttentionMetadata.from_tensors(self.qsl[:B + 1], self.seq_lens[:B], self.block_tables[:B],
                                               self.slots[:B], self.block_size, [1] * B, [self.max_seq_len] * B)
+        meta.group_tables = {g: (bt[:B], slots[:B]) for g, (bt, slots) in self.group_tables.items()}
+        meta.state_slots = None if self.state_slots is None else self.state_slots[:B]
+        return meta
 
     @torch.inference_mode()
     def capture(self, agree=None) -> None:
@@ -165,6 +175,12 @@ class DecodeGraphs:
         self.seq_lens[:B].copy_(meta.seq_lens, non_blocking=True)
         bt = meta.block_tables
         self.block_tables[:B, :bt.shape[1]].copy_(bt, non_blocking=True)
+        for g, (bt_g, slots_g) in self.group_tables.items():
+            src_bt, src_slots = meta.group_tables[g]
+            bt_g[:B, :src_bt.shape[1]].copy_(src_bt, non_blocking=True)
+            slots_g[:B].copy_(src_slots, non_blocking=True)
+        if self.state_slots is not None:
+            self.state_slots[:B].copy_(meta.state_slots, non_blocking=True)
         if B not in self.graphs:
             return self.model(self.ids[:B], self.pos[:B], self._meta(B), decode_step(B))
         g, out = self.graphs[B]

@@ -7,7 +7,11 @@ Shape legend: R rows (max_num_seqs), L max_model_len, M max blocks per request, 
 
 Row invariants (between steps, for a request in `row_of`):
   - token_ids_RL[row, :num_tokens_R[row]] are its prompt then output tokens as last synced;
-  - block_table_RM[row, :num_blocks_R[row]] are its block ids; the rest of the row is 0;
+  - block_table_RM[row, :num_blocks_R[row]] are its block ids (cache group 0); the rest of the row
+    is 0; the other groups' tables (`group_tables`) are filled the same way from
+    `Request.group_block_ids` (entries a sliding or chunked group has freed since they were written
+    are stale and never read: the kernels start at the window); state_slot_R[row] is its live
+    state slot (models with per-sequence state);
   - a free row holds zeros and neutral sampling parameters.
 Rows change when a request is added (all its tokens and blocks written once), when it leaves
 (finished, aborted or preempted: the row is cleared and freed; a preempted request is re-added when
@@ -45,7 +49,11 @@ class StepInputs:
 
 class InputBatch:
     def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int, vocab_size: int,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", group_scratch: list[int] | None = None,
+                 state_scratch: int | None = None):
+        """group_scratch: the scratch block of each cache group after group 0 (the model runner's
+        groups; none for a model with one kind of attention); state_scratch: the state slot padded
+        rows use (None: the model keeps no per-sequence state)."""
         R, L, bs = max_num_seqs, max_model_len, block_size
         self.max_model_len, self.block_size = L, bs
         self.max_blocks = -(-L // bs)
@@ -54,6 +62,12 @@ class InputBatch:
         self.num_prompt_R = torch.zeros(R, dtype=torch.int64)
         self.num_blocks_R = torch.zeros(R, dtype=torch.int64)
         self.block_table_RM = torch.zeros((R, self.max_blocks), dtype=torch.int32)
+        self.group_scratch = list(group_scratch or [])
+        self.group_tables = [torch.zeros((R, self.max_blocks), dtype=torch.int32) for _ in self.group_scratch]
+        self._gbt = [t.numpy() for t in self.group_tables]
+        self.state_scratch = state_scratch
+        self.state_slot_R = torch.zeros(R, dtype=torch.int64)
+        self._slot = self.state_slot_R.numpy()
         # numpy views of the same memory: single-element writes from Python cost ~100 ns this way.
         self._tok, self._ntok = self.token_ids_RL.numpy(), self.num_tokens_R.numpy()
         self._nprompt, self._nblk, self._bt = self.num_prompt_R.numpy(), self.num_blocks_R.numpy(), \
@@ -93,6 +107,8 @@ class InputBatch:
         nb, blocks = int(self._nblk[row]), req.block_ids
         if len(blocks) > nb:
             self._bt[row, nb:len(blocks)] = blocks[nb:]
+            for bt, table in zip(self._gbt, req.group_block_ids):
+                bt[row, nb:len(blocks)] = table[nb:]
             self._nblk[row] = len(blocks)
         return row
 
@@ -106,7 +122,11 @@ class InputBatch:
         self._tok[row, :len(tokens)] = tokens
         self._ntok[row], self._nprompt[row] = len(tokens), req.num_prompt_tokens
         self._bt[row, :len(req.block_ids)] = req.block_ids
+        for bt, table in zip(self._gbt, req.group_block_ids):
+            bt[row, :len(table)] = table
         self._nblk[row] = len(req.block_ids)
+        if self.state_scratch is not None:
+            self._slot[row] = req.state_slot
         self.sampling.add(row, req)
         self.row_of[req.request_id] = row
         self.req_at_row[row] = req
@@ -119,6 +139,9 @@ class InputBatch:
         if row is None:
             return
         self._bt[row, :self._nblk[row]] = 0
+        for bt in self._gbt:
+            bt[row, :self._nblk[row]] = 0
+        self._slot[row] = 0
         self._ntok[row] = self._nprompt[row] = self._nblk[row] = 0
         self.sampling.remove(row)
         self.req_at_row[row] = None
@@ -149,10 +172,11 @@ class InputBatch:
             groups = list(split_pieces(pieces, split_point_T(self._positions(pieces))))
         host: list[torch.Tensor | None] = []
         lens = []
+        scratch = [scratch_block, *self.group_scratch]
         for g in groups:
             tensors, q_lens, seq_lens = self._forward_host(g)
             if pad_to is not None and pad_to > len(g):
-                tensors = _pad_decode(tensors, pad_to - len(g), scratch_block, self.block_size)
+                tensors = _pad_decode(tensors, pad_to - len(g), scratch, self.block_size, self.state_scratch)
                 q_lens, seq_lens = q_lens + [1] * (pad_to - len(g)), seq_lens + [1] * (pad_to - len(g))
             host += tensors
             lens.append((q_lens, seq_lens))
@@ -168,11 +192,16 @@ class InputBatch:
         host += [getattr(md, k) for k in names]
         dev = self.h2d(host)
         batches = []
+        per = self._tensors_per_batch
         for i, (q_lens, seq_lens) in enumerate(lens):
-            ids, pos, slots, qsl, sl, bt = dev[6 * i:6 * i + 6]
+            ids, pos, slots, qsl, sl, bt, *more = dev[per * i:per * (i + 1)]
             meta = AttentionMetadata.from_tensors(qsl, sl, bt, slots, self.block_size, q_lens, seq_lens)
+            for g in range(len(self.group_scratch)):
+                meta.group_tables[g + 1] = (more[2 * g + 1], more[2 * g])
+            if self.state_scratch is not None:
+                meta.state_slots = more[-1]
             batches.append((ids, pos, meta))
-        k = 6 * len(groups)
+        k = per * len(groups)
         if md is not None:
             md = replace(md, **dict(zip(names, dev[k + 1:])))
         return StepInputs(batches, dev[k], md)
@@ -184,16 +213,23 @@ class InputBatch:
         qsl = torch.cumsum(nums, 0) - nums
         return torch.arange(int(nums.sum())) + torch.repeat_interleave(starts - qsl, nums)
 
+    @property
+    def _tensors_per_batch(self) -> int:
+        return 6 + 2 * len(self.group_scratch) + (self.state_scratch is not None)
+
     def _forward_host(self, pieces: list[Piece]) -> tuple[list[torch.Tensor], list[int], list[int]]:
         """[ids_T, positions_T, slot_mapping_T, query_start_loc, seq_lens, block_tables] on the host,
-        gathered from the rows, plus host lists of query and sequence lengths."""
+        gathered from the rows, then (slot_mapping_T, block_tables) of each further cache group and
+        the state slots (B,) where the model has them, plus host lists of query and sequence lengths."""
         B, bs = len(pieces), self.block_size
         q_lens = [p[2] for p in pieces]
         seq_lens = [p[1] + p[2] for p in pieces]
         if B == 0:
             empty = torch.zeros(0, dtype=torch.int64)
+            no_table = torch.zeros((0, 1), dtype=torch.int32)
             return [empty, empty, empty, torch.zeros(1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32),
-                    torch.zeros((0, 1), dtype=torch.int32)], q_lens, seq_lens
+                    no_table] + [empty, no_table] * len(self.group_scratch) + \
+                [empty] * (self.state_scratch is not None), q_lens, seq_lens
         rows_B, start_B, q_B = torch.tensor([p[:3] for p in pieces], dtype=torch.int64).T
         T = sum(q_lens)
         qsl = torch.zeros(B + 1, dtype=torch.int64)
@@ -205,20 +241,37 @@ class InputBatch:
         slot_T = self.block_table_RM[row_T, pos_T // bs].to(torch.int64) * bs + pos_T % bs
         W = max(1, -(-max(seq_lens) // bs))  # the blocks the longest context spans (a host int: no tensor read)
         bt_BW = self.block_table_RM[rows_B, :W]
-        return [ids_T, pos_T, slot_T, qsl.to(torch.int32), (start_B + q_B).to(torch.int32), bt_BW], q_lens, seq_lens
+        out = [ids_T, pos_T, slot_T, qsl.to(torch.int32), (start_B + q_B).to(torch.int32), bt_BW]
+        for table in self.group_tables:
+            out += [table[row_T, pos_T // bs].to(torch.int64) * bs + pos_T % bs, table[rows_B, :W]]
+        if self.state_scratch is not None:
+            out.append(self.state_slot_R[rows_B])
+        return out, q_lens, seq_lens
 
 
-def _pad_decode(tensors: list[torch.Tensor], n: int, scratch_block: int, block_size: int) -> list[torch.Tensor]:
+def _pad_decode(tensors: list[torch.Tensor], n: int, scratch: list[int], block_size: int,
+                state_scratch: int | None = None) -> list[torch.Tensor]:
     """_forward_host's tensors with n dummy sequences appended: token 0 at position 0, its slot the
-    first of scratch_block, its context that one token, its block table [scratch_block, 0, ...]."""
-    ids_T, pos_T, slot_T, qsl, sl, bt_BW = tensors
+    first of its group's scratch block (scratch: one per cache group), its context that one token,
+    its block table [scratch block, 0, ...], its state slot `state_scratch`."""
+    ids_T, pos_T, slot_T, qsl, sl, bt_BW, *more = tensors
     zeros = torch.zeros(n, dtype=torch.int64)
-    bt_pad = torch.zeros((n, bt_BW.shape[1]), dtype=torch.int32)
-    bt_pad[:, 0] = scratch_block
-    return [torch.cat([ids_T, zeros]), torch.cat([pos_T, zeros]),
-            torch.cat([slot_T, torch.full((n,), scratch_block * block_size, dtype=torch.int64)]),
-            torch.cat([qsl, qsl[-1] + torch.arange(1, n + 1, dtype=torch.int32)]),
-            torch.cat([sl, torch.ones(n, dtype=torch.int32)]), torch.cat([bt_BW, bt_pad])]
+
+    def pad_group(slot_T, bt_BW, scratch_block):
+        bt_pad = torch.zeros((n, bt_BW.shape[1]), dtype=torch.int32)
+        bt_pad[:, 0] = scratch_block
+        return [torch.cat([slot_T, torch.full((n,), scratch_block * block_size, dtype=torch.int64)]),
+                torch.cat([bt_BW, bt_pad])]
+
+    slot_T, bt_BW = pad_group(slot_T, bt_BW, scratch[0])
+    out = [torch.cat([ids_T, zeros]), torch.cat([pos_T, zeros]), slot_T,
+           torch.cat([qsl, qsl[-1] + torch.arange(1, n + 1, dtype=torch.int32)]),
+           torch.cat([sl, torch.ones(n, dtype=torch.int32)]), bt_BW]
+    for g in range(1, len(scratch)):
+        out += pad_group(more[2 * g - 2], more[2 * g - 1], scratch[g])
+    if state_scratch is not None:
+        out.append(torch.cat([more[-1], torch.full((n,), state_scratch, dtype=torch.int64)]))
+    return out
 
 
 def split_point_T(positions_T: torch.Tensor) -> int:

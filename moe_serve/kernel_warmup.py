@@ -8,7 +8,8 @@ profiling step compiles one prefill; every other variant (eager decode under Dee
 FP8 linear layers' row buckets) would compile mid-serving on first use.
 
 What a layer can launch is declared by its backend object (`warm_up` on the classes of
-moe_serve/platform.py's OPS: attention/backends, kernels/grouped_gemm, kernels/linear); this module
+moe_serve/platform.py's OPS: attention/backends, kernels/grouped_gemm, kernels/linear,
+kernels/gated_delta); this module
 only walks the layers, one call per distinct layer shape, with the kernels standing in for
 themselves: the launch is compiled (`kernel.warmup`) and nothing runs. Activations, caches and
 metadata are "meta" tensors (shapes, strides and dtypes without memory); weights are the layer's
@@ -30,22 +31,25 @@ def _shape_key(module) -> tuple:
     """Layers with the same key launch the same variants (one warm-up call serves them all)."""
     kind = module.op_kind
     if kind == "attention":
-        return (type(module), tuple(module.cache_shape(1, 1)), module.sliding_window, module.sinks is not None)
+        return (type(module), tuple(module.cache_shape(1, 1)), module.sliding_window, module.attention_chunk,
+                module.sinks is not None)
     if kind == "experts":
         w13 = module.experts.op_weights()[0]
         return (tuple(w13.shape), str(getattr(w13, "dtype", type(w13))), module.experts.op_kwargs() != {})
     if kind == "linear":
         return (type(module), tuple(module.weight.shape), module.weight.dtype, getattr(module, "bias", None) is not None,
                 getattr(module, "weight_scale_inv", None) is not None, getattr(module, "fp8_act_quant", False))
+    if kind == "linear_attention":
+        return (type(module), getattr(module, "linear_attention_shape", None))
     return (type(module),)
 
 
 def warm_up(model: torch.nn.Module, *, dtype: torch.dtype, device: torch.device, block_size: int,
             max_model_len: int, num_heads: int, dispatcher=None) -> set:
-    """Compile every Triton variant the model's attention, expert and linear layers' backends can
-    launch on `device`; returns their compile keys (kernels/specialization.Launch). Backends of
-    torch ops or C kernels launch nothing here. A variant that fails to compile is logged and left
-    to its first launch."""
+    """Compile every Triton variant the model's attention, expert, linear and linear-attention
+    layers' backends can launch on `device`; returns their compile keys
+    (kernels/specialization.Launch). Backends of torch ops or C kernels launch nothing here. A
+    variant that fails to compile is logged and left to its first launch."""
     from attention.backends import triton_paged as tp  # lazy: triton is heavy (this runs on CUDA only)
 
     t0 = time.perf_counter()
@@ -67,7 +71,7 @@ def warm_up(model: torch.nn.Module, *, dtype: torch.dtype, device: torch.device,
                 module.ops.warm_up(module, num_heads, dtype, block_size, max_model_len, split)
             elif kind == "experts":
                 module.ops.warm_up(module, dtype, rows)
-            elif kind == "linear":
+            elif kind in ("linear", "linear_attention"):
                 module.ops.warm_up(module, dtype)
     variants = set(launches)
     if variants:

@@ -24,13 +24,14 @@ from moe_serve.structured_output.bitmask import BitmaskFiller
 log = logging.getLogger("moe_serve.model_runner")
 
 
-def make_input_batch(cfg: EngineConfig, num_blocks: int) -> InputBatch:
+def make_input_batch(cfg: EngineConfig, kv: KVCacheSize) -> InputBatch:
     """One row per running request; no request outgrows the model's context or the whole cache
     (the engine lowers max_model_len to the latter the same way). Once the cache is sized, before
     the decode graphs, which hold its buffers."""
-    max_len = min(cfg.model.max_model_len, num_blocks * cfg.cache.block_size)
+    capacity = kv.token_capacity(cfg.cache.block_size)
+    max_len = cfg.model.max_model_len if capacity is None else min(cfg.model.max_model_len, capacity)
     return InputBatch(cfg.scheduler.max_num_seqs, max_len, cfg.cache.block_size, cfg.model.hf["vocab_size"],
-                      cfg.device)
+                      cfg.device, kv.group_scratch, kv.state_scratch)
 
 
 class ModelRunner:
@@ -48,9 +49,11 @@ class ModelRunner:
         self.attn_layers = attn_layers
         self.num_blocks = kv.num_blocks
         self.scratch_block = kv.scratch_block
+        self.group_scratch = [kv.scratch_block, *kv.group_scratch]  # each cache group's scratch (= null) block
         self.kv_cache_bytes = kv.kv_cache_bytes
         self.profile_peak_bytes = kv.profile_peak_bytes
         self.graph_estimate_bytes = kv.graph_estimate_bytes
+        self.state_layers = list(kv.state.layers) if kv.state is not None else []
         self.sampler = sampler
         self.batch = batch
         self.pad_sizes = pad_sizes  # the decode padding ladder ([] when decode steps are not padded)
@@ -122,6 +125,7 @@ class ModelRunner:
                 all_ranks_decode: bool = True) -> SampleResult:
         """Run the model over the scheduled tokens and sample for requests that reached their end."""
         pieces = self.batch.update(out)
+        self._copy_states(out.state_copies)
         h, step = self._forward(pieces, max_tokens_any_rank, all_ranks_decode)
         if step.sampling is None:
             return SampleResult([], [])
@@ -133,6 +137,13 @@ class ModelRunner:
             md.grammar_rows_G, md.grammar_bitmask_GW = self._bitmask.fill(md.grammar_cpu)
         logits = self.model.compute_logits(h.index_select(0, step.logits_indices_S))
         return self.sampler(logits, md)
+
+    def _copy_states(self, copies: list[tuple[int, int]]) -> None:
+        """The scheduler's state-slot copies (prefix-cache snapshots, then restores), in order."""
+        for src, dst in copies:
+            for layer in self.state_layers:
+                for cache in layer.caches:
+                    cache[dst].copy_(cache[src])
 
     @torch.inference_mode()
     def execute_empty(self, max_tokens_any_rank: int | None = None, all_ranks_decode: bool = True) -> None:

@@ -1,12 +1,12 @@
 """The one place that picks kernels and communication backends for the hardware, and logs it.
 
-At start-up `choose` resolves one backend per kind of op: experts, attention, linear layers and
-norms (the classes in OPS, by the names that say what runs: "torch" for torch ops only, "cpu_c"
-for our C kernels in kernels/cpu_ops with torch ops for the shapes they do not take, "triton"),
-the process-group backend (gloo on CPUs, NCCL on GPUs) and the dispatch backend (DeepEP where it
-runs). The model runner builds the objects (`resolve_ops`) and binds them to the layers
-(`bind_ops`); a layer calls the object it holds and never asks which device it is on. Explicit
-choices override "auto" for comparisons and tests; models never name a kernel.
+At start-up `choose` resolves one backend per kind of op: experts, attention, linear layers,
+norms and linear attention (the classes in OPS, by the names that say what runs: "torch" for
+torch ops only, "cpu_c" for our C kernels in kernels/cpu_ops with torch ops for the shapes they
+do not take, "triton"), the process-group backend (gloo on CPUs, NCCL on GPUs) and the dispatch
+backend (DeepEP where it runs). The model runner builds the objects (`resolve_ops`) and binds
+them to the layers (`bind_ops`); a layer calls the object it holds and never asks which device it
+is on. Explicit choices override "auto" for comparisons and tests; models never name a kernel.
 
 A new backend for one kind of op is one class (with the methods of the kind's torch class) and
 one line in OPS.
@@ -23,6 +23,7 @@ from torch import nn
 
 from attention.backends import CpuCAttention, TorchAttention, TritonAttention
 from kernels import cpu_ops
+from kernels.gated_delta import TorchLinearAttention, TritonLinearAttention
 from kernels.grouped_gemm import CpuCExperts, TorchExperts, TritonExperts
 from kernels.linear import CpuCLinear, TorchLinear, TritonLinear
 from kernels.norm import CpuCNorm, TorchNorm
@@ -35,6 +36,7 @@ OPS: dict[str, dict[str, type]] = {
     "attention": {"torch": TorchAttention, "cpu_c": CpuCAttention, "triton": TritonAttention},
     "linear": {"torch": TorchLinear, "cpu_c": CpuCLinear, "triton": TritonLinear},
     "norm": {"torch": TorchNorm, "cpu_c": CpuCNorm},
+    "linear_attention": {"torch": TorchLinearAttention, "triton": TritonLinearAttention},
 }
 # Earlier names of the same backends, still accepted by the flags.
 ALIASES = {"reference": "torch"}
@@ -49,6 +51,7 @@ class PlatformChoice:
     all2all_backend: str
     linear_backend: str = "torch"
     norm_backend: str = "torch"
+    linear_attention_backend: str = "torch"
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,7 @@ class Ops:
     attention: object
     linear: object
     norm: object
+    linear_attention: object
 
     @property
     def compiles_kernels(self) -> bool:
@@ -69,9 +73,9 @@ class Ops:
 
     @property
     def captures_graphs(self) -> bool:
-        """Whether a decode step can be held in a CUDA graph: CUDA and an attention backend that
-        needs no host lengths."""
-        return self.device.type == "cuda" and self.attention.captures_graphs
+        """Whether a decode step can be held in a CUDA graph: CUDA, and attention and linear-attention
+        backends that need no host lengths."""
+        return self.device.type == "cuda" and self.attention.captures_graphs and self.linear_attention.captures_graphs
 
     def capturable(self) -> "Ops":
         """The backends a CUDA graph (or the CPU check of what one would hold) runs: no C call,
@@ -83,9 +87,9 @@ class Ops:
 
 
 def resolve_ops(device: torch.device, experts: str, attention: str, linear: str = "torch",
-                norm: str = "torch") -> Ops:
+                norm: str = "torch", linear_attention: str = "torch") -> Ops:
     """The backend objects for resolved names (EngineConfig's)."""
-    names = dict(experts=experts, attention=attention, linear=linear, norm=norm)
+    names = dict(experts=experts, attention=attention, linear=linear, norm=norm, linear_attention=linear_attention)
     return Ops(device, **{kind: OPS[kind][name](device) for kind, name in names.items()})
 
 
@@ -197,19 +201,21 @@ def fp8_activation_quant(device: torch.device) -> bool:
 
 def choose(device: str = "auto", moe_backend: str = "auto", attention_backend: str = "auto",
            all2all_backend: str = "auto", world_size: int = 1, hidden_size: int | None = None,
-           linear_backend: str = "auto", norm_backend: str = "auto") -> PlatformChoice:
+           linear_backend: str = "auto", norm_backend: str = "auto",
+           linear_attention_backend: str = "auto") -> PlatformChoice:
     dev = resolve_device(device)
     on_gpu = dev.type == "cuda"
     names = {kind: _backend_name(kind, req, on_gpu) for kind, req in
              (("experts", moe_backend), ("attention", attention_backend), ("linear", linear_backend),
-              ("norm", norm_backend))}
+              ("norm", norm_backend), ("linear_attention", linear_attention_backend))}
     a2a, why = choose_all2all(all2all_backend, on_gpu, world_size, hidden_size,
                               on_gpu and world_size > 1 and all2all_backend == "auto" and deepep_available())
     choice = PlatformChoice(dev, names["experts"], names["attention"], dist_backend(dev), a2a,
-                            names["linear"], names["norm"])
+                            names["linear"], names["norm"], names["linear_attention"])
     log.info("platform: device=%s moe_backend=%s attention_backend=%s linear_backend=%s norm_backend=%s "
-             "dist_backend=%s all2all_backend=%s (%s)", dev, choice.moe_backend, choice.attention_backend,
-             choice.linear_backend, choice.norm_backend, choice.dist_backend, a2a, why)
+             "linear_attention_backend=%s dist_backend=%s all2all_backend=%s (%s)", dev, choice.moe_backend,
+             choice.attention_backend, choice.linear_backend, choice.norm_backend, choice.linear_attention_backend,
+             choice.dist_backend, a2a, why)
     return choice
 
 

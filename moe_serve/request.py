@@ -39,7 +39,12 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache at admission
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)  # cache group 0's block table
+    # The other cache groups' tables (sliding / chunked layers: attention/kv_manager.py), the live
+    # state slot (linear attention) and a prefix-cache state snapshot lent until it is restored.
+    group_block_ids: list[list[int]] = field(default_factory=list)
+    state_slot: int | None = None
+    restore_from: int | None = None
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     first_token_time: float | None = None

@@ -8,6 +8,11 @@ prefix-cache hits) in chunks that fit the budget.
 When KV blocks run out, the most recently arrived running request is preempted: its blocks are
 freed and it goes back to the front of the queue to be recomputed later (its prefix blocks usually
 come back from the prefix cache).
+Blocks and state slots are taken and given back through the cache manager
+(attention/kv_manager.py), for every cache group of a request at once: a request is admitted or
+grown only when every group has room. For a model with per-sequence state (linear attention) and
+prefix caching, a prefill chunk that would cross the prompt's last block boundary ends there, so
+the state at that boundary can be kept for later prefix hits.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from attention.blocks import BlockAllocator, hash_block
+from attention.kv_manager import KVCacheManager
 from moe_serve.request import Request, RequestStatus
 
 
@@ -38,6 +44,11 @@ class SchedulerOutput:
     # drops the old row first, then adds the scheduled request.
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    # State-slot copies (src, dst) the runner makes before the forward, in order: snapshots of
+    # states that reached a block boundary in earlier steps, then prefix-hit restores. The slots
+    # restored from are held until `Scheduler.update` of this output.
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
+    restored_slots: list[int] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -45,10 +56,11 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, allocator: BlockAllocator, max_num_batched_tokens: int, max_num_seqs: int,
+    def __init__(self, allocator: BlockAllocator | KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
                  max_model_len: int):
-        self.alloc = allocator
-        self.block_size = allocator.block_size
+        self.kv = allocator if isinstance(allocator, KVCacheManager) else KVCacheManager.single(allocator)
+        self.alloc = self.kv.allocs[0]  # group 0's: the prefix-cache statistics and the usage figure
+        self.block_size = self.alloc.block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -61,6 +73,7 @@ class Scheduler:
         self.num_preemptions = 0
         self._finished_ids: set[str] = set()  # pending for the next non-empty SchedulerOutput
         self._preempted_ids: set[str] = set()
+        self._state_copies: list[tuple[int, int]] = []  # snapshots pending for the next non-empty output
 
     # --- queue ----------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -99,6 +112,7 @@ class Scheduler:
     # --- one step -------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._restores: list[tuple[int, int]] = []
         budget = self.max_num_batched_tokens
         # 1) running requests, decodes first: a long prompt's next chunk never delays the streams
         #    that need one token each. Then the unfinished prefill chunks, in arrival order.
@@ -110,7 +124,7 @@ class Scheduler:
                 left = req.num_tokens - req.num_computed_tokens
                 if (left == 1) != decodes or req.request_id in scheduled or req.status != RequestStatus.RUNNING:
                     continue
-                n = min(left, budget)
+                n = self._chunk(req, min(left, budget))
                 while not self._grow(req, n):
                     # Free blocks by preempting the latest arrival that is not already in this step.
                     victim = next(r for r in reversed(self.running) if r.request_id not in scheduled)
@@ -128,7 +142,7 @@ class Scheduler:
             req = self.waiting[0]
             if not req.block_ids:
                 self._attach_prefix(req)
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._chunk(req, min(req.num_tokens - req.num_computed_tokens, budget))
             if not self._grow(req, n):
                 # Give back the prefix blocks it was lent: a waiting request that holds blocks it
                 # cannot use could leave the running ones (or, once nothing runs, itself) without
@@ -140,15 +154,24 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens + n == req.num_tokens))
             budget -= n
+            if req.restore_from is not None:  # a prefix hit on a state snapshot: restore it first
+                out.restored_slots.append(req.restore_from)
+                self._restores.append((req.restore_from, req.state_slot))
+                req.restore_from = None
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         if out.scheduled:
             out.finished_req_ids, self._finished_ids = self._finished_ids, set()
             out.preempted_req_ids, self._preempted_ids = self._preempted_ids, set()
+            out.state_copies, self._state_copies = self._state_copies + self._restores, []
+        self._restores = []
         return out
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance the scheduled requests; append sampled tokens; return those that finished."""
         finished = []
+        if out.restored_slots:  # the runner has copied them: the snapshots may be evicted again
+            self.kv.state.free(out.restored_slots)
+            out.restored_slots = []
         for s in out.scheduled:
             req = s.request
             if req.is_finished:  # aborted while the step ran
@@ -159,37 +182,59 @@ class Scheduler:
                 if req.grammar is not None:
                     req.grammar.accept(req.output_token_ids[-1])
             self._register_full_blocks(req)
+            self._snapshot_state(req)
             if s.samples and req.check_stop_token():
                 self.running.remove(req)
                 self._release(req)
                 finished.append(req)
         return finished
 
-    # --- blocks ---------------------------------------------------------------------------------
+    # --- blocks ----------------------------------------------------------------------------------
     def _grow(self, req: Request, n: int) -> bool:
-        """Make room for n more tokens of req; False (and nothing changed) when blocks run out."""
-        need = self.alloc.blocks_needed(req.num_computed_tokens + n) - len(req.block_ids)
-        if need <= 0:
-            return True
-        if need > self.alloc.num_free_blocks:
-            return False
-        req.block_ids.extend(self.alloc.allocate(need))
-        return True
+        """Make room for n more tokens of req in every cache group; False (and nothing allocated)
+        when one runs out."""
+        return self.kv.grow(req, n)
 
-    def _attach_prefix(self, req: Request) -> None:
-        """Reuse cached blocks for the longest cached prefix. At least one token is always left to
-        compute, since the step that computes the last known token is the one that samples."""
-        tokens = req.all_token_ids
+    def _snapshot_boundary(self, req: Request) -> int:
+        """The position whose state a model with per-sequence state keeps for prefix hits: the last
+        block boundary a later request with this prompt can hit (0: none)."""
+        if not (self.kv.has_state and self.kv.enable_prefix_caching):
+            return 0
+        return (req.num_prompt_tokens - 1) // self.block_size * self.block_size
+
+    def _chunk(self, req: Request, n: int) -> int:
+        """n, or fewer: what the windowed groups hold for one request (`fit_chunk`), and ending at
+        the snapshot boundary when the chunk would cross it."""
+        n = self.kv.fit_chunk(req, n)
+        b = self._snapshot_boundary(req)
+        return b - req.num_computed_tokens if req.num_computed_tokens < b < req.num_computed_tokens + n else n
+
+    def _snapshot_state(self, req: Request) -> None:
+        b = self._snapshot_boundary(req)
+        if b and req.num_computed_tokens == b:
+            copy = self.kv.snapshot(req, self._hashes[req.request_id][b // self.block_size - 1])
+            if copy is not None:
+                self._state_copies.append(copy)
+
+    def _full_block_hashes(self, req: Request, nfull: int) -> list[bytes]:
+        """req's chained block hashes, extended to its first nfull full blocks."""
         hashes = self._hashes[req.request_id]
-        nfull = len(tokens) // self.block_size
+        tokens = req.all_token_ids
         parent = hashes[-1] if hashes else None
         for b in range(len(hashes), nfull):
             parent = hash_block(parent, tokens[b * self.block_size:(b + 1) * self.block_size])
             hashes.append(parent)
-        hits = self.alloc.lookup_prefix(hashes, (len(tokens) - 1) // self.block_size)
-        req.block_ids = hits
-        self._registered[req.request_id] = len(hits)
-        req.num_computed_tokens = len(hits) * self.block_size
+        return hashes
+
+    def _attach_prefix(self, req: Request) -> None:
+        """Reuse cached blocks for the longest cached prefix every cache group can resume from. At
+        least one token is always left to compute, since the step that computes the last known
+        token is the one that samples."""
+        tokens = req.all_token_ids
+        hashes = self._full_block_hashes(req, len(tokens) // self.block_size)
+        hits = self.kv.attach_prefix(req, hashes, (len(tokens) - 1) // self.block_size)
+        self._registered[req.request_id] = hits
+        req.num_computed_tokens = hits * self.block_size
         if req.num_preemptions == 0:
             req.num_cached_prompt_tokens = req.num_computed_tokens
             if req.request_id not in self._looked_up:  # the hit rate counts a prompt once, not per attempt
@@ -198,8 +243,7 @@ class Scheduler:
 
     def _detach_prefix(self, req: Request) -> None:
         """Undo _attach_prefix for a request that stays waiting."""
-        self.alloc.free(req.block_ids)
-        req.block_ids = []
+        self.kv.free(req)
         req.num_computed_tokens = 0
         self._registered[req.request_id] = 0
 
@@ -207,23 +251,15 @@ class Scheduler:
         """Hash and register the blocks that became full since the last call (once each)."""
         if not self.alloc.enable_prefix_caching:
             return
-        hashes = self._hashes[req.request_id]
         nfull = req.num_computed_tokens // self.block_size
         done = self._registered.get(req.request_id, 0)
         if nfull <= done:
             return
-        tokens = req.all_token_ids
-        parent = hashes[-1] if hashes else None
-        for b in range(len(hashes), nfull):
-            parent = hash_block(parent, tokens[b * self.block_size:(b + 1) * self.block_size])
-            hashes.append(parent)
-        for b in range(done, nfull):
-            self.alloc.register(req.block_ids[b], hashes[b])
+        self.kv.register(req, self._full_block_hashes(req, nfull), done, nfull)
         self._registered[req.request_id] = nfull
 
     def _preempt(self, req: Request) -> None:
-        self.alloc.free(req.block_ids)
-        req.block_ids = []
+        self.kv.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
@@ -234,8 +270,7 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         self._finished_ids.add(req.request_id)
-        self.alloc.free(req.block_ids)
-        req.block_ids = []
+        self.kv.free(req)
         self.requests.pop(req.request_id, None)
         self._hashes.pop(req.request_id, None)
         self._registered.pop(req.request_id, None)

@@ -177,7 +177,7 @@ def _load_fused(ex: GroupedExperts, proj: str, sl, dtype: torch.dtype, raw: str)
     for e, slots in ex.slots_of.items():
         w = sl[e].to(dtype)  # reads only expert e's rows from disk
         if proj == "gate_up_proj":
-            if tuple(w.shape) == (D, 2 * F):  # (E, D, 2F) layout: transpose to (2F, D)
+            if tuple(w.shape) == (D, 2 * F) and D != 2 * F:  # (E, D, 2F) layout: transpose to (2F, D)
                 w = w.t()
             if tuple(w.shape) != (2 * F, D):
                 raise ValueError(f"tensor {raw!r} has shape {shape}, expected (E, {2 * F}, {D})")

@@ -321,8 +321,231 @@ def build_gpt_oss_mxfp4(path: str) -> str:
     return path
 
 
+def build_minimax_m2(path: str) -> str:
+    """MiniMax-M2 as the Hub ships it: q/k norm over the whole projection, a quarter of each head
+    rotated (Hub-style `rotary_dim` and `rope_theta` keys, and the Hub's other MiniMax-M2 fields),
+    head_dim not hidden / heads, sigmoid routing with a correction bias wide enough to change which
+    experts are chosen, per-expert w1/w2/w3 under `block_sparse_moe` and a multi-token-prediction
+    layer after the last one."""
+    from safetensors.torch import load_file, save_file
+    from transformers import MiniMaxM2Config, MiniMaxM2ForCausalLM
+
+    special = _tokenizer(path)
+    cfg = MiniMaxM2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, rotary_dim=8,
+                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, num_local_experts=8,
+                          num_experts_per_tok=3, max_position_embeddings=1024, eos_token_id=special["<|im_end|>"],
+                          bos_token_id=None, pad_token_id=special["<|endoftext|>"], tie_word_embeddings=False)
+    assert cfg.rope_parameters["partial_rotary_factor"] == 0.25
+    torch.manual_seed(0)
+    m = MiniMaxM2ForCausalLM(cfg).eval()
+    widen_(m, 10)
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for layer in m.model.layers:
+            b = layer.mlp.e_score_correction_bias
+            b.copy_(0.3 * torch.randn(b.shape, generator=g))
+    m.save_pretrained(path)
+    sd = load_file(os.path.join(path, "model.safetensors"))
+    assert "model.layers.0.block_sparse_moe.experts.0.w1.weight" in sd
+    for k in [k for k in sd if k.startswith("model.layers.1.")]:
+        sd[k.replace("model.layers.1.", "model.layers.2.")] = sd[k].clone()
+    sd["model.layers.2.eh_proj.weight"] = torch.randn(64, 128)
+    save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(path, "model.safetensors"),
+              metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json")) as f:
+        c = json.load(f)
+    c["rope_theta"] = c.pop("rope_parameters")["rope_theta"]
+    c.update(use_qk_norm=True, qk_norm_type="per_layer", scoring_func="sigmoid", use_routing_bias=True,
+             shared_intermediate_size=0, attn_type_list=[1, 1], use_mtp=True, num_mtp_modules=1,
+             mtp_transformer_layers=1)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(c, f, indent=2)
+    return path
+
+
+# Llama-4: chunks of 8 tokens (prompts of the parity tests span several, and blocks of 4 split them).
+LLAMA4_CHUNK = 8
+
+
+def _llama4_text_config(special: dict):
+    """Four layers covering each kind: NoPE every second layer (no_rope_layer_interval 2: layers 1
+    and 3, full attention, temperature-tuned from position 3 on with floor_scale 4), RoPE layers with
+    q/k L2 norm and chunked attention (0 and 2), MoE in layers 1 and 2 (top-1 of 4 experts and a
+    shared expert), dense MLPs of another width in 0 and 3; llama3 RoPE scaling."""
+    from transformers import Llama4TextConfig
+
+    return Llama4TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, intermediate_size_mlp=96,
+                            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            num_local_experts=4, num_experts_per_tok=1, moe_layers=[1, 2], no_rope_layer_interval=2,
+                            attention_chunk_size=LLAMA4_CHUNK, attn_temperature_tuning=True, floor_scale=4,
+                            attn_scale=0.5, use_qk_norm=True, max_position_embeddings=1024,
+                            rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                             "original_max_position_embeddings": 64},
+                            eos_token_id=special["<|im_end|>"], bos_token_id=None,
+                            pad_token_id=special["<|endoftext|>"], tie_word_embeddings=False)
+
+
+def build_llama4(path: str) -> str:
+    """Llama4ForCausalLM (see _llama4_text_config), its config.json as the Hub's older ones are:
+    no `layer_types` and an empty `no_rope_layers` (both derived from the other fields)."""
+    from transformers import Llama4ForCausalLM
+
+    special = _tokenizer(path)
+    cfg = _llama4_text_config(special)
+    assert cfg.no_rope_layers == [1, 0, 1, 0]
+    assert cfg.layer_types == ["chunked_attention", "full_attention"] * 2
+    torch.manual_seed(0)
+    m = Llama4ForCausalLM(cfg).eval()
+    widen_(m, 12)
+    m.save_pretrained(path)
+    with open(os.path.join(path, "config.json")) as f:
+        c = json.load(f)
+    c.pop("layer_types")
+    c["no_rope_layers"] = []
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(c, f, indent=2)
+    return path
+
+
+def build_llama4_multimodal(path: str) -> str:
+    """Llama4ForConditionalGeneration: the same kind of language model (other weights) beside a
+    tiny vision tower and projector, saved whole (`language_model.*`, `vision_model.*`,
+    `multi_modal_projector.*`; config.json with text_config and vision_config)."""
+    from transformers import Llama4Config, Llama4ForConditionalGeneration, Llama4VisionConfig
+
+    special = _tokenizer(path)
+    vision = Llama4VisionConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                                vision_output_dim=48, image_size=28, patch_size=14, projector_input_dim=48,
+                                projector_output_dim=48)
+    cfg = Llama4Config(text_config=_llama4_text_config(special).to_dict(), vision_config=vision.to_dict(),
+                       image_token_index=VOCAB - 1, boi_token_index=VOCAB - 2, eoi_token_index=VOCAB - 3)
+    torch.manual_seed(0)
+    m = Llama4ForConditionalGeneration(cfg).eval()
+    widen_(m, 13)
+    m.save_pretrained(path)
+    return path
+
+
+def _widen_qwen3_next(model: torch.nn.Module, seed: int) -> None:
+    """widen_, then values suited to Qwen3-Next / Qwen3.5: the zero-centred norms (all but the
+    linear attention's gated output norm) near 0, so that (1 + w) is near 1; per value head a decay
+    exp(-A * softplus(a + dt_bias)) from nearly 1 to about 0.7 per token (A = exp(A_log) in
+    [0.05, 2], softplus(dt_bias) in [0.01, 0.3]), so the recurrent state carries a long history."""
+    widen_(model, seed)
+    g = torch.Generator().manual_seed(seed + 1000)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") and "linear_attn" not in name and "visual" not in name:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(0.05, 2.0, generator=g).log())
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.expm1(torch.empty(p.shape).uniform_(0.01, 0.3, generator=g)).log())
+
+
+def _qwen3_next_fields(special: dict) -> dict:
+    """Four layers, three Gated DeltaNet then one gated full attention (the default 3:1 pattern),
+    2 key heads repeated to 4 value heads, key dim twice the value dim; 6 experts, top 2, and a
+    shared expert. Each builder sets RoPE (half of each attention head turns)."""
+    return dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=8,
+                linear_num_key_heads=2, linear_num_value_heads=4, moe_intermediate_size=32,
+                shared_expert_intermediate_size=48, num_experts=6, num_experts_per_tok=2,
+                max_position_embeddings=1024, eos_token_id=special["<|im_end|>"], bos_token_id=None,
+                pad_token_id=special["<|endoftext|>"], tie_word_embeddings=False)
+
+
+def build_qwen3_next(path: str) -> str:
+    """Qwen3NextForCausalLM (see _qwen3_next_fields) with a dense MLP in layer 2 (mlp_only_layers),
+    per-expert tensors, and config.json as the Hub's is: no `layer_types` (derived from
+    full_attention_interval), rope_theta and partial_rotary_factor at the top level; plus a
+    multi-token-prediction tensor (`mtp.*`) to skip."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    special = _tokenizer(path)
+    cfg = Qwen3NextConfig(**_qwen3_next_fields(special), intermediate_size=96, mlp_only_layers=[2],
+                          norm_topk_prob=True,
+                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+    assert cfg.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    torch.manual_seed(0)
+    m = Qwen3NextForCausalLM(cfg).eval()
+    _widen_qwen3_next(m, 14)
+    m.save_pretrained(path)
+    sd = load_file(os.path.join(path, "model.safetensors"))
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in sd
+    sd["mtp.fc.weight"] = torch.randn(64, 128)
+    save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(path, "model.safetensors"),
+              metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json")) as f:
+        c = json.load(f)
+    c.pop("layer_types")
+    rope = c.pop("rope_parameters")
+    c.update(full_attention_interval=4, rope_theta=rope["rope_theta"], partial_rotary_factor=rope["partial_rotary_factor"])
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(c, f, indent=2)
+    return path
+
+
+def _qwen3_5_moe_text_config(special: dict):
+    from transformers import Qwen3_5MoeTextConfig
+
+    return Qwen3_5MoeTextConfig(**_qwen3_next_fields(special),
+                                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                 "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1],
+                                                 "mrope_interleaved": True})
+
+
+def build_qwen3_5_moe(path: str) -> str:
+    """Qwen3_5MoeForCausalLM (see _qwen3_next_fields; an MoE in every layer), experts stored as
+    fused 3-D tensors: gate_up_proj (E, 2F, D), down_proj (E, D, F)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3_5MoeForCausalLM
+
+    special = _tokenizer(path)
+    cfg = _qwen3_5_moe_text_config(special)
+    torch.manual_seed(0)
+    m = Qwen3_5MoeForCausalLM(cfg).eval()
+    _widen_qwen3_next(m, 15)
+    m.save_pretrained(path)
+    sd = load_file(os.path.join(path, "model.safetensors"))
+    out = {k: v for k, v in sd.items() if ".experts." not in k}
+    for i in range(cfg.num_hidden_layers):
+        pre = f"model.layers.{i}.mlp.experts"
+        E = cfg.num_experts
+        out[f"{pre}.gate_up_proj"] = torch.stack(
+            [torch.cat([sd[f"{pre}.{e}.gate_proj.weight"], sd[f"{pre}.{e}.up_proj.weight"]]) for e in range(E)])
+        out[f"{pre}.down_proj"] = torch.stack([sd[f"{pre}.{e}.down_proj.weight"] for e in range(E)])
+    save_file({k: v.contiguous() for k, v in out.items()}, os.path.join(path, "model.safetensors"),
+              metadata={"format": "pt"})
+    return path
+
+
+def build_qwen3_5_moe_vl(path: str) -> str:
+    """Qwen3_5MoeForConditionalGeneration: the same kind of language model (other weights) beside a
+    tiny vision tower, saved whole (`model.language_model.*`, `model.visual.*`, `lm_head.*`;
+    config.json with text_config and vision_config)."""
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration, Qwen3_5MoeVisionConfig
+
+    special = _tokenizer(path)
+    vision = Qwen3_5MoeVisionConfig(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
+                                    out_hidden_size=64, num_position_embeddings=16)
+    cfg = Qwen3_5MoeConfig(text_config=_qwen3_5_moe_text_config(special).to_dict(), vision_config=vision.to_dict(),
+                           image_token_id=VOCAB - 1, video_token_id=VOCAB - 2, vision_start_token_id=VOCAB - 3,
+                           vision_end_token_id=VOCAB - 4, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    m = Qwen3_5MoeForConditionalGeneration(cfg).eval()
+    _widen_qwen3_next(m, 16)
+    m.save_pretrained(path)
+    return path
+
+
 EXTRA_BUILDERS = {"qwen2_moe": build_qwen2_moe, "olmoe": build_olmoe, "kimi_k2": build_kimi_k2,
-                  "glm4_moe": build_glm4_moe, "gpt_oss": build_gpt_oss, "gpt_oss_mxfp4": build_gpt_oss_mxfp4}
+                  "glm4_moe": build_glm4_moe, "gpt_oss": build_gpt_oss, "gpt_oss_mxfp4": build_gpt_oss_mxfp4,
+                  "minimax_m2": build_minimax_m2, "llama4": build_llama4, "llama4_mm": build_llama4_multimodal,
+                  "qwen3_next": build_qwen3_next, "qwen3_5_moe": build_qwen3_5_moe, "qwen3_5_moe_vl": build_qwen3_5_moe_vl}
 
 
 class LazyCheckpoints:

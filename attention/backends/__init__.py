@@ -40,9 +40,9 @@ class TorchAttention:
         reference.write_latent(latent_TC, latent_cache, slot_mapping_T)
 
     def paged_attention(self, q_TNH, k_cache, v_cache, meta, scale: float, *, sliding_window: int | None = None,
-                        sinks: torch.Tensor | None = None) -> torch.Tensor:
+                        sinks: torch.Tensor | None = None, attention_chunk: int | None = None) -> torch.Tensor:
         return reference.paged_attention(q_TNH, k_cache, v_cache, meta, scale, sliding_window=sliding_window,
-                                         sinks=sinks)
+                                         sinks=sinks, attention_chunk=attention_chunk)
 
     def mla_paged_attention(self, q_latent_TNL, q_pe_TNR, latent_cache, meta, scale: float) -> torch.Tensor:
         return reference.mla_paged_attention(q_latent_TNL, q_pe_TNR, latent_cache, meta, scale)
@@ -55,12 +55,15 @@ class TorchAttention:
 
 
 class CpuCAttention(TorchAttention):
+    """The C kernels attend to every key of the context: sliding-window, chunked and sink layers
+    take the torch ops (reference.paged_attention does not hand them to `fast`)."""
+
     name = "cpu_c"
 
     def paged_attention(self, q_TNH, k_cache, v_cache, meta, scale: float, *, sliding_window: int | None = None,
-                        sinks: torch.Tensor | None = None) -> torch.Tensor:
+                        sinks: torch.Tensor | None = None, attention_chunk: int | None = None) -> torch.Tensor:
         return reference.paged_attention(q_TNH, k_cache, v_cache, meta, scale, sliding_window=sliding_window,
-                                         sinks=sinks, fast=self)
+                                         sinks=sinks, attention_chunk=attention_chunk, fast=self)
 
     def decodes(self, q_TNH, k_cache, v_cache, meta, scale: float) -> torch.Tensor | None:
         """(nd, N, Hv) float32 attention of the step's leading decodes by the C kernel, reading keys
@@ -110,9 +113,10 @@ class TritonAttention:
         self.kernels.write_latent(latent_TC, latent_cache, slot_mapping_T)
 
     def paged_attention(self, q_TNH, k_cache, v_cache, meta, scale: float, *, num_splits: int | None = None,
-                        sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                        sliding_window: int | None = None, sinks: torch.Tensor | None = None,
+                        attention_chunk: int | None = None) -> torch.Tensor:
         return self.kernels.paged_attention(q_TNH, k_cache, v_cache, meta, scale, num_splits=num_splits,
-                                            sliding_window=sliding_window, sinks=sinks)
+                                            sliding_window=sliding_window, sinks=sinks, attention_chunk=attention_chunk)
 
     def mla_paged_attention(self, q_latent_TNL, q_pe_TNR, latent_cache, meta, scale: float, *,
                             num_splits: int | None = None) -> torch.Tensor:
@@ -154,7 +158,7 @@ class TritonAttention:
                           caches[0], caches[1], meta.slot_mapping)
             self.paged_attention(torch.empty(T, layer.num_heads, H, dtype=dtype, device=dev), caches[0], caches[1],
                                  meta, layer.scale, num_splits=num_splits, sliding_window=layer.sliding_window,
-                                 sinks=layer.sinks)
+                                 sinks=layer.sinks, attention_chunk=layer.attention_chunk)
 
     def warm_up(self, layer, num_heads: int, dtype: torch.dtype, block_size: int, max_len: int, split: bool) -> None:
         """Every variant the layer launches: one launch per kind of step (`steps`)."""

@@ -98,7 +98,7 @@ def _decode_gather(cache: torch.Tensor, blocks) -> torch.Tensor:
 
 def paged_attention(q_TNH: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, *, sliding_window: int | None = None,
-                    sinks: torch.Tensor | None = None, fast=None) -> torch.Tensor:
+                    sinks: torch.Tensor | None = None, attention_chunk: int | None = None, fast=None) -> torch.Tensor:
     """Causal attention of the packed queries over their paged contexts (prefill, chunked, decode).
 
     Returns (T, N, Hv) in q's dtype; scores and softmax are computed in float32. The decodes at the
@@ -108,14 +108,18 @@ def paged_attention(q_TNH: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     sliding_window W (GPT-OSS's sliding layers): the query at position p sees keys p - W + 1 .. p
     only (transformers' sliding mask); only the blocks holding those keys are gathered. sinks (N,)
     (GPT-OSS): one learned logit per head joins each softmax's denominator (an attention sink that
-    takes weight but adds no value).
+    takes weight but adds no value). attention_chunk C (Llama-4's chunked layers): the query at
+    position p sees keys (p // C) * C .. p only; blocks before the first query's chunk are never
+    gathered (the cache manager frees them as the request advances). These layers take the torch
+    path on every backend that has one (the C kernels attend to every key).
 
     fast: an object whose `decodes` and `prefills` take the step's leading decodes / its prefill
     chunks where they can (the "cpu_c" backend's C kernels: attention/backends/cpu_c.py); None
     (the "torch" backend): torch ops only.
     """
-    if sliding_window is not None or sinks is not None:
-        return _paged_attention_windowed(q_TNH, k_cache, v_cache, meta, scale, sliding_window, sinks)
+    if sliding_window is not None or sinks is not None or attention_chunk is not None:
+        return _paged_attention_windowed(q_TNH, k_cache, v_cache, meta, scale, sliding_window, sinks,
+                                         attention_chunk)
     T, N, _ = q_TNH.shape
     o = fast.decodes(q_TNH, k_cache, v_cache, meta, scale) if fast is not None else None
     if o is not None:  # the CPU's decodes, read in place from the cache by our C kernel
@@ -175,17 +179,28 @@ def _attend(q_BNQH: torch.Tensor, k_BGSH: torch.Tensor, v_BGSH: torch.Tensor, vi
     return torch.stack([torch.bmm(p[:, g], v_BGSH[:, g]) for g in range(G)], 1).view(B, N, Q, v_BGSH.shape[-1])
 
 
-def _decode_plan_windowed(meta: AttentionMetadata, block_size: int, window: int | None):
-    """As `_decode_plan`, for a window: each decode gathers only the blocks holding its last
-    `window` keys ((nd, K) block ids, K the most any decode needs) and the (nd, K * block_size)
-    mask of the keys it sees. Made once a step per window (sliding and full layers differ)."""
-    key = ("reference_decode_window", window)
+def _first_key(pos: int, window: int | None, chunk: int | None) -> int:
+    """The first key position a query at `pos` sees: its window's start, its chunk's, else 0."""
+    if window:
+        return max(0, pos - window + 1)
+    if chunk:
+        return pos // chunk * chunk
+    return 0
+
+
+def _decode_plan_windowed(meta: AttentionMetadata, block_size: int, window: int | None, chunk: int | None = None):
+    """As `_decode_plan`, for a window or a chunk: each decode gathers only the blocks holding the
+    keys it sees (its last `window` keys, or its chunk's so far) ((nd, K) block ids, K the most any
+    decode needs) and the (nd, K * block_size) mask of those keys. Made once a step per window and
+    chunk (sliding, chunked and full layers differ)."""
+    key = ("reference_decode_window", window, chunk)
     plan = meta.backend_plans.get(key)
     if plan is None:
         nd = meta.leading_decodes
         if nd > 1:
             lens = meta.seq_lens_cpu[:nd]
-            first = [max(0, n - window) // block_size if window else 0 for n in lens]
+            starts = [_first_key(n - 1, window, chunk) for n in lens]
+            first = [k // block_size for k in starts]
             last = [(n + block_size - 1) // block_size for n in lens]
             K = max(b - a for a, b in zip(first, last))
             dev = meta.block_tables.device
@@ -194,10 +209,8 @@ def _decode_plan_windowed(meta: AttentionMetadata, block_size: int, window: int 
                                  torch.tensor(last, device=dev)[:, None] - 1)
             blocks = meta.block_tables[:nd].long().gather(1, cols)
             pos = first_t * block_size + torch.arange(K * block_size, device=dev)[None, :]
-            n_t = torch.tensor(lens, device=dev)[:, None]
-            visible = pos < n_t
-            if window:
-                visible &= pos >= n_t - window
+            visible = pos < torch.tensor(lens, device=dev)[:, None]
+            visible &= pos >= torch.tensor(starts, device=dev)[:, None]
             plan = (nd, blocks, visible)
         else:
             plan = (0, None, None)
@@ -206,12 +219,13 @@ def _decode_plan_windowed(meta: AttentionMetadata, block_size: int, window: int 
 
 
 def _paged_attention_windowed(q_TNH, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                              window: int | None, sinks_N: torch.Tensor | None) -> torch.Tensor:
+                              window: int | None, sinks_N: torch.Tensor | None,
+                              chunk: int | None = None) -> torch.Tensor:
     T, N, _ = q_TNH.shape
     bs = k_cache.shape[1]
     out = torch.empty(T, N, v_cache.shape[-1], dtype=q_TNH.dtype, device=q_TNH.device)
     sinks = None if sinks_N is None else sinks_N.to(torch.float32)
-    nd, blocks, visible = _decode_plan_windowed(meta, bs, window)
+    nd, blocks, visible = _decode_plan_windowed(meta, bs, window, chunk)
     if nd:
         k = _decode_gather(k_cache, blocks)  # (B, S, G, H)
         v = _decode_gather(v_cache, blocks)
@@ -224,8 +238,8 @@ def _paged_attention_windowed(q_TNH, k_cache, v_cache, meta: AttentionMetadata, 
         ctx = meta.seq_lens_cpu[b]
         if q_len == 0:
             continue
-        # Keys before the first query's window are never read: start at the block holding it.
-        first = max(0, ctx - q_len - window + 1) // bs if window else 0
+        # Keys before the first query's window (chunk) are never read: start at the block holding it.
+        first = _first_key(ctx - q_len, window, chunk) // bs
         table = meta.block_tables[b, first:]
         k = _acc(_gather(k_cache, table, ctx - first * bs)).transpose(0, 1)[None]  # (1, G, S, H)
         v = _acc(_gather(v_cache, table, ctx - first * bs)).transpose(0, 1)[None]
@@ -235,6 +249,8 @@ def _paged_attention_windowed(q_TNH, k_cache, v_cache, meta: AttentionMetadata, 
         vis = k_pos <= q_pos
         if window:
             vis &= k_pos > q_pos - window
+        if chunk:
+            vis &= k_pos >= q_pos // chunk * chunk
         o = _attend(q, k, v, vis, scale, sinks)
         out[s:s + q_len] = o[0].transpose(0, 1).to(out.dtype)
         s += q_len

@@ -56,10 +56,11 @@ def _write_rows_kernel(src_ptr, cache_ptr, slot_ptr, R, C, block_size,
 
 
 # Launch arguments that change from step to step (batch, context and split counts, and the strides
-# of buffers sized by them). Triton would otherwise specialise each integer argument on "== 1" and
-# "divisible by 16" and compile a new variant mid-serving whenever one of those flips.
-_PER_STEP_ATTN_ARGS = ("num_q_tiles", "num_splits", "window", "stride_bt", "stride_ot", "stride_on", "stride_os",
-                       "stride_lt", "stride_ln")
+# of buffers sized by them), and the window and chunk lengths (one variant serves every length).
+# Triton would otherwise specialise each integer argument on "== 1" and "divisible by 16" and
+# compile a new variant mid-serving whenever one of those flips.
+_PER_STEP_ATTN_ARGS = ("num_q_tiles", "num_splits", "window", "chunk", "stride_bt", "stride_ot", "stride_on",
+                       "stride_os", "stride_lt", "stride_ln")
 _PER_STEP_REDUCE_ARGS = ("num_splits", "stride_wt", "stride_wn", "stride_ws", "stride_lt", "stride_ln")
 
 
@@ -67,7 +68,7 @@ _PER_STEP_REDUCE_ARGS = ("num_splits", "stride_wt", "stride_wn", "stride_ws", "s
 def _paged_attn_kernel(
     q_ptr, qr_ptr, k_ptr, kr_ptr, v_ptr, out_ptr, lse_ptr, sinks_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_ptr,
-    scale_log2, num_q_tiles, QH, HD, HR, HV, block_size, num_splits, window,
+    scale_log2, num_q_tiles, QH, HD, HR, HV, block_size, num_splits, window, chunk,
     stride_qt, stride_qn, stride_qd, stride_qrt, stride_qrn, stride_qrd,
     stride_kb, stride_ks, stride_kg, stride_kd, stride_krb, stride_krs, stride_krg, stride_krd,
     stride_vb, stride_vs, stride_vg, stride_vd, stride_bt,
@@ -76,6 +77,7 @@ def _paged_attn_kernel(
     BLOCK_HD: tl.constexpr, BLOCK_HR: tl.constexpr, BLOCK_HV: tl.constexpr,
     SPLIT_K: tl.constexpr, HAS_ROPE: tl.constexpr, SHARED_KV: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, SLIDING: tl.constexpr, HAS_SINKS: tl.constexpr,
+    CHUNKED: tl.constexpr,
 ):
     """Softmax(q . k [+ q_r . k_r]) v for a (BLOCK_Q tokens x BLOCK_QH heads) tile over one key split.
 
@@ -87,9 +89,11 @@ def _paged_attn_kernel(
     workspace and lse (T, N, S) receives each split's log2-sum-exp for the reduce kernel. The split
     count is a runtime argument, so any count runs on the same compiled kernel.
 
-    SLIDING: query position p sees keys p - window + 1 .. p only; the key loop starts at the
-    tile's first visible key. HAS_SINKS: sinks (N,) float32 logits join the softmax denominator,
-    here without SPLIT_K, in the reduce kernel with it (once per row).
+    SLIDING: query position p sees keys p - window + 1 .. p only; CHUNKED: keys (p // chunk) * chunk
+    .. p only. Either way the key loop starts at the tile's first query's first visible key, so
+    blocks before it (freed by the cache manager, their table entries stale) are never read.
+    HAS_SINKS: sinks (N,) float32 logits join the softmax denominator, here without SPLIT_K, in the
+    reduce kernel with it (once per row).
     """
     if BLOCK_Q == 1:  # decode: head tiles fastest
         pid_h = tl.program_id(0)
@@ -119,8 +123,12 @@ def _paged_attn_kernel(
 
     # Keys this tile can see at all, cut into num_splits BLOCK_N-aligned ranges.
     kv_len = ctx - q_len + tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len)
-    if SLIDING:  # keys before the tile's first query's window are never read
-        kv_lo = tl.maximum(ctx - q_len + q_tile * BLOCK_Q - window + 1, 0)
+    if SLIDING or CHUNKED:  # keys before the tile's first query's window (chunk) are never read
+        first_q = ctx - q_len + q_tile * BLOCK_Q
+        if SLIDING:
+            kv_lo = tl.maximum(first_q - window + 1, 0)
+        else:
+            kv_lo = first_q // chunk * chunk
         split_len = tl.cdiv(tl.cdiv(kv_len - kv_lo, num_splits), BLOCK_N) * BLOCK_N
         kv_start = kv_lo + split * split_len
     else:
@@ -159,6 +167,8 @@ def _paged_attn_kernel(
         visible = k_mask[None, :] & (pos[None, :] <= q_pos[:, None])
         if SLIDING:
             visible = visible & (pos[None, :] > q_pos[:, None] - window)
+        if CHUNKED:
+            visible = visible & (pos[None, :] >= (q_pos // chunk * chunk)[:, None])
         s = tl.where(visible, s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row with nothing visible yet keeps m = -inf; subtract 0 instead so no NaN (-inf - -inf).
@@ -297,7 +307,7 @@ def choose_num_splits(decode_only: bool, num_seqs: int, max_seq_len: int, head_p
 
 def attention_launch(decode_only: bool, QH: int, HD: int, HR: int, HV: int, dtype: torch.dtype,
                      has_rope: bool, shared_kv: bool, split_k: bool, sliding: bool = False,
-                     sinks: bool = False) -> dict:
+                     sinks: bool = False, chunked: bool = False) -> dict:
     """Every constexpr and launch option of `_paged_attn_kernel` for one kind of batch: the things
     that select a compiled variant. They depend on the model's head shape, its dtype, decode versus
     prefill and whether keys are split, never on batch size or context length (kernels/aot_check.py
@@ -322,7 +332,7 @@ def attention_launch(decode_only: bool, QH: int, HD: int, HR: int, HV: int, dtyp
                 BLOCK_HD=max(16, triton.next_power_of_2(HD)), BLOCK_HR=max(16, triton.next_power_of_2(max(HR, 1))),
                 BLOCK_HV=max(16, triton.next_power_of_2(HV)), SPLIT_K=split_k, HAS_ROPE=has_rope,
                 SHARED_KV=shared_kv, PREC="ieee" if dtype == torch.float32 else "tf32", UPCAST=INTERPRETED,
-                SLIDING=sliding, HAS_SINKS=sinks, num_warps=warps, num_stages=2)
+                SLIDING=sliding, HAS_SINKS=sinks, CHUNKED=chunked, num_warps=warps, num_stages=2)
 
 
 def reduce_launch(HV: int, sinks: bool = False) -> dict:
@@ -346,7 +356,7 @@ def _fp32_placeholder(device: torch.device) -> torch.Tensor:
 
 def _attend(q, q_r, k, k_r, v, meta: AttentionMetadata, scale: float, HV: int, shared_kv: bool,
             num_splits: int | None, out: torch.Tensor | None, window: int | None = None,
-            sinks: torch.Tensor | None = None) -> torch.Tensor:
+            sinks: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
     """Launch the attention (and reduce) kernels; k/k_r/v are 4-D (blocks, block_size, G, dim) views."""
     T, N, HD = q.shape
     G = k.shape[2]
@@ -367,7 +377,7 @@ def _attend(q, q_r, k, k_r, v, meta: AttentionMetadata, scale: float, HV: int, s
     S = num_splits or choose_num_splits(meta.is_decode_only, meta.num_seqs, meta.max_seq_len, head_programs,
                                         _device_sms(q.device))
     launch = attention_launch(meta.is_decode_only, QH, HD, HR, HV, q.dtype, has_rope, shared_kv, S > 1,
-                              window is not None, sinks is not None)
+                              window is not None, sinks is not None, chunk is not None)
     if S > 1:
         ws = torch.empty((T, N, S, HV), dtype=torch.float32, device=q.device)
         lse = torch.empty((T, N, S), dtype=torch.float32, device=q.device)
@@ -384,7 +394,7 @@ def _attend(q, q_r, k, k_r, v, meta: AttentionMetadata, scale: float, HV: int, s
     _paged_attn_kernel[grid](
         q, q_r, k, k_r, v, dst, lse if lse is not None else dst, sinks_arg,
         meta.block_tables, meta.seq_lens, meta.query_start_loc,
-        scale * _LOG2E, num_q_tiles, QH, HD, HR, HV, meta.block_size, S, window or 0,
+        scale * _LOG2E, num_q_tiles, QH, HD, HR, HV, meta.block_size, S, window or 0, chunk or 1,
         *q.stride(), *q_r.stride(), *k.stride(), *k_r.stride(), *v.stride(), meta.block_tables.stride(0),
         *dst_strides, *lse_strides, **launch)
     if S > 1:
@@ -397,7 +407,7 @@ def _attend(q, q_r, k, k_r, v, meta: AttentionMetadata, scale: float, HV: int, s
 def paged_attention(q_TNH: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, *, num_splits: int | None = None,
                     out_TNH: torch.Tensor | None = None, sliding_window: int | None = None,
-                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    sinks: torch.Tensor | None = None, attention_chunk: int | None = None) -> torch.Tensor:
     """Causal attention of the packed queries over their paged contexts (prefill, chunked, decode).
 
     Args:
@@ -410,13 +420,17 @@ def paged_attention(q_TNH: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         out_TNH: optional (T, N, Hv) output buffer of q's dtype; rows of sequence tokens are overwritten.
         sliding_window: each query sees its last `sliding_window` keys only (GPT-OSS's sliding layers).
         sinks: (N,) float32 per-head logits in every softmax's denominator (GPT-OSS).
+        attention_chunk: the query at position p sees keys (p // c) * c .. p only (Llama-4's chunked
+            layers); not together with sliding_window.
     Returns:
         (T, N, Hv) in q's dtype; scores, softmax and accumulation are fp32.
     """
     if sinks is not None and (sinks.dtype != torch.float32 or not sinks.is_contiguous()):
         raise ValueError(f"sinks must be a contiguous float32 (N,) tensor, got {sinks.dtype}")
+    if sliding_window is not None and attention_chunk is not None:
+        raise ValueError("sliding_window and attention_chunk exclude each other")
     return _attend(q_TNH, None, k_cache, None, v_cache, meta, scale, v_cache.shape[-1], False,
-                   num_splits, out_TNH, sliding_window, sinks)
+                   num_splits, out_TNH, sliding_window, sinks, attention_chunk)
 
 
 def mla_paged_attention(q_latent_TNL: torch.Tensor, q_pe_TNR: torch.Tensor, latent_cache: torch.Tensor,

@@ -10,7 +10,7 @@ every (token, k), which replica serves it. This rank holds slots
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -159,14 +159,18 @@ class GroupedExperts(nn.Module):
 
 
 class MoE(nn.Module):
-    """Sparse MoE block; `shared_experts` (DeepSeek) run while routed tokens are away."""
+    """Sparse MoE block; `shared_experts` (DeepSeek) run while routed tokens are away.
+
+    weights_on_inputs (Llama-4): the routing weight scales each (token, expert) pair's input, not
+    its output: y = sum_k expert_k(w_k * x), the outputs added with weight 1 (`pairs_as_rows`)."""
 
     op_kind = "experts"  # platform.bind_ops gives the layer its experts backend
     ops = TorchExperts()
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, router: nn.Module,
                  ctx: MoEContext, dtype, shared_experts: nn.Module | None = None,
-                 experts_cls: type | None = None, experts_kwargs: dict | None = None, *, layer_index: int):
+                 experts_cls: type | None = None, experts_kwargs: dict | None = None, *, layer_index: int,
+                 weights_on_inputs: bool = False):
         """layer_index: this layer's place among the model's MoE layers (0 for the first), which
         indexes placements and recorded load; the model derives it from its layer ids.
         experts_cls / experts_kwargs: another GroupedExperts (GPT-OSS's MXFP4 experts) and extra
@@ -190,6 +194,7 @@ class MoE(nn.Module):
         self.experts = (experts_cls or GroupedExperts)(d.slots_per_rank, hidden_size, intermediate_size,
                                                        p2l[lo: lo + d.slots_per_rank], dtype, **(experts_kwargs or {}))
         self.shared_experts = shared_experts
+        self.weights_on_inputs = weights_on_inputs
         self.replica_map: Any = None  # logical ids -> physical slot ids when any expert has replicas
         self._set_map(p2l)
 
@@ -243,22 +248,47 @@ class MoE(nn.Module):
         if step.load_recorder is not None:
             step.load_recorder(self.layer_index, ids_TK)
         slots_TK = self.replica_map(ids_TK) if self.replica_map is not None else ids_TK
+        x_in, routed_step = x_TD, step
+        if self.weights_on_inputs:
+            x_in, slots_TK, w_TK, routed_step = pairs_as_rows(x_TD, slots_TK, w_TK, step)
         d = self.ctx.dispatcher
         trace and trace("dispatch_start", mb, self.layer_index)
-        pending = d.dispatch_async(x_TD, slots_TK, w_TK, step)
+        pending = d.dispatch_async(x_in, slots_TK, w_TK, routed_step)
         # The shared experts need no communication: they fill the wait.
         shared = self.shared_experts(x_TD) if self.shared_experts is not None else None
         yield
         sent = pending.wait()
         trace and trace("dispatch_end", mb, self.layer_index)
         trace and trace("experts", mb, self.layer_index)
-        y_RD = expert_outputs(sent, self.experts, self.ops, x_TD.shape[0], all_local=d.world_size == 1)
+        y_RD = expert_outputs(sent, self.experts, self.ops, x_in.shape[0], all_local=d.world_size == 1)
         trace and trace("combine_start", mb, self.layer_index)
         pending = d.combine_async(y_RD, sent.handle)
         yield
         y_TD = pending.wait()
         trace and trace("combine_end", mb, self.layer_index)
+        if x_in.shape[0] != x_TD.shape[0]:  # rows were (token, expert) pairs: sum each token's
+            y_TD = y_TD.view(x_TD.shape[0], -1, y_TD.shape[-1]).sum(1)
         return y_TD if shared is None else y_TD + shared
+
+
+def pairs_as_rows(x_TD: torch.Tensor, slots_TK: torch.Tensor, w_TK: torch.Tensor, step: MoEStep):
+    """Routing weights on the experts' inputs (Llama-4): every (token, expert) pair becomes a row
+    of its own, the token scaled by the pair's weight (in the activations' dtype, as transformers
+    does), routed top-1 with weight 1: (T * K, D) rows, (T * K, 1) slots and weights, and the step
+    with its agreed row counts times K (every rank has the same K). Every dispatcher and expert
+    kernel runs them unchanged; the caller adds the K output rows of each token. With K = 1 the
+    rows are the tokens, scaled; with K > 1 a token travels once per chosen expert, not once per
+    rank holding one (the price of a different input per pair)."""
+    T, K = slots_TK.shape
+    x_RD = (x_TD[:, None, :] * w_TK.to(x_TD.dtype)[:, :, None]).reshape(T * K, x_TD.shape[-1])
+    ones = torch.ones(T * K, 1, dtype=w_TK.dtype, device=w_TK.device)
+    if K > 1:
+        def times_k(n):
+            return None if n is None else n * K
+
+        step = replace(step, max_tokens_any_rank=times_k(step.max_tokens_any_rank),
+                       static_rows=times_k(step.static_rows))
+    return x_RD, slots_TK.reshape(T * K, 1), ones, step
 
 
 def masked_applies(sent, experts, backend) -> bool:

@@ -58,13 +58,16 @@ class GroupLimitedSigmoidRouter(nn.Module):
         T = x_TD.shape[0]
         scores_TE = torch.sigmoid(F.linear(_f32(x_TD), self.weight))
         choice_TE = scores_TE + self.e_score_correction_bias
-        per_group = self.num_experts // self.n_group
-        group_scores = choice_TE.view(T, self.n_group, per_group).topk(min(2, per_group), dim=-1)[0].sum(-1)
-        group_idx = torch.topk(group_scores, self.topk_group, dim=-1, sorted=False)[1]
-        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
-        expert_mask = group_mask.unsqueeze(-1).expand(T, self.n_group, per_group).reshape(T, self.num_experts)
-        masked = choice_TE.masked_fill(expert_mask == 0, float("-inf"))
-        ids_TK = torch.topk(masked, self.top_k, dim=-1, sorted=False)[1]
+        if self.n_group == 1:  # the one group is always kept: nothing to mask (Kimi-K2, MiniMax-M2)
+            ids_TK = torch.topk(choice_TE, self.top_k, dim=-1, sorted=False)[1]
+        else:
+            per_group = self.num_experts // self.n_group
+            group_scores = choice_TE.view(T, self.n_group, per_group).topk(min(2, per_group), dim=-1)[0].sum(-1)
+            group_idx = torch.topk(group_scores, self.topk_group, dim=-1, sorted=False)[1]
+            group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+            expert_mask = group_mask.unsqueeze(-1).expand(T, self.n_group, per_group).reshape(T, self.num_experts)
+            masked = choice_TE.masked_fill(expert_mask == 0, float("-inf"))
+            ids_TK = torch.topk(masked, self.top_k, dim=-1, sorted=False)[1]
         w_TK = scores_TE.gather(1, ids_TK)
         if self.renormalize:
             w_TK = w_TK / (w_TK.sum(dim=-1, keepdim=True) + 1e-20)
@@ -86,3 +89,19 @@ class TopKThenSoftmaxRouter(nn.Module):
         logits_TE = F.linear(_f32(x_TD), self.weight, self.bias)
         top_TK, ids_TK = torch.topk(logits_TE, self.top_k, dim=-1)
         return torch.softmax(top_TK, dim=-1), ids_TK
+
+
+class TopKSigmoidRouter(nn.Module):
+    """Llama-4: the top k logits (no bias), each passed through a sigmoid; no normalisation. (Its
+    MoE layer applies the weights to the experts' inputs: MoE's weights_on_inputs.)"""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int):
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok={top_k} must be in [1, num_experts={num_experts}]")
+        self.num_experts, self.top_k = num_experts, top_k
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32))
+
+    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        top_TK, ids_TK = torch.topk(F.linear(_f32(x_TD), self.weight), self.top_k, dim=-1)
+        return torch.sigmoid(top_TK), ids_TK

@@ -29,6 +29,7 @@ class EngineArgs:
     attention_backend: str = "auto"
     linear_backend: str = "auto"
     norm_backend: str = "auto"
+    linear_attention_backend: str = "auto"
     all2all_backend: str = "auto"
     expert_placement: str | None = None
     enable_overlap: bool = False
@@ -75,7 +76,8 @@ class EngineArgs:
             raise ValueError(f"--enable-eplb with quantized weights ({mc.weight_quantization}) is not supported yet: "
                              "rebalancing moves unquantized expert weights only")
         choice = platform.choose(self.device, self.moe_backend, self.attention_backend, self.all2all_backend,
-                                 world_size, mc.hf.get("hidden_size"), self.linear_backend, self.norm_backend)
+                                 world_size, mc.hf.get("hidden_size"), self.linear_backend, self.norm_backend,
+                                 self.linear_attention_backend)
         return EngineConfig(
             model=mc,
             cache=CacheConfig(self.block_size, self.num_kv_blocks or 0, self.kv_cache_memory or 0,
@@ -89,6 +91,7 @@ class EngineArgs:
             attention_backend=choice.attention_backend,
             linear_backend=choice.linear_backend,
             norm_backend=choice.norm_backend,
+            linear_attention_backend=choice.linear_attention_backend,
             graphs=GraphConfig(self.enforce_eager, self.max_capture_size, self.pad_decode),
         )
 
@@ -122,6 +125,10 @@ class EngineArgs:
                        help="linear layers: " + names + " | cpu_c | triton (block FP8 in Triton; dense in torch)")
         g.add_argument("--norm-backend", default="auto", choices=["auto", *platform.OPS["norm"]],
                        help="RMSNorm and the fused q/k norm + RoPE: " + names + " | cpu_c")
+        g.add_argument("--linear-attention-backend", default="auto",
+                       choices=["auto", *platform.OPS["linear_attention"]],
+                       help="linear attention (Gated DeltaNet: short convolution and delta rule): auto (triton "
+                            "on CUDA, torch on CPUs) | torch (torch ops only) | triton")
         g.add_argument("--all2all-backend", default="auto",
                        choices=["auto", "all_to_all", "allgather", "deepep", "reference"])
         g.add_argument("--expert-placement", default=None, help="placement JSON from `moe-serve placement tune`")

@@ -14,7 +14,7 @@ from concurrent.futures import Future, wait
 
 import torch.distributed as dist
 
-from attention.blocks import BlockAllocator
+from attention.kv_manager import KVCacheManager
 from expert_parallel.placement.load_stats import ExpertLoadRecorder
 from expert_parallel.placement.map import load_placement as read_placement
 from expert_parallel.rebalance.eplb import EplbManager, tuner_fn
@@ -30,7 +30,7 @@ from moe_serve.protocol import EngineCoreOutput, EngineStats, NewRequest, TokenL
 from moe_serve.request import Request, RequestStatus
 from moe_serve.runner.graphs import capture_decode_graphs, captures_graphs
 from moe_serve.runner.loading import build_model, load_model_weights, prepare_weights, warm_up_before_serving
-from moe_serve.runner.memory import attention_layers, init_kv_cache, profile_memory, size_kv_cache
+from moe_serve.runner.memory import KVCacheSize, attention_layers, init_kv_cache, profile_memory, size_kv_cache
 from moe_serve.sampler import Sampler
 from moe_serve.scheduler import Scheduler, SchedulerOutput
 from moe_serve.structured_output.grammar import GrammarManager
@@ -48,7 +48,7 @@ def build_engine(cfg: EngineConfig, ep_group=None, show_progress: bool = True) -
     num_slots = expert_slots(cfg, placement)
     moe_ctx = make_moe_context(cfg, num_slots, placement, ep_group)
     ops = platform.resolve_ops(cfg.device, cfg.moe_backend, cfg.attention_backend, cfg.linear_backend,
-                               cfg.norm_backend)
+                               cfg.norm_backend, cfg.linear_attention_backend)
     started = time.perf_counter()
     model = build_model(cfg, moe_ctx, ops)
     load_model_weights(model, cfg, show_progress)
@@ -60,11 +60,11 @@ def build_engine(cfg: EngineConfig, ep_group=None, show_progress: bool = True) -
     kv = size_kv_cache(attn_layers, cfg, weight_bytes, profile)
     init_kv_cache(attn_layers, cfg, kv)
     sampler = Sampler(cfg.device, cfg.model.seed)
-    batch = make_input_batch(cfg, kv.num_blocks)
+    batch = make_input_batch(cfg, kv)
     pad_sizes, graphs = capture_decode_graphs(model, cfg, moe_ctx, batch, kv, capture)
     runner = ModelRunner(cfg, moe_ctx, model, weight_bytes, attn_layers, kv, sampler, batch, pad_sizes, graphs)
-    max_model_len = serving_max_model_len(cfg, kv.num_blocks)
-    scheduler = make_scheduler(cfg, kv.num_blocks, max_model_len)
+    max_model_len = serving_max_model_len(cfg, kv.token_capacity(cfg.cache.block_size))
+    scheduler = make_scheduler(cfg, kv, max_model_len)
     eos = eos_token_ids(cfg)
     grammars = GrammarManager(cfg.model.path, cfg.model.hf["vocab_size"], eos)
     core = EngineCore(cfg, moe_ctx, runner, scheduler, eos, grammars, max_model_len)
@@ -127,11 +127,13 @@ def make_moe_context(cfg: EngineConfig, num_slots: int, physical_to_logical, ep_
     return MoEContext(dispatcher, physical_to_logical, replica_split=par.replica_split)
 
 
-def serving_max_model_len(cfg: EngineConfig, num_blocks: int) -> int:
-    """The context limit: no longer than the cache can hold for one request. Once the cache is
-    sized; before the scheduler, which enforces it."""
+def serving_max_model_len(cfg: EngineConfig, capacity: int | None) -> int:
+    """The context limit: no longer than the cache can hold for one request (capacity tokens;
+    None: unbounded, every layer keeps a window or a state). Once the cache is sized; before the
+    scheduler, which enforces it."""
     mc = cfg.model
-    capacity = num_blocks * cfg.cache.block_size
+    if capacity is None:
+        return mc.max_model_len
     max_model_len = min(mc.max_model_len, capacity)
     if max_model_len < mc.max_model_len:
         log.warning("max_model_len lowered from %d to %d: the KV cache holds %d tokens",
@@ -139,10 +141,12 @@ def serving_max_model_len(cfg: EngineConfig, num_blocks: int) -> int:
     return max_model_len
 
 
-def make_scheduler(cfg: EngineConfig, num_blocks: int, max_model_len: int) -> Scheduler:
-    """The block allocator over the sized cache and the scheduler that hands out its blocks."""
-    allocator = BlockAllocator(num_blocks, cfg.cache.block_size, cfg.cache.enable_prefix_caching)
-    return Scheduler(allocator, cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs, max_model_len)
+def make_scheduler(cfg: EngineConfig, kv: KVCacheSize, max_model_len: int) -> Scheduler:
+    """The cache manager over the sized cache (a block allocator per group, the state slots) and the
+    scheduler that hands out its blocks."""
+    manager = KVCacheManager(cfg.cache.block_size, kv.manager_groups(),
+                             kv.state.num_blocks if kv.state is not None else 0, cfg.cache.enable_prefix_caching)
+    return Scheduler(manager, cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs, max_model_len)
 
 
 def eos_token_ids(cfg: EngineConfig) -> frozenset[int]:

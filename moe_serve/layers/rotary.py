@@ -93,7 +93,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to (T, heads, dim) tensors given integer positions (T,).
 
-    interleaved=True is DeepSeek's layout: rotation pairs are (x0, x1), (x2, x3), ... The pairs are
+    interleaved=True is DeepSeek's layout, and Llama-4's complex form (pair i is the complex number
+    x_2i + j x_2i+1, times e^(j p theta_i)): rotation pairs are (x0, x1), (x2, x3), ... The pairs are
     de-interleaved into halves first (the same permutation for q and k, so dot products are those of
     the reference), then rotated as usual.
     """

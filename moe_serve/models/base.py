@@ -23,15 +23,15 @@ from moe_serve.layers.rotary import RotaryEmbedding
 class DecoderStack(nn.Module):
     """model.embed_tokens -> layers -> model.norm, with HF's module names. The step's rows of the
     model's RoPE tables (`rotary`, shared by its layers) are gathered once, before the layers, and
-    passed to each."""
+    passed to each. norm_cls: the final norm's class (Qwen3-Next's is zero-centred)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, layers: list[nn.Module], eps: float, dtype,
-                 rotary: RotaryEmbedding):
+                 rotary: RotaryEmbedding, norm_cls: type[nn.Module] = RMSNorm):
         super().__init__()
         self.rotary = rotary
         self.embed_tokens = Embedding(vocab_size, hidden_size, dtype)
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(hidden_size, eps, dtype)
+        self.norm = norm_cls(hidden_size, eps, dtype)
 
     def forward(self, ids_T, positions_T, meta: AttentionMetadata, step: MoEStep = NO_STEP) -> torch.Tensor:
         return run_to_end(self.stages(ids_T, positions_T, meta, step))

@@ -42,7 +42,7 @@ def capture_decode_graphs(model: nn.Module, cfg: EngineConfig, moe_ctx: MoEConte
     if not capture:
         return pad_sizes, None
     graphs = cuda_graph.DecodeGraphs(model, pad_sizes, batch.max_blocks, cfg.cache.block_size, batch.max_model_len,
-                                     kv.scratch_block, cfg.device)
+                                     kv.scratch_block, cfg.device, kv.group_scratch, kv.state_scratch)
     try:
         graphs.capture(cuda_graph.capture_agreement(moe_ctx.dispatcher))
     except Exception as e:  # noqa: BLE001 - e.g. an op that syncs the host: decode steps stay eager

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from attention.cache_kinds import FULL, CacheKind, StateCache
 from attention.layer import PagedAttention, PagedMLAAttention
 from attention.metadata import AttentionMetadata
 from expert_parallel.runtime.layer import MoEContext
@@ -94,12 +95,34 @@ class MemoryProfile:
 
 
 @dataclass(frozen=True)
+class CacheGroupSize:
+    """One cache group: its kind, its layers, and its blocks (or, for the state group, slots)."""
+    kind: CacheKind
+    layers: tuple
+    num_blocks: int  # blocks (state: slots) the allocator hands out; one more is the scratch one
+    block_bytes: int  # one block of every layer of the group (state: one slot)
+
+    @property
+    def bytes(self) -> int:
+        return (self.num_blocks + 1) * self.block_bytes
+
+
+@dataclass(frozen=True)
 class KVCacheSize:
-    """The KV cache's size in blocks and what it was sized from."""
-    num_blocks: int  # blocks the allocator hands out
-    block_bytes: int  # one block of every attention layer
+    """The cache's size per group and what it was sized from. Group 0 is `groups[0]`; `state` is
+    the per-sequence state pool of linear-attention layers (None without)."""
+    groups: tuple[CacheGroupSize, ...]
+    state: CacheGroupSize | None
     profile_peak_bytes: int | None  # None: sized without a profiling forward
     graph_estimate_bytes: int
+
+    @property
+    def num_blocks(self) -> int:
+        return self.groups[0].num_blocks
+
+    @property
+    def block_bytes(self) -> int:
+        return self.groups[0].block_bytes
 
     @property
     def scratch_block(self) -> int:
@@ -107,24 +130,67 @@ class KVCacheSize:
         return self.num_blocks
 
     @property
+    def group_scratch(self) -> list[int]:
+        """The scratch block of each group after group 0 (its null block as well)."""
+        return [g.num_blocks for g in self.groups[1:]]
+
+    @property
+    def state_scratch(self) -> int | None:
+        return None if self.state is None else self.state.num_blocks
+
+    @property
     def kv_cache_bytes(self) -> int:
-        return self.num_blocks * self.block_bytes
+        return sum(g.num_blocks * g.block_bytes for g in self.groups) + \
+            (self.state.num_blocks * self.state.block_bytes if self.state is not None else 0)
+
+    def token_capacity(self, block_size: int) -> int | None:
+        """Tokens one request can hold, when the cache bounds it (a full-attention group); None
+        when every group keeps a bounded window or state."""
+        grows = [g for g in self.groups if g.kind == FULL]
+        return min(g.num_blocks for g in grows) * block_size if grows else None
+
+    def manager_groups(self) -> list[tuple[CacheKind, int]]:
+        return [(g.kind, g.num_blocks) for g in self.groups]
 
 
 def attention_layers(model: nn.Module) -> list:
-    """The model's paged attention layers, the owners of the KV cache."""
-    return [m for m in model.modules() if isinstance(m, (PagedAttention, PagedMLAAttention))]
+    """The model's cache-owning layers: paged attention (every kind) and per-sequence state."""
+    return [m for m in model.modules() if isinstance(m, (PagedAttention, PagedMLAAttention, StateCache))]
+
+
+def group_layers(layers: list) -> tuple[list[tuple[CacheKind, list]], list]:
+    """Block groups (kind, layers), full attention first, and the state layers; each attention
+    layer's `cache_group` is set to its group's index."""
+    groups: dict[CacheKind, list] = {}
+    state = []
+    for layer in layers:
+        if isinstance(layer, StateCache):
+            state.append(layer)
+        else:
+            groups.setdefault(layer.cache_kind, []).append(layer)
+    ordered = sorted(groups.items(), key=lambda kv: (kv[0] != FULL, str(kv[0])))
+    for g, (_, members) in enumerate(ordered):
+        for layer in members:
+            layer.cache_group = g
+    return ordered, state
+
+
+def _cache_tensors(layer, n: int, cfg: EngineConfig) -> list[torch.Tensor]:
+    """Zeroed cache tensors of one layer for n blocks (state layers: n slots)."""
+    if isinstance(layer, StateCache):
+        return [torch.zeros(s, dtype=d, device=cfg.device) for s, d in layer.cache_shapes(n)]
+    return [torch.zeros(s, dtype=cfg.model.dtype, device=cfg.device)
+            for s in layer.cache_shape(n, cfg.cache.block_size)]
 
 
 def _bind_temporary(attn_layers: list, num_blocks: int, cfg: EngineConfig) -> None:
-    bs, dtype = cfg.cache.block_size, cfg.model.dtype
     for layer in attn_layers:
-        layer.bind([torch.zeros(s, dtype=dtype, device=cfg.device) for s in layer.cache_shape(num_blocks, bs)])
+        layer.bind(_cache_tensors(layer, num_blocks, cfg))
 
 
 def _unbind(attn_layers: list, cfg: EngineConfig) -> None:
     for layer in attn_layers:
-        layer.bind([None] * len(layer.cache_shape(1, cfg.cache.block_size)))
+        layer.bind([None] * len(_cache_tensors(layer, 0, cfg)))
 
 
 def profile_memory(model: nn.Module, attn_layers: list, cfg: EngineConfig, moe_ctx: MoEContext,
@@ -168,6 +234,11 @@ def profile_step_memory(model: nn.Module, attn_layers: list, cfg: EngineConfig, 
                                           bt.to(dev), torch.cat(slots).to(dev), bs, q_lens, list(q_lens))
     ids = torch.zeros(N, dtype=torch.int64, device=dev)
     positions = torch.cat([torch.arange(q) for q in q_lens]).to(dev)
+    groups, _ = group_layers(attn_layers)
+    for g in range(1, len(groups)):  # every group's temporary cache is as big as group 0's
+        meta.group_tables[g] = (meta.block_tables, meta.slot_mapping)
+    meta.state_slots = torch.arange(len(q_lens), device=dev)
+    first = max(first, len(q_lens))
     _bind_temporary(attn_layers, first, cfg)
     probe.reset()
     h = model(ids, positions, meta, MoEStep(max_tokens_any_rank=N))  # the same N on every rank
@@ -206,14 +277,33 @@ def profile_graph_memory(model: nn.Module, attn_layers: list, cfg: EngineConfig,
     return graph_memory_estimate(took[0], took[-1], len(sizes))
 
 
+def _window_blocks(kind: CacheKind, cfg: EngineConfig) -> int:
+    """Blocks one request of a sliding or chunked group holds between steps: its window (or chunk)
+    plus a partial block at each end; never more than its whole context."""
+    bs = cfg.cache.block_size
+    return min(kind.tokens // bs + 2, -(-cfg.model.max_model_len // bs))
+
+
 def size_kv_cache(attn_layers: list, cfg: EngineConfig, weight_bytes: int,
                   profile: MemoryProfile | None) -> KVCacheSize:
-    """KV blocks this rank gets: --num-kv-blocks; else the profiled budget (logged); else
-    --kv-cache-memory or the default rule. After the profile it is sized from and before any
-    allocation that the budget would otherwise miss."""
+    """Blocks (and state slots) per cache group from one budget: --num-kv-blocks (group 0's
+    blocks); else the profiled budget (logged); else --kv-cache-memory or the default rule.
+
+    Groups whose need per request is bounded (sliding, chunked, state: one live slot and, with
+    prefix caching, one snapshot slot per request) are sized for max_num_seqs requests plus one
+    step's new tokens (the token budget) in the windowed groups, at most half the budget when a
+    full-attention group shares it: the step's share shrinks first (the scheduler then cuts
+    prefill chunks to what a windowed group holds), then the requests (it admits only what every
+    group has room for). The full-attention groups get the rest. After the
+    profile it is sized from and before any allocation that the budget would otherwise miss."""
     cc, fraction = cfg.cache, cfg.cache.memory_fraction
     elem = torch.empty((), dtype=cfg.model.dtype).element_size()
-    per_block = sum(elem * math.prod(s) for layer in attn_layers for s in layer.cache_shape(1, cc.block_size))
+    groups, state_layers = group_layers(attn_layers)
+    if not groups:
+        raise ValueError("the model has no attention layer to keep a KV cache for")
+    per_block = [sum(elem * math.prod(s) for layer in members for s in layer.cache_shape(1, cc.block_size))
+                 for _, members in groups]
+    slot_bytes = sum(layer.slot_bytes() for layer in state_layers)
     if profile is not None:
         peak, graphs = profile.peak_bytes, profile.graph_estimate_bytes
         budget = kv_budget_after_profile(profile.free_bytes, peak + graphs, fraction)
@@ -223,19 +313,66 @@ def size_kv_cache(attn_layers: list, cfg: EngineConfig, weight_bytes: int,
                  graphs / 2**20, profile.free_bytes / 2**20, fraction, budget / 2**20)
     else:
         budget = cc.kv_cache_memory or default_kv_cache_memory(cfg.device, weight_bytes, fraction)
-    num_blocks = cc.num_blocks or int(budget // per_block)
-    if num_blocks < 1:
-        raise ValueError(f"kv_cache_memory={budget} bytes holds no KV block ({per_block} bytes per block)")
-    return KVCacheSize(num_blocks, per_block, profile.peak_bytes if profile is not None else None,
+    slots_per_seq = (2 if cc.enable_prefix_caching else 1) if state_layers else 0
+
+    def bounded_blocks(kind: CacheKind, n_seqs: int, step_blocks: int) -> int:
+        return n_seqs * _window_blocks(kind, cfg) + step_blocks
+
+    def bounded_bytes(n_seqs: int, step_blocks: int) -> int:
+        return sum(bounded_blocks(k, n_seqs, step_blocks) * b for (k, _), b in zip(groups, per_block) if k != FULL) \
+            + n_seqs * slots_per_seq * slot_bytes
+
+    n_seqs = cfg.scheduler.max_num_seqs
+    step_blocks = -(-min(cfg.scheduler.max_num_batched_tokens, cfg.model.max_model_len) // cc.block_size)
+    grows = any(k == FULL for k, _ in groups)
+    if not cc.num_blocks:
+        limit = budget // 2 if grows else budget
+        while bounded_bytes(n_seqs, step_blocks) > limit and (n_seqs > 1 or step_blocks > 1):
+            if step_blocks > 4 or n_seqs == 1:
+                step_blocks = max(1, step_blocks // 2)
+            else:
+                n_seqs -= 1
+        if n_seqs < cfg.scheduler.max_num_seqs:
+            log.warning("the KV cache budget (%.1f MiB) holds the windows and states of %d requests at once, "
+                        "fewer than max_num_seqs=%d", budget / 2**20, n_seqs, cfg.scheduler.max_num_seqs)
+    left = budget - bounded_bytes(n_seqs, step_blocks)
+    sized = []
+    full_bytes = sum(b for (k, _), b in zip(groups, per_block) if k == FULL)
+    for g, ((kind, members), b) in enumerate(zip(groups, per_block)):
+        if kind == FULL:
+            n = cc.num_blocks or int(left // full_bytes)
+        else:
+            n = cc.num_blocks if cc.num_blocks and g == 0 else bounded_blocks(kind, n_seqs, step_blocks)
+        if n < 1:
+            raise ValueError(f"kv_cache_memory={budget} bytes holds no KV block of the {kind} layers "
+                             f"({b} bytes per block after the bounded groups' {bounded_bytes(n_seqs)} bytes)")
+        sized.append(CacheGroupSize(kind, tuple(members), n, b))
+    state = (CacheGroupSize(state_layers[0].cache_kind, tuple(state_layers), n_seqs * slots_per_seq, slot_bytes)
+             if state_layers else None)
+    return KVCacheSize(tuple(sized), state, profile.peak_bytes if profile is not None else None,
                        profile.graph_estimate_bytes if profile is not None else 0)
 
 
 def init_kv_cache(attn_layers: list, cfg: EngineConfig, kv: KVCacheSize) -> None:
-    """Allocate the KV cache and bind it to the attention layers: num_blocks blocks plus the scratch
-    block. Once sized; before the decode graphs are captured, which read the bound cache."""
+    """Allocate every group's cache (its blocks plus the scratch block; the state pool's slots plus
+    a scratch slot), bind it to the group's layers, and log what each group keeps. Once sized;
+    before the decode graphs are captured, which read the bound cache."""
     bs = cfg.cache.block_size
-    for layer in attn_layers:
-        layer.bind([torch.zeros(s, dtype=cfg.model.dtype, device=cfg.device)
-                    for s in layer.cache_shape(kv.num_blocks + 1, bs)])
+    for g, group in enumerate(kv.groups):
+        for layer in group.layers:
+            layer.bind(_cache_tensors(layer, group.num_blocks + 1, cfg))
+        per_seq = "" if group.kind == FULL else \
+            f", at most {_window_blocks(group.kind, cfg) * group.block_bytes / 2**20:.2f} MiB per request between steps"
+        log.info("KV cache group %d (%s, %d layers): %d blocks x %d tokens, %.1f MiB (%d bytes per token%s)", g,
+                 group.kind, len(group.layers), group.num_blocks, bs, group.bytes / 2**20,
+                 group.block_bytes // bs, per_seq)
+    if kv.state is not None:
+        for layer in kv.state.layers:
+            layer.bind(_cache_tensors(layer, kv.state.num_blocks + 1, cfg))
+        log.info("state cache (%d linear-attention layers): %d slots of %.2f MiB per request (a live slot per "
+                 "running request%s), %.1f MiB", len(kv.state.layers), kv.state.num_blocks,
+                 kv.state.block_bytes / 2**20,
+                 ", one prefix-cache snapshot per request" if cfg.cache.enable_prefix_caching else "",
+                 kv.state.bytes / 2**20)
     log.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%d bytes per token)",
              kv.num_blocks, bs, kv.num_blocks * bs, kv.kv_cache_bytes / 2**20, kv.block_bytes // bs)

@@ -3,7 +3,9 @@ EP 2): greedy text through HTTP equals the single-process engine's. Qwen2-MoE ca
 shared expert, OLMoE the full-width q/k norm and clip_qkv, GLM-4.5 group-limited routing with one
 of two groups kept (so each rank's experts see uneven loads) and partial rotary; GPT-OSS its
 MXFP4 experts (each rank reads and keeps only its experts' blocks), sliding-window layers and
-sinks. Kimi-K2 is the DeepSeek-V3 model, covered by test_launcher.py."""
+sinks; MiniMax-M2 sigmoid routing with a correction bias, full-width q/k norm and partial rotary;
+Llama-4 its routing weights on the experts' inputs (scaled before dispatch), chunked and NoPE
+layers, dense layers between the MoE ones. Kimi-K2 is the DeepSeek-V3 model, covered by test_launcher.py."""
 from __future__ import annotations
 
 import asyncio
@@ -16,7 +18,7 @@ from tests.distributed.jobs import TorchrunJob
 from tests.distributed.test_launcher import ARGS, PROMPTS, _complete_all, expected_texts
 
 
-@pytest.mark.parametrize("arch", ["qwen2_moe", "olmoe", "glm4_moe", "gpt_oss_mxfp4"])
+@pytest.mark.parametrize("arch", ["qwen2_moe", "olmoe", "glm4_moe", "gpt_oss_mxfp4", "minimax_m2", "llama4"])
 def test_ep2_serving_matches_single_process(extra_checkpoints, arch):
     path = extra_checkpoints[arch]
     want = expected_texts(path, PROMPTS, 8)

@@ -146,6 +146,9 @@ BAD = [
     ("chat/completions", {"messages": []}, 400, "messages"),
     ("chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
     ("chat/completions", {"messages": "hello"}, 400, "messages"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is in this image?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]}, 400, "messages"),
 ]
 
 
@@ -160,6 +163,8 @@ def test_bad_input_gets_openai_error_and_server_survives(server, route, body, st
     assert "Traceback" not in r.text
     if param:
         assert err["param"] == param, err
+    if b"image_url" in data:  # the refusal names the part
+        assert "messages[0].content[1]" in err["message"] and "'image_url'" in err["message"], err
     ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2},
                     headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
     assert ok.status_code == 200

@@ -225,3 +225,74 @@ def test_window_and_sinks_match_naive(case):
     plain = ref.paged_attention(q.double().cpu(), k_cache.double().cpu(), v_cache.double().cpu(), _cpu(meta),
                                 H ** -0.5)
     assert rel_err(plain, expect) > 1e-2
+
+
+# ---- chunked attention (Llama-4's local layers) -----------------------------------------------------
+
+def dense_chunked_attention(q, k_cache, v_cache, query_lens, seq_lens, tables, scale, chunk, sinks=None):
+    """Float64, each sequence's whole context gathered and one (Q, S) mask from the definition: query
+    position p sees key position s iff s <= p and s // chunk == p // chunk."""
+    q, k_cache, v_cache = q.double().cpu(), k_cache.double().cpu(), v_cache.double().cpu()
+    N, G, bs = q.shape[1], k_cache.shape[2], k_cache.shape[1]
+    out, t = [], 0
+    for q_len, ctx, table in zip(query_lens, seq_lens, tables):
+        k = torch.stack([k_cache[table[s // bs], s % bs] for s in range(ctx)])  # (S, G, H)
+        v = torch.stack([v_cache[table[s // bs], s % bs] for s in range(ctx)])
+        qp = torch.arange(ctx - q_len, ctx)[:, None]
+        kp = torch.arange(ctx)[None, :]
+        mask = (kp <= qp) & (kp // chunk == qp // chunk)  # (Q, S)
+        kv_head = torch.arange(N) // (N // G)
+        s = torch.einsum("qnh,sgh->qngs", q[t:t + q_len], k)[:, torch.arange(N), kv_head] * scale  # (Q, N, S)
+        s = s.masked_fill(~mask[:, None, :], float("-inf"))
+        if sinks is not None:
+            s = torch.cat([s, sinks.double().cpu().view(1, N, 1).expand(q_len, N, 1)], dim=-1)
+        p = torch.softmax(s, dim=-1)[..., :ctx]
+        out.append(torch.einsum("qns,sgh->qngh", p, v)[:, torch.arange(N), kv_head])
+        t += q_len
+    return torch.cat(out)
+
+
+CHUNK_CASES = {
+    # name: (query_lens, seq_lens, block_size, N, G, H, Hv, num_splits, chunk, sinks, dtype)
+    "decode_chunks": ([1, 1, 1, 1], [3, 17, 40, 64], 4, 8, 2, 16, 16, None, 8, False, torch.float32),
+    "decode_chunk_split": ([1, 1], [150, 37], 16, 4, 1, 24, 24, 4, 48, False, torch.float32),
+    "decode_chunk_bf16": ([1, 1, 1], [9, 70, 133], 8, 8, 2, 32, 32, None, 16, False, torch.bfloat16),
+    "prefill_over_chunks": ([19], [19], 4, 4, 2, 16, 16, None, 8, False, torch.float32),
+    "chunked_prefill_mixed": ([1, 1, 7, 12], [30, 9, 48, 12], 4, 8, 4, 20, 16, None, 8, False, torch.float32),
+    # chunks that do not align with blocks, long prefill tiles crossing chunk starts, sinks
+    "unaligned_chunks_sinks": ([1, 5, 70], [23, 29, 100], 4, 4, 2, 16, 16, None, 6, True, torch.float32),
+}
+
+
+@pytest.mark.parametrize("case", list(CHUNK_CASES))
+def test_chunked_attention_matches_dense_mask(case):
+    """Both backends against the dense float64 chunk mask. Every table entry before the block of
+    its sequence's first query's chunk start points at a block of NaNs (what a freed block may hold
+    once reused): a backend that read it at all, masked or not, would return NaNs."""
+    qlens, slens, bs, N, G, H, Hv, splits, chunk, with_sinks, dtype = CHUNK_CASES[case]
+    gen = torch.Generator().manual_seed(200 + len(case))
+    tables = make_meta(qlens, slens, bs, gen).block_tables.cpu().tolist()
+    tables = [t[:-(-s // bs)] for t, s in zip(tables, slens)]
+    stale = NUM_BLOCKS  # one more block, all NaN
+    k_cache = torch.cat([rand(gen, NUM_BLOCKS, bs, G, H, dtype=dtype),
+                         torch.full((1, bs, G, H), float("nan"), dtype=dtype, device=DEVICE)])
+    v_cache = torch.cat([rand(gen, NUM_BLOCKS, bs, G, Hv, dtype=dtype),
+                         torch.full((1, bs, G, Hv), float("nan"), dtype=dtype, device=DEVICE)])
+    q = rand(gen, sum(qlens), N, H, dtype=dtype) * 2
+    sinks = (torch.randn(N, generator=gen) * 2).to(DEVICE) if with_sinks else None
+    expect = dense_chunked_attention(q, k_cache, v_cache, qlens, slens, tables, H ** -0.5, chunk, sinks)
+    full = AttentionMetadata.build(qlens, slens, tables, bs)
+    for t, q_len, ctx in zip(tables, qlens, slens):
+        first = (ctx - q_len) // chunk * chunk // bs
+        t[:first] = [stale] * first
+    meta = AttentionMetadata.build(qlens, slens, tables, bs, device=DEVICE)
+    ours = ref.paged_attention(q.double().cpu(), k_cache.double().cpu(), v_cache.double().cpu(), _cpu(meta),
+                               H ** -0.5, sinks=None if sinks is None else sinks.cpu(), attention_chunk=chunk)
+    assert rel_err(ours, expect) < 1e-10
+    got = tp.paged_attention(q, k_cache, v_cache, meta, H ** -0.5, num_splits=splits, sinks=sinks,
+                             attention_chunk=chunk)
+    assert rel_err(got, expect) < RTOL[dtype]
+    # The chunk mask changes the result (full causal attention over the whole context differs).
+    plain = ref.paged_attention(q.double().cpu(), k_cache.double().cpu(), v_cache.double().cpu(), full, H ** -0.5,
+                                sinks=None if sinks is None else sinks.cpu())
+    assert rel_err(plain, expect) > 1e-2

@@ -89,10 +89,14 @@ def test_names_are_resolved_or_refused_naming_the_flag(monkeypatch):
     monkeypatch.setattr(cpu_ops, "available", lambda: False)
     with pytest.raises(ValueError, match="linear_backend='cpu_c'.*not available"):
         platform.choose("cpu", linear_backend="cpu_c")
+    with pytest.raises(ValueError, match="linear_attention_backend='cpu_c'"):
+        platform.choose("cpu", linear_attention_backend="cpu_c")  # no C linear attention
     auto = platform.choose("cpu")
-    assert {auto.moe_backend, auto.attention_backend, auto.linear_backend, auto.norm_backend} == {"torch"}
+    assert {auto.moe_backend, auto.attention_backend, auto.linear_backend, auto.norm_backend,
+            auto.linear_attention_backend} == {"torch"}
+    assert platform.choose("cpu", linear_attention_backend="triton").linear_attention_backend == "triton"
     ops = platform.resolve_ops(cpu, "torch", "torch", "torch", "torch")
-    assert ops.table() == "experts=torch, attention=torch, linear=torch, norm=torch"
+    assert ops.table() == "experts=torch, attention=torch, linear=torch, norm=torch, linear_attention=torch"
     assert not ops.compiles_kernels and not ops.captures_graphs
 
 
@@ -104,12 +108,14 @@ def test_cli_takes_every_backend_name():
     p = argparse.ArgumentParser()
     EngineArgs.add_cli_args(p)
     ns = p.parse_args(["--moe-backend", "cpu_c", "--attention-backend", "triton", "--linear-backend", "torch",
-                       "--norm-backend", "cpu_c"])
+                       "--norm-backend", "cpu_c", "--linear-attention-backend", "triton"])
     args = EngineArgs.from_cli(ns, "m")
-    assert (args.moe_backend, args.attention_backend, args.linear_backend, args.norm_backend) == (
-        "cpu_c", "triton", "torch", "cpu_c")
+    assert (args.moe_backend, args.attention_backend, args.linear_backend, args.norm_backend,
+            args.linear_attention_backend) == ("cpu_c", "triton", "torch", "cpu_c", "triton")
     with pytest.raises(SystemExit):
         p.parse_args(["--norm-backend", "triton"])
+    with pytest.raises(SystemExit):
+        p.parse_args(["--linear-attention-backend", "cpu_c"])
 
 
 def test_capturable_forms_run_no_c_kernel_and_read_no_host_ids(checkpoints):
@@ -129,8 +135,9 @@ def test_capturable_forms_run_no_c_kernel_and_read_no_host_ids(checkpoints):
 # whether a library is there. The backends (attention/backends/__init__.py, kernels/grouped_gemm/
 # __init__.py, kernels/linear.py, kernels/norm.py) and start-up code (platform, runner) may.
 FORWARD_PATHS = ["moe_serve/layers", "moe_serve/models", "attention/layer.py", "attention/metadata.py",
-                 "attention/backends/reference.py", "expert_parallel/runtime/layer.py",
-                 "expert_parallel/runtime/router.py", "expert_parallel/runtime/overlap.py",
+                 "attention/backends/reference.py", "kernels/gated_delta/reference.py",
+                 "expert_parallel/runtime/layer.py", "expert_parallel/runtime/router.py",
+                 "expert_parallel/runtime/overlap.py",
                  "kernels/grouped_gemm/reference.py", "kernels/grouped_gemm/grouped_mm.py", "kernels/cpu_gemm.py"]
 DEVICE_TESTS = r"is_cpu|is_cuda|device\.type|cuda\.is_available|cpu_ops\.|_available\(|suspended"
 

@@ -56,7 +56,12 @@ def test_enforce_eager_and_capture_size_flags(checkpoints):
 
 
 def _caches(runner) -> list[torch.Tensor]:
-    return [t for layer in runner.attn_layers
+    return [t for _, t in _group_caches(runner)]
+
+
+def _group_caches(runner) -> list[tuple[int, torch.Tensor]]:
+    """(cache group, tensor) of every paged attention layer's cache."""
+    return [(layer.cache_group, t) for layer in runner.attn_layers
             for t in ([layer.k_cache, layer.v_cache] if hasattr(layer, "k_cache") else [layer.latent_cache])]
 
 
@@ -72,7 +77,8 @@ def _run(path: str, pad: bool, static_buffers: bool = False):
         # batch 1 is not graph-safe on it (which is why only the Triton backend is captured).
         runner.pad_sizes = [2, 4, 8, 16]
         runner.graphs = DecodeGraphs(runner.model, runner.pad_sizes, runner.batch.max_blocks, runner.batch.block_size,
-                                     runner.batch.max_model_len, runner.scratch_block, runner.device)
+                                     runner.batch.max_model_len, runner.scratch_block, runner.device,
+                                     runner.batch.group_scratch, runner.batch.state_scratch)
     model, plain = runner.model, runner.model.forward
     seen: list[int] = []
 
@@ -84,12 +90,13 @@ def _run(path: str, pad: bool, static_buffers: bool = False):
         return plain(ids_T, positions_T, meta, step)
 
     model.forward = forward
-    used: set[int] = set()
+    used: dict[int, set[int]] = {g: set() for g in range(len(runner.group_scratch))}
     execute = runner.execute
 
-    def execute_recording(out, *a, **kw):  # the blocks the allocator gave the scheduled requests
+    def execute_recording(out, *a, **kw):  # the blocks the allocator gave the scheduled requests, per group
         for s in out.scheduled:
-            used.update(s.request.block_ids)
+            for g, table in enumerate([s.request.block_ids, *s.request.group_block_ids]):
+                used[g].update(b for b in table if b != runner.group_scratch[g])  # freed windowed entries
         return execute(out, *a, **kw)
 
     runner.execute = execute_recording
@@ -124,15 +131,15 @@ def test_padded_decode_matches_unpadded(checkpoints, arch):
     assert max(seen) == 8 and 4 in seen
     # KV: beyond the blocks requests were given, only the scratch block was written, and the
     # requests' blocks hold what the unpadded run wrote there.
-    scratch = runner.scratch_block
-    assert scratch == runner.num_blocks and scratch not in used
+    assert runner.scratch_block == runner.num_blocks and runner.group_scratch[0] == runner.num_blocks
     assert used == used_plain
-    for t, t_plain in zip(_caches(runner), _caches(plain)):
-        assert t.shape[0] == runner.num_blocks + 1
-        others = [b for b in range(t.shape[0]) if b not in used and b != scratch]
+    for (g, t), t_plain in zip(_group_caches(runner), _caches(plain)):
+        scratch = runner.group_scratch[g]
+        assert t.shape[0] == scratch + 1 and scratch not in used[g]
+        others = [b for b in range(t.shape[0]) if b not in used[g] and b != scratch]
         assert not t[others].any()
         assert t[scratch, 0].any() and not t[scratch, 1:].any()  # padded rows write slot 0 only
-        idx = sorted(used)
+        idx = sorted(used[g])
         torch.testing.assert_close(t[idx], t_plain[idx], rtol=1e-5, atol=1e-5)
 
 

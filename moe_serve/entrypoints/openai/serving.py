@@ -317,9 +317,10 @@ class OpenAIServing:
             content = m.content
             if isinstance(content, list):  # content parts: keep the text ones
                 texts = []
-                for part in content:
+                for j, part in enumerate(content):
                     if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                        raise BadRequest("only text content parts are supported", field)
+                        raise BadRequest(f"{field}[{k}].content[{j}]: only text content parts are supported, not "
+                                         f"type {part.get('type')!r} (image inputs are not served)", field)
                     texts.append(part["text"])
                 content = "".join(texts)
             msg = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}

@@ -1,0 +1,185 @@
+"""The cache manager: one block allocator per cache group, one state-slot pool, and a request's
+admission, growth, prefix hits and release across all of them together. Pure Python: ids only.
+
+Groups (attention/cache_kinds.py): layers of one kind share a block table per request. Every
+group's table is indexed the same way (block i holds positions i*bs .. i*bs + bs - 1), so a
+request's tables all have the same length; in a sliding or chunked group the entries before the
+window (or chunk) of the request's next query are freed as it advances and replaced by the
+group's null block (its scratch block, never read: the kernels start at the window). Group 0 is
+the one `AttentionMetadata` carries directly (full attention when the model has any).
+
+State slots (linear attention): a running request holds one live slot, allocated with its first
+blocks and freed with them. With prefix caching on, the state at the last block boundary of the
+prompt is also kept: the scheduler ends a prefill chunk exactly there, and after that step the
+live state is copied into a snapshot slot registered under that block's chained hash (like a
+full block; evicted least recently used first, never counted as in use). A later request whose
+prefix reaches that boundary restores the snapshot instead of recomputing the prefix. The copies
+are ids in the step's `state_copies`, run by the model runner before the forward, in order.
+
+Invariants (checked by the property tests): in every pool each id is either referenced or free,
+never both; a request's tables have equal lengths; nothing is referenced once every request has
+finished, been aborted or preempted.
+"""
+from __future__ import annotations
+
+from attention.blocks import BlockAllocator
+from attention.cache_kinds import FULL, CacheKind
+
+
+class KVCacheManager:
+    def __init__(self, block_size: int, groups: list[tuple[CacheKind, int]], state_slots: int = 0,
+                 enable_prefix_caching: bool = True):
+        """groups: (kind, blocks) per block group, group 0 first; state_slots: the state pool's size
+        (0: the model keeps no per-sequence state)."""
+        if not groups:
+            raise ValueError("a cache manager needs at least one block group")
+        self.block_size = block_size
+        self.kinds = [k for k, _ in groups]
+        self.allocs = [BlockAllocator(n, block_size, enable_prefix_caching) for _, n in groups]
+        self.state = BlockAllocator(state_slots, 1, enable_prefix_caching) if state_slots else None
+        self.enable_prefix_caching = enable_prefix_caching
+
+    @classmethod
+    def single(cls, alloc: BlockAllocator) -> "KVCacheManager":
+        """A manager over one existing full-attention allocator (one group, no state)."""
+        m = cls.__new__(cls)
+        m.block_size, m.kinds, m.allocs, m.state = alloc.block_size, [FULL], [alloc], None
+        m.enable_prefix_caching = alloc.enable_prefix_caching
+        return m
+
+    @property
+    def has_state(self) -> bool:
+        return self.state is not None
+
+    def null_block(self, g: int) -> int:
+        """The id a freed windowed entry holds: the group's scratch block (one past its blocks)."""
+        return self.allocs[g].num_blocks
+
+    # --- a request's tables ---------------------------------------------------------------------
+    def tables(self, req) -> list[list[int]]:
+        return [req.block_ids, *req.group_block_ids]
+
+    def _set_tables(self, req, tables: list[list[int]]) -> None:
+        req.block_ids, req.group_block_ids = tables[0], tables[1:]
+
+    def _held(self, g: int, table: list[int]) -> list[int]:
+        null = self.null_block(g)
+        return [b for b in table if b != null]
+
+    # --- growth ---------------------------------------------------------------------------------
+    def release_out_of_window(self, req) -> None:
+        """Free the blocks of sliding / chunked groups that no query from the request's next token
+        on reads (they stay in the prefix cache while free)."""
+        start = req.num_computed_tokens
+        for g, kind in enumerate(self.kinds):
+            if kind.kind not in ("sliding", "chunked"):
+                continue
+            table = self.tables(req)[g]
+            lo = min(kind.first_needed(start) // self.block_size, len(table))
+            null = self.null_block(g)
+            gone = [b for b in table[:lo] if b != null]
+            if gone:
+                self.allocs[g].free(gone)
+                table[:lo] = [null] * lo
+
+    def fit_chunk(self, req, n: int) -> int:
+        """n, or fewer so that the request's window plus the new tokens fits in every sliding or
+        chunked group's whole pool (so a request alone always progresses)."""
+        c = req.num_computed_tokens
+        for g, kind in enumerate(self.kinds):
+            if kind.kind in ("sliding", "chunked"):
+                lo = kind.first_needed(c) // self.block_size
+                n = min(n, (self.allocs[g].num_blocks + lo) * self.block_size - c)
+        return max(n, 1)
+
+    def grow(self, req, n: int) -> bool:
+        """Make room for n more tokens of req in every group (and a live state slot); False, with
+        nothing allocated, when any group runs out. Out-of-window blocks are freed first."""
+        self.release_out_of_window(req)
+        need = -(-(req.num_computed_tokens + n) // self.block_size)
+        tables = self.tables(req)
+        short = [need - len(t) for t in tables]
+        if any(s > a.num_free_blocks for s, a in zip(short, self.allocs)):
+            return False
+        wants_slot = self.state is not None and req.state_slot is None
+        if wants_slot and self.state.num_free_blocks < 1:
+            return False
+        for g, s in enumerate(short):
+            if s > 0:
+                tables[g].extend(self.allocs[g].allocate(s))
+        if wants_slot:
+            (req.state_slot,) = self.state.allocate(1)
+        return True
+
+    def free(self, req) -> None:
+        """Give back everything req holds: blocks of every group, its live slot and a snapshot it
+        was lent but not yet restored from."""
+        for g, table in enumerate(self.tables(req)):
+            self.allocs[g].free(self._held(g, table))
+        self._set_tables(req, [[] for _ in self.allocs])
+        if req.state_slot is not None:
+            self.state.free([req.state_slot])
+            req.state_slot = None
+        if req.restore_from is not None:
+            self.state.free([req.restore_from])
+            req.restore_from = None
+
+    # --- prefix cache ---------------------------------------------------------------------------
+    def _hit_ok(self, g: int, hashes: list[bytes], k: int) -> bool:
+        """Whether group g has cached every block a request resuming after k full blocks reads."""
+        cached = self.allocs[g].cached
+        lo = self.kinds[g].first_needed(k * self.block_size) // self.block_size
+        return all(h in cached for h in hashes[lo:k])
+
+    def attach_prefix(self, req, hashes: list[bytes], max_blocks: int) -> int:
+        """Lend req the cached blocks (and state snapshot) of its longest cached prefix of at most
+        max_blocks full blocks that every group can resume from; returns the blocks hit."""
+        k = 0
+        if self.enable_prefix_caching:
+            k = 0
+            cached0 = self.allocs[0].cached
+            while k < min(max_blocks, len(hashes)) and hashes[k] in cached0:
+                k += 1
+            while k > 0 and not (all(self._hit_ok(g, hashes, k) for g in range(len(self.allocs)))
+                                 and (self.state is None or hashes[k - 1] in self.state.cached)):
+                k -= 1
+        tables = []
+        for g, alloc in enumerate(self.allocs):
+            lo = self.kinds[g].first_needed(k * self.block_size) // self.block_size if k else 0
+            tables.append([self.null_block(g)] * lo + alloc.lookup_prefix(hashes[lo:k], k - lo))
+        self._set_tables(req, tables)
+        if k and self.state is not None:
+            (req.restore_from,) = self.state.lookup_prefix([hashes[k - 1]], 1)
+        return k
+
+    def register(self, req, hashes: list[bytes], done: int, nfull: int) -> None:
+        """Register req's blocks done .. nfull - 1 (now full) in every group under their hashes."""
+        for g, table in enumerate(self.tables(req)):
+            null = self.null_block(g)
+            for b in range(done, nfull):
+                if table[b] != null:
+                    self.allocs[g].register(table[b], hashes[b])
+
+    def snapshot(self, req, block_hash: bytes) -> tuple[int, int] | None:
+        """Keep req's live state (now at a block boundary) under block_hash: a (live, snapshot)
+        copy for the runner, or None when it is kept already or no slot is free."""
+        st = self.state
+        if st is None or not st.enable_prefix_caching or block_hash in st.cached or st.num_free_blocks < 1:
+            return None
+        (slot,) = st.allocate(1)
+        st.register(slot, block_hash)
+        st.free([slot])  # cached and evictable from now on, like a free full block
+        return req.state_slot, slot
+
+    # --- statistics and checks ------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        for a in self.allocs:
+            a.check_invariants()
+        if self.state is not None:
+            self.state.check_invariants()
+
+    @property
+    def in_use(self) -> int:
+        """Referenced blocks and slots in all pools (0 once every request is gone)."""
+        pools = self.allocs + ([self.state] if self.state is not None else [])
+        return sum(a.num_blocks - a.num_free_blocks for a in pools)
