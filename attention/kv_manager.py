@@ -57,6 +57,9 @@ class KVCacheManager:
 
     # --- a request's tables ---------------------------------------------------------------------
     def tables(self, req) -> list[list[int]]:
+        """req's block table in every group (a request not yet given any has empty ones)."""
+        while len(req.group_block_ids) < len(self.allocs) - 1:
+            req.group_block_ids.append([])
         return [req.block_ids, *req.group_block_ids]
 
     def _set_tables(self, req, tables: list[list[int]]) -> None:

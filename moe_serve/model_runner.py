@@ -117,6 +117,9 @@ class ModelRunner:
         if pad_to is not None:
             log.debug("decode step of %d sequences padded to %d", len(pieces), pad_to)
         if pad_to is not None and self.graphs is not None:
+            # A captured graph reads every row's state (it holds no "fresh sequence" branch): a
+            # one-token prompt starts from a zeroed slot instead.
+            self._zero_states([self.batch.state_slot_R[p[0]] for p in pieces if p[1] == 0])
             return self.graphs.replay(*step.batches[0]), step
         return self.model(*step.batches[0], moe), step
 
@@ -144,6 +147,12 @@ class ModelRunner:
             for layer in self.state_layers:
                 for cache in layer.caches:
                     cache[dst].copy_(cache[src])
+
+    def _zero_states(self, slots: list) -> None:
+        for slot in slots:
+            for layer in self.state_layers:
+                for cache in layer.caches:
+                    cache[int(slot)].zero_()
 
     @torch.inference_mode()
     def execute_empty(self, max_tokens_any_rank: int | None = None, all_ranks_decode: bool = True) -> None:

@@ -46,6 +46,43 @@ def test_window_and_sinks_change_the_reference(extra_checkpoints):
         assert (base(ids).logits[0, -1] - ref).abs().max() > 0.1
 
 
+def test_sliding_layers_free_blocks_out_of_their_window(extra_checkpoints):
+    """The sliding layers keep their own block table and free what falls out of the window as the
+    request advances: over a 200-token prompt and 30 decodes their group never holds more than the
+    window plus a prefill chunk, while the full layers' group holds the whole context; tokens are
+    the same with prefix caching on and off (with it, the freed blocks stay cached and a second
+    identical prompt hits)."""
+    path = extra_checkpoints["gpt_oss"]
+    prompt = [t for p in make_prompts(201) for t in p][:200]
+    assert len(prompt) == 200
+    outs = []
+    for prefix in (False, True):
+        llm = LLM(path, dtype="float32", block_size=4, num_kv_blocks=80, max_num_batched_tokens=16,
+                  enable_prefix_caching=prefix, show_progress=False)
+        core = llm.engine
+        kv = core.scheduler.kv
+        assert [str(k) for k in kv.kinds] == ["full", f"sliding({GPT_OSS_WINDOW})"]
+        peak = {0: 0, 1: 0}
+        update = core.scheduler.update
+
+        def update_recording(out, sampled):
+            for g, alloc in enumerate(kv.allocs):
+                peak[g] = max(peak[g], alloc.num_blocks - alloc.num_free_blocks)
+            return update(out, sampled)
+
+        core.scheduler.update = update_recording
+        params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+        outs.append(llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0].token_ids)
+        assert peak[0] == -(-(200 + 29) // 4)  # every computed token of the context
+        assert peak[1] <= (GPT_OSS_WINDOW + 16) // 4 + 2
+        assert kv.in_use == 0
+        if prefix:
+            again = llm.generate([{"prompt_token_ids": prompt}], params)[0]
+            assert again.outputs[0].token_ids == outs[0]
+            assert core.allocator.hit_tokens >= 196
+    assert outs[0] == outs[1]
+
+
 def test_mxfp4_experts_stay_compressed(extra_checkpoints):
     """On the CPU the expert weights are the checkpoint's uint8 blocks and scales: no dense copy."""
     from kernels.grouped_gemm.mxfp4 import Mxfp4Weight
