@@ -483,7 +483,8 @@ def build_qwen3_next(path: str) -> str:
         c = json.load(f)
     c.pop("layer_types")
     rope = c.pop("rope_parameters")
-    c.update(full_attention_interval=4, rope_theta=rope["rope_theta"], partial_rotary_factor=rope["partial_rotary_factor"])
+    c.update(full_attention_interval=4, rope_theta=rope["rope_theta"],
+             partial_rotary_factor=rope["partial_rotary_factor"])
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(c, f, indent=2)
     return path
@@ -545,7 +546,8 @@ def build_qwen3_5_moe_vl(path: str) -> str:
 EXTRA_BUILDERS = {"qwen2_moe": build_qwen2_moe, "olmoe": build_olmoe, "kimi_k2": build_kimi_k2,
                   "glm4_moe": build_glm4_moe, "gpt_oss": build_gpt_oss, "gpt_oss_mxfp4": build_gpt_oss_mxfp4,
                   "minimax_m2": build_minimax_m2, "llama4": build_llama4, "llama4_mm": build_llama4_multimodal,
-                  "qwen3_next": build_qwen3_next, "qwen3_5_moe": build_qwen3_5_moe, "qwen3_5_moe_vl": build_qwen3_5_moe_vl}
+                  "qwen3_next": build_qwen3_next, "qwen3_5_moe": build_qwen3_5_moe,
+                  "qwen3_5_moe_vl": build_qwen3_5_moe_vl}
 
 
 class LazyCheckpoints:
