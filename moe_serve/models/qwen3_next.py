@@ -136,9 +136,12 @@ class GatedDeltaNet(nn.Module):
             return (self.in_proj_qkv(x_TD), self.in_proj_z(x_TD).view(T, Hv, dv), self.in_proj_b(x_TD),
                     self.in_proj_a(x_TD))
         r = Hv // Hk
-        q, k, v, z = self.in_proj_qkvz(x_TD).view(T, Hk, -1).split([self.k_dim, self.k_dim, r * dv, r * dv], dim=-1)
+        per_head = 2 * self.k_dim + 2 * r * dv
+        q, k, v, z = self.in_proj_qkvz(x_TD).view(T, Hk, per_head).split([self.k_dim, self.k_dim, r * dv, r * dv],
+                                                                          dim=-1)
         b, a = self.in_proj_ba(x_TD).view(T, Hk, 2 * r).split([r, r], dim=-1)
-        qkv_TC = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
+        qkv_TC = torch.cat([q.reshape(T, Hk * self.k_dim), k.reshape(T, Hk * self.k_dim), v.reshape(T, Hv * dv)],
+                           dim=-1)
         return qkv_TC, z.reshape(T, Hv, dv), b.reshape(T, Hv), a.reshape(T, Hv)
 
     def forward(self, x_TD: torch.Tensor, positions_T: torch.Tensor, meta: AttentionMetadata,

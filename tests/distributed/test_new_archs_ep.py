@@ -18,7 +18,8 @@ from tests.distributed.jobs import TorchrunJob
 from tests.distributed.test_launcher import ARGS, PROMPTS, _complete_all, expected_texts
 
 
-@pytest.mark.parametrize("arch", ["qwen2_moe", "olmoe", "glm4_moe", "gpt_oss_mxfp4", "minimax_m2", "llama4"])
+@pytest.mark.parametrize("arch", ["qwen2_moe", "olmoe", "glm4_moe", "gpt_oss_mxfp4", "minimax_m2", "llama4", "qwen3_next",
+                                  "qwen3_5_moe"])
 def test_ep2_serving_matches_single_process(extra_checkpoints, arch):
     path = extra_checkpoints[arch]
     want = expected_texts(path, PROMPTS, 8)

@@ -244,3 +244,36 @@ def test_other_variants_refused(extra_checkpoints, tmp_path, arch, fields, match
     cfg = ModelConfig.from_path(path, "float32")
     with pytest.raises(ValueError, match=match):
         model_class(cfg.architecture)(cfg.hf, MoEContext(LocalDispatcher(6)), torch.float32)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_schedules_give_the_same_tokens(extra_checkpoints, refs, seed):
+    """Property over schedules for a hybrid model: block size, token budget (so prefill chunks end at
+    every offset, and at the snapshot boundary), cache size (preemption by recompute) and prefix
+    caching are drawn at random; requests sharing prefixes arrive in two waves so the second hits
+    the first's blocks and restores its state snapshots. Every schedule gives transformers' greedy
+    tokens, and every block and state slot is returned."""
+    import random
+
+    from moe_serve import LLM, SamplingParams
+    from tests.models.test_hf_parity import assert_same_greedy, make_prompts
+
+    rng = random.Random(seed)
+    model = ref_model(extra_checkpoints, refs, "qwen3_next")
+    prompts = make_prompts(300 + seed)
+    rng.shuffle(prompts)
+    prompts += prompts[:3]  # repeated in the second wave: hits on their own snapshots when still cached
+    expected = [hf_greedy(model, p, 6) for p in prompts]
+    bs = rng.choice([2, 4, 8])
+    llm = LLM(extra_checkpoints["qwen3_next"], dtype="float32", block_size=bs,
+              num_kv_blocks=rng.randint(60 // bs + 2, 400 // bs), max_num_batched_tokens=rng.randint(5, 40),
+              max_num_seqs=rng.randint(2, 8), enable_prefix_caching=rng.random() < 0.75, show_progress=False)
+    params = SamplingParams(temperature=0, max_tokens=6)
+    half = (len(prompts) - 3) // 2
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:half]], params)
+    outs += llm.generate([{"prompt_token_ids": p} for p in prompts[half:]], params)
+    for p, o, e in zip(prompts, outs, expected):
+        assert_same_greedy(model, p, o.outputs[0].token_ids, e)
+    kv = llm.engine.scheduler.kv
+    assert kv.in_use == 0
+    kv.check_invariants()
