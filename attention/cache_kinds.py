@@ -1,4 +1,4 @@
-"""What each attention-like layer keeps per request, and the per-sequence state cache.
+"""What each attention-like layer keeps per request. Pure Python (the scheduler imports it).
 
 Every layer that keeps something across steps declares a `cache_kind`:
 
@@ -8,7 +8,7 @@ Every layer that keeps something across steps declares a `cache_kind`:
 - `chunked(c)`: K/V of the current chunk of c tokens (Llama-4's local layers): a query at p reads
   keys from (p // c) * c to p, so blocks before its chunk are freed.
 - `STATE`: a fixed-size state per sequence (linear attention: a recurrent matrix and the short
-  convolution's last inputs), one slot per running request, never growing.
+  convolution's last inputs), one slot per running request, never growing (`attention/state.py`).
 
 Layers of the same kind share one block table (or slot) per request: the engine's cache manager
 (`attention/kv_manager.py`) keeps one allocator per kind and the step's metadata carries one block
@@ -16,11 +16,7 @@ table per kind (`AttentionMetadata.for_group`).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-
-import torch
-from torch import nn
 
 
 @dataclass(frozen=True)
@@ -60,30 +56,3 @@ def sliding(window: int) -> CacheKind:
 
 def chunked(chunk: int) -> CacheKind:
     return CacheKind("chunked", chunk)
-
-
-class StateCache(nn.Module):
-    """A layer's per-sequence state: one tensor per entry of `shapes`, each (slots + 1, *shape),
-    the last slot a scratch slot that padded decode rows write. Bound by the model runner; the
-    step's slot of each sequence is `AttentionMetadata.state_slots` (B,), and a sequence whose
-    context before this step is empty (`meta.context_lens_cpu[b] == 0`) starts from zeros."""
-
-    cache_kind = STATE
-    cache_group = 0  # set by the model runner when it groups the layers
-
-    def __init__(self, shapes: list[tuple[int, ...]], dtypes: list[torch.dtype]):
-        super().__init__()
-        if len(shapes) != len(dtypes):
-            raise ValueError("one dtype per state shape")
-        self.shapes, self.dtypes = [tuple(s) for s in shapes], list(dtypes)
-        self.caches: list[torch.Tensor | None] = [None] * len(shapes)
-
-    def slot_bytes(self) -> int:
-        """Bytes of one sequence's state in this layer."""
-        return sum(math.prod(s) * torch.empty((), dtype=d).element_size() for s, d in zip(self.shapes, self.dtypes))
-
-    def cache_shapes(self, num_slots: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        return [((num_slots, *s), d) for s, d in zip(self.shapes, self.dtypes)]
-
-    def bind(self, caches: list[torch.Tensor | None]) -> None:
-        self.caches = list(caches)

@@ -30,7 +30,7 @@ class AttentionMetadata:
     # others. Nothing else keeps per-step state here; a graph capture starts from an empty one.
     backend_plans: dict = field(default_factory=dict, repr=False, compare=False)
     # Per-sequence state slots (B,) int64 of the step, for layers that keep a fixed-size state
-    # (attention/cache_kinds.py StateCache); None when the model has none.
+    # (attention/state.py StateCache); None when the model has none.
     state_slots: torch.Tensor | None = None
     # Block tables and slot mappings of the other cache groups (sliding / chunked layers keep their
     # own tables): group -> (block_tables, slot_mapping). Group 0 is this object's own.

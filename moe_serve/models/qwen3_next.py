@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attention.cache_kinds import StateCache
+from attention.state import StateCache
 from attention.layer import PagedAttention
 from attention.metadata import AttentionMetadata
 from expert_parallel.runtime.layer import MoE, MoEContext, run_to_end

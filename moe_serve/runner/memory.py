@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from attention.cache_kinds import FULL, CacheKind, StateCache
+from attention.cache_kinds import FULL, CacheKind
+from attention.state import StateCache
 from attention.layer import PagedAttention, PagedMLAAttention
 from attention.metadata import AttentionMetadata
 from expert_parallel.runtime.layer import MoEContext

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attention.cache_kinds import StateCache
+from attention.state import StateCache
 from attention.layer import PagedAttention
 from attention.metadata import AttentionMetadata
 from expert_parallel.runtime.dispatch.local import LocalDispatcher
@@ -277,3 +277,12 @@ def test_random_schedules_give_the_same_tokens(extra_checkpoints, refs, seed):
     kv = llm.engine.scheduler.kv
     assert kv.in_use == 0
     kv.check_invariants()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe"])
+def test_overlap_gives_identical_tokens(extra_checkpoints, arch):
+    """Two overlapped micro-batches give the plain path's tokens: a sequence cut across them
+    continues in the second from the conv and recurrent states the first left in its slot."""
+    from tests.unit import test_overlap
+
+    test_overlap.test_overlap_gives_identical_tokens(extra_checkpoints, arch)
