@@ -32,3 +32,19 @@ def test_ep2_serving_matches_single_process(extra_checkpoints, arch):
         assert job.wait(60) == 0
     finally:
         job.kill()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "llama4", "minimax_m2"])
+def test_ep4_overlap_serving_matches_single_process(extra_checkpoints, arch):
+    """The hybrid and newest families at EP 4 with two overlapped micro-batches (some ranks' micro-
+    batches empty; a sequence cut across them carries its linear-attention state or chunk's K/V)."""
+    path = extra_checkpoints[arch]
+    want = expected_texts(path, PROMPTS, 6)
+    job = TorchrunJob(4, ["--model", path, *ARGS, "--enable-overlap", "--overlap-min-tokens", "1"])
+    try:
+        assert asyncio.run(_complete_all(job.url, PROMPTS[:1], 6)) == want[:1]
+        assert asyncio.run(_complete_all(job.url, PROMPTS, 6)) == want
+        os.kill(job.rank_pid(0), signal.SIGTERM)
+        assert job.wait(60) == 0
+    finally:
+        job.kill()
