@@ -139,7 +139,6 @@ class KVCacheManager:
         max_blocks full blocks that every group can resume from; returns the blocks hit."""
         k = 0
         if self.enable_prefix_caching:
-            k = 0
             cached0 = self.allocs[0].cached
             while k < min(max_blocks, len(hashes)) and hashes[k] in cached0:
                 k += 1
