@@ -103,14 +103,14 @@ def graphed(step: Step):
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 32])
-    p.add_argument("--backend", nargs="+", default=None, help="torch and, on CUDA, triton (default)")
+    p.add_argument("--backend", nargs="+", default=None, help="torch and triton on CUDA, torch and cpu_c on CPUs (default)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--iters", type=int, default=None, help="calls per timed run (default 200 CUDA, 10 CPU)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
-    backends = args.backend or (["torch", "triton"] if cuda else ["torch"])
+    backends = args.backend or (["torch", "triton"] if cuda else ["torch", "cpu_c"])
     iters = args.iters or (200 if cuda else 10)
     bandwidth = measure_bandwidth(device, 1 << 30 if cuda else 1 << 28)
     name = torch.cuda.get_device_name(device) if cuda else f"CPU, {torch.get_num_threads()} threads"

@@ -23,7 +23,7 @@ from torch import nn
 
 from attention.backends import CpuCAttention, TorchAttention, TritonAttention
 from kernels import cpu_ops
-from kernels.gated_delta import TorchLinearAttention, TritonLinearAttention
+from kernels.gated_delta import CpuCLinearAttention, TorchLinearAttention, TritonLinearAttention
 from kernels.grouped_gemm import CpuCExperts, TorchExperts, TritonExperts
 from kernels.linear import CpuCLinear, TorchLinear, TritonLinear
 from kernels.norm import CpuCNorm, TorchNorm
@@ -36,7 +36,8 @@ OPS: dict[str, dict[str, type]] = {
     "attention": {"torch": TorchAttention, "cpu_c": CpuCAttention, "triton": TritonAttention},
     "linear": {"torch": TorchLinear, "cpu_c": CpuCLinear, "triton": TritonLinear},
     "norm": {"torch": TorchNorm, "cpu_c": CpuCNorm},
-    "linear_attention": {"torch": TorchLinearAttention, "triton": TritonLinearAttention},
+    "linear_attention": {"torch": TorchLinearAttention, "cpu_c": CpuCLinearAttention,
+                         "triton": TritonLinearAttention},
 }
 # Earlier names of the same backends, still accepted by the flags.
 ALIASES = {"reference": "torch"}

@@ -5,7 +5,9 @@
 - `attention.c`: paged attention reading keys and values in place from the cache: decodes, and
   the causal query chunks of prefills;
 - `norm.c`: RMSNorm, optionally fused with the residual add before it; q/k per-head RMSNorm
-  and RoPE in one pass.
+  and RoPE in one pass;
+- `gated_delta.c`: a Gated DeltaNet layer's decode step (the short convolution and the gated
+  delta rule), every state read and written once in place in its slot.
 
 They are built together with the system C compiler (`$CC`, else `cc`) at `-O3 -march=native
 -fopenmp` into one library in a cache directory (`$MOE_SERVE_CACHE`, else `~/.cache/moe-serve`),
@@ -34,7 +36,7 @@ import torch
 
 log = logging.getLogger("moe_serve.cpu_ops")
 
-_SRCS = sorted(Path(__file__).parent.glob("*.c"))  # attention.c, moe.c, norm.c: one library
+_SRCS = sorted(Path(__file__).parent.glob("*.c"))  # attention.c, gated_delta.c, moe.c, norm.c: one library
 _HDRS = sorted(Path(__file__).parent.glob("*.h"))
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 
@@ -135,6 +137,14 @@ def _lib() -> ctypes.CDLL | None:
     f.restype = None
     f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int]
+    f = lib.gated_delta_step_f32
+    f.restype = ctypes.c_int
+    f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_void_p] * 6,
+                  *[ctypes.c_int64] * 4, ctypes.c_float, ctypes.c_int, ctypes.c_float, ctypes.c_int]
+    f = lib.conv_step_f32
+    f.restype = None
+    f.argtypes = [ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_void_p] * 6, *[ctypes.c_int64] * 3, ctypes.c_int,
+                  ctypes.c_int]
     return lib
 
 
@@ -348,3 +358,78 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
         if b is not None:
             y += b
     return y.view(*x.shape[:-1], N)
+
+
+# Largest key / value head dim of gated_delta.c's per-head buffers.
+GATED_DELTA_MAX_DIM = 512
+
+
+def _token_rows(x: torch.Tensor) -> bool:
+    """(B, H, d) with d contiguous and heads packed in each token's row (any token stride)."""
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
+def gated_delta_step_fits(q_BHK: torch.Tensor, k_BHK: torch.Tensor, v_BHV: torch.Tensor,
+                          state_SHKV: torch.Tensor) -> bool:
+    """float32 CPU q, k (same strides) and v with heads packed per token, a float32 contiguous
+    state pool, head dims up to GATED_DELTA_MAX_DIM."""
+    return (q_BHK.is_cpu and all(t.dtype == torch.float32 for t in (q_BHK, k_BHK, v_BHV, state_SHKV))
+            and _token_rows(q_BHK) and k_BHK.stride() == q_BHK.stride() and _token_rows(v_BHV)
+            and state_SHKV.is_contiguous() and state_SHKV.shape[1:] == (q_BHK.shape[1], q_BHK.shape[2], v_BHV.shape[2])
+            and max(q_BHK.shape[2], v_BHV.shape[2]) <= GATED_DELTA_MAX_DIM and available())
+
+
+def _keep(context_lens_cpu) -> torch.Tensor | None:
+    """uint8 (B,) 1 where the sequence continues from its slot; None when every one does."""
+    if all(c > 0 for c in context_lens_cpu):
+        return None
+    return torch.tensor([c > 0 for c in context_lens_cpu], dtype=torch.uint8)
+
+
+def gated_delta_step(q_BHK: torch.Tensor, k_BHK: torch.Tensor, v_BHV: torch.Tensor, g_BH: torch.Tensor,
+                     beta_BH: torch.Tensor, state_SHKV: torch.Tensor, slots_B: torch.Tensor, context_lens_cpu,
+                     scale: float, use_qk_l2norm: bool, eps: float) -> torch.Tensor:
+    """One token per sequence through the gated delta rule, each sequence's state updated in place
+    in its slot (a zero state where its context is 0): o (B, H, V) float32. Check
+    gated_delta_step_fits first."""
+    B, H, K = q_BHK.shape
+    V = v_BHV.shape[2]
+    g = g_BH.float().contiguous()
+    beta = beta_BH.float().contiguous()
+    slots = slots_B.to(torch.int64).contiguous()
+    keep = _keep(context_lens_cpu)
+    o = torch.empty(B, H, V, dtype=torch.float32)
+    rc = _lib().gated_delta_step_f32(q_BHK.data_ptr(), k_BHK.data_ptr(), q_BHK.stride(0), v_BHV.data_ptr(),
+                                     v_BHV.stride(0), g.data_ptr(), beta.data_ptr(), state_SHKV.data_ptr(),
+                                     slots.data_ptr(), keep.data_ptr() if keep is not None else None, o.data_ptr(),
+                                     B, H, K, V, scale, int(use_qk_l2norm), eps, torch.get_num_threads())
+    if rc:
+        raise ValueError(f"cpu_ops.gated_delta_step: head dims {K}, {V} over {GATED_DELTA_MAX_DIM}")
+    return o
+
+
+def conv_step_fits(x_BC: torch.Tensor, weight_CK: torch.Tensor, bias_C: torch.Tensor | None,
+                   conv_state_SCW: torch.Tensor) -> bool:
+    """float32 CPU rows (channels contiguous), a float32 contiguous (C, W) filter, bias and window pool."""
+    return (x_BC.is_cpu and x_BC.dim() == 2 and x_BC.stride(1) == 1
+            and all(t.dtype == torch.float32 for t in (x_BC, weight_CK, conv_state_SCW))
+            and weight_CK.is_contiguous() and conv_state_SCW.is_contiguous()
+            and conv_state_SCW.shape[1:] == (x_BC.shape[1], weight_CK.shape[1] - 1)
+            and (bias_C is None or (bias_C.dtype == torch.float32 and bias_C.is_contiguous()))
+            and available())
+
+
+def conv_step(x_BC: torch.Tensor, weight_CK: torch.Tensor, bias_C: torch.Tensor | None, conv_state_SCW: torch.Tensor,
+              slots_B: torch.Tensor, context_lens_cpu, silu: bool) -> torch.Tensor:
+    """The depthwise causal convolution's one-token step for every sequence, each window shifted in
+    place in its slot (zeros before a fresh sequence's token): y (B, C) float32. Check
+    conv_step_fits first."""
+    B, C = x_BC.shape
+    slots = slots_B.to(torch.int64).contiguous()
+    keep = _keep(context_lens_cpu)
+    y = torch.empty(B, C, dtype=torch.float32)
+    _lib().conv_step_f32(x_BC.data_ptr(), x_BC.stride(0), weight_CK.data_ptr(),
+                         bias_C.data_ptr() if bias_C is not None else None, conv_state_SCW.data_ptr(), slots.data_ptr(),
+                         keep.data_ptr() if keep is not None else None, y.data_ptr(), B, C, weight_CK.shape[1],
+                         int(silu), torch.get_num_threads())
+    return y

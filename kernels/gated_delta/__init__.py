@@ -5,6 +5,8 @@ at start-up by moe_serve/platform.py (kind "linear_attention") and bound to ever
 - `TorchLinearAttention` ("torch"): torch ops. A decode step (every sequence one row) is one
   batched recurrent step over the gathered states, with no host read and no loop over sequences,
   so a CUDA graph can hold it; prefill runs the chunked form of the rule per sequence.
+- `CpuCLinearAttention` ("cpu_c"): the torch backend with the decode step of float32 layers in
+  our C kernel (kernels/cpu_ops/gated_delta.c), each state read and written once in place.
 - `TritonLinearAttention` ("triton"): the kernels of kernels/gated_delta/triton_kernels.py (a
   chunked prefill kernel pair and a one-token recurrent kernel), imported on first use so CPU
   users never load Triton.
@@ -26,7 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.gated_delta.reference import l2norm
+from kernels import cpu_ops
+from kernels.gated_delta.reference import L2NORM_EPS, l2norm
 
 # The torch prefill's chunk length (the chunked form's block of rows solved at once).
 TORCH_CHUNK = 64
@@ -145,17 +148,15 @@ class TorchLinearAttention:
                          context_lens_cpu, scale: float, use_qk_l2norm: bool = True) -> torch.Tensor:
         nd = leading_decodes(query_lens_cpu)
         B = len(query_lens_cpu)
-        q, k = q_THK.float(), k_THK.float()
-        if use_qk_l2norm:
-            q, k = l2norm(q), l2norm(k)
-        q = q * scale
-        v, g, beta = v_THV.float(), g_TH.float(), beta_TH.float()
         if nd == B:
-            return self._delta_step(q, k, v, g, beta, state_SHKV, slots_B, context_lens_cpu).to(v_THV.dtype)
-        o_THV = torch.empty(v.shape, dtype=v_THV.dtype, device=v.device)
+            return self._decode_rule(q_THK, k_THK, v_THV, g_TH, beta_TH, state_SHKV, slots_B, context_lens_cpu, scale,
+                                     use_qk_l2norm).to(v_THV.dtype)
+        o_THV = torch.empty(v_THV.shape, dtype=v_THV.dtype, device=v_THV.device)
         if nd:
-            o_THV[:nd] = self._delta_step(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], state_SHKV, slots_B[:nd],
-                                          context_lens_cpu[:nd])
+            o_THV[:nd] = self._decode_rule(q_THK[:nd], k_THK[:nd], v_THV[:nd], g_TH[:nd], beta_TH[:nd], state_SHKV,
+                                           slots_B[:nd], context_lens_cpu[:nd], scale, use_qk_l2norm)
+        q, k = _normed(q_THK, k_THK, scale, use_qk_l2norm)
+        v, g, beta = v_THV.float(), g_TH.float(), beta_TH.float()
         start = nd
         for b in range(nd, B):
             L = query_lens_cpu[b]
@@ -171,6 +172,13 @@ class TorchLinearAttention:
                 state_SHKV.index_copy_(0, slot_1, S_HKV[None].to(state_SHKV.dtype))
             start += L
         return o_THV
+
+    def _decode_rule(self, q_BHK, k_BHK, v_BHV, g_BH, beta_BH, state_SHKV, slots_B, context_lens_cpu, scale: float,
+                     use_qk_l2norm: bool) -> torch.Tensor:
+        """The rule for sequences of one row each (the step's leading decodes): float32 o (B, H, V)."""
+        q, k = _normed(q_BHK, k_BHK, scale, use_qk_l2norm)
+        return self._delta_step(q, k, v_BHV.float(), g_BH.float(), beta_BH.float(), state_SHKV, slots_B,
+                                context_lens_cpu)
 
     def _delta_step(self, q_BHK, k_BHK, v_BHV, g_BH, beta_BH, state_SHKV, slots_B, context_lens_cpu):
         """One token per sequence, all sequences at once (float32 inputs, q normalised and scaled).
@@ -195,6 +203,14 @@ class TorchLinearAttention:
 
     def __repr__(self) -> str:
         return type(self).__name__ + "()"
+
+
+def _normed(q_THK, k_THK, scale: float, use_qk_l2norm: bool):
+    """float32 q and k, l2-normalised if asked, q times scale."""
+    q, k = q_THK.float(), k_THK.float()
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    return q * scale, k
 
 
 def _bias_act(y, bias_C, activation):
@@ -317,8 +333,36 @@ class TritonLinearAttention:
         return "TritonLinearAttention()"
 
 
+class CpuCLinearAttention(TorchLinearAttention):
+    """The torch backend with the decode step of float32 layers in C (kernels/cpu_ops/gated_delta.c):
+    each sequence's conv window and recurrent state read and written once, in place in its slot,
+    where torch's step gathers, updates and scatters them. Prefill chunks take the torch ops."""
+
+    name = "cpu_c"
+    captures_graphs = False  # a CPU backend: no graphs to capture
+
+    @staticmethod
+    def _conv_step(x_BC, weight_CK, bias_C, conv_state_SCW, slots_B, context_lens_cpu, activation):
+        if activation in ("silu", None) and cpu_ops.conv_step_fits(x_BC, weight_CK, bias_C, conv_state_SCW):
+            return cpu_ops.conv_step(x_BC, weight_CK, bias_C, conv_state_SCW, slots_B, context_lens_cpu,
+                                     activation == "silu")
+        return TorchLinearAttention._conv_step(x_BC, weight_CK, bias_C, conv_state_SCW, slots_B, context_lens_cpu,
+                                               activation)
+
+    def _decode_rule(self, q_BHK, k_BHK, v_BHV, g_BH, beta_BH, state_SHKV, slots_B, context_lens_cpu, scale: float,
+                     use_qk_l2norm: bool) -> torch.Tensor:
+        if cpu_ops.gated_delta_step_fits(q_BHK, k_BHK, v_BHV, state_SHKV):
+            return cpu_ops.gated_delta_step(q_BHK, k_BHK, v_BHV, g_BH, beta_BH, state_SHKV, slots_B, context_lens_cpu,
+                                            scale, use_qk_l2norm, L2NORM_EPS)
+        return super()._decode_rule(q_BHK, k_BHK, v_BHV, g_BH, beta_BH, state_SHKV, slots_B, context_lens_cpu, scale,
+                                    use_qk_l2norm)
+
+    def __repr__(self) -> str:
+        return "CpuCLinearAttention()"
+
+
 # By name, for tests and benchmarks that call one backend directly (the engine's table is in platform.py).
-_BY_NAME = {cls.name: cls for cls in (TorchLinearAttention, TritonLinearAttention)}
+_BY_NAME = {cls.name: cls for cls in (TorchLinearAttention, CpuCLinearAttention, TritonLinearAttention)}
 
 
 def get_backend(name: str, device: torch.device | str = "cpu"):

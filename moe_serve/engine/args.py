@@ -128,7 +128,8 @@ class EngineArgs:
         g.add_argument("--linear-attention-backend", default="auto",
                        choices=["auto", *platform.OPS["linear_attention"]],
                        help="linear attention (Gated DeltaNet: short convolution and delta rule): auto (triton "
-                            "on CUDA, torch on CPUs) | torch (torch ops only) | triton")
+                            "on CUDA, cpu_c on CPUs where the C kernels build) | torch (torch ops only) | cpu_c "
+                            "(decode steps in C) | triton")
         g.add_argument("--all2all-backend", default="auto",
                        choices=["auto", "all_to_all", "allgather", "deepep", "reference"])
         g.add_argument("--expert-placement", default=None, help="placement JSON from `moe-serve placement tune`")
