@@ -100,3 +100,51 @@ class PagedMLAAttention(nn.Module):
         meta = meta.for_group(self.cache_group)
         self.ops.write_latent(latent_TC, self.latent_cache, meta.slot_mapping)
         return self.ops.mla_paged_attention(q_latent_TNL, q_pe_TNR, self.latent_cache, meta, self.scale)
+
+
+class PagedDSAAttention(PagedMLAAttention):
+    """DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): MLA over the `topk` tokens the lightning
+    indexer scores highest for each query (attention/backends/dsa.py). A layer with an indexer
+    (index_head_dim given) keeps its keys, one row of index_head_dim per token, beside the latent
+    in the same blocks, and leaves its selection in the step's metadata; a layer without one
+    (GLM-5's "shared" layers) attends over the selection of the last layer that had one."""
+
+    def __init__(self, kv_lora_rank: int, rope_dim: int, scale: float, topk: int, index_head_dim: int | None,
+                 index_scale: float = 1.0):
+        super().__init__(kv_lora_rank, rope_dim, scale)
+        if topk < 1:
+            raise ValueError(f"index_topk={topk} must be at least 1")
+        self.topk, self.index_head_dim, self.index_scale = topk, index_head_dim, index_scale
+        self.index_cache: torch.Tensor | None = None
+
+    def cache_shape(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:
+        shapes = super().cache_shape(num_blocks, block_size)
+        if self.index_head_dim:
+            shapes.append((num_blocks, block_size, self.index_head_dim))
+        return shapes
+
+    def bind(self, caches: list[torch.Tensor]) -> None:
+        if self.index_head_dim:
+            self.latent_cache, self.index_cache = caches
+        else:
+            (self.latent_cache,) = caches
+
+    def forward(self, q_latent_TNL, q_pe_TNR, latent_TC, meta: AttentionMetadata,
+                index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """index: the indexer's (q (T, heads, I), head weights (T, heads), keys (T, I)) of this
+        step's tokens; None on a layer without an indexer."""
+        meta = meta.for_group(self.cache_group)
+        self.ops.write_latent(latent_TC, self.latent_cache, meta.slot_mapping)
+        if self.index_head_dim:
+            if index is None:
+                raise ValueError("a DSA layer with an indexer needs its queries, weights and keys")
+            q_TNI, w_TN, k_TI = index
+            self.ops.write_latent(k_TI, self.index_cache, meta.slot_mapping)
+            topk_TK = self.ops.dsa_topk(q_TNI, w_TN, self.index_cache, meta, self.topk, self.index_scale)
+            meta.backend_plans["dsa_topk"] = topk_TK
+        else:
+            topk_TK = meta.backend_plans.get("dsa_topk")
+            if topk_TK is None:
+                raise ValueError("a DSA layer that shares the top-k of an earlier layer found none in this step "
+                                 "(its model's first DSA layer must have an indexer)")
+        return self.ops.sparse_mla_attention(q_latent_TNL, q_pe_TNR, self.latent_cache, meta, topk_TK, self.scale)

@@ -27,7 +27,9 @@ class AttentionMetadata:
     max_seq_len: int
     # The torch attention backend's plans for this step (which cache blocks its decodes gather, and
     # their masks: attention/backends/reference.py), made by the first layer and reused by the
-    # others. Nothing else keeps per-step state here; a graph capture starts from an empty one.
+    # others; and the step's DSA selection ("dsa_topk", attention/layer.py PagedDSAAttention), left by
+    # a layer with an indexer for the layers that share it. Nothing else keeps per-step state here; a
+    # graph capture starts from an empty one.
     backend_plans: dict = field(default_factory=dict, repr=False, compare=False)
     # Per-sequence state slots (B,) int64 of the step, for layers that keep a fixed-size state
     # (attention/state.py StateCache); None when the model has none.

@@ -109,21 +109,60 @@ def build_qwen3_moe(path: str) -> str:
     return path
 
 
+def _deepseek_fields(special: dict) -> dict:
+    """A tiny DeepSeek-V3-style MLA + MoE config (yarn RoPE), shared by its DSA descendants."""
+    return dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1,
+                num_experts_per_tok=3, n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                max_position_embeddings=1024,
+                rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                 "original_max_position_embeddings": 256, "beta_fast": 32, "beta_slow": 1,
+                                 "mscale": 1.0, "mscale_all_dim": 1.0},
+                eos_token_id=special["<|im_end|>"], bos_token_id=None, pad_token_id=special["<|endoftext|>"])
+
+
+# DSA checkpoints select 8 tokens per query: prompts of 20-60 tokens really are sparse.
+DSA_TOPK = 8
+
+
+def _build_dsa(path: str, config_cls, model_cls, seed: int, **fields) -> str:
+    """A tiny DSA model (DeepSeek-V3.2 or GLM-5): the indexer's 8 heads of 16 (rotary on 8 of them)
+    select DSA_TOPK tokens. The indexer's key-norm bias is kept small (widen_ would set it near 1,
+    a shift common to every key that flattens the scores)."""
+    cfg = config_cls(**{**_deepseek_fields(_tokenizer(path)), "index_topk": DSA_TOPK, "index_head_dim": 16,
+                        "index_n_heads": 8, **fields})
+    torch.manual_seed(0)
+    m = model_cls(cfg).eval()
+    widen_(m, seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for name, prm in m.named_parameters():
+            if name.endswith("indexer.k_norm.bias"):
+                prm.copy_(0.1 * torch.randn(prm.shape, generator=g))
+    m.save_pretrained(path)
+    return path
+
+
+def build_deepseek_v32(path: str) -> str:
+    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
+
+    return _build_dsa(path, DeepseekV32Config, DeepseekV32ForCausalLM, 21, num_hidden_layers=3)
+
+
+def build_glm_moe_dsa(path: str) -> str:
+    """GLM-5's shape: layers 1 and 3 reuse the selection of the layer before them."""
+    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+
+    return _build_dsa(path, GlmMoeDsaConfig, GlmMoeDsaForCausalLM, 22, num_hidden_layers=4, n_group=1, topk_group=1,
+                      indexer_types=["full", "shared", "full", "shared"])
+
+
 def build_deepseek_v3(path: str) -> str:
     from safetensors.torch import load_file, save_file
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    special = _tokenizer(path)
-    cfg = DeepseekV3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                           num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
-                           n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=3, n_group=4, topk_group=2,
-                           first_k_dense_replace=1, routed_scaling_factor=2.5, q_lora_rank=32, kv_lora_rank=32,
-                           qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, max_position_embeddings=1024,
-                           rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                            "original_max_position_embeddings": 256, "beta_fast": 32,
-                                            "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
-                           eos_token_id=special["<|im_end|>"], bos_token_id=None,
-                           pad_token_id=special["<|endoftext|>"])
+    cfg = DeepseekV3Config(**_deepseek_fields(_tokenizer(path)), num_hidden_layers=3)
     torch.manual_seed(0)
     m = DeepseekV3ForCausalLM(cfg).eval()
     widen_(m, 3)
@@ -547,7 +586,8 @@ EXTRA_BUILDERS = {"qwen2_moe": build_qwen2_moe, "olmoe": build_olmoe, "kimi_k2":
                   "glm4_moe": build_glm4_moe, "gpt_oss": build_gpt_oss, "gpt_oss_mxfp4": build_gpt_oss_mxfp4,
                   "minimax_m2": build_minimax_m2, "llama4": build_llama4, "llama4_mm": build_llama4_multimodal,
                   "qwen3_next": build_qwen3_next, "qwen3_5_moe": build_qwen3_5_moe,
-                  "qwen3_5_moe_vl": build_qwen3_5_moe_vl}
+                  "qwen3_5_moe_vl": build_qwen3_5_moe_vl, "deepseek_v32": build_deepseek_v32,
+                  "glm_moe_dsa": build_glm_moe_dsa}
 
 
 class LazyCheckpoints:

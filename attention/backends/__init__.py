@@ -10,7 +10,8 @@ moe_serve/platform.py and bound to every attention layer.
   on first use so CPU users never load Triton.
 
 Every backend has write_kv, write_latent, paged_attention and mla_paged_attention with the
-signatures of `attention.backends.reference`; `num_splits` (split-K) is the Triton kernel's.
+signatures of `attention.backends.reference`, and dsa_topk and sparse_mla_attention with those of
+`attention.backends.dsa`; `num_splits` (split-K) is the Triton kernel's.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import importlib
 
 import torch
 
-from attention.backends import reference
+from attention.backends import dsa, reference
 from kernels import cpu_ops
 
 
@@ -46,6 +47,12 @@ class TorchAttention:
 
     def mla_paged_attention(self, q_latent_TNL, q_pe_TNR, latent_cache, meta, scale: float) -> torch.Tensor:
         return reference.mla_paged_attention(q_latent_TNL, q_pe_TNR, latent_cache, meta, scale)
+
+    def dsa_topk(self, q_TNI, w_TN, index_cache, meta, topk: int, scale: float) -> torch.Tensor:
+        return dsa.dsa_topk(q_TNI, w_TN, index_cache, meta, topk, scale)
+
+    def sparse_mla_attention(self, q_latent_TNL, q_pe_TNR, latent_cache, meta, topk_TK, scale: float) -> torch.Tensor:
+        return dsa.sparse_mla_attention(q_latent_TNL, q_pe_TNR, latent_cache, meta, topk_TK, scale)
 
     def warm_up(self, layer, num_heads: int, dtype: torch.dtype, block_size: int, max_len: int, split: bool) -> None:
         """Compile what this backend can launch for the layer ahead of serving: nothing for torch ops."""
@@ -122,6 +129,14 @@ class TritonAttention:
                             num_splits: int | None = None) -> torch.Tensor:
         return self.kernels.mla_paged_attention(q_latent_TNL, q_pe_TNR, latent_cache, meta, scale,
                                                 num_splits=num_splits)
+
+    # DSA (DeepSeek-V3.2, GLM-5): the torch ops of attention/backends/dsa.py on the GPU's tensors (no
+    # Triton kernel yet); their decode reads nothing on the host, so a CUDA graph holds it.
+    def dsa_topk(self, q_TNI, w_TN, index_cache, meta, topk: int, scale: float) -> torch.Tensor:
+        return dsa.dsa_topk(q_TNI, w_TN, index_cache, meta, topk, scale)
+
+    def sparse_mla_attention(self, q_latent_TNL, q_pe_TNR, latent_cache, meta, topk_TK, scale: float) -> torch.Tensor:
+        return dsa.sparse_mla_attention(q_latent_TNL, q_pe_TNR, latent_cache, meta, topk_TK, scale)
 
     @staticmethod
     def steps(max_len: int, split: bool) -> list[tuple[str, list[int], list[int], int]]:

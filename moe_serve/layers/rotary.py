@@ -138,11 +138,14 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self._cos_sin_table(positions_T.device)
         return cos.index_select(0, positions_T), sin.index_select(0, positions_T)
 
-    def apply(self, x_THD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def apply(self, x_THD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              interleaved: bool | None = None) -> torch.Tensor:
         """x * cos + rotate_half(x) * sin, with rotate_half(x) = [-x2, x1] = roll(x) times the sign
-        that the signed sin already holds (exactly the reference's products)."""
+        that the signed sin already holds (exactly the reference's products). interleaved: this
+        call's layout where it differs from the embedding's (DeepSeek-V3.2's indexer rotates its
+        halves, its MLA interleaved pairs, from the same tables)."""
         dtype = x_THD.dtype
-        if self.interleaved:
+        if self.interleaved if interleaved is None else interleaved:
             T, H, D = x_THD.shape
             x_THD = x_THD.view(T, H, D // 2, 2).transpose(2, 3).reshape(T, H, D)
         if cos.dtype != dtype:

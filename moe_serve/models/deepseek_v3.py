@@ -54,7 +54,8 @@ class MLASelfAttention(nn.Module):
     def forward(self, x_TD: torch.Tensor, positions_T: torch.Tensor, meta: AttentionMetadata,
                 rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         T = x_TD.shape[0]
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_TD))) if self.q_lora_rank else self.q_proj(x_TD)
+        q_resid = self.q_a_layernorm(self.q_a_proj(x_TD)) if self.q_lora_rank else None
+        q = self.q_b_proj(q_resid) if self.q_lora_rank else self.q_proj(x_TD)
         q_nope, q_pe = q.view(T, self.N, self.P + self.R).split([self.P, self.R], dim=-1)
         c_kv, k_pe = self.kv_a_proj_with_mqa(x_TD).split([self.L, self.R], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
@@ -64,24 +65,47 @@ class MLASelfAttention(nn.Module):
         w_kv = self.kv_b_proj.weight.view(self.N, self.P + self.V, self.L)
         w_uk_NPL, w_uv_NVL = w_kv[:, : self.P], w_kv[:, self.P:]
         q_latent_TNL = torch.einsum("tnp,npl->tnl", q_nope, w_uk_NPL)
-        o_TNL = self.attn(q_latent_TNL, q_pe, torch.cat([c_kv, k_pe], dim=-1), meta)
+        o_TNL = self.attend(q_latent_TNL, q_pe, torch.cat([c_kv, k_pe], dim=-1), meta, x_TD, q_resid, rope)
         o_TNV = torch.einsum("tnl,nvl->tnv", o_TNL, w_uv_NVL)
         return self.o_proj(o_TNV.reshape(T, self.N * self.V))
+
+    def attend(self, q_latent_TNL, q_pe_TNR, latent_TC, meta: AttentionMetadata, x_TD, q_resid, rope):
+        """The paged attention call: (T, N, L). x_TD, q_resid (the normed q_a projection) and rope
+        are for layers that compute more from them (DeepSeek-V3.2's indexer)."""
+        return self.attn(q_latent_TNL, q_pe_TNR, latent_TC, meta)
 
 
 class DeepseekV3ForCausalLM(CausalLM):
     expert_names = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+
+    @staticmethod
+    def moe_layer_ids(hf: dict) -> list[int]:
+        """The layers whose FFN is an MoE block: `mlp_layer_types` ("dense" / "sparse" per layer)
+        where the config has it (DeepSeek-V3.2, GLM-5), else first_k_dense_replace and
+        moe_layer_freq."""
+        if not hf.get("n_routed_experts"):
+            return []
+        types = hf.get("mlp_layer_types")
+        if types is not None:
+            if len(types) != hf["num_hidden_layers"] or set(types) - {"dense", "sparse"}:
+                raise ValueError(f"mlp_layer_types={types!r} must give 'dense' or 'sparse' for each of the "
+                                 f"{hf['num_hidden_layers']} layers")
+            return [i for i, t in enumerate(types) if t == "sparse"]
+        first_dense, freq = hf.get("first_k_dense_replace", 0), hf.get("moe_layer_freq", 1) or 1
+        return [i for i in range(hf["num_hidden_layers"]) if i >= first_dense and i % freq == 0]
+
+    def attention(self, hf: dict, rotary: RotaryEmbedding, dtype, layer: int) -> nn.Module:
+        return MLASelfAttention(hf, rotary, dtype)
 
     def __init__(self, hf: dict, moe: MoEContext, dtype):
         D, E = hf["hidden_size"], hf.get("n_routed_experts")
         eps = hf.get("rms_norm_eps", 1e-6)
         rotary = RotaryEmbedding(hf["qk_rope_head_dim"], rope_config(hf), hf.get("max_position_embeddings", 4096),
                                  interleaved=bool(hf.get("rope_interleave", True)))
-        first_dense, freq = hf.get("first_k_dense_replace", 0), hf.get("moe_layer_freq", 1) or 1
-        moe_ids = [i for i in range(hf["num_hidden_layers"]) if E and i >= first_dense and i % freq == 0]
+        moe_ids = self.moe_layer_ids(hf)
         layers = []
         for i in range(hf["num_hidden_layers"]):
-            attn = MLASelfAttention(hf, rotary, dtype)
+            attn = self.attention(hf, rotary, dtype, i)
             if i in moe_ids:
                 router = GroupLimitedSigmoidRouter(
                     D, E, hf["num_experts_per_tok"], hf.get("n_group") or 1, hf.get("topk_group") or 1,

@@ -17,6 +17,9 @@ _MODELS = {
     "Llama4ForConditionalGeneration": ("moe_serve.models.llama4", "Llama4ForConditionalGeneration"),
     # Kimi-K2 (model_type kimi_k2) is DeepSeek-V3's architecture; its config names either class.
     "KimiK2ForCausalLM": ("moe_serve.models.deepseek_v3", "DeepseekV3ForCausalLM"),
+    # DeepSeek Sparse Attention: DeepSeek-V3.2 and GLM-5.
+    "DeepseekV32ForCausalLM": ("moe_serve.models.deepseek_v32", "DeepseekV32ForCausalLM"),
+    "GlmMoeDsaForCausalLM": ("moe_serve.models.deepseek_v32", "GlmMoeDsaForCausalLM"),
     "Qwen3NextForCausalLM": ("moe_serve.models.qwen3_next", "Qwen3NextForCausalLM"),
     "Qwen3_5MoeForCausalLM": ("moe_serve.models.qwen3_next", "Qwen3_5MoeForCausalLM"),
     # Qwen3.5-MoE's image-text checkpoints: their language model only (text_config, model.language_model.*).

@@ -5,7 +5,8 @@ of two groups kept (so each rank's experts see uneven loads) and partial rotary;
 MXFP4 experts (each rank reads and keeps only its experts' blocks), sliding-window layers and
 sinks; MiniMax-M2 sigmoid routing with a correction bias, full-width q/k norm and partial rotary;
 Llama-4 its routing weights on the experts' inputs (scaled before dispatch), chunked and NoPE
-layers, dense layers between the MoE ones. Kimi-K2 is the DeepSeek-V3 model, covered by test_launcher.py."""
+layers, dense layers between the MoE ones; DeepSeek-V3.2 and GLM-5 their indexers' sparse selection
+(GLM-5's shared between layers). Kimi-K2 is the DeepSeek-V3 model, covered by test_launcher.py."""
 from __future__ import annotations
 
 import asyncio
@@ -19,7 +20,7 @@ from tests.distributed.test_launcher import ARGS, PROMPTS, _complete_all, expect
 
 
 @pytest.mark.parametrize("arch", ["qwen2_moe", "olmoe", "glm4_moe", "gpt_oss_mxfp4", "minimax_m2", "llama4", "qwen3_next",
-                                  "qwen3_5_moe"])
+                                  "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa"])
 def test_ep2_serving_matches_single_process(extra_checkpoints, arch):
     path = extra_checkpoints[arch]
     want = expected_texts(path, PROMPTS, 8)

@@ -253,19 +253,24 @@ def test_random_schedules_give_the_same_tokens(extra_checkpoints, refs, seed):
     caching are drawn at random; requests sharing prefixes arrive in two waves so the second hits
     the first's blocks and restores its state snapshots. Every schedule gives transformers' greedy
     tokens, and every block and state slot is returned."""
+    check_random_schedule(extra_checkpoints["qwen3_next"], ref_model(extra_checkpoints, refs, "qwen3_next"), seed)
+
+
+def check_random_schedule(path: str, model, seed: int) -> None:
+    """One random schedule (block size, token budget, cache size, prefix caching) of prompts sharing
+    prefixes, in two waves: transformers' greedy tokens, and every block and state slot returned."""
     import random
 
     from moe_serve import LLM, SamplingParams
     from tests.models.test_hf_parity import assert_same_greedy, make_prompts
 
     rng = random.Random(seed)
-    model = ref_model(extra_checkpoints, refs, "qwen3_next")
     prompts = make_prompts(300 + seed)
     rng.shuffle(prompts)
-    prompts += prompts[:3]  # repeated in the second wave: hits on their own snapshots when still cached
+    prompts += prompts[:3]  # repeated in the second wave: hits on their own blocks / snapshots when still cached
     expected = [hf_greedy(model, p, 6) for p in prompts]
     bs = rng.choice([2, 4, 8])
-    llm = LLM(extra_checkpoints["qwen3_next"], dtype="float32", block_size=bs,
+    llm = LLM(path, dtype="float32", block_size=bs,
               num_kv_blocks=rng.randint(60 // bs + 2, 400 // bs), max_num_batched_tokens=rng.randint(5, 40),
               max_num_seqs=rng.randint(2, 8), enable_prefix_caching=rng.random() < 0.75, show_progress=False)
     params = SamplingParams(temperature=0, max_tokens=6)
