@@ -71,7 +71,7 @@ def dsa_topk(q_TNI: torch.Tensor, w_TN: torch.Tensor, index_cache: torch.Tensor,
     bs = index_cache.shape[1]
     nd, blocks, visible = _decode_blocks(meta, bs)
     if nd:
-        keys = _decode_gather(index_cache, blocks)  # (nd, S, I)
+        keys = _decode_gather(index_cache, blocks, reuse="index_keys")  # (nd, S, I)
         scores = index_scores(q_TNI[:nd, None], w_TN[:nd, None], keys, scale)[:, 0]  # (nd, S)
         k = min(K, keys.shape[1])
         out[:nd, :k] = _select(scores, visible, k)
