@@ -110,11 +110,12 @@ class PagedDSAAttention(PagedMLAAttention):
     (GLM-5's "shared" layers) attends over the selection of the last layer that had one."""
 
     def __init__(self, kv_lora_rank: int, rope_dim: int, scale: float, topk: int, index_head_dim: int | None,
-                 index_scale: float = 1.0):
+                 index_scale: float = 1.0, index_heads: int = 0):
         super().__init__(kv_lora_rank, rope_dim, scale)
         if topk < 1:
             raise ValueError(f"index_topk={topk} must be at least 1")
         self.topk, self.index_head_dim, self.index_scale = topk, index_head_dim, index_scale
+        self.index_heads = index_heads  # the indexer's query heads (what a kernel warm-up compiles for)
         self.index_cache: torch.Tensor | None = None
 
     def cache_shape(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:

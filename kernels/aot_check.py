@@ -20,8 +20,8 @@ dtype it is served in (bf16 / fp16; fp32 too for the small fp32 test checkpoint 
   - grouped GEMM: each default config (decode / middle / prefill) and each entry of each tuned file
     in kernels/grouped_gemm/configs/, gated (gate/up) and ungated (down), with block-FP8 weights and
     W8A8 in bf16; the masked grouped GEMM (DeepEP's low-latency layout) likewise;
-  - top-k sum, KV / latent writes, paged attention (decode with and without split-K, prefill) and
-    the split reduce; FP8 linear layers and activation quantization;
+  - top-k sum, KV / latent writes, paged attention (decode with and without split-K, prefill; the
+    sparse mode of DSA models) and the split reduce; the DSA indexer's scores; FP8 linear layers and activation quantization;
   - linear attention (Gated DeltaNet) where the model has it: the convolution (decode and prefill
     forms), the recurrent decode kernel and the chunked prefill pair, with the recurrent state
     cached in float32 and in the model dtype.
@@ -68,7 +68,7 @@ DTYPES = tuple(DTYPE_SIG)
 # Shared memory a block may use (the opt-in maximum): 227 KiB on both Hopper and Blackwell.
 MAX_SHARED = {90: 232448, 100: 232448}
 # The kernels, as "module:function".
-from kernels.specialization import (ATTN, FP8_LINEAR, GEMM, LINEAR_ATTENTION, MASKED, QUANT,  # noqa: E402,F401
+from kernels.specialization import (ATTN, FP8_LINEAR, GEMM, INDEX, LINEAR_ATTENTION, MASKED, QUANT,  # noqa: E402,F401
                                     REDUCE, TOPK, WRITE)
 from kernels import specialization  # noqa: E402
 # Spill-store bytes per thread above which a grouped-GEMM or decode configuration fails the check
@@ -108,10 +108,18 @@ class ModelShape:
     LV: int = 0
     LC: int = 0
     LW: int = 0
+    # DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): an indexer of IH heads of ID selecting
+    # index_topk tokens for the MLA.
+    IH: int = 0
+    ID: int = 0
 
     @property
     def mla(self) -> bool:
         return self.L > 0
+
+    @property
+    def dsa(self) -> bool:
+        return self.IH > 0
 
     @property
     def linear_attention(self) -> bool:
@@ -124,6 +132,8 @@ MODELS = (
     ModelShape("mixtral-8x7b", D=4096, K=2, E=8, F=14336, N=32, G=8, H=128, Hv=128),
     ModelShape("deepseek-v3", D=7168, K=8, E=256, F=2048, N=128, L=512, R=64),
     ModelShape("deepseek-v2-lite", D=2048, K=6, E=64, F=1408, N=16, L=512, R=64),
+    ModelShape("deepseek-v3.2", D=7168, K=8, E=256, F=2048, N=128, L=512, R=64, IH=64, ID=128),
+    ModelShape("glm-5", D=6144, K=8, E=256, F=2048, N=64, L=512, R=64, IH=32, ID=128),
     ModelShape("gpt-oss-120b", D=2880, K=4, E=128, F=2880, N=64, G=8, H=64, Hv=64, sinks=True),
     ModelShape("llama-4-scout", D=5120, K=1, E=16, F=8192, N=40, G=8, H=128, Hv=128, chunked=True),
     # 3 of 4 layers Gated DeltaNet (16 key heads repeated to 32 value heads), the others gated GQA
@@ -152,7 +162,8 @@ def model_from_hf_config(path: str) -> ModelShape:
     dtypes = DTYPES  # whatever the file says, --model compiles every dtype
     if "kv_lora_rank" in hf:
         return ModelShape(name, D=D, K=K, E=E, F=F, N=N, L=hf["kv_lora_rank"], R=hf["qk_rope_head_dim"],
-                          dtypes=dtypes)
+                          dtypes=dtypes, IH=hf.get("index_n_heads", 0) if hf.get("index_topk") else 0,
+                          ID=hf.get("index_head_dim", 0) if hf.get("index_topk") else 0)
     H = hf.get("head_dim") or D // N
     linear = {}
     if hf.get("linear_num_value_heads"):  # Qwen3-Next / Qwen3.5: Gated DeltaNet layers
@@ -290,9 +301,11 @@ def _masked_probe(m: ModelShape, dt, cfg: dict, fp8: bool) -> list:
 
 def _attention_layer(m: ModelShape, kind: str):
     """kind: "" (full attention), "sliding" or "chunked" (see _attention_kinds)."""
-    from attention.layer import PagedAttention, PagedMLAAttention
+    from attention.layer import PagedAttention, PagedDSAAttention, PagedMLAAttention
 
     with torch.device(_META):
+        if m.dsa:
+            return PagedDSAAttention(m.L, m.R, 0.1, 2048, m.ID, m.ID ** -0.5, m.IH)
         if m.mla:
             return PagedMLAAttention(m.L, m.R, 0.1)
         return PagedAttention(m.N, m.G, m.H, 0.1, v_head_dim=m.Hv, sliding_window=128 if kind == "sliding" else None,
@@ -414,7 +427,8 @@ def enumerate_jobs(models=MODELS, dtypes=DTYPES, inject_broken: bool = False, qu
                 for kind in _attention_kinds(m):
                     user = f"{m.name} {step[0]}{' ' + kind if kind else ''} {d}"
                     add_launches(_attention_probe(m, dt, step, kind),
-                                 {ATTN: user, REDUCE: f"{m.name} {d}", WRITE: f"{m.name} {d}"})
+                                 {ATTN: user, REDUCE: f"{m.name} {d}", WRITE: f"{m.name} {d}",
+                                  INDEX: f"{m.name} indexer {step[0]} {d}"})
             if not m.linear_attention:
                 continue
             for state_dt in dict.fromkeys((torch.float32, dt)):

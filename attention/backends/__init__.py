@@ -130,13 +130,19 @@ class TritonAttention:
         return self.kernels.mla_paged_attention(q_latent_TNL, q_pe_TNR, latent_cache, meta, scale,
                                                 num_splits=num_splits)
 
-    # DSA (DeepSeek-V3.2, GLM-5): the torch ops of attention/backends/dsa.py on the GPU's tensors (no
-    # Triton kernel yet); their decode reads nothing on the host, so a CUDA graph holds it.
+    # DSA (DeepSeek-V3.2, GLM-5): the indexer's scores in Triton (attention/backends/triton_dsa.py) and
+    # torch's top-k; the sparse MLA is the attention kernel's SPARSE mode.
     def dsa_topk(self, q_TNI, w_TN, index_cache, meta, topk: int, scale: float) -> torch.Tensor:
-        return dsa.dsa_topk(q_TNI, w_TN, index_cache, meta, topk, scale)
+        return self.dsa_kernels.dsa_topk(q_TNI, w_TN, index_cache, meta, topk, scale)
 
-    def sparse_mla_attention(self, q_latent_TNL, q_pe_TNR, latent_cache, meta, topk_TK, scale: float) -> torch.Tensor:
-        return dsa.sparse_mla_attention(q_latent_TNL, q_pe_TNR, latent_cache, meta, topk_TK, scale)
+    def sparse_mla_attention(self, q_latent_TNL, q_pe_TNR, latent_cache, meta, topk_TK, scale: float, *,
+                             num_splits: int | None = None) -> torch.Tensor:
+        return self.kernels.sparse_mla_attention(q_latent_TNL, q_pe_TNR, latent_cache, meta, topk_TK, scale,
+                                                 num_splits=num_splits)
+
+    @property
+    def dsa_kernels(self):
+        return importlib.import_module("attention.backends.triton_dsa")
 
     @staticmethod
     def steps(max_len: int, split: bool) -> list[tuple[str, list[int], list[int], int]]:
@@ -164,9 +170,17 @@ class TritonAttention:
         if layer.latent:
             L, R = layer.kv_lora_rank, layer.rope_dim
             self.write_latent(torch.empty(T, L + R, dtype=dtype, device=dev), caches[0], meta.slot_mapping)
-            self.mla_paged_attention(torch.empty(T, num_heads, L, dtype=dtype, device=dev),
-                                     torch.empty(T, num_heads, R, dtype=dtype, device=dev), caches[0], meta,
-                                     layer.scale, num_splits=num_splits)
+            q_lat, q_pe = (torch.empty(T, num_heads, d, dtype=dtype, device=dev) for d in (L, R))
+            if getattr(layer, "index_head_dim", None):  # DSA: the indexer, then attention over its selection
+                NI, ID = layer.index_heads, layer.index_head_dim
+                self.write_latent(torch.empty(T, ID, dtype=dtype, device=dev), caches[1], meta.slot_mapping)
+                self.dsa_topk(torch.empty(T, NI, ID, dtype=dtype, device=dev),
+                              torch.empty(T, NI, dtype=torch.float32, device=dev), caches[1], meta, layer.topk,
+                              layer.index_scale)
+                sel = torch.empty(T, min(layer.topk, max(seq_lens)), dtype=torch.int64, device=dev)
+                self.sparse_mla_attention(q_lat, q_pe, caches[0], meta, sel, layer.scale, num_splits=num_splits)
+            else:
+                self.mla_paged_attention(q_lat, q_pe, caches[0], meta, layer.scale, num_splits=num_splits)
         else:
             G, H, Hv = layer.num_kv_heads, layer.head_dim, layer.v_head_dim
             self.write_kv(torch.empty(T, G, H, dtype=dtype, device=dev), torch.empty(T, G, Hv, dtype=dtype, device=dev),

@@ -59,25 +59,25 @@ def _write_rows_kernel(src_ptr, cache_ptr, slot_ptr, R, C, block_size,
 # of buffers sized by them), and the window and chunk lengths (one variant serves every length).
 # Triton would otherwise specialise each integer argument on "== 1" and "divisible by 16" and
 # compile a new variant mid-serving whenever one of those flips.
-_PER_STEP_ATTN_ARGS = ("num_q_tiles", "num_splits", "window", "chunk", "stride_bt", "stride_ot", "stride_on",
-                       "stride_os", "stride_lt", "stride_ln")
+_PER_STEP_ATTN_ARGS = ("num_q_tiles", "num_splits", "window", "chunk", "num_sel", "stride_bt", "stride_ot",
+                       "stride_on", "stride_os", "stride_lt", "stride_ln", "stride_st")
 _PER_STEP_REDUCE_ARGS = ("num_splits", "stride_wt", "stride_wn", "stride_ws", "stride_lt", "stride_ln")
 
 
 @triton.jit(do_not_specialize=_PER_STEP_ATTN_ARGS)
 def _paged_attn_kernel(
     q_ptr, qr_ptr, k_ptr, kr_ptr, v_ptr, out_ptr, lse_ptr, sinks_ptr,
-    block_tables_ptr, seq_lens_ptr, query_start_ptr,
-    scale_log2, num_q_tiles, QH, HD, HR, HV, block_size, num_splits, window, chunk,
+    block_tables_ptr, seq_lens_ptr, query_start_ptr, sel_ptr,
+    scale_log2, num_q_tiles, QH, HD, HR, HV, block_size, num_splits, window, chunk, num_sel,
     stride_qt, stride_qn, stride_qd, stride_qrt, stride_qrn, stride_qrd,
     stride_kb, stride_ks, stride_kg, stride_kd, stride_krb, stride_krs, stride_krg, stride_krd,
     stride_vb, stride_vs, stride_vg, stride_vd, stride_bt,
-    stride_ot, stride_on, stride_os, stride_od, stride_lt, stride_ln,
+    stride_ot, stride_on, stride_os, stride_od, stride_lt, stride_ln, stride_st,
     BLOCK_Q: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_HD: tl.constexpr, BLOCK_HR: tl.constexpr, BLOCK_HV: tl.constexpr,
     SPLIT_K: tl.constexpr, HAS_ROPE: tl.constexpr, SHARED_KV: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, SLIDING: tl.constexpr, HAS_SINKS: tl.constexpr,
-    CHUNKED: tl.constexpr,
+    CHUNKED: tl.constexpr, SPARSE: tl.constexpr,
 ):
     """Softmax(q . k [+ q_r . k_r]) v for a (BLOCK_Q tokens x BLOCK_QH heads) tile over one key split.
 
@@ -94,6 +94,9 @@ def _paged_attn_kernel(
     blocks before it (freed by the cache manager, their table entries stale) are never read.
     HAS_SINKS: sinks (N,) float32 logits join the softmax denominator, here without SPLIT_K, in the
     reduce kernel with it (once per row).
+    SPARSE (DSA; BLOCK_Q == 1): the keys are the token's selection, sel (T, num_sel) positions of
+    its sequence, -1 for none; the causal cut is the selection's (the indexer picks only visible
+    keys). Splits cut the selection.
     """
     if BLOCK_Q == 1:  # decode: head tiles fastest
         pid_h = tl.program_id(0)
@@ -123,6 +126,8 @@ def _paged_attn_kernel(
 
     # Keys this tile can see at all, cut into num_splits BLOCK_N-aligned ranges.
     kv_len = ctx - q_len + tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len)
+    if SPARSE:  # ranges of the selection instead of positions
+        kv_len = num_sel
     if SLIDING or CHUNKED:  # keys before the tile's first query's window (chunk) are never read
         first_q = ctx - q_len + q_tile * BLOCK_Q
         if SLIDING:
@@ -150,9 +155,14 @@ def _paged_attn_kernel(
     l_i = tl.zeros((BLOCK_Q * BLOCK_QH,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_Q * BLOCK_QH, BLOCK_HV), dtype=tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    sel_row = sel_ptr + (q_start + q_tile).to(tl.int64) * stride_st  # SPARSE: the tile's one token
     for start in range(kv_start, kv_stop, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         k_mask = pos < kv_stop
+        if SPARSE:
+            pos = tl.load(sel_row + pos, mask=k_mask, other=-1)
+            k_mask = pos >= 0
+            pos = tl.maximum(pos, 0)
         page = tl.load(table + pos // block_size, mask=k_mask, other=0).to(tl.int64)
         in_page = (pos % block_size).to(tl.int64)
         k = tl.load(k_ptr + (page * stride_kb + in_page * stride_ks + g * stride_kg)[:, None]
@@ -164,7 +174,10 @@ def _paged_attn_kernel(
                           + offs_hr[None, :] * stride_krd,
                           mask=k_mask[:, None] & (offs_hr[None, :] < HR), other=0.0).to(q_r.dtype)
             s = _dot(q_r, tl.trans(k_r), s, PREC, UPCAST)
-        visible = k_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+        if SPARSE:
+            visible = k_mask[None, :] & row_mask[:, None]
+        else:
+            visible = k_mask[None, :] & (pos[None, :] <= q_pos[:, None])
         if SLIDING:
             visible = visible & (pos[None, :] > q_pos[:, None] - window)
         if CHUNKED:
@@ -307,14 +320,15 @@ def choose_num_splits(decode_only: bool, num_seqs: int, max_seq_len: int, head_p
 
 def attention_launch(decode_only: bool, QH: int, HD: int, HR: int, HV: int, dtype: torch.dtype,
                      has_rope: bool, shared_kv: bool, split_k: bool, sliding: bool = False,
-                     sinks: bool = False, chunked: bool = False) -> dict:
+                     sinks: bool = False, chunked: bool = False, sparse: bool = False) -> dict:
     """Every constexpr and launch option of `_paged_attn_kernel` for one kind of batch: the things
     that select a compiled variant. They depend on the model's head shape, its dtype, decode versus
     prefill and whether keys are split, never on batch size or context length (kernels/aot_check.py
-    compiles each combination ahead of time)."""
+    compiles each combination ahead of time). sparse (DSA): every query token attends over its own
+    selection, so every step takes the decode tile, one token per program."""
     big = HD + HR > 256  # MLA-sized rows: smaller tiles
     BLOCK_N, warps = (32, 8) if big else (64, 4)
-    if decode_only:
+    if decode_only or sparse:
         # One token per sequence: the tile is the query heads of one kv head (>= 16 rows for tl.dot).
         # MLA: up to 64 heads per program, FlashMLA's tile: 64 x 512 fp32 accumulators are half of
         # 8 warps' registers (at most 32 B spilled per thread on sm_90, none on sm_100, as launched:
@@ -325,6 +339,10 @@ def attention_launch(decode_only: bool, QH: int, HD: int, HR: int, HV: int, dtyp
         BLOCK_Q, BLOCK_QH = 1, max(16, min(triton.next_power_of_2(QH), 64))
         if big:
             BLOCK_N = 16
+        if big and sparse:
+            # The selection's positions take registers the 64-head tile does not have to spare
+            # (sm_90 spilled 420 B at 64): 32 heads per program, the latent rows shared via L2.
+            BLOCK_QH = min(BLOCK_QH, 32)
     else:
         BLOCK_QH = min(triton.next_power_of_2(QH), 16)
         BLOCK_Q = (32 if big else 64) // BLOCK_QH  # 32-64 rows: BLOCK_QH <= 16 keeps BLOCK_Q >= 2
@@ -332,7 +350,7 @@ def attention_launch(decode_only: bool, QH: int, HD: int, HR: int, HV: int, dtyp
                 BLOCK_HD=max(16, triton.next_power_of_2(HD)), BLOCK_HR=max(16, triton.next_power_of_2(max(HR, 1))),
                 BLOCK_HV=max(16, triton.next_power_of_2(HV)), SPLIT_K=split_k, HAS_ROPE=has_rope,
                 SHARED_KV=shared_kv, PREC="ieee" if dtype == torch.float32 else "tf32", UPCAST=INTERPRETED,
-                SLIDING=sliding, HAS_SINKS=sinks, CHUNKED=chunked, num_warps=warps, num_stages=2)
+                SLIDING=sliding, HAS_SINKS=sinks, CHUNKED=chunked, SPARSE=sparse, num_warps=warps, num_stages=2)
 
 
 def reduce_launch(HV: int, sinks: bool = False) -> dict:
@@ -356,8 +374,10 @@ def _fp32_placeholder(device: torch.device) -> torch.Tensor:
 
 def _attend(q, q_r, k, k_r, v, meta: AttentionMetadata, scale: float, HV: int, shared_kv: bool,
             num_splits: int | None, out: torch.Tensor | None, window: int | None = None,
-            sinks: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
-    """Launch the attention (and reduce) kernels; k/k_r/v are 4-D (blocks, block_size, G, dim) views."""
+            sinks: torch.Tensor | None = None, chunk: int | None = None,
+            sel: torch.Tensor | None = None) -> torch.Tensor:
+    """Launch the attention (and reduce) kernels; k/k_r/v are 4-D (blocks, block_size, G, dim) views;
+    sel: each token's selected positions (DSA), (T, K) int32/int64, -1 for none."""
     T, N, HD = q.shape
     G = k.shape[2]
     if N % G:
@@ -371,13 +391,15 @@ def _attend(q, q_r, k, k_r, v, meta: AttentionMetadata, scale: float, HV: int, s
     has_rope = q_r is not None
     HR = q_r.shape[-1] if has_rope else 0
     # The tile shape does not depend on the split; choose the split count from it, then the variant.
-    tile = attention_launch(meta.is_decode_only, QH, HD, HR, HV, q.dtype, has_rope, shared_kv, False)
+    sparse = sel is not None
+    tile = attention_launch(meta.is_decode_only, QH, HD, HR, HV, q.dtype, has_rope, shared_kv, False, sparse=sparse)
     num_q_tiles = triton.cdiv(meta.max_query_len, tile["BLOCK_Q"])
     head_programs = G * triton.cdiv(QH, tile["BLOCK_QH"])
-    S = num_splits or choose_num_splits(meta.is_decode_only, meta.num_seqs, meta.max_seq_len, head_programs,
+    keys = sel.shape[1] if sparse else meta.max_seq_len
+    S = num_splits or choose_num_splits(meta.is_decode_only, meta.num_seqs, keys, head_programs,
                                         _device_sms(q.device))
     launch = attention_launch(meta.is_decode_only, QH, HD, HR, HV, q.dtype, has_rope, shared_kv, S > 1,
-                              window is not None, sinks is not None, chunk is not None)
+                              window is not None, sinks is not None, chunk is not None, sparse)
     if S > 1:
         ws = torch.empty((T, N, S, HV), dtype=torch.float32, device=q.device)
         lse = torch.empty((T, N, S), dtype=torch.float32, device=q.device)
@@ -393,10 +415,10 @@ def _attend(q, q_r, k, k_r, v, meta: AttentionMetadata, scale: float, HV: int, s
     grid = (head_programs, q_programs, S) if launch["BLOCK_Q"] == 1 else (q_programs, head_programs, S)
     _paged_attn_kernel[grid](
         q, q_r, k, k_r, v, dst, lse if lse is not None else dst, sinks_arg,
-        meta.block_tables, meta.seq_lens, meta.query_start_loc,
-        scale * _LOG2E, num_q_tiles, QH, HD, HR, HV, meta.block_size, S, window or 0, chunk or 1,
+        meta.block_tables, meta.seq_lens, meta.query_start_loc, sel if sparse else meta.seq_lens,
+        scale * _LOG2E, num_q_tiles, QH, HD, HR, HV, meta.block_size, S, window or 0, chunk or 1, keys,
         *q.stride(), *q_r.stride(), *k.stride(), *k_r.stride(), *v.stride(), meta.block_tables.stride(0),
-        *dst_strides, *lse_strides, **launch)
+        *dst_strides, *lse_strides, sel.stride(0) if sparse else 0, **launch)
     if S > 1:
         _reduce_splits_kernel[(T, N)](
             ws, lse, out, sinks_arg, HV, S, *ws.stride(), *lse.stride()[:2], *out.stride(),
@@ -453,3 +475,19 @@ def mla_paged_attention(q_latent_TNL: torch.Tensor, q_pe_TNR: torch.Tensor, late
     lat = latent_cache[:, :, None, :]
     return _attend(q_latent_TNL, q_pe_TNR, lat[..., :L], lat[..., L:], lat[..., :L], meta, scale, L, True,
                    num_splits, out_TNL)
+
+
+def sparse_mla_attention(q_latent_TNL: torch.Tensor, q_pe_TNR: torch.Tensor, latent_cache: torch.Tensor,
+                         meta: AttentionMetadata, topk_TK: torch.Tensor, scale: float, *,
+                         num_splits: int | None = None, out_TNL: torch.Tensor | None = None) -> torch.Tensor:
+    """DSA: MLA in absorbed form over each token's selected positions only (attention/backends/dsa.py's
+    contract): topk_TK (T, K) positions in the token's sequence, -1 for none. Decode and prefill
+    alike take one token per program; decode splits the selection (split-K) as it splits keys."""
+    L = q_latent_TNL.shape[-1]
+    if latent_cache.shape[-1] != L + q_pe_TNR.shape[-1]:
+        raise ValueError(f"latent_cache row {latent_cache.shape[-1]} != L={L} + R={q_pe_TNR.shape[-1]}")
+    if topk_TK.shape[0] != q_latent_TNL.shape[0] or topk_TK.stride(1) != 1:
+        raise ValueError(f"topk {tuple(topk_TK.shape)} must give a unit-stride row per query token")
+    lat = latent_cache[:, :, None, :]
+    return _attend(q_latent_TNL, q_pe_TNR, lat[..., :L], lat[..., L:], lat[..., :L], meta, scale, L, True,
+                   num_splits, out_TNL, sel=topk_TK)

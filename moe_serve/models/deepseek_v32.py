@@ -58,7 +58,8 @@ class DSASelfAttention(MLASelfAttention):
         topk = int(hf.get("index_topk", 2048))
         self.indexer = Indexer(hf, rotary, indexer_interleaved, dtype) if has_indexer else None
         self.attn = PagedDSAAttention(self.L, self.R, self.attn.scale, topk,
-                                      hf["index_head_dim"] if has_indexer else None, hf["index_head_dim"] ** -0.5)
+                                      hf["index_head_dim"] if has_indexer else None, hf["index_head_dim"] ** -0.5,
+                                      hf["index_n_heads"])
 
     def attend(self, q_latent_TNL, q_pe_TNR, latent_TC, meta: AttentionMetadata, x_TD, q_resid, rope):
         index = self.indexer(x_TD, q_resid, rope) if self.indexer is not None else None

@@ -225,19 +225,19 @@ print(json.dumps({name: [[x.kernel, x.args, x.constexprs, x.options] for x in se
 """
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "gpt_oss_mxfp4", "llama4"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "gpt_oss_mxfp4", "llama4", "deepseek_v32"])
 def test_what_an_engine_run_launches_is_compiled_ahead_and_warmed_up(checkpoints, extra_checkpoints, arch):
     """An engine serving a checkpoint through the Triton backends (the interpreter here; chunked
     prefill, decodes, GQA or MLA, experts 48 or 32 wide, whose sizes Triton does not mark divisible
     by 16; GPT-OSS's sliding-window and full layers with sinks, its MXFP4 experts on torch ops;
-    Llama-4's chunked and full layers)
+    Llama-4's chunked and full layers; DeepSeek-V3.2's indexer and sparse MLA)
     records every launch's compile key. `aot_check --model config.json` compiles each of them,
     the integer and alignment marks included (not a generic variant of the same tiles), and the
     start-up warm-up (moe_serve/kernel_warmup.py, run on CUDA before serving) met each one first."""
     from kernels import specialization as sp
 
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    path = extra_checkpoints[arch] if arch in ("gpt_oss_mxfp4", "llama4") else checkpoints[arch]
+    path = extra_checkpoints[arch] if arch in ("gpt_oss_mxfp4", "llama4", "deepseek_v32") else checkpoints[arch]
     r = subprocess.run([sys.executable, "-c", ENGINE_RUN, path], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -252,6 +252,9 @@ def test_what_an_engine_run_launches_is_compiled_ahead_and_warmed_up(checkpoints
         assert all(j.constexprs["HAS_SINKS"] for j in launched if j.kernel == sp.ATTN)
     if arch == "llama4":
         assert {j.constexprs["CHUNKED"] for j in launched if j.kernel == sp.ATTN} == {True, False}
+    if arch == "deepseek_v32":  # every attention launch is sparse, after the indexer's
+        assert {j.constexprs["SPARSE"] for j in launched if j.kernel == sp.ATTN} == {True}
+        assert sp.INDEX in {j.kernel for j in launched}
     model = aot_check.model_from_hf_config(os.path.join(path, "config.json"))
     jobs = {j.key(): j for j in aot_check.enumerate_jobs((model,), (torch.float32,))}
     missing = [j for j in launched if j.key() not in jobs]

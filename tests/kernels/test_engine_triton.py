@@ -40,3 +40,12 @@ def test_triton_backends_for_gpt_oss(extra_checkpoints):
     decodes cross the 12-token window in blocks of 4, through the Triton attention kernel."""
     path = extra_checkpoints["gpt_oss_mxfp4"]
     assert run(path, "triton", "triton") == run(path, "torch", "torch")
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
+def test_triton_backends_for_dsa(extra_checkpoints, arch):
+    """DeepSeek-V3.2 and GLM-5 (top-k 8): the 18-token prompt and its decodes select through the
+    Triton indexer and attend through the sparse attention kernel (GLM-5's shared layers reusing
+    the selection)."""
+    path = extra_checkpoints[arch]
+    assert run(path, "triton", "triton") == run(path, "torch", "torch")

@@ -4,4 +4,4 @@
 `PARSERS` (the names `--tool-call-parser` accepts).
 """
 from .base import PARSERS, ParsedOutput, StreamDelta, ToolParser, ToolStream, new_call_id  # noqa: F401
-from . import deepseek_v3, hermes, mistral  # noqa: F401,E402  (register the format parsers)
+from . import deepseek_v3, deepseek_v31, deepseek_v32, hermes, mistral  # noqa: F401,E402  (register the format parsers)

@@ -20,26 +20,28 @@ FENCE = "```"
 
 class DeepSeekV3ToolParser(MarkedToolParser):
     name = "deepseek_v3"
+    calls_begin, calls_end, call_begin = CALLS_BEGIN, CALLS_END, CALL_BEGIN  # the block and each call
     markers = (CALLS_BEGIN, CALL_BEGIN)
 
     def items(self, text: str, final: bool) -> list[Item]:
+        calls_begin, calls_end, call_begin = self.calls_begin, self.calls_end, self.call_begin
         items: list[Item] = []
         pos, after_call = 0, False
         while True:
-            starts = [k for k in (text.find(CALLS_BEGIN, pos), text.find(CALL_BEGIN, pos)) if k >= 0]
+            starts = [k for k in (text.find(calls_begin, pos), text.find(call_begin, pos)) if k >= 0]
             if not starts:
                 self.tail(items, text[pos:], after_call, final)
                 return items
             i = min(starts)
             self.content(items, text[pos:i], after_call, True)
-            j = i + len(CALLS_BEGIN) if text.startswith(CALLS_BEGIN, i) else i
+            j = i + len(calls_begin) if text.startswith(calls_begin, i) else i
             while True:  # the calls of one block
                 j = skip_ws(text, j)
-                if text.startswith(CALLS_END, j):
-                    pos, after_call = j + len(CALLS_END), True
+                if text.startswith(calls_end, j):
+                    pos, after_call = j + len(calls_end), True
                     break
-                if not text.startswith(CALL_BEGIN, j):
-                    if j >= len(text) or CALLS_END.startswith(text[j:]) or CALL_BEGIN.startswith(text[j:]):
+                if not text.startswith(call_begin, j):
+                    if j >= len(text) or calls_end.startswith(text[j:]) or call_begin.startswith(text[j:]):
                         if not final:
                             return items  # the block goes on
                         pos, after_call = j, True  # the output ended inside the block
@@ -47,7 +49,7 @@ class DeepSeekV3ToolParser(MarkedToolParser):
                     pos, after_call = j, True  # the block ends without its closing token
                     break
                 try:
-                    call, end = self._call(text, j + len(CALL_BEGIN))
+                    call, end = self._call(text, j + len(call_begin))
                 except Invalid:
                     # Not a call: the rest is content, as written.
                     self.content(items, text[j:], True, False)
