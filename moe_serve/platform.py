@@ -145,6 +145,22 @@ def resolve_device(device: str = "auto") -> torch.device:
     return dev
 
 
+def use_device(device: torch.device) -> None:
+    """Make a CUDA device with an index (--device cuda:N) the process's current device, before
+    anything allocates: streams, CUDA graphs and Triton launches go to the current device, not to
+    the one tensors were placed on. A rank of a torchrun job has its own already (LOCAL_RANK,
+    expert_parallel/runtime/groups.py); naming another one there is refused."""
+    if device.type != "cuda" or device.index is None:
+        return
+    import torch.distributed as dist
+
+    current = torch.cuda.current_device()
+    if dist.is_initialized() and dist.get_world_size() > 1 and device.index != current:
+        raise ValueError(f"--device {device} on a rank bound to cuda:{current} (its LOCAL_RANK): a rank of an "
+                         "expert-parallel job uses its own GPU; pass --device cuda")
+    torch.cuda.set_device(device)
+
+
 def deepep_available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("deep_ep") is not None
 

@@ -48,6 +48,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
 from expert_parallel.rebalance.config import LAYERS_IN_FLIGHT, EplbConfig
 from expert_parallel.placement.load_stats import ExpertLoadRecorder
@@ -257,7 +258,7 @@ class EplbManager:
     def _post(self, plan: LayerPlan) -> _Transfer:
         live = self.layers[plan.layer].slot_tensors()
         t = _Transfer(plan, self._free.pop())
-        buf, n = t.buf, len(self.names)
+        buf = t.buf
         copies = [(buf[k][j], live[k][i]) for j, i in plan.copies for k in self.names]
         on_cuda = next(iter(buf.values())).device.type == "cuda"
         if on_cuda:  # queued behind the steps that still read the recycled buffer as live weights
@@ -265,23 +266,32 @@ class EplbManager:
                 dst.copy_(src, non_blocking=True)
             copies = torch.cuda.Event()
             copies.record()
-        works = []
-        for j, src, e in plan.recvs:
-            for k, name in enumerate(self.names):
-                piece = buf[name][j]
-                works.append(dist.irecv(piece.reshape(-1).view(torch.uint8), src, group=self.p2p_group,
-                                        tag=(plan.layer * self.E + e) * n + k))
-                t.received_bytes += piece.numel() * piece.element_size()
-        for i, dst, e in plan.sends:
-            for k, name in enumerate(self.names):
-                works.append(dist.isend(live[name][i].reshape(-1).view(torch.uint8), dst, group=self.p2p_group,
-                                        tag=(plan.layer * self.E + e) * n + k))
+        works = dist.batch_isend_irecv(self._p2p_ops(plan, buf, live, t)) if plan.recvs or plan.sends else []
         if self._fault == f"{self.rank}:{plan.layer}":
             log.warning("rank %d: killing itself during the transfer of MoE layer %d (%s)", self.rank, plan.layer,
                         _FAULT_ENV)
             os.kill(os.getpid(), signal.SIGKILL)
         threading.Thread(target=t.run, args=(copies, works, on_cuda), name="eplb-transfer", daemon=True).start()
         return t
+
+    def _p2p_ops(self, plan: LayerPlan, buf: dict, live: dict, t: _Transfer) -> list:
+        """The layer's receives and sends as one batch: NCCL runs point-to-point work between two
+        ranks in the order it is posted, so receives and sends posted one by one deadlock when two
+        ranks swap experts (each waits in its first receive for a send queued behind the other's);
+        a batch is posted as one group, matched whatever its order. (P2POp takes c10d's own
+        isend / irecv: it checks the op by identity.)"""
+        n, ops = len(self.names), []
+        for j, src, e in plan.recvs:
+            for k, name in enumerate(self.names):
+                piece = buf[name][j]
+                ops.append(dist.P2POp(c10d.irecv, piece.reshape(-1).view(torch.uint8), src, group=self.p2p_group,
+                                      tag=(plan.layer * self.E + e) * n + k))
+                t.received_bytes += piece.numel() * piece.element_size()
+        for i, dst, e in plan.sends:
+            for k, name in enumerate(self.names):
+                ops.append(dist.P2POp(c10d.isend, live[name][i].reshape(-1).view(torch.uint8), dst,
+                                      group=self.p2p_group, tag=(plan.layer * self.E + e) * n + k))
+        return ops
 
     def _switch(self, t: _Transfer) -> None:
         if t.error is not None:

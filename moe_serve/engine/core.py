@@ -44,6 +44,7 @@ def build_engine(cfg: EngineConfig, ep_group=None, show_progress: bool = True) -
     job runs these steps in this order: making the dispatcher, the profiling forward, the graph
     captures' agreement and EPLB's process group are collectives the ranks enter together."""
     par = cfg.parallel
+    platform.use_device(cfg.device)  # before anything touches the GPU
     placement = load_placement(par.expert_placement, par.world_size)
     num_slots = expert_slots(cfg, placement)
     moe_ctx = make_moe_context(cfg, num_slots, placement, ep_group)

@@ -41,7 +41,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="parse tool calls out of the output of chat requests with tools and tool_choice 'auto' "
                         "(needs --tool-call-parser)")
     g.add_argument("--tool-call-parser", default=None,
-                   help="the model's tool-call format: hermes (Qwen2.5/Qwen3) | deepseek_v3 (DeepSeek-V3/R1) | mistral")
+                   help="the model's tool-call format: hermes (Qwen2.5/Qwen3) | deepseek_v3 (DeepSeek-V3/R1) | "
+                        "deepseek_v31 (DeepSeek-V3.1, V3.2-Exp) | deepseek_v32 (DeepSeek-V3.2, DSML) | mistral")
     g.add_argument("--reasoning-parser", default=None,
                    help="move <think>...</think> into reasoning_content: deepseek_r1 | qwen3")
 

@@ -46,7 +46,11 @@ def capture_decode_graphs(model: nn.Module, cfg: EngineConfig, moe_ctx: MoEConte
     try:
         graphs.capture(cuda_graph.capture_agreement(moe_ctx.dispatcher))
     except Exception as e:  # noqa: BLE001 - e.g. an op that syncs the host: decode steps stay eager
-        log.warning("decode CUDA graph capture failed, running eagerly: %s: %s", type(e).__name__, str(e)[:300])
+        # Padding was for the graphs (unless pad_decode asked for it): eager steps run unpadded. The
+        # ranks of an expert-parallel job fail together (capture_agreement), so they agree on this too.
+        pad_sizes = pad_sizes if gc.pad_decode else []
+        log.warning("decode CUDA graph capture failed, running eagerly%s: %s: %s",
+                    " (still padded: pad_decode)" if pad_sizes else " and unpadded", type(e).__name__, str(e)[:300])
         return pad_sizes, None
     est = kv.graph_estimate_bytes
     if est and graphs.memory_bytes > est:

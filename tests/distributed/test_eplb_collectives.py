@@ -60,7 +60,7 @@ def worker(out_path: str) -> None:
         mgr = EplbManager(moes, rows0, E, EplbConfig(window_size=8, step_interval=4, num_redundant_experts=REDUNDANT),
                           rank, WORLD, "cpu")
 
-        counts = {"collective": [], "p2p": 0}
+        counts = {"collective": [], "p2p": 0, "batches": []}
         counting = [False]
         originals = {}
 
@@ -69,6 +69,11 @@ def worker(out_path: str) -> None:
 
             def counted(*args, **kwargs):
                 if counting[0]:
+                    if name == "batch_isend_irecv":  # what each op is, for the NCCL-order check
+                        from torch.distributed import distributed_c10d as c10d
+
+                        counts["batches"].append([("send" if op.op is c10d.isend else "recv", op.peer, op.tag)
+                                                  for op in args[0]])
                     if kind == "p2p":
                         counts["p2p"] += 1
                     else:
@@ -130,7 +135,8 @@ def worker(out_path: str) -> None:
                     g, u = (w13[e].double() @ x[t].double()).chunk(2)
                     ref[t] += float(w[t, k]) * (w2[e].double() @ (F.silu(g) * u))
             max_err = max(max_err, float((y.double() - ref).abs().max()))
-        result.update(collectives=counts["collective"], p2p=counts["p2p"], rows=mgr.rows, rows0=rows0,
+        result.update(collectives=counts["collective"], p2p=counts["p2p"], batches=counts["batches"], rows=mgr.rows,
+                      rows0=rows0,
                       recorded=[x.tolist() for x in recorded], switch_turns=switch_turns, max_err=max_err,
                       local_logical=[m.experts.local_logical for m in moes], balanced=balanced)
         dist.barrier(group=cpu_group)
@@ -163,6 +169,52 @@ def test_one_collective_per_rebalance(tmp_path):
         assert r["max_err"] < 1e-4
         assert any(r["balanced"])  # the replicated layers' tokens went through the balanced split
     assert res[0]["switch_turns"] == res[1]["switch_turns"]  # the same boundaries on both ranks
+    # Under NCCL's point-to-point order (no tags: each direction between two ranks matches sends and
+    # receives in the order posted, a batch posted as one group), the moves complete and each send
+    # meets the receive of the same piece; posted one by one, receives first, they would deadlock.
+    batches = [r["batches"] for r in res]
+    assert any(any(op[0] == "send" for op in b) for b in batches[0])
+    assert any(any(op[0] == "send" for op in b) for b in batches[1])  # experts moved both ways
+    assert nccl_order(batches) == "done"
+    assert nccl_order([[[op] for b in rank for op in b] for rank in batches]) == "deadlock"
+
+
+def nccl_order(groups_by_rank: list) -> str:
+    """Run ranks' point-to-point groups as NCCL orders them: a rank's groups one after another; the
+    i-th send from a to b is matched with the i-th receive on b from a (tags are not NCCL's); a group
+    finishes once each of its ops' partners is posted (in a group the partner has reached). "done",
+    or "deadlock" when no rank can finish its group. A mismatched pair (different tags: a piece
+    received into another's buffer) fails the assertion."""
+    n = len(groups_by_rank)
+    index = {}  # (rank, group, op) -> the op's position in its direction's sequence
+    seq = {}
+    for r, groups in enumerate(groups_by_rank):
+        for g, group in enumerate(groups):
+            for o, (kind, peer, tag) in enumerate(group):
+                key = (r, peer, kind)
+                index[(r, g, o)] = len(seq.setdefault(key, []))
+                seq[key].append((g, tag))
+    at = [0] * n
+    while any(at[r] < len(groups_by_rank[r]) for r in range(n)):
+        moved = False
+        for r in range(n):
+            g = at[r]
+            if g == len(groups_by_rank[r]):
+                continue
+            ready = True
+            for o, (kind, peer, tag) in enumerate(groups_by_rank[r][g]):
+                partner = seq.get((peer, r, "recv" if kind == "send" else "send"), [])
+                i = index[(r, g, o)]
+                if i >= len(partner) or partner[i][0] > at[peer]:
+                    ready = False
+                    break
+                assert partner[i][1] == tag, (r, peer, kind, tag, partner[i][1])
+            if ready:
+                at[r] += 1
+                moved = True
+        if not moved:
+            return "deadlock"
+    return "done"
     s = (E + REDUNDANT) // WORLD
     assert [r["local_logical"] for r in res] == [[row[q * s:(q + 1) * s] for row in want] for q in range(WORLD)]
 

@@ -130,7 +130,15 @@ def test_fp8_checkpoint_greedy_matches_transformers_on_dequantized_weights(check
     check_greedy_parity(str(tmp_path / "fp8"), model, 40 + list(CASES).index(arch))
 
 
-def test_fp8_weights_stay_fp8_in_memory(checkpoints, tmp_path):
+@pytest.mark.parametrize("half_matmul", [True, False], ids=["bf16-gemm-cpu", "no-bf16-gemm-cpu"])
+def test_fp8_weights_stay_fp8_in_memory(checkpoints, tmp_path, monkeypatch, half_matmul):
+    """FP8 layers keep one byte a weight whatever the CPU; every other weight is held as the
+    platform's policy holds it in the bf16 model (moe_serve/prepare.py: GEMM weights widened to
+    float32 on a CPU without bf16 matrix instructions, both kinds of CPU stood in here)."""
+    from kernels import cpu_gemm
+    from moe_serve.prepare import gemm_weight_dtype
+
+    monkeypatch.setattr(cpu_gemm, "cpu_has_half_matmul", lambda: half_matmul)
     src = checkpoints["deepseek_v3"]
     make_fp8_checkpoint(src, str(tmp_path / "fp8"), (128, 128))  # the Hub's blocks: one partial block each
     fp8_llm = LLM(str(tmp_path / "fp8"), dtype="bfloat16", kv_cache_memory=1 << 20, show_progress=False)
@@ -142,14 +150,21 @@ def test_fp8_weights_stay_fp8_in_memory(checkpoints, tmp_path):
         if "norm" in n or "embed_tokens" in n or n == "lm_head.weight" or n.endswith("mlp.gate.weight"):
             assert p.dtype != FP8, n
     bf16_llm = LLM(src, dtype="bfloat16", kv_cache_memory=1 << 20, show_progress=False)
-    bf16_bytes = sum(p.numel() * 2 for p in bf16_llm.engine.runner.model.parameters())
-    # Quantized layers take half of bf16's bytes plus their scales; the rest is unchanged.
-    quantized = {n for n in fp8_params}
-    qbytes = sum(p.numel() for n, p in model.named_parameters() if n in quantized)
-    assert fp8_llm.engine.runner.weight_bytes <= bf16_bytes - qbytes + 0.02 * bf16_bytes
-    assert qbytes * 2 > 0.5 * bf16_bytes  # the quantized layers are most of the model
-    ratio = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n in quantized) / (2 * qbytes)
-    assert ratio == 0.5
+    bf16_model = bf16_llm.engine.runner.model
+    gemm_dtype = gemm_weight_dtype(torch.bfloat16, torch.device("cpu"))
+    assert gemm_dtype == (torch.bfloat16 if half_matmul else torch.float32)
+    assert bf16_model.model.layers[0].self_attn.q_a_proj.weight.dtype == gemm_dtype  # the policy, as served
+    bf16_params = dict(bf16_model.named_parameters())
+    quantized = set(fp8_params)
+    # Quantized layers take one byte a weight plus their scales; the rest is as the bf16 model holds it.
+    want = sum(p.numel() * (1 if n in quantized else p.element_size()) for n, p in bf16_params.items())
+    assert want <= fp8_llm.engine.runner.weight_bytes <= want * 1.02
+    for n, p in model.named_parameters():
+        if n not in quantized:
+            assert p.dtype == bf16_params[n].dtype, n
+    qbytes = sum(bf16_params[n].numel() * 2 for n in quantized)
+    assert qbytes > 0.5 * sum(p.numel() * 2 for p in bf16_params.values())  # the quantized layers are most of it
+    assert all(dict(model.named_parameters())[n].element_size() == 1 for n in quantized)
 
 
 def test_online_fp8_quantization_is_faithful(checkpoints):

@@ -40,3 +40,30 @@ def test_choice_is_logged_with_its_reason(caplog):
     with caplog.at_level(logging.INFO, logger="moe_serve.platform"):
         platform.choose("cpu", world_size=2, hidden_size=128)
     assert "all2all_backend=all_to_all (CPU" in caplog.text
+
+
+def test_an_indexed_cuda_device_becomes_the_current_device(monkeypatch):
+    """--device cuda:N: the process's current device is set (streams, graphs and Triton launches go
+    to the current device); a bare "cuda" and the CPU leave it as it is."""
+    import torch
+
+    from moe_serve import platform
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    for dev in (torch.device("cuda", 3), torch.device("cuda"), torch.device("cpu")):
+        platform.use_device(dev)
+    assert calls == [torch.device("cuda", 3)]
+
+
+def test_the_engine_takes_its_device_before_building_anything(checkpoints, monkeypatch):
+    from moe_serve import LLM, platform
+    from moe_serve.runner import loading
+
+    order = []
+    monkeypatch.setattr(platform, "use_device", lambda d: order.append(("device", str(d))))
+    build = loading.build_model
+    monkeypatch.setattr("moe_serve.engine.core.build_model", lambda *a: order.append(("model",)) or build(*a))
+    LLM(checkpoints["qwen3_moe"], dtype="float32", kv_cache_memory=1 << 20, show_progress=False)
+    assert order == [("device", "cpu"), ("model",)]

@@ -195,6 +195,13 @@ FRAGMENTS = ["<tool_call>", "</tool_call>", '{"name": "f", "arguments": ', '{"na
              "]", ",", "<", "<tool", "<｜tool", "[TOOL", "<think>", "</think>",
              # whole calls of each format, so that many examples hold some
              hermes("h", {"k": "v"}), deepseek([("d", {"k": 1})]), mistral_v11([("m", {})]), mistral_array([("a", {})])]
+FRAGMENTS_OF = {  # the formats whose calls the fragments above do not make
+    "deepseek_v31": ["f<｜tool▁sep｜>", "<｜tool▁call▁begin｜>e<｜tool▁sep｜>{}<｜tool▁call▁end｜>"],
+    "deepseek_v32": ['<｜DSML｜invoke name="f">', '<｜DSML｜parameter name="p" string="false">', "</｜DSML｜parameter>",
+                     "</｜DSML｜invoke>", "</｜DSML｜function_calls>", '<｜DSML｜invoke name="t"></｜DSML｜invoke>',
+                     '<｜DSML｜function_calls>\n<｜DSML｜invoke name="s">\n<｜DSML｜parameter name="k" string="true">v'
+                     "</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls>"],
+}
 
 
 def _is_subsequence(small, big):
@@ -215,7 +222,8 @@ def test_fragment_soup_never_raises_and_streams_agree(parser):
 
     @settings(max_examples=300, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
-    @given(parts=st.lists(st.sampled_from(FRAGMENTS), max_size=14), cuts=st.lists(st.integers(1, 7), max_size=40))
+    @given(parts=st.lists(st.sampled_from(FRAGMENTS + FRAGMENTS_OF.get(parser, [])), max_size=14),
+           cuts=st.lists(st.integers(1, 7), max_size=40))
     def check(parts, cuts):
         text = "".join(parts)
         whole = p.parse(text)

@@ -1,4 +1,4 @@
-"""Shared machinery of the format parsers (hermes, deepseek_v3, mistral).
+"""Shared machinery of the format parsers (hermes, deepseek_v3, deepseek_v31, deepseek_v32, mistral).
 
 A parser describes one thing: `items(text, final)`, the text read as a list of Items (content
 text and tool calls, in order). With final=False the text is a prefix of the output: content that

@@ -1,8 +1,9 @@
 """The interface between the chat endpoint and anything that turns model text into tool calls.
 
 Two kinds implement it: the format parsers chosen by `--tool-call-parser` (hermes, deepseek_v3,
-mistral), used for tool_choice="auto", and the parser of constrained output, used when tool_choice
-is "required" or names a function (the output is then JSON forced by the grammar).
+deepseek_v31, deepseek_v32, mistral), used for tool_choice="auto", and the parser of constrained
+output, used when tool_choice is "required" or names a function (the output is then JSON forced by
+the grammar).
 
 Whole text: `parser.parse(text)` -> ParsedOutput(content, tool_calls).
 Streaming: `s = parser.stream()` once per choice, then `s.feed(delta_text)` per engine output and

@@ -22,6 +22,7 @@ import re
 from ._marked import NAME, Invalid, Item, Partial, _WS, json_value, partial_suffix, skip_ws
 from .base import PARSERS
 from .deepseek_v3 import DeepSeekV3ToolParser
+from .deepseek_v31 import _NAME_START
 
 DSML = "｜DSML｜"
 CALLS_BEGIN, CALLS_END = f"<{DSML}function_calls>", f"</{DSML}function_calls>"
@@ -29,7 +30,6 @@ INVOKE_BEGIN, INVOKE_END = f"<{DSML}invoke", f"</{DSML}invoke>"
 PARAM_BEGIN, PARAM_END = f"<{DSML}parameter", f"</{DSML}parameter>"
 
 _DECODER = json.JSONDecoder()
-_NAME_START = re.compile(r"[\w.:-]{0,128}")  # what a function name may be before it is all written
 _ATTR_VALUE = re.compile(r'[^"<>\n]*')  # an attribute value: one line, no markup
 _BOOL_START = re.compile("t(r(ue?)?)?|f(a(l(se?)?)?)?|")  # "true" or "false", or the start of one
 
