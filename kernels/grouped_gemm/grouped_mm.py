@@ -59,7 +59,10 @@ def fused_experts_grouped(x_TD: torch.Tensor, w13_EFD: torch.Tensor, w2_EDF: tor
     key_P = ids_P if all_local else torch.where(local_P, ids_P, E)  # elsewhere-held pairs sort last
     order_P = torch.argsort(key_P, stable=True)
     token_P = order_P // K
-    counts_E = torch.bincount(key_P, minlength=E) if all_local else torch.bincount(key_P, minlength=E + 1)[:E]
+    # scatter_add into a fixed size rather than bincount: CUDA's bincount reads the largest id back
+    # to the host (a sync no CUDA graph can hold; GPT-OSS's decode reaches this path there).
+    counts_E = torch.zeros(E + 1, dtype=torch.int64, device=key_P.device).scatter_add_(
+        0, key_P, torch.ones_like(key_P))[:E]
     offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
     xs_PD = _as(x_TD.index_select(0, token_P), w13_EFD.dtype)  # half activations, float32 weights
     gate_up_P2F = torch._grouped_mm(xs_PD, w13_EFD.transpose(1, 2), offs=offs_E)

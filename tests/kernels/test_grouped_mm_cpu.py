@@ -91,3 +91,21 @@ def test_grouped_has_no_host_sync():
 
     with pytest.raises(HostSyncError), NoHostSync():
         fused_experts_reference(x, w13, w2, weights, ids)
+
+
+def test_grouped_path_never_calls_bincount(monkeypatch):
+    """CUDA's bincount reads the largest id back to the host, a sync no CUDA graph can hold (and the
+    CPU's sync guard cannot see inside an aten kernel): the path counts a fixed number of experts
+    with scatter_add, with and without elsewhere-held pairs, GPT-OSS's biases included."""
+    gen = torch.Generator().manual_seed(5)
+    x, w13, w2 = layer(6, 32, 16, 5, torch.float32, gen)
+    weights, ids = routing(6, 5, 2, gen, 0.3, ())
+    want = fused_experts_float64(x, w13, w2, weights, ids)
+
+    def no_bincount(*a, **k):
+        raise AssertionError("torch.bincount in the grouped path")
+
+    monkeypatch.setattr(torch, "bincount", no_bincount)
+    assert rel_err(fused_experts_grouped(x, w13, w2, weights, ids), want) < 1e-5
+    b13, b2 = torch.randn(5, 32, generator=gen), torch.randn(5, 32, generator=gen)
+    fused_experts_grouped(x, w13, w2, weights, ids, w13_bias=b13, w2_bias=b2, activation="silu")
