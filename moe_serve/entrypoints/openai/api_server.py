@@ -19,7 +19,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moe_serve import __version__
 from moe_serve.engine.async_engine import AsyncEngine
+from moe_serve.entrypoints.openai import anthropic as A
 from moe_serve.entrypoints.openai import protocol as P
+from moe_serve.entrypoints.openai import responses as R
 from moe_serve.entrypoints.openai.http_guard import ClientGone, GuardedH11Protocol, Refusal, error_json, read_body
 from moe_serve.entrypoints.openai.request_limits import PromptLimits
 from moe_serve.entrypoints.openai.serving import BadRequest, OpenAIServing
@@ -32,6 +34,18 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
     headers = {"connection": "close"} if close else None
     return Response(error_json(status, message, type_, param, code), status_code=status,
                     media_type="application/json", headers=headers)
+
+
+def anthropic_error_response(status: int, message: str, type_: str = "invalid_request_error",
+                             param: str | None = None, code: str | int | None = None, close: bool = False) -> Response:
+    """An error of the Messages endpoints, in Anthropic's shape (the type follows the status)."""
+    headers = {"connection": "close"} if close else None
+    return Response(A.error_body(status, message), status_code=status, media_type="application/json",
+                    headers=headers)
+
+
+def _anthropic_path(path: str) -> bool:
+    return path.startswith("/v1/messages")
 
 
 def _msgspec_param(msg: str) -> str | None:
@@ -53,6 +67,7 @@ class HTTPLimits:
 
 
 _BODIES = {"/v1/completions": P.CompletionRequest, "/v1/chat/completions": P.ChatCompletionRequest,
+           "/v1/responses": R.ResponsesRequest, "/v1/messages": A.MessagesRequest,
            "/tokenize": P.TokenizeRequest, "/detokenize": P.DetokenizeRequest}
 
 
@@ -107,9 +122,12 @@ def build_app(engine: AsyncEngine, served_model_name: str, max_model_len: int, a
     @app.middleware("http")
     async def auth(request: Request, call_next):
         if api_key and (request.url.path.startswith("/v1") or request.url.path in ("/tokenize", "/detokenize")):
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                return error_response(401, "Invalid or missing API key (expected 'Authorization: Bearer <key>')",
-                                      "authentication_error", None, "invalid_api_key")
+            # OpenAI's clients send the key as a bearer token, Anthropic's as x-api-key.
+            if (request.headers.get("authorization", "") != f"Bearer {api_key}"
+                    and request.headers.get("x-api-key") != api_key):
+                errors = anthropic_error_response if _anthropic_path(request.url.path) else error_response
+                return errors(401, "Invalid or missing API key (expected 'Authorization: Bearer <key>' or "
+                                   "'x-api-key: <key>')", "authentication_error", None, "invalid_api_key")
         try:
             return await call_next(request)
         except Exception as e:  # never a traceback to the client
@@ -119,7 +137,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, max_model_len: int, a
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         if exc.status_code == 404:
-            return error_response(404, f"no route {request.method} {request.url.path}", "NotFoundError")
+            errors = anthropic_error_response if _anthropic_path(request.url.path) else error_response
+            return errors(404, f"no route {request.method} {request.url.path}", "NotFoundError")
         if exc.status_code == 405:
             return error_response(405, f"method {request.method} not allowed on {request.url.path}")
         return error_response(exc.status_code, str(exc.detail))
@@ -151,7 +170,9 @@ def build_app(engine: AsyncEngine, served_model_name: str, max_model_len: int, a
         return PlainTextResponse(engine.metrics.render(served_model_name, engine.stats()),
                                  media_type="text/plain; version=0.0.4")
 
-    async def handle(request: Request, typ, fn, prefix: str):
+    async def handle(request: Request, typ, fn, prefix: str, error_response=error_response):
+        """Read, decode and run one request; error_response writes its errors (OpenAI's shape, or
+        Anthropic's on the Messages endpoints)."""
         deadline = serving.deadline()
         try:
             body = await read_body(request.receive, request.headers, http.max_body_bytes, http.body_timeout_s,
@@ -210,6 +231,28 @@ def build_app(engine: AsyncEngine, served_model_name: str, max_model_len: int, a
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         return await handle(request, P.ChatCompletionRequest, serving.chat, "chatcmpl")
+
+    # The agents' endpoints: translations onto the chat path (responses.py, anthropic.py).
+    responses, messages = R.ResponsesServing(serving), A.MessagesServing(serving)
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request):
+        return await handle(request, R.ResponsesRequest, responses.create, "resp")
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        try:
+            return Response(msgspec.json.encode(responses.get(response_id)), media_type="application/json")
+        except BadRequest as e:
+            return error_response(e.status, str(e), e.type, e.param, e.code)
+
+    @app.post("/v1/messages")
+    async def create_message(request: Request):
+        return await handle(request, A.MessagesRequest, messages.create, "msg", anthropic_error_response)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        return await handle(request, A.MessagesRequest, messages.count_tokens, "count", anthropic_error_response)
 
     # vLLM's tokenizer endpoints (outside /v1 as in vLLM; the API key is required here too).
     @app.post("/tokenize")

@@ -243,6 +243,7 @@ class ChatStreamChoice(msgspec.Struct):
     delta: Delta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # with finish_reason "stop": the stop string or token id (vLLM's)
 
 
 class ChatCompletionChunk(msgspec.Struct):

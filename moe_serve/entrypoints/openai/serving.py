@@ -9,7 +9,7 @@ import queue
 import re
 import threading
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, NamedTuple
 
 import msgspec
 
@@ -384,7 +384,9 @@ class OpenAIServing:
         self.limits.check_chars(len(text), max_tokens, "messages")  # the rendered prompt, exactly bounded
         return self.tok.encode(text, add_special_tokens=False)
 
-    async def chat(self, req: P.ChatCompletionRequest, rid: str, deadline: float | None = None):
+    async def chat(self, req: P.ChatCompletionRequest, rid: str, deadline: float | None = None, items: bool = False):
+        """A ChatCompletionResponse, or when streaming the SSE lines (with items: the chunk objects
+        of `chat_items`, for the endpoints that translate them)."""
         self.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise BadRequest("top_logprobs requires logprobs=true", "top_logprobs")
@@ -402,6 +404,8 @@ class OpenAIServing:
             params = params.replace(skip_special_tokens=False)  # the call markers are special tokens
         stream = self._submit(rid, [ids], params)
         if req.stream:
+            if items:
+                return self.chat_items(req, rid, params, stream, deadline)
             return self._stream_chat(req, rid, params, stream, deadline)
         n = params.n
         texts, lps, fins = await self._collect(stream, n, deadline)
@@ -413,6 +417,13 @@ class OpenAIServing:
             choices.append(P.ChatChoice(i, message, self._chat_logprobs(lps[i]) if req.logprobs else None, finish,
                                         fins[i][1]))
         return P.ChatCompletionResponse(rid, int(time.time()), self.model_name, choices, _usage(stream))
+
+    async def count_chat_tokens(self, req: P.ChatCompletionRequest, deadline: float | None = None) -> int:
+        """The prompt tokens the chat request's conversation (and tools) render to."""
+        self.check_model(req.model)
+        self.check_chat(req, None)
+        ids = await self._until(deadline, self.off_loop(self.chat_prompt, req, None))
+        return len(ids)
 
     @staticmethod
     def _chat_message(text: str, finish: str | None, tools: ToolParser | None, reasoner: ReasoningParser | None,
@@ -441,6 +452,14 @@ class OpenAIServing:
         return P.ChatLogprobs(content)
 
     async def _stream_chat(self, req, rid, params, stream, deadline) -> AsyncIterator[bytes]:
+        async for item in self.chat_items(req, rid, params, stream, deadline):
+            yield _sse(item) if isinstance(item, P.ChatCompletionChunk) else _sse_error(*item)
+        yield b"data: [DONE]\n\n"
+
+    async def chat_items(self, req, rid, params, stream, deadline) -> AsyncIterator:
+        """A streamed chat's chunks (P.ChatCompletionChunk), ending, for a stream cut short, with a
+        StreamFailure: what the chat stream sends, before it is written as SSE (the Responses and
+        Messages endpoints translate the same items into their own events)."""
         created = int(time.time())
         ended = None
         tools, reasoner = self.tool_parser_for(req), self.reasoning_parser_for(req)
@@ -450,9 +469,9 @@ class OpenAIServing:
         called = [False] * params.n
         try:
             for i in range(params.n):
-                yield _sse(P.ChatCompletionChunk(rid, created, self.model_name,
-                                                 [P.ChatStreamChoice(i, P.Delta(role="assistant", content=""))],
-                                                 _usage(stream) if _continuous(req) else None))
+                yield P.ChatCompletionChunk(rid, created, self.model_name,
+                                            [P.ChatStreamChoice(i, P.Delta(role="assistant", content=""))],
+                                            _usage(stream) if _continuous(req) else None)
             async for i, out in self._timed(stream, deadline):
                 ended = ended or _error_of(out)
                 if not (out.new_text or out.finished or out.logprobs):
@@ -465,17 +484,17 @@ class OpenAIServing:
                     continue
                 lp = self._chat_logprobs(out.logprobs or []) if req.logprobs else None
                 finish = _calls_finish(tools, out.finish_reason) if out.finished and called[i] else out.finish_reason
-                yield _sse(P.ChatCompletionChunk(rid, created, self.model_name, [P.ChatStreamChoice(
-                    i, delta, lp, finish)], _usage(stream) if _continuous(req) else None))
+                yield P.ChatCompletionChunk(rid, created, self.model_name, [P.ChatStreamChoice(
+                    i, delta, lp, finish, out.stop_reason if out.finished else None)],
+                    _usage(stream) if _continuous(req) else None)
             if self.engine.dead or ended:
-                yield self._ended_event(ended)
+                yield self._ended_failure(ended)
             elif req.stream_options and req.stream_options.include_usage:
-                yield _sse(P.ChatCompletionChunk(rid, created, self.model_name, [], _usage(stream)))
+                yield P.ChatCompletionChunk(rid, created, self.model_name, [], _usage(stream))
         except BadRequest as e:  # the request timed out
-            yield _sse_error(str(e), e.status, e.type, e.code)
+            yield StreamFailure(str(e), e.status, e.type, e.code)
         finally:
             await stream.aclose()
-        yield b"data: [DONE]\n\n"
 
     # --- tokenizer endpoints (vLLM's /tokenize and /detokenize) ---------------------------------
     async def tokenize(self, req: P.TokenizeRequest, rid: str, deadline: float | None = None) -> P.TokenizeResponse:
@@ -552,13 +571,16 @@ class OpenAIServing:
         return texts, lps, fins
 
     def _ended_event(self, reason: str | None) -> bytes:
+        return _sse_error(*self._ended_failure(reason))
+
+    def _ended_failure(self, reason: str | None) -> "StreamFailure":
         """The last event of a stream cut short: the engine died or the server is stopping (503),
         or the core refused the request (400)."""
         if self.engine.dead:
-            return _sse_error(f"the engine has stopped: {self.engine.dead}")
+            return StreamFailure(f"the engine has stopped: {self.engine.dead}")
         if self.engine.stopping:
-            return _sse_error(reason or self.engine.stopping)
-        return _sse_error(reason or "the request was aborted", 400, "invalid_request_error")
+            return StreamFailure(reason or self.engine.stopping)
+        return StreamFailure(reason or "the request was aborted", 400, "invalid_request_error")
 
     def _check_ended(self, fins) -> None:
         """A request cut short (the engine died, the server is stopping, the core refused it) is an
@@ -586,6 +608,14 @@ class OpenAIServing:
             msg = str(e)
             param = "max_tokens" if "max_tokens" in msg else ("prompt" if "prompt" in msg else _field_of(msg))
             raise BadRequest(msg, param) from None
+
+
+class StreamFailure(NamedTuple):
+    """Why a stream ends early (its last event): _sse_error's arguments."""
+    message: str
+    status: int = 503
+    type: str = "ServiceUnavailableError"
+    code: str | int | None = None
 
 
 def _calls_finish(tools: ToolParser, finish: str | None) -> str | None:
