@@ -23,6 +23,7 @@ log = logging.getLogger("moe_serve.weights")
 
 _PER_EXPERT = re.compile(r"^(?P<prefix>.*)\.experts\.(?P<e>\d+)\.(?P<proj>\w+)\.weight$")
 _FUSED = re.compile(r"^(?P<prefix>.*)\.experts\.(?P<proj>gate_up_proj|down_proj)$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def checkpoint_files(path: str) -> list[str]:
@@ -88,6 +89,7 @@ def load_weights(model: nn.Module, path: str, dtype: torch.dtype, show_progress:
     # blocks): load_checkpoint_tensor(name, raw, file) returns the parameters it filled, or None.
     hook = getattr(model, "load_checkpoint_tensor", None)
     total = sum(len(n) for _, n in names_by_file)
+    skipped_layers: set[int] = set()
     bar = tqdm(total=total, desc="Loading weights", unit="tensor", disable=not show_progress)
     for fp, names in names_by_file:
         with safe_open(fp, framework="pt") as f:
@@ -95,6 +97,9 @@ def load_weights(model: nn.Module, path: str, dtype: torch.dtype, show_progress:
                 bar.update(1)
                 name = model.checkpoint_name(raw)
                 if name is None:
+                    mtp = _LAYER.match(raw)
+                    if mtp and int(mtp.group(1)) >= getattr(model, "num_hidden_layers", 1 << 30):
+                        skipped_layers.add(int(mtp.group(1)))
                     continue
                 if hook is not None and (filled := hook(name, raw, f)):  # tensors the model loads itself
                     loaded.update(filled)
@@ -137,6 +142,9 @@ def load_weights(model: nn.Module, path: str, dtype: torch.dtype, show_progress:
                     p.data.copy_(t.to(p.dtype))
                 loaded.add(name)
     bar.close()
+    if skipped_layers:
+        log.info("skipped the checkpoint's layer(s) %s after the model's %d: multi-token-prediction layers, not used "
+                 "without speculative decoding", sorted(skipped_layers), model.num_hidden_layers)
     if fp8_cfg is not None:
         fp8.finish_block_fp8(model, dtype)
     missing = sorted(n for n in params if n not in loaded and not _tied(model, n))

@@ -80,3 +80,15 @@ def test_each_rank_reads_only_its_experts(checkpoints, arch, world, monkeypatch)
             elif idx is not None:  # fused 3-D tensor: one expert's rows per read
                 experts_read.add(int(idx))
         assert experts_read == mine, (rank, sorted(experts_read), sorted(mine))
+
+
+def test_multi_token_prediction_layers_are_skipped_with_a_log_line(checkpoints, caplog):
+    """DeepSeek-V3's checkpoint carries layer 3 after its 3 layers (multi-token prediction): not
+    loaded, and the log says so."""
+    import logging
+
+    from moe_serve import LLM
+
+    with caplog.at_level(logging.INFO, logger="moe_serve.weights"):
+        LLM(checkpoints["deepseek_v3"], dtype="float32", kv_cache_memory=1 << 20, show_progress=False)
+    assert "skipped the checkpoint's layer(s) [3] after the model's 3: multi-token-prediction" in caplog.text
