@@ -26,6 +26,7 @@ from kernels import cpu_ops
 class TorchAttention:
     name = "torch"
     captures_graphs = False  # its decode step can be held in a CUDA graph
+    gather_pool = None  # buffers its decode gathers reuse (CpuCAttention's; none here: graphs, GPUs)
 
     def __init__(self, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
@@ -46,10 +47,10 @@ class TorchAttention:
                                          sinks=sinks, attention_chunk=attention_chunk)
 
     def mla_paged_attention(self, q_latent_TNL, q_pe_TNR, latent_cache, meta, scale: float) -> torch.Tensor:
-        return reference.mla_paged_attention(q_latent_TNL, q_pe_TNR, latent_cache, meta, scale)
+        return reference.mla_paged_attention(q_latent_TNL, q_pe_TNR, latent_cache, meta, scale, self.gather_pool)
 
     def dsa_topk(self, q_TNI, w_TN, index_cache, meta, topk: int, scale: float) -> torch.Tensor:
-        return dsa.dsa_topk(q_TNI, w_TN, index_cache, meta, topk, scale)
+        return dsa.dsa_topk(q_TNI, w_TN, index_cache, meta, topk, scale, self.gather_pool)
 
     def sparse_mla_attention(self, q_latent_TNL, q_pe_TNR, latent_cache, meta, topk_TK, scale: float) -> torch.Tensor:
         return dsa.sparse_mla_attention(q_latent_TNL, q_pe_TNR, latent_cache, meta, topk_TK, scale)
@@ -66,6 +67,10 @@ class CpuCAttention(TorchAttention):
     take the torch ops (reference.paged_attention does not hand them to `fast`)."""
 
     name = "cpu_c"
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        super().__init__(device)
+        self.gather_pool = {}  # a CPU's decode gathers reuse their buffers: no page faults per step
 
     def paged_attention(self, q_TNH, k_cache, v_cache, meta, scale: float, *, sliding_window: int | None = None,
                         sinks: torch.Tensor | None = None, attention_chunk: int | None = None) -> torch.Tensor:

@@ -62,16 +62,17 @@ def _select(scores_QS: torch.Tensor, visible_QS: torch.Tensor, k: int) -> torch.
 
 
 def dsa_topk(q_TNI: torch.Tensor, w_TN: torch.Tensor, index_cache: torch.Tensor, meta: AttentionMetadata,
-             topk: int, scale: float) -> torch.Tensor:
+             topk: int, scale: float, pool: dict | None = None) -> torch.Tensor:
     """Each query row's selected token positions: (T, min(topk, max_seq_len)) int64, -1 padded.
-    The indexer keys of this step's tokens are in the cache already."""
+    The indexer keys of this step's tokens are in the cache already. pool: the backend's gather
+    buffers (reference._decode_gather)."""
     T = q_TNI.shape[0]
     K = min(topk, meta.max_seq_len)
     out = torch.full((T, K), -1, dtype=torch.int64, device=q_TNI.device)
     bs = index_cache.shape[1]
     nd, blocks, visible = _decode_blocks(meta, bs)
     if nd:
-        keys = _decode_gather(index_cache, blocks, reuse="index_keys")  # (nd, S, I)
+        keys = _decode_gather(index_cache, blocks, pool, "index_keys")  # (nd, S, I)
         scores = index_scores(q_TNI[:nd, None], w_TN[:nd, None], keys, scale)[:, 0]  # (nd, S)
         k = min(K, keys.shape[1])
         out[:nd, :k] = _select(scores, visible, k)

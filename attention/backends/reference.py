@@ -87,26 +87,24 @@ class _FlatBlocks:
         self.flat = blocks_BK.reshape(-1)
 
 
-# CPU buffers that decode gathers are written into, one per use, kept at the largest size so far:
-# a fresh allocation of hundreds of megabytes is page faults on first touch, which cost more than the
-# copy (measured: a DeepSeek-V3.2-shaped decode of 8 sequences at 32K, 30% of the dense MLA step).
-_CPU_GATHER: dict = {}
-
-
-def _decode_gather(cache: torch.Tensor, blocks, reuse: str | None = None) -> torch.Tensor:
+def _decode_gather(cache: torch.Tensor, blocks, pool: dict | None = None, name: str = "") -> torch.Tensor:
     """Every decode's context, padded to the longest: (B, K * block_size, ...) rows. index_select of
     whole blocks along dim 0 copies at memcpy speed (3.5x advanced indexing's, measured on CPU).
-    blocks: (B, K) block ids, or a step's _FlatBlocks. reuse: on the CPU, the name of a buffer the
-    rows go into, overwritten by the next gather of that name (the caller is done with them by then)."""
+    blocks: (B, K) block ids, or a step's _FlatBlocks. pool: a backend's buffers (CpuCAttention's):
+    the rows go into the one called `name`, kept at the largest size so far and overwritten by the
+    next gather of that name (the caller is done with them by then). On a CPU a fresh allocation of
+    hundreds of megabytes is page faults on first touch, which cost more than the copy (measured: a
+    DeepSeek-V3.2-shaped decode of 8 sequences at 32K, 30% of the dense MLA step)."""
     B, K = blocks.shape
     flat = blocks.flat if isinstance(blocks, _FlatBlocks) else blocks.reshape(-1)
     shape = (B, K * cache.shape[1], *cache.shape[2:])
-    if reuse is None or cache.device.type != "cpu":
+    if pool is None:
         return cache.index_select(0, flat).view(shape)
     n = flat.shape[0] * cache[0].numel()
-    buf = _CPU_GATHER.get((reuse, cache.dtype))
+    buf = pool.get((name, cache.dtype))
     if buf is None or buf.numel() < n:
-        buf = _CPU_GATHER[(reuse, cache.dtype)] = torch.empty(n, dtype=cache.dtype)
+        with torch.inference_mode(False):  # a normal tensor: written inside and outside inference mode
+            buf = pool[(name, cache.dtype)] = torch.empty(n, dtype=cache.dtype, device=cache.device)
     out = buf[:n].view(flat.shape[0], *cache.shape[1:])
     return torch.index_select(cache, 0, flat, out=out).view(shape)
 
@@ -273,18 +271,19 @@ def _paged_attention_windowed(q_TNH, k_cache, v_cache, meta: AttentionMetadata, 
 
 
 def mla_paged_attention(q_latent_TNL: torch.Tensor, q_pe_TNR: torch.Tensor, latent_cache: torch.Tensor,
-                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                        meta: AttentionMetadata, scale: float, pool: dict | None = None) -> torch.Tensor:
     """MLA in its absorbed form over the compressed cache.
 
     score(t, n, s) = (q_latent[t, n] . c_kv[s] + q_pe[t, n] . k_pe[s]) * scale, and the output is the
     softmax-weighted sum of c_kv rows: (T, N, L). The caller maps it to values with W_UV; mapping the
-    query with W_UK beforehand is what makes this equal to attention over expanded K/V.
+    query with W_UK beforehand is what makes this equal to attention over expanded K/V. pool: the
+    backend's gather buffers (see _decode_gather).
     """
     T, N, L = q_latent_TNL.shape
     out = torch.empty(T, N, L, dtype=q_latent_TNL.dtype, device=q_latent_TNL.device)
     nd, blocks, visible = _decode_plan(meta, latent_cache.shape[1])
     if nd:  # the decodes as one padded batched computation
-        lat = _acc(_decode_gather(latent_cache, blocks, reuse="latent"))  # (B, S, L+R)
+        lat = _acc(_decode_gather(latent_cache, blocks, pool, "latent"))  # (B, S, L+R)
         # [q_latent | q_pe] . [c_kv | k_pe] is the absorbed score: one kv head shared by all heads.
         q = _acc(torch.cat([q_latent_TNL[:nd], q_pe_TNR[:nd]], dim=-1))
         out[:nd] = _mla_rows(q, lat, L, visible[:, 0], scale).to(q_latent_TNL.dtype)

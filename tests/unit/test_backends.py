@@ -114,8 +114,9 @@ def test_cli_takes_every_backend_name():
             args.linear_attention_backend) == ("cpu_c", "triton", "torch", "cpu_c", "triton")
     with pytest.raises(SystemExit):
         p.parse_args(["--norm-backend", "triton"])
+    assert p.parse_args(["--linear-attention-backend", "cpu_c"]).linear_attention_backend == "cpu_c"
     with pytest.raises(SystemExit):
-        p.parse_args(["--linear-attention-backend", "cpu_c"])
+        p.parse_args(["--linear-attention-backend", "reference"])
 
 
 def test_capturable_forms_run_no_c_kernel_and_read_no_host_ids(checkpoints):
