@@ -1,4 +1,6 @@
 """Check every Triton kernel against its reference on this GPU, then time them against speed of light.
+The checks record which kernels they launched and name any of kernels/specialization.py's KERNELS
+that none of them reached.
 
     python bench/kernels.py            # on a CUDA machine (bench/gpu_check.sh runs this)
     python bench/kernels.py --smoke    # tiny shapes on the CPU through the Triton interpreter
@@ -217,7 +219,135 @@ def run_checks() -> list[dict]:
         return float(sum((c - e).abs().sum() for c, e in zip(caches + [lat], expect + [lat_expect])))
 
     check("write_kv (strided k/v views) and write_latent", 1e-30, write_kv_diff)
+    for dtype in (torch.bfloat16, torch.float32):
+        _more_checks(check, dtype)
     return results
+
+
+def _more_checks(check, dtype) -> None:
+    """The kernels beyond grouped GEMM and plain paged attention, each against its reference: the
+    masked grouped GEMM (DeepEP's low-latency layout), block-FP8 linear layers and experts (weight
+    only and W8A8, with the activation-quantization kernel), sliding-window / sink / chunked
+    attention, the Gated DeltaNet kernels and DeepSeek Sparse Attention's indexer and sparse MLA."""
+    from attention.backends import dsa as dsa_ref
+    from attention.backends import triton_dsa
+    from kernels import fp8_quant
+    from kernels.fp8_linear import fp8_linear_triton
+    from kernels.gated_delta import reference as gd_ref
+    from kernels.gated_delta import triton_kernels as gd_tri
+    from kernels.grouped_gemm.masked import masked_experts_triton
+    from moe_serve.quantization.fp8 import dequantize_blocks, quantize_blocks
+
+    g = torch.Generator().manual_seed(1)
+    tol = CHECK_RTOL[dtype]
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(DEV)
+
+    def masked_err():
+        E, C, D, F, counts = 4, 21, 72, 40, [0, 5, 21, 13]
+        x, w13, w2 = rnd(E, C, D).to(dtype), rnd(E, 2 * F, D, scale=D ** -0.5).to(dtype), rnd(E, D, F, scale=F ** -0.5).to(dtype)
+        count = torch.tensor(counts, dtype=torch.int32, device=DEV)
+        got = masked_experts_triton(x, count, w13, w2)
+        errs = []
+        for e, n in enumerate(counts):
+            if n:
+                xe = x[e, :n].double().cpu()
+                h = torch.nn.functional.silu(xe @ w13[e, :F].double().cpu().T) * (xe @ w13[e, F:].double().cpu().T)
+                errs.append(rel_err(got[e, :n], h @ w2[e].double().cpu().T))
+        return max(errs)
+
+    check(f"masked grouped GEMM {dtype}", tol, masked_err)
+    if dtype == torch.bfloat16:
+        def quant_diff():
+            x = rnd(7, 300, scale=30).to(dtype)
+            q, sc = fp8_quant.quantize_per_token_group(x, 128)
+            q_ref, s_ref = fp8_quant.quantize_per_token_group_reference(x, 128)
+            return float((q.float() - q_ref.float()).abs().max() + (sc - s_ref).abs().max())
+
+        check("fp8 activation quantization (per token, 128 channels)", 1e-30, quant_diff)
+
+        def fp8_linear_err(act_quant):
+            M, N, K, block = 9, 150, 300, (128, 128)
+            w = rnd(N, K, scale=K ** -0.5)
+            q, sc = quantize_blocks(w.cpu(), block)
+            x = rnd(M, K).to(dtype)
+            xd = x.double().cpu()
+            if act_quant:
+                xq, xs = fp8_quant.quantize_per_token_group_reference(x.cpu(), 128)
+                xd = xq.double() * xs.double().repeat_interleave(128, 1)[:, :K]
+            want = xd @ dequantize_blocks(q, sc, block, torch.float64).T
+            return rel_err(fp8_linear_triton(x, q.to(DEV), sc.to(DEV), block, act_quant=act_quant), want)
+
+        check("fp8 linear, weight only (w8a16)", 2e-2, lambda: fp8_linear_err(False))
+        check("fp8 linear, W8A8", 2e-2, lambda: fp8_linear_err(True))
+
+        def fp8_experts_err():
+            T, E, K, D, F, block = 11, 6, 2, 256, 128, (128, 128)
+            args = list(moe_inputs(T, E, E, K, D, F, dtype, seed=3))
+            deq = []
+            for i in (1, 2):  # w13, w2 per expert to FP8 blocks
+                qs = [quantize_blocks(w.float().cpu(), block) for w in args[i]]
+                args[i] = torch.stack([q for q, _ in qs]).to(DEV)
+                scales = torch.stack([sc for _, sc in qs]).to(DEV)
+                deq.append((args[i], scales, torch.stack([dequantize_blocks(q, sc, block, torch.float64)
+                                                          for q, sc in qs])))
+            got = fused_experts_triton(args[0], args[1], args[2], args[3], args[4], w13_scale=deq[0][1],
+                                       w2_scale=deq[1][1], scale_block=block)
+            want = fused_experts_float64(args[0].cpu(), deq[0][2], deq[1][2], args[3].cpu(), args[4].cpu())
+            return rel_err(got, want)
+
+        check("fp8 experts, weight only", 2e-2, fp8_experts_err)
+
+    def windowed_err(**kw):
+        meta, (q, k, v) = attn_inputs(2, 90, 1, 8, 2, 64, 16, dtype, seed=9)
+        if kw.get("sinks") is not None:
+            kw["sinks"] = kw["sinks"].to(DEV)
+        got = triton_paged.paged_attention(q, k, v, meta, 0.125, **kw)
+        ref_kw = {k2: (v2.cpu() if isinstance(v2, torch.Tensor) else v2) for k2, v2 in kw.items()}
+        want = attn_ref.paged_attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), _cpu_meta(meta), 0.125,
+                                        **ref_kw)
+        return rel_err(got, want)
+
+    check(f"paged attention, sliding window 24 {dtype}", tol, lambda: windowed_err(sliding_window=24))
+    check(f"paged attention, sinks {dtype}", tol, lambda: windowed_err(sinks=torch.randn(8, generator=g)))
+    check(f"paged attention, chunked 32 {dtype}", tol, lambda: windowed_err(attention_chunk=32))
+
+    def gated_delta_err():
+        B, H, Kd, Vd, C, W = 3, 4, 64, 64, 48, 4
+        q_lens, ctx = [1, 9, 1], [5, 0, 3]
+        T = sum(q_lens)
+        slots = torch.tensor([2, 0, 5], device=DEV)
+        q, k, v = rnd(T, H, Kd).to(dtype), rnd(T, H, Kd).to(dtype), rnd(T, H, Vd).to(dtype)
+        gdec, beta = -torch.rand(T, H, generator=g).to(DEV), torch.rand(T, H, generator=g).to(DEV).to(dtype)
+        state = rnd(6, H, Kd, Vd, scale=0.1)
+        state_ref = state.double().cpu()
+        got = gd_tri.gated_delta_rule(q, k, v, gdec, beta, state, slots, q_lens, ctx, Kd ** -0.5)
+        want = gd_ref.gated_delta_rule(q.double().cpu(), k.double().cpu(), v.double().cpu(), gdec.double().cpu(),
+                                       beta.double().cpu(), state_ref, slots.cpu(), q_lens, ctx, Kd ** -0.5)
+        x, w = rnd(T, C).to(dtype), rnd(C, W, scale=0.5).to(dtype)
+        cs = rnd(6, C, W - 1).to(dtype)
+        cs_ref = cs.double().cpu()
+        y = gd_tri.causal_conv1d(x, w, None, cs, slots, q_lens, ctx)
+        y_ref = gd_ref.causal_conv1d(x.double().cpu(), w.double().cpu(), None, cs_ref, slots.cpu(), q_lens, ctx)
+        return max(rel_err(got, want), rel_err(state, state_ref), rel_err(y, y_ref))
+
+    check(f"gated delta rule + conv1d (prefill and decode) {dtype}", max(tol, 1e-4), gated_delta_err)
+
+    def dsa_err():
+        meta, (q, q_pe, cache) = attn_inputs(3, 120, 1, 16, 1, 512, 16, dtype, seed=4, mla_rope=64)
+        keys = rnd(cache.shape[0], cache.shape[1], 128).to(dtype)
+        qi, wi = rnd(q.shape[0], 16, 128).to(dtype), torch.rand(q.shape[0], 16, generator=g).to(DEV)
+        sel = triton_dsa.dsa_topk(qi, wi, keys, meta, 32, 128 ** -0.5)
+        cmeta = _cpu_meta(meta)
+        sel_ref = dsa_ref.dsa_topk(qi.double().cpu(), wi.double().cpu(), keys.double().cpu(), cmeta, 32, 128 ** -0.5)
+        agree = sum(len(set(a) & set(b)) for a, b in zip(sel.cpu().tolist(), sel_ref.tolist())) / sel_ref.numel()
+        got = triton_paged.sparse_mla_attention(q, q_pe, cache, meta, sel, 576 ** -0.5)
+        want = dsa_ref.sparse_mla_attention(q.double().cpu(), q_pe.double().cpu(), cache.double().cpu(), cmeta,
+                                            sel.cpu(), 576 ** -0.5)
+        return max(rel_err(got, want), 1.0 - agree if dtype == torch.float32 else 0.0)
+
+    check(f"DSA indexer top-k + sparse MLA {dtype}", tol, dsa_err)
 
 
 # ---- timing ---------------------------------------------------------------------------------------
@@ -338,10 +468,17 @@ def main() -> int:
     env = environment()
     print("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()), flush=True)
     torch.manual_seed(0)
-    checks = []
+    checks, ran, never = [], [], []
     if not args.skip_checks:
+        from kernels import specialization
+
         print("correctness (each kernel against its reference on this device):", flush=True)
-        checks = run_checks()
+        with specialization.record(run=True) as launches:
+            checks = run_checks()
+        ran = sorted({x.kernel for x in launches})
+        never = [k for k in specialization.KERNELS if k not in ran]
+        print(f"kernels checked: {len(ran)} of the {len(specialization.KERNELS)} the engine can launch"
+              + (f"; never launched: {never}" if never else " (all)"), flush=True)
     bw, peak = measure_roofline()
     print(f"measured: copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s", flush=True)
     print(HEADER)
@@ -361,12 +498,14 @@ def main() -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     base = args.out_dir / f"kernels_{gpu}_{stamp}"
     report = {"environment": env, "roofline": {"copy_bytes_per_s": bw, "bf16_flops_per_s": peak},
-              "checks": checks, "benchmarks": rows, "failed_checks": failed, "elapsed_s": elapsed}
+              "checks": checks, "kernels_checked": ran, "kernels_never_launched": never, "benchmarks": rows,
+              "failed_checks": failed, "elapsed_s": elapsed}
     base.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     lines = ["environment: " + ", ".join(f"{k}={v}" for k, v in env.items()),
              f"measured: copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s",
              f"checks: {len(checks) + len(rows) - len(failed)}/{len(checks) + len(rows)} passed"
              + (f"; FAILED: {failed}" if failed else ""),
+             f"kernels checked: {ran}" + (f"; never launched: {never}" if never else ""),
              "%SOL and 'x torch' use the CUDA-graph time where there is one (L2 not flushed between replays).",
              HEADER] + [format_row(r) for r in rows] + [f"elapsed {elapsed:.0f} s"]
     base.with_suffix(".txt").write_text("\n".join(lines) + "\n")

@@ -47,16 +47,15 @@ def quantize_per_token_group_reference(x: torch.Tensor, group: int = 128) -> tup
 
 def quantize_per_token_group(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """(M, K) activations -> FP8 values and per-(row, group) float32 scales, one Triton launch.
-    Under the CPU interpreter the torch version runs instead: the interpreter's float32 -> FP8
-    conversion rounds some values wrongly (127.7 became 64), which compiled code does not."""
-    if _INTERPRETED:
-        return quantize_per_token_group_reference(x, group)
+    Under the CPU interpreter the kernel stores its scaled, clamped float32 values and torch rounds
+    them to FP8: the interpreter's own float32 -> FP8 conversion rounds some values wrongly (127.7
+    became 64), which compiled code does not; everything else is the kernel's."""
     M, K = x.shape
-    q = torch.empty((M, K), dtype=FP8, device=x.device)
+    q = torch.empty((M, K), dtype=torch.float32 if _INTERPRETED else FP8, device=x.device)
     s = torch.empty((M, triton.cdiv(K, group)), dtype=torch.float32, device=x.device)
     if M == 0:
-        return q, s
+        return q.to(FP8), s
     if x.stride(1) != 1:
         x = x.contiguous()
     _quant_kernel[(M, s.shape[1])](x, q, s, K, x.stride(0), q.stride(0), s.stride(0), GROUP=group, FP8_MAX_C=FP8_MAX)
-    return q, s
+    return (q.to(FP8) if _INTERPRETED else q), s

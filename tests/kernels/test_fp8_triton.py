@@ -151,3 +151,22 @@ def test_w8a8_linear_matches_float64_with_quantized_activations(M):
     ref = x_deq @ dequantize_blocks(q, s, block, torch.float64).T
     got = fp8_linear_triton(x, q, s, block, act_quant=True)
     assert rel_err(got, ref) < 1e-2
+
+
+@pytest.mark.parametrize("M, K", [(1, 128), (5, 300), (3, 7)])
+def test_activation_quant_kernel_matches_reference(M, K):
+    """The per-token-group FP8 quantization kernel itself (the interpreter here: its scaled values,
+    rounded to FP8 by torch) gives the reference's FP8 values and scales exactly: partial last
+    groups, an all-zero group (scale 1), values at the clamp."""
+    from kernels import fp8_quant
+
+    gen = torch.Generator().manual_seed(M * K)
+    x = (torch.randn(M, K, generator=gen) * 50).to(torch.bfloat16)
+    x[0, : min(K, 128)] = 0  # a group of zeros
+    if K > 130:
+        x[-1, 130] = 1e4  # one huge value sets its group's scale
+    q, s = fp8_quant.quantize_per_token_group(x, 128)
+    q_ref, s_ref = fp8_quant.quantize_per_token_group_reference(x, 128)
+    assert q.dtype == FP8 and q.shape == (M, K) and s.shape == (M, -(-K // 128))
+    assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert s[0, 0] == 1.0
