@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+# bincount: its output size is the largest value, read back to the host on CUDA (not on a CPU).
 _FORBIDDEN = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "unique_consecutive",
-              "repeat_interleave", "argwhere", "nonzero_static_fallback"}
+              "repeat_interleave", "argwhere", "nonzero_static_fallback", "bincount"}
 
 
 class HostSyncError(AssertionError):

@@ -58,13 +58,16 @@ def test_a_broken_config_is_reported_as_failed():
 
 @pytest.mark.slow
 def test_every_configuration_compiles_for_sm90_and_sm100_without_spills():
-    """The full sweep, as the launches specialise it (1-2 minutes on 2 cores): every default and tuned
-    grouped-GEMM tile (bf16, fp16, fp32; FP8 weights and W8A8) and the masked GEMM, GQA and MLA
-    attention (decode with and without split-K, prefill; sliding window and sinks), the split
-    reduce, KV writes, top-k sum, FP8 linear and activation quantization, for every model shape.
-    Every one compiles for both archs, and no grouped-GEMM or decode configuration spills more than
-    --max-spill; the quick set (one per kernel, dtype and path) is a subset that covers each path."""
-    jobs = aot_check.enumerate_jobs()
+    """The sweep, as the launches specialise it (about 2 minutes on 2 cores): every default and tuned
+    grouped-GEMM tile (bf16, fp32; FP8 weights and W8A8) and the masked GEMM, GQA and MLA attention
+    (decode with and without split-K, prefill; sliding window, sinks, chunks; DSA's sparse mode and
+    indexer), the split reduce, KV writes, top-k sum, FP8 linear and activation quantization, linear
+    attention, for every model shape. Every one compiles for both archs, and no grouped-GEMM or
+    decode configuration spills more than --max-spill; the quick set (one per kernel, dtype and path)
+    is a subset that covers each path. fp16, the bf16 variants' code over another element type, is
+    compiled here as its quick set (each path once; `python -m kernels.aot_check` compiles it all)."""
+    dtypes = (torch.bfloat16, torch.float32)
+    jobs = aot_check.enumerate_jobs(dtypes=dtypes)
     quick = aot_check.enumerate_jobs(dtypes=(torch.bfloat16,), quick=True)
     assert {j.key() for j in quick} <= {j.key() for j in jobs}
     short = {(j.short, j.constexprs.get("GATED"), j.constexprs.get("SPLIT_K"), j.constexprs.get("HAS_ROPE"))
@@ -74,7 +77,7 @@ def test_every_configuration_compiles_for_sm90_and_sm100_without_spills():
                  ("paged_attn", None, True, False), ("reduce_splits", None, None, None)):
         assert path in short, path
     assert all(aot_check.is_decode(j) for j in quick if j.kernel in (aot_check.GEMM, aot_check.MASKED, aot_check.ATTN))
-    rc, lines = run_aot("--arch", "90", "100", timeout=1200)
+    rc, lines = run_aot("--arch", "90", "100", "--dtype", "bf16", "fp32", timeout=1200)
     m = LAST_LINE.match(lines[-1])
     assert m, lines[-10:]
     assert rc == 0, [line for line in lines if "FAIL" in line or "SPILL" in line]
@@ -85,6 +88,10 @@ def test_every_configuration_compiles_for_sm90_and_sm100_without_spills():
     mla = [line for line in lines if line.lstrip().startswith("ok") and "BLOCK_HD=512" in line and "BLOCK_Q=1 " in line
            and "BLOCK_QH=64" in line]
     assert {line.split()[1] for line in mla} == {"sm_90", "sm_100"}, mla
+    fp16 = aot_check.enumerate_jobs(dtypes=(torch.float16,), quick=True)
+    rc, lines = run_aot("--arch", "90", "100", "--dtype", "fp16", "--quick", timeout=600)
+    m = LAST_LINE.match(lines[-1])
+    assert rc == 0 and m and (int(m.group(1)), m.group(3)) == (len(fp16), "0"), lines[-10:]
 
 
 # ---- no JIT recompiles during serving ----------------------------------------------------------------

@@ -49,3 +49,48 @@ def test_triton_backends_for_dsa(extra_checkpoints, arch):
     the selection)."""
     path = extra_checkpoints[arch]
     assert run(path, "triton", "triton") == run(path, "torch", "torch")
+
+
+GUARDED = r"""
+import json, sys
+from moe_serve import LLM, SamplingParams
+from moe_serve.platform import capturable
+from moe_serve.protocol import NewRequest
+from tests.sync_guard import NoHostSync
+out = {}
+for path in sys.argv[1:]:
+    llm = LLM(path, dtype="float32", kv_cache_memory=1 << 20, moe_backend="triton", attention_backend="triton",
+              linear_attention_backend="triton", show_progress=False)
+    core, model = llm.engine, llm.engine.runner.model
+    plain, guarded = model.forward, []
+
+    def forward(ids_T, positions_T, meta, step, plain=plain, guarded=guarded, model=model):
+        if meta.is_decode_only:  # what a captured step runs: the capturable forms, under the guard
+            guarded.append(ids_T.shape[0])
+            with NoHostSync(), capturable(model):
+                return plain(ids_T, positions_T, meta, step)
+        return plain(ids_T, positions_T, meta, step)
+
+    model.forward = forward
+    for i, p in enumerate([[5, 77, 301, 42], [9, 8, 7, 6, 5, 4], [450, 12, 13]]):
+        core.add_request(NewRequest(str(i), p, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)))
+    while core.has_unfinished():
+        core.step()
+    out[path] = guarded
+print(json.dumps(out))
+"""
+
+
+def test_decode_through_the_triton_backends_reads_nothing_on_the_host(extra_checkpoints):
+    """The decode step a CUDA graph would hold, run through the Triton backends (the interpreter
+    here) under the sync guard: MLA with DSA's indexer and sparse kernel, GPT-OSS's sliding and
+    sink layers with its MXFP4 experts on the grouped-GEMM path, Qwen3-Next's Triton linear
+    attention beside gated attention. (The CPU guard cannot see a read inside an aten kernel, such
+    as CUDA's bincount: it refuses the op itself.)"""
+    paths = [extra_checkpoints[a] for a in ("deepseek_v32", "gpt_oss_mxfp4", "qwen3_next")]
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-c", GUARDED, *paths], capture_output=True, text=True, env=env, timeout=600,
+                       cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert r.returncode == 0, r.stderr[-3000:]
+    guarded = json.loads(r.stdout.strip().splitlines()[-1])
+    assert all(g and max(g) == 3 for g in guarded.values()), guarded  # whole-batch decode steps ran guarded
