@@ -8,7 +8,9 @@ call concatenate to exactly the `arguments` of the whole response: the raw text 
 `parameters` value (or, for a named function, the output without surrounding whitespace). A
 call's first delta carries its index, id, type and name; its argument fragments follow. Content is
 always null. An output cut short by max_tokens gives the calls seen so far with the arguments
-written so far (finish_reason "length" says so).
+written so far (finish_reason "length" says so); a call cut before its arguments began is not
+returned at all (its arguments would be "", which no client can parse): a call is announced, whole
+or streamed, with the first character of its arguments.
 """
 from __future__ import annotations
 
@@ -100,8 +102,8 @@ class _ArrayStream(ToolStream):
         deltas = []
         for call in self.calls:
             frag = "".join(out.get(call.index, []))
-            if call.name is not None and not call.announced:
-                call.announced = True
+            if call.name is not None and not call.announced and (call.args or frag):
+                call.announced = True  # with its first argument character: never a call with ""
                 frag = "".join(call.args) + frag
                 deltas.append(DeltaToolCall(call.index, call.id, "function", DeltaFunctionCall(call.name, frag)))
             elif call.announced and frag:
