@@ -114,12 +114,14 @@ def oracle(src: str, dequant: dict[str, torch.Tensor]):
     return model
 
 
-CASES = {"qwen3_moe": (32, 24), "deepseek_v3": (16, 48)}
+CASES = {"qwen3_moe": (32, 24), "deepseek_v3": (16, 48), "deepseek_v32": (16, 16)}
 
 
 @pytest.mark.parametrize("arch", list(CASES))
-def test_fp8_checkpoint_greedy_matches_transformers_on_dequantized_weights(checkpoints, tmp_path, arch):
-    src = checkpoints[arch]
+def test_fp8_checkpoint_greedy_matches_transformers_on_dequantized_weights(checkpoints, extra_checkpoints, tmp_path,
+                                                                          arch):
+    """DeepSeek-V3.2 (DSA) with its indexer's projections in FP8 blocks too."""
+    src = (extra_checkpoints if arch == "deepseek_v32" else checkpoints)[arch]
     dequant = make_fp8_checkpoint(src, str(tmp_path / "fp8"), CASES[arch])
     model = oracle(src, dequant)
     # The oracle really holds different weights from the unquantized checkpoint.
