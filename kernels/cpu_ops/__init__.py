@@ -87,25 +87,44 @@ def _build(cc: str) -> Path:
     return out
 
 
+# Why the kernels are or are not available, and the library's path: set by _lib (see `status`).
+_STATUS = {"reason": "not loaded yet", "path": None}
+
+
+def status() -> dict:
+    """{"available", "reason", "path", "sources", "compiler"}: whether the C kernels run here and why
+    (`moe-serve env` prints it). Builds them on first call, as `available()` does."""
+    ok = _lib() is not None
+    return {"available": ok, "reason": _STATUS["reason"], "path": _STATUS["path"],
+            "sources": [p.name for p in _SRCS], "compiler": _compiler()}
+
+
 @functools.lru_cache(maxsize=None)
 def _lib() -> ctypes.CDLL | None:
     if os.environ.get("MOE_SERVE_CPU_OPS", "1") == "0":
+        _STATUS["reason"] = "off (MOE_SERVE_CPU_OPS=0)"
         log.info("cpu_ops: off (MOE_SERVE_CPU_OPS=0); the CPU runs torch ops only")
         return None
     cc = _compiler()
     if cc is None:
+        _STATUS["reason"] = "no C compiler found ($CC, cc, gcc, clang)"
         log.warning("cpu_ops: no C compiler found ($CC, cc, gcc, clang); the CPU runs torch ops only (slower)")
         return None
     try:
-        lib = ctypes.CDLL(str(_build(cc)))
+        path = _build(cc)
+        lib = ctypes.CDLL(str(path))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        _STATUS["reason"] = f"the build failed: {e}"[:500]
         log.warning("cpu_ops: could not build the CPU kernels (%s); the CPU runs torch ops only (slower)", e)
         return None
+    _STATUS["path"] = str(path)
     lib.cpu_ops_vectorized.restype = ctypes.c_int
     if not lib.cpu_ops_vectorized():
+        _STATUS["reason"] = "this CPU has no AVX-512, for which the kernels are written and measured"
         log.warning("cpu_ops: this CPU has no AVX-512, for which the kernels are written and measured; "
                     "the CPU runs torch ops only")
         return None
+    _STATUS["reason"] = f"built with {os.path.basename(cc)} for this CPU (AVX-512)"
     f = lib.moe_experts_f32
     f.restype = ctypes.c_int
     f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,

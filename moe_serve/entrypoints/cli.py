@@ -88,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--tiny", action="store_true", help="the tiny random model instead of SmolLM2-MoE")
     p.set_defaults(fn=cmd_default_model)
+    from moe_serve.entrypoints.env import add_env_parser
+
+    add_env_parser(sub)
     try:
         from expert_parallel.placement.cli import add_placement_parser, run_placement
 
