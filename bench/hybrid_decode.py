@@ -1,11 +1,13 @@
 """Decode tok/s of a Qwen3.5-MoE-shaped hybrid model at batch 1 and 32, next to its speed of light.
 
     python bench/hybrid_decode.py [--batch 1 32] [--context 256] [--tokens 16] [--threads N]
+    python bench/hybrid_decode.py --linear-attention-backend torch cpu_c   # side by side, one run
 
 A random-init `Qwen3_5MoeForCausalLM` written by transformers (8 layers, three Gated DeltaNet layers
 to one full-attention layer, D=512, 32 experts top-4 of F=256 with a shared expert, float32), served
-by `moe_serve.LLM` with the default backends of this machine. Decode tokens/s = batch * (N - 1) /
-(time for N tokens - time for 1 token), fresh prompts each call (no prefix hits).
+by `moe_serve.LLM` with the default backends of this machine (the linear-attention one as asked).
+Decode tokens/s: B fresh prompts (no prefix hits) are stepped until each has its first token, then
+--tokens pure-decode steps are timed (best of 2); a prefill's noise is not in the figure.
 
 Speed of light = batch * bandwidth / bytes per step, where bytes per step = every non-expert weight
 + distinct experts touched per MoE layer * bytes per expert (bench/sol.py) + the full layers' KV of
@@ -81,12 +83,38 @@ def step_bytes(llm, batch: int, context: int) -> tuple[float, dict]:
                        kv_bytes_per_token=kv_per_token, state_bytes_per_seq=state_bytes)
 
 
+def decode_steps(llm, B: int, context: int, steps: int, rng) -> float:
+    """Decode tokens/s of B fresh sequences of `context` prompt tokens: the engine is stepped until
+    every sequence has its first token (prefill done), then `steps` pure-decode steps are timed."""
+    from moe_serve import SamplingParams
+    from moe_serve.protocol import NewRequest
+
+    core = llm.engine
+    tag = f"{B}-{rng.random()}"
+    for i in range(B):
+        prompt = [rng.randrange(3, SHAPE["vocab_size"]) for _ in range(context)]
+        core.add_request(NewRequest(f"{tag}-{i}", prompt, SamplingParams(temperature=0, max_tokens=steps + 2,
+                                                                          ignore_eos=True)))
+    started: set = set()
+    while len(started) < B:
+        started |= {o.request_id for o in core.step() if o.new_token_ids}
+    t, n = time.perf_counter(), 0
+    for _ in range(steps):
+        n += sum(len(o.new_token_ids) for o in core.step())
+    dt = time.perf_counter() - t
+    while core.has_unfinished():
+        core.step()
+    return n / dt
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--linear-attention-backend", nargs="+", default=["auto"],
+                    help="one engine per name, each run on the same prompts (e.g. torch cpu_c: side by side)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if a.threads:
@@ -94,26 +122,24 @@ def main() -> None:
     from moe_serve import LLM, SamplingParams
 
     path = build(tempfile.mkdtemp(prefix="qwen3_5-bench-"))
-    llm = LLM(path, dtype="float32", kv_cache_memory=1 << 30, max_num_seqs=max(a.batch), show_progress=False)
     bw = measure_bandwidth("cpu", 1 << 30)
-    rng = random.Random(0)
     rows = []
-    for B in a.batch:
-        def run(n):
-            prompts = [[rng.randrange(3, SHAPE["vocab_size"]) for _ in range(a.context)] for _ in range(B)]
-            t = time.perf_counter()
-            outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                                SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
-            assert all(len(o.outputs[0].token_ids) == n for o in outs)
-            return time.perf_counter() - t
-        run(2)  # warm-up
-        one, many = min(run(1) for _ in range(2)), min(run(a.tokens) for _ in range(2))
-        tok_s = B * (a.tokens - 1) / (many - one)
-        total, parts = step_bytes(llm, B, a.context + a.tokens // 2)
-        sol = B * bw / total
-        rows.append(dict(batch=B, tok_s=tok_s, sol_tok_s=sol, pct_sol=100 * tok_s / sol, step_bytes=total, **parts))
-        print(f"batch {B:>3}: {tok_s:8.1f} tok/s decode, speed of light {sol:8.1f} tok/s ({100 * tok_s / sol:.0f}%), "
-              f"{total / 2**20:.1f} MiB per step (state {2 * B * parts['state_bytes_per_seq'] / 2**20:.1f} MiB)")
+    for backend in a.linear_attention_backend:
+        llm = LLM(path, dtype="float32", kv_cache_memory=1 << 30, max_num_seqs=max(a.batch), show_progress=False,
+                  linear_attention_backend=backend)
+        name = llm.engine.cfg.linear_attention_backend
+        rng = random.Random(0)  # the same prompts for every backend
+        for B in a.batch:
+            decode_steps(llm, B, a.context, 2, rng)  # warm-up
+            tok_s = max(decode_steps(llm, B, a.context, a.tokens, rng) for _ in range(2))
+            total, parts = step_bytes(llm, B, a.context + a.tokens // 2)
+            sol = B * bw / total
+            rows.append(dict(linear_attention_backend=name, batch=B, tok_s=tok_s, sol_tok_s=sol,
+                             pct_sol=100 * tok_s / sol, step_bytes=total, **parts))
+            print(f"{name:6s} batch {B:>3}: {tok_s:8.1f} tok/s decode, speed of light {sol:8.1f} tok/s "
+                  f"({100 * tok_s / sol:.0f}%), {total / 2**20:.1f} MiB per step "
+                  f"(state {2 * B * parts['state_bytes_per_seq'] / 2**20:.1f} MiB)", flush=True)
+        del llm
     result = dict(model="qwen3.5-moe-mid (random init)", shape=SHAPE, bandwidth_gb_s=bw / 1e9,
                   threads=torch.get_num_threads(), torch=torch.__version__, cpu=os.uname().machine, rows=rows)
     print(f"bandwidth {bw / 1e9:.1f} GB/s, {torch.get_num_threads()} threads")
