@@ -240,6 +240,14 @@ class MessagesServing:
             open_kind = None
             return [event("content_block_stop", index=index)]
 
+        def start(kind: str, block: dict):
+            """Close the open block, open the next one of this kind."""
+            nonlocal index, open_kind
+            evs = close()
+            index += 1
+            open_kind = kind
+            return evs + [event("content_block_start", index=index, content_block=block)]
+
         async for item in items:
             if isinstance(item, StreamFailure):
                 for b in close():
@@ -255,32 +263,22 @@ class MessagesServing:
                 d = c.delta
                 if d.reasoning_content:
                     if open_kind != "thinking":
-                        for b in close():
+                        for b in start("thinking", {"type": "thinking", "thinking": "", "signature": ""}):
                             yield b
-                        index += 1
-                        open_kind = "thinking"
-                        yield event("content_block_start", index=index,
-                                    content_block={"type": "thinking", "thinking": "", "signature": ""})
                     yield event("content_block_delta", index=index,
                                 delta={"type": "thinking_delta", "thinking": d.reasoning_content})
                 if d.content:
                     if open_kind != "text":
-                        for b in close():
+                        for b in start("text", {"type": "text", "text": ""}):
                             yield b
-                        index += 1
-                        open_kind = "text"
-                        yield event("content_block_start", index=index, content_block={"type": "text", "text": ""})
                     yield event("content_block_delta", index=index, delta={"type": "text_delta", "text": d.content})
                 for tc in d.tool_calls or []:
                     if tc.index not in calls:
-                        for b in close():
+                        for b in start("tool_use", {"type": "tool_use", "id": tc.id or f"toolu_{uuid.uuid4().hex}",
+                                                    "name": (tc.function.name if tc.function else None) or "",
+                                                    "input": {}}):
                             yield b
-                        index += 1
-                        open_kind = "tool_use"
                         calls[tc.index] = index
-                        yield event("content_block_start", index=index, content_block={
-                            "type": "tool_use", "id": tc.id or f"toolu_{uuid.uuid4().hex}",
-                            "name": (tc.function.name if tc.function else None) or "", "input": {}})
                     frag = tc.function.arguments if tc.function else None
                     if frag:
                         yield event("content_block_delta", index=calls[tc.index],
