@@ -5,7 +5,7 @@ For each batch size B, B requests are prefilled and the model forward of one pad
 rows is captured as it is called (its ids, positions and attention metadata). That forward is then
 timed, with torch's CPU threads as set, in three ways:
 
-- eager: what the engine runs on the CPU (the C kernels of kernels/cpu_ops);
+- eager: what the engine runs on the CPU (the C kernels of moe_serve/kernels/cpu_ops);
 - eager, torch ops: the same forward with the C kernels off (`platform.capturable(model)`, the capturable
   torch-op path a CUDA graph would hold);
 - compiled: `torch.compile(dynamic=False)` of that torch-op path (Inductor's C++ backend; the C
@@ -83,8 +83,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from kernels import grouped_gemm
-    from kernels.grouped_gemm import fused_experts_grouped, grouped_mm_available
+    from moe_serve.kernels import grouped_gemm
+    from moe_serve.kernels.grouped_gemm import fused_experts_grouped, grouped_mm_available
     from moe_serve import LLM
     from moe_serve.platform import capturable
 

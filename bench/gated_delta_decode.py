@@ -6,7 +6,7 @@
 A Qwen3-Next-like linear-attention layer: 16 key heads repeated to 32 value heads, K = V = 128, a
 short convolution of width 4 over q, k and v (2 * 16 * 128 + 32 * 128 = 8192 channels), the
 recurrent state cached in float32, activations bf16 on CUDA (float32 on CPUs). One decode step is
-the backend's `causal_conv1d` then `gated_delta_rule` (kernels/gated_delta), every sequence one
+the backend's `causal_conv1d` then `gated_delta_rule` (moe_serve/kernels/gated_delta), every sequence one
 token continuing from its slot (slots scattered over a pool twice the batch).
 
 Speed of light: a decode step must read and write every sequence's recurrent state and conv state
@@ -31,7 +31,7 @@ sys.path[:] = [str(HERE.parent)] + [p for p in sys.path if Path(p or ".").resolv
 import torch  # noqa: E402
 
 from bench.sol import measure_bandwidth  # noqa: E402
-from kernels.gated_delta import get_backend  # noqa: E402
+from moe_serve.kernels.gated_delta import get_backend  # noqa: E402
 
 HK, HV, K, V, KW = 16, 32, 128, 128, 4
 C = 2 * HK * K + HV * V

@@ -24,7 +24,7 @@ if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
     echo "gpu_check.sh: no CUDA GPU is visible to $PY (torch.cuda.is_available() is False or torch is" >&2
     echo "missing). These checks compile and time Triton kernels on a GPU; on a CPU-only machine run" >&2
     echo "'pytest tests/kernels' (Triton interpreter), 'python bench/kernels.py --smoke' or" >&2
-    echo "'python -m kernels.aot_check' (ahead-of-time compile for sm_90/sm_100) instead." >&2
+    echo "'python -m moe_serve.kernels.aot_check' (ahead-of-time compile for sm_90/sm_100) instead." >&2
     exit 2
 fi
 

@@ -1,5 +1,5 @@
 """Check every Triton kernel against its reference on this GPU, then time them against speed of light.
-The checks record which kernels they launched and name any of kernels/specialization.py's KERNELS
+The checks record which kernels they launched and name any of moe_serve/kernels/specialization.py's KERNELS
 that none of them reached.
 
     python bench/kernels.py            # on a CUDA machine (bench/gpu_check.sh runs this)
@@ -35,10 +35,10 @@ import triton  # noqa: E402
 from attention.backends import reference as attn_ref  # noqa: E402
 from attention.backends import triton_paged  # noqa: E402
 from attention.metadata import AttentionMetadata  # noqa: E402
-from kernels.grouped_gemm.align import align_block_size  # noqa: E402
-from kernels.grouped_gemm.config import DEFAULT_CONFIGS, tuned_configs  # noqa: E402
-from kernels.grouped_gemm.reference import fused_experts_float64, fused_experts_reference  # noqa: E402
-from kernels.grouped_gemm.triton_kernel import fused_experts_triton  # noqa: E402
+from moe_serve.kernels.grouped_gemm.align import align_block_size  # noqa: E402
+from moe_serve.kernels.grouped_gemm.config import DEFAULT_CONFIGS, tuned_configs  # noqa: E402
+from moe_serve.kernels.grouped_gemm.reference import fused_experts_float64, fused_experts_reference  # noqa: E402
+from moe_serve.kernels.grouped_gemm.triton_kernel import fused_experts_triton  # noqa: E402
 
 DEV = torch.device("cpu" if SMOKE else "cuda")
 # (name, experts in the model, experts on this GPU, top-k, D, F)
@@ -231,11 +231,11 @@ def _more_checks(check, dtype) -> None:
     attention, the Gated DeltaNet kernels and DeepSeek Sparse Attention's indexer and sparse MLA."""
     from attention.backends import dsa as dsa_ref
     from attention.backends import triton_dsa
-    from kernels import fp8_quant
-    from kernels.fp8_linear import fp8_linear_triton
-    from kernels.gated_delta import reference as gd_ref
-    from kernels.gated_delta import triton_kernels as gd_tri
-    from kernels.grouped_gemm.masked import masked_experts_triton
+    from moe_serve.kernels import fp8_quant
+    from moe_serve.kernels.fp8_linear import fp8_linear_triton
+    from moe_serve.kernels.gated_delta import reference as gd_ref
+    from moe_serve.kernels.gated_delta import triton_kernels as gd_tri
+    from moe_serve.kernels.grouped_gemm.masked import masked_experts_triton
     from moe_serve.quantization.fp8 import dequantize_blocks, quantize_blocks
 
     g = torch.Generator().manual_seed(1)
@@ -470,7 +470,7 @@ def main() -> int:
     torch.manual_seed(0)
     checks, ran, never = [], [], []
     if not args.skip_checks:
-        from kernels import specialization
+        from moe_serve.kernels import specialization
 
         print("correctness (each kernel against its reference on this device):", flush=True)
         with specialization.record(run=True) as launches:

@@ -33,7 +33,7 @@ from expert_parallel.runtime.layer import MoE, MoEContext, run_to_end  # noqa: E
 from expert_parallel.runtime.overlap import run_interleaved  # noqa: E402
 from expert_parallel.runtime.router import SoftmaxTopKRouter  # noqa: E402
 from expert_parallel.runtime.step import MoEStep  # noqa: E402
-from kernels.grouped_gemm import fused_experts  # noqa: E402
+from moe_serve.kernels.grouped_gemm import fused_experts  # noqa: E402
 from moe_serve import platform  # noqa: E402
 
 

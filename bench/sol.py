@@ -15,7 +15,8 @@ whatever the batch. So the fastest possible step is
 - Bandwidth: measured on the same device in the same run with a large tensor copy, counting the
   bytes read plus the bytes written.
 
-Only torch is imported here (bench/decode_sol.py runs this on GPU machines without the server stack).
+Only torch and moe_serve.speed_of_light (itself torch only) are imported here: bench/decode_sol.py runs this
+on GPU machines without the server stack.
 """
 from __future__ import annotations
 
@@ -24,28 +25,13 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from moe_serve.speed_of_light import measure_bandwidth as _engine_measure
+
 
 def measure_bandwidth(device: torch.device | str, nbytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Copy bandwidth in bytes/s (read + write) of a `nbytes` tensor copy, best of `repeats`.
-
-    The buffer should be far larger than the last-level cache (32 MiB-class on CPUs, 50-60 MiB of L2
-    on H100/H200), so that the copy streams from memory.
-    """
-    device = torch.device(device)
-    n = nbytes // 4
-    src = torch.ones(n, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    dst.copy_(src)  # first touch: page faults / allocation are not bandwidth
-    sync()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        sync()
-        best = min(best, time.perf_counter() - t0)
-    del src, dst
-    return 2 * n * 4 / best
+    """Copy bandwidth in bytes/s (read + write), best of `repeats`: the engine's own measure
+    (moe_serve/speed_of_light.py), with a larger default buffer for benchmarks."""
+    return _engine_measure(device, nbytes, repeats)
 
 
 def expected_distinct_experts(num_experts: int, top_k: int, batch: int) -> float:

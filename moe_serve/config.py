@@ -167,3 +167,6 @@ class EngineConfig:
     linear_backend: str = "torch"
     norm_backend: str = "torch"
     linear_attention_backend: str = "torch"
+    memory_bandwidth_gbps: float | None = None  # the speed of light's bandwidth (moe_serve/speed_of_light.py)
+    speed_of_light_window_s: float = 5.0
+    speculative: object | None = None  # spec_decode.SpeculativeConfig, or None (off)

@@ -86,8 +86,17 @@ class InputBatch:
             self.remove(rid)
         for rid in out.preempted_req_ids:
             self.remove(rid)
-        return [(self._sync(s.request), s.request.num_computed_tokens, s.num_tokens, s.samples)
-                for s in out.scheduled]
+        pieces = []
+        self.step_drafts = []  # draft tokens at the end of each piece (speculative decoding)
+        for s in out.scheduled:
+            row = self._sync(s.request)
+            if s.draft_ids:  # after the known tokens, not counted in them: the next sync overwrites
+                have = int(self._ntok[row])
+                self._check_len(s.request, have + len(s.draft_ids))
+                self._tok[row, have:have + len(s.draft_ids)] = s.draft_ids
+            pieces.append((row, s.request.num_computed_tokens, s.num_tokens, s.samples))
+            self.step_drafts.append(len(s.draft_ids))
+        return pieces
 
     def _sync(self, req: Request) -> int:
         """req's row, added if it has none; new tokens and block ids appended."""
@@ -180,13 +189,16 @@ class InputBatch:
                 q_lens, seq_lens = q_lens + [1] * (pad_to - len(g)), seq_lens + [1] * (pad_to - len(g))
             host += tensors
             lens.append((q_lens, seq_lens))
-        sample_rows, logits_idx, end = [], [], 0
-        for row, _, n, samples in pieces:  # the packed order is the same split or not
+        sample_rows, logits_idx, offsets, end = [], [], [], 0
+        drafts = getattr(self, "step_drafts", None) or [0] * len(pieces)
+        for (row, _, n, samples), k in zip(pieces, drafts):  # the packed order is the same split or not
             end += n
-            if samples:
-                sample_rows.append(row)
-                logits_idx.append(end - 1)
-        md = self.sampling.build(sample_rows) if sample_rows else None
+            if samples:  # the last token, and each draft token (position j sees j more outputs)
+                for j in range(k + 1):
+                    sample_rows.append(row)
+                    logits_idx.append(end - 1 - k + j)
+                    offsets.append(j)
+        md = self.sampling.build(sample_rows, offsets if any(offsets) else None) if sample_rows else None
         names = md.tensor_fields() if md is not None else []
         host.append(torch.tensor(logits_idx, dtype=torch.int64) if sample_rows else None)
         host += [getattr(md, k) for k in names]

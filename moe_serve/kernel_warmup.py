@@ -1,15 +1,15 @@
 """Compile, before serving, every Triton kernel variant the model's layers can launch.
 
 Triton compiles a kernel when a launch brings a compile key it has not seen (its constexprs, launch
-options and argument marks: kernels/specialization.py), which takes seconds and, under expert
+options and argument marks: moe_serve/kernels/specialization.py), which takes seconds and, under expert
 parallelism, stalls every rank. Decode CUDA graphs compile their variants at capture, and the
 profiling step compiles one prefill; every other variant (eager decode under DeepEP, EPLB or
 --enforce-eager, the split-K attention of the first long context, the grouped GEMM's other tiles,
 FP8 linear layers' row buckets) would compile mid-serving on first use.
 
 What a layer can launch is declared by its backend object (`warm_up` on the classes of
-moe_serve/platform.py's OPS: attention/backends, kernels/grouped_gemm, kernels/linear,
-kernels/gated_delta); this module
+moe_serve/platform.py's OPS: attention/backends, moe_serve/kernels/grouped_gemm, moe_serve/kernels/linear,
+moe_serve/kernels/gated_delta); this module
 only walks the layers, one call per distinct layer shape, with the kernels standing in for
 themselves: the launch is compiled (`kernel.warmup`) and nothing runs. Activations, caches and
 metadata are "meta" tensors (shapes, strides and dtypes without memory); weights are the layer's
@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from kernels import specialization
+from moe_serve.kernels import specialization
 
 log = logging.getLogger("moe_serve.kernel_warmup")
 
@@ -48,7 +48,7 @@ def warm_up(model: torch.nn.Module, *, dtype: torch.dtype, device: torch.device,
             max_model_len: int, num_heads: int, dispatcher=None) -> set:
     """Compile every Triton variant the model's attention, expert, linear and linear-attention
     layers' backends can launch on `device`; returns their compile keys
-    (kernels/specialization.Launch). Backends of torch ops or C kernels launch nothing here. A
+    (moe_serve/kernels/specialization.Launch). Backends of torch ops or C kernels launch nothing here. A
     variant that fails to compile is logged and left to its first launch."""
     from attention.backends import triton_paged as tp  # lazy: triton is heavy (this runs on CUDA only)
 

@@ -54,8 +54,8 @@ class EngineMetrics:
                 self.eplb_transfer.observe(stats.eplb_last_transfer_s)
             self._rebalances_seen = stats.eplb_rebalances
 
-    def render(self, model: str, s) -> str:
-        """s: an EngineStats (summed over ranks)."""
+    def render(self, model: str, s, ranks: list | None = None) -> str:
+        """s: an EngineStats (summed over ranks); ranks: each rank's own (the per-rank gauges)."""
         gauges = [
             ("moe_serve:num_requests_running", "Requests running on the engine.", s.num_running),
             ("moe_serve:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
@@ -71,12 +71,33 @@ class EngineMetrics:
             ("moe_serve:num_preemptions_total", "Requests preempted for lack of KV blocks.", s.num_preemptions),
             ("moe_serve:eplb_rebalances_total", "Expert rebalances completed while serving.",
              getattr(s, "eplb_rebalances", 0)),
+            ("moe_serve:spec_decode_num_drafts_total", "Speculative decoding: pieces verified with draft tokens.",
+             s.spec_num_drafts),
+            ("moe_serve:spec_decode_num_draft_tokens_total", "Speculative decoding: draft tokens verified.",
+             s.spec_num_draft_tokens),
+            ("moe_serve:spec_decode_num_accepted_tokens_total", "Speculative decoding: draft tokens accepted.",
+             s.spec_num_accepted_tokens),
         ]
         lines: list[str] = []
         for name, h, v in gauges:
             lines += [f"# HELP {name} {h}", f"# TYPE {name} gauge", f'{name}{{model_name="{model}"}} {v}']
         for name, h, v in counters:
             lines += [f"# HELP {name} {h}", f"# TYPE {name} counter", f'{name}{{model_name="{model}"}} {v}']
+        per_rank = [
+            ("moe_serve:decode_speed_of_light_fraction", "Achieved share of the decode speed of light over the "
+             "last window of decode-only steps: (bytes the steps must read / memory bandwidth) / their time "
+             "(0 = no window closed yet).", "decode_sol_fraction"),
+            ("moe_serve:memory_bandwidth_bytes_per_second", "The memory bandwidth the speed of light assumes.",
+             "memory_bandwidth"),
+        ]
+        for name, h, attr in per_rank:
+            lines += [f"# HELP {name} {h}", f"# TYPE {name} gauge"]
+            lines += [f'{name}{{model_name="{model}",rank="{r}"}} {getattr(rs, attr)}'
+                      for r, rs in enumerate(ranks or [s])]
+        name = "moe_serve:spec_decode_num_accepted_tokens_per_pos_total"
+        lines += [f"# HELP {name} Speculative decoding: draft tokens accepted at each draft position.",
+                  f"# TYPE {name} counter"]
+        lines += [f'{name}{{model_name="{model}",position="{j}"}} {v}' for j, v in enumerate(s.spec_accepted_per_pos)]
         for hist in (self.ttft, self.tpot, self.e2e, self.eplb_transfer):
             lines += hist.render(model)
         return "\n".join(lines) + "\n"

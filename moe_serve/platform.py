@@ -2,7 +2,7 @@
 
 At start-up `choose` resolves one backend per kind of op: experts, attention, linear layers,
 norms and linear attention (the classes in OPS, by the names that say what runs: "torch" for
-torch ops only, "cpu_c" for our C kernels in kernels/cpu_ops with torch ops for the shapes they
+torch ops only, "cpu_c" for our C kernels in moe_serve/kernels/cpu_ops with torch ops for the shapes they
 do not take, "triton"), the process-group backend (gloo on CPUs, NCCL on GPUs) and the dispatch
 backend (DeepEP where it runs). The model runner builds the objects (`resolve_ops`) and binds
 them to the layers (`bind_ops`); a layer calls the object it holds and never asks which device it
@@ -22,11 +22,11 @@ import torch
 from torch import nn
 
 from attention.backends import CpuCAttention, TorchAttention, TritonAttention
-from kernels import cpu_ops
-from kernels.gated_delta import CpuCLinearAttention, TorchLinearAttention, TritonLinearAttention
-from kernels.grouped_gemm import CpuCExperts, TorchExperts, TritonExperts
-from kernels.linear import CpuCLinear, TorchLinear, TritonLinear
-from kernels.norm import CpuCNorm, TorchNorm
+from moe_serve.kernels import cpu_ops
+from moe_serve.kernels.gated_delta import CpuCLinearAttention, TorchLinearAttention, TritonLinearAttention
+from moe_serve.kernels.grouped_gemm import CpuCExperts, TorchExperts, TritonExperts
+from moe_serve.kernels.linear import CpuCLinear, TorchLinear, TritonLinear
+from moe_serve.kernels.norm import CpuCNorm, TorchNorm
 
 log = logging.getLogger("moe_serve.platform")
 

@@ -2,7 +2,7 @@
 weight.
 
 On a CPU without bf16/fp16 matrix instructions (no AVX512-BF16, no AMX), half-precision GEMMs run
-element by element, many times slower than float32 (kernels/cpu_gemm.py). There the GEMM weights
+element by element, many times slower than float32 (moe_serve/kernels/cpu_gemm.py). There the GEMM weights
 (linear layers, the stacked expert weights, an untied LM head) of a half-precision model are kept
 in float32, converted once here, and the GEMMs run in float32 on upcast activations; embeddings,
 norms, activations and the KV cache stay in the model's dtype. The memory cost is logged. On CUDA,
@@ -18,16 +18,21 @@ from torch import nn
 log = logging.getLogger("moe_serve.prepare")
 
 
-def gemm_weight_dtype(model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype GEMM weights are stored in on this device (the platform's decision)."""
-    from kernels.cpu_gemm import cpu_has_half_matmul
+def gemm_weight_dtype(model_dtype: torch.dtype, device: torch.device, c_kernels: bool = False) -> torch.dtype:
+    """The dtype GEMM weights are stored in on this device (the platform's decision): the model's,
+    except half precision on a CPU without half-precision matrix instructions, where torch's GEMMs
+    would convert the weights on every call: float32 there, unless our C kernels run the experts
+    and the linear layers (c_kernels), which widen bfloat16 weights in registers (half the bytes a
+    memory-bound decode step reads; longer prefill rows convert per call)."""
+    from moe_serve.kernels.cpu_gemm import cpu_has_half_matmul
 
     if device.type == "cpu" and model_dtype in (torch.bfloat16, torch.float16) and not cpu_has_half_matmul():
-        return torch.float32
+        return model_dtype if c_kernels and model_dtype == torch.bfloat16 else torch.float32
     return model_dtype
 
 
-def prepare_gemm_weights(model: nn.Module, model_dtype: torch.dtype, device: torch.device) -> int:
+def prepare_gemm_weights(model: nn.Module, model_dtype: torch.dtype, device: torch.device,
+                         c_kernels: bool = False) -> int:
     """Convert GEMM weights to `gemm_weight_dtype` once; returns the bytes this adds."""
     from expert_parallel.runtime.layer import GroupedExperts
     from moe_serve.layers.embedding import LMHead
@@ -35,7 +40,7 @@ def prepare_gemm_weights(model: nn.Module, model_dtype: torch.dtype, device: tor
 
     from moe_serve.platform import fp8_activation_quant
 
-    target = gemm_weight_dtype(model_dtype, device)
+    target = gemm_weight_dtype(model_dtype, device, c_kernels)
     for m in model.modules():  # block-FP8 layers: which kernel runs them is the platform's decision
         if isinstance(m, Linear) and m.weight_scale_inv is not None:
             m.fp8_act_quant = fp8_activation_quant(device) and m.fp8_block[1] % 16 == 0  # W8A8's k tiles

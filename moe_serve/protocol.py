@@ -74,6 +74,16 @@ class EngineStats(msgspec.Struct, array_like=True):
     eplb_rebalances: int = 0
     expert_balancedness: float = 0.0  # mean / max tokens per rank over the last window (0: not measured)
     eplb_last_transfer_s: float = 0.0  # the last rebalance, from tuning to its last layer's switch
+    # Decode speed of light (moe_serve/speed_of_light.py), this rank's last closed window (0: none yet).
+    decode_sol_fraction: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    memory_bandwidth: float = 0.0  # bytes/s
+    # Speculative decoding (moe_serve/spec_decode), counts since start: pieces verified with drafts,
+    # draft tokens, accepted ones, and acceptances per draft position.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []
 
 
 class CoreReady(msgspec.Struct, tag="ready", array_like=True):

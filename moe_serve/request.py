@@ -52,6 +52,9 @@ class Request:
     # structured_output.GrammarState when the output is constrained: it has accepted exactly
     # output_token_ids (so preemption, which recomputes the same tokens, leaves it valid).
     grammar: object | None = None
+    # Draft tokens for the next step (speculative decoding, moe_serve/spec_decode): proposed after a
+    # step, scheduled after the last known token, dropped once verified or when the request is preempted.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -43,8 +43,9 @@ class SamplingMetadata:
     bias_value_N: torch.Tensor | None = None  # float32
     banned_index_M: torch.Tensor | None = None  # int64 flat index of EOS / stop ids masked by min_tokens
     logprobs_cpu: list[int] | None = None  # host: top-N logprobs per row (-1: none); None: no row
-    # Structured outputs: (index into S, GrammarState) of each constrained row; None: no row. The
-    # runner fills their bitmasks (structured_output/bitmask.py) into the two device tensors below.
+    # Structured outputs: (index into S, GrammarState[, draft tokens before the row]) of each
+    # constrained row; None: no row. The runner fills their bitmasks (structured_output/bitmask.py)
+    # into the two device tensors below.
     grammar_cpu: list[tuple[int, object]] | None = None
     grammar_rows_G: torch.Tensor | None = None  # int64 indices (into S) of the constrained rows
     grammar_bitmask_GW: torch.Tensor | None = None  # int32 bit j of word w: token 32 w + j allowed
@@ -145,12 +146,16 @@ class SamplingRows:
         self.stop_ids_RK[row] = -1
 
     # --- one step -------------------------------------------------------------------------------
-    def build(self, rows: list[int]) -> SamplingMetadata:
-        """Gather the sampled rows' parameters (host tensors; the caller moves them in one copy)."""
+    def build(self, rows: list[int], offsets: list[int] | None = None) -> SamplingMetadata:
+        """Gather the sampled rows' parameters (host tensors; the caller moves them in one copy).
+        offsets: per sampled row, how many tokens past the row's known ones it samples at (draft
+        tokens, which the input batch wrote after them): its output position, min_tokens and
+        penalties count those as outputs."""
         idx_S = torch.tensor(rows, dtype=torch.int64)
         V, c = self.V, self.count
         md = SamplingMetadata()
-        out_len_R = self.num_tokens_R - self.num_prompt_R  # output tokens so far, per row
+        off_S = torch.tensor(offsets, dtype=torch.int64) if offsets is not None else torch.zeros(len(rows), dtype=torch.int64)
+        out_len_S = (self.num_tokens_R - self.num_prompt_R)[idx_S] + off_S  # output tokens before each row's
         temperature_S = self.temperature_R[idx_S] if c["random"] > 0 else None
         # Host tensors, so these checks cost no sync: a random row that is mid-prefill this step
         # does not make the others pay for sampling.
@@ -164,12 +169,12 @@ class SamplingRows:
                 q = self.flags["seeded"][idx_S].nonzero().squeeze(1)
                 if q.numel():
                     md.seeded_Q, md.seed_key_Q = q, self.seed_key_R[idx_S[q]]
-                    md.out_pos_Q = out_len_R[idx_S[q]]
+                    md.out_pos_Q = out_len_S[q]
         if c["penalty"] > 0:
             p = self.flags["penalty"][idx_S].nonzero().squeeze(1)
             if p.numel():
                 rows_P = idx_S[p]
-                md.penalized_P, md.num_tokens_P = p, self.num_tokens_R[rows_P]
+                md.penalized_P, md.num_tokens_P = p, self.num_tokens_R[rows_P] + off_S[p]
                 md.tokens_PL = self.token_ids_RL[rows_P, :int(md.num_tokens_P.max())].long()
                 md.prompt_lens_P = self.num_prompt_R[rows_P]
                 md.frequency_P, md.presence_P = self.frequency_R[rows_P], self.presence_R[rows_P]
@@ -178,13 +183,16 @@ class SamplingRows:
             md.bias_index_N, md.bias_value_N = _flat(self.bias_ids_RK[idx_S], V, self.bias_values_RK[idx_S])
         if c["min_tokens"] > 0:
             ids_SK = self.stop_ids_RK[idx_S]
-            early_S = out_len_R[idx_S] < self.min_tokens_R[idx_S]
+            early_S = out_len_S < self.min_tokens_R[idx_S]
             md.banned_index_M, _ = _flat(ids_SK.masked_fill(~early_S[:, None], -1), V)
         if c["logprobs"] > 0:
             md.logprobs_cpu = self.logprobs_R[idx_S].tolist()
         if c["grammar"] > 0:
             g = self._grammar_R
-            md.grammar_cpu = [(i, g[r]) for i, r in enumerate(rows) if g[r] is not None] or None
+            known = self.num_tokens_R
+            md.grammar_cpu = [(i, g[r]) if not offsets or not offsets[i] else
+                              (i, g[r], self.token_ids_RL[r, int(known[r]):int(known[r]) + offsets[i]].tolist())
+                              for i, r in enumerate(rows) if g[r] is not None] or None
         return md
 
 

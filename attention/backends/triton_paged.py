@@ -323,7 +323,7 @@ def attention_launch(decode_only: bool, QH: int, HD: int, HR: int, HV: int, dtyp
                      sinks: bool = False, chunked: bool = False, sparse: bool = False) -> dict:
     """Every constexpr and launch option of `_paged_attn_kernel` for one kind of batch: the things
     that select a compiled variant. They depend on the model's head shape, its dtype, decode versus
-    prefill and whether keys are split, never on batch size or context length (kernels/aot_check.py
+    prefill and whether keys are split, never on batch size or context length (moe_serve/kernels/aot_check.py
     compiles each combination ahead of time). sparse (DSA): every query token attends over its own
     selection, so every step takes the decode tile, one token per program."""
     big = HD + HR > 256  # MLA-sized rows: smaller tiles
@@ -332,7 +332,7 @@ def attention_launch(decode_only: bool, QH: int, HD: int, HR: int, HV: int, dtyp
         # One token per sequence: the tile is the query heads of one kv head (>= 16 rows for tl.dot).
         # MLA: up to 64 heads per program, FlashMLA's tile: 64 x 512 fp32 accumulators are half of
         # 8 warps' registers (at most 32 B spilled per thread on sm_90, none on sm_100, as launched:
-        # kernels.aot_check). A 64-head model (Kimi-K2) reads its latent once per program; 128 heads
+        # moe_serve.kernels.aot_check). A 64-head model (Kimi-K2) reads its latent once per program; 128 heads
         # would be the whole register file (8 warps spill 2.2 KB and need 256 KB of shared memory;
         # 16 warps cannot be allocated), so DeepSeek-V3's two head tiles of a sequence run side by
         # side (head tiles are the fastest grid axis) and share its latent rows through L2.

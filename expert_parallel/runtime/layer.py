@@ -19,7 +19,7 @@ from torch import nn
 from expert_parallel.placement.map import ReplicaMap
 from expert_parallel.runtime.dispatch.base import Dispatcher
 from expert_parallel.runtime.step import NO_STEP, MoEStep
-from kernels.grouped_gemm import TorchExperts
+from moe_serve.kernels.grouped_gemm import TorchExperts
 from moe_serve.quantization.fp8 import FP8, BlockFp8Experts, quantize_blocks, scale_shape
 
 
@@ -36,6 +36,10 @@ class MoEContext:
     # How a replicated expert's tokens are shared among its replicas (placement.ReplicaMap):
     # "balanced" (from each batch's counts, evening out the ranks) or "round_robin".
     replica_split: str = "balanced"
+    # (MoE layers, local slots + 1) int32 on the device, or None: each layer marks the slots it
+    # computes in a step (column 0 takes ids held elsewhere), for the decode speed-of-light meter
+    # (moe_serve/speed_of_light.py), which zeroes it before every step.
+    experts_hit_LS: torch.Tensor | None = None
 
 
 def num_default_slots(num_experts: int, world_size: int) -> int:
@@ -259,6 +263,8 @@ class MoE(nn.Module):
         yield
         sent = pending.wait()
         trace and trace("dispatch_end", mb, self.layer_index)
+        if self.ctx.experts_hit_LS is not None:
+            mark_slots_hit(self.ctx.experts_hit_LS[self.layer_index], sent)
         trace and trace("experts", mb, self.layer_index)
         y_RD = expert_outputs(sent, self.experts, self.ops, x_in.shape[0], all_local=d.world_size == 1)
         trace and trace("combine_start", mb, self.layer_index)
@@ -269,6 +275,16 @@ class MoE(nn.Module):
         if x_in.shape[0] != x_TD.shape[0]:  # rows were (token, expert) pairs: sum each token's
             y_TD = y_TD.view(x_TD.shape[0], -1, y_TD.shape[-1]).sum(1)
         return y_TD if shared is None else y_TD + shared
+
+
+def mark_slots_hit(hits_S1: torch.Tensor, sent) -> None:
+    """Mark the local slots a dispatch output sends rows to (device ops only, no host sync)."""
+    if sent.expert_major is not None:
+        count_S = sent.expert_major[1]
+        hits_S1[1:1 + count_S.shape[0]] += (count_S > 0).to(hits_S1.dtype)
+    else:
+        flat = sent.topk_ids_RK.reshape(-1).to(torch.int64) + 1
+        hits_S1.index_add_(0, flat.clamp_(min=0), torch.ones_like(flat, dtype=hits_S1.dtype))
 
 
 def pairs_as_rows(x_TD: torch.Tensor, slots_TK: torch.Tensor, w_TK: torch.Tensor, step: MoEStep):
@@ -301,7 +317,7 @@ def expert_outputs(sent, experts, backend, num_tokens: int = 0, all_local: bool 
     """y_RD for a dispatch output: with an expert-major layout the masked kernel writes only each
     expert's valid rows (y in the same (E*C, D) layout, unweighted, which the backend's combine
     expects); else the generic grouped GEMM over the routed rows. num_tokens: this rank's T, which
-    picks the masked kernel's tile. backend: the layer's experts backend (kernels/grouped_gemm)."""
+    picks the masked kernel's tile. backend: the layer's experts backend (moe_serve/kernels/grouped_gemm)."""
     if masked_applies(sent, experts, backend):
         K = getattr(sent.handle, "topk_ids_TK", None)
         return backend.masked_experts(*sent.expert_major, experts, num_tokens, K.shape[1] if K is not None and K.dim() == 2 else 1)

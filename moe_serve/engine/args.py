@@ -46,6 +46,9 @@ class EngineArgs:
     enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
     max_capture_size: int | None = None  # largest decode batch captured as a graph (default max_num_seqs, <= 512)
     pad_decode: bool | None = None  # None: pad decode batches where graphs are captured; True/False forces
+    memory_bandwidth: float | None = None  # GB/s for the decode speed of light (default: table or measured)
+    speed_of_light_window: float = 5.0  # seconds of decode steps per speed-of-light window (0: every step)
+    speculative_config: dict | str | None = None  # {"method": "ngram", "num_speculative_tokens": K, ...}
 
     def create_engine_config(self, rank: int = 0, world_size: int = 1) -> EngineConfig:
         mc = ModelConfig.from_path(self.model, self.dtype, self.max_model_len, self.load_format, self.seed,
@@ -62,6 +65,10 @@ class EngineArgs:
             raise ValueError(f"expert_load_window={self.expert_load_window} must be >= 0")
         if self.max_capture_size is not None and self.max_capture_size < 1:
             raise ValueError(f"max_capture_size={self.max_capture_size} must be >= 1")
+        if self.memory_bandwidth is not None and not self.memory_bandwidth > 0:
+            raise ValueError(f"memory_bandwidth={self.memory_bandwidth} GB/s must be positive")
+        if not self.speed_of_light_window >= 0:
+            raise ValueError(f"speed_of_light_window={self.speed_of_light_window} s must be >= 0")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction={self.memory_fraction} must be in (0, 1]")
         from expert_parallel.placement.map import SPLITS
@@ -75,6 +82,9 @@ class EngineArgs:
         if eplb is not None and mc.weight_quantization:
             raise ValueError(f"--enable-eplb with quantized weights ({mc.weight_quantization}) is not supported yet: "
                              "rebalancing moves unquantized expert weights only")
+        from moe_serve.spec_decode import SpeculativeConfig
+
+        speculative = SpeculativeConfig.parse(self.speculative_config)
         choice = platform.choose(self.device, self.moe_backend, self.attention_backend, self.all2all_backend,
                                  world_size, mc.hf.get("hidden_size"), self.linear_backend, self.norm_backend,
                                  self.linear_attention_backend)
@@ -93,6 +103,9 @@ class EngineArgs:
             norm_backend=choice.norm_backend,
             linear_attention_backend=choice.linear_attention_backend,
             graphs=GraphConfig(self.enforce_eager, self.max_capture_size, self.pad_decode),
+            memory_bandwidth_gbps=self.memory_bandwidth,
+            speed_of_light_window_s=self.speed_of_light_window,
+            speculative=speculative,
         )
 
     # --- CLI ------------------------------------------------------------------------------------
@@ -160,6 +173,15 @@ class EngineArgs:
                        help="largest decode batch captured as a CUDA graph (default: max-num-seqs, at most 512)")
         g.add_argument("--pad-decode", action="store_const", const=True, default=None,
                        help="pad decode batches to the capture sizes even without CUDA graphs (testing; slower on CPU)")
+        g.add_argument("--memory-bandwidth", type=float, default=None,
+                       help="memory bandwidth in GB/s for the decode speed of light in /metrics and the logs "
+                            "(default: the datasheet figure of a known GPU, else a copy measured at start-up)")
+        g.add_argument("--speculative-config", default=None,
+                       help='speculative decoding as JSON: {"method": "ngram", "num_speculative_tokens": K, '
+                            '"prompt_lookup_min": a, "prompt_lookup_max": b} (drafts from the context\'s own '
+                            'n-grams, verified in one forward; greedy output is unchanged)')
+        g.add_argument("--speed-of-light-window", type=float, default=5.0,
+                       help="seconds of decode steps over which the speed-of-light fraction is taken and logged")
 
     @classmethod
     def from_cli(cls, ns: argparse.Namespace, model: str) -> "EngineArgs":

@@ -150,7 +150,11 @@ class AsyncEngine:
                            sum(s.num_preemptions for s in rs), sum(s.prompt_tokens for s in rs),
                            sum(s.generation_tokens for s in rs), max(s.num_steps for s in rs),
                            # Expert rebalancing: the same on every rank, so rank 0's.
-                           rs[0].eplb_rebalances, rs[0].expert_balancedness, rs[0].eplb_last_transfer_s)
+                           rs[0].eplb_rebalances, rs[0].expert_balancedness, rs[0].eplb_last_transfer_s,
+                           0.0, 0.0, 0.0,  # speed of light: per rank only (rank_stats)
+                           sum(s.spec_num_drafts for s in rs), sum(s.spec_num_draft_tokens for s in rs),
+                           sum(s.spec_num_accepted_tokens for s in rs),
+                           [sum(col) for col in zip(*(s.spec_accepted_per_pos for s in rs))])
 
     def has_work(self) -> bool:
         return bool(self._owner)
@@ -238,9 +242,14 @@ class AsyncEngine:
                 now = time.monotonic()
                 if now - last_log >= self._log_interval and tokens_since:
                     s = self.stats()
-                    log.info("throughput %.1f tokens/s; running %d, waiting %d; KV cache %.1f%%; prefix hit %.1f%%",
+                    sol = [r.decode_sol_fraction for r in self.rank_stats if r.decode_sol_fraction > 0]
+                    log.info("throughput %.1f tokens/s; running %d, waiting %d; KV cache %.1f%%; prefix hit %.1f%%%s",
                              tokens_since / (now - last_log), s.num_running, s.num_waiting,
-                             100 * s.kv_cache_usage, 100 * s.prefix_cache_hit_rate)
+                             100 * s.kv_cache_usage, 100 * s.prefix_cache_hit_rate,
+                             (f"; decode at {100 * sum(sol) / len(sol):.1f}% of speed of light" if sol else "")
+                             + (f"; speculative: mean acceptance length {1 + s.spec_num_accepted_tokens / s.spec_num_drafts:.2f}"
+                                f" ({s.spec_num_accepted_tokens} of {s.spec_num_draft_tokens} draft tokens accepted)"
+                                if s.spec_num_drafts else ""))
                     last_log, tokens_since = now, 0
         except Exception as e:  # a dead core must not leave clients hanging
             if self._stop and self._closed.is_set():
@@ -318,6 +327,7 @@ class RequestStream:
         self.open_ids = set(self.child_ids)
         self.num_prompt_tokens = sum(len(p) for p in prompts)
         self.num_output_tokens = 0
+        self._cached: dict[int, int] = {}  # per prompt: its tokens served from the prefix cache
         self.t0 = time.monotonic()
         self.first: float | None = None
         self.closed = False
@@ -334,9 +344,16 @@ class RequestStream:
             self.first = time.monotonic()
             self.engine.metrics.ttft.observe(self.first - self.t0)
         self.num_output_tokens += len(out.new_token_ids)
+        k = self._index[out.request_id] // self.params.n
+        self._cached[k] = max(self._cached.get(k, 0), out.num_cached_tokens)
         if out.finished:
             self.open_ids.discard(out.request_id)
         return self._index[out.request_id], out
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache (each prompt once, whatever n)."""
+        return sum(self._cached.values())
 
     async def aclose(self) -> None:
         self._finish()

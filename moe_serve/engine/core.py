@@ -15,6 +15,7 @@ from concurrent.futures import Future, wait
 import torch.distributed as dist
 
 from attention.kv_manager import KVCacheManager
+from attention.state import StateCache
 from expert_parallel.placement.load_stats import ExpertLoadRecorder
 from expert_parallel.placement.map import load_placement as read_placement
 from expert_parallel.rebalance.eplb import EplbManager, tuner_fn
@@ -32,6 +33,8 @@ from moe_serve.runner.graphs import capture_decode_graphs, captures_graphs
 from moe_serve.runner.loading import build_model, load_model_weights, prepare_weights, warm_up_before_serving
 from moe_serve.runner.memory import KVCacheSize, attention_layers, init_kv_cache, profile_memory, size_kv_cache
 from moe_serve.sampler import Sampler
+from moe_serve.speed_of_light import DecodeMeter, device_bandwidth
+from moe_serve.spec_decode import Speculator, accept
 from moe_serve.scheduler import Scheduler, SchedulerOutput
 from moe_serve.structured_output.grammar import GrammarManager
 from moe_serve.tokenizer import Tokenizer
@@ -56,10 +59,16 @@ def build_engine(cfg: EngineConfig, ep_group=None, show_progress: bool = True) -
     weight_bytes = prepare_weights(model, cfg, started)
     warm_up_before_serving(model, cfg, moe_ctx, ops)
     capture = captures_graphs(cfg, moe_ctx, ops)
+    bandwidth = device_bandwidth(cfg.device, cfg.memory_bandwidth_gbps)  # before the KV cache takes the memory
     attn_layers = attention_layers(model)
+    if cfg.speculative is not None and any(isinstance(layer, StateCache) for layer in attn_layers):
+        raise ValueError(f"speculative_config ({cfg.speculative.method}) is not supported for "
+                         f"{cfg.model.architecture}: its linear-attention layers update their recurrent state in "
+                         "place for every token, so a rejected draft cannot be rolled back")
     profile = profile_memory(model, attn_layers, cfg, moe_ctx, capture)
     kv = size_kv_cache(attn_layers, cfg, weight_bytes, profile)
     init_kv_cache(attn_layers, cfg, kv)
+    meter = make_decode_meter(model, attn_layers, cfg, moe_ctx, bandwidth)  # before graphs: they mark its hits
     sampler = Sampler(cfg.device, cfg.model.seed)
     batch = make_input_batch(cfg, kv)
     pad_sizes, graphs = capture_decode_graphs(model, cfg, moe_ctx, batch, kv, capture)
@@ -68,7 +77,7 @@ def build_engine(cfg: EngineConfig, ep_group=None, show_progress: bool = True) -
     scheduler = make_scheduler(cfg, kv, max_model_len)
     eos = eos_token_ids(cfg)
     grammars = GrammarManager(cfg.model.path, cfg.model.hf["vocab_size"], eos)
-    core = EngineCore(cfg, moe_ctx, runner, scheduler, eos, grammars, max_model_len)
+    core = EngineCore(cfg, moe_ctx, runner, scheduler, eos, grammars, max_model_len, meter)
     if par.expert_load_record or par.expert_load_window:
         core.enable_load_recording(par.expert_load_window or 100, ep_group, start=bool(par.expert_load_record))
     if par.eplb is not None:
@@ -77,6 +86,18 @@ def build_engine(cfg: EngineConfig, ep_group=None, show_progress: bool = True) -
 
 
 # --- assembly steps owned by the engine (the runner's are in moe_serve/runner/) -------------------
+def make_decode_meter(model, attn_layers: list, cfg: EngineConfig, moe_ctx: MoEContext,
+                      bandwidth: tuple[float, str]) -> DecodeMeter:
+    """The decode speed-of-light meter: the model's byte count per step, the device's bandwidth."""
+    meter = DecodeMeter(model, attn_layers, moe_ctx, cfg.device, *bandwidth, cfg.speed_of_light_window_s,
+                        cfg.parallel.rank)
+    b = meter.bytes
+    log.info("speed of light: %.1f GB/s memory bandwidth (%s); a decode step reads %.1f MB of weights outside the "
+             "experts, %.2f MB per expert slot hit, and each sequence's cache", meter.bandwidth / 1e9, meter.source,
+             b.non_expert_bytes / 1e6, (sum(b.slot_bytes) / len(b.slot_bytes) if b.slot_bytes else 0) / 1e6)
+    return meter
+
+
 def load_placement(path: str | None, world_size: int) -> list[list[int]] | None:
     """--expert-placement: per MoE layer, the logical expert of every physical slot (or None).
     First: the slot count and the dispatcher follow from it."""
@@ -181,7 +202,8 @@ class EngineCore:
     does no work."""
 
     def __init__(self, cfg: EngineConfig, moe_ctx: MoEContext, runner: ModelRunner, scheduler: Scheduler,
-                 eos_token_ids: frozenset[int], grammars: GrammarManager, max_model_len: int):
+                 eos_token_ids: frozenset[int], grammars: GrammarManager, max_model_len: int,
+                 meter: DecodeMeter | None = None):
         self.cfg = cfg
         self.moe_ctx = moe_ctx
         self.runner = runner
@@ -200,10 +222,12 @@ class EngineCore:
         self.num_steps = 0
         self.load_recorder: ExpertLoadRecorder | None = None  # enable_load_recording
         self.eplb: EplbManager | None = None  # enable_eplb
+        self.meter = meter  # decode speed of light (moe_serve/speed_of_light.py)
+        self.spec = Speculator(cfg.speculative, max_model_len)  # speculative decoding's drafts and counts
 
     def set_max_model_len(self, n: int) -> None:
         """Every rank serves the same context limit (the smallest any rank's cache allows)."""
-        self.max_model_len = self.scheduler.max_model_len = n
+        self.max_model_len = self.scheduler.max_model_len = self.spec.max_model_len = n
 
     # --- requests -------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params) -> int:
@@ -297,28 +321,54 @@ class EngineCore:
             r = s.request
             if r.num_computed_tokens < r.num_prompt_tokens:
                 self.num_prompt_tokens += min(s.num_tokens, r.num_prompt_tokens - r.num_computed_tokens)
+        meter = self.meter
+        decode_lens = None  # a decode-only step: each sequence's cache length with its new token
+        if meter is not None:
+            meter.begin_step()
+            if all(s.num_tokens == 1 and s.request.num_computed_tokens == s.request.num_tokens - 1
+                   for s in out.scheduled):
+                decode_lens = [s.request.num_tokens for s in out.scheduled]
         t0 = time.perf_counter()
         result = self.runner.execute(out, max_tokens_any_rank, all_ranks_decode)
+        seconds = time.perf_counter() - t0
+        if decode_lens is not None:
+            meter.end_decode_step(decode_lens, seconds)
         if self.eplb is not None:
-            self.eplb.end_step(time.perf_counter() - t0)
-        sampled_reqs = [s.request for s in out.scheduled if s.samples]
-        sampled = {r.request_id: t for r, t in zip(sampled_reqs, result.token_ids)}
+            self.eplb.end_step(seconds)
+        # Each sampling piece's rows: one, or with k draft tokens k + 1 (spec_decode.accept verifies).
+        sampled, logprobs, sampled_reqs, i = {}, {}, [], 0
+        for s in out.scheduled:
+            if not s.samples:
+                continue
+            k = len(s.draft_ids)
+            rows = result.token_ids[i:i + k + 1]
+            keep = accept(rows, s.draft_ids) if k else rows
+            sampled[s.request.request_id] = keep
+            logprobs[s.request.request_id] = result.logprobs[i:i + len(keep)]
+            sampled_reqs.append((s.request, s.request.num_output_tokens))
+            i += k + 1
+            if k:
+                self.spec.record(k, len(keep) - 1)
         now = time.monotonic()
         self.scheduler.update(out, sampled)
         if self.load_recorder is not None:
             self.load_recorder.end_step()
         outputs = []
-        for r, lp in zip(sampled_reqs, result.logprobs):
+        for r, before in sampled_reqs:
             if r.status == RequestStatus.FINISHED_ABORTED and r.stop_reason is None:  # aborted during the step
                 continue
-            self.num_generation_tokens += 1
+            new = r.output_token_ids[before:]  # the sampled tokens it kept (all, unless one stopped it)
+            self.num_generation_tokens += len(new)
             if r.first_token_time is None:
                 r.first_token_time = now
             fin = r.is_finished
+            lps = logprobs[r.request_id][:len(new)]
             outputs.append(EngineCoreOutput(
-                r.request_id, [sampled[r.request_id]], fin, r.status.value if fin else None,
-                r.stop_reason if fin else None, [TokenLogprob(sampled[r.request_id], lp[0], lp[1])] if lp else None,
+                r.request_id, new, fin, r.status.value if fin else None, r.stop_reason if fin else None,
+                [TokenLogprob(t, lp[0], lp[1]) for t, lp in zip(new, lps)] if lps and lps[0] else None,
                 r.num_cached_prompt_tokens))
+        if self.spec.proposer is not None:
+            self.spec.propose(self.scheduler.running)
         return outputs
 
     # --- expert load ----------------------------------------------------------------------------
@@ -373,4 +423,8 @@ class EngineCore:
                            self.allocator.hit_rate,
                            s.num_preemptions, self.num_prompt_tokens, self.num_generation_tokens, self.num_steps,
                            *((self.eplb.rebalances, self.eplb.balancedness, self.eplb.last_transfer_s)
-                             if self.eplb is not None else ()))
+                             if self.eplb is not None else (0, 0.0, 0.0)),
+                           *((self.meter.fraction, self.meter.last["tokens_per_s"], self.meter.bandwidth)
+                             if self.meter is not None else (0.0, 0.0, 0.0)),
+                           self.spec.num_drafts, self.spec.num_draft_tokens, self.spec.num_accepted_tokens,
+                           list(self.spec.accepted_per_pos))

@@ -154,7 +154,12 @@ class CoreLoop:
                                      max_tokens_any_rank=max_tok if self.world_size > 1 else None,
                                      all_ranks_decode=not not_decode)
             wish = self.shutdown_asked_by >= 0 and not self._reported_shutdown_wish
-            if outs or any_work or wish or shutdown:
+            # Idle: the decode speed-of-light window closes with the burst that filled it (and the
+            # first turn reports the stats known at start-up, the assumed bandwidth among them).
+            meter = core.meter
+            closed = not any_work and meter is not None and meter.window.steps > 0 and \
+                meter.close_window() is not None
+            if outs or any_work or wish or shutdown or closed or self.turns == 1:
                 self._reported_shutdown_wish |= wish
                 self.send(CoreOutputs(self.rank, outs, core.stats(), self.shutdown_asked_by, bool(shutdown)))
             if shutdown:

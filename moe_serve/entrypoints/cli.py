@@ -1,4 +1,4 @@
-"""The `moe-serve` command: serve, default-model, placement, launch."""
+"""The `moe-serve` command: serve, default-model, env, bench, placement, launch."""
 from __future__ import annotations
 
 import argparse
@@ -91,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     from moe_serve.entrypoints.env import add_env_parser
 
     add_env_parser(sub)
+    from moe_serve.benchmarks.cli import add_bench_parser
+
+    add_bench_parser(sub)
     try:
         from expert_parallel.placement.cli import add_placement_parser, run_placement
 

@@ -50,7 +50,7 @@ def collect(world_size: int = 1, hidden_size: int | None = None) -> dict:
     """Everything `moe-serve env` reports, as a dict (the --json output)."""
     import torch
 
-    from kernels import cpu_ops
+    from moe_serve.kernels import cpu_ops
     from moe_serve import platform
     from moe_serve.prepare import transparent_huge_pages
 
@@ -95,9 +95,9 @@ def _missing(env: dict, cuda: bool) -> list[dict]:
         if ck["compiler"] is None:
             out.append({"what": "a C compiler (the CPU kernels)", "why": ck["reason"],
                         "command": "apt-get install -y gcc   # or set CC"})
-        elif "AVX-512" in ck["reason"]:
-            out.append({"what": "AVX-512 (the CPU kernels)", "why": ck["reason"],
-                        "command": "none on this CPU: torch ops run instead (slower)"})
+        elif "MOE_SERVE_CPU_ISA" in ck["reason"]:
+            out.append({"what": "the CPU kernels for the ISA asked for", "why": ck["reason"],
+                        "command": "unset MOE_SERVE_CPU_ISA   # build for this CPU"})
     if env["transparent_huge_pages"] == "never":
         out.append({"what": "transparent huge pages (weights streamed at decode)", "why": "the kernel's mode is never",
                     "command": "echo madvise > /sys/kernel/mm/transparent_hugepage/enabled"})
@@ -114,7 +114,7 @@ def _print(env: dict) -> None:
     v, c, ck, pl = env["versions"], env["cpu"], env["cpu_kernels"], env["platform"]
     print("versions: " + ", ".join(f"{k} {x}" for k, x in v.items() if x))
     print(f"cpu: {c['model']} ({c['arch']}, {c['cores']} cores); ISA: {' '.join(c['isa']) or 'baseline'}")
-    print(f"cpu kernels (kernels/cpu_ops): {'yes' if ck['available'] else 'no'} - {ck['reason']}"
+    print(f"cpu kernels (moe_serve/kernels/cpu_ops): {'yes' if ck['available'] else 'no'} - {ck['reason']}"
           + (f"; {', '.join(ck['sources'])}" if ck["available"] else ""))
     print(f"transparent huge pages: {env['transparent_huge_pages']}")
     for g in env["gpus"]:

@@ -9,7 +9,7 @@ from torch import nn
 
 from attention.layer import PagedAttention
 from attention.metadata import AttentionMetadata
-from kernels.norm import TorchNorm
+from moe_serve.kernels.norm import TorchNorm
 from moe_serve.layers.linear import Linear
 from moe_serve.layers.norm import RMSNorm
 from moe_serve.layers.rotary import RotaryEmbedding

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.linear import TorchLinear
+from moe_serve.kernels.linear import TorchLinear
 from moe_serve.quantization.fp8 import FP8, dequantize_blocks, scale_shape
 
 

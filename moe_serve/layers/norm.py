@@ -1,11 +1,11 @@
 """RMSNorm: computed in float32, cast back, the way the reference models do it, by the norm backend
-bound by moe_serve/platform.py (`ops`: kernels/norm.py; torch ops until then)."""
+bound by moe_serve/platform.py (`ops`: moe_serve/kernels/norm.py; torch ops until then)."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from kernels.norm import TorchNorm
+from moe_serve.kernels.norm import TorchNorm
 
 
 class RMSNorm(nn.Module):

@@ -13,7 +13,7 @@ de-interleaved at load so w13 keeps the [gate; up] layout every expert op uses.
 MXFP4 (quantization_config quant_method "mxfp4", how GPT-OSS ships): the experts come as
 `*_blocks` (uint8, two e2m1 values per byte) and `*_scales` (uint8 e8m0 per 32 values), biases
 unquantized. On the CPU they stay compressed in memory and the expert op dequantizes the routed
-experts of each step (kernels/grouped_gemm/mxfp4.py); elsewhere they are dequantized once at load
+experts of each step (moe_serve/kernels/grouped_gemm/mxfp4.py); elsewhere they are dequantized once at load
 into ordinary expert weights (the memory cost is logged).
 """
 from __future__ import annotations
@@ -26,8 +26,8 @@ from torch import nn
 
 from expert_parallel.runtime.layer import GroupedExperts, MoE, MoEContext
 from expert_parallel.runtime.router import TopKThenSoftmaxRouter
-from kernels.grouped_gemm.mxfp4 import Mxfp4Weight, dequantize_mxfp4
-from kernels.grouped_gemm.reference import ClampedSwiGLU
+from moe_serve.kernels.grouped_gemm.mxfp4 import Mxfp4Weight, dequantize_mxfp4
+from moe_serve.kernels.grouped_gemm.reference import ClampedSwiGLU
 from moe_serve.layers.attention import GQASelfAttention
 from moe_serve.layers.rotary import RotaryEmbedding, rope_config
 from moe_serve.models.base import CausalLM, DecoderStack
@@ -120,7 +120,7 @@ class GptOssForCausalLM(CausalLM):
             slots = ex.w13_bias.shape[0]
             packed = n * slots * 3 * F * D * 17 // 32  # 16 bytes of values + 1 scale per 32 weights
             if self.compressed:
-                from kernels.grouped_gemm.mxfp4 import MAX_DEQUANT_BYTES
+                from moe_serve.kernels.grouped_gemm.mxfp4 import MAX_DEQUANT_BYTES
 
                 per_layer = slots * 3 * F * D * 4
                 log.info("MXFP4 experts kept compressed: %.1f MiB on this rank; each step dequantizes the routed "

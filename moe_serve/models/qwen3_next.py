@@ -20,7 +20,7 @@ Gated DeltaNet (`linear_attn`), with Hk key heads of dim dk and Hv value heads o
   - the output's gated RMSNorm per value head: w * norm(o) * silu(z) (w not zero-centred), then
     out_proj.
   Both states live in the layer's StateCache (attention/cache_kinds.py), at the sequence's slot;
-  the ops are the linear-attention backend bound by moe_serve/platform.py (kernels/gated_delta).
+  the ops are the linear-attention backend bound by moe_serve/platform.py (moe_serve/kernels/gated_delta).
 
 Gated attention (`self_attn`): q_proj gives, per head, [query (head_dim) | gate (head_dim)]; q/k
 per-head norms, RoPE on the first partial_rotary_factor of each head (0.25 unless configured),
@@ -50,8 +50,8 @@ from attention.metadata import AttentionMetadata
 from expert_parallel.runtime.layer import MoE, MoEContext, run_to_end
 from expert_parallel.runtime.router import SoftmaxTopKRouter
 from expert_parallel.runtime.step import MoEStep
-from kernels.gated_delta import LinearAttentionShape, TorchLinearAttention
-from kernels.norm import TorchNorm
+from moe_serve.kernels.gated_delta import LinearAttentionShape, TorchLinearAttention
+from moe_serve.kernels.norm import TorchNorm
 from moe_serve.layers.linear import DenseMLP, Linear
 from moe_serve.layers.rotary import RotaryEmbedding, rope_config
 from moe_serve.models.base import CausalLM, DecoderStack

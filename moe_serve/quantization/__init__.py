@@ -2,5 +2,5 @@
 
 `fp8.py` block-scaled FP8 (DeepSeek-V3/R1, Kimi-K2, Qwen3-FP8, GLM-4.5-FP8 on the Hub, and
 `--quantization fp8` for an unquantized checkpoint). MXFP4 expert weights (GPT-OSS) live beside the
-expert op in kernels/grouped_gemm/mxfp4.py.
+expert op in moe_serve/kernels/grouped_gemm/mxfp4.py.
 """

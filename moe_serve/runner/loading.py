@@ -54,13 +54,18 @@ def load_model_weights(model: nn.Module, cfg: EngineConfig, show_progress: bool 
         load_weights(model, mc.path, mc.dtype, show_progress=show_progress, quantization=mc.quantization)
 
 
+def serves_bf16_in_c(cfg: EngineConfig) -> bool:
+    """Whether our C kernels run the experts and the linear layers (they take bfloat16 weights)."""
+    return cfg.device.type == "cpu" and cfg.moe_backend == "cpu_c" and cfg.linear_backend == "cpu_c"
+
+
 def prepare_weights(model: nn.Module, cfg: EngineConfig, started: float) -> int:
     """The loaded weights in the layout and memory the GEMMs run from (moe_serve/prepare.py); returns
     this rank's weight bytes (parameters and block-FP8 scales), logged with the time since `started`
     (the build). After loading, whose tensors it converts; before the warm-up and the KV-cache
     sizing, which must see the weights as they are served."""
     mc = cfg.model
-    prepare_gemm_weights(model, mc.dtype, cfg.device)
+    prepare_gemm_weights(model, mc.dtype, cfg.device, c_kernels=serves_bf16_in_c(cfg))
     place_weights_on_huge_pages(model, cfg.device)
     weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
     weight_bytes += sum(b.numel() * b.element_size() for n, b in model.named_buffers()

@@ -25,11 +25,20 @@ class BitmaskFiller:
         self._batch = None
 
     def fill(self, rows: list[tuple[int, object]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """rows: (index into S, GrammarState) of each constrained row. Returns (rows_G int64,
-        bitmask_GW int32) on the device."""
+        """rows: (index into S, GrammarState) of each constrained row, or (index, GrammarState, draft
+        tokens) for a row that samples past draft tokens (the mask of the grammar after them).
+        Returns (rows_G int64, bitmask_GW int32) on the device."""
         G = len(rows)
         host = self._host[:G]
-        if G >= BATCH_FILL_ROWS:
+        if any(len(r) > 2 for r in rows):  # speculative decoding: rows past draft tokens
+            for g, (_, state, *ahead) in enumerate(rows):
+                ahead = ahead[0] if ahead else []
+                for t in ahead:  # the drafts before this row's position, allowed when proposed
+                    state.matcher.accept_token(t)
+                state.matcher.fill_next_token_bitmask(host, g)
+                if ahead:
+                    state.matcher.rollback(len(ahead))
+        elif G >= BATCH_FILL_ROWS:
             if self._batch is None:
                 import xgrammar as xgr
 
@@ -38,7 +47,7 @@ class BitmaskFiller:
         else:
             for g, (_, state) in enumerate(rows):
                 state.matcher.fill_next_token_bitmask(host, g)
-        idx = torch.tensor([i for i, _ in rows], dtype=torch.int64)
+        idx = torch.tensor([r[0] for r in rows], dtype=torch.int64)
         if self.device.type == "cpu":
             return idx, host.clone()
         # The host buffer is rewritten next step; the sampler's read of the sampled ids (after the

@@ -131,6 +131,22 @@ class GrammarState:
     def terminated(self) -> bool:
         return self.matcher.is_terminated()
 
+    def allowed_prefix(self, tokens: list[int]) -> list[int]:
+        """The longest prefix of `tokens` (draft tokens) the grammar allows from here, short of a
+        token that would end it; the matcher is left where it was."""
+        n = 0
+        for t in tokens:
+            if self.rejected or not self.matcher.accept_token(t):
+                break
+            n += 1
+            if self.matcher.is_terminated():
+                n -= 1
+                self.matcher.rollback(1)
+                break
+        if n:
+            self.matcher.rollback(n)
+        return tokens[:n]
+
 
 class GrammarManager:
     """The core's compiler: xgrammar TokenizerInfo for the model's logits width (which may exceed

@@ -121,7 +121,7 @@ def canonical(x_RD, ids_RK, w_RK):
 
 
 def run_pipeline(disp, case, w13_EFD, w2_EDF, x_TD, ids_TK, w_TK):
-    from kernels.grouped_gemm.reference import fused_experts_reference
+    from moe_serve.kernels.grouped_gemm.reference import fused_experts_reference
     lo, hi = disp.rank * disp.slots_per_rank, (disp.rank + 1) * disp.slots_per_rank
     out = disp.dispatch(x_TD, ids_TK, w_TK)
     y_RD = fused_experts_reference(out.x_RD, w13_EFD[lo:hi], w2_EDF[lo:hi], out.topk_weights_RK,
@@ -131,7 +131,7 @@ def run_pipeline(disp, case, w13_EFD, w2_EDF, x_TD, ids_TK, w_TK):
 
 def run_cases(rank: int, W: int, group, device, backends: list[str]) -> tuple[int, list[str]]:
     from expert_parallel.runtime.dispatch import make_dispatcher
-    from kernels.grouped_gemm.reference import fused_experts_reference
+    from moe_serve.kernels.grouped_gemm.reference import fused_experts_reference
     checks, failures = 0, []
 
     def check(ok: bool, what: str):
@@ -299,7 +299,7 @@ def test_deepep_matches_reference(world_size, tmp_path):
 
 def test_reference_dispatcher_at_ep1_needs_no_process_group():
     from expert_parallel.runtime.dispatch import make_dispatcher
-    from kernels.grouped_gemm.reference import fused_experts_reference
+    from moe_serve.kernels.grouped_gemm.reference import fused_experts_reference
     case = Case("ep1", 8, 3, (9,))
     w13, w2, [(x_TD, ids_TK, w_TK)] = make_inputs(case, 1)
     disp = make_dispatcher("reference", 8, 0, 1, None)

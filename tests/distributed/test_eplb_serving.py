@@ -43,7 +43,7 @@ def test_greedy_text_unchanged_through_rebalances(checkpoints, arch, nproc, over
     path = checkpoints[arch]
     want = expected_texts(path, PROMPTS, 10)
     extra = ["--enable-overlap", "--overlap-min-tokens", "1"] if overlap else []
-    job = TorchrunJob(nproc, ["--model", path, *ARGS, *EPLB_FLAGS, *settings, *extra])
+    job = TorchrunJob(nproc, ["--model", path, *ARGS, *EPLB_FLAGS, *settings, *extra, "--speed-of-light-window", "0"])
     try:
         assert _metric(job.url, "moe_serve:eplb_rebalances_total") == 0  # before any
         # One request alone (the other ranks run empty steps, rebalancing all the same), then all at
@@ -58,6 +58,12 @@ def test_greedy_text_unchanged_through_rebalances(checkpoints, arch, nproc, over
         # Weights really travelled between ranks (not only local copies).
         received = [float(m) for m in re.findall(r"moved, ([0-9.]+) MiB received here", job.log())]
         assert received and max(received) > 0, job.log()[-3000:]
+        # The decode speed of light, one gauge per rank (a window closes after every decode step here):
+        # each rank that decoded reports its share, whatever experts moved.
+        text = httpx.get(job.url + "/metrics", timeout=10).text
+        sol = dict(re.findall(r'^moe_serve:decode_speed_of_light_fraction\{[^}]*rank="(\d+)"\} (\S+)$', text, re.M))
+        assert sorted(sol) == [str(r) for r in range(nproc)], text
+        assert any(float(v) > 0 for v in sol.values()) and all(float(v) >= 0 for v in sol.values()), sol
         # After: the last placement serves the same text.
         assert asyncio.run(_complete_all(job.url, PROMPTS, 10)) == want
         os.kill(job.rank_pid(0), signal.SIGTERM)

@@ -271,9 +271,9 @@ def test_fuzz_the_api_from_its_openapi_schema(server):
         st.tuples(paths, json_values.map(encode)),
         st.tuples(paths, st.binary(max_size=300)))
     codes: Counter = Counter()
-    stop_at = time.monotonic() + 50
+    stop_at = time.monotonic() + 25
 
-    @settings(max_examples=600, deadline=None, database=None, derandomize=True,
+    @settings(max_examples=300, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
     @given(case=cases)
     def one(case):

@@ -44,6 +44,19 @@ def test_models_health_version_metrics(server, client):
         assert name in m
 
 
+def test_usage_counts_prompt_tokens_served_from_the_prefix_cache(client):
+    """usage.prompt_tokens_details.cached_tokens, as OpenAI reports it: 0 for a fresh prompt, then
+    the whole 16-token blocks a repeat finds (one token is always computed), streamed or not."""
+    prompt = [(7 * i) % 400 + 20 for i in range(45)]
+    first = client.completions.create(model="tiny-qwen", prompt=prompt, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens == 45 and first.usage.prompt_tokens_details.cached_tokens == 0
+    again = client.completions.create(model="tiny-qwen", prompt=prompt, max_tokens=2, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == 32
+    chunks = list(client.completions.create(model="tiny-qwen", prompt=prompt + [5], max_tokens=2, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 32
+
+
 def test_greedy_http_equals_offline_llm(client, llm):
     expected = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=10))
     r = client.completions.create(model="tiny-qwen", prompt=PROMPTS, max_tokens=10, temperature=0)

@@ -19,8 +19,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-_KERNEL_MODULES = ("kernels.grouped_gemm.triton_kernel", "kernels.grouped_gemm.masked", "attention.backends.triton_paged",
-                   "kernels.gated_delta.triton_kernels")
+_KERNEL_MODULES = ("moe_serve.kernels.grouped_gemm.triton_kernel", "moe_serve.kernels.grouped_gemm.masked", "attention.backends.triton_paged",
+                   "moe_serve.kernels.gated_delta.triton_kernels")
 
 
 def _switch_to_interpreter() -> None:

@@ -1,5 +1,5 @@
-"""kernels/aot_check.py compiles kernel configurations for sm_90 / sm_100 without a GPU (here the
-full sweep, as the launches specialise it: 1-2 minutes on 2 cores); an engine run launches nothing
+"""moe_serve/kernels/aot_check.py compiles kernel configurations for sm_90 / sm_100 without a GPU (here the
+full sweep for sm_90, quick sets for sm_100 and fp16, as the launches specialise them: under 2 minutes on 2 cores); an engine run launches nothing
 it does not compile; and the launches select only a few compiled variants whatever the batch.
 
 The compile runs use Triton's bundled ptxas in a subprocess (no TRITON_INTERPRET there); the
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import aot_check
+from moe_serve.kernels import aot_check
 
 ROOT = Path(__file__).resolve().parents[2]
 LAST_LINE = re.compile(r"^aot: (\d+) configurations compiled for (.+); (\d+) failed$")
@@ -27,7 +27,7 @@ SPILL_LINE = re.compile(r"^aot: (\d+) configurations spill registers.*; (\d+) gr
 
 def run_aot(*args: str, timeout: int) -> tuple[int, list[str]]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-m", "kernels.aot_check", *args], cwd=ROOT, env=env,
+    r = subprocess.run([sys.executable, "-m", "moe_serve.kernels.aot_check", *args], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=timeout)
     lines = r.stdout.strip().splitlines()
     assert lines, r.stderr[-3000:]
@@ -58,14 +58,15 @@ def test_a_broken_config_is_reported_as_failed():
 
 @pytest.mark.slow
 def test_every_configuration_compiles_for_sm90_and_sm100_without_spills():
-    """The sweep, as the launches specialise it (about 2 minutes on 2 cores): every default and tuned
+    """The sweep, as the launches specialise it (about a minute on 2 cores): every default and tuned
     grouped-GEMM tile (bf16, fp32; FP8 weights and W8A8) and the masked GEMM, GQA and MLA attention
     (decode with and without split-K, prefill; sliding window, sinks, chunks; DSA's sparse mode and
     indexer), the split reduce, KV writes, top-k sum, FP8 linear and activation quantization, linear
     attention, for every model shape. Every one compiles for both archs, and no grouped-GEMM or
     decode configuration spills more than --max-spill; the quick set (one per kernel, dtype and path)
-    is a subset that covers each path. fp16, the bf16 variants' code over another element type, is
-    compiled here as its quick set (each path once; `python -m kernels.aot_check` compiles it all)."""
+    is a subset that covers each path. Compiled whole for sm_90 (H100/H200); for sm_100 and for fp16
+    (the bf16 variants' code over another element type) as quick sets, each path once (`python -m
+    moe_serve.kernels.aot_check --arch 90 100 --dtype bf16 fp32 fp16` compiles it all)."""
     dtypes = (torch.bfloat16, torch.float32)
     jobs = aot_check.enumerate_jobs(dtypes=dtypes)
     quick = aot_check.enumerate_jobs(dtypes=(torch.bfloat16,), quick=True)
@@ -77,21 +78,23 @@ def test_every_configuration_compiles_for_sm90_and_sm100_without_spills():
                  ("paged_attn", None, True, False), ("reduce_splits", None, None, None)):
         assert path in short, path
     assert all(aot_check.is_decode(j) for j in quick if j.kernel in (aot_check.GEMM, aot_check.MASKED, aot_check.ATTN))
-    rc, lines = run_aot("--arch", "90", "100", "--dtype", "bf16", "fp32", timeout=1200)
+    rc, lines = run_aot("--arch", "90", "--dtype", "bf16", "fp32", timeout=1200)
     m = LAST_LINE.match(lines[-1])
     assert m, lines[-10:]
     assert rc == 0, [line for line in lines if "FAIL" in line or "SPILL" in line]
-    assert (int(m.group(1)), m.group(2), m.group(3)) == (len(jobs), "sm_90, sm_100", "0")
+    assert (int(m.group(1)), m.group(2), m.group(3)) == (len(jobs), "sm_90", "0")
     s = SPILL_LINE.match(lines[-3])
     assert s and s.group(2) == "0", lines[-4:]
     # MLA decode: DeepSeek-V3's 128 heads run 64 per program (FlashMLA's tile), compiled on both archs.
     mla = [line for line in lines if line.lstrip().startswith("ok") and "BLOCK_HD=512" in line and "BLOCK_Q=1 " in line
            and "BLOCK_QH=64" in line]
-    assert {line.split()[1] for line in mla} == {"sm_90", "sm_100"}, mla
-    fp16 = aot_check.enumerate_jobs(dtypes=(torch.float16,), quick=True)
-    rc, lines = run_aot("--arch", "90", "100", "--dtype", "fp16", "--quick", timeout=600)
-    m = LAST_LINE.match(lines[-1])
-    assert rc == 0 and m and (int(m.group(1)), m.group(3)) == (len(fp16), "0"), lines[-10:]
+    assert {line.split()[1] for line in mla} == {"sm_90"}, mla
+    for arch, names, dts in (("100", ("bf16", "fp32", "fp16"), (torch.bfloat16, torch.float32, torch.float16)),
+                             ("90", ("fp16",), (torch.float16,))):
+        quick_set = aot_check.enumerate_jobs(dtypes=dts, quick=True)
+        rc, lines = run_aot("--arch", arch, "--dtype", *names, "--quick", timeout=600)
+        m = LAST_LINE.match(lines[-1])
+        assert rc == 0 and m and (int(m.group(1)), m.group(3)) == (len(quick_set), "0"), lines[-10:]
 
 
 # ---- no JIT recompiles during serving ----------------------------------------------------------------
@@ -149,14 +152,14 @@ def test_serving_sweep_launches_few_compiled_variants(monkeypatch):
     """The launchers themselves, over decode batches of mixed contexts (1..32k, batch 1..256, split
     counts as on a 132-SM H200), mixed prefill chunks, expert batches of 1..4096 tokens and FP8 linear
     layers of 1..4096 rows: the kernels record the compile key Triton derives from each launch
-    (kernels/specialization.py: constexprs, options, each argument's type and "== 1" / "divisible
+    (moe_serve/kernels/specialization.py: constexprs, options, each argument's type and "== 1" / "divisible
     by 16" marks) instead of running, and the keys stay few."""
     from attention.backends import triton_paged as tp
     from attention.metadata import AttentionMetadata
-    from kernels import fp8_linear
-    from kernels import specialization as sp
-    from kernels.grouped_gemm import config as gcfg
-    from kernels.grouped_gemm import triton_kernel as tk
+    from moe_serve.kernels import fp8_linear
+    from moe_serve.kernels import specialization as sp
+    from moe_serve.kernels.grouped_gemm import config as gcfg
+    from moe_serve.kernels.grouped_gemm import triton_kernel as tk
 
     if not tp.INTERPRETED:
         pytest.skip("CPU tensors reach the launchers only under the interpreter")
@@ -218,7 +221,7 @@ def test_serving_sweep_launches_few_compiled_variants(monkeypatch):
 
 ENGINE_RUN = r"""
 import json, sys
-from kernels import specialization
+from moe_serve.kernels import specialization
 from moe_serve import LLM, SamplingParams
 path = sys.argv[1]
 prompts = [[5, 77, 301, 42], [9, 8, 7, 6, 5, 4, 3, 200, 100, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27], [450]]
@@ -241,7 +244,7 @@ def test_what_an_engine_run_launches_is_compiled_ahead_and_warmed_up(checkpoints
     records every launch's compile key. `aot_check --model config.json` compiles each of them,
     the integer and alignment marks included (not a generic variant of the same tiles), and the
     start-up warm-up (moe_serve/kernel_warmup.py, run on CUDA before serving) met each one first."""
-    from kernels import specialization as sp
+    from moe_serve.kernels import specialization as sp
 
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     path = extra_checkpoints[arch] if arch in ("gpt_oss_mxfp4", "llama4", "deepseek_v32") else checkpoints[arch]

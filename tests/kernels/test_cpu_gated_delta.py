@@ -1,17 +1,27 @@
-"""Our C decode step of Gated DeltaNet layers (kernels/cpu_ops/gated_delta.c, the "cpu_c" linear
-attention backend) against the reference ops of kernels/gated_delta/reference.py."""
+"""Our C decode step of Gated DeltaNet layers (moe_serve/kernels/cpu_ops/gated_delta.c, the "cpu_c" linear
+attention backend) against the reference ops of moe_serve/kernels/gated_delta/reference.py, on every ISA
+of vec.h this CPU executes (the `isa` fixture, as in test_cpu_ops.py)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import cpu_ops
-from kernels.gated_delta import CpuCLinearAttention
-from kernels.gated_delta import reference as ref
+from moe_serve.kernels import cpu_ops
+from moe_serve.kernels.gated_delta import CpuCLinearAttention
+from moe_serve.kernels.gated_delta import reference as ref
 from moe_serve import platform
 from tests.gated_delta_batch import Batch, Dims
 
-pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the C kernels did not build here (no compiler, or no AVX-512)")
+pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the C kernels did not build here (no C compiler)")
+
+
+@pytest.fixture(params=cpu_ops.runnable_isas())
+def isa(request, monkeypatch):
+    """The test runs on vec.h's `request.param` build, its own library swapped in for the default."""
+    lib = cpu_ops.load_variant(request.param)
+    assert lib.cpu_ops_isa().decode() == request.param
+    monkeypatch.setattr(cpu_ops, "_lib", lambda: lib)
+    return request.param
 
 WIDE = Dims(H=4, K=128, V=72, C=300, KW=4, slots=12)  # V and C not multiples of a vector
 
@@ -22,7 +32,7 @@ WIDE = Dims(H=4, K=128, V=72, C=300, KW=4, slots=12)  # V and C not multiples of
                                   dict(query_lens=[1, 1, 40, 1], context_lens=[2, 0, 5, 7]),
                                   dict(query_lens=[1] * 5, context_lens=[4] * 5)],
                          ids=["decodes-some-fresh", "decodes-then-prefill", "decodes"])
-def test_cpu_c_backend_matches_reference(lens, dims, threads):
+def test_cpu_c_backend_matches_reference(lens, dims, threads, isa):
     """Outputs and every state slot (the untouched ones too) as the reference leaves them."""
     want = Batch(**lens, dims=dims, seed=threads)
     got = want.copy_caches()
@@ -46,7 +56,7 @@ def test_cpu_c_backend_matches_reference(lens, dims, threads):
                                atol=1e-5)
 
 
-def test_cpu_c_reads_heads_from_the_convolutions_rows():
+def test_cpu_c_reads_heads_from_the_convolutions_rows(isa):
     """q, k and v as the layer hands them: views of the convolution's output rows (a token stride
     of every channel), taken in place; without l2 normalisation too."""
     d = WIDE

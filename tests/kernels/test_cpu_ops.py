@@ -1,7 +1,13 @@
-"""Our C experts kernel (kernels/cpu_ops) against a float64 reference, and how it is built and chosen."""
+"""Our C kernels (moe_serve/kernels/cpu_ops) against float64 references, and how they are built and chosen.
+
+Every kernel test runs once for each ISA of vec.h this CPU executes (the `isa` fixture: avx512 where
+the CPU has AVX-512, avx2 where it has AVX2 and FMA, always the plain-C generic path; neon on aarch64),
+each variant a library of its own (`cpu_ops.load_variant`) that the module's functions and the
+backends call within the test. tests/kernels/test_cpu_ops_driver.py runs aarch64's paths under qemu."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -10,12 +16,22 @@ import textwrap
 import pytest
 import torch
 
-from kernels import cpu_ops
+from moe_serve.kernels import cpu_ops
 from attention.backends import CpuCAttention
-from kernels.grouped_gemm import CpuCExperts, fused_experts
-from kernels.grouped_gemm.reference import fused_experts_reference
+from moe_serve.kernels.grouped_gemm import CpuCExperts, fused_experts
+from moe_serve.kernels.grouped_gemm.reference import fused_experts_reference
 
-pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the C kernels did not build here (no compiler, or no AVX-512)")
+pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the C kernels did not build here (no C compiler)")
+
+
+@pytest.fixture(params=cpu_ops.runnable_isas())
+def isa(request, monkeypatch):
+    """The test runs on vec.h's `request.param` build: its own library, swapped in for the process's
+    default within the test (cpu_ops's functions and the cpu_c backends all call `_lib()`)."""
+    lib = cpu_ops.load_variant(request.param)
+    assert lib.cpu_ops_isa().decode() == request.param
+    monkeypatch.setattr(cpu_ops, "_lib", lambda: lib)
+    return request.param
 
 
 @contextlib.contextmanager
@@ -45,7 +61,7 @@ def _case(T, D, F, E, K, dtype, seed=0, held_elsewhere=False):
 @pytest.mark.parametrize("T,D,F,E,K", [(1, 64, 32, 8, 2), (5, 40, 24, 6, 3), (33, 128, 80, 16, 4),
                                        (7, 17, 9, 4, 2)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_matches_float64_reference(dtype, T, D, F, E, K, threads):
+def test_matches_float64_reference(dtype, T, D, F, E, K, threads, isa):
     """Shapes off the vector width (D=17, 40; F=9, 24; 2F and D not multiples of the 4-row tile),
     every row count 1..4 of a micro-tile, ids held elsewhere, one and two OpenMP threads."""
     x, w13, w2, wts, ids = _case(T, D, F, E, K, dtype, held_elsewhere=True)
@@ -56,7 +72,7 @@ def test_matches_float64_reference(dtype, T, D, F, E, K, threads):
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
 
 
-def test_silu_over_the_whole_float_range():
+def test_silu_over_the_whole_float_range(isa):
     """The vectorised exp of SiLU at extreme gate values (saturation to 0 and to the identity, no
     NaN or inf): one expert whose gate rows pick single input columns of large magnitude."""
     F, D = 32, 33
@@ -81,7 +97,7 @@ def test_silu_over_the_whole_float_range():
     (700, 256, 64, 2, 1, True),  # an expert beyond one panel group (1 MB of packed tokens)
     (300, 128, 80, 16, 4, True),  # experts on both sides of the panel threshold in one call
 ])
-def test_panel_path_matches_float64_reference(T, D, F, E, K, held, threads):
+def test_panel_path_matches_float64_reference(T, D, F, E, K, held, threads, isa):
     """Experts with many rows (prefill) take the outer-product panel kernel in float32: partial
     panels, several panel groups, ids held elsewhere, experts below the threshold in the same call."""
     x, w13, w2, wts, ids = _case(T, D, F, E, K, torch.float32, seed=T + D, held_elsewhere=held)
@@ -96,7 +112,7 @@ def test_panel_path_matches_float64_reference(T, D, F, E, K, held, threads):
     assert want > 0 and cpu_ops.panel_groups_run() - ran == want  # the panel path ran, group by group
 
 
-def test_fused_experts_takes_it_where_it_is_written_for():
+def test_fused_experts_takes_it_where_it_is_written_for(isa):
     """The cpu_c experts backend runs the C kernel for decode-sized batches, for prefill-sized ones
     too where the panel path takes the weights (float32, F % 4 == 0, D % 8 == 0), torch's ops for
     other prefill shapes and always in its capturable form; all agree with the reference."""
@@ -129,9 +145,9 @@ def test_built_once_and_torch_ops_without_a_compiler(tmp_path):
     script = textwrap.dedent("""
         import logging, sys, torch
         logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
-        from kernels import cpu_ops
-        from kernels.grouped_gemm import fused_experts
-        from kernels.grouped_gemm.reference import fused_experts_reference
+        from moe_serve.kernels import cpu_ops
+        from moe_serve.kernels.grouped_gemm import fused_experts
+        from moe_serve.kernels.grouped_gemm.reference import fused_experts_reference
         print("available", cpu_ops.available())
         g = torch.Generator().manual_seed(0)
         x = torch.randn(3, 32, generator=g); w13 = torch.randn(4, 32, 32, generator=g); w2 = torch.randn(4, 32, 16, generator=g)
@@ -161,6 +177,44 @@ def test_built_once_and_torch_ops_without_a_compiler(tmp_path):
     assert "available False" in bare and "no C compiler" in bare and "ok" in bare
 
 
+def test_isa_chosen_for_the_cpu_forced_by_env_and_named_in_status(tmp_path):
+    """The default build is the CPU's widest ISA (-march=native), named in status() and its reason;
+    MOE_SERVE_CPU_ISA builds another as a library of its own (the flags are in the cache key: a second
+    file), one this CPU cannot execute or an unknown name is refused with a reason (torch ops then);
+    load_variant leaves the process's default alone."""
+    native = cpu_ops.native_isa()
+    default = (os.environ.get("MOE_SERVE_CPU_ISA") or "native").lower()  # this process's choice
+    default = native if default == "native" else default
+    st = cpu_ops.status()
+    assert st["available"] and st["isa"] == default and default in st["reason"]
+    assert set(st) >= {"available", "reason", "path", "sources", "compiler", "isa"}
+    other = next(i for i in cpu_ops.runnable_isas() if i != default)
+    lib = cpu_ops.load_variant(other)
+    assert lib.cpu_ops_isa().decode() == other and lib._name != st["path"]
+    assert cpu_ops._lib().cpu_ops_isa().decode() == default and cpu_ops.status()["isa"] == default
+    other = next(i for i in cpu_ops.runnable_isas() if i != native)  # avx2 on AVX-512, generic elsewhere
+
+    script = ("import json; from moe_serve.kernels import cpu_ops; s = cpu_ops.status(); "
+              "print(json.dumps([s['available'], s['isa'], s['reason'], s['path']]))")
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+    def run(isa):
+        e = dict(os.environ, MOE_SERVE_CACHE=str(tmp_path), PYTHONPATH=repo, MOE_SERVE_CPU_ISA=isa)
+        r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=e, timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    ok, got, reason, path = run(other)
+    assert ok and got == other and f"MOE_SERVE_CPU_ISA={other}" in reason and native in reason
+    ok, got, _, native_path = run("native")
+    assert ok and got == native and native_path != path
+    assert len(list((tmp_path / "cpu_ops").glob("*.so"))) == 2
+    foreign = "neon" if cpu_ops._arch() != "aarch64" else "avx2"
+    for bad, why in ((foreign, "cannot execute"), ("sse9", "unknown ISA")):
+        ok, got, reason, _ = run(bad)
+        assert not ok and got is None and why in reason and f"MOE_SERVE_CPU_ISA={bad}" in reason
+
+
 def _rms64(h, w, eps):
     h = h.double()
     return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * w.double()
@@ -168,7 +222,7 @@ def _rms64(h, w, eps):
 
 @pytest.mark.parametrize("shape", [(1, 512), (7, 17), (33, 64), (3, 4, 40), (2048, 96)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_rms_norm_matches_float64(shape, threads):
+def test_rms_norm_matches_float64(shape, threads, isa):
     g = torch.Generator().manual_seed(sum(shape))
     x = torch.randn(*shape, generator=g) * 3
     r = torch.randn(*shape, generator=g)
@@ -182,7 +236,7 @@ def test_rms_norm_matches_float64(shape, threads):
     torch.testing.assert_close(got_r.double(), _rms64(x + r, w, 1e-5), rtol=1e-5, atol=1e-5)
 
 
-def test_rms_norm_strided_rows_and_what_it_refuses():
+def test_rms_norm_strided_rows_and_what_it_refuses(isa):
     """Rows of a wider tensor (a column slice, as q of a fused projection) are read in place; shapes
     the kernel does not take (non-contiguous rows, half precision) fall back to torch in RMSNorm."""
     from moe_serve.layers.norm import RMSNorm
@@ -210,7 +264,7 @@ def test_rms_norm_strided_rows_and_what_it_refuses():
 
 @pytest.mark.parametrize("N,G,H,bs", [(8, 2, 64, 16), (4, 4, 40, 4), (12, 1, 16, 1), (2, 2, 17, 3)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_decode_attention_matches_float64(N, G, H, bs, threads):
+def test_decode_attention_matches_float64(N, G, H, bs, threads, isa):
     """One query per sequence over paged keys in scattered blocks (contexts 1 .. a few blocks, one
     of length 0 skipped by the caller is not passed), grouped heads, head sizes off the vector width."""
     g = torch.Generator().manual_seed(N * 100 + H)
@@ -239,7 +293,7 @@ def test_decode_attention_matches_float64(N, G, H, bs, threads):
         torch.testing.assert_close(got[b].double(), ref, rtol=1e-5, atol=1e-5)
 
 
-def test_reference_backend_takes_it_for_the_decodes_of_a_mixed_step():
+def test_reference_backend_takes_it_for_the_decodes_of_a_mixed_step(isa):
     """The cpu_c attention backend runs a step's leading decodes through the C kernel (a mixed step
     with prefill chunks after them too) and gives what the torch backend's SDPA path gives."""
     from attention.backends import reference as ref
@@ -272,7 +326,7 @@ def test_reference_backend_takes_it_for_the_decodes_of_a_mixed_step():
 
 @pytest.mark.parametrize("N,G,H,bs", [(8, 2, 64, 16), (4, 4, 40, 4), (3, 1, 16, 1), (6, 2, 96, 8)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_prefill_attention_matches_float64(N, G, H, bs, threads):
+def test_prefill_attention_matches_float64(N, G, H, bs, threads, isa):
     """Causal query chunks over paged contexts in scattered blocks, against a float64 reference:
     whole prompts, a chunk after cached tokens (prefix hits, earlier chunks), single-token rows,
     a long chunk (scores across several 64-key blocks), grouped heads (1-4 query heads per kv head,
@@ -314,7 +368,7 @@ def test_prefill_attention_matches_float64(N, G, H, bs, threads):
         torch.testing.assert_close(out[q0:q0 + ql].double(), ref, rtol=1e-5, atol=1e-5)
 
 
-def test_reference_backend_takes_it_for_prefill_chunks():
+def test_reference_backend_takes_it_for_prefill_chunks(isa):
     """The cpu_c attention backend runs a step's prefill chunks (after its decodes) in one C call
     and gives what the torch backend's per-sequence SDPA path gives (which runs no C kernel)."""
     from attention.backends import reference as ref
@@ -346,10 +400,10 @@ def test_reference_backend_takes_it_for_prefill_chunks():
 
 @pytest.mark.parametrize("M,K,N", [(1, 576, 576), (3, 40, 17), (16, 64, 96), (5, 17, 1030)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_linear_bf16_weight_matches_float64(M, K, N, threads):
+def test_linear_bf16_weight_matches_float64(M, K, N, threads, isa):
     """Decode rows over a bf16 weight (the weight-row prefetch runs past tile ends and the row tail
     N % 4 is taken), and the cpu_c linear backend routes such calls to it, bias included."""
-    from kernels.linear import CpuCLinear
+    from moe_serve.kernels.linear import CpuCLinear
 
     linear = CpuCLinear()
 
@@ -372,12 +426,12 @@ def test_linear_bf16_weight_matches_float64(M, K, N, threads):
 @pytest.mark.parametrize("M,K,N", [(1, 512, 512), (4, 40, 17), (5, 64, 96), (17, 33, 40), (48, 100, 8),
                                    (96, 128, 200)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_linear_float32_weight_matches_float64(M, K, N, threads):
+def test_linear_float32_weight_matches_float64(M, K, N, threads, isa):
     """Float32 weights: the dot-product tiles up to 4 rows (any N), the panel kernel from 5 to 96
     rows (N % 8 == 0; partial panels, K off the vector width, more rows than threads have blocks),
     strided input rows and a bias; the cpu_c linear backend routes to it; prefill rows and N % 8 != 0 above
     4 rows stay with torch."""
-    from kernels.linear import CpuCLinear
+    from moe_serve.kernels.linear import CpuCLinear
 
     linear = CpuCLinear()
 
@@ -398,7 +452,7 @@ def test_linear_float32_weight_matches_float64(M, K, N, threads):
 
 @pytest.mark.parametrize("hd,rot,norm", [(64, 64, True), (64, 64, False), (128, 64, True), (40, 24, False)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_norm_rope_matches_float64(hd, rot, norm, threads):
+def test_norm_rope_matches_float64(hd, rot, norm, threads, isa):
     """Per-head RMSNorm and RoPE of q/k in one pass against a float64 rotate_half reference: token
     rows strided (q as a slice of a wider projection), partial rotary (rot < hd), odd positions."""
     from moe_serve.layers.rotary import RotaryEmbedding
@@ -427,7 +481,7 @@ def test_norm_rope_matches_float64(hd, rot, norm, threads):
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=2e-5)
 
 
-def test_norm_rope_refuses_positions_outside_the_table():
+def test_norm_rope_refuses_positions_outside_the_table(isa):
     from moe_serve.layers.rotary import RotaryEmbedding
 
     rope = RotaryEmbedding(16, {"rope_theta": 10000.0, "rope_type": "default"}, 32)

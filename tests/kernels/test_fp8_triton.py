@@ -5,10 +5,10 @@ that a K tile does not divide (one scale per element then)."""
 import pytest
 import torch
 
-from kernels.grouped_gemm import config as cfg_mod
-from kernels.grouped_gemm import fused_experts
-from kernels.grouped_gemm.reference import fused_experts_float64
-from kernels.grouped_gemm.triton_kernel import fused_experts_triton
+from moe_serve.kernels.grouped_gemm import config as cfg_mod
+from moe_serve.kernels.grouped_gemm import fused_experts
+from moe_serve.kernels.grouped_gemm.reference import fused_experts_float64
+from moe_serve.kernels.grouped_gemm.triton_kernel import fused_experts_triton
 from moe_serve.quantization.fp8 import BlockFp8Experts, FP8, quantize_blocks
 from tests.kernels.test_grouped_gemm import layer, rel_err, routing
 
@@ -64,7 +64,7 @@ def test_fp8_scale_shapes_are_checked():
 @pytest.mark.parametrize("M", [1, 5, 70])
 @pytest.mark.parametrize("block,bias", [((128, 128), False), ((16, 24), True)], ids=["128x128", "16x24-bias"])
 def test_fp8_linear_matches_float64_on_dequantized_weights(M, block, bias):
-    from kernels.fp8_linear import fp8_linear_triton
+    from moe_serve.kernels.fp8_linear import fp8_linear_triton
     from moe_serve.quantization.fp8 import dequantize_blocks
 
     gen = torch.Generator().manual_seed(M + block[1])
@@ -103,7 +103,7 @@ def test_engine_fp8_checkpoint_on_the_triton_expert_backend(checkpoints, tmp_pat
 def test_w8a8_experts_match_oracle_with_quantized_activations(config):
     """W8A8: activations quantized per token per 128 channels (the test's own float64 quantizer
     for the oracle), FP8 x FP8 per K tile rescaled by both scales."""
-    from kernels.fp8_quant import quantize_per_token_group_reference as quant
+    from moe_serve.kernels.fp8_quant import quantize_per_token_group_reference as quant
 
     T, D, F, E, K = 9, 200, 136, 4, 2  # two K blocks of 128 in both GEMMs, the second partial
     block = (128, 128)
@@ -137,8 +137,8 @@ def test_w8a8_experts_match_oracle_with_quantized_activations(config):
 
 @pytest.mark.parametrize("M", [1, 40])
 def test_w8a8_linear_matches_float64_with_quantized_activations(M):
-    from kernels.fp8_linear import fp8_linear_triton
-    from kernels.fp8_quant import quantize_per_token_group_reference as quant
+    from moe_serve.kernels.fp8_linear import fp8_linear_triton
+    from moe_serve.kernels.fp8_quant import quantize_per_token_group_reference as quant
     from moe_serve.quantization.fp8 import dequantize_blocks
 
     gen = torch.Generator().manual_seed(M)
@@ -158,7 +158,7 @@ def test_activation_quant_kernel_matches_reference(M, K):
     """The per-token-group FP8 quantization kernel itself (the interpreter here: its scaled values,
     rounded to FP8 by torch) gives the reference's FP8 values and scales exactly: partial last
     groups, an all-zero group (scale 1), values at the clamp."""
-    from kernels import fp8_quant
+    from moe_serve.kernels import fp8_quant
 
     gen = torch.Generator().manual_seed(M * K)
     x = (torch.randn(M, K, generator=gen) * 50).to(torch.bfloat16)

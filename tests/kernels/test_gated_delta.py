@@ -1,4 +1,4 @@
-"""Triton Gated DeltaNet kernels (kernels/gated_delta/triton_kernels.py) against the reference.
+"""Triton Gated DeltaNet kernels (moe_serve/kernels/gated_delta/triton_kernels.py) against the reference.
 
 Without a GPU the kernels run under the Triton interpreter on the CPU (TRITON_INTERPRET=1 is set
 before the kernel modules are imported; see conftest.py); with one they are compiled. Sizes are
@@ -16,10 +16,10 @@ if not torch.cuda.is_available():
 
 import pytest
 
-from kernels import specialization as sp
-from kernels.gated_delta import LinearAttentionShape, TritonLinearAttention
-from kernels.gated_delta import reference as ref
-from kernels.gated_delta import triton_kernels as tk
+from moe_serve.kernels import specialization as sp
+from moe_serve.kernels.gated_delta import LinearAttentionShape, TritonLinearAttention
+from moe_serve.kernels.gated_delta import reference as ref
+from moe_serve.kernels.gated_delta import triton_kernels as tk
 from tests.gated_delta_batch import Batch, Dims
 
 DEVICE = "cpu" if tk.INTERPRETED or not torch.cuda.is_available() else "cuda"

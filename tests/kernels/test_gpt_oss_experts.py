@@ -5,9 +5,9 @@ own unpacking of the same bytes."""
 import pytest
 import torch
 
-from kernels.grouped_gemm import TorchExperts, fused_experts
-from kernels.grouped_gemm.mxfp4 import Mxfp4Weight, dequantize_mxfp4
-from kernels.grouped_gemm.reference import ClampedSwiGLU, fused_experts_float64, fused_experts_reference
+from moe_serve.kernels.grouped_gemm import TorchExperts, fused_experts
+from moe_serve.kernels.grouped_gemm.mxfp4 import Mxfp4Weight, dequantize_mxfp4
+from moe_serve.kernels.grouped_gemm.reference import ClampedSwiGLU, fused_experts_float64, fused_experts_reference
 from tests.checkpoints import pack_mxfp4
 from tests.kernels.test_grouped_gemm import rel_err, routing
 
@@ -74,7 +74,7 @@ def test_gpt_oss_variant_matches_float64(T, K, skip):
 def test_mxfp4_experts_in_chunks(monkeypatch):
     """Expert sets larger than MAX_DEQUANT_BYTES run in chunks, routed-only and whole-layer alike,
     with the numbers of one pass."""
-    from kernels.grouped_gemm import mxfp4
+    from moe_serve.kernels.grouped_gemm import mxfp4
 
     gen = torch.Generator().manual_seed(5)
     x, w13, w2, b13, b2 = gpt_oss_layer(12, 64, 32, 8, gen)

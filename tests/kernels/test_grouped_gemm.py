@@ -15,11 +15,11 @@ import json
 
 import pytest
 
-from kernels.grouped_gemm import config as cfg_mod
-from kernels.grouped_gemm import fused_experts
-from kernels.grouped_gemm import triton_kernel as tk
-from kernels.grouped_gemm.align import align_block_size, max_padded_pairs
-from kernels.grouped_gemm.reference import fused_experts_float64
+from moe_serve.kernels.grouped_gemm import config as cfg_mod
+from moe_serve.kernels.grouped_gemm import fused_experts
+from moe_serve.kernels.grouped_gemm import triton_kernel as tk
+from moe_serve.kernels.grouped_gemm.align import align_block_size, max_padded_pairs
+from moe_serve.kernels.grouped_gemm.reference import fused_experts_float64
 
 DEVICE = "cpu" if tk.INTERPRETED or not torch.cuda.is_available() else "cuda"
 # Norm-wise relative error bounds against the float64 oracle. bf16 is looser than the usual 1e-2:
@@ -196,7 +196,7 @@ def test_config_loader_picks_nearest_batch_size(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error path")
 def test_tune_exits_2_without_a_gpu(capsys):
-    from kernels.grouped_gemm.tune import main
+    from moe_serve.kernels.grouped_gemm.tune import main
 
     assert main(["--E", "8", "--N", "64", "--K", "64", "--dtype", "bf16"]) == 2
     assert "CUDA" in capsys.readouterr().err
@@ -211,14 +211,14 @@ def test_interpreter_switch_survives_an_earlier_triton_import():
 
     code = (
         "import os, sys, torch\n"
-        "import triton, kernels.grouped_gemm.triton_kernel as tk\n"
+        "import triton, moe_serve.kernels.grouped_gemm.triton_kernel as tk\n"
         "assert not tk.INTERPRETED\n"
         "os.environ['TRITON_INTERPRET'] = '1'\n"
         "import tests.kernels.conftest\n"
-        "tk = sys.modules['kernels.grouped_gemm.triton_kernel']\n"
+        "tk = sys.modules['moe_serve.kernels.grouped_gemm.triton_kernel']\n"
         "x, w13, w2 = torch.randn(3, 16), torch.randn(2, 32, 16), torch.randn(2, 16, 16)\n"
         "ids, w = torch.tensor([[0], [1], [-1]]), torch.ones(3, 1)\n"
-        "from kernels.grouped_gemm.reference import fused_experts_reference as ref\n"
+        "from moe_serve.kernels.grouped_gemm.reference import fused_experts_reference as ref\n"
         "assert torch.allclose(tk.fused_experts_triton(x, w13, w2, w, ids), ref(x, w13, w2, w, ids), atol=1e-4)\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -3,9 +3,9 @@ token, one token, and no device-to-host read inside (it compiles as one graph)."
 import pytest
 import torch
 
-from kernels.grouped_gemm import TorchExperts, fused_experts
-from kernels.grouped_gemm.grouped_mm import fused_experts_grouped, fused_experts_single_token, grouped_mm_available
-from kernels.grouped_gemm.reference import fused_experts_float64
+from moe_serve.kernels.grouped_gemm import TorchExperts, fused_experts
+from moe_serve.kernels.grouped_gemm.grouped_mm import fused_experts_grouped, fused_experts_single_token, grouped_mm_available
+from moe_serve.kernels.grouped_gemm.reference import fused_experts_float64
 from tests.sync_guard import HostSyncError, NoHostSync
 from tests.kernels.test_grouped_gemm import layer, rel_err, routing
 
@@ -40,7 +40,7 @@ def test_grouped_matches_float64_oracle(case):
         assert torch.equal(fused_experts_grouped(x, w13, w2, weights, ids, all_local=True), got)
     # The torch backend takes this path for float32 where only device-side paths are allowed (its
     # capturable form) and gives the same numbers; otherwise a single token takes the per-token
-    # path, and on the cpu_c backend decode-sized batches take the C kernel (kernels/cpu_ops): the
+    # path, and on the cpu_c backend decode-sized batches take the C kernel (moe_serve/kernels/cpu_ops): the
     # same sums in another order.
     assert torch.equal(fused_experts(x, w13, w2, weights, ids, backend=TorchExperts("cpu", host_reads=False)), got)
     for backend in ("torch", "cpu_c"):
@@ -87,7 +87,7 @@ def test_grouped_has_no_host_sync():
         got = fused_experts_grouped(x, w13, w2, weights, ids)
     assert rel_err(got, fused_experts_float64(x, w13, w2, weights, ids)) < 1e-5
     # The guard does catch a sync: the per-expert loop reads its counts on the host.
-    from kernels.grouped_gemm.reference import fused_experts_reference
+    from moe_serve.kernels.grouped_gemm.reference import fused_experts_reference
 
     with pytest.raises(HostSyncError), NoHostSync():
         fused_experts_reference(x, w13, w2, weights, ids)

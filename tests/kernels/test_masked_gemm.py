@@ -14,8 +14,8 @@ if not torch.cuda.is_available():
 
 import pytest
 
-from kernels.grouped_gemm import config as cfg_mod
-from kernels.grouped_gemm import masked
+from moe_serve.kernels.grouped_gemm import config as cfg_mod
+from moe_serve.kernels.grouped_gemm import masked
 from tests.kernels.test_grouped_gemm import DEVICE, SMALL, TALL, poisoned_workspace, rel_err  # noqa: F401
 
 RTOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -103,7 +103,7 @@ def test_moe_layer_runs_the_masked_kernel_on_deepep_low_latency_output():
     rows equal to the generic grouped GEMM's on the flat form) and to the generic path otherwise."""
     from expert_parallel.runtime.dispatch.deepep import low_latency_output
     from expert_parallel.runtime.layer import GroupedExperts, expert_outputs, masked_applies
-    from kernels.grouped_gemm import TorchExperts, TritonExperts
+    from moe_serve.kernels.grouped_gemm import TorchExperts, TritonExperts
 
     E, C, D, F = 3, 20, 48, 32
     counts = [7, 0, 20]

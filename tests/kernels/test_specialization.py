@@ -1,11 +1,11 @@
-"""kernels/specialization.py derives a launch's compile key by Triton's rules: its written-out rules
+"""moe_serve/kernels/specialization.py derives a launch's compile key by Triton's rules: its written-out rules
 (used where a Triton has no `native_specialize_impl`) agree with Triton's own function, and a
 recorded launch keys exactly the arguments Triton keys (do_not_specialize honoured, constexpr
 defaults filled in)."""
 import pytest
 import torch
 
-from kernels import specialization as sp
+from moe_serve.kernels import specialization as sp
 
 VALUES = [0, 1, 2, 8, 15, 16, 17, 24, 48, 576, -16, -1, 2**31 - 1, 2**31, 2**33, 3.5, True, False,
           torch.empty(8, dtype=torch.bfloat16), torch.empty(8, dtype=torch.bfloat16)[1:],

@@ -136,8 +136,9 @@ def test_fp8_checkpoint_greedy_matches_transformers_on_dequantized_weights(check
 def test_fp8_weights_stay_fp8_in_memory(checkpoints, tmp_path, monkeypatch, half_matmul):
     """FP8 layers keep one byte a weight whatever the CPU; every other weight is held as the
     platform's policy holds it in the bf16 model (moe_serve/prepare.py: GEMM weights widened to
-    float32 on a CPU without bf16 matrix instructions, both kinds of CPU stood in here)."""
-    from kernels import cpu_gemm
+    float32 on a CPU without bf16 matrix instructions unless our C kernels run them, both kinds of
+    CPU stood in here)."""
+    from moe_serve.kernels import cpu_gemm
     from moe_serve.prepare import gemm_weight_dtype
 
     monkeypatch.setattr(cpu_gemm, "cpu_has_half_matmul", lambda: half_matmul)
@@ -153,8 +154,10 @@ def test_fp8_weights_stay_fp8_in_memory(checkpoints, tmp_path, monkeypatch, half
             assert p.dtype != FP8, n
     bf16_llm = LLM(src, dtype="bfloat16", kv_cache_memory=1 << 20, show_progress=False)
     bf16_model = bf16_llm.engine.runner.model
-    gemm_dtype = gemm_weight_dtype(torch.bfloat16, torch.device("cpu"))
-    assert gemm_dtype == (torch.bfloat16 if half_matmul else torch.float32)
+    c_kernels = bf16_llm.engine.cfg.moe_backend == bf16_llm.engine.cfg.linear_backend == "cpu_c"
+    gemm_dtype = gemm_weight_dtype(torch.bfloat16, torch.device("cpu"), c_kernels)
+    # bf16 stays bf16 where the CPU multiplies it or our C kernels widen it in registers.
+    assert gemm_dtype == (torch.bfloat16 if half_matmul or c_kernels else torch.float32)
     assert bf16_model.model.layers[0].self_attn.q_a_proj.weight.dtype == gemm_dtype  # the policy, as served
     bf16_params = dict(bf16_model.named_parameters())
     quantized = set(fp8_params)

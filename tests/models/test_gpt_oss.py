@@ -85,7 +85,7 @@ def test_sliding_layers_free_blocks_out_of_their_window(extra_checkpoints):
 
 def test_mxfp4_experts_stay_compressed(extra_checkpoints):
     """On the CPU the expert weights are the checkpoint's uint8 blocks and scales: no dense copy."""
-    from kernels.grouped_gemm.mxfp4 import Mxfp4Weight
+    from moe_serve.kernels.grouped_gemm.mxfp4 import Mxfp4Weight
     from moe_serve.models.gpt_oss import Mxfp4Experts
 
     llm = LLM(extra_checkpoints["gpt_oss_mxfp4"], dtype="float32", kv_cache_memory=1 << 20, show_progress=False)

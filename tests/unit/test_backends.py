@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import cpu_ops
-from kernels.norm import TorchNorm
+from moe_serve.kernels import cpu_ops
+from moe_serve.kernels.norm import TorchNorm
 from moe_serve import LLM, SamplingParams, platform
 from moe_serve.layers.norm import RMSNorm
 
@@ -64,7 +64,7 @@ def _kinds(llm: LLM) -> dict[str, str]:
 
 def test_cpu_default_and_torch_backends_agree_and_are_the_ones_bound(checkpoints):
     """The CPU default is cpu_c for every kind that has it where our C kernels built (torch ops
-    where they did not: no compiler, no AVX-512, MOE_SERVE_CPU_OPS=0); torch ops only when asked;
+    where they did not: no compiler, a forced ISA this CPU lacks, MOE_SERVE_CPU_OPS=0); torch ops only when asked;
     both give the same greedy tokens (the C kernels sum in another order, the choices agree)."""
     llm_auto, got_auto = _generate(checkpoints["deepseek_v3"])
     default = "cpu_c" if cpu_ops.available() else "torch"
@@ -133,13 +133,13 @@ def test_capturable_forms_run_no_c_kernel_and_read_no_host_ids(checkpoints):
 
 
 # What a forward path may not do outside the backend objects: ask which device it is on, or
-# whether a library is there. The backends (attention/backends/__init__.py, kernels/grouped_gemm/
-# __init__.py, kernels/linear.py, kernels/norm.py) and start-up code (platform, runner) may.
+# whether a library is there. The backends (attention/backends/__init__.py, moe_serve/kernels/grouped_gemm/
+# __init__.py, moe_serve/kernels/linear.py, moe_serve/kernels/norm.py) and start-up code (platform, runner) may.
 FORWARD_PATHS = ["moe_serve/layers", "moe_serve/models", "attention/layer.py", "attention/metadata.py",
-                 "attention/backends/reference.py", "kernels/gated_delta/reference.py",
+                 "attention/backends/reference.py", "moe_serve/kernels/gated_delta/reference.py",
                  "expert_parallel/runtime/layer.py", "expert_parallel/runtime/router.py",
                  "expert_parallel/runtime/overlap.py",
-                 "kernels/grouped_gemm/reference.py", "kernels/grouped_gemm/grouped_mm.py", "kernels/cpu_gemm.py"]
+                 "moe_serve/kernels/grouped_gemm/reference.py", "moe_serve/kernels/grouped_gemm/grouped_mm.py", "moe_serve/kernels/cpu_gemm.py"]
 DEVICE_TESTS = r"is_cpu|is_cuda|device\.type|cuda\.is_available|cpu_ops\.|_available\(|suspended"
 
 

@@ -28,7 +28,7 @@ def _cpu_flags() -> set[str]:
 @pytest.mark.parametrize("cpu_ops_env, backend", [({}, None), ({"MOE_SERVE_CPU_OPS": "0"}, "torch")],
                          ids=["as-is", "c-kernels-off"])
 def test_env_names_the_isa_and_the_kernels_the_engine_uses(checkpoints, cpu_ops_env, backend):
-    from kernels import cpu_ops
+    from moe_serve.kernels import cpu_ops
     from moe_serve.entrypoints.env import ISA_FLAGS
 
     env = _env(**cpu_ops_env)

@@ -1,4 +1,4 @@
-"""Gated DeltaNet: the reference (kernels/gated_delta/reference.py) against transformers' own torch
+"""Gated DeltaNet: the reference (moe_serve/kernels/gated_delta/reference.py) against transformers' own torch
 functions for Qwen3-Next, run one sequence at a time, and the torch backend against the reference.
 
 Batches are ragged: fresh sequences (context 0, whose slot holds garbage that must not be read),
@@ -12,16 +12,33 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
-from kernels.gated_delta import TorchLinearAttention
-from kernels.gated_delta import reference as ref
+from moe_serve.kernels.gated_delta import TorchLinearAttention
+from moe_serve.kernels.gated_delta import reference as ref
 from tests.gated_delta_batch import DIMS, Batch
 from tests.sync_guard import NoHostSync
 
-# transformers' torch paths themselves (its wrappers would dispatch to FLA or hub kernels if installed)
-hf_recurrent = hf.torch_recurrent_gated_delta_rule.__wrapped__
-hf_chunk = hf.torch_chunk_gated_delta_rule.__wrapped__
-hf_conv_update = hf.causal_conv1d_update.__wrapped__
-hf_conv_fn = hf.causal_conv1d_fn.__wrapped__
+
+
+def torch_path(f):
+    """transformers' own torch function under its wrappers, which would dispatch to FLA or hub kernels
+    where installed: functools.wraps layers (`__wrapped__`) and, with Hugging Face's kernels package
+    installed (transformers 5.25 on), a module whose forward closes over the function (`func`)."""
+    for _ in range(8):
+        if hasattr(f, "__wrapped__"):
+            f = f.__wrapped__
+        elif isinstance(f, torch.nn.Module):
+            fw = type(f).forward
+            f = fw.__closure__[fw.__code__.co_freevars.index("func")].cell_contents
+        else:
+            return f
+    raise RuntimeError(f"could not unwrap {f!r}")
+
+
+hf_recurrent = torch_path(hf.torch_recurrent_gated_delta_rule)
+hf_chunk = torch_path(hf.torch_chunk_gated_delta_rule)
+hf_conv_update = torch_path(hf.causal_conv1d_update)
+hf_conv_fn = torch_path(hf.causal_conv1d_fn)
+assert hf_recurrent.__module__ == hf.__name__ and hf_recurrent.__name__ == "torch_recurrent_gated_delta_rule"
 
 
 def hf_delta(batch: Batch, b: int, oracle):

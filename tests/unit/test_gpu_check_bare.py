@@ -47,10 +47,10 @@ import importlib.util, runpy, sys
 for path in ("bench/kernels.py", "bench/decode_sol.py"):
     spec = importlib.util.spec_from_file_location("m_" + path.split("/")[1][:-3], path)
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
-import kernels.aot_check, bench.sol
+import moe_serve.kernels.aot_check, bench.sol
 # what bench/kernels.py's checks import when they run (on the GPU machine, without the engine's dependencies)
-import attention.backends.dsa, attention.backends.triton_dsa, kernels.fp8_quant, kernels.fp8_linear
-import kernels.gated_delta.reference, kernels.gated_delta.triton_kernels, kernels.grouped_gemm.masked
+import attention.backends.dsa, attention.backends.triton_dsa, moe_serve.kernels.fp8_quant, moe_serve.kernels.fp8_linear
+import moe_serve.kernels.gated_delta.reference, moe_serve.kernels.gated_delta.triton_kernels, moe_serve.kernels.grouped_gemm.masked
 import moe_serve.quantization.fp8
 from bench.decode_sol import ModelOnlyDecoder, engine_importable
 assert engine_importable() in ("msgspec", "tqdm", "tokenizers"), engine_importable()

@@ -30,6 +30,13 @@ def test_every_dashboard_query_names_an_exported_metric():
             assert types[name] == "counter", name
         else:
             assert types[name] == "gauge", name
+    labels: dict[str, set] = {}  # each series' label names, as exported
+    for name, lab in re.findall(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)\{([^}]*)\}", exposition, re.M):
+        labels.setdefault(name, set()).update(re.findall(r'(\w+)="', lab))
+    for p in dash["panels"]:  # a legend's {{label}} is one its series carry
+        for t in p["targets"]:
+            for lab in re.findall(r"\{\{(\w+)\}\}", t.get("legendFormat", "")):
+                assert all(lab in labels[n] for n in re.findall(r"moe_serve:[a-z0-9_]+", t["expr"])), (p["title"], lab)
     for e in exprs:  # rates and quantiles only over counters and histogram buckets
         for fn, arg in re.findall(r"(rate|increase)\((moe_serve:[a-z0-9_]+)", e):
             assert arg.endswith(("_total", "_bucket")), e

@@ -1,5 +1,7 @@
 """Weights are prepared once at load: no step converts a parameter. On a CPU without half-precision
-matrix instructions a bf16 model's GEMM weights are float32 from load on, and nothing else is."""
+matrix instructions a bf16 model's GEMM weights stay bf16 where our C kernels run the experts and
+linear layers (widened in registers), and are float32 from load on where torch's GEMMs would run
+them; nothing else is converted."""
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -26,17 +28,19 @@ class ParamConversions(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.parametrize("backend", ["cpu_c", "torch"])
 @pytest.mark.parametrize("half_matmul", [True, False], ids=["cpu-with-bf16-matmul", "cpu-without"])
 @pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])
-def test_bf16_weights_converted_at_most_once(checkpoints, arch, half_matmul, monkeypatch):
-    import kernels.cpu_gemm as cpu_gemm
+def test_bf16_weights_converted_at_most_once(checkpoints, arch, half_matmul, backend, monkeypatch):
+    import moe_serve.kernels.cpu_gemm as cpu_gemm
 
     # Both kinds of CPU, whichever this one is: the decision and the GEMMs read this function.
     monkeypatch.setattr(cpu_gemm, "cpu_has_half_matmul", lambda: half_matmul)
-    llm = LLM(checkpoints[arch], dtype="bfloat16", kv_cache_memory=1 << 22, show_progress=False)
+    llm = LLM(checkpoints[arch], dtype="bfloat16", kv_cache_memory=1 << 22, show_progress=False,
+              moe_backend=backend, linear_backend=backend)
     model = llm.engine.runner.model
-    gemm = gemm_weight_dtype(torch.bfloat16, torch.device("cpu"))
-    assert gemm == (torch.bfloat16 if half_matmul else torch.float32)
+    gemm = gemm_weight_dtype(torch.bfloat16, torch.device("cpu"), c_kernels=backend == "cpu_c")
+    assert gemm == (torch.bfloat16 if half_matmul or backend == "cpu_c" else torch.float32)
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
     assert model.model.norm.weight.dtype == torch.bfloat16
     experts = [m for m in model.modules() if hasattr(m, "w13")]

@@ -32,7 +32,7 @@ from expert_parallel.runtime.step import NO_STEP, MoEStep
 class DispatchOutput:
     """expert_major: (x_ECD, count_E) when the backend received an expert-major layout (DeepEP's
     low-latency mode: count_E[e] valid rows of x_ECD[e] for local expert e, x_RD its (E*C, D) view);
-    the MoE layer then runs the masked grouped GEMM on it (kernels/grouped_gemm/masked.py) and
+    the MoE layer then runs the masked grouped GEMM on it (moe_serve/kernels/grouped_gemm/masked.py) and
     returns y_RD in the same layout, unweighted. None for every other backend."""
     x_RD: torch.Tensor
     topk_ids_RK: torch.Tensor

@@ -26,7 +26,7 @@ clean_low_latency_buffer after normal kernels before the next low-latency kernel
                low_latency_combine applies the routing weights itself, so y_RD rows must be
                *unweighted* expert outputs, which a GEMM given weight 1 produces. The output also
                carries expert_major = (x_ECD, recv_count_E): the MoE layer then runs the masked
-               grouped GEMM (kernels/grouped_gemm/masked.py) on the (E, C, D) layout, which computes
+               grouped GEMM (moe_serve/kernels/grouped_gemm/masked.py) on the (E, C, D) layout, which computes
                and writes only the recv_count_E[e] valid rows of each expert (low_latency_combine
                sends only those back), instead of all E*C rows through the generic kernel.
 "auto" picks from the largest T over the group. The engine agrees on that once per step (the core

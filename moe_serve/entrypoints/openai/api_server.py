@@ -167,7 +167,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, max_model_len: int, a
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(engine.metrics.render(served_model_name, engine.stats()),
+        return PlainTextResponse(engine.metrics.render(served_model_name, engine.stats(), engine.rank_stats),
                                  media_type="text/plain; version=0.0.4")
 
     async def handle(request: Request, typ, fn, prefix: str, error_response=error_response):

@@ -137,10 +137,15 @@ class ErrorResponse(msgspec.Struct):
 
 
 # --- responses --------------------------------------------------------------------------------
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
 class UsageInfo(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(msgspec.Struct):

@@ -421,7 +421,8 @@ def _output_items(message: P.ChatMessageOut) -> list[dict]:
 
 
 def _usage(u: P.UsageInfo) -> dict:
-    return {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+    cached = u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details is not None else 0
+    return {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": cached},
             "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": u.total_tokens}
 

@@ -652,7 +652,8 @@ def _error_of(out) -> str | None:
 
 def _usage(stream) -> P.UsageInfo:
     return P.UsageInfo(stream.num_prompt_tokens, stream.num_output_tokens,
-                       stream.num_prompt_tokens + stream.num_output_tokens)
+                       stream.num_prompt_tokens + stream.num_output_tokens,
+                       P.PromptTokensDetails(getattr(stream, "num_cached_tokens", 0)))
 
 
 def _sse(obj) -> bytes:

@@ -1,0 +1,657 @@
+"""Compile every Triton kernel configuration the engine can choose, ahead of time, for NVIDIA GPUs.
+
+    python -m moe_serve.kernels.aot_check --arch 90 100      # sm_90 (H100/H200) and sm_100 (B200/GB200)
+    python -m moe_serve.kernels.aot_check --only attn        # kernels or configurations whose name has "attn"
+    python -m moe_serve.kernels.aot_check --list             # what would be compiled, without compiling
+    python -m moe_serve.kernels.aot_check --quick --dtype bf16   # one per kernel / dtype / code path (the test suite's)
+
+No GPU is needed: `triton.compile` takes an `ASTSource` and a `GPUTarget`, and Triton's bundled
+ptxas turns the PTX into a cubin for the named architecture. What is compiled is what the backends
+launch: the variants each Triton backend declares (TritonExperts' configs and launches,
+TritonAttention.steps, TritonLinear.ROW_TILES: the same calls the start-up warm-up makes) are
+recorded from the backend's own launch, run for stand-in layers of a model's shapes on "meta"
+tensors (moe_serve/kernels/specialization.py), so each configuration's constexprs,
+launch options, argument types and Triton's marks on the arguments (an integer equal to 1 becomes a
+constant; integers divisible by 16 and 16-byte-aligned pointers are marked divisible, which decides
+whether loads vectorise) are those of the real launch. A compile without those marks is another
+variant, with more registers (it made the decode gate/up tile look like spilling 4.7 KB; as
+launched it spills nothing). The configurations, per model of MODELS (plus --model files) and
+dtype it is served in (bf16 / fp16; fp32 too for the small fp32 test checkpoint and --model files):
+  - grouped GEMM: each default config (decode / middle / prefill) and each entry of each tuned file
+    in moe_serve/kernels/grouped_gemm/configs/, gated (gate/up) and ungated (down), with block-FP8 weights and
+    W8A8 in bf16; the masked grouped GEMM (DeepEP's low-latency layout) likewise;
+  - top-k sum, KV / latent writes, paged attention (decode with and without split-K, prefill; the
+    sparse mode of DSA models) and the split reduce; the DSA indexer's scores; FP8 linear layers and activation quantization;
+  - linear attention (Gated DeltaNet) where the model has it: the convolution (decode and prefill
+    forms), the recurrent decode kernel and the chunked prefill pair, with the recurrent state
+    cached in float32 and in the model dtype.
+Identical configurations (same kernel, argument types and marks, constexprs, launch options) are
+compiled once. tests/kernels/test_aot_check.py checks that an engine run's launches are all among them.
+
+Each line gives registers per thread and spill-store bytes (ptxas -v: the numbers a GPU later
+reports as n_regs / n_spills) and the shared memory in the compiled kernel's metadata (`shared`);
+a kernel needing more shared memory than the architecture has counts as failed, since it would
+fail at its first launch. The last line is
+    aot: N configurations compiled for sm_90, sm_100; F failed
+where N counts configurations that compiled for every listed architecture and F those that failed
+for at least one; the exit status is 1 if F > 0. A grouped-GEMM configuration (default or tuned) or
+a decode configuration spilling more than --max-spill bytes per thread (64) on any architecture
+counts as failed, named on a SPILL line; the line before the compile time counts every spilling
+configuration and names the worst. Compiles run in a pool of --jobs processes, each
+into a fresh Triton cache (so nothing is a cache hit).
+"""
+from __future__ import annotations
+
+import os
+
+if __name__ in ("__main__", "__mp_main__"):  # the command and its compile workers, not an importer
+    # Compiled kernels, not the interpreter: @triton.jit reads this when the kernel modules load.
+    os.environ.pop("TRITON_INTERPRET", None)
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import io  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import shutil  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from concurrent.futures import ProcessPoolExecutor  # noqa: E402
+from dataclasses import dataclass, field, replace  # noqa: E402
+import multiprocessing  # noqa: E402
+
+import torch  # noqa: E402
+
+DTYPE_SIG = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+DTYPES = tuple(DTYPE_SIG)
+# Shared memory a block may use (the opt-in maximum): 227 KiB on both Hopper and Blackwell.
+MAX_SHARED = {90: 232448, 100: 232448}
+# The kernels, as "module:function".
+from moe_serve.kernels.specialization import (ATTN, FP8_LINEAR, GEMM, INDEX, LINEAR_ATTENTION, MASKED, QUANT,  # noqa: E402,F401
+                                    REDUCE, TOPK, WRITE)
+from moe_serve.kernels import specialization  # noqa: E402
+# Spill-store bytes per thread above which a grouped-GEMM or decode configuration fails the check
+# (--max-spill): a few words spilled around the epilogue cost nothing measurable, a register file's
+# worth of accumulator spilled in the main loop does.
+DEFAULT_MAX_SPILL = 64
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the kernel configurations depend on: hidden size D, top-k K of E experts of width F, and
+    the attention heads (GQA: N query heads over G kv heads of H (values Hv); MLA: N heads over a
+    latent of L + R). Sizes matter beyond the tiles: Triton marks each integer argument divisible
+    by 16 or not, and compiles a variant per mark."""
+    name: str
+    D: int
+    K: int
+    N: int
+    E: int = 8
+    F: int = 0
+    G: int = 1
+    H: int = 0
+    Hv: int = 0
+    L: int = 0
+    R: int = 0
+    # The engine serves a checkpoint in its own dtype (dtype="auto") or the one asked for. These
+    # checkpoints are bf16, and half precision is the only sensible request at their size; fp32 is
+    # what the small float32 test checkpoints are served in (see ModelConfig / parse_dtype).
+    dtypes: tuple = (torch.bfloat16, torch.float16)
+    sinks: bool = False  # GPT-OSS: attention sinks in every layer, sliding-window and full layers
+    chunked: bool = False  # Llama-4: chunked-attention layers beside full ones
+    # Linear-attention (Gated DeltaNet) layers, where the model has them (Qwen3-Next): LH value heads
+    # (q/k heads repeated to them) of key / value dims LK / LV, a short convolution of LC channels
+    # and width LW.
+    LH: int = 0
+    LK: int = 0
+    LV: int = 0
+    LC: int = 0
+    LW: int = 0
+    # DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): an indexer of IH heads of ID selecting
+    # index_topk tokens for the MLA.
+    IH: int = 0
+    ID: int = 0
+
+    @property
+    def mla(self) -> bool:
+        return self.L > 0
+
+    @property
+    def dsa(self) -> bool:
+        return self.IH > 0
+
+    @property
+    def linear_attention(self) -> bool:
+        return self.LH > 0
+
+
+MODELS = (
+    ModelShape("qwen3-30b-a3b", D=2048, K=8, E=128, F=768, N=32, G=4, H=128, Hv=128),
+    ModelShape("qwen3-235b-a22b", D=4096, K=8, E=128, F=1536, N=64, G=4, H=128, Hv=128),
+    ModelShape("mixtral-8x7b", D=4096, K=2, E=8, F=14336, N=32, G=8, H=128, Hv=128),
+    ModelShape("deepseek-v3", D=7168, K=8, E=256, F=2048, N=128, L=512, R=64),
+    ModelShape("deepseek-v2-lite", D=2048, K=6, E=64, F=1408, N=16, L=512, R=64),
+    ModelShape("deepseek-v3.2", D=7168, K=8, E=256, F=2048, N=128, L=512, R=64, IH=64, ID=128),
+    ModelShape("glm-5", D=6144, K=8, E=256, F=2048, N=64, L=512, R=64, IH=32, ID=128),
+    ModelShape("gpt-oss-120b", D=2880, K=4, E=128, F=2880, N=64, G=8, H=64, Hv=64, sinks=True),
+    ModelShape("llama-4-scout", D=5120, K=1, E=16, F=8192, N=40, G=8, H=128, Hv=128, chunked=True),
+    # 3 of 4 layers Gated DeltaNet (16 key heads repeated to 32 value heads), the others gated GQA
+    ModelShape("qwen3-next-80b-a3b", D=2048, K=10, E=512, F=512, N=16, G=2, H=256, Hv=256,
+               LH=32, LK=128, LV=128, LC=2 * 16 * 128 + 32 * 128, LW=4),
+    # the built-in random test checkpoint (moe_serve/default_model/tiny.py)
+    ModelShape("moe-tiny", D=64, K=2, E=4, F=128, N=4, G=2, H=16, Hv=16, dtypes=DTYPES),
+)
+# The engine's KV block size (EngineArgs.block_size's default): attention launches pass it as an
+# integer Triton marks, so the probes use the same.
+ENGINE_BLOCK_SIZE = 16
+
+
+def model_from_hf_config(path: str) -> ModelShape:
+    """The shape of a Hugging Face config.json (Qwen3-MoE / Mixtral GQA, or DeepSeek MLA; Llama-4's
+    chunked layers where attention_chunk_size is set)."""
+    from moe_serve.config import text_config
+
+    with open(path) as f:
+        hf = text_config(json.load(f))  # a multimodal checkpoint's: its language model's
+    D, N = hf["hidden_size"], hf["num_attention_heads"]
+    K = hf.get("num_experts_per_tok", 2)
+    E = next((hf[k] for k in ("n_routed_experts", "num_experts", "num_local_experts") if hf.get(k)), 8)
+    F = hf.get("moe_intermediate_size") or hf["intermediate_size"]
+    name = os.path.basename(os.path.dirname(os.path.abspath(path))) or path
+    dtypes = DTYPES  # whatever the file says, --model compiles every dtype
+    if "kv_lora_rank" in hf:
+        return ModelShape(name, D=D, K=K, E=E, F=F, N=N, L=hf["kv_lora_rank"], R=hf["qk_rope_head_dim"],
+                          dtypes=dtypes, IH=hf.get("index_n_heads", 0) if hf.get("index_topk") else 0,
+                          ID=hf.get("index_head_dim", 0) if hf.get("index_topk") else 0)
+    H = hf.get("head_dim") or D // N
+    linear = {}
+    if hf.get("linear_num_value_heads"):  # Qwen3-Next / Qwen3.5: Gated DeltaNet layers
+        LH, LK, LV = hf["linear_num_value_heads"], hf["linear_key_head_dim"], hf["linear_value_head_dim"]
+        linear = dict(LH=LH, LK=LK, LV=LV, LC=2 * hf["linear_num_key_heads"] * LK + LH * LV,
+                      LW=hf["linear_conv_kernel_dim"])
+    return ModelShape(name, D=D, K=K, E=E, F=F, N=N, G=hf.get("num_key_value_heads", N), H=H, Hv=H, dtypes=dtypes,
+                      sinks=hf.get("model_type") == "gpt_oss", chunked=bool(hf.get("attention_chunk_size")), **linear)
+
+
+@dataclass
+class Job:
+    """One configuration: kernel ("module:function"), the type of each runtime argument and Triton's
+    mark on it ("1": specialised to the constant 1, "D": divisible by 16 / 16-byte aligned, ""), the
+    constexprs, launch options, and the users that chose it. Built from a recorded launch
+    (moe_serve/kernels/specialization.py), so it is the variant the launch compiles on a GPU."""
+    kernel: str
+    types: dict
+    constexprs: dict
+    options: dict
+    marks: dict = field(default_factory=dict)
+    users: list = field(default_factory=list)
+
+    @property
+    def short(self) -> str:
+        return self.kernel.split(":")[1].strip("_").replace("_kernel", "")
+
+    def key(self) -> tuple:
+        return (self.kernel, tuple(sorted(self.types.items())), tuple(sorted(self.marks.items())),
+                tuple(sorted(self.constexprs.items())), tuple(sorted(self.options.items())))
+
+    @property
+    def dtype(self) -> str:
+        """The activation / cache dtype of this configuration (bf16, fp16 or fp32)."""
+        for arg in ("a_ptr", "q_ptr", "y_ptr", "src_ptr", "out_ptr", "k_ptr", "x_ptr"):
+            if arg in self.types:
+                return self.types[arg].lstrip("*")
+        return "?"
+
+    def describe(self) -> str:
+        hidden = {"UPCAST", "PREC"}
+        cx = " ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in self.constexprs.items()
+                      if k not in hidden)
+        if "ids_ptr" in self.types:
+            cx += f" ids={self.types['ids_ptr'].lstrip('*')}"
+        # Runtime integers that are neither 1 nor divisible by 16 (model sizes such as a 48-wide
+        # expert, unaligned views): the variant differs from the aligned one of the same tiles.
+        odd = [n for n, m in self.marks.items() if m == "" and self.types[n] in ("i32", "i64")
+               and n not in self.unspecialised]
+        if odd:
+            cx += " odd=" + ",".join(odd)
+        return f"{self.short} {cx} w{self.options.get('num_warps', 4)} s{self.options.get('num_stages', 3)}"
+
+    @property
+    def unspecialised(self) -> frozenset:
+        import importlib
+
+        module, name = self.kernel.split(":")
+        return specialization.do_not_specialize(getattr(importlib.import_module(module), name))
+
+
+def job_from_launch(launch: "specialization.Launch") -> Job:
+    """The configuration a recorded launch compiles (UPCAST off: compiled code never upcasts)."""
+    constexprs = dict(launch.constexprs)
+    if "UPCAST" in constexprs:
+        constexprs["UPCAST"] = False
+    return Job(launch.kernel, launch.types, constexprs, dict(launch.options), launch.marks)
+
+
+def _split_options(launch: dict) -> tuple[dict, dict]:
+    launch = dict(launch)
+    options = {k: launch.pop(k) for k in ("num_warps", "num_stages") if k in launch}
+    if "UPCAST" in launch:
+        launch["UPCAST"] = False  # compiled code never upcasts (that is for the interpreter)
+    return launch, options
+
+
+# ---- probes: the launchers run on meta tensors under specialization.record --------------------------
+
+_META = torch.device("meta")
+
+
+
+def _probe(call) -> list:
+    """The launches `call` makes, as the compiled engine makes them: the activation quantizer, which
+    runs its torch reference under the interpreter, takes its kernel path here too (nothing runs)."""
+    from moe_serve.kernels import fp8_quant
+
+    interpreted, fp8_quant._INTERPRETED = fp8_quant._INTERPRETED, False
+    try:
+        with specialization.record() as launches:
+            call()
+    finally:
+        fp8_quant._INTERPRETED = interpreted
+    return launches
+
+
+# What is compiled is what the backends' own launchers launch (attention/backends TritonAttention,
+# moe_serve/kernels/grouped_gemm TritonExperts, moe_serve/kernels/linear TritonLinear: the same calls the start-up
+# warm-up makes, moe_serve/kernel_warmup.py), for stand-in layers of each model's shapes: the
+# engine's own layer classes, built on the "meta" device.
+
+
+def _moe_stand_in(m: ModelShape, dt, weights: str = "plain", E: int | None = None):
+    """An MoE layer's experts and router top-k as the backend reads them: weights "plain" (dt),
+    "fp8" (block FP8, weight-only) or "w8a8"."""
+    from types import SimpleNamespace
+
+    from expert_parallel.runtime.layer import GroupedExperts
+
+    E = E or m.E
+    with torch.device(_META):
+        experts = GroupedExperts(E, m.D, m.F, list(range(E)), dt)
+        if weights != "plain":
+            experts.to_block_fp8((128, 128))
+            experts.fp8_act_quant = weights == "w8a8"
+    return SimpleNamespace(experts=experts, gate=SimpleNamespace(top_k=m.K))
+
+
+def _experts_probe(m: ModelShape, dt, cfg: dict | None, weights: str = "plain", ids=torch.int64) -> list:
+    """The grouped GEMM on m's expert shapes with config cfg (None: the kernel's own choice), a
+    decode-sized batch (the config is forced, so T only sets the top-k launch)."""
+    from moe_serve.kernels.grouped_gemm import TritonExperts
+
+    return _probe(lambda: TritonExperts("cuda").launch(_moe_stand_in(m, dt, weights), dt, cfg, ids))
+
+
+def _masked_probe(m: ModelShape, dt, cfg: dict, fp8: bool) -> list:
+    """The masked grouped GEMM over DeepEP's expert-major layout: 8 local experts of 128 rows each."""
+    from moe_serve.kernels.grouped_gemm import TritonExperts
+
+    moe = _moe_stand_in(m, dt, "fp8" if fp8 else "plain", E=8)
+    return _probe(lambda: TritonExperts("cuda").launch_masked(moe, dt, cfg, 128))
+
+
+def _attention_layer(m: ModelShape, kind: str):
+    """kind: "" (full attention), "sliding" or "chunked" (see _attention_kinds)."""
+    from attention.layer import PagedAttention, PagedDSAAttention, PagedMLAAttention
+
+    with torch.device(_META):
+        if m.dsa:
+            return PagedDSAAttention(m.L, m.R, 0.1, 2048, m.ID, m.ID ** -0.5, m.IH)
+        if m.mla:
+            return PagedMLAAttention(m.L, m.R, 0.1)
+        return PagedAttention(m.N, m.G, m.H, 0.1, v_head_dim=m.Hv, sliding_window=128 if kind == "sliding" else None,
+                              sinks=m.sinks, attention_chunk=128 if kind == "chunked" else None)
+
+
+def _attention_kinds(m: ModelShape) -> list[str]:
+    """The kinds of attention layer the model has: full, GPT-OSS's sliding-window ones (the models
+    with sinks), Llama-4's chunked ones."""
+    return [""] + ["sliding"] * m.sinks + ["chunked"] * m.chunked
+
+
+def _attention_probe(m: ModelShape, dt, step: tuple, kind: str = "") -> list:
+    """The KV / latent write and one attention call (plus the split reduce) for one of the steps
+    the attention backend declares (TritonAttention.steps)."""
+    from attention.backends import TritonAttention
+
+    _, q_lens, seq_lens, S = step
+    return _probe(lambda: TritonAttention("cuda").launch(_attention_layer(m, kind), m.N, dt, q_lens, seq_lens, S,
+                                                         ENGINE_BLOCK_SIZE))
+
+
+def _linear_attention_probe(m: ModelShape, dt, state_dt, step: tuple) -> list:
+    """The convolution and the gated delta rule of one of the steps the linear-attention backend
+    declares (TritonLinearAttention.steps), the recurrent state cached in state_dt."""
+    from moe_serve.kernels.gated_delta import LinearAttentionShape, TritonLinearAttention
+
+    shape = LinearAttentionShape(m.LH, m.LK, m.LV, m.LC, m.LW, state_dtype=state_dt)
+    _, q_lens, ctx_lens = step
+    return _probe(lambda: TritonLinearAttention("cuda").launch(shape, dt, q_lens, ctx_lens))
+
+
+def _fp8_linear_probe(N: int, K: int, M: int, bias: bool, act_quant: bool) -> list:
+    """A block-FP8 linear layer (bf16 activations) over M rows, through the linear backend."""
+    from moe_serve.kernels.linear import TritonLinear
+    from moe_serve.layers.linear import Linear
+
+    with torch.device(_META):
+        layer = Linear(K, N, bias=bias, dtype=torch.bfloat16)
+        layer.to_block_fp8((128, 128))
+    layer.fp8_act_quant = act_quant
+    return _probe(lambda: TritonLinear("cuda").launch(layer, torch.bfloat16, M))
+
+
+def enumerate_jobs(models=MODELS, dtypes=DTYPES, inject_broken: bool = False, quick: bool = False) -> list[Job]:
+    """Every configuration the launchers can choose for these models and dtypes, deduplicated; with
+    quick, only `quick_jobs` of them. Each is recorded from the launcher itself, run on meta tensors
+    of the model's shapes, so types, Triton's integer and alignment marks, constexprs and launch
+    options are those of a real launch."""
+    from attention.backends import TritonAttention
+    from moe_serve.kernels.gated_delta import TritonLinearAttention
+    from moe_serve.kernels.grouped_gemm import config as gcfg
+
+    jobs: dict[tuple, Job] = {}
+
+    def add(job: Job, user: str) -> None:
+        jobs.setdefault(job.key(), job).users.append(user)
+
+    def add_launches(launches, users: dict):
+        """users: kernel -> user name, or a function of the job giving it; kernels not named are skipped."""
+        for launch in launches:
+            if launch.kernel in users:
+                job = job_from_launch(launch)
+                u = users[launch.kernel]
+                add(job, u(job) if callable(u) else u)
+
+    def gemm_user(origin, d, suffix=""):
+        return lambda job: f"{origin} {'w13' if job.constexprs['GATED'] else 'w2'} {d}{suffix}"
+
+    # Each default config is named after the batches it serves (decode / middle / prefill).
+    default_names = ("default decode", "default middle", "default prefill")
+    gemm_cfgs = [(dt, cfg, name) for dt in dtypes for cfg, name in zip(gcfg.DEFAULT_CONFIGS, default_names)]
+    gemm_cfgs += [(dt, cfg, "tuned") for dt, cfg in gcfg.tuned_configs() if dt in dtypes]
+    for m in models:
+        for dt, cfg, origin in gemm_cfgs:
+            if dt not in m.dtypes:
+                continue
+            d = DTYPE_SIG[dt]
+            add_launches(_experts_probe(m, dt, cfg), {GEMM: gemm_user(origin, d)})
+            # Masked grouped GEMM (DeepEP low-latency layout): the same configs, gate/up and down.
+            add_launches(_masked_probe(m, dt, cfg, False), {MASKED: gemm_user(f"{origin} masked", d)})
+            if dt == torch.bfloat16:  # block-FP8 experts with bf16 activations: weight-only and W8A8
+                add_launches(_experts_probe(m, dt, cfg, "fp8"), {GEMM: gemm_user(origin, d, " fp8-weights")})
+                add_launches(_experts_probe(m, dt, cfg, "w8a8"), {GEMM: gemm_user(origin, d, " fp8-w8a8"),
+                                                                 QUANT: "fp8 activation quant bf16"})
+                add_launches(_masked_probe(m, dt, cfg, True), {MASKED: gemm_user(f"{origin} masked", d, " fp8-weights")})
+    if inject_broken:
+        # A config tl.dot cannot compile (K tile < 16), and a gate/up tile too large for 4 warps'
+        # registers (64 x 256 rows and columns, two fp32 accumulators: ~2.2 KB spilled per thread):
+        # both must be reported. They are the decode default's launches of the first model with
+        # their tiles changed, so everything else is real.
+        base = [job_from_launch(x) for x in _experts_probe(models[0], torch.bfloat16, gcfg.DECODE_CONFIG)
+                if x.kernel == GEMM]
+        for job in base:
+            add(replace(job, constexprs={**job.constexprs, "BLOCK_SIZE_K": 8}, users=[]),
+                f"broken {'w13' if job.constexprs['GATED'] else 'w2'} bf16")
+        w13 = next(j for j in base if j.constexprs["GATED"])
+        add(replace(w13, constexprs={**w13.constexprs, "BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 256, "BLOCK_SIZE_K": 64},
+                    users=[]), "broken spilling w13 bf16")
+
+    if torch.bfloat16 in dtypes:  # block-FP8 dense layers (moe_serve/kernels/fp8_linear.py): each M bucket, bias or not
+        from moe_serve.kernels.linear import TritonLinear
+
+        N, K = 2048, 7168
+        for M in TritonLinear.ROW_TILES:
+            for bias in (False, True):
+                for aq in (False, True):
+                    user = (f"fp8 linear{' decode' if M == 1 else ''} M={M} bias={int(bias)} "
+                            f"{'w8a8' if aq else 'w8a16'} bf16")
+                    add_launches(_fp8_linear_probe(N, K, M, bias, aq),
+                                 {FP8_LINEAR: user, QUANT: "fp8 activation quant bf16"})
+
+    for m in models:
+        for dt in (dt for dt in dtypes if dt in m.dtypes):
+            d = DTYPE_SIG[dt]
+            for ids in (torch.int64, torch.int32):  # router ids are int64; remapped placements give int32
+                add_launches(_experts_probe(m, dt, None, ids=ids), {TOPK: f"{m.name} {d}"})
+            for step in TritonAttention.steps(max_len=40, split=True):
+                for kind in _attention_kinds(m):
+                    user = f"{m.name} {step[0]}{' ' + kind if kind else ''} {d}"
+                    add_launches(_attention_probe(m, dt, step, kind),
+                                 {ATTN: user, REDUCE: f"{m.name} {d}", WRITE: f"{m.name} {d}",
+                                  INDEX: f"{m.name} indexer {step[0]} {d}"})
+            if not m.linear_attention:
+                continue
+            for state_dt in dict.fromkeys((torch.float32, dt)):
+                for name, *step in TritonLinearAttention.steps():
+                    user = f"{m.name} linear attention {name} {d} state {DTYPE_SIG[state_dt]}"
+                    add_launches(_linear_attention_probe(m, dt, state_dt, (name, *step)),
+                                 {k: user for k in LINEAR_ATTENTION})
+    return quick_jobs(list(jobs.values())) if quick else list(jobs.values())
+
+
+def is_decode(job: Job) -> bool:
+    """A configuration some decode step launches (the decode-default grouped GEMM tile, decode
+    attention, the M=1 FP8 linear), by the users enumerate_jobs gave it."""
+    return any("decode" in u for u in job.users)
+
+
+def spill_checked(job: Job) -> bool:
+    """Held to --max-spill: every grouped-GEMM configuration (default or tuned, plain or masked)
+    and every decode configuration."""
+    return job.kernel in (GEMM, MASKED) or is_decode(job)
+
+
+def quick_jobs(jobs: list[Job]) -> list[Job]:
+    """One configuration per kernel, dtype and code path (gate/up or down, split-K or not, MLA or
+    GQA, the weight and activation types): the first enumerated, which is the decode default where
+    the kernel has one (jobs are enumerated decode default first), plus every tuned entry. The
+    default of `--quick`, what the test suite compiles on each change."""
+    by_path: dict[tuple, Job] = {}
+    for j in jobs:
+        c = j.constexprs
+        path = (j.kernel, j.dtype, j.types.get("a_ptr") or j.types.get("x_ptr"), j.types.get("b_ptr"), c.get("GATED"),
+                c.get("SPLIT_K"), c.get("HAS_ROPE"), c.get("DECODE"))
+        if j.kernel in (GEMM, MASKED) and any(u.startswith("tuned") for u in j.users):
+            path += (j.key(),)  # every tuned entry
+        by_path.setdefault(path, j)
+    return list(by_path.values())
+
+
+# ---- compiling (in worker processes) ---------------------------------------------------------------
+
+_PTXAS_REGS = re.compile(r"Used (\d+) registers")
+_PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def _ptxas_usage(log: str) -> tuple[int, int] | None:
+    regs, spills = _PTXAS_REGS.search(log), _PTXAS_SPILLS.search(log)
+    if not regs:
+        return None
+    return int(regs.group(1)), int(spills.group(1)) if spills else 0
+
+
+def _ptxas_rerun(ptx: str, arch: int) -> tuple[int, int]:
+    """ptxas -v on the kernel's PTX: for Triton versions that cannot print the log of their own run."""
+    import subprocess
+
+    from triton.backends.nvidia import compiler as nv
+
+    try:
+        ptxas = nv.get_ptxas(arch).path
+    except TypeError:  # older signature without the arch
+        ptxas = nv.get_ptxas().path
+    gpu = nv.sm_arch_from_capability(arch) if hasattr(nv, "sm_arch_from_capability") else f"sm_{arch}a"
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        r = subprocess.run([ptxas, "-v", f"--gpu-name={gpu}", src, "-o", os.path.join(d, "k.cubin")],
+                           capture_output=True, text=True, timeout=300)
+    usage = _ptxas_usage(r.stderr + r.stdout)
+    if usage is None:
+        raise RuntimeError(f"ptxas -v printed no register count: {r.stderr[-500:]}")
+    return usage
+
+
+def compile_job(job: Job, arch: int) -> dict:
+    """Compile one configuration for sm_<arch>; a record with regs, spills, shared, or the error."""
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import warnings
+
+    # Triton 3.9 warns once per process that its FP-fusion default will change; the engine's launches
+    # get the same default as these compiles, so it says nothing about this check.
+    warnings.filterwarnings("ignore", message=".*TRITON_DEFAULT_FP_FUSION.*")
+    t0 = time.perf_counter()
+    rec = {"arch": arch, "ok": False}
+    try:
+        module, name = job.kernel.split(":")
+        fn = getattr(importlib.import_module(module), name)
+        signature, constexprs, attrs = {}, {}, {}
+        for i, arg in enumerate(fn.arg_names):
+            if arg in job.constexprs:
+                signature[arg] = "constexpr"
+                constexprs[(i,)] = job.constexprs[arg]
+            elif arg not in job.types:
+                raise TypeError(f"aot_check has no type for argument {arg!r} of {job.kernel}")
+            elif job.marks.get(arg) == "1":  # Triton turns an integer argument equal to 1 into a constant
+                signature[arg] = "constexpr"
+                constexprs[(i,)] = 1
+            else:
+                signature[arg] = job.types[arg]
+                if job.marks.get(arg) == "D":
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+        unknown = set(job.constexprs) - set(fn.arg_names)
+        if unknown:
+            raise TypeError(f"{job.kernel} has no arguments {sorted(unknown)}")
+        knobs = getattr(triton, "knobs", None)
+        if knobs is not None and hasattr(knobs.nvidia, "dump_ptxas_log"):
+            knobs.nvidia.dump_ptxas_log = True  # ptxas -v of the real compile, printed to stdout
+        log = io.StringIO()
+        with contextlib.redirect_stdout(log):
+            kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", arch, 32),
+                                    options=dict(job.options))
+        usage = _ptxas_usage(log.getvalue()) or _ptxas_rerun(kernel.asm["ptx"], arch)
+        rec.update(regs=usage[0], spills=usage[1], shared=int(kernel.metadata.shared))
+        limit = MAX_SHARED.get(arch)
+        if limit is not None and rec["shared"] > limit:
+            raise RuntimeError(f"needs {rec['shared']} bytes of shared memory; sm_{arch} has {limit}")
+        rec["ok"] = True
+    except Exception as e:  # any failure to compile is a result, not a crash of the whole check
+        # Triton's CompilationError quotes the source first and ends with the reason: keep both ends.
+        msg = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+        parts = msg if len(msg) <= 3 else [msg[0], "...", *msg[-2:]]
+        rec["error"] = f"{type(e).__name__}: " + " | ".join(parts)[-600:]
+    rec["seconds"] = time.perf_counter() - t0
+    return rec
+
+
+def _cost(job: Job) -> int:
+    """Rough compile cost, to start the slow ones first."""
+    c = job.constexprs
+    tile = 1
+    for k in ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "BLOCK_Q", "BLOCK_QH", "BLOCK_N", "BLOCK_HD"):
+        tile *= c.get(k, 1)
+    return tile * job.options.get("num_warps", 4) * (2 if c.get("GATED") else 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m moe_serve.kernels.aot_check", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", type=int, nargs="+", default=[90, 100], help="CUDA compute capabilities")
+    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="compile processes")
+    p.add_argument("--only", nargs="+", default=None,
+                   help="only configurations whose kernel, description or user contains one of these")
+    p.add_argument("--model", action="append", default=[], help="also a model's config.json (repeatable)")
+    p.add_argument("--dtype", nargs="+", choices=[DTYPE_SIG[d] for d in DTYPES], default=None)
+    p.add_argument("--inject-broken", action="store_true",
+                   help="add a grouped-GEMM config that cannot compile and one that spills (tests that both "
+                        "are caught)")
+    p.add_argument("--list", action="store_true", help="print the configurations, compile nothing")
+    p.add_argument("--quick", action="store_true",
+                   help="one configuration per kernel, dtype and code path (decode defaults first) plus every "
+                        "tuned grouped-GEMM entry: what the test suite compiles")
+    p.add_argument("--max-spill", type=int, default=DEFAULT_MAX_SPILL, metavar="BYTES",
+                   help="fail a grouped-GEMM or decode configuration spilling more than this many bytes per "
+                        f"thread on any architecture (default {DEFAULT_MAX_SPILL}; -1: report only)")
+    args = p.parse_args(argv)
+
+    models = MODELS + tuple(model_from_hf_config(m) for m in args.model)
+    dtypes = tuple(d for d in DTYPES if args.dtype is None or DTYPE_SIG[d] in args.dtype)
+    jobs = enumerate_jobs(models, dtypes, args.inject_broken, args.quick)
+    if args.only:
+        jobs = [j for j in jobs if any(o in j.kernel or o in j.describe() or any(o in u for u in j.users)
+                                       for o in args.only)]
+    jobs.sort(key=_cost, reverse=True)
+    archs = list(dict.fromkeys(args.arch))
+    names = ", ".join(f"sm_{a}" for a in archs)
+    if args.list:
+        for j in jobs:
+            print(f"{j.dtype:4s} {j.describe():92s} [{'; '.join(j.users[:3])}{' ...' if len(j.users) > 3 else ''}]")
+        print(f"aot: {len(jobs)} configurations for {names} (listed, not compiled)")
+        return 0
+
+    import triton
+
+    print(f"aot_check: triton {triton.__version__}, {len(jobs)} configurations x {names}, {args.jobs} processes",
+          flush=True)
+    t0 = time.time()
+    cache = tempfile.mkdtemp(prefix="aot-triton-cache-")
+    os.environ["TRITON_CACHE_DIR"] = cache  # inherited by the workers: every compile is a real one
+    tasks = [(j, a) for j in jobs for a in archs]
+    failed: dict[tuple, list] = {}
+    spills: dict[tuple, tuple[int, int, Job]] = {}  # job key -> (worst spill bytes, its arch, job)
+    try:
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=max(1, args.jobs), mp_context=ctx) as pool:
+            futures = [pool.submit(compile_job, j, a) for j, a in tasks]
+            for (job, arch), fut in zip(tasks, futures):
+                try:
+                    rec = fut.result()
+                except Exception as e:  # a worker died (e.g. a crash inside the compiler)
+                    rec = {"arch": arch, "ok": False, "error": f"{type(e).__name__}: {e}", "seconds": 0.0}
+                head = f"sm_{arch:<3d} {job.dtype:4s} {job.describe():92s}"
+                if rec["ok"]:
+                    print(f"  ok   {head} regs {rec['regs']:3d}  spills {rec['spills']:5d} B  "
+                          f"shared {rec['shared']:6d} B  {rec['seconds']:5.1f} s", flush=True)
+                    if rec["spills"] > spills.get(job.key(), (0,))[0]:
+                        spills[job.key()] = (rec["spills"], arch, job)
+                else:
+                    failed.setdefault(job.key(), []).append(arch)
+                    print(f"  FAIL {head} {rec['error']}  [used by: {'; '.join(job.users[:4])}]", flush=True)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    over = []
+    for key, (b, arch, job) in sorted(spills.items(), key=lambda kv: -kv[1][0]):
+        if args.max_spill >= 0 and b > args.max_spill and spill_checked(job) and key not in failed:
+            over.append(key)
+            print(f"  SPILL sm_{arch:<3d} {job.dtype:4s} {job.describe()} spills {b} B > --max-spill "
+                  f"{args.max_spill} B  [used by: {'; '.join(job.users[:4])}]", flush=True)
+    worst = max(spills.values(), key=lambda v: v[0], default=None)
+    print(f"aot: {len(spills)} configurations spill registers" + (
+        f" (most: {worst[0]} B on sm_{worst[1]}, {worst[2].describe()})" if worst else "")
+        + f"; {len(over)} grouped-GEMM or decode configurations over {args.max_spill} B", flush=True)
+    for key in over:
+        failed.setdefault(key, [])
+    n_ok = len(jobs) - len(failed)
+    print(f"aot_check: {len(tasks)} compiles in {time.time() - t0:.0f} s", flush=True)
+    print(f"aot: {n_ok} configurations compiled for {names}; {len(failed)} failed", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,337 @@
+"""Triton grouped GEMM for MoE experts: every expert in one launch per GEMM.
+
+Shape legend: T tokens, K top-k, P = T*K (token, k) pairs, D hidden size, F expert intermediate
+size, E experts on this rank, S padded pair slots (see align.py).
+
+Three launches, none of which syncs with the host:
+  1. gate/up GEMM with SiLU-and-mul fused: h[p] = silu(x[t] @ gate_e^T) * (x[t] @ up_e^T)  -> (P, F)
+  2. down GEMM with the router weight folded in: y[p] = w[p] * (h[p] @ w2_e^T)             -> (P, D)
+  3. top-k sum: out[t] = sum_k y[t*K + k] over pairs whose expert is held here (fp32)     -> (T, D)
+Row blocks of the GEMMs each hold one expert's pairs (align.py pads every expert's run to BLOCK_M),
+so a program loads one expert's weight tile and multiplies it against up to BLOCK_M gathered rows.
+Blocks past the real padded length belong to no expert and return before loading anything.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moe_serve.kernels.grouped_gemm.align import align_block_size
+from moe_serve.kernels.grouped_gemm.config import get_config, validate_config
+
+
+@triton.jit
+def _dot(a, b, acc, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    # The CPU interpreter multiplies bf16 tiles as their raw uint16 bits; upcasting there (and only
+    # there) keeps interpreter results meaningful without touching the GPU code path.
+    if UPCAST:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc, input_precision=PREC)
+    return acc
+
+
+@triton.jit
+def _dequant(b, s_ptr, s_base, offs_n, k0, offs_k, k_mask, n_mask, stride_sn, stride_sk,
+             SB_N: tl.constexpr, SB_K: tl.constexpr, BLOCK_SIZE_K: tl.constexpr):
+    """A (BLOCK_K, BLOCK_N) tile of block-FP8 weights times its blocks' scale_inv, in fp32. When
+    BLOCK_K divides the scale block along k (128 in real checkpoints) the tile needs one scale per
+    column; otherwise one per element."""
+    if SB_K % BLOCK_SIZE_K == 0:
+        sc = tl.load(s_ptr + s_base + (offs_n // SB_N) * stride_sn + (k0 // SB_K) * stride_sk, mask=n_mask, other=0.0)
+        return b.to(tl.float32) * sc[None, :]
+    # Rows of the tile past the weight's last column read no scale (it would lie past the scale
+    # tensor's end: garbage there times the tile's zeros can be NaN).
+    sc = tl.load(s_ptr + s_base + (offs_n // SB_N)[None, :] * stride_sn + ((k0 + offs_k) // SB_K)[:, None] * stride_sk,
+                 mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+    return b.to(tl.float32) * sc
+
+
+@triton.jit
+def _dot8(a, b, UPCAST: tl.constexpr):
+    """FP8 x FP8 -> fp32 tile product (tensor cores on sm_89+; upcast under the interpreter)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b)
+
+
+# num_pairs = T * K changes every step; left unspecialised so its "== 1" / "divisible by 16" flags
+# never select a new compiled variant mid-serving (num_slots is always a multiple of BLOCK_SIZE_M).
+# The FP8 scale tensors' strides and row offset (whose divisibility follows each model's sizes / 128)
+# are read once per tile, never vectorised: unspecialised too, so they add no variant per model.
+_SCALE_ARGS = ("stride_se", "stride_sn", "stride_sk", "s_up_row0", "stride_asm", "stride_ask")
+
+
+@triton.jit(do_not_specialize=("num_pairs",) + _SCALE_ARGS)
+def _grouped_gemm_kernel(
+    a_ptr, b_ptr, c_ptr, weights_ptr,
+    sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+    N, Kdim, num_slots, num_pairs, a_row_div,
+    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+    s_ptr, stride_se, stride_sn, stride_sk, s_up_row0, as_ptr, stride_asm, stride_ask,
+    GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+    BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    B_SCALED: tl.constexpr = False, SB_N: tl.constexpr = 128, SB_K: tl.constexpr = 128,
+    A_SCALED: tl.constexpr = False,
+):
+    """c[p, n] = sum_k a[p // a_row_div, k] * b[e, n, k] for the pairs p of each row block.
+
+    GATED: b holds 2N rows [gate | up]; c[p, n] = silu(gate . a) * (up . a).
+    MUL_WEIGHT: c[p, :] *= weights[p] before the cast to c's dtype.
+    B_SCALED: b is block FP8 (weight-only): each (SB_N, SB_K) block of b[e] is multiplied by its
+    scale s[e, n // SB_N, k // SB_K] as it is loaded, and the product is taken in a's dtype; the up
+    half's scale rows start at s_up_row0 (gate and up are quantized separately).
+    A_SCALED (with B_SCALED, SB_K a multiple of BLOCK_SIZE_K): a is FP8 too, quantized per row per
+    SB_K channels with scales as[row, k // SB_K]; each K tile's FP8 x FP8 product is rescaled by both
+    operands' scales in fp32 (W8A8, DeepSeek-V3's FP8 GEMM).
+    """
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(num_slots, BLOCK_SIZE_M)
+    num_pid_n = tl.cdiv(N, BLOCK_SIZE_N)
+    # Grouped ordering: GROUP_SIZE_M consecutive row blocks sweep the N tiles together, so the
+    # activation rows they gather stay in L2 while each weight tile is read by a few programs at once.
+    num_pid_in_group = GROUP_SIZE_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_SIZE_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_SIZE_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    if pid_m * BLOCK_SIZE_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        return
+
+    offs_m = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)
+    pair = tl.load(sorted_ids_ptr + offs_m).to(tl.int64)  # S is a multiple of BLOCK_SIZE_M
+    row_mask = pair < num_pairs  # padding slots hold the sentinel num_pairs
+    a_row = pair // a_row_div
+    offs_n = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_SIZE_K)
+
+    a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :] * stride_ak
+    # int64 expert offset: E * 2F * D passes 2**31 for DeepSeek-sized layers.
+    b_ptrs = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk
+    acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+    if GATED:
+        up_ptrs = b_ptrs + N * stride_bn
+        acc_up = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+    s_base = expert * stride_se
+    for k_blk in range(0, tl.cdiv(Kdim, BLOCK_SIZE_K)):
+        k_mask = offs_k < Kdim - k_blk * BLOCK_SIZE_K
+        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if A_SCALED:  # W8A8: FP8 x FP8 per K tile, rescaled by the row's and the weight block's scales
+            kb = (k_blk * BLOCK_SIZE_K) // SB_K
+            a_sc = tl.load(as_ptr + a_row * stride_asm + kb * stride_ask, mask=row_mask, other=0.0)
+            b_sc = tl.load(s_ptr + s_base + (offs_n // SB_N) * stride_sn + kb * stride_sk, mask=n_mask, other=0.0)
+            acc += _dot8(a, b, UPCAST) * a_sc[:, None] * b_sc[None, :]
+        else:
+            if B_SCALED:
+                b = _dequant(b, s_ptr, s_base, offs_n, k_blk * BLOCK_SIZE_K, offs_k, k_mask, n_mask, stride_sn,
+                             stride_sk, SB_N, SB_K, BLOCK_SIZE_K).to(a.dtype)
+            acc = _dot(a, b, acc, PREC, UPCAST)
+        if GATED:
+            b_up = tl.load(up_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if A_SCALED:
+                bu_sc = tl.load(s_ptr + s_base + (s_up_row0 + offs_n // SB_N) * stride_sn + kb * stride_sk,
+                                mask=n_mask, other=0.0)
+                acc_up += _dot8(a, b_up, UPCAST) * a_sc[:, None] * bu_sc[None, :]
+            else:
+                if B_SCALED:
+                    b_up = _dequant(b_up, s_ptr, s_base + s_up_row0 * stride_sn, offs_n, k_blk * BLOCK_SIZE_K,
+                                    offs_k, k_mask, n_mask, stride_sn, stride_sk, SB_N, SB_K, BLOCK_SIZE_K).to(a.dtype)
+                acc_up = _dot(a, b_up, acc_up, PREC, UPCAST)
+            up_ptrs += BLOCK_SIZE_K * stride_bk
+        a_ptrs += BLOCK_SIZE_K * stride_ak
+        b_ptrs += BLOCK_SIZE_K * stride_bk
+
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * acc_up  # SiLU(gate) * up, in fp32 before the one rounding
+    if MUL_WEIGHT:
+        w = tl.load(weights_ptr + pair, mask=row_mask, other=0.0).to(tl.float32)
+        acc = acc * w[:, None]
+    c_ptrs = c_ptr + pair[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _topk_sum_kernel(y_ptr, ids_ptr, out_ptr, D, stride_yp, stride_ot, stride_od,
+                     TOP_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[t, :] = sum_k y[t*K + k, :] (fp32) over the k whose expert id is >= 0."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        expert = tl.load(ids_ptr + t * TOP_K + k)
+        # Rows of skipped pairs were never written: mask the load instead of multiplying by 0
+        # (a row limit of 0 masks the whole row).
+        d_limit = tl.where(expert >= 0, D, 0)
+        row = tl.load(y_ptr + (t * TOP_K + k) * stride_yp + offs_d, mask=offs_d < d_limit, other=0.0)
+        acc += row.to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + offs_d * stride_od, acc.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+# Kernels were decorated in interpreter mode iff TRITON_INTERPRET=1 was set when this module loaded.
+INTERPRETED = type(_grouped_gemm_kernel).__name__ == "InterpretedFunction"
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Workspace allocation; tests replace it to poison every buffer the kernels must overwrite."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def check_triton_device(t: torch.Tensor) -> None:
+    """Raise a clear error when a tensor can reach neither a GPU kernel nor the interpreter."""
+    if t.device.type == "cpu" and not INTERPRETED:
+        raise RuntimeError("Triton kernels need CUDA tensors; to run them on the CPU set "
+                           "TRITON_INTERPRET=1 before the kernel modules are imported")
+
+
+def gemm_launch(cfg: dict, dtype: torch.dtype) -> dict:
+    """Constexprs and launch options of `_grouped_gemm_kernel` (GATED / MUL_WEIGHT aside) for one
+    config and activation dtype, the same for gate/up and down: what selects a compiled variant
+    (moe_serve/kernels/aot_check.py compiles each, as the launch specialises it, and holds it to --max-spill:
+    none of the default or tuned tiles spills more than 16 B per thread on sm_90 or sm_100)."""
+    return dict(GROUP_SIZE_M=cfg["GROUP_SIZE_M"], BLOCK_SIZE_M=cfg["BLOCK_SIZE_M"], BLOCK_SIZE_N=cfg["BLOCK_SIZE_N"],
+                BLOCK_SIZE_K=cfg["BLOCK_SIZE_K"], PREC="ieee" if dtype == torch.float32 else "tf32",
+                UPCAST=INTERPRETED, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                B_SCALED=False, SB_N=128, SB_K=128, A_SCALED=False)
+
+
+def fp8_gemm_launch(cfg: dict, dtype: torch.dtype, scale_block: tuple[int, int]) -> dict:
+    """`gemm_launch` for block-FP8 weights with (b0, b1) scale blocks (the Hub's are 128 x 128)."""
+    return {**gemm_launch(cfg, dtype), "B_SCALED": True, "SB_N": scale_block[0], "SB_K": scale_block[1],
+            "A_SCALED": False}
+
+
+def w8a8_gemm_launch(cfg: dict, dtype: torch.dtype, scale_block: tuple[int, int]) -> dict:
+    """`fp8_gemm_launch` with the activations quantized too (per row per scale_block[1] channels):
+    the k tile must divide the scale block along k."""
+    launch = {**fp8_gemm_launch(cfg, dtype, scale_block), "A_SCALED": True}
+    while scale_block[1] % launch["BLOCK_SIZE_K"]:
+        launch["BLOCK_SIZE_K"] //= 2
+    if launch["BLOCK_SIZE_K"] < 16:
+        raise ValueError(f"W8A8 needs a scale block along k of at least 16 channels, not {scale_block[1]}")
+    return launch
+
+
+def topk_sum_launch(K: int, D: int) -> dict:
+    """Constexprs of `_topk_sum_kernel` for top-k K and hidden size D."""
+    return dict(TOP_K=K, BLOCK_D=min(1024, triton.next_power_of_2(D)))
+
+
+def fused_experts_triton(
+    x_TD: torch.Tensor,
+    w13_EFD: torch.Tensor,
+    w2_EDF: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    config: dict | None = None,
+    *,
+    out_TD: torch.Tensor | None = None,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    scale_block: tuple[int, int] | None = None,
+    act_quant: bool = False,
+) -> torch.Tensor:
+    """sum_k topk_weights[t, k] * SwiGLU-expert_{topk_ids[t, k]}(x[t]), experts grouped in one launch.
+
+    Args:
+        x_TD: (T, D) tokens, bf16 / fp16 / fp32.
+        w13_EFD: (E, 2F, D) gate rows then up rows of each expert, x's dtype.
+        w2_EDF: (E, D, F) down projection of each expert, x's dtype.
+        topk_weights_TK: (T, K) routing weights, any float dtype (used in fp32).
+        topk_ids_TK: (T, K) int expert ids in [0, E), or -1 for a pair whose expert is not here.
+        config: launch config (see config.py); None picks the tuned entry or the default.
+        out_TD: optional (T, D) output buffer of x's dtype; every element is overwritten.
+        w13_scale, w2_scale, scale_block: block FP8 (weight-only): w13 / w2 are float8_e4m3fn and
+            these their float32 scale_inv, (E, 2 * ceil(F / b0), ceil(D / b1)) (gate blocks then up
+            blocks) and (E, ceil(D / b0), ceil(F / b1)), with scale_block = (b0, b1).
+        act_quant: with FP8 weights, quantize the activations too (per token per b1 channels,
+            moe_serve/kernels/fp8_quant.py) and multiply FP8 x FP8 (W8A8; the FP8 tensor cores of sm_89+).
+    Returns:
+        (T, D) in x's dtype; products accumulate in fp32, as does the top-k sum.
+    """
+    T, D = x_TD.shape
+    E, F2, D13 = w13_EFD.shape
+    F = F2 // 2
+    K = topk_ids_TK.shape[1] if topk_ids_TK.dim() == 2 else 0
+    if D13 != D or F2 != 2 * F or tuple(w2_EDF.shape) != (E, D, F):
+        raise ValueError(f"shapes do not match: x_TD={tuple(x_TD.shape)}, w13_EFD={tuple(w13_EFD.shape)}, "
+                         f"w2_EDF={tuple(w2_EDF.shape)}")
+    if tuple(topk_ids_TK.shape) != (T, K) or tuple(topk_weights_TK.shape) != (T, K):
+        raise ValueError(f"topk_ids_TK={tuple(topk_ids_TK.shape)} and topk_weights_TK="
+                         f"{tuple(topk_weights_TK.shape)} must both be (T, K) with T={T}")
+    scaled = w13_scale is not None
+    if scaled:
+        if not (w13_EFD.dtype == w2_EDF.dtype == torch.float8_e4m3fn) or w2_scale is None or scale_block is None:
+            raise ValueError("block-FP8 experts need float8_e4m3fn w13 and w2, both scales and scale_block")
+        nF = triton.cdiv(F, scale_block[0])
+        if (tuple(w13_scale.shape) != (E, 2 * nF, triton.cdiv(D, scale_block[1]))
+                or tuple(w2_scale.shape) != (E, triton.cdiv(D, scale_block[0]), triton.cdiv(F, scale_block[1]))):
+            raise ValueError(f"scale shapes {tuple(w13_scale.shape)} / {tuple(w2_scale.shape)} do not match the "
+                             f"weights for blocks {tuple(scale_block)}")
+    elif not (x_TD.dtype == w13_EFD.dtype == w2_EDF.dtype):
+        raise ValueError(f"dtypes differ: x {x_TD.dtype}, w13 {w13_EFD.dtype}, w2 {w2_EDF.dtype}")
+    out = out_TD if out_TD is not None else torch.empty((T, D), dtype=x_TD.dtype, device=x_TD.device)
+    if T == 0:
+        return out
+    check_triton_device(x_TD)
+    cfg = dict(config) if config is not None else get_config(E, F, D, x_TD.dtype, T, K, x_TD.device)
+    validate_config(cfg)
+
+    BM = cfg["BLOCK_SIZE_M"]
+    routing = align_block_size(topk_ids_TK, E, BM)
+    P, S = routing.num_pairs, routing.sorted_pair_ids_S.shape[0]
+    ids_TK = topk_ids_TK.contiguous()
+    weights_P = topk_weights_TK.contiguous().view(-1)
+    if act_quant and not scaled:
+        raise ValueError("act_quant needs block-FP8 weights")
+    if act_quant:
+        launch = w8a8_gemm_launch(cfg, x_TD.dtype, scale_block)
+    elif scaled:
+        launch = fp8_gemm_launch(cfg, x_TD.dtype, scale_block)
+    else:
+        launch = gemm_launch(cfg, x_TD.dtype)  # gate/up and down alike
+    if scaled:
+        s13 = (w13_scale, w13_scale.stride(0), w13_scale.stride(1), w13_scale.stride(2), nF)
+        s2 = (w2_scale, w2_scale.stride(0), w2_scale.stride(1), w2_scale.stride(2), 0)
+    else:
+        s13 = s2 = (weights_P, 0, 0, 0, 0)  # unused: B_SCALED is off
+    a_in, a_scales = x_TD, (weights_P, 0, 0)  # the scales are unused unless A_SCALED
+    if act_quant:
+        from moe_serve.kernels.fp8_quant import quantize_per_token_group
+
+        a_in, xs = quantize_per_token_group(x_TD, scale_block[1])
+        a_scales = (xs, xs.stride(0), xs.stride(1))
+    y_PD = _empty((P, D), x_TD.dtype, x_TD.device)
+    if S > 0:
+        h_PF = _empty((P, F), x_TD.dtype, x_TD.device)
+        _grouped_gemm_kernel[(S // BM * triton.cdiv(F, launch["BLOCK_SIZE_N"]),)](
+            a_in, w13_EFD, h_PF, weights_P,
+            routing.sorted_pair_ids_S, routing.expert_ids_B, routing.num_padded,
+            F, D, S, P, K,
+            a_in.stride(0), a_in.stride(1), w13_EFD.stride(0), w13_EFD.stride(1), w13_EFD.stride(2),
+            h_PF.stride(0), h_PF.stride(1), *s13, *a_scales,
+            GATED=True, MUL_WEIGHT=False, **launch)
+        h_in, h_scales = h_PF, (weights_P, 0, 0)
+        if act_quant:
+            h_in, hs = quantize_per_token_group(h_PF, scale_block[1])
+            h_scales = (hs, hs.stride(0), hs.stride(1))
+        _grouped_gemm_kernel[(S // BM * triton.cdiv(D, launch["BLOCK_SIZE_N"]),)](
+            h_in, w2_EDF, y_PD, weights_P,
+            routing.sorted_pair_ids_S, routing.expert_ids_B, routing.num_padded,
+            D, F, S, P, 1,
+            h_in.stride(0), h_in.stride(1), w2_EDF.stride(0), w2_EDF.stride(1), w2_EDF.stride(2),
+            y_PD.stride(0), y_PD.stride(1), *s2, *h_scales,
+            GATED=False, MUL_WEIGHT=True, **launch)
+    topk = topk_sum_launch(K, D)
+    _topk_sum_kernel[(T, triton.cdiv(D, topk["BLOCK_D"]))](
+        y_PD, ids_TK, out, D, y_PD.stride(0), out.stride(0), out.stride(1), **topk)
+    return out

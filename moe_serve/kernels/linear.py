@@ -1,0 +1,80 @@
+"""Linear-layer backends: one object per way of running y = x W^T (+ b), chosen once at start-up
+by moe_serve/platform.py and bound to every Linear and the LM head.
+
+- `TorchLinear` ("torch"): torch ops (moe_serve/kernels/cpu_gemm.linear: half precision upcast on CPUs
+  without half-precision matrix instructions); block-FP8 weights dequantized per call;
+- `CpuCLinear` ("cpu_c"): our C GEMMs (moe_serve/kernels/cpu_ops/moe.c) for the decode-sized float32 calls
+  they take, torch ops otherwise;
+- `TritonLinear` ("triton"): block-FP8 weights through the Triton W8A16/W8A8 kernel
+  (moe_serve/kernels/fp8_linear.py, tiles dequantized as they load); dense weights through torch (cuBLAS).
+"""
+from __future__ import annotations
+
+import torch
+
+from moe_serve.kernels import cpu_ops
+from moe_serve.kernels import cpu_gemm
+from moe_serve.kernels.cpu_gemm import linear as torch_linear
+
+
+class TorchLinear:
+    name = "torch"
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        # half precision without matrix instructions runs element by element: computed in float32
+        self.upcast_half = self.device.type == "cpu" and not cpu_gemm.cpu_has_half_matmul()
+
+    def capturable(self) -> "TorchLinear":
+        return TorchLinear(self.device)
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        return torch_linear(x, w, b, self.upcast_half)
+
+    def fp8(self, layer, x: torch.Tensor) -> torch.Tensor:
+        """A block-FP8 Linear: its weight dequantized now, for this call only."""
+        return self(x, layer.dense_weight(layer.dequant_dtype or x.dtype), layer.bias)
+
+    def warm_up(self, layer, dtype: torch.dtype) -> None:
+        """Compile what this backend can launch for the layer ahead of serving: nothing for torch ops."""
+
+    def __repr__(self) -> str:
+        return type(self).__name__ + "()"
+
+
+class CpuCLinear(TorchLinear):
+    name = "cpu_c"
+
+    def capturable(self) -> TorchLinear:  # the torch ops a GPU would run
+        return TorchLinear(self.device)
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        if cpu_ops.linear_fits(x, w):
+            y = cpu_ops.linear(x, w, b)
+            return y if y.dtype == x.dtype else y.to(x.dtype)
+        return torch_linear(x, w, b, self.upcast_half)
+
+
+class TritonLinear(TorchLinear):
+    name = "triton"
+    ROW_TILES = (1, 32, 4096)  # rows that pick each of the FP8 kernel's row tiles (moe_serve/kernels/fp8_linear.py)
+
+    def capturable(self) -> "TritonLinear":
+        return self
+
+    def fp8(self, layer, x: torch.Tensor) -> torch.Tensor:
+        from moe_serve.kernels.fp8_linear import fp8_linear_triton  # lazy: triton is heavy
+
+        return fp8_linear_triton(x, layer.weight, layer.weight_scale_inv, layer.fp8_block, layer.bias,
+                                 layer.fp8_act_quant)
+
+    def launch(self, layer, dtype: torch.dtype, M: int) -> None:
+        """The block-FP8 layer over M "meta" rows: compiled, not run."""
+        self.fp8(layer, torch.empty(M, layer.in_features, dtype=dtype, device="meta"))
+
+    def warm_up(self, layer, dtype: torch.dtype) -> None:
+        """Every variant a block-FP8 layer launches: one per row tile (dense layers run in torch)."""
+        if getattr(layer, "weight_scale_inv", None) is None:
+            return
+        for M in self.ROW_TILES:
+            self.launch(layer, dtype, M)

@@ -1,0 +1,245 @@
+"""Decode speed of light: the bytes each decode step must read, the device's memory bandwidth, and
+the share of that ceiling the engine reaches while serving.
+
+Decode of a mixture-of-experts model is memory-bound: a step reads every weight it uses once,
+whatever the batch, plus the cache of every sequence. The least time a step can take is its bytes
+over the memory bandwidth:
+
+    step bytes = non-expert weights                      (attention, norms, routers, shared experts,
+                                                          dense layers, the LM head; the input
+                                                          embedding only when tied to the head)
+               + experts hit * bytes per expert slot     (the distinct expert slots of this rank that
+                                                          received a token in the step, per MoE
+                                                          layer: the batch's real routing)
+               + cache bytes of every sequence           (full attention: every cached token;
+                                                          sliding / chunked: the tokens the query
+                                                          sees; sparse (DSA): the top-k tokens plus
+                                                          every indexer key; linear attention: the
+                                                          state, read and written back)
+
+The MoE layers mark the slots they compute into a per-step (layers, slots) tensor on the device,
+inside any captured graph and without a host sync (`DecodeMeter.hits_LS`); the engine folds it into
+a window total after each decode-only step and reads it back once per window. The achieved fraction
+of a window is (window bytes / bandwidth) / window seconds, per rank: the gauge
+`moe_serve:decode_speed_of_light_fraction`. Padded rows of a graph-replayed step route like real
+ones, so their experts count (the step does read them).
+
+Bandwidth: `--memory-bandwidth` (GB/s) when given; on a GPU the datasheet HBM figure of a known
+model (`HBM_GBPS`); else a copy measured at start-up (bytes read plus bytes written), as on a CPU.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+log = logging.getLogger("moe_serve.speed_of_light")
+
+# Peak HBM bandwidth in GB/s by device name (substrings, the most specific first).
+HBM_GBPS: list[tuple[str, float]] = [
+    ("GB300", 8000.0), ("B300", 8000.0), ("GB200", 8000.0), ("B200", 8000.0),
+    ("H200", 4800.0), ("H100 NVL", 3900.0), ("H100 PCIe", 2000.0), ("H100", 3350.0), ("H800", 3350.0),
+    ("H20", 4000.0), ("A100-SXM4-80GB", 2039.0), ("A100 80GB", 1935.0), ("A100", 1555.0),
+    ("L40S", 864.0), ("L4", 300.0), ("MI355X", 8000.0), ("MI325X", 6000.0), ("MI300X", 5300.0),
+]
+
+
+def measure_bandwidth(device: torch.device | str, nbytes: int = 256 << 20, repeats: int = 3) -> float:
+    """Copy bandwidth in bytes/s (read + write) of an `nbytes` tensor copy, best of `repeats`. The
+    buffer should be far larger than the last-level cache so that the copy streams from memory."""
+    device = torch.device(device)
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    dst.copy_(src)  # first touch: page faults and allocation are not bandwidth
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.numel() * 4 / best
+
+
+def device_bandwidth(device: torch.device | str, override_gbps: float | None = None) -> tuple[float, str]:
+    """(bytes/s, where the figure comes from) for the memory the decode step reads."""
+    if override_gbps is not None:
+        if not override_gbps > 0:
+            raise ValueError(f"--memory-bandwidth={override_gbps} GB/s must be positive")
+        return override_gbps * 1e9, "--memory-bandwidth"
+    device = torch.device(device)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, gbps in HBM_GBPS:
+            if key in name:
+                return gbps * 1e9, f"{name} datasheet"
+        return measure_bandwidth(device), f"{name}: copy measured at start-up (not in the table)"
+    return measure_bandwidth(device), "copy measured at start-up"
+
+
+@dataclass(frozen=True)
+class CacheRead:
+    """What one cache-owning layer reads per decode query of a sequence holding `n` tokens (the
+    new one included)."""
+
+    kind: str  # "full" | "sliding" | "chunked" | "state" | "sparse"
+    bytes_per_token: int = 0  # paged layers: K and V (or the latent) of one token
+    tokens: int = 0  # sliding: the window; chunked: the chunk; sparse: top-k
+    index_bytes_per_token: int = 0  # sparse: the indexer key of one token (every one is scored)
+    state_bytes: int = 0  # state layers: one sequence's state
+
+    def bytes_for(self, n: int) -> int:
+        if self.kind == "state":
+            return 2 * self.state_bytes  # read, then written back in place
+        if self.kind == "sliding":
+            return min(n, self.tokens) * self.bytes_per_token
+        if self.kind == "chunked":
+            return ((n - 1) % self.tokens + 1) * self.bytes_per_token
+        if self.kind == "sparse":
+            return min(n, self.tokens) * self.bytes_per_token + n * self.index_bytes_per_token
+        return n * self.bytes_per_token
+
+
+def _per_token(t: torch.Tensor | None) -> int:
+    """Bytes per cached token of a paged cache tensor (blocks, block_size, ...)."""
+    return 0 if t is None else t.numel() * t.element_size() // (t.shape[0] * t.shape[1])
+
+
+def cache_read_of(layer) -> CacheRead:
+    from attention.state import StateCache
+
+    if isinstance(layer, StateCache):
+        return CacheRead("state", state_bytes=layer.slot_bytes())
+    if getattr(layer, "latent_cache", None) is not None:
+        index = getattr(layer, "index_cache", None)
+        topk = getattr(layer, "topk", None)
+        if topk is not None:  # DSA: the latent of the top-k tokens; the keys of all (when it indexes)
+            return CacheRead("sparse", _per_token(layer.latent_cache), topk, _per_token(index))
+        return CacheRead("full", _per_token(layer.latent_cache))
+    kind = layer.cache_kind
+    return CacheRead(kind.kind, _per_token(layer.k_cache) + _per_token(layer.v_cache), kind.tokens)
+
+
+@dataclass
+class DecodeBytes:
+    """What one decode step of this rank must read, from the built and bound model."""
+
+    non_expert_bytes: int
+    embedding_bytes: int  # the input embedding table: not counted (a step gathers a row per token)
+    slot_bytes: list[int]  # per MoE layer: one local expert slot (weights, biases, scales)
+    reads: list[CacheRead]
+
+    @classmethod
+    def of(cls, model, attn_layers: list) -> "DecodeBytes":
+        moe_layers = sorted(_moe_layers(model), key=lambda m: m.layer_index)
+        expert_ptrs: set[int] = set()
+        slot_bytes = []
+        for m in moe_layers:
+            tensors = m.slot_tensors()
+            expert_ptrs |= {t.data_ptr() for t in tensors.values()}
+            n = len(m.experts.local_logical)
+            slot_bytes.append(sum(t.numel() * t.element_size() for t in tensors.values()) // max(n, 1))
+        emb = model.model.embed_tokens.weight
+        tied = model.lm_head.weight.data_ptr() == emb.data_ptr()
+        seen: set[int] = set()
+        non_expert = 0
+        named = list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers()
+                                                  if b.is_floating_point() or b.element_size() == 1]
+        for name, t in named:
+            p = t.data_ptr()
+            if (p in seen or p in expert_ptrs or t.numel() == 0 or (p == emb.data_ptr() and not tied)
+                    or name.rsplit(".", 1)[-1] in _POSITION_TABLES):
+                continue
+            seen.add(p)
+            non_expert += t.numel() * t.element_size()
+        return cls(non_expert, 0 if tied else emb.numel() * emb.element_size(), slot_bytes,
+                   [cache_read_of(layer) for layer in attn_layers])
+
+    def cache_bytes(self, context_lens: list[int]) -> int:
+        """Cache bytes a decode step reads for sequences holding these many tokens (new one included)."""
+        return sum(r.bytes_for(n) for n in context_lens for r in self.reads)
+
+    def step_bytes(self, slots_hit_per_layer: list[int], context_lens: list[int]) -> int:
+        return (self.non_expert_bytes + sum(h * b for h, b in zip(slots_hit_per_layer, self.slot_bytes))
+                + self.cache_bytes(context_lens))
+
+
+# Position-indexed buffers (rotary frequencies): a step uses its positions' rows only.
+_POSITION_TABLES = ("inv_freq",)
+
+
+@dataclass
+class Window:
+    steps: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    fixed_bytes: int = 0  # weights outside the experts, and caches: known on the host
+    started: float = field(default_factory=time.monotonic)
+
+
+class DecodeMeter:
+    """Counts the bytes of this rank's decode-only steps and their time, window by window."""
+
+    def __init__(self, model, attn_layers: list, moe_ctx, device, bandwidth: float, source: str,
+                 window_s: float = 5.0, rank: int = 0):
+        self.bytes = DecodeBytes.of(model, attn_layers)
+        self.bandwidth, self.source, self.window_s, self.rank = bandwidth, source, window_s, rank
+        L = len(self.bytes.slot_bytes)
+        slots = max((len(m.experts.local_logical) for m in _moe_layers(model)), default=0)
+        # Column 0 takes the ids of rows whose slot is elsewhere (-1) or padded out.
+        self.hits_LS = torch.zeros(L, slots + 1, dtype=torch.int32, device=device) if L else None
+        self._slot_bytes = (torch.tensor(self.bytes.slot_bytes, dtype=torch.int64, device=device)
+                            if L else None)
+        self._expert_bytes = torch.zeros((), dtype=torch.int64, device=device)
+        moe_ctx.experts_hit_LS = self.hits_LS
+        self.window = Window()
+        self.fraction = 0.0  # the last closed window's
+        self.last = {"bytes_per_step": 0.0, "tokens_per_s": 0.0, "seconds": 0.0}
+        self.total_bytes = 0
+        self.total_seconds = 0.0
+        self.total_steps = 0
+
+    def begin_step(self) -> None:
+        if self.hits_LS is not None:
+            self.hits_LS.zero_()
+
+    def end_decode_step(self, context_lens: list[int], seconds: float) -> None:
+        """After a decode-only step: its sequences' cache lengths (new token included), its time."""
+        w = self.window
+        if self.hits_LS is not None:  # distinct slots hit per layer, weighted by slot bytes: on the device
+            self._expert_bytes += ((self.hits_LS[:, 1:] > 0).sum(1) * self._slot_bytes).sum()
+        w.fixed_bytes += self.bytes.non_expert_bytes + self.bytes.cache_bytes(context_lens)
+        w.steps += 1
+        w.tokens += len(context_lens)
+        w.seconds += seconds
+        if time.monotonic() - w.started >= self.window_s:
+            self.close_window()
+
+    def close_window(self) -> float | None:
+        """Fold the open window into the totals and the gauge (one read of the device counter)."""
+        w = self.window
+        if not w.steps:
+            return None
+        expert_bytes = int(self._expert_bytes.item())
+        self._expert_bytes.zero_()
+        total = w.fixed_bytes + expert_bytes
+        self.total_bytes += total
+        self.total_seconds += w.seconds
+        self.total_steps += w.steps
+        self.fraction = total / self.bandwidth / w.seconds if w.seconds > 0 else 0.0
+        self.last = {"bytes_per_step": total / w.steps, "tokens_per_s": w.tokens / w.seconds if w.seconds else 0.0,
+                     "seconds": w.seconds}
+        log.info("rank %d decode: %.1f tokens/s over %d steps, %.2f MB read per step, %.1f%% of speed of light "
+                 "(%.1f GB/s, %s)", self.rank, self.last["tokens_per_s"], w.steps, self.last["bytes_per_step"] / 1e6,
+                 100 * self.fraction, self.bandwidth / 1e9, self.source)
+        self.window = Window()
+        return self.fraction
+
+
+def _moe_layers(model) -> list:
+    from expert_parallel.runtime.layer import MoE
+
+    return [m for m in model.modules() if isinstance(m, MoE)]

@@ -1,0 +1,33 @@
+"""Speculative decoding (n-gram drafts) under expert parallelism: ranks whose pieces carry drafts
+and ranks that decode one token, or nothing, agree on every step's shape (the all-reduced token
+count; no decode padding while any rank verifies drafts), with overlap's micro-batch split too;
+greedy text through HTTP stays the single-process plain engine's."""
+from __future__ import annotations
+
+import asyncio
+import re
+
+import httpx
+from tests.distributed.jobs import TorchrunJob
+from tests.distributed.test_launcher import ARGS, PROMPTS, _complete_all, expected_texts
+
+SPEC = ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}']
+LOOPY = PROMPTS + [[7, 8, 9] * 6, [300, 301, 302, 303] * 4]
+
+
+def test_ep2_greedy_text_unchanged(checkpoints):
+    """DeepSeek-V3 (MLA), two ranks, overlap's micro-batches on (split at any size)."""
+    path = checkpoints["deepseek_v3"]
+    extra = ["--enable-overlap", "--overlap-min-tokens", "1"]
+    want = expected_texts(path, LOOPY, 24)
+    job = TorchrunJob(2, ["--model", path, *ARGS, *SPEC, *extra])
+    try:
+        assert asyncio.run(_complete_all(job.url, LOOPY[:1], 24)) == want[:1]  # the other rank idles
+        assert asyncio.run(_complete_all(job.url, LOOPY, 24)) == want
+        text = httpx.get(job.url + "/metrics", timeout=10).text
+        metric = {name: float(v) for name, v in re.findall(r"^(moe_serve:spec_decode_\w+)\{[^}]*\} (\S+)$", text, re.M)}
+        assert metric["moe_serve:spec_decode_num_draft_tokens_total"] >= \
+            metric["moe_serve:spec_decode_num_accepted_tokens_total"] > 0, metric
+        assert metric["moe_serve:spec_decode_num_drafts_total"] > 0
+    finally:
+        job.kill()

@@ -1,0 +1,515 @@
+/* A test driver of the CPU kernels (moe_serve/kernels/cpu_ops) for any ISA, without Python: it is
+ * linked with the kernels' sources built for a target (tests/kernels/test_cpu_ops_driver.py builds
+ * it for each x86 ISA this CPU runs, and with an aarch64 cross compiler for NEON and the plain-C
+ * path, run under qemu-user), runs every entry point on deterministic random inputs (shapes off the
+ * vector width, tails, the panel path, grouped heads, fresh and continuing sequences; 1 and 2
+ * OpenMP threads), and compares each output with a plain double-precision reference written here.
+ *
+ *   cc -O2 [target flags] -fopenmp -o driver tests/kernels/cpu_ops_driver.c
+ *      moe_serve/kernels/cpu_ops/{attention,gated_delta,moe,norm}.c -lm && ./driver
+ *
+ * Prints one line per check (its max error: |got - ref| / (1 + |ref|)) and exits 1 if any fails. */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- the kernels' entry points (moe.c, attention.c, norm.c, gated_delta.c) ---- */
+int moe_experts_f32(const float* x, int64_t T, int64_t D, const int64_t* ids, const float* wts, int64_t K,
+                    const void* w13, const void* w2, int w_bf16, int64_t E, int64_t F, float* out, int nt);
+int64_t moe_panel_groups_run(void);
+int linear_panels_f32(const float* x, int64_t ldx, int64_t M, const float* w, const float* b, int64_t K, int64_t N,
+                      float* y, int64_t ldy, int nt);
+void linear_f32(const float* x, int64_t ldx, int64_t M, const void* w, int w_bf16, int64_t K, int64_t N, float* y,
+                int64_t ldy, int nt);
+int decode_attention_f32(const float* q, int64_t ldq, const float* k_cache, const float* v_cache, const int32_t* bt,
+                         int64_t ldbt, const int32_t* seq_lens, float* out, int64_t B, int64_t N, int64_t G,
+                         int64_t H, int64_t Hv, int64_t bs, float scale, int nt);
+int prefill_attention_f32(const float* q, int64_t ldq, const float* k_cache, const float* v_cache, const int32_t* bt,
+                          int64_t ldbt, const int32_t* seq_lens, const int32_t* qsl, int64_t b0, int64_t b1,
+                          float* out, int64_t N, int64_t G, int64_t H, int64_t Hv, int64_t bs, float scale, int nt);
+void rms_norm_f32(const float* x, int64_t ldx, const float* r, int64_t ldr, float* h, const float* w, float* out,
+                  int64_t T, int64_t D, float eps, int nt);
+int norm_rope_f32(const float* x, int64_t T, int64_t nh, int64_t ldt, int64_t hd, const float* w, float eps,
+                  int64_t rot, const float* cos_tab, const float* sin_tab, int64_t P, const int64_t* pos, float* out,
+                  int nt);
+int gated_delta_step_f32(const float* q, const float* k, int64_t ldqk, const float* v, int64_t ldv, const float* g,
+                         const float* beta, float* state, const int64_t* slots, const uint8_t* keep, float* o,
+                         int64_t B, int64_t H, int64_t K, int64_t V, float scale, int l2norm, float eps, int nt);
+void conv_step_f32(const float* x, int64_t ldx, const float* w, const float* bias, float* conv_state,
+                   const int64_t* slots, const uint8_t* keep, float* y, int64_t B, int64_t C, int64_t W, int silu_act,
+                   int nt);
+const char* cpu_ops_isa(void);
+
+/* ---- inputs ---- */
+static uint64_t rng = 0x9E3779B97F4A7C15ull;
+static double uniform(void) { /* [-1, 1) */
+  rng ^= rng << 13;
+  rng ^= rng >> 7;
+  rng ^= rng << 17;
+  return (double)(rng >> 11) / (double)(1ull << 52) - 1.0;
+}
+static float* randf(int64_t n, double scale) {
+  float* p = malloc((size_t)(n > 0 ? n : 1) * sizeof(float));
+  for (int64_t i = 0; i < n; i++) p[i] = (float)(uniform() * scale);
+  return p;
+}
+static double* zeros(int64_t n) { return calloc((size_t)(n > 0 ? n : 1), sizeof(double)); }
+static uint16_t to_bf16(float f) { /* round to nearest even */
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  u += 0x7FFF + ((u >> 16) & 1);
+  return (uint16_t)(u >> 16);
+}
+static float from_bf16(uint16_t h) {
+  const uint32_t u = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+/* w rounded to bf16 in place (the reference then reads exactly the weights the kernel widens); the
+ * bf16 copy returned */
+static uint16_t* bf16_copy(float* w, int64_t n) {
+  uint16_t* h = malloc((size_t)n * sizeof(uint16_t));
+  for (int64_t i = 0; i < n; i++) {
+    h[i] = to_bf16(w[i]);
+    w[i] = from_bf16(h[i]);
+  }
+  return h;
+}
+
+/* ---- checking ---- */
+static int failures, checks;
+static void check(const char* what, const float* got, const double* ref, int64_t n, double tol) {
+  double worst = 0.0;
+  for (int64_t i = 0; i < n; i++) {
+    const double e = fabs((double)got[i] - ref[i]) / (1.0 + fabs(ref[i]));
+    if (!(e <= worst)) worst = e; /* NaN sticks */
+  }
+  const int ok = worst <= tol;
+  checks++;
+  failures += !ok;
+  printf("%-58s max err %.2e %s\n", what, worst, ok ? "ok" : "FAIL");
+}
+static void check_true(const char* what, int ok) {
+  checks++;
+  failures += !ok;
+  printf("%-58s %s\n", what, ok ? "ok" : "FAIL");
+}
+/* an entry point's return code: a line only when it is not 0 */
+static void check_rc(const char* what, int rc) {
+  if (rc) {
+    failures++;
+    printf("%-58s returned %d FAIL\n", what, rc);
+  }
+}
+#define TOL 5e-5
+
+static double silu(double g) { return g / (1.0 + exp(-g)); }
+
+/* ---- moe_experts_f32 ---- */
+static void moe_case(int64_t T, int64_t D, int64_t F, int64_t E, int64_t K, int bf16, int held, int nt,
+                     int expect_panels) {
+  float* x = randf(T * D, 1.0);
+  float* w13 = randf(E * 2 * F * D, 1.0 / sqrt((double)D));
+  float* w2 = randf(E * D * F, 1.0 / sqrt((double)F));
+  float* wts = randf(T * K, 1.0);
+  int64_t* ids = malloc((size_t)(T * K) * sizeof(int64_t));
+  for (int64_t t = 0; t < T; t++)
+    for (int64_t k = 0; k < K; k++) {
+      ids[t * K + k] = (t * 5 + k) % E; /* distinct per token (K <= E) */
+      if (held && uniform() < -0.4) ids[t * K + k] = -1; /* an expert on another rank */
+    }
+  uint16_t *w13h = 0, *w2h = 0;
+  if (bf16) {
+    w13h = bf16_copy(w13, E * 2 * F * D);
+    w2h = bf16_copy(w2, E * D * F);
+  }
+  double* ref = zeros(T * D);
+  double* h = zeros(2 * F);
+  double* a = zeros(F);
+  for (int64_t t = 0; t < T; t++)
+    for (int64_t k = 0; k < K; k++) {
+      const int64_t e = ids[t * K + k];
+      if (e < 0 || e >= E) continue;
+      for (int64_t f = 0; f < 2 * F; f++) {
+        double s = 0;
+        for (int64_t d = 0; d < D; d++) s += (double)w13[(e * 2 * F + f) * D + d] * x[t * D + d];
+        h[f] = s;
+      }
+      for (int64_t f = 0; f < F; f++) a[f] = silu(h[f]) * h[F + f];
+      for (int64_t d = 0; d < D; d++) {
+        double s = 0;
+        for (int64_t f = 0; f < F; f++) s += (double)w2[(e * D + d) * F + f] * a[f];
+        ref[t * D + d] += wts[t * K + k] * s;
+      }
+    }
+  float* out = malloc((size_t)(T * D) * sizeof(float));
+  const int64_t before = moe_panel_groups_run();
+  const int rc = moe_experts_f32(x, T, D, ids, wts, K, bf16 ? (const void*)w13h : w13, bf16 ? (const void*)w2h : w2,
+                                 bf16, E, F, out, nt);
+  char what[160];
+  snprintf(what, sizeof what, "moe_experts %s T=%ld D=%ld F=%ld E=%ld K=%ld nt=%d%s", bf16 ? "bf16" : "f32", (long)T,
+           (long)D, (long)F, (long)E, (long)K, nt, expect_panels ? " (panels)" : "");
+  check_rc(what, rc);
+  check(what, out, ref, T * D, TOL);
+  if (expect_panels) check_true("  ... took the panel path", moe_panel_groups_run() > before);
+  free(x), free(w13), free(w2), free(wts), free(ids), free(w13h), free(w2h), free(ref), free(h), free(a), free(out);
+}
+
+/* ---- linear_f32, linear_panels_f32 ---- */
+static void linear_case(int64_t M, int64_t K, int64_t N, int bf16, int panels, int nt) {
+  const int64_t ldx = K + 5;
+  float* x = randf(M * ldx, 1.0);
+  float* w = randf(N * K, 1.0 / sqrt((double)K));
+  float* b = randf(N, 1.0);
+  uint16_t* wh = bf16 ? bf16_copy(w, N * K) : 0;
+  double* ref = zeros(M * N);
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t n = 0; n < N; n++) {
+      double s = panels ? b[n] : 0.0;
+      for (int64_t k = 0; k < K; k++) s += (double)x[m * ldx + k] * w[n * K + k];
+      ref[m * N + n] = s;
+    }
+  float* y = malloc((size_t)(M * N) * sizeof(float));
+  char what[160];
+  if (panels) {
+    const int rc = linear_panels_f32(x, ldx, M, w, b, K, N, y, N, nt);
+    snprintf(what, sizeof what, "linear_panels f32 M=%ld K=%ld N=%ld +bias nt=%d", (long)M, (long)K, (long)N, nt);
+    check_rc(what, rc);
+  } else {
+    linear_f32(x, ldx, M, bf16 ? (const void*)wh : w, bf16, K, N, y, N, nt);
+    snprintf(what, sizeof what, "linear %s M=%ld K=%ld N=%ld nt=%d", bf16 ? "bf16" : "f32", (long)M, (long)K, (long)N,
+             nt);
+  }
+  check(what, y, ref, M * N, TOL);
+  free(x), free(w), free(b), free(wh), free(ref), free(y);
+}
+
+/* ---- paged attention: a cache of nb blocks of bs slots, G kv heads; each sequence's blocks
+ * scattered (block b of sequence i is table[i][b]) ---- */
+typedef struct {
+  int64_t nb, bs, G, H, Hv, B, W;
+  float *k, *v;
+  int32_t* table;
+} cache_t;
+static cache_t make_cache(int64_t B, const int32_t* lens, int64_t bs, int64_t G, int64_t H, int64_t Hv) {
+  cache_t c = {0, bs, G, H, Hv, B, 1, 0, 0, 0};
+  for (int64_t b = 0; b < B; b++) {
+    const int64_t w = (lens[b] + bs - 1) / bs;
+    c.nb += w;
+    if (w > c.W) c.W = w;
+  }
+  c.nb += 3;
+  c.k = randf(c.nb * bs * G * H, 1.0);
+  c.v = randf(c.nb * bs * G * Hv, 1.0);
+  c.table = calloc((size_t)(B * c.W), sizeof(int32_t));
+  int64_t next = 0;
+  for (int64_t b = 0; b < B; b++) /* blocks handed out backwards, skipping some: not contiguous */
+    for (int64_t w = 0; w < (lens[b] + bs - 1) / bs; w++) c.table[b * c.W + w] = (int32_t)(c.nb - 1 - next++ * 1);
+  return c;
+}
+static const float* key_at(const cache_t* c, int64_t b, int64_t s, int64_t g) {
+  const int64_t slot = (int64_t)c->table[b * c->W + s / c->bs] * c->bs + s % c->bs;
+  return c->k + (slot * c->G + g) * c->H;
+}
+static const float* val_at(const cache_t* c, int64_t b, int64_t s, int64_t g) {
+  const int64_t slot = (int64_t)c->table[b * c->W + s / c->bs] * c->bs + s % c->bs;
+  return c->v + (slot * c->G + g) * c->Hv;
+}
+/* o[0..Hv) = softmax_s(scale q . k_s) v_s over s < vis */
+static void attend(const cache_t* c, int64_t b, int64_t g, const float* q, int64_t vis, double scale, double* o) {
+  double* p = zeros(vis);
+  double m = -INFINITY, sum = 0;
+  for (int64_t s = 0; s < vis; s++) {
+    const float* kk = key_at(c, b, s, g);
+    double d = 0;
+    for (int64_t h = 0; h < c->H; h++) d += (double)q[h] * kk[h];
+    p[s] = d * scale;
+    if (p[s] > m) m = p[s];
+  }
+  for (int64_t s = 0; s < vis; s++) sum += p[s] = exp(p[s] - m);
+  for (int64_t d = 0; d < c->Hv; d++) o[d] = 0;
+  for (int64_t s = 0; s < vis; s++) {
+    const float* vv = val_at(c, b, s, g);
+    for (int64_t d = 0; d < c->Hv; d++) o[d] += p[s] / sum * vv[d];
+  }
+  free(p);
+}
+
+static void decode_attention_case(int64_t N, int64_t G, int64_t H, int64_t Hv, int64_t bs, int nt) {
+  const int32_t lens[4] = {1, 9, 3 * (int32_t)bs + 1, 37};
+  const int64_t B = 4;
+  cache_t c = make_cache(B, lens, bs, G, H, Hv);
+  const int64_t ldq = N * H + 3;
+  float* q = randf(B * ldq, 1.0);
+  const double scale = 1.0 / sqrt((double)H);
+  double* ref = zeros(B * N * Hv);
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t n = 0; n < N; n++) attend(&c, b, n / (N / G), q + b * ldq + n * H, lens[b], scale, ref + (b * N + n) * Hv);
+  float* out = malloc((size_t)(B * N * Hv) * sizeof(float));
+  const int rc = decode_attention_f32(q, ldq, c.k, c.v, c.table, c.W, lens, out, B, N, G, H, Hv, bs, (float)scale, nt);
+  char what[160];
+  snprintf(what, sizeof what, "decode_attention N=%ld G=%ld H=%ld Hv=%ld bs=%ld nt=%d", (long)N, (long)G, (long)H,
+           (long)Hv, (long)bs, nt);
+  check_rc(what, rc);
+  check(what, out, ref, B * N * Hv, TOL);
+  free(c.k), free(c.v), free(c.table), free(q), free(ref), free(out);
+}
+
+static void prefill_attention_case(int64_t N, int64_t G, int64_t H, int64_t Hv, int64_t bs, int nt) {
+  /* sequence 0 is not computed (b0 = 1); sequence 2: 35 cached tokens, then a chunk of 5 */
+  const int32_t qlen[5] = {1, 7, 5, 1, 70}, lens[5] = {9, 7, 40, 1, 70};
+  const int64_t B = 5;
+  int32_t qsl[6] = {0};
+  for (int64_t b = 0; b < B; b++) qsl[b + 1] = qsl[b] + qlen[b];
+  const int64_t T = qsl[B];
+  cache_t c = make_cache(B, lens, bs, G, H, Hv);
+  const int64_t ldq = N * H + 1;
+  float* q = randf(T * ldq, 1.0);
+  const double scale = 1.0 / sqrt((double)H);
+  double* ref = zeros(T * N * Hv);
+  float* out = malloc((size_t)(T * N * Hv) * sizeof(float));
+  for (int64_t i = 0; i < T * N * Hv; i++) out[i] = 7.f, ref[i] = 7.0;
+  for (int64_t b = 1; b < B; b++)
+    for (int64_t i = 0; i < qlen[b]; i++)
+      for (int64_t n = 0; n < N; n++)
+        attend(&c, b, n / (N / G), q + (qsl[b] + i) * ldq + n * H, lens[b] - qlen[b] + i + 1, scale,
+               ref + ((qsl[b] + i) * N + n) * Hv);
+  const int rc = prefill_attention_f32(q, ldq, c.k, c.v, c.table, c.W, lens, qsl, 1, B, out, N, G, H, Hv, bs,
+                                       (float)scale, nt);
+  char what[160];
+  snprintf(what, sizeof what, "prefill_attention N=%ld G=%ld H=%ld Hv=%ld bs=%ld nt=%d", (long)N, (long)G, (long)H,
+           (long)Hv, (long)bs, nt);
+  check_rc(what, rc);
+  check(what, out, ref, T * N * Hv, TOL); /* sequence 0's rows: still 7 */
+  free(c.k), free(c.v), free(c.table), free(q), free(ref), free(out);
+}
+
+/* ---- rms_norm_f32, norm_rope_f32 ---- */
+static void rms_norm_case(int64_t T, int64_t D, int residual, int nt) {
+  const int64_t ldx = D + 3;
+  float* x = randf(T * ldx, 3.0);
+  float* r = randf(T * ldx, 1.0);
+  float* w = randf(D, 1.0);
+  const double eps = 1e-6;
+  double* ref = zeros(T * D);
+  double* href = zeros(T * D);
+  for (int64_t t = 0; t < T; t++) {
+    double ss = 0;
+    for (int64_t d = 0; d < D; d++) {
+      href[t * D + d] = residual ? (double)(x[t * ldx + d] + r[t * ldx + d]) : x[t * ldx + d];
+      ss += href[t * D + d] * href[t * D + d];
+    }
+    const double inv = 1.0 / sqrt(ss / D + eps);
+    for (int64_t d = 0; d < D; d++) ref[t * D + d] = href[t * D + d] * inv * w[d];
+  }
+  float* h = malloc((size_t)(T * D) * sizeof(float));
+  float* out = malloc((size_t)(T * D) * sizeof(float));
+  rms_norm_f32(x, ldx, residual ? r : 0, ldx, residual ? h : 0, w, out, T, D, (float)eps, nt);
+  char what[160];
+  snprintf(what, sizeof what, "rms_norm%s T=%ld D=%ld nt=%d", residual ? "+residual" : "", (long)T, (long)D, nt);
+  check(what, out, ref, T * D, TOL);
+  if (residual) check("  ... h = x + r", h, href, T * D, 0.0);
+  free(x), free(r), free(w), free(ref), free(href), free(h), free(out);
+}
+
+static void norm_rope_case(int64_t T, int64_t nh, int64_t hd, int64_t rot, int norm, int nt) {
+  const int64_t ldt = nh * hd + 8, P = 64;
+  float* x = randf(T * ldt, 2.0);
+  float* w = norm ? randf(hd, 1.0) : 0;
+  float* cs = malloc((size_t)(P * rot) * sizeof(float));
+  float* sn = malloc((size_t)(P * rot) * sizeof(float));
+  for (int64_t p = 0; p < P; p++)
+    for (int64_t i = 0; i < rot; i++) {
+      const double f = p * pow(10000.0, -2.0 * (double)(i % (rot / 2)) / rot);
+      cs[p * rot + i] = (float)cos(f);
+      sn[p * rot + i] = (float)(i < rot / 2 ? -sin(f) : sin(f)); /* rotate_half's sign in the table */
+    }
+  int64_t* pos = malloc((size_t)T * sizeof(int64_t));
+  for (int64_t t = 0; t < T; t++) pos[t] = (t * 7 + 3) % P;
+  const double eps = 1e-6;
+  double* ref = zeros(T * nh * hd);
+  double* y = zeros(hd);
+  for (int64_t t = 0; t < T; t++)
+    for (int64_t h = 0; h < nh; h++) {
+      const float* src = x + t * ldt + h * hd;
+      double ss = 0;
+      for (int64_t i = 0; i < hd; i++) ss += (double)src[i] * src[i];
+      const double inv = norm ? 1.0 / sqrt(ss / hd + eps) : 1.0;
+      for (int64_t i = 0; i < hd; i++) y[i] = src[i] * inv * (norm ? w[i] : 1.0);
+      double* o = ref + (t * nh + h) * hd;
+      for (int64_t i = 0; i < rot; i++)
+        o[i] = y[i] * cs[pos[t] * rot + i] + y[(i + rot / 2) % rot] * sn[pos[t] * rot + i];
+      for (int64_t i = rot; i < hd; i++) o[i] = y[i];
+    }
+  float* out = malloc((size_t)(T * nh * hd) * sizeof(float));
+  const int rc = norm_rope_f32(x, T, nh, ldt, hd, w, (float)eps, rot, cs, sn, P, pos, out, nt);
+  char what[160];
+  snprintf(what, sizeof what, "norm_rope T=%ld nh=%ld hd=%ld rot=%ld%s nt=%d", (long)T, (long)nh, (long)hd, (long)rot,
+           norm ? " +norm" : "", nt);
+  check_rc(what, rc);
+  check(what, out, ref, T * nh * hd, 2 * TOL);
+  pos[T - 1] = P; /* outside the table: refused, nothing written */
+  check_true("  ... refuses a position outside the table", norm_rope_f32(x, T, nh, ldt, hd, w, (float)eps, rot, cs,
+                                                                         sn, P, pos, out, nt) == -1);
+  free(x), free(w), free(cs), free(sn), free(pos), free(ref), free(y), free(out);
+}
+
+/* ---- gated_delta_step_f32, conv_step_f32 ---- */
+static void gated_delta_case(int64_t B, int64_t H, int64_t K, int64_t V, int l2norm, int nt) {
+  const int64_t ldqk = H * K + 4, ldv = H * V + 2, S = B + 2;
+  float* q = randf(B * ldqk, 1.0);
+  float* k = randf(B * ldqk, 1.0);
+  float* v = randf(B * ldv, 1.0);
+  float* g = randf(B * H, 1.0);
+  float* beta = randf(B * H, 1.0);
+  for (int64_t i = 0; i < B * H; i++) g[i] = -fabsf(g[i]), beta[i] = fabsf(beta[i]);
+  float* state = randf(S * H * K * V, 0.3);
+  double* sref = zeros(S * H * K * V);
+  for (int64_t i = 0; i < S * H * K * V; i++) sref[i] = state[i];
+  int64_t* slots = malloc((size_t)B * sizeof(int64_t));
+  uint8_t* keep = malloc((size_t)B);
+  for (int64_t b = 0; b < B; b++) slots[b] = (b * 2 + 1) % S, keep[b] = b % 3 != 1;
+  const double scale = 1.0 / sqrt((double)K), eps = 1e-6;
+  double* oref = zeros(B * H * V);
+  double *qn = zeros(K), *kn = zeros(K), *delta = zeros(V);
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t h = 0; h < H; h++) {
+      const float *qb = q + b * ldqk + h * K, *kb = k + b * ldqk + h * K, *vb = v + b * ldv + h * V;
+      double sq = 0, sk = 0, kq = 0;
+      for (int64_t i = 0; i < K; i++) sq += (double)qb[i] * qb[i], sk += (double)kb[i] * kb[i];
+      for (int64_t i = 0; i < K; i++) {
+        qn[i] = qb[i] * scale / (l2norm ? sqrt(sq + eps) : 1.0);
+        kn[i] = kb[i] / (l2norm ? sqrt(sk + eps) : 1.0);
+        kq += qn[i] * kn[i];
+      }
+      double* Sm = sref + (slots[b] * H + h) * K * V;
+      if (!keep[b])
+        for (int64_t i = 0; i < K * V; i++) Sm[i] = 0;
+      const double a = exp(g[b * H + h]);
+      for (int64_t j = 0; j < V; j++) {
+        double pk = 0, pq = 0;
+        for (int64_t i = 0; i < K; i++) pk += kn[i] * Sm[i * V + j], pq += qn[i] * Sm[i * V + j];
+        delta[j] = beta[b * H + h] * (vb[j] - a * pk);
+        oref[(b * H + h) * V + j] = a * pq + kq * delta[j];
+      }
+      for (int64_t i = 0; i < K; i++)
+        for (int64_t j = 0; j < V; j++) Sm[i * V + j] = a * Sm[i * V + j] + kn[i] * delta[j];
+    }
+  float* o = malloc((size_t)(B * H * V) * sizeof(float));
+  const int rc = gated_delta_step_f32(q, k, ldqk, v, ldv, g, beta, state, slots, keep, o, B, H, K, V, (float)scale,
+                                      l2norm, (float)eps, nt);
+  char what[160];
+  snprintf(what, sizeof what, "gated_delta_step B=%ld H=%ld K=%ld V=%ld%s nt=%d", (long)B, (long)H, (long)K, (long)V,
+           l2norm ? " l2norm" : "", nt);
+  check_rc(what, rc);
+  check(what, o, oref, B * H * V, 2 * TOL);
+  check("  ... every state slot", state, sref, S * H * K * V, 2 * TOL);
+  free(q), free(k), free(v), free(g), free(beta), free(state), free(sref), free(slots), free(keep), free(oref);
+  free(qn), free(kn), free(delta), free(o);
+}
+
+static void conv_case(int64_t B, int64_t C, int64_t W, int act, int nt) {
+  const int64_t ldx = C + 3, Wm = W - 1, S = B + 1;
+  float* x = randf(B * ldx, 1.0);
+  float* w = randf(C * W, 1.0);
+  float* bias = randf(C, 1.0);
+  float* st = randf(S * C * Wm, 1.0);
+  double* sref = zeros(S * C * Wm);
+  for (int64_t i = 0; i < S * C * Wm; i++) sref[i] = st[i];
+  int64_t* slots = malloc((size_t)B * sizeof(int64_t));
+  uint8_t* keep = malloc((size_t)B);
+  for (int64_t b = 0; b < B; b++) slots[b] = (b + 1) % S, keep[b] = b != 1;
+  double* ref = zeros(B * C);
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t c = 0; c < C; c++) {
+      double* s = sref + (slots[b] * C + c) * Wm;
+      double acc = bias[c];
+      for (int64_t j = 0; j < Wm; j++) acc += (double)w[c * W + j] * (keep[b] ? s[j] : 0.0);
+      acc += (double)w[c * W + Wm] * x[b * ldx + c];
+      ref[b * C + c] = act ? silu(acc) : acc;
+      for (int64_t j = 0; j + 1 < Wm; j++) s[j] = keep[b] ? s[j + 1] : 0.0;
+      s[Wm - 1] = x[b * ldx + c];
+    }
+  float* y = malloc((size_t)(B * C) * sizeof(float));
+  conv_step_f32(x, ldx, w, bias, st, slots, keep, y, B, C, W, act, nt);
+  char what[160];
+  snprintf(what, sizeof what, "conv_step B=%ld C=%ld W=%ld%s nt=%d", (long)B, (long)C, (long)W, act ? " silu" : "",
+           nt);
+  check(what, y, ref, B * C, TOL);
+  check("  ... every window", st, sref, S * C * Wm, 0.0);
+  free(x), free(w), free(bias), free(st), free(sref), free(slots), free(keep), free(ref), free(y);
+}
+
+/* SiLU at extreme gates through the vectorised exp: one expert whose gate rows pick single input
+ * columns (-120 .. 120), up rows a constant 1: out = silu(x) exactly, finite. */
+static void silu_range_case(void) {
+  const int64_t F = 32, D = 33;
+  float* x = calloc((size_t)(2 * D), sizeof(float));
+  float* w13 = calloc((size_t)(2 * F * D), sizeof(float));
+  float* w2 = calloc((size_t)(D * F), sizeof(float));
+  for (int64_t t = 0; t < 2; t++) {
+    for (int64_t f = 0; f < F; f++) x[t * D + f] = (float)(-120.0 + 240.0 * f / (F - 1));
+    x[t * D + D - 1] = 1.f;
+  }
+  for (int64_t f = 0; f < F; f++) {
+    w13[f * D + f] = 1.f;
+    w13[(F + f) * D + D - 1] = 1.f;
+    w2[f * F + f] = 1.f;
+  }
+  int64_t ids[2] = {0, 0};
+  float wts[2] = {1.f, 1.f};
+  double ref[66];
+  for (int64_t t = 0; t < 2; t++)
+    for (int64_t d = 0; d < D; d++) ref[t * D + d] = d < F ? silu(x[t * D + d]) : 0.0;
+  float out[66];
+  moe_experts_f32(x, 2, D, ids, wts, 1, w13, w2, 0, 1, F, out, 1);
+  check("moe_experts silu over -120 .. 120 (finite, exact)", out, ref, 2 * D, 2e-6);
+  free(x), free(w13), free(w2);
+}
+
+int main(void) {
+  printf("cpu_ops driver: vec.h built for %s\n", cpu_ops_isa());
+  silu_range_case();
+  for (int nt = 1; nt <= 2; nt++) {
+    /* decode tiles: every row count of a micro-tile, D, F and 2F off the vector width and the
+     * 4-row tile, experts held elsewhere */
+    moe_case(1, 64, 32, 8, 2, 0, 1, nt, 0);
+    moe_case(5, 40, 24, 6, 2, 0, 1, nt, 0);
+    moe_case(7, 17, 9, 4, 2, 0, 1, nt, 0);
+    moe_case(5, 40, 24, 6, 2, 1, 1, nt, 0);
+    moe_case(7, 17, 9, 4, 2, 1, 1, nt, 0);
+    moe_case(33, 128, 80, 16, 4, 1, 1, nt, 0); /* bf16: more than 16 rows an expert, still the tiles */
+    /* the panel path: 17+ rows an expert, partial panels, D off 16, experts on both sides */
+    moe_case(34, 40, 12, 2, 1, 0, 0, nt, 1);
+    moe_case(100, 64, 32, 3, 2, 0, 1, nt, 1);
+    moe_case(120, 48, 20, 16, 4, 0, 1, nt, 1);
+    linear_case(1, 64, 40, 0, 0, nt);
+    linear_case(3, 40, 17, 0, 0, nt);
+    linear_case(5, 37, 30, 1, 0, nt);
+    linear_case(16, 64, 96, 1, 0, nt);
+    linear_case(5, 33, 40, 0, 1, nt);
+    linear_case(50, 20, 16, 0, 1, nt);
+    linear_case(17, 100, 200, 0, 1, nt);
+    decode_attention_case(8, 2, 64, 64, 4, nt); /* grouped: 4 heads a key, H % 16 == 0 */
+    decode_attention_case(3, 1, 40, 24, 3, nt);
+    decode_attention_case(4, 4, 17, 80, 1, nt);
+    prefill_attention_case(8, 2, 64, 64, 4, nt);
+    prefill_attention_case(3, 1, 40, 24, 3, nt);
+    prefill_attention_case(6, 2, 16, 72, 8, nt);
+    rms_norm_case(3, 37, 1, nt);
+    rms_norm_case(5, 64, 0, nt);
+    rms_norm_case(2, 300, 1, nt);
+    norm_rope_case(5, 3, 40, 24, 1, nt);
+    norm_rope_case(4, 2, 64, 64, 0, nt);
+    norm_rope_case(3, 2, 128, 64, 1, nt);
+    gated_delta_case(3, 2, 20, 36, 1, nt);
+    gated_delta_case(2, 3, 64, 16, 0, nt);
+    conv_case(3, 40, 4, 1, nt);
+    conv_case(2, 600, 4, 0, nt);
+  }
+  printf("cpu_ops driver (%s): %d of %d checks passed\n", cpu_ops_isa(), checks - failures, checks);
+  return failures ? 1 : 0;
+}
