@@ -1,5 +1,5 @@
 """Two-batch overlap under real expert parallelism (gloo, async all-to-all): greedy text identical
-to the single-process engine without overlap, every architecture, EP 2 and 4. Prompt lengths are
+to the single-process engine without overlap, every architecture, EP 4. Prompt lengths are
 odd and one phase runs a single request, so some ranks' micro-batches are empty."""
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ from tests.distributed.jobs import TorchrunJob
 from tests.distributed.test_launcher import ARGS, PROMPTS, _complete_all, expected_texts
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
+# EP 4 here, every architecture; overlap at EP 2 runs in test_eplb_serving.py and
+# test_spec_decode_ep.py (DeepSeek-V3) and in the two-host test (Qwen3-MoE).
+@pytest.mark.parametrize("nproc", [4])
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v3"])
 def test_overlap_matches_without_overlap(checkpoints, arch, nproc):
     path = checkpoints[arch]
