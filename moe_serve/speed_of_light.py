@@ -170,8 +170,11 @@ class DecodeBytes:
                    [cache_read_of(layer) for layer in attn_layers])
 
     def cache_bytes(self, context_lens: list[int]) -> int:
-        """Cache bytes a decode step reads for sequences holding these many tokens (new one included)."""
-        return sum(r.bytes_for(n) for n in context_lens for r in self.reads)
+        """Cache bytes a decode step reads for sequences holding these many tokens (new one included).
+        Full layers (most) in one product with the tokens in all; the others per sequence."""
+        full = sum(r.bytes_per_token for r in self.reads if r.kind == "full")
+        rest = [r for r in self.reads if r.kind != "full"]
+        return full * sum(context_lens) + sum(r.bytes_for(n) for n in context_lens for r in rest)
 
     def step_bytes(self, slots_hit_per_layer: list[int], context_lens: list[int]) -> int:
         return (self.non_expert_bytes + sum(h * b for h, b in zip(slots_hit_per_layer, self.slot_bytes))
