@@ -202,21 +202,55 @@ class InputBatch:
         names = md.tensor_fields() if md is not None else []
         host.append(torch.tensor(logits_idx, dtype=torch.int64) if sample_rows else None)
         host += [getattr(md, k) for k in names]
+        self.last_logits_idx = logits_idx  # host copy: what speculative drafters read back
         dev = self.h2d(host)
-        batches = []
         per = self._tensors_per_batch
-        for i, (q_lens, seq_lens) in enumerate(lens):
-            ids, pos, slots, qsl, sl, bt, *more = dev[per * i:per * (i + 1)]
-            meta = AttentionMetadata.from_tensors(qsl, sl, bt, slots, self.block_size, q_lens, seq_lens)
-            for g in range(len(self.group_scratch)):
-                meta.group_tables[g + 1] = (more[2 * g + 1], more[2 * g])
-            if self.state_scratch is not None:
-                meta.state_slots = more[-1]
-            batches.append((ids, pos, meta))
+        batches = [self._device_batch(dev[per * i:per * (i + 1)], q_lens, seq_lens)
+                   for i, (q_lens, seq_lens) in enumerate(lens)]
         k = per * len(groups)
         if md is not None:
             md = replace(md, **dict(zip(names, dev[k + 1:])))
         return StepInputs(batches, dev[k], md)
+
+    def _device_batch(self, dev: list[torch.Tensor], q_lens: list[int], seq_lens: list[int]):
+        """(ids_T, positions_T, meta) from one batch's device tensors (_forward_host's order)."""
+        ids, pos, slots, qsl, sl, bt, *more = dev
+        meta = AttentionMetadata.from_tensors(qsl, sl, bt, slots, self.block_size, q_lens, seq_lens)
+        for g in range(len(self.group_scratch)):
+            meta.group_tables[g + 1] = (more[2 * g + 1], more[2 * g])
+        if self.state_scratch is not None:
+            meta.state_slots = more[-1]
+        return ids, pos, meta
+
+    # --- draft passes (MTP) ----------------------------------------------------------------------
+    def can_write(self, row: int, pos: int) -> bool:
+        """Whether row's request holds a cache slot for position pos (blocks reserved ahead)."""
+        return pos < self.max_model_len and pos // self.block_size < int(self._nblk[row])
+
+    def one_token_batch(self, row_pos: list[tuple[int, int]]) -> tuple[torch.Tensor, AttentionMetadata]:
+        """(positions_T, meta) of one token per (row, position): a decode-shaped batch whose K/V
+        go to those positions' slots of the rows' blocks (speculative drafters' chained passes)."""
+        tensors, q_lens, seq_lens = self._forward_host([(row, pos, 1, False) for row, pos in row_pos])
+        _, pos, meta = self._device_batch(self.h2d(tensors), q_lens, seq_lens)
+        return pos, meta
+
+    def next_token_ids(self, pieces: list[Piece], sampled: list[int]) -> torch.Tensor:
+        """For each token of the last prepared step, in packed order, the token after it: the
+        row's next token, or at a sampled position the token sampled there (`sampled`, in the
+        order of `last_logits_idx`). Positions past what a row holds read stale ids; every one of
+        them is a sampled position."""
+        if not pieces:
+            return torch.zeros(0, dtype=torch.int64)
+        rows_B, start_B, q_B = torch.tensor([p[:3] for p in pieces], dtype=torch.int64).T
+        T = int(q_B.sum())
+        qsl = torch.cumsum(q_B, 0) - q_B
+        pos_T = torch.arange(T) + torch.repeat_interleave(start_B - qsl, q_B, output_size=T)
+        row_T = torch.repeat_interleave(rows_B, q_B, output_size=T)
+        nxt = self.token_ids_RL[row_T, (pos_T + 1).clamp(max=self.max_model_len - 1)].to(torch.int64)
+        if sampled:
+            nxt[torch.tensor(self.last_logits_idx[:len(sampled)], dtype=torch.int64)] = \
+                torch.tensor(sampled, dtype=torch.int64)
+        return nxt
 
     def _positions(self, pieces: list[Piece]) -> torch.Tensor:
         if not pieces:

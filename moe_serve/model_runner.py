@@ -62,6 +62,13 @@ class ModelRunner:
         # online rebalancer add theirs; each step's MoEStep carries them to the MoE layers.
         self.load_hooks: list[Callable[[int, torch.Tensor], None]] = []
         self._bitmask = None  # BitmaskFiller, made on the first constrained step
+        # MTP speculative decoding: the drafter, and the last step's hidden states and inputs it reads.
+        self.drafter = None
+        if getattr(model, "mtp", None) is not None:
+            from moe_serve.spec_decode.mtp import MtpDrafter
+
+            self.drafter = MtpDrafter(model, batch, cfg.speculative.num_speculative_tokens, moe_ctx)
+        self._last_step = None
 
     def warm_up_kernels(self) -> set:
         """Compile every Triton kernel variant this model's layers can launch; their compile keys."""
@@ -113,15 +120,20 @@ class ModelRunner:
                       self._load_recorder(), split)
         step = self.batch.prepare(pieces, split, pad_to, self.scratch_block)
         if split:
-            return self.model.forward_microbatches(step.batches, moe), step
-        if pad_to is not None:
+            h = self.model.forward_microbatches(step.batches, moe)
+        elif pad_to is not None and self.graphs is not None:
             log.debug("decode step of %d sequences padded to %d", len(pieces), pad_to)
-        if pad_to is not None and self.graphs is not None:
             # A captured graph reads every row's state (it holds no "fresh sequence" branch): a
             # one-token prompt starts from a zeroed slot instead.
             self._zero_states([self.batch.state_slot_R[p[0]] for p in pieces if p[1] == 0])
-            return self.graphs.replay(*step.batches[0]), step
-        return self.model(*step.batches[0], moe), step
+            h = self.graphs.replay(*step.batches[0])
+        else:
+            if pad_to is not None:
+                log.debug("decode step of %d sequences padded to %d", len(pieces), pad_to)
+            h = self.model(*step.batches[0], moe)
+        if self.drafter is not None:
+            self._last_step = (h, step, moe, pieces)
+        return h, step
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, max_tokens_any_rank: int | None = None,
@@ -153,6 +165,15 @@ class ModelRunner:
             for layer in self.state_layers:
                 for cache in layer.caches:
                     cache[int(slot)].zero_()
+
+    def propose_drafts(self, draft_rows: list[tuple[int, int, int]], sampled: list[int]) -> dict[int, list[int]]:
+        """MTP drafts after the last step (empty or not: with expert parallelism every rank runs the
+        drafter's passes each step). draft_rows: (batch row, packed index of the last accepted
+        token, its position) per request that decodes next; sampled: the step's sampled tokens in
+        sampling-row order. Returns {batch row: drafts}."""
+        h, step, moe, pieces = self._last_step
+        self._last_step = None
+        return self.drafter.propose(h, step, moe, self.batch.next_token_ids(pieces, sampled), draft_rows)
 
     @torch.inference_mode()
     def execute_empty(self, max_tokens_any_rank: int | None = None, all_ranks_decode: bool = True) -> None:

@@ -67,6 +67,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
+        # Cache slots a piece that samples reserves past its last token (MTP drafts' chained passes).
+        self.lookahead_tokens = 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -131,7 +133,7 @@ class Scheduler:
                 # Drafts are positions past the known tokens: within the budget and the context limit.
                 n = self._chunk(req, min(left + len(drafts), budget, self.max_model_len - req.num_computed_tokens))
                 drafts = drafts[:max(0, n - left)]
-                while not self._grow(req, n):
+                while not self._grow(req, n + self._lookahead(req, n)):
                     # Free blocks by preempting the latest arrival that is not already in this step.
                     victim = next(r for r in reversed(self.running) if r.request_id not in scheduled)
                     self.running.remove(victim)
@@ -150,7 +152,7 @@ class Scheduler:
             if not req.block_ids:
                 self._attach_prefix(req)
             n = self._chunk(req, min(req.num_tokens - req.num_computed_tokens, budget))
-            if not self._grow(req, n):
+            if not self._grow(req, n + self._lookahead(req, n)):
                 # Give back the prefix blocks it was lent: a waiting request that holds blocks it
                 # cannot use could leave the running ones (or, once nothing runs, itself) without
                 # any, for ever. They stay cached, so the next attempt finds them again.
@@ -212,6 +214,13 @@ class Scheduler:
         """Make room for n more tokens of req in every cache group; False (and nothing allocated)
         when one runs out."""
         return self.kv.grow(req, n)
+
+    def _lookahead(self, req: Request, n: int) -> int:
+        """Slots to reserve past a piece of n tokens: lookahead_tokens when it samples, within
+        the context limit."""
+        if not self.lookahead_tokens or req.num_computed_tokens + n < req.num_tokens:
+            return 0
+        return max(0, min(self.lookahead_tokens, self.max_model_len - req.num_computed_tokens - n))
 
     def _snapshot_boundary(self, req: Request) -> int:
         """The position whose state a model with per-sequence state keeps for prefix hits: the last

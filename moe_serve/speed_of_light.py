@@ -160,14 +160,17 @@ class DecodeBytes:
         named = list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers()
                                                   if b.is_floating_point() or b.element_size() == 1]
         for name, t in named:
+            if name.startswith("mtp."):
+                continue
             p = t.data_ptr()
             if (p in seen or p in expert_ptrs or t.numel() == 0 or (p == emb.data_ptr() and not tied)
                     or name.rsplit(".", 1)[-1] in _POSITION_TABLES):
                 continue
             seen.add(p)
             non_expert += t.numel() * t.element_size()
+        drafts = _draft_module_ids(model)
         return cls(non_expert, 0 if tied else emb.numel() * emb.element_size(), slot_bytes,
-                   [cache_read_of(layer) for layer in attn_layers])
+                   [cache_read_of(layer) for layer in attn_layers if id(layer) not in drafts])
 
     def cache_bytes(self, context_lens: list[int]) -> int:
         """Cache bytes a decode step reads for sequences holding these many tokens (new one included).
@@ -256,4 +259,12 @@ class DecodeMeter:
 def _moe_layers(model) -> list:
     from expert_parallel.runtime.layer import MoE
 
-    return [m for m in model.modules() if isinstance(m, MoE)]
+    skip = _draft_module_ids(model)
+    return [m for m in model.modules() if isinstance(m, MoE) and id(m) not in skip]
+
+
+def _draft_module_ids(model) -> set[int]:
+    """The modules of a model's multi-token-prediction layers: not part of a one-token decode
+    step (they run after it, when speculative decoding drafts with them)."""
+    mtp = getattr(model, "mtp", None)
+    return {id(m) for m in mtp.modules()} if mtp is not None else set()

@@ -158,8 +158,30 @@ def build_glm_moe_dsa(path: str) -> str:
                       indexer_types=["full", "shared", "full", "shared"])
 
 
-def build_deepseek_v3(path: str) -> str:
+def _write_mtp_layer(path: str, layer: int, src: int, mtp: dict) -> None:
+    """Append a multi-token-prediction layer as the Hub lays it out after DeepSeek-V3's last layer:
+    `model.layers.{layer}.` holds a decoder layer (here a copy of layer src), its own copy of the
+    input embedding, enorm, hnorm, eh_proj and shared_head (norm, head); config.json says
+    num_nextn_predict_layers: 1. mtp: enorm, hnorm, eh_proj, shared_head.norm, shared_head.head."""
     from safetensors.torch import load_file, save_file
+
+    sd = load_file(os.path.join(path, "model.safetensors"))
+    for k in [k for k in sd if k.startswith(f"model.layers.{src}.")]:
+        sd[k.replace(f"model.layers.{src}.", f"model.layers.{layer}.")] = sd[k].clone()
+    sd[f"model.layers.{layer}.embed_tokens.weight"] = sd["model.embed_tokens.weight"].clone()
+    for name, t in mtp.items():
+        sd[f"model.layers.{layer}.{name}.weight"] = t.contiguous()
+    save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(path, "model.safetensors"),
+              metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["num_nextn_predict_layers"] = 1
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+
+
+def build_deepseek_v3(path: str) -> str:
+    """Three layers (the first dense) and a multi-token-prediction layer of random weights."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     cfg = DeepseekV3Config(**_deepseek_fields(_tokenizer(path)), num_hidden_layers=3)
@@ -167,13 +189,37 @@ def build_deepseek_v3(path: str) -> str:
     m = DeepseekV3ForCausalLM(cfg).eval()
     widen_(m, 3)
     m.save_pretrained(path)
-    # Real DeepSeek-V3 checkpoints carry a multi-token-prediction layer numbered after the last layer.
-    sd = load_file(os.path.join(path, "model.safetensors"))
-    for k in [k for k in sd if k.startswith("model.layers.2.")]:
-        sd[k.replace("model.layers.2.", "model.layers.3.")] = sd[k].clone()
-    sd["model.layers.3.eh_proj.weight"] = torch.randn(64, 128)
-    save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(path, "model.safetensors"),
-              metadata={"format": "pt"})
+    g = torch.Generator().manual_seed(33)
+    D, V = cfg.hidden_size, cfg.vocab_size
+    _write_mtp_layer(path, 3, 2, {
+        "enorm": 1.0 + 0.1 * torch.randn(D, generator=g), "hnorm": 1.0 + 0.1 * torch.randn(D, generator=g),
+        "eh_proj": torch.randn(D, 2 * D, generator=g) * (2 * D) ** -0.5,
+        "shared_head.norm": 1.0 + 0.1 * torch.randn(D, generator=g),
+        "shared_head.head": torch.randn(V, D, generator=g) * D ** -0.5})
+    return path
+
+
+def build_deepseek_v3_mtp_copy(path: str) -> str:
+    """One MoE layer and an MTP layer that is the model shifted by one token, so its drafts are
+    often right: eh_proj passes the (unit-RMS) embedding of the next token through, the decoder
+    layer is a copy of layer 0 and shared_head the model's final norm and LM head. At position p
+    it then runs the model's own layer over tokens 1..p+1 (the model at p+1 sees tokens 0..p+1)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = DeepseekV3Config(**{**_deepseek_fields(_tokenizer(path)), "first_k_dense_replace": 0}, num_hidden_layers=1)
+    torch.manual_seed(0)
+    m = DeepseekV3ForCausalLM(cfg).eval()
+    widen_(m, 4)
+    with torch.no_grad():
+        e = m.model.embed_tokens.weight
+        e.div_(e.pow(2).mean(-1, keepdim=True).sqrt())
+    m.save_pretrained(path)
+    D = cfg.hidden_size
+    _write_mtp_layer(path, 1, 0, {
+        "enorm": torch.ones(D), "hnorm": torch.ones(D),
+        "eh_proj": torch.cat([torch.eye(D), torch.zeros(D, D)], dim=1),
+        "shared_head.norm": m.model.norm.weight.detach().clone(),
+        "shared_head.head": m.lm_head.weight.detach().clone()})
     return path
 
 
@@ -587,7 +633,7 @@ EXTRA_BUILDERS = {"qwen2_moe": build_qwen2_moe, "olmoe": build_olmoe, "kimi_k2":
                   "minimax_m2": build_minimax_m2, "llama4": build_llama4, "llama4_mm": build_llama4_multimodal,
                   "qwen3_next": build_qwen3_next, "qwen3_5_moe": build_qwen3_5_moe,
                   "qwen3_5_moe_vl": build_qwen3_5_moe_vl, "deepseek_v32": build_deepseek_v32,
-                  "glm_moe_dsa": build_glm_moe_dsa}
+                  "glm_moe_dsa": build_glm_moe_dsa, "deepseek_v3_mtp_copy": build_deepseek_v3_mtp_copy}
 
 
 class LazyCheckpoints:

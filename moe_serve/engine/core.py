@@ -224,6 +224,7 @@ class EngineCore:
         self.eplb: EplbManager | None = None  # enable_eplb
         self.meter = meter  # decode speed of light (moe_serve/speed_of_light.py)
         self.spec = Speculator(cfg.speculative, max_model_len)  # speculative decoding's drafts and counts
+        scheduler.lookahead_tokens = self.spec.lookahead_tokens
 
     def set_max_model_len(self, n: int) -> None:
         """Every rank serves the same context limit (the smallest any rank's cache allows)."""
@@ -311,6 +312,8 @@ class EngineCore:
             if lockstep:
                 t0 = time.perf_counter()
                 self.runner.execute_empty(max_tokens_any_rank, all_ranks_decode)
+                if self.runner.drafter is not None:
+                    self.runner.propose_drafts([], [])
                 if self.load_recorder is not None:
                     self.load_recorder.end_step()
                 if self.eplb is not None:
@@ -337,6 +340,7 @@ class EngineCore:
             self.eplb.end_step(seconds)
         # Each sampling piece's rows: one, or with k draft tokens k + 1 (spec_decode.accept verifies).
         sampled, logprobs, sampled_reqs, i = {}, {}, [], 0
+        last_accepted = {}  # request id -> the sampling row of its last accepted token
         for s in out.scheduled:
             if not s.samples:
                 continue
@@ -346,6 +350,7 @@ class EngineCore:
             sampled[s.request.request_id] = keep
             logprobs[s.request.request_id] = result.logprobs[i:i + len(keep)]
             sampled_reqs.append((s.request, s.request.num_output_tokens))
+            last_accepted[s.request.request_id] = i + len(keep) - 1
             i += k + 1
             if k:
                 self.spec.record(k, len(keep) - 1)
@@ -367,9 +372,28 @@ class EngineCore:
                 r.request_id, new, fin, r.status.value if fin else None, r.stop_reason if fin else None,
                 [TokenLogprob(t, lp[0], lp[1]) for t, lp in zip(new, lps)] if lps and lps[0] else None,
                 r.num_cached_prompt_tokens))
-        if self.spec.proposer is not None:
+        if self.runner.drafter is not None:
+            self._mtp_drafts(out, result.token_ids, last_accepted)
+        elif self.spec.proposer is not None:
             self.spec.propose(self.scheduler.running)
         return outputs
+
+    def _mtp_drafts(self, out: SchedulerOutput, sampled: list[int], last_accepted: dict[str, int]) -> None:
+        """Run the MTP drafter after a step (every step: its passes are collective under EP) and
+        give each request that decodes next its drafts."""
+        batch = self.runner.batch
+        rows, reqs = [], []
+        for s in out.scheduled:
+            r = s.request
+            j = last_accepted.get(r.request_id)
+            if j is None or r.is_finished or r.num_computed_tokens != r.num_tokens - 1:
+                continue
+            row = batch.row_of[r.request_id]
+            rows.append((row, batch.last_logits_idx[j], r.num_computed_tokens - 1))
+            reqs.append((r, row))
+        drafts = self.runner.propose_drafts(rows, sampled)
+        for r, row in reqs:
+            self.spec.set_drafts(r, drafts.get(row, []))
 
     # --- expert load ----------------------------------------------------------------------------
     def enable_load_recording(self, window_steps: int, ep_group=None, start: bool = False):

@@ -7,6 +7,8 @@ form: q_latent = q_nope @ W_UK, scores against c_kv, and the output mapped throu
 """
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
@@ -98,23 +100,71 @@ class DeepseekV3ForCausalLM(CausalLM):
         return MLASelfAttention(hf, rotary, dtype)
 
     def __init__(self, hf: dict, moe: MoEContext, dtype):
-        D, E = hf["hidden_size"], hf.get("n_routed_experts")
+        D = hf["hidden_size"]
         eps = hf.get("rms_norm_eps", 1e-6)
         rotary = RotaryEmbedding(hf["qk_rope_head_dim"], rope_config(hf), hf.get("max_position_embeddings", 4096),
                                  interleaved=bool(hf.get("rope_interleave", True)))
         moe_ids = self.moe_layer_ids(hf)
-        layers = []
-        for i in range(hf["num_hidden_layers"]):
-            attn = self.attention(hf, rotary, dtype, i)
-            if i in moe_ids:
-                router = GroupLimitedSigmoidRouter(
-                    D, E, hf["num_experts_per_tok"], hf.get("n_group") or 1, hf.get("topk_group") or 1,
-                    bool(hf.get("norm_topk_prob", True)), float(hf.get("routed_scaling_factor", 1.0)))
-                n_shared = hf.get("n_shared_experts") or 0
-                shared = DenseMLP(D, hf["moe_intermediate_size"] * n_shared, dtype) if n_shared else None
-                ffn = MoE(D, hf["moe_intermediate_size"], E, router, moe, dtype, shared_experts=shared,
-                          layer_index=moe_ids.index(i))
-            else:
-                ffn = DenseMLP(D, hf["intermediate_size"], dtype)
-            layers.append(DecoderLayer(D, eps, attn, ffn, "mlp", dtype))
+        layers = [self._decoder_layer(hf, rotary, moe, dtype, i, moe_ids.index(i) if i in moe_ids else None)
+                  for i in range(hf["num_hidden_layers"])]
         super().__init__(hf, DecoderStack(hf["vocab_size"], D, layers, eps, dtype, rotary), dtype)
+        self.mtp = None  # the multi-token-prediction layers, when speculative decoding asks for them
+
+    def _decoder_layer(self, hf: dict, rotary: RotaryEmbedding, moe: MoEContext, dtype, i: int,
+                       moe_index: int | None) -> DecoderLayer:
+        """Decoder layer i: MLA, and an MoE block (the moe_index-th) or a dense MLP (None)."""
+        D, E = hf["hidden_size"], hf.get("n_routed_experts")
+        attn = self.attention(hf, rotary, dtype, i)
+        if moe_index is not None:
+            router = GroupLimitedSigmoidRouter(
+                D, E, hf["num_experts_per_tok"], hf.get("n_group") or 1, hf.get("topk_group") or 1,
+                bool(hf.get("norm_topk_prob", True)), float(hf.get("routed_scaling_factor", 1.0)))
+            n_shared = hf.get("n_shared_experts") or 0
+            shared = DenseMLP(D, hf["moe_intermediate_size"] * n_shared, dtype) if n_shared else None
+            ffn = MoE(D, hf["moe_intermediate_size"], E, router, moe, dtype, shared_experts=shared,
+                      layer_index=moe_index)
+        else:
+            ffn = DenseMLP(D, hf["intermediate_size"], dtype)
+        return DecoderLayer(D, hf.get("rms_norm_eps", 1e-6), attn, ffn, "mlp", dtype)
+
+    def add_mtp_layers(self, moe: MoEContext, dtype) -> int:
+        """Build the checkpoint's multi-token-prediction layer (`num_nextn_predict_layers`, one on
+        every released DeepSeek-V3/V3.2 and Kimi-K2 checkpoint) as `self.mtp[0]`: its decoder
+        layer is an MoE layer after the model's own (the next MoE layer index). Returns its count."""
+        from moe_serve.spec_decode.mtp import MTPLayer
+
+        hf = self.hf
+        n = int(hf.get("num_nextn_predict_layers") or 0)
+        if n != 1:
+            raise ValueError(f"speculative_config.method='mtp' needs a checkpoint with one multi-token-prediction "
+                             f"layer; {hf.get('architectures', ['this model'])[0]} has num_nextn_predict_layers={n}"
+                             + ("" if n else " (use method 'ngram')"))
+        L = self.num_hidden_layers
+        moe_index = None
+        if hf.get("n_routed_experts"):
+            moe_index = self.num_moe_layers
+            if moe.physical_to_logical is not None and len(moe.physical_to_logical) == moe_index:
+                # A placement tuned for the model's own layers: the MTP layer's experts get the default one.
+                from expert_parallel.runtime.layer import default_physical_to_logical
+
+                moe.physical_to_logical.append(default_physical_to_logical(hf["n_routed_experts"],
+                                                                           moe.dispatcher.num_slots))
+        block = self._decoder_layer(hf, self.model.rotary, moe, dtype, L, moe_index)
+        self.mtp = nn.ModuleList([MTPLayer(hf["hidden_size"], hf["vocab_size"], hf.get("rms_norm_eps", 1e-6),
+                                           block, dtype)])
+        return n
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """With the MTP layer built, `model.layers.{num_hidden_layers}.*` loads into it: enorm,
+        hnorm, eh_proj and shared_head by their names, the decoder layer's tensors under `block`;
+        its copy of the input embedding is the model's own (not loaded twice)."""
+        if self.mtp is not None:
+            m = re.match(rf"model\.layers\.{self.num_hidden_layers}\.(.*)$", name)
+            if m:
+                rest = m.group(1)
+                if rest.startswith("embed_tokens."):
+                    return None
+                if rest.split(".")[0] in ("enorm", "hnorm", "eh_proj", "shared_head"):
+                    return f"mtp.0.{rest}"
+                return f"mtp.0.block.{rest}"
+        return super().checkpoint_name(name)

@@ -90,7 +90,9 @@ class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
     indexer_interleaved = False  # the indexer rotates halves (the MLA interleaved pairs)
 
     def attention(self, hf: dict, rotary: RotaryEmbedding, dtype, layer: int) -> nn.Module:
-        return DSASelfAttention(hf, rotary, dtype, indexer_types(hf)[layer] == "full", self.indexer_interleaved)
+        types = indexer_types(hf)  # the MTP layer after the last one runs its own indexer
+        full = layer >= len(types) or types[layer] == "full"
+        return DSASelfAttention(hf, rotary, dtype, full, self.indexer_interleaved)
 
 
 class GlmMoeDsaForCausalLM(DeepseekV32ForCausalLM):

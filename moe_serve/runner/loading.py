@@ -31,6 +31,15 @@ def build_model(cfg: EngineConfig, moe_ctx: MoEContext, ops: platform.Ops) -> nn
     cls = model_class(mc.architecture)
     with torch.device(cfg.device):
         model = cls(mc.hf, moe_ctx, mc.dtype)
+        spec = cfg.speculative
+        if spec is not None and spec.method == "mtp":
+            if not hasattr(model, "add_mtp_layers"):
+                raise ValueError(f"speculative_config.method='mtp': {mc.architecture} has no multi-token-prediction "
+                                 "layers the engine can run (DeepSeek-V3/V3.2 and Kimi-K2 checkpoints do); use "
+                                 "method 'ngram'")
+            model.add_mtp_layers(moe_ctx, mc.dtype)
+            log.info("speculative decoding: the checkpoint's multi-token-prediction layer drafts %d token(s) per step",
+                     spec.num_speculative_tokens)
     platform.bind_ops(model, ops)  # each layer holds the backend object of its kind of op
     n_moe = model.num_moe_layers
     if moe_ctx.physical_to_logical is not None and n_moe != len(moe_ctx.physical_to_logical):

@@ -18,8 +18,9 @@ next step before anything reads them, and blocks are registered for prefix cachi
 Models with per-sequence state (linear attention) update that state in place for every token of a
 piece; it cannot be rolled back to a rejected draft, so those models refuse speculation at start-up.
 
-Methods: "ngram" (prompt lookup: `ngram.propose`). "mtp" (the checkpoint's multi-token-prediction
-layers) is refused with an error until it is implemented.
+Methods: "ngram" (prompt lookup: `ngram.propose`, on the host before the step) and "mtp" (the
+checkpoint's multi-token-prediction layer, run by the model runner after each step: `mtp.py`;
+the scheduler reserves cache slots for its chained passes, `lookahead_tokens`).
 """
 from __future__ import annotations
 
@@ -64,8 +65,7 @@ class SpeculativeConfig:
             for key in ("prompt_lookup_min", "prompt_lookup_max"):
                 if key in value:
                     raise ValueError(f"speculative_config.{key} applies to method 'ngram' only")
-            raise ValueError("speculative_config.method='mtp' is not supported yet: the engine does not load "
-                             "or run the checkpoint's MTP layers; use method 'ngram'")
+            return cls(method, k)
         lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
         if lo is None and hi is None:
             lo = hi = 5
@@ -112,21 +112,37 @@ class Speculator:
         for j in range(accepted):
             self.accepted_per_pos[j] += 1
 
+    @property
+    def lookahead_tokens(self) -> int:
+        """Cache slots a piece that samples reserves past its last token: MTP's chained passes
+        write positions up to K - 1 past it."""
+        cfg = self.cfg
+        return cfg.num_speculative_tokens - 1 if cfg is not None and cfg.method == "mtp" else 0
+
+    def draft_budget(self, req) -> int:
+        """How many drafts req may carry: at most num_speculative_tokens, and never more than its
+        remaining output allows (the verified step emits one token past them) nor past the
+        context limit."""
+        return min(self.cfg.num_speculative_tokens, req.max_new_tokens - req.num_output_tokens - 1,
+                   self.max_model_len - req.num_tokens)
+
+    def set_drafts(self, req, drafts: list[int]) -> None:
+        """req's drafts for its next step, cut to its budget and to what its grammar allows."""
+        drafts = drafts[:max(0, self.draft_budget(req))]
+        if drafts and req.grammar is not None:
+            drafts = req.grammar.allowed_prefix(drafts)
+        req.spec_token_ids = drafts
+
     def propose(self, running) -> None:
-        """Drafts for every running request that decodes next: at most num_speculative_tokens, and
-        never more than its remaining output allows (the verified step emits one token past them)
-        nor past the context limit. A constrained request keeps the drafts its grammar allows."""
+        """N-gram drafts for every running request that decodes next."""
         cfg = self.cfg
         for req in running:
             if req.num_computed_tokens != req.num_tokens - 1:
                 req.spec_token_ids = []
                 continue
-            k = min(cfg.num_speculative_tokens, req.max_new_tokens - req.num_output_tokens - 1,
-                    self.max_model_len - req.num_tokens)
+            k = self.draft_budget(req)
             drafts = self.proposer(req.all_token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max) if k > 0 else []
-            if drafts and req.grammar is not None:
-                drafts = req.grammar.allowed_prefix(drafts)
-            req.spec_token_ids = drafts
+            self.set_drafts(req, drafts)
 
     def mean_acceptance_length(self) -> float:
         """Tokens emitted per verified piece: 1 + accepted drafts per piece."""
