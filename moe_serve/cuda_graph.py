@@ -14,8 +14,14 @@ On CUDA one `torch.cuda.CUDAGraph` per ladder size holds the model forward over 
 buffers (ids, positions, slot mapping, query starts, sequence lengths, block tables); a decode step
 copies its inputs into them and replays. What the attention launch reads on the host is fixed per
 captured size: the grid (the padded batch), one query token per sequence, and the split-K count,
-chosen from the longest context any step can have (max_model_len) instead of the step's. Prefill,
-mixed and split (overlap) steps run eagerly. The capture code runs only on a CUDA device; on the
+chosen from the longest context any step can have (max_model_len) instead of the step's.
+
+Speculative decoding's verify steps, where every sequence runs its last token and K drafts, get the
+same treatment with q = 1 + K tokens per sequence (`DecodeGraphs(query_len=q)`, a ladder in
+sequences capped at the largest capture size in tokens): padded sequences are q tokens at
+positions 0 .. q - 1 of the scratch block, and with expert parallelism the ranks agree on q as
+they agree on decode (engine/core_proc.py `step_shape`). Prefill, mixed, split (overlap) steps
+and verify steps where some sequence carries fewer drafts run eagerly. The capture code runs only on a CUDA device; on the
 CPU the padded path runs eagerly (and only when asked: it is slower there: bench/results/architecture-figures.md).
 """
 from __future__ import annotations
@@ -42,6 +48,12 @@ def capture_sizes(max_num_seqs: int, max_capture_size: int | None = None) -> lis
         raise ValueError(f"largest capture size {cap} must be >= 1")
     sizes = [s for s in (1, 2, 4) if s < cap] + list(range(8, cap, 8))
     return sizes + [cap]
+
+
+def verify_capture_sizes(max_num_seqs: int, max_capture_size: int | None, query_len: int) -> list[int]:
+    """The ladder of verify steps (query_len tokens per sequence), in sequences: the decode ladder
+    capped so that no graph runs more tokens than the largest capture size."""
+    return capture_sizes(max_num_seqs, max(1, (max_capture_size or MAX_CAPTURE_SIZE) // query_len))
 
 
 def padded_size(n: int, sizes: list[int]) -> int | None:
@@ -98,22 +110,27 @@ class DecodeGraphs:
 
     def __init__(self, model, sizes: list[int], max_blocks: int, block_size: int, max_seq_len: int,
                  scratch_block: int, device: torch.device, group_scratch: list[int] | None = None,
-                 state_scratch: int | None = None):
+                 state_scratch: int | None = None, query_len: int = 1):
         """group_scratch: the scratch block of every cache group after group 0; state_scratch: the
-        scratch state slot (models with per-sequence state): idle rows point there too."""
-        self.model, self.sizes, self.block_size = model, sorted(sizes), block_size
+        scratch state slot (models with per-sequence state): idle rows point there too.
+        query_len: tokens per sequence (1: decode; 1 + K: speculative decoding's verify steps, each
+        sequence its last token and K drafts); sizes count sequences, a graph runs sizes * query_len
+        tokens. An idle sequence is query_len tokens at positions 0.. in the scratch block."""
+        if query_len > block_size:
+            raise ValueError(f"graphs of {query_len} tokens per sequence need block_size >= {query_len}")
+        self.model, self.sizes, self.block_size, self.q = model, sorted(sizes), block_size, query_len
         self.max_seq_len = max_seq_len
-        n = self.sizes[-1]
+        n, q = self.sizes[-1], query_len
         kw = dict(device=device)
         # Idle rows point at the scratch block: what a capture or warm-up writes lands there only.
-        self.ids = torch.zeros(n, dtype=torch.int64, **kw)
-        self.pos = torch.zeros(n, dtype=torch.int64, **kw)
-        self.slots = torch.full((n,), scratch_block * block_size, dtype=torch.int64, **kw)
-        self.qsl = torch.arange(n + 1, dtype=torch.int32, **kw)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, **kw)
+        self.ids = torch.zeros(n * q, dtype=torch.int64, **kw)
+        self.pos = torch.arange(q, dtype=torch.int64, **kw).repeat(n)
+        self.slots = scratch_block * block_size + self.pos.clone()
+        self.qsl = torch.arange(0, (n + 1) * q, q, dtype=torch.int32, **kw)
+        self.seq_lens = torch.full((n,), q, dtype=torch.int32, **kw)
         self.block_tables = torch.full((n, max_blocks), scratch_block, dtype=torch.int32, **kw)
         self.group_tables = {g + 1: (torch.full((n, max_blocks), s, dtype=torch.int32, **kw),
-                                     torch.full((n,), s * block_size, dtype=torch.int64, **kw))
+                                     s * block_size + self.pos.clone())
                              for g, s in enumerate(group_scratch or [])}
         self.state_slots = None if state_scratch is None else torch.full((n,), state_scratch, dtype=torch.int64, **kw)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -122,9 +139,10 @@ class DecodeGraphs:
 
     def _meta(self, B: int) -> AttentionMetadata:
         # Host lengths at their largest: the split count is fixed by max_model_len, not the step.
+        T = B * self.q
         meta = AttentionMetadata.from_tensors(self.qsl[:B + 1], self.seq_lens[:B], self.block_tables[:B],
-                                              self.slots[:B], self.block_size, [1] * B, [self.max_seq_len] * B)
-        meta.group_tables = {g: (bt[:B], slots[:B]) for g, (bt, slots) in self.group_tables.items()}
+                                              self.slots[:T], self.block_size, [self.q] * B, [self.max_seq_len] * B)
+        meta.group_tables = {g: (bt[:B], slots[:T]) for g, (bt, slots) in self.group_tables.items()}
         meta.state_slots = None if self.state_slots is None else self.state_slots[:B]
         return meta
 
@@ -143,11 +161,13 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         self.capture_s = time.perf_counter() - t0
         self.memory_bytes = free0 - torch.cuda.mem_get_info()[0]
-        log.info("captured %d decode graphs (batch %s) in %.1fs, %.1f MiB of graph memory", len(self.graphs),
+        log.info("captured %d %s graphs (batch %s) in %.1fs, %.1f MiB of graph memory", len(self.graphs),
+                 "decode" if self.q == 1 else f"verify ({self.q} tokens per sequence)",
                  ",".join(map(str, self.sizes)), self.capture_s, self.memory_bytes / 2**20)
 
     def _capture_one(self, B: int, pool) -> tuple:
-        ids, pos, meta, step = self.ids[:B], self.pos[:B], self._meta(B), decode_step(B)
+        T = B * self.q
+        ids, pos, meta, step = self.ids[:T], self.pos[:T], self._meta(B), decode_step(T)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), platform.capturable(self.model):
@@ -167,10 +187,11 @@ class DecodeGraphs:
         ids: the kernels read a row's blocks only up to its sequence length. A size not captured
         (none is, before `capture` or on the CPU) runs the model eagerly on the same static buffers
         and metadata a graph reads, which is how the CPU tests check what the graphs are given."""
-        B = ids_T.shape[0]
-        self.ids[:B].copy_(ids_T, non_blocking=True)
-        self.pos[:B].copy_(pos_T, non_blocking=True)
-        self.slots[:B].copy_(meta.slot_mapping, non_blocking=True)
+        T = ids_T.shape[0]
+        B = T // self.q
+        self.ids[:T].copy_(ids_T, non_blocking=True)
+        self.pos[:T].copy_(pos_T, non_blocking=True)
+        self.slots[:T].copy_(meta.slot_mapping, non_blocking=True)
         self.qsl[:B + 1].copy_(meta.query_start_loc, non_blocking=True)
         self.seq_lens[:B].copy_(meta.seq_lens, non_blocking=True)
         bt = meta.block_tables
@@ -178,11 +199,11 @@ class DecodeGraphs:
         for g, (bt_g, slots_g) in self.group_tables.items():
             src_bt, src_slots = meta.group_tables[g]
             bt_g[:B, :src_bt.shape[1]].copy_(src_bt, non_blocking=True)
-            slots_g[:B].copy_(src_slots, non_blocking=True)
+            slots_g[:T].copy_(src_slots, non_blocking=True)
         if self.state_slots is not None:
             self.state_slots[:B].copy_(meta.state_slots, non_blocking=True)
         if B not in self.graphs:
-            return self.model(self.ids[:B], self.pos[:B], self._meta(B), decode_step(B))
+            return self.model(self.ids[:T], self.pos[:T], self._meta(B), decode_step(T))
         g, out = self.graphs[B]
         g.replay()
         return out

@@ -171,11 +171,12 @@ class InputBatch:
 
     # --- one step -------------------------------------------------------------------------------
     def prepare(self, pieces: list[Piece], split: bool = False, pad_to: int | None = None,
-                scratch_block: int = 0) -> StepInputs:
+                scratch_block: int = 0, pad_q: int = 1) -> StepInputs:
         """Device inputs of one step; with split, two micro-batches cut at a cost-balanced token
         (expert_parallel/runtime/overlap.py) and built from the same rows. One host->device copy.
-        pad_to (decode-only steps, unsplit): dummy one-token sequences appended up to pad_to, each
-        at position 0 writing its KV to slot 0 of scratch_block and never sampled."""
+        pad_to (steps whose sequences all have pad_q tokens, unsplit): dummy sequences of pad_q
+        tokens appended up to pad_to sequences, at positions 0.. writing their KV to the first
+        slots of scratch_block and never sampled."""
         groups = [pieces]
         if split:
             groups = list(split_pieces(pieces, split_point_T(self._positions(pieces))))
@@ -185,8 +186,8 @@ class InputBatch:
         for g in groups:
             tensors, q_lens, seq_lens = self._forward_host(g)
             if pad_to is not None and pad_to > len(g):
-                tensors = _pad_decode(tensors, pad_to - len(g), scratch, self.block_size, self.state_scratch)
-                q_lens, seq_lens = q_lens + [1] * (pad_to - len(g)), seq_lens + [1] * (pad_to - len(g))
+                tensors = _pad_decode(tensors, pad_to - len(g), scratch, self.block_size, self.state_scratch, pad_q)
+                q_lens, seq_lens = q_lens + [pad_q] * (pad_to - len(g)), seq_lens + [pad_q] * (pad_to - len(g))
             host += tensors
             lens.append((q_lens, seq_lens))
         sample_rows, logits_idx, offsets, end = [], [], [], 0
@@ -296,23 +297,23 @@ class InputBatch:
 
 
 def _pad_decode(tensors: list[torch.Tensor], n: int, scratch: list[int], block_size: int,
-                state_scratch: int | None = None) -> list[torch.Tensor]:
-    """_forward_host's tensors with n dummy sequences appended: token 0 at position 0, its slot the
-    first of its group's scratch block (scratch: one per cache group), its context that one token,
-    its block table [scratch block, 0, ...], its state slot `state_scratch`."""
+                state_scratch: int | None = None, q: int = 1) -> list[torch.Tensor]:
+    """_forward_host's tensors with n dummy sequences appended, each of q tokens (q > 1: a verify
+    step's shape): tokens 0 at positions 0 .. q - 1, their slots the first q of their group's
+    scratch block (scratch: one per cache group), the context those tokens, the block table
+    [scratch block, 0, ...], the state slot `state_scratch`."""
     ids_T, pos_T, slot_T, qsl, sl, bt_BW, *more = tensors
-    zeros = torch.zeros(n, dtype=torch.int64)
+    pos_pad = torch.arange(q, dtype=torch.int64).repeat(n)
 
     def pad_group(slot_T, bt_BW, scratch_block):
         bt_pad = torch.zeros((n, bt_BW.shape[1]), dtype=torch.int32)
         bt_pad[:, 0] = scratch_block
-        return [torch.cat([slot_T, torch.full((n,), scratch_block * block_size, dtype=torch.int64)]),
-                torch.cat([bt_BW, bt_pad])]
+        return [torch.cat([slot_T, scratch_block * block_size + pos_pad]), torch.cat([bt_BW, bt_pad])]
 
     slot_T, bt_BW = pad_group(slot_T, bt_BW, scratch[0])
-    out = [torch.cat([ids_T, zeros]), torch.cat([pos_T, zeros]), slot_T,
-           torch.cat([qsl, qsl[-1] + torch.arange(1, n + 1, dtype=torch.int32)]),
-           torch.cat([sl, torch.ones(n, dtype=torch.int32)]), bt_BW]
+    out = [torch.cat([ids_T, torch.zeros(n * q, dtype=torch.int64)]), torch.cat([pos_T, pos_pad]), slot_T,
+           torch.cat([qsl, qsl[-1] + q * torch.arange(1, n + 1, dtype=torch.int32)]),
+           torch.cat([sl, torch.full((n,), q, dtype=torch.int32)]), bt_BW]
     for g in range(1, len(scratch)):
         out += pad_group(more[2 * g - 2], more[2 * g - 1], scratch[g])
     if state_scratch is not None:

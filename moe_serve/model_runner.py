@@ -58,6 +58,9 @@ class ModelRunner:
         self.batch = batch
         self.pad_sizes = pad_sizes  # the decode padding ladder ([] when decode steps are not padded)
         self.graphs = graphs  # one captured graph per ladder size, or None (eager)
+        # Speculative decoding's verify steps (every sequence its last token and K drafts): their
+        # tokens per sequence, ladder and graphs, set by runner/graphs.py (none: 0, [], None).
+        self.verify_q, self.verify_pad_sizes, self.verify_graphs = 0, [], None
         # Expert-load hooks (moe_layer_index, logical top-k ids): the engine's recorder and the
         # online rebalancer add theirs; each step's MoEStep carries them to the MoE layers.
         self.load_hooks: list[Callable[[int, torch.Tensor], None]] = []
@@ -75,15 +78,26 @@ class ModelRunner:
         return warm_up_kernels(self.model, self.cfg, self.moe_ctx.dispatcher)
 
     # --- decode padding and expert load ---------------------------------------------------------
-    def _pad_to(self, pieces: list[Piece], max_tokens_any_rank: int | None, all_ranks_decode: bool) -> int | None:
-        """The ladder size a decode-only step pads to: that of the most tokens any rank scheduled
-        (so every EP rank runs the same size); None when this or any rank's step is not decode
-        only, or the batch is above the ladder. Nor while expert load is recorded: padded rows would
-        count as routed tokens, and a graph replay skips the recorder's Python hook (recording
-        starts and stops at the same turn on every rank, so the ranks still agree)."""
-        if not self.pad_sizes or not all_ranks_decode or self._recording_load() or any(p[2] != 1 for p in pieces):
+    def _pad_to(self, pieces: list[Piece], max_tokens_any_rank: int | None,
+                uniform_len: int | bool | None) -> tuple[int, int] | None:
+        """(ladder size, tokens per sequence) a step pads to when every sequence of every rank has
+        the same number of tokens q (1: decode; 1 + K: speculative verify steps) and a ladder
+        exists for q: the size of the most sequences any rank runs (so every EP rank runs the same
+        shape); None when this or any rank's step is mixed, or above the ladder. uniform_len: that
+        q as the ranks agreed it (True: 1, False: mixed), or None for one process (its own pieces
+        decide). Nor while expert load is recorded: padded rows would count as routed tokens, and
+        a graph replay skips the recorder's Python hook (recording starts and stops at the same
+        turn on every rank, so the ranks still agree)."""
+        lens = {p[2] for p in pieces}
+        own = lens.pop() if len(lens) == 1 else (0 if lens else None)
+        q = own if uniform_len is None else int(uniform_len)
+        if not q or (own is not None and own != q) or self._recording_load():
             return None
-        return padded_size(max(len(pieces), max_tokens_any_rank or 0), self.pad_sizes)
+        sizes = self.pad_sizes if q == 1 else (self.verify_pad_sizes if q == self.verify_q else None)
+        if not sizes:
+            return None
+        B = padded_size(max(len(pieces), -(-(max_tokens_any_rank or 0) // q)), sizes)
+        return None if B is None else (B, q)
 
     def _recording_load(self) -> bool:
         """Whether the MoE layers' load hook counts this step: an ExpertLoadRecorder's bound
@@ -98,7 +112,7 @@ class ModelRunner:
 
     # --- one step -------------------------------------------------------------------------------
     def _forward(self, pieces: list[Piece], max_tokens_any_rank: int | None = None,
-                 all_ranks_decode: bool = True) -> tuple[torch.Tensor, StepInputs]:
+                 uniform_len: int | bool | None = None) -> tuple[torch.Tensor, StepInputs]:
         """Hidden states of all scheduled tokens, in order, and the step's inputs; split into two
         overlapped micro-batches when overlap is on and every rank's batch is large enough
         (agreed over the EP group, since it changes the order of collectives: the core loop's
@@ -111,37 +125,48 @@ class ModelRunner:
             max_tokens_any_rank = dispatcher.agree_max(sum(p[2] for p in pieces))
         if par.enable_overlap:
             split = max_tokens_any_rank >= par.overlap_min_tokens
-        pad_to = None if split else self._pad_to(pieces, max_tokens_any_rank, all_ranks_decode)
+        pad = None if split else self._pad_to(pieces, max_tokens_any_rank, uniform_len)
+        pad_to, pad_q = pad if pad is not None else (None, 1)
+        rows = None if pad_to is None else pad_to * pad_q
         # Per-step decisions inside the MoE layers (DeepEP's normal vs low-latency kernels) take the
-        # agreed maximum (a padded decode step runs pad_to rows on every rank); None (not agreed
-        # this step) makes them agree themselves. A padded decode step runs pad_to rows on every
-        # rank: the dispatcher's fixed-shape exchange.
-        moe = MoEStep(None if max_tokens_any_rank is None else max(max_tokens_any_rank, pad_to or 0), pad_to,
+        # agreed maximum (a padded step runs pad_to * pad_q rows on every rank); None (not agreed
+        # this step) makes them agree themselves. A padded step runs those rows on every rank: the
+        # dispatcher's fixed-shape exchange.
+        moe = MoEStep(None if max_tokens_any_rank is None else max(max_tokens_any_rank, rows or 0), rows,
                       self._load_recorder(), split)
-        step = self.batch.prepare(pieces, split, pad_to, self.scratch_block)
+        step = self.batch.prepare(pieces, split, pad_to, self.scratch_block, pad_q)
+        graphs = self.graphs if pad_q == 1 else self.verify_graphs
         if split:
             h = self.model.forward_microbatches(step.batches, moe)
-        elif pad_to is not None and self.graphs is not None:
-            log.debug("decode step of %d sequences padded to %d", len(pieces), pad_to)
+        elif pad_to is not None and graphs is not None:
+            self._log_padding(len(pieces), pad_q, pad_to)
             # A captured graph reads every row's state (it holds no "fresh sequence" branch): a
             # one-token prompt starts from a zeroed slot instead.
             self._zero_states([self.batch.state_slot_R[p[0]] for p in pieces if p[1] == 0])
-            h = self.graphs.replay(*step.batches[0])
+            h = graphs.replay(*step.batches[0])
         else:
             if pad_to is not None:
-                log.debug("decode step of %d sequences padded to %d", len(pieces), pad_to)
+                self._log_padding(len(pieces), pad_q, pad_to)
             h = self.model(*step.batches[0], moe)
         if self.drafter is not None:
             self._last_step = (h, step, moe, pieces)
         return h, step
 
+    @staticmethod
+    def _log_padding(n: int, q: int, pad_to: int) -> None:
+        if q == 1:
+            log.debug("decode step of %d sequences padded to %d", n, pad_to)
+        else:
+            log.debug("verify step of %d sequences (%d tokens each) padded to %d", n, q, pad_to)
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, max_tokens_any_rank: int | None = None,
-                all_ranks_decode: bool = True) -> SampleResult:
-        """Run the model over the scheduled tokens and sample for requests that reached their end."""
+                uniform_len: int | bool | None = None) -> SampleResult:
+        """Run the model over the scheduled tokens and sample for requests that reached their end.
+        uniform_len: see `_pad_to`."""
         pieces = self.batch.update(out)
         self._copy_states(out.state_copies)
-        h, step = self._forward(pieces, max_tokens_any_rank, all_ranks_decode)
+        h, step = self._forward(pieces, max_tokens_any_rank, uniform_len)
         if step.sampling is None:
             return SampleResult([], [])
         md = step.sampling
@@ -176,8 +201,8 @@ class ModelRunner:
         return self.drafter.propose(h, step, moe, self.batch.next_token_ids(pieces, sampled), draft_rows)
 
     @torch.inference_mode()
-    def execute_empty(self, max_tokens_any_rank: int | None = None, all_ranks_decode: bool = True) -> None:
+    def execute_empty(self, max_tokens_any_rank: int | None = None, uniform_len: int | bool | None = True) -> None:
         """A step with no tokens: MoE layers still enter their collectives (expert-parallel lockstep);
-        padded like the other ranks' decode steps."""
-        self._forward([], max_tokens_any_rank, all_ranks_decode)
+        padded like the other ranks' decode or verify steps."""
+        self._forward([], max_tokens_any_rank, uniform_len)
 

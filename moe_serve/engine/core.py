@@ -29,7 +29,7 @@ from moe_serve import platform
 from moe_serve.platform import deepep_support
 from moe_serve.protocol import EngineCoreOutput, EngineStats, NewRequest, TokenLogprob
 from moe_serve.request import Request, RequestStatus
-from moe_serve.runner.graphs import capture_decode_graphs, captures_graphs
+from moe_serve.runner.graphs import capture_decode_graphs, capture_verify_graphs, captures_graphs
 from moe_serve.runner.loading import build_model, load_model_weights, prepare_weights, warm_up_before_serving
 from moe_serve.runner.memory import KVCacheSize, attention_layers, init_kv_cache, profile_memory, size_kv_cache
 from moe_serve.sampler import Sampler
@@ -73,6 +73,8 @@ def build_engine(cfg: EngineConfig, ep_group=None, show_progress: bool = True) -
     batch = make_input_batch(cfg, kv)
     pad_sizes, graphs = capture_decode_graphs(model, cfg, moe_ctx, batch, kv, capture)
     runner = ModelRunner(cfg, moe_ctx, model, weight_bytes, attn_layers, kv, sampler, batch, pad_sizes, graphs)
+    runner.verify_q, runner.verify_pad_sizes, runner.verify_graphs = \
+        capture_verify_graphs(model, cfg, moe_ctx, batch, kv, capture and graphs is not None)
     max_model_len = serving_max_model_len(cfg, kv.token_capacity(cfg.cache.block_size))
     scheduler = make_scheduler(cfg, kv, max_model_len)
     eos = eos_token_ids(cfg)
@@ -303,15 +305,16 @@ class EngineCore:
         return self.take_early_outputs() + self.execute(out, lockstep)
 
     def execute(self, out: SchedulerOutput, lockstep: bool = False,
-                max_tokens_any_rank: int | None = None, all_ranks_decode: bool = True) -> list[EngineCoreOutput]:
+                max_tokens_any_rank: int | None = None, uniform_len: int | bool | None = None) -> list[EngineCoreOutput]:
         """Run a scheduled batch and advance its requests. With lockstep (expert parallelism), an
         empty batch still runs an empty forward so that every rank enters every MoE collective;
         max_tokens_any_rank (from the ranks' per-step agreement) decides the overlap split and,
-        with all_ranks_decode (no rank has more than one token for a request), the decode padding."""
+        with uniform_len (the tokens every sequence of every rank has this step: 1 decode, 1 + K
+        verify; False when mixed; None: this rank's own step decides), the padding to a ladder size."""
         if out.is_empty:
             if lockstep:
                 t0 = time.perf_counter()
-                self.runner.execute_empty(max_tokens_any_rank, all_ranks_decode)
+                self.runner.execute_empty(max_tokens_any_rank, uniform_len)
                 if self.runner.drafter is not None:
                     self.runner.propose_drafts([], [])
                 if self.load_recorder is not None:
@@ -332,7 +335,7 @@ class EngineCore:
                    for s in out.scheduled):
                 decode_lens = [s.request.num_tokens for s in out.scheduled]
         t0 = time.perf_counter()
-        result = self.runner.execute(out, max_tokens_any_rank, all_ranks_decode)
+        result = self.runner.execute(out, max_tokens_any_rank, uniform_len)
         seconds = time.perf_counter() - t0
         if decode_lens is not None:
             meter.end_decode_step(decode_lens, seconds)

@@ -37,6 +37,26 @@ log = logging.getLogger("moe_serve.core_proc")
 _IDLE_POLL_MS = 10  # how long an idle core waits for input before it checks in again
 
 
+_MIXED = 1 << 40  # the agreement's query length of a step whose sequences differ
+
+
+def step_shape(sched) -> tuple[int, int]:
+    """What a rank adds to the per-turn MAX agreement about its step's shape: the tokens every
+    sequence has when they all have the same number (1: decode, 1 + K: speculative verify), as q
+    and -q, so that MAX gives the largest and (negated) the smallest over the ranks that run any;
+    an idle rank adds 0 and -MIXED, a rank with prefill or mixed pieces MIXED."""
+    lens = {s.num_tokens for s in sched.scheduled} if sched is not None else set()
+    if not lens:
+        return 0, -_MIXED
+    q = lens.pop() if len(lens) == 1 else _MIXED
+    return q, -q
+
+
+def agreed_shape(q_max: int, neg_q_min: int) -> int:
+    """The tokens per sequence of every rank's step, from step_shape's values MAX-reduced; 0 when
+    the ranks' steps differ or any is mixed (then no rank pads)."""
+    return q_max if q_max == -neg_q_min and q_max < _MIXED else 0
+
 class CoreLoop:
     def __init__(self, core, rank: int, world_size: int, in_addr: str, out_addr: str, sync_group=None,
                  on_turn: Callable[[int], None] = lambda n: None, peer_alive: Callable[[], bool] = lambda: True):
@@ -126,23 +146,22 @@ class CoreLoop:
             if self.world_size > 1:
                 import torch.distributed as dist
 
-                # not_decode: this rank's step has a request with more than one token (prefill or
-                # mixed); decode steps are padded to a common size only when no rank has one.
-                not_decode = sched is not None and any(s.num_tokens != 1 for s in sched.scheduled)
+                q, q_lo = step_shape(sched)
                 # The rebalancing's flag, and the digest of a tuned placement as d and -d (MAX of
                 # both: every rank tuned the same one iff they are each other's negation).
                 eplb_flag, digest = core.eplb_state()
                 flags = torch.tensor([ntok, self.rank + 1 if self.wants_shutdown else 0, shutdown,
-                                      load == "load_start", load == "load_stop", eplb_flag, not_decode,
+                                      load == "load_start", load == "load_stop", eplb_flag, q, q_lo,
                                       digest, -digest], dtype=torch.int64)
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-                max_tok, term_rank, shutdown, start, stop, eplb_busy, not_decode, d_max, neg_d_max = \
+                max_tok, term_rank, shutdown, start, stop, eplb_busy, q_hi, q_lo, d_max, neg_d_max = \
                     (int(v) for v in flags.tolist())
+                uniform = agreed_shape(q_hi, q_lo)
                 digests = (d_max, neg_d_max)
                 load = "load_start" if start else ("load_stop" if stop else None)
                 self.shutdown_asked_by = term_rank - 1
             else:
-                max_tok, not_decode = ntok, 0
+                max_tok, uniform = ntok, None  # one process: its own step decides
                 self.shutdown_asked_by = 0 if self.wants_shutdown else -1
                 eplb_busy, digests = core.eplb_flag(), None
             self._apply_load(load)
@@ -152,7 +171,7 @@ class CoreLoop:
             if any_work:
                 outs += core.execute(sched if sched is not None else _empty(), lockstep=self.world_size > 1,
                                      max_tokens_any_rank=max_tok if self.world_size > 1 else None,
-                                     all_ranks_decode=not not_decode)
+                                     uniform_len=uniform)
             wish = self.shutdown_asked_by >= 0 and not self._reported_shutdown_wish
             # Idle: the decode speed-of-light window closes with the burst that filled it (and the
             # first turn reports the stats known at start-up, the assumed bandwidth among them).

@@ -259,24 +259,32 @@ def profile_graph_memory(model: nn.Module, attn_layers: list, cfg: EngineConfig,
     the whole ladder (`graph_memory_estimate`). The warm-up runs of these captures also compile
     and autotune what the real captures then find cached."""
     bs, dev = cfg.cache.block_size, cfg.device
-    sizes = cuda_graph.capture_sizes(cfg.scheduler.max_num_seqs, cfg.graphs.max_capture_size)
+    ladders = [(1, cuda_graph.capture_sizes(cfg.scheduler.max_num_seqs, cfg.graphs.max_capture_size))]
+    spec = cfg.speculative
+    if spec is not None and 1 + spec.num_speculative_tokens <= bs:  # verify graphs (runner/graphs.py)
+        q = 1 + spec.num_speculative_tokens
+        ladders.append((q, cuda_graph.verify_capture_sizes(cfg.scheduler.max_num_seqs, cfg.graphs.max_capture_size,
+                                                           q)))
     max_len = cfg.model.max_model_len
-    took = []
-    for B in sorted({sizes[-1], sizes[0]}, reverse=True):
-        _bind_temporary(attn_layers, 1, cfg)
-        free0 = probe.free_bytes()
-        trial = cuda_graph.DecodeGraphs(model, [B], -(-max_len // bs), bs, max_len, 0, dev)
-        try:
-            trial.capture(cuda_graph.capture_agreement(moe_ctx.dispatcher))
-            took.append(max(0, free0 - probe.free_bytes()))
-        except Exception as e:  # noqa: BLE001 - e.g. a Triton compile error: the real capture fails the same way
-            log.warning("trial decode graph capture failed (no graph memory reserved): %s: %s", type(e).__name__,
-                        str(e)[:300])
-            return 0
-        finally:
-            del trial
-            _unbind(attn_layers, cfg)
-    return graph_memory_estimate(took[0], took[-1], len(sizes))
+    total = 0
+    for q, sizes in ladders:
+        took = []
+        for B in sorted({sizes[-1], sizes[0]}, reverse=True):
+            _bind_temporary(attn_layers, 1, cfg)
+            free0 = probe.free_bytes()
+            trial = cuda_graph.DecodeGraphs(model, [B], -(-max_len // bs), bs, max_len, 0, dev, query_len=q)
+            try:
+                trial.capture(cuda_graph.capture_agreement(moe_ctx.dispatcher))
+                took.append(max(0, free0 - probe.free_bytes()))
+            except Exception as e:  # noqa: BLE001 - e.g. a Triton compile error: the real capture fails the same way
+                log.warning("trial graph capture failed (no graph memory reserved): %s: %s", type(e).__name__,
+                            str(e)[:300])
+                return 0
+            finally:
+                del trial
+                _unbind(attn_layers, cfg)
+        total += graph_memory_estimate(took[0], took[-1], len(sizes))
+    return total
 
 
 def _window_blocks(kind: CacheKind, cfg: EngineConfig) -> int:

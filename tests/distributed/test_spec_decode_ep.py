@@ -1,26 +1,33 @@
-"""Speculative decoding (n-gram drafts) under expert parallelism: ranks whose pieces carry drafts
-and ranks that decode one token, or nothing, agree on every step's shape (the all-reduced token
-count; no decode padding while any rank verifies drafts), with overlap's micro-batch split too;
-greedy text through HTTP stays the single-process plain engine's."""
+"""Speculative decoding under expert parallelism, n-gram drafts and the checkpoint's MTP layer:
+ranks whose pieces carry drafts and ranks that decode one token, or nothing, agree on every step's
+shape (the all-reduced token count; no decode padding while any rank verifies drafts), with
+overlap's micro-batch split too; the MTP layer's MoE block runs its passes on every rank in every
+step (an idle rank's are empty). Greedy text through HTTP stays the single-process plain engine's."""
 from __future__ import annotations
 
 import asyncio
 import re
 
 import httpx
+import pytest
 from tests.distributed.jobs import TorchrunJob
 from tests.distributed.test_launcher import ARGS, PROMPTS, _complete_all, expected_texts
 
-SPEC = ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}']
+SPEC = {"ngram": ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}'],
+        "mtp": ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}']}
 LOOPY = PROMPTS + [[7, 8, 9] * 6, [300, 301, 302, 303] * 4]
 
 
-def test_ep2_greedy_text_unchanged(checkpoints):
-    """DeepSeek-V3 (MLA), two ranks, overlap's micro-batches on (split at any size)."""
-    path = checkpoints["deepseek_v3"]
-    extra = ["--enable-overlap", "--overlap-min-tokens", "1"]
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_ep2_greedy_text_unchanged(checkpoints, extra_checkpoints, method):
+    """DeepSeek-V3 (MLA), two ranks. N-gram: overlap's micro-batches on (split at any size). MTP
+    (the checkpoint whose MTP layer drafts well, tests/checkpoints.py): steps padded as where
+    graphs are captured, so verify steps of 3 tokens per sequence pad to a shape both ranks agree
+    on (the idle rank's empty steps too), and the MTP passes run on both."""
+    path = checkpoints["deepseek_v3"] if method == "ngram" else extra_checkpoints["deepseek_v3_mtp_copy"]
+    extra = ["--enable-overlap", "--overlap-min-tokens", "1"] if method == "ngram" else ["--pad-decode"]
     want = expected_texts(path, LOOPY, 24)
-    job = TorchrunJob(2, ["--model", path, *ARGS, *SPEC, *extra])
+    job = TorchrunJob(2, ["--model", path, *ARGS, *SPEC[method], *extra])
     try:
         assert asyncio.run(_complete_all(job.url, LOOPY[:1], 24)) == want[:1]  # the other rank idles
         assert asyncio.run(_complete_all(job.url, LOOPY, 24)) == want

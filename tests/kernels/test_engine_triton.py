@@ -94,3 +94,55 @@ def test_decode_through_the_triton_backends_reads_nothing_on_the_host(extra_chec
     assert r.returncode == 0, r.stderr[-3000:]
     guarded = json.loads(r.stdout.strip().splitlines()[-1])
     assert all(g and max(g) == 3 for g in guarded.values()), guarded  # whole-batch decode steps ran guarded
+
+
+VERIFY = r"""
+import json, sys
+from moe_serve import LLM, SamplingParams
+from moe_serve.cuda_graph import DecodeGraphs
+from moe_serve.platform import capturable
+from tests.models.test_mtp import prompts
+from tests.sync_guard import NoHostSync
+path, backend, static = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+llm = LLM(path, dtype="float32", num_kv_blocks=64, max_num_seqs=8, moe_backend=backend, attention_backend=backend,
+          show_progress=False, pad_decode=static, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+runner = llm.engine.runner
+model, plain, guarded = runner.model, runner.model.forward, []
+if static:
+    runner.verify_graphs = DecodeGraphs(model, runner.verify_pad_sizes, runner.batch.max_blocks,
+                                        runner.batch.block_size, runner.batch.max_model_len, runner.scratch_block,
+                                        runner.device, query_len=3)
+
+    def forward(ids_T, positions_T, meta, step):
+        if set(meta.query_lens_cpu) == {3}:  # what a captured verify graph runs, under the guard
+            guarded.append(meta.num_seqs)
+            with NoHostSync(), capturable(model):
+                return plain(ids_T, positions_T, meta, step)
+        return plain(ids_T, positions_T, meta, step)
+
+    model.forward = forward
+ps = prompts(3, seed=4)
+sps = [SamplingParams(max_tokens=5 + 2 * i, temperature=0, ignore_eos=True) for i in range(3)]
+outs = llm.generate([{"prompt_token_ids": p} for p in ps], sps, use_tqdm=False)
+print(json.dumps({"tokens": [o.outputs[0].token_ids for o in outs], "guarded": guarded}))
+"""
+
+
+def test_verify_graph_buffers_through_the_triton_backends(extra_checkpoints):
+    """Speculative decoding's verify step as a captured graph holds it (3 tokens per sequence,
+    padded to the verify ladder, the static buffers with host lengths at max_model_len), through
+    the Triton backends under the sync guard: the tokens equal the torch backends' unpadded run."""
+    path = extra_checkpoints["deepseek_v3_mtp_copy"]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+    def run_verify(backend: str, static: bool) -> dict:
+        env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+        r = subprocess.run([sys.executable, "-c", VERIFY, path, backend, "1" if static else "0"], capture_output=True,
+                           text=True, env=env, timeout=600, cwd=root)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    want = run_verify("torch", False)["tokens"]
+    got = run_verify("triton", True)
+    assert got["tokens"] == want
+    assert got["guarded"] and set(got["guarded"]) <= {1, 2, 4} and 4 in got["guarded"]  # 3 sequences padded to 4

@@ -192,3 +192,79 @@ def test_models_without_mtp_layers_are_refused_naming_the_field(checkpoints, tmp
     with pytest.raises(ValueError, match="prompt_lookup_min applies to method 'ngram'"):
         SpeculativeConfig.parse({"method": "mtp", "num_speculative_tokens": 2, "prompt_lookup_min": 2})
     assert SpeculativeConfig.parse('{"method": "mtp", "num_speculative_tokens": 2}').num_speculative_tokens == 2
+
+
+def test_structured_outputs_keep_their_grammar_and_the_plain_output(extra_checkpoints):
+    """MTP drafts are cut to what the grammar allows before they are verified: seeded JSON output
+    (whose drafts, the unconstrained argmax, rarely fit) and a regex that forbids one letter
+    (whose drafts mostly fit) equal the plain engine's and match."""
+    import json
+    import re
+
+    import jsonschema
+
+    from moe_serve.structured_output import StructuredOutputsParams as SO
+
+    schema = {"type": "array", "minItems": 2, "maxItems": 3,
+              "items": {"type": "object", "properties": {"name": {"enum": ["ab", "cd", "efg"]},
+                                                         "id": {"type": "integer", "minimum": 0, "maximum": 9}},
+                        "required": ["name", "id"], "additionalProperties": False}}
+    plain, spec = engines(extra_checkpoints["deepseek_v3_mtp_copy"], 3, num_kv_blocks=200)
+    params = [SamplingParams(temperature=0.8 * (s % 2), seed=s, max_tokens=150, structured_outputs=SO(json=schema))
+              for s in range(2)]
+    params += [SamplingParams(temperature=0, max_tokens=40, structured_outputs=SO(regex=r"[^e]*"))]
+    prompts = ["JSON please"] * 2 + ["The quick brown fox jumps over"]
+    a = plain.generate(prompts, params, use_tqdm=False)
+    b = spec.generate(prompts, params, use_tqdm=False)
+    for x, y in zip(a, b):
+        assert y.outputs[0].token_ids == x.outputs[0].token_ids
+    for y in b[:2]:
+        assert y.outputs[0].finish_reason == "stop", y.outputs[0].text
+        jsonschema.validate(json.loads(y.outputs[0].text), schema)
+    assert re.fullmatch(r"[^e]*", b[2].outputs[0].text) and len(b[2].outputs[0].token_ids) == 40
+    s = spec.engine.spec
+    assert s.num_draft_tokens >= s.num_accepted_tokens > 0
+
+
+def _verify_run(path: str, pad: bool, static_buffers: bool = False, **kw):
+    """Greedy tokens of MTP (K = 2) runs where verify steps pad to their ladder (pad_decode: the
+    CUDA path's padding, eager here), and the (sequences, tokens each) of every uniform verify
+    forward. static_buffers: padded verify steps go through uncaptured verify graphs (the model
+    runs on the static buffers and metadata a captured graph reads)."""
+    from moe_serve.cuda_graph import DecodeGraphs
+
+    llm = LLM(path, dtype="float32", num_kv_blocks=96, max_num_seqs=16, show_progress=False, pad_decode=pad,
+              speculative_config=mtp(2), **kw)
+    runner = llm.engine.runner
+    if static_buffers:
+        runner.verify_graphs = DecodeGraphs(runner.model, runner.verify_pad_sizes, runner.batch.max_blocks,
+                                            runner.batch.block_size, runner.batch.max_model_len, runner.scratch_block,
+                                            runner.device, query_len=3)
+    model, plain, seen = runner.model, runner.model.forward, []
+
+    def forward(ids_T, positions_T, meta, step):
+        if set(meta.query_lens_cpu) == {3}:
+            seen.append((meta.num_seqs, step.static_rows))
+        return plain(ids_T, positions_T, meta, step)
+
+    model.forward = forward
+    ps = prompts(5, seed=4)
+    sps = [SamplingParams(max_tokens=10 + 3 * i, temperature=0, ignore_eos=True) for i in range(5)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in ps], sps, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], seen, runner
+
+
+def test_verify_steps_pad_to_their_ladder_with_the_same_tokens(extra_checkpoints):
+    """Where graphs are captured, verify steps (each sequence its last token and K drafts) pad to a
+    ladder of their own, dummy sequences of 1 + K tokens in the scratch block, every MoE layer
+    told the fixed row count; on the CPU the padding is forced and runs eagerly. Tokens equal the
+    unpadded run's. (The verify graphs' static buffers run through the Triton backends, which is
+    what they hold: tests/kernels/test_engine_triton.py.)"""
+    path = extra_checkpoints["deepseek_v3_mtp_copy"]
+    want, seen_plain, _ = _verify_run(path, pad=False)
+    assert all(rows is None for _, rows in seen_plain)
+    got, seen, runner = _verify_run(path, pad=True)
+    assert got == want
+    assert runner.verify_q == 3 and runner.verify_pad_sizes == [1, 2, 4, 8, 16]
+    assert seen and all(B in runner.verify_pad_sizes and rows == 3 * B for B, rows in seen)
+    assert any(B == 8 for B, _ in seen)  # 5 sequences padded to 8

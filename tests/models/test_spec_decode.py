@@ -151,7 +151,7 @@ def test_ngram_lookup_and_acceptance():
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "lookahead"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      "prompt_lookup_min"),
-    ({"method": "mtp", "num_speculative_tokens": 1}, "mtp"),
+    ({"method": "mtp", "num_speculative_tokens": 1, "prompt_lookup_max": 2}, "prompt_lookup_max applies to method 'ngram'"),
     ("{not json", "JSON"),
 ])
 def test_bad_settings_are_refused_naming_the_field(value, message):

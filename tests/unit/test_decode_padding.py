@@ -149,13 +149,13 @@ def test_no_padding_while_expert_load_is_recorded(checkpoints):
     core, runner = llm.engine, llm.engine.runner
     rec = core.load_recorder or core.enable_load_recording(10)
     decode3 = [(0, 4, 1, True), (1, 6, 1, True), (2, 3, 1, True)]
-    assert runner._pad_to(decode3, None, True) == 4
+    assert runner._pad_to(decode3, None, True) == (4, 1)
     assert runner._pad_to(decode3 + [(3, 0, 5, True)], None, True) is None  # a prefill in the step
     assert runner._pad_to(decode3, 3, False) is None  # another rank has one
     rec.start()
     assert runner._pad_to(decode3, None, True) is None
     rec.stop()
-    assert runner._pad_to(decode3, None, True) == 4
+    assert runner._pad_to(decode3, None, True) == (4, 1)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])

@@ -26,10 +26,10 @@ class FailingGraphs:
         raise CompileError("ptxas fatal: out of registers")
 
 
-def _cfg(pad_decode):
+def _cfg(pad_decode, speculative=None):
     return SimpleNamespace(graphs=GraphConfig(pad_decode=pad_decode), scheduler=SimpleNamespace(max_num_seqs=8),
                            cache=SimpleNamespace(block_size=16), device=torch.device("cpu"),
-                           model=SimpleNamespace(max_model_len=64))
+                           model=SimpleNamespace(max_model_len=64), speculative=speculative)
 
 
 @pytest.mark.parametrize("pad_decode, padded", [(None, False), (True, True)])
@@ -42,6 +42,20 @@ def test_failed_capture_runs_eagerly(monkeypatch, caplog, pad_decode, padded):
     assert got is None
     assert pad_sizes == (cuda_graph.capture_sizes(8, None) if padded else [])
     assert "capture failed" in caplog.text and "CompileError" in caplog.text
+
+
+@pytest.mark.parametrize("pad_decode, padded", [(None, False), (True, True)])
+def test_failed_verify_capture_runs_eagerly(monkeypatch, caplog, pad_decode, padded):
+    """Speculative decoding's verify graphs (3 tokens per sequence) fail the same way."""
+    from moe_serve.spec_decode import SpeculativeConfig
+
+    monkeypatch.setattr(cuda_graph, "DecodeGraphs", FailingGraphs)
+    kv = SimpleNamespace(scratch_block=0, group_scratch={}, state_scratch=None, graph_estimate_bytes=0)
+    batch = SimpleNamespace(max_blocks=4, max_model_len=64)
+    cfg = _cfg(pad_decode, SpeculativeConfig("mtp", 2))
+    got = graphs.capture_verify_graphs(None, cfg, SimpleNamespace(dispatcher=None), batch, kv, True)
+    assert got == ((3, cuda_graph.verify_capture_sizes(8, None, 3), None) if padded else (0, [], None))
+    assert "verify CUDA graph capture failed" in caplog.text and "CompileError" in caplog.text
 
 
 def test_failed_trial_capture_reserves_nothing(monkeypatch, caplog):
