@@ -29,7 +29,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import random
 import sys
 import time
@@ -42,6 +41,7 @@ sys.path[:] = [str(HERE.parent)] + [p for p in sys.path if Path(p or ".").resolv
 
 import torch  # noqa: E402
 
+from bench.machine import describe, machine  # noqa: E402
 from bench.sol import decode_bytes_of, gb, measure_bandwidth  # noqa: E402
 from bench.synthetic_models import SYNTHETIC, resolve_model, token_pool  # noqa: E402
 
@@ -204,7 +204,7 @@ def main(argv=None) -> int:
 
     path, name, desc = resolve_model(args.model)
     log(f"model: {desc} ({path}), dtype {args.dtype}; torch {torch.__version__}, {torch.get_num_threads()} threads, "
-        f"{platform.processor() or platform.machine()}")
+        f"{describe()}")
     bw = measure_bandwidth("cpu", 512 << 20)
     log(f"memory bandwidth ({torch.get_num_threads()} threads, 512 MiB tensor copy, read + write): "
         f"{bw / 1e9:.1f} GB/s")
@@ -224,7 +224,7 @@ def main(argv=None) -> int:
 
     result = {"model": name, "model_path": path, "description": desc, "dtype": args.dtype,
               "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
-              "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
+              "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": machine(),
               "repeats": args.repeats, "bandwidth_bytes_per_s": bw, "decode_bytes": db.as_dict(),
               "single_stream_bytes_per_token": step, "single_stream_sol_tokens_per_s": sol,
               "moe_serve": ours, "transformers": hf}

@@ -470,7 +470,8 @@ def main(argv=None) -> int:
     path, name, desc = resolve(args.model, args.cache_dir)
     result: dict = {"model": name, "model_path": path, "description": desc, "note": args.note,
                     "started": time.strftime("%Y-%m-%d %H:%M:%S"), "loadavg_start": loadavg(),
-                    "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version()},
+                    "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                             **_machine()},
                     "config": {k: v for k, v in vars(args).items()}}
     try:
         import torch
@@ -497,6 +498,16 @@ def main(argv=None) -> int:
     errors = [e for e in result.get("serve", {}).get("engines", {}).values() if e.get("error")]
     return 1 if failed or errors else 0
 
+
+
+def _machine() -> dict:
+    """The CPU model, ISA and kernel set (bench/machine.py), where the engine is importable."""
+    try:
+        from bench.machine import machine
+
+        return machine()
+    except ImportError:
+        return {}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ sys.path[:] = [str(HERE.parent)] + [p for p in sys.path if Path(p or ".").resolv
 
 import torch  # noqa: E402
 
+from bench.machine import describe, machine  # noqa: E402
 from bench.synthetic_models import resolve_model  # noqa: E402
 
 TEXT = ("The river rose slowly through the night, and by morning the low fields beside the mill were under a "
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     spec_cfg = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
                 "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max}
     common = dict(dtype=args.dtype, show_progress=False, speed_of_light_window=1e9)
-    log(f"model {desc}; threads {torch.get_num_threads()}; CPU {platform.processor() or platform.machine()}")
+    log(f"model {desc}; threads {torch.get_num_threads()}; {describe()}")
     plain = LLM(path, **common)
     spec = LLM(path, speculative_config=spec_cfg, **common)
     rows = []
@@ -125,9 +125,8 @@ def main(argv=None) -> int:
             f"{row['ngram_tok_s']:.1f} tok/s ({steps_spec} steps): {row['speedup']:.2f}x; mean acceptance length "
             f"{row['mean_acceptance_length'] or 0:.2f}; identical outputs: {row['identical_outputs']} (first "
             f"differences {diverge}; plain alone vs in the batch: {alone})")
-    result = {"model": desc, "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-              "torch": torch.__version__, "speculative_config": spec_cfg, "max_tokens": args.max_tokens,
-              "isa": _isa(), "rows": rows}
+    result = {"model": desc, "machine": machine(), "threads": torch.get_num_threads(),
+              "torch": torch.__version__, "speculative_config": spec_cfg, "max_tokens": args.max_tokens, "rows": rows}
     out = Path(args.out) if args.out else HERE / "results" / f"spec_decode_{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
@@ -137,14 +136,6 @@ def main(argv=None) -> int:
 
 def _first_difference(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
-
-
-def _isa() -> str:
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return platform.machine()
-    return "avx512" if " avx512f" in flags else ("avx2" if " avx2" in flags else platform.machine())
 
 
 if __name__ == "__main__":

@@ -199,28 +199,46 @@ def build_deepseek_v3(path: str) -> str:
     return path
 
 
-def build_deepseek_v3_mtp_copy(path: str) -> str:
-    """One MoE layer and an MTP layer that is the model shifted by one token, so its drafts are
-    often right: eh_proj passes the (unit-RMS) embedding of the next token through, the decoder
-    layer is a copy of layer 0 and shared_head the model's final norm and LM head. At position p
-    it then runs the model's own layer over tokens 1..p+1 (the model at p+1 sees tokens 0..p+1)."""
+def build_deepseek_mtp(path: str, copy: bool, num_hidden_layers: int = 1, seed: int = 4, **fields) -> str:
+    """A DeepSeek-V3 checkpoint (tiny unless `fields` say otherwise; every layer MoE) with an MTP
+    layer. copy: the MTP layer is the model shifted by one token, so its drafts are often right
+    (one layer only): eh_proj passes the (unit-RMS) embedding of the next token through, the
+    decoder layer is a copy of layer 0 and shared_head the model's final norm and LM head; at
+    position p it then runs the model's own layer over tokens 1..p+1 (the model at p+1 sees tokens
+    0..p+1). Otherwise random MTP weights (drafts nearly always rejected) after a copy of the last
+    layer."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    cfg = DeepseekV3Config(**{**_deepseek_fields(_tokenizer(path)), "first_k_dense_replace": 0}, num_hidden_layers=1)
+    if copy and num_hidden_layers != 1:
+        raise ValueError("an MTP layer that copies the model needs a one-layer model")
+    cfg = DeepseekV3Config(**{**_deepseek_fields(_tokenizer(path)), "first_k_dense_replace": 0, **fields},
+                           num_hidden_layers=num_hidden_layers)
     torch.manual_seed(0)
     m = DeepseekV3ForCausalLM(cfg).eval()
-    widen_(m, 4)
+    widen_(m, seed)
     with torch.no_grad():
         e = m.model.embed_tokens.weight
         e.div_(e.pow(2).mean(-1, keepdim=True).sqrt())
     m.save_pretrained(path)
-    D = cfg.hidden_size
-    _write_mtp_layer(path, 1, 0, {
-        "enorm": torch.ones(D), "hnorm": torch.ones(D),
-        "eh_proj": torch.cat([torch.eye(D), torch.zeros(D, D)], dim=1),
-        "shared_head.norm": m.model.norm.weight.detach().clone(),
-        "shared_head.head": m.lm_head.weight.detach().clone()})
+    D, V = cfg.hidden_size, cfg.vocab_size
+    if copy:
+        mtp = {"enorm": torch.ones(D), "hnorm": torch.ones(D),
+               "eh_proj": torch.cat([torch.eye(D), torch.zeros(D, D)], dim=1),
+               "shared_head.norm": m.model.norm.weight.detach().clone(),
+               "shared_head.head": m.lm_head.weight.detach().clone()}
+    else:
+        g = torch.Generator().manual_seed(seed + 30)
+        mtp = {"enorm": 1.0 + 0.1 * torch.randn(D, generator=g), "hnorm": 1.0 + 0.1 * torch.randn(D, generator=g),
+               "eh_proj": torch.randn(D, 2 * D, generator=g) * (2 * D) ** -0.5,
+               "shared_head.norm": 1.0 + 0.1 * torch.randn(D, generator=g),
+               "shared_head.head": torch.randn(V, D, generator=g) * D ** -0.5}
+    _write_mtp_layer(path, num_hidden_layers, num_hidden_layers - 1, mtp)
     return path
+
+
+def build_deepseek_v3_mtp_copy(path: str) -> str:
+    """One MoE layer and an MTP layer that is the model shifted by one token (build_deepseek_mtp)."""
+    return build_deepseek_mtp(path, copy=True)
 
 
 BUILDERS = {"mixtral": build_mixtral, "qwen3_moe": build_qwen3_moe, "deepseek_v3": build_deepseek_v3}
