@@ -166,6 +166,7 @@ class ModelRunner:
         uniform_len: see `_pad_to`."""
         pieces = self.batch.update(out)
         self._copy_states(out.state_copies)
+        self._snapshot_states(out)
         h, step = self._forward(pieces, max_tokens_any_rank, uniform_len)
         if step.sampling is None:
             return SampleResult([], [])
@@ -184,6 +185,29 @@ class ModelRunner:
             for layer in self.state_layers:
                 for cache in layer.caches:
                     cache[dst].copy_(cache[src])
+
+    def _snapshot_states(self, out: SchedulerOutput) -> None:
+        """Copies of the per-sequence state (linear attention) of every request that verifies
+        drafts this step, taken before the forward advances it over them: speculative decoding's
+        rollback for state that is updated in place token by token (`restore_states`)."""
+        self._state_snaps = {}
+        if not self.state_layers:
+            return
+        for s in out.scheduled:
+            if s.draft_ids:
+                slot = s.request.state_slot
+                self._state_snaps[s.request.request_id] = (
+                    slot, [cache[slot].clone() for layer in self.state_layers for cache in layer.caches])
+
+    def restore_states(self, request_ids) -> None:
+        """Put back the states `_snapshot_states` copied for these requests (their drafts were not
+        all accepted): the state is as before the step, and the scheduler has the piece's tokens
+        computed again."""
+        for rid in request_ids:
+            slot, saved = self._state_snaps[rid]
+            caches = [cache for layer in self.state_layers for cache in layer.caches]
+            for cache, t in zip(caches, saved):
+                cache[slot].copy_(t)
 
     def _zero_states(self, slots: list) -> None:
         for slot in slots:

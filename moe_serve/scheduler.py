@@ -175,11 +175,14 @@ class Scheduler:
         self._restores = []
         return out
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int | list[int]]) -> list[Request]:
+    def update(self, out: SchedulerOutput, sampled: dict[str, int | list[int]],
+               recompute: set[str] = frozenset()) -> list[Request]:
         """Advance the scheduled requests; append sampled tokens (one, or with draft tokens the
         verified ones: the accepted drafts and the token after them); return those that finished.
         A piece with drafts advances its computed tokens past the accepted drafts only: the cache
-        slots of rejected ones are rewritten before they are read."""
+        slots of rejected ones are rewritten before they are read. recompute: requests whose
+        per-sequence state was restored to before the step (a rejected draft in a model with
+        linear attention): their piece counts as not computed, its tokens are computed again."""
         finished = []
         if out.restored_slots:  # the runner has copied them: the snapshots may be evicted again
             self.kv.state.free(out.restored_slots)
@@ -190,6 +193,7 @@ class Scheduler:
                 continue
             new = sampled[req.request_id] if s.samples else []
             new = [new] if isinstance(new, int) else new
+            start = req.num_computed_tokens
             req.num_computed_tokens += s.num_tokens - len(s.draft_ids)
             stopped = False
             for i, tok in enumerate(new):
@@ -201,6 +205,8 @@ class Scheduler:
                 if req.check_stop_token():
                     stopped = True
                     break
+            if req.request_id in recompute:
+                req.num_computed_tokens = start
             self._register_full_blocks(req)
             self._snapshot_state(req)
             if stopped:

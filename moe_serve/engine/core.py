@@ -61,10 +61,6 @@ def build_engine(cfg: EngineConfig, ep_group=None, show_progress: bool = True) -
     capture = captures_graphs(cfg, moe_ctx, ops)
     bandwidth = device_bandwidth(cfg.device, cfg.memory_bandwidth_gbps)  # before the KV cache takes the memory
     attn_layers = attention_layers(model)
-    if cfg.speculative is not None and any(isinstance(layer, StateCache) for layer in attn_layers):
-        raise ValueError(f"speculative_config ({cfg.speculative.method}) is not supported for "
-                         f"{cfg.model.architecture}: its linear-attention layers update their recurrent state in "
-                         "place for every token, so a rejected draft cannot be rolled back")
     profile = profile_memory(model, attn_layers, cfg, moe_ctx, capture)
     kv = size_kv_cache(attn_layers, cfg, weight_bytes, profile)
     init_kv_cache(attn_layers, cfg, kv)
@@ -357,8 +353,16 @@ class EngineCore:
             i += k + 1
             if k:
                 self.spec.record(k, len(keep) - 1)
+        # Per-sequence state (linear attention) advanced over rejected drafts: restore it to before
+        # the step and recompute the accepted tokens in the next one (ModelRunner.restore_states).
+        rollback = {s.request.request_id for s in out.scheduled
+                    if s.samples and s.draft_ids and len(sampled[s.request.request_id]) <= len(s.draft_ids)}
+        if rollback and self.runner.state_layers:
+            self.runner.restore_states(rollback)
+        else:
+            rollback = set()
         now = time.monotonic()
-        self.scheduler.update(out, sampled)
+        self.scheduler.update(out, sampled, rollback)
         if self.load_recorder is not None:
             self.load_recorder.end_step()
         outputs = []

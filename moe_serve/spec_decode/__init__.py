@@ -15,8 +15,10 @@ reproduces its plain run.
 Rollback: the cache holds K/V of all 1 + k tokens after the step, but the request counts as computed
 only the tokens that were accepted (`num_computed_tokens`); the slots past it are overwritten by the
 next step before anything reads them, and blocks are registered for prefix caching only up to it.
-Models with per-sequence state (linear attention) update that state in place for every token of a
-piece; it cannot be rolled back to a rejected draft, so those models refuse speculation at start-up.
+Models with per-sequence state (linear attention) update it in place for every token of a piece:
+the runner keeps a copy of each verifying sequence's state before the step, and where a draft was
+rejected puts it back and the scheduler counts the piece as not computed, so the accepted tokens
+are computed again (as a chunk) in the next step; when every draft is accepted nothing is undone.
 
 Methods: "ngram" (prompt lookup: `ngram.propose`, on the host before the step) and "mtp" (the
 checkpoint's multi-token-prediction layer, run by the model runner after each step: `mtp.py`;
