@@ -102,11 +102,20 @@ def test_rejected_drafts_and_preemption_leave_the_cache_as_never_written(checkpo
     assert spec.engine.allocator.usage == 0  # every block back
 
 
-def test_unseeded_sampling_keeps_the_target_distribution(checkpoints):
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_unseeded_sampling_keeps_the_target_distribution(checkpoints, extra_checkpoints, method):
     """The second token (the first one verified against a draft: the prompt holds every token, so
-    the lookup always finds one) over 1500 unseeded samples, with and without speculation: a
-    chi-square test of homogeneity (Wilson-Hilferty normal approximation, |z| < 4)."""
-    plain, spec = engines(checkpoints["qwen3_moe"], max_num_seqs=64, num_kv_blocks=256)  # no preemption
+    the lookup always finds one; MTP drafts after every prefill) over 1500 unseeded samples, with
+    and without speculation: a chi-square test of homogeneity (Wilson-Hilferty normal
+    approximation, |z| < 4). MTP on the checkpoint whose MTP layer drafts well, so that both
+    accepted and rejected drafts shape the distribution."""
+    if method == "ngram":
+        plain, spec = engines(checkpoints["qwen3_moe"], max_num_seqs=64, num_kv_blocks=256)  # no preemption
+    else:
+        common = dict(dtype="float32", num_kv_blocks=256, max_num_seqs=64, show_progress=False)
+        path = extra_checkpoints["deepseek_v3_mtp_copy"]
+        plain = LLM(path, **common)
+        spec = LLM(path, speculative_config={"method": "mtp", "num_speculative_tokens": 1}, **common)
     rng = random.Random(4)
     vocab = list(range(VOCAB))
     rng.shuffle(vocab)
@@ -117,6 +126,8 @@ def test_unseeded_sampling_keeps_the_target_distribution(checkpoints):
         outs = llm.generate([prompt] * 1500, sp, use_tqdm=False)
         counts.append(Counter(tuple(o.outputs[0].token_ids[:2]) for o in outs))
     assert spec.engine.spec.num_drafts >= 1500  # every second token was verified against a draft
+    if method == "mtp":
+        assert 0 < spec.engine.spec.num_accepted_tokens < spec.engine.spec.num_draft_tokens
     keys = sorted(set(counts[0]) | set(counts[1]))
     n0, n1 = sum(counts[0].values()), sum(counts[1].values())
     chi2, df = 0.0, -1
