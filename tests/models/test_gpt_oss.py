@@ -65,10 +65,10 @@ def test_sliding_layers_free_blocks_out_of_their_window(extra_checkpoints):
         peak = {0: 0, 1: 0}
         update = core.scheduler.update
 
-        def update_recording(out, sampled):
+        def update_recording(out, *args):
             for g, alloc in enumerate(kv.allocs):
                 peak[g] = max(peak[g], alloc.num_blocks - alloc.num_free_blocks)
-            return update(out, sampled)
+            return update(out, *args)
 
         core.scheduler.update = update_recording
         params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)

@@ -106,7 +106,7 @@ class MtpReference:
         return out, margins
 
 
-@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("k", [3])
 def test_drafts_equal_a_float64_reference_at_every_step(checkpoints, k):
     """Random MTP weights: nearly every draft is rejected, and the chained passes write past the
     accepted tokens and across 4-token block boundaries; the drafts of every step still equal a
@@ -133,7 +133,7 @@ def test_drafts_equal_a_float64_reference_at_every_step(checkpoints, k):
     assert checked >= 10 * k
 
 
-@pytest.mark.parametrize("arch,k", [("deepseek_v3", 2), ("deepseek_v3_mtp_copy", 1), ("deepseek_v3_mtp_copy", 3)])
+@pytest.mark.parametrize("arch,k", [("deepseek_v3", 2), ("deepseek_v3_mtp_copy", 3)])
 def test_greedy_output_is_the_plain_engines_and_transformers(arch, k, checkpoints, extra_checkpoints):
     """With a token budget that chunks prompts and mixes prefill chunks with verify steps."""
     path = checkpoints[arch] if arch in checkpoints else extra_checkpoints[arch]
