@@ -38,6 +38,9 @@ class BlockAllocator:
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[bytes, int] = {}
+        # Net changes of `cached` since take_events (hash -> now findable), kept once track_events is
+        # called: a data-parallel front end routes by them (moe_serve/engine/routing.py).
+        self.events: dict[bytes, bool] | None = None
         # Prefix-cache statistics, in tokens.
         self.lookup_tokens = 0
         self.hit_tokens = 0
@@ -67,6 +70,8 @@ class BlockAllocator:
             if h is not None:  # evict: the block's old contents are about to be overwritten
                 if self.cached.get(h) == bid:
                     del self.cached[h]
+                    if self.events is not None:
+                        self.events[h] = False
                 self.block_hash[bid] = None
             self.ref_cnt[bid] = 1
             out.append(bid)
@@ -112,13 +117,26 @@ class BlockAllocator:
             return
         self.block_hash[block_id] = block_hash
         # If another block already holds this prefix, keep that one: both stay valid, only one is findable.
-        self.cached.setdefault(block_hash, block_id)
+        if self.cached.setdefault(block_hash, block_id) == block_id and self.events is not None:
+            self.events[block_hash] = True
 
     def reset_prefix_cache(self) -> None:
         for bid in range(self.num_blocks):
             if self.ref_cnt[bid] == 0:
                 self.block_hash[bid] = None
-        self.cached = {h: b for h, b in self.cached.items() if self.ref_cnt[b] > 0}
+        kept = {h: b for h, b in self.cached.items() if self.ref_cnt[b] > 0}
+        if self.events is not None:
+            self.events.update((h, False) for h in self.cached if h not in kept)
+        self.cached = kept
+
+    def track_events(self) -> None:
+        if self.events is None:
+            self.events = {}
+
+    def take_events(self) -> tuple[list[bytes], list[bytes]]:
+        """The hashes that became findable and those that stopped being, since the last call."""
+        ev, self.events = self.events or {}, ({} if self.events is not None else None)
+        return [h for h, v in ev.items() if v], [h for h, v in ev.items() if not v]
 
     def check_invariants(self) -> None:
         for bid in range(self.num_blocks):

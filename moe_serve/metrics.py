@@ -94,6 +94,15 @@ class EngineMetrics:
             lines += [f"# HELP {name} {h}", f"# TYPE {name} gauge"]
             lines += [f'{name}{{model_name="{model}",rank="{r}"}} {getattr(rs, attr)}'
                       for r, rs in enumerate(ranks or [s])]
+        per_rank_counters = [
+            ("moe_serve:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache (each prompt once).",
+             "prefix_cache_queries"),
+            ("moe_serve:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
+        ]
+        for name, h, attr in per_rank_counters:
+            lines += [f"# HELP {name} {h}", f"# TYPE {name} counter"]
+            lines += [f'{name}{{model_name="{model}",rank="{r}"}} {getattr(rs, attr, 0)}'
+                      for r, rs in enumerate(ranks or [s])]
         name = "moe_serve:spec_decode_num_accepted_tokens_per_pos_total"
         lines += [f"# HELP {name} Speculative decoding: draft tokens accepted at each draft position.",
                   f"# TYPE {name} counter"]

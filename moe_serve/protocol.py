@@ -84,6 +84,9 @@ class EngineStats(msgspec.Struct, array_like=True):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = []
+    # Prefix cache, counts since start in prompt tokens (a prompt once, however often it is preempted).
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class CoreReady(msgspec.Struct, tag="ready", array_like=True):
@@ -92,6 +95,16 @@ class CoreReady(msgspec.Struct, tag="ready", array_like=True):
     vocab_size: int
     num_kv_blocks: int
     eos_token_ids: list[int]
+    block_size: int = 16
+    prefix_caching: bool = True
+
+
+class CacheEvents(msgspec.Struct, array_like=True):
+    """A rank's prefix cache over one step: the block hashes that became findable and those that
+    stopped being (net changes: moe_serve/engine/routing.py routes new requests by them)."""
+
+    added: list[bytes] = []
+    removed: list[bytes] = []
 
 
 class CoreOutputs(msgspec.Struct, tag="out", array_like=True):
@@ -101,6 +114,7 @@ class CoreOutputs(msgspec.Struct, tag="out", array_like=True):
     # A rank that got SIGTERM (-1: none): the front end should drain and shut the job down.
     shutdown_asked_by: int = -1
     finished_shutdown: bool = False  # the core's last message before it exits
+    cache_events: CacheEvents | None = None
 
 
 class UtilityResult(msgspec.Struct, tag="util", array_like=True):

@@ -1,8 +1,9 @@
 """AsyncEngine: the front end's view of its engine cores, for asyncio request handlers.
 
 It runs in the front-end process, which never steps a model. Handlers `submit` requests; each goes
-to the rank with the fewest outstanding tokens (a per-rank counter) through a sender thread that
-batches whatever arrived into one `CoreInput` per rank. A receiver thread reads every core's
+to the rank the `Router` picks (moe_serve/engine/routing.py: by default the rank that holds the
+longest cached prefix of its prompt, within a load margin of the rank with the fewest outstanding
+tokens) through a sender thread that batches whatever arrived into one `CoreInput` per rank. A receiver thread reads every core's
 `CoreOutputs` (one per engine step), turns tokens into text in the `OutputProcessor` and hands the
 results to each request's asyncio.Queue with `call_soon_threadsafe`. A handler that goes away
 (client disconnect) aborts its request, which frees its KV blocks in the core.
@@ -23,6 +24,7 @@ from typing import Callable
 
 from moe_serve.engine.core_client import CoreClient
 from moe_serve.engine.output_processor import OutputProcessor
+from moe_serve.engine.routing import Router
 from moe_serve.limits import check_request
 from moe_serve.metrics import EngineMetrics
 from moe_serve.protocol import (CoreFatal, CoreInput, CoreOutputs, CoreReady, EngineOutput, EngineStats, NewRequest,
@@ -39,7 +41,8 @@ class QueueFullError(RuntimeError):
 class AsyncEngine:
     def __init__(self, client: CoreClient, ready: list[CoreReady], tokenizer, model_name: str,
                  max_waiting_requests: int = 1024, log_interval_s: float = 10.0,
-                 check_alive: Callable[[], str | None] = lambda: None):
+                 check_alive: Callable[[], str | None] = lambda: None, load_balance_method: str = "cache_aware",
+                 load_margin: int = 4096, cache_threshold: float = 0.5):
         self.client = client
         self.world_size = client.world_size
         self.tokenizer = tokenizer
@@ -57,6 +60,11 @@ class AsyncEngine:
         # owns each live request with how many of its tokens are still counted there.
         self._rank_load = [0] * self.world_size
         self._owner: dict[str, tuple[int, int]] = {}
+        caching = all(r.prefix_caching for r in ready)
+        if load_balance_method == "cache_aware" and not caching:
+            log.info("load balance: cache_aware needs the prefix cache, which is off: least_load instead")
+            load_balance_method = "least_load"
+        self.router = Router(self.world_size, ready[0].block_size, load_balance_method, load_margin, cache_threshold)
         self._ids = itertools.count()
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._call_ids = itertools.count()
@@ -102,11 +110,12 @@ class AsyncEngine:
                     self._queues[cid] = (stream.loop, stream.queue)
                     self.processor.add_request(cid, ids, cp)
                     cost = len(ids) + (cp.max_tokens or self.max_model_len - len(ids))
-                    rank = min(range(self.world_size), key=lambda r: (self._rank_load[r], r))
+                    rank, hit = self.router.pick(cid, ids, self._rank_load)
                     self._rank_load[rank] += cost
                     self._owner[cid] = (rank, cost)
                     if self.world_size > 1:
-                        log.info("request %s -> rank %d", cid, rank)
+                        log.info("request %s -> rank %d (%d prompt tokens cached there)", cid, rank,
+                                 hit * self.router.block_size)
                     self._inbox.put((rank, NewRequest(cid, list(ids), cp)))
         return stream
 
@@ -134,6 +143,7 @@ class AsyncEngine:
             if o is None:
                 return None
             self._rank_load[o[0]] -= o[1]
+            self.router.release(cid)
             return o[0]
 
     def _forget(self, child_ids) -> None:
@@ -142,11 +152,12 @@ class AsyncEngine:
                 self._queues.pop(cid, None)
 
     def stats(self) -> EngineStats:
-        """Every rank's stats summed (usage and hit rate averaged)."""
+        """Every rank's stats summed (usage averaged; the hit rate over every rank's prompt tokens)."""
         rs = self.rank_stats
         n = len(rs)
+        queries, hits = sum(s.prefix_cache_queries for s in rs), sum(s.prefix_cache_hits for s in rs)
         return EngineStats(sum(s.num_running for s in rs), sum(s.num_waiting for s in rs),
-                           sum(s.kv_cache_usage for s in rs) / n, sum(s.prefix_cache_hit_rate for s in rs) / n,
+                           sum(s.kv_cache_usage for s in rs) / n, hits / queries if queries else 0.0,
                            sum(s.num_preemptions for s in rs), sum(s.prompt_tokens for s in rs),
                            sum(s.generation_tokens for s in rs), max(s.num_steps for s in rs),
                            # Expert rebalancing: the same on every rank, so rank 0's.
@@ -154,7 +165,8 @@ class AsyncEngine:
                            0.0, 0.0, 0.0,  # speed of light: per rank only (rank_stats)
                            sum(s.spec_num_drafts for s in rs), sum(s.spec_num_draft_tokens for s in rs),
                            sum(s.spec_num_accepted_tokens for s in rs),
-                           [sum(col) for col in zip(*(s.spec_accepted_per_pos for s in rs))])
+                           [sum(col) for col in zip(*(s.spec_accepted_per_pos for s in rs))],
+                           queries, hits)
 
     def has_work(self) -> bool:
         return bool(self._owner)
@@ -265,6 +277,9 @@ class AsyncEngine:
 
     def _on_outputs(self, msg: CoreOutputs) -> int:
         self.rank_stats[msg.rank] = msg.stats
+        if msg.cache_events is not None:
+            with self._lock:
+                self.router.apply_events(msg.rank, msg.cache_events.added, msg.cache_events.removed)
         self.metrics.update_from(self.stats())
         if msg.shutdown_asked_by >= 0 and not self._shutdown_asked:
             self._shutdown_asked = True
@@ -284,6 +299,7 @@ class AsyncEngine:
                     if o.finished:
                         self._owner.pop(o.request_id)
                         self._rank_load[own[0]] -= own[1]
+                        self.router.release(o.request_id)
                     elif o.new_token_ids:
                         self._owner[o.request_id] = (own[0], own[1] - len(o.new_token_ids))
                         self._rank_load[own[0]] -= len(o.new_token_ids)

@@ -458,4 +458,17 @@ class EngineCore:
                            *((self.meter.fraction, self.meter.last["tokens_per_s"], self.meter.bandwidth)
                              if self.meter is not None else (0.0, 0.0, 0.0)),
                            self.spec.num_drafts, self.spec.num_draft_tokens, self.spec.num_accepted_tokens,
-                           list(self.spec.accepted_per_pos))
+                           list(self.spec.accepted_per_pos), self.allocator.lookup_tokens,
+                           self.allocator.hit_tokens)
+
+    def track_cache_events(self) -> None:
+        """Keep the prefix cache's changes for take_cache_events (a data-parallel rank's reports)."""
+        self.allocator.track_events()
+
+    def take_cache_events(self):
+        """The prefix cache's net changes since the last call (None: none, or not tracked)."""
+        from moe_serve.protocol import CacheEvents
+
+        if self.allocator.events is None or not self.allocator.events:
+            return None
+        return CacheEvents(*self.allocator.take_events())

@@ -88,7 +88,10 @@ class CoreLoop:
         # process that runs one engine: an in-process LLM may be dropped, and frozen cycles would leak.
         gc.collect()
         gc.freeze()
-        self.send(CoreReady(self.rank, c.max_model_len, c.vocab_size, c.runner.num_blocks, sorted(c.eos_token_ids)))
+        if self.world_size > 1:  # the front end routes by every rank's prefix cache
+            c.track_cache_events()
+        self.send(CoreReady(self.rank, c.max_model_len, c.vocab_size, c.runner.num_blocks, sorted(c.eos_token_ids),
+                            c.allocator.block_size, c.allocator.enable_prefix_caching))
 
     def _receive(self, timeout_ms: int) -> tuple[list, bool]:
         """Apply every input waiting (waiting up to timeout_ms for the first); returns outputs of
@@ -178,9 +181,10 @@ class CoreLoop:
             meter = core.meter
             closed = not any_work and meter is not None and meter.window.steps > 0 and \
                 meter.close_window() is not None
-            if outs or any_work or wish or shutdown or closed or self.turns == 1:
+            events = core.take_cache_events()
+            if outs or any_work or wish or shutdown or closed or events or self.turns == 1:
                 self._reported_shutdown_wish |= wish
-                self.send(CoreOutputs(self.rank, outs, core.stats(), self.shutdown_asked_by, bool(shutdown)))
+                self.send(CoreOutputs(self.rank, outs, core.stats(), self.shutdown_asked_by, bool(shutdown), events))
             if shutdown:
                 return 0
             if not any_work and time.monotonic() - self._peer_checked > 1.0:

@@ -1,4 +1,4 @@
-"""The `moe-serve` command: serve, default-model, env, bench, placement, launch."""
+"""The `moe-serve` command: serve, router, default-model, env, bench, placement, launch."""
 from __future__ import annotations
 
 import argparse
@@ -36,6 +36,17 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--request-timeout", type=float, default=None,
                    help="abort a request (freeing its KV blocks) that takes longer than this many seconds "
                         "(default: no limit); non-streaming requests get 408, streams an error event")
+    g = p.add_argument_group("data-parallel routing (more than one rank)")
+    g.add_argument("--load-balance-method", default="cache_aware", choices=("cache_aware", "least_load", "round_robin"),
+                   help="which rank takes a new request: cache_aware (the rank holding the longest cached prefix "
+                        "of its prompt, when it is at least --cache-aware-threshold of the prompt and that rank's "
+                        "outstanding tokens exceed the least loaded rank's by at most --cache-aware-load-margin), "
+                        "least_load (fewest outstanding tokens) or round_robin")
+    g.add_argument("--cache-aware-threshold", type=float, default=0.5,
+                   help="the share of a prompt a rank's cached prefix must cover for cache_aware to follow it")
+    g.add_argument("--cache-aware-load-margin", type=int, default=4096,
+                   help="outstanding tokens (prompt + tokens still to generate) a rank may carry beyond the least "
+                        "loaded one and still take a request for its cached prefix")
     g = p.add_argument_group("chat output parsing")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="parse tool calls out of the output of chat requests with tools and tool_choice 'auto' "
@@ -89,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="the tiny random model instead of SmolLM2-MoE")
     p.set_defaults(fn=cmd_default_model)
     from moe_serve.entrypoints.env import add_env_parser
+    from moe_serve.entrypoints.router import add_router_parser
+
+    add_router_parser(sub)
 
     add_env_parser(sub)
     from moe_serve.benchmarks.cli import add_bench_parser

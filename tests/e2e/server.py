@@ -39,10 +39,10 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], timeout_s: float = 240.0, env: dict | None = None):
+    def __init__(self, args: list[str], timeout_s: float = 240.0, env: dict | None = None, command: str = "serve"):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "moe_serve.entrypoints.cli", "serve", "--host", "127.0.0.1",
+        cmd = [sys.executable, "-m", "moe_serve.entrypoints.cli", command, "--host", "127.0.0.1",
                "--port", str(self.port), *args]
         self.log_path = f"/tmp/moe-serve-test-{self.port}.log"
         self._log = open(self.log_path, "w")

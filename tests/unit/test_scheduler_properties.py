@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attention.blocks import BlockAllocator
+from moe_serve.engine.routing import Router, prompt_block_hashes
 from moe_serve.request import Request
 from moe_serve.sampling_params import SamplingParams
 from moe_serve.scheduler import Scheduler
@@ -27,6 +28,8 @@ def test_no_leaks_every_request_ends_budget_respected(reqs, block_size, extra_bl
     # Enough blocks for the longest single request, so progress is always possible.
     num_blocks = -(-max_len // block_size) + extra_blocks
     alloc = BlockAllocator(num_blocks, block_size, enable_prefix_caching=prefix)
+    alloc.track_events()
+    router = Router(2, block_size)  # rank 1 holds this cache as the front end learns it from the events
     sched = Scheduler(alloc, budget, max_seqs, max_len)
     abort_at = {}
     for i, (prompt, max_new, abort_step) in enumerate(reqs):
@@ -63,6 +66,16 @@ def test_no_leaks_every_request_ends_budget_respected(reqs, block_size, extra_bl
         for r in sched.update(out, sampled):
             finished.add(r.request_id)
         alloc.check_invariants()
+        router.apply_events(1, *alloc.take_events())
+        assert router.cached[1] == set(alloc.cached)
+        # The front end's hashes of a prompt are the scheduler's, so a routed prompt's match is what
+        # the cache can serve.
+        for rid, hashes in sched._hashes.items():
+            prompt = all_reqs[rid].prompt_token_ids
+            n = min(len(hashes), len(prompt) // block_size)
+            assert prompt_block_hashes(prompt, block_size)[:n] == hashes[:n]
+            assert router.matched_blocks(1, hashes) == next(
+                (i for i, h in enumerate(hashes) if h not in alloc.cached), len(hashes))
     assert not sched.has_work(), "some request never ended"
     assert finished | aborted == set(all_reqs)
     for rid in finished:

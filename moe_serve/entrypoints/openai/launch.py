@@ -68,7 +68,8 @@ def run_frontend(ns: argparse.Namespace, path: str, client, check_alive) -> int:
         client.close()
         return 1
     name = ns.served_model_name or ns.model or os.path.basename(os.path.normpath(path))
-    engine = AsyncEngine(client, ready, tokenizer, name, ns.max_waiting_requests, ns.log_interval, check_alive)
+    engine = AsyncEngine(client, ready, tokenizer, name, ns.max_waiting_requests, ns.log_interval, check_alive,
+                         ns.load_balance_method, ns.cache_aware_load_margin, ns.cache_aware_threshold)
     limits = PromptLimits(engine.max_model_len, tokenizer.chars_per_token, ns.block_size,
                           min(r.num_kv_blocks for r in ready))
     http = HTTPLimits(ns.max_request_body_bytes or default_max_body_bytes(engine.max_model_len, token_bytes,
@@ -95,6 +96,10 @@ def http_flags_check(ns: argparse.Namespace) -> None:
         raise ValueError(f"--max-request-body-bytes={ns.max_request_body_bytes} must be >= 1")
     if ns.max_connections < 0:
         raise ValueError(f"--max-connections={ns.max_connections} must be >= 0")
+    if ns.cache_aware_load_margin < 0:
+        raise ValueError(f"--cache-aware-load-margin={ns.cache_aware_load_margin} must be >= 0")
+    if not 0 <= ns.cache_aware_threshold <= 1:
+        raise ValueError(f"--cache-aware-threshold={ns.cache_aware_threshold} must be within [0, 1]")
     from moe_serve.entrypoints.openai.reasoning import REASONING_PARSERS
     from moe_serve.entrypoints.openai.tool_parsers import PARSERS
 
