@@ -69,6 +69,7 @@ class CoreLoop:
         self.inp.connect(in_addr)
         self.out = self.ctx.socket(zmq.PUSH)
         self.out.setsockopt(zmq.LINGER, 5000)
+        self.out.setsockopt(zmq.SNDTIMEO, 1000)  # send() checks the front end is alive between tries
         self.out.connect(out_addr)
         self.wants_shutdown = False  # SIGTERM here
         self.shutdown_asked_by = -1  # the rank whose SIGTERM is known here (own, or agreed over ranks)
@@ -78,7 +79,16 @@ class CoreLoop:
         self._peer_checked = time.monotonic()
 
     def send(self, msg) -> None:
-        self.out.send(input_encoder.encode(msg), copy=False)
+        """Blocks while the front end is behind (its queue full), but not past its death: a core
+        streaming to a front end that was killed would otherwise wait in send forever."""
+        data = input_encoder.encode(msg)
+        while True:
+            try:
+                self.out.send(data, copy=False)
+                return
+            except zmq.Again:
+                if not self.peer_alive():
+                    raise RuntimeError("the front-end process is gone") from None
 
     def ready(self) -> None:
         c = self.core
@@ -187,16 +197,19 @@ class CoreLoop:
                 self.send(CoreOutputs(self.rank, outs, core.stats(), self.shutdown_asked_by, bool(shutdown), events))
             if shutdown:
                 return 0
-            if not any_work and time.monotonic() - self._peer_checked > 1.0:
+            if time.monotonic() - self._peer_checked > 1.0:  # busy or idle: a step is far shorter
                 self._peer_checked = time.monotonic()
                 if not self.peer_alive():
                     raise RuntimeError("the front-end process is gone")
 
     def fatal(self, e: BaseException) -> None:
+        """Tell the front end why this core stops, if it is there to hear it: never blocks (a PUSH
+        socket whose peer is gone would wait forever, and the orphaned core never exit)."""
         try:
-            self.send(CoreFatal(self.rank, f"{type(e).__name__}: {e}"))
+            self.out.send(input_encoder.encode(CoreFatal(self.rank, f"{type(e).__name__}: {e}")), zmq.NOBLOCK)
         except Exception:
             pass
+        self.out.setsockopt(zmq.LINGER, 1000)
 
     def close(self) -> None:
         self.inp.close(0)

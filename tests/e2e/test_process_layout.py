@@ -125,6 +125,40 @@ def test_killed_engine_core_gives_503_and_the_server_exits_naming_it(checkpoints
         s.stop()
 
 
+def test_killed_front_end_leaves_no_engine_core_behind(checkpoints):
+    """SIGKILL on the front end while the core streams a long request: the core notices within a
+    few seconds and exits (it would otherwise hold its weights and KV cache forever, an orphan)."""
+    s = ServerProcess(["--model", checkpoints["qwen3_moe"], "--dtype", "float32", "--kv-cache-memory", str(4 << 20)])
+    pid = int(re.search(r"engine core process started \(pid (\d+)\)", s.log()).group(1))
+    try:
+        # As long as the model allows: about as many steps as the core's output queue holds (1000
+        # messages), so a core that only looked up between requests would be stuck in send.
+        max_len = httpx.get(s.url + "/v1/models").json()["data"][0]["max_model_len"]
+        with httpx.stream("POST", s.url + "/v1/completions", timeout=60, json={
+                "prompt": [5, 6], "max_tokens": max_len - 2, "ignore_eos": True, "stream": True}) as r:
+            assert r.status_code == 200
+            next(r.iter_lines())
+            s.proc.send_signal(signal.SIGKILL)
+        s.proc.wait(10)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and _alive(pid):
+            time.sleep(0.1)
+        assert not _alive(pid), "the engine core outlived its front end"
+        assert "the front-end process is gone" in s.log()
+    finally:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+        s.stop()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def _recv_until(client: CoreClient, pred, timeout_s: float = 60):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
