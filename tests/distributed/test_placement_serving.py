@@ -77,7 +77,7 @@ def test_single_process_with_placement_matches(checkpoints, tuned_placement):
     assert [o.outputs[0].text for o in got] == want
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize("nproc", [4])  # the placement's 4-way shards: replicas on several ranks
 def test_ep_serving_with_tuned_placement_matches(checkpoints, tuned_placement, nproc):
     path = checkpoints["qwen3_moe"]
     want = expected_texts(path, PROMPTS, 8)
