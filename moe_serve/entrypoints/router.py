@@ -313,7 +313,7 @@ def build_router_app(pool: WorkerPool, api_key: str | None = None, max_body_byte
         async def relay():
             nonlocal head
             try:
-                async for chunk in resp.aiter_raw():
+                async for chunk in resp.aiter_bytes():
                     if head is not None:  # the response's id, from the first bytes
                         head += chunk
                         m = _RESPONSE_ID.search(head)
@@ -326,11 +326,14 @@ def build_router_app(pool: WorkerPool, api_key: str | None = None, max_body_byte
                 w.failures += 1
                 log.warning("worker %s broke off a response: %s", w.url, e)
                 if media.startswith("text/event-stream"):
-                    msg = {"error": {"message": f"the worker {w.url} failed mid-response: {type(e).__name__}",
-                                     "type": "ServiceUnavailableError", "param": None, "code": "worker_failed"}}
-                    yield f"data: {json.dumps(msg)}\n\n".encode()
-                    if not path.startswith("/v1/messages"):
-                        yield b"data: [DONE]\n\n"
+                    text = f"the worker {w.url} failed mid-response: {type(e).__name__}"
+                    if path.startswith("/v1/messages"):  # Anthropic's stream error event
+                        msg = {"type": "error", "error": {"type": "api_error", "message": text}}
+                        yield f"event: error\ndata: {json.dumps(msg)}\n\n".encode()
+                    else:
+                        msg = {"error": {"message": text, "type": "ServiceUnavailableError", "param": None,
+                                         "code": "worker_failed"}}
+                        yield f"data: {json.dumps(msg)}\n\ndata: [DONE]\n\n".encode()
             finally:
                 w.in_flight -= 1
                 await resp.aclose()

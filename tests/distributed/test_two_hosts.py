@@ -69,7 +69,7 @@ def test_mla_two_hosts_torchrun_then_cut_link(hosts, checkpoints, tmp_path):
     """DeepSeek-V3 (MLA), 2 hosts x 2 ranks, one plain torchrun per host."""
     path = checkpoints["deepseek_v3"]
     want = transformers_texts(path, PROMPTS, 8)
-    port, master_port, timeout = free_port(), free_port(), 10
+    port, master_port, timeout = free_port(), free_port(), 6
     serve = ["--model", path, *ARGS, "--host", "0.0.0.0", "--port", str(port), "--dist-timeout", str(timeout)]
     logs = [str(tmp_path / "host0.log"), str(tmp_path / "host1.log")]
     procs = [hosts.run(n, torchrun(hosts, n, 2, master_port, serve), logs[n]) for n in (0, 1)]

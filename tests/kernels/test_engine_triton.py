@@ -29,7 +29,9 @@ def run(path: str, moe: str, attn: str) -> list[list[int]]:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+# MLA runs through the Triton backends in the DSA models below (GLM-5 here, DeepSeek-V3.2 in the
+# host-read test).
+@pytest.mark.parametrize("arch", ["qwen3_moe"])
 def test_triton_backends_match_torch_backends(checkpoints, arch):
     ref = run(checkpoints[arch], "torch", "torch")
     assert run(checkpoints[arch], "triton", "triton") == ref
@@ -42,11 +44,11 @@ def test_triton_backends_for_gpt_oss(extra_checkpoints):
     assert run(path, "triton", "triton") == run(path, "torch", "torch")
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
+@pytest.mark.parametrize("arch", ["glm_moe_dsa"])
 def test_triton_backends_for_dsa(extra_checkpoints, arch):
-    """DeepSeek-V3.2 and GLM-5 (top-k 8): the 18-token prompt and its decodes select through the
-    Triton indexer and attend through the sparse attention kernel (GLM-5's shared layers reusing
-    the selection)."""
+    """GLM-5 (top-k 8): the 18-token prompt and its decodes select through the Triton indexer and
+    attend through the sparse attention kernel, its shared layers reusing the selection (DeepSeek-V3.2's
+    unshared layers run through them in the host-read test below)."""
     path = extra_checkpoints[arch]
     assert run(path, "triton", "triton") == run(path, "torch", "torch")
 

@@ -1,0 +1,172 @@
+"""Bulk KV moves between instances through an existing transfer engine, behind one small interface.
+
+A side registers its KV cache memory once (`register`), publishes `metadata()` (how a peer reaches
+it), and a writer that has `connect`ed to a peer posts one-sided writes of byte ranges of its own
+registered memory into the peer's (`write`, then `poll` until "DONE" or "ERR"). Both sides speak
+in (address, length) pairs of host or device memory: a paged cache's blocks are such ranges, so
+one write moves a request's scattered blocks in one request to the engine. Completion reaches the
+reader over the control channel (ZMQ/msgspec), not through the engine, so both engines look alike.
+
+Engines:
+- `nixl` (NVIDIA's NIXL over its UCX backend; `pip install nixl-cu12`): registers DRAM and VRAM
+  alike, UCX picks shared memory, TCP or RDMA; the default.
+- `mooncake` (Mooncake's transfer engine, `pip install mooncake-transfer-engine-non-cuda` for the
+  CPU build, which needs libibverbs installed): peer-to-peer handshake, TCP or RDMA.
+bench/kv_transfer.py measures both between two processes.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+
+log = logging.getLogger("moe_serve.disagg")
+
+ENGINES = ("nixl", "mooncake")
+
+
+class TransferError(RuntimeError):
+    """A transfer engine refused or failed a request (the message names the engine and the peer)."""
+
+
+class KVTransfer:
+    name = "base"
+
+    def register(self, regions: list[tuple[int, int]], device: str = "cpu") -> None:
+        raise NotImplementedError
+
+    def metadata(self) -> bytes:
+        raise NotImplementedError
+
+    def connect(self, peer_metadata: bytes) -> str:
+        raise NotImplementedError
+
+    def write(self, peer: str, local: list[tuple[int, int]], remote: list[tuple[int, int]]):
+        raise NotImplementedError
+
+    def poll(self, handle) -> str:
+        raise NotImplementedError
+
+    def release(self, handle) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class NixlTransfer(KVTransfer):
+    name = "nixl"
+    _ids = itertools.count()
+
+    def __init__(self, agent_name: str | None = None):
+        try:
+            from nixl_cu12._api import nixl_agent, nixl_agent_config
+        except ImportError:
+            try:
+                from nixl._api import nixl_agent, nixl_agent_config
+            except ImportError as e:
+                raise TransferError(f"the nixl transfer engine is not installed (pip install nixl-cu12): {e}") from None
+        logging.getLogger("nixl").setLevel(logging.WARNING)
+        self.agent_name = agent_name or f"moe-serve-{os.getpid()}-{next(self._ids)}"
+        self.agent = nixl_agent(self.agent_name, nixl_agent_config(backends=["UCX"]))
+        self.mem_type = "DRAM"
+        self._reg = []
+
+    def register(self, regions, device="cpu"):
+        self.mem_type = "DRAM" if device == "cpu" else "VRAM"
+        dev = 0 if device == "cpu" else int(device.split(":")[1]) if ":" in device else 0
+        self._reg.append(self.agent.register_memory([(a, n, dev, "") for a, n in regions], self.mem_type))
+
+    def metadata(self):
+        return self.agent.get_agent_metadata()
+
+    def connect(self, peer_metadata):
+        name = self.agent.add_remote_agent(peer_metadata)
+        return name.decode() if isinstance(name, bytes) else name
+
+    def _descs(self, ranges):
+        return self.agent.get_xfer_descs([(a, n, 0) for a, n in ranges], self.mem_type)
+
+    def write(self, peer, local, remote):
+        try:
+            h = self.agent.initialize_xfer("WRITE", self._descs(local), self._descs(remote), peer)
+            state = self.agent.transfer(h)
+        except Exception as e:  # NIXL raises its own status errors
+            raise TransferError(f"nixl: a write to {peer} was refused: {e}") from None
+        if state == "ERR":
+            raise TransferError(f"nixl: a write to {peer} failed to start")
+        return h
+
+    def poll(self, handle):
+        try:
+            return self.agent.check_xfer_state(handle)
+        except Exception as e:
+            log.warning("nixl: transfer state unknown (%s)", e)
+            return "ERR"
+
+    def release(self, handle):
+        try:
+            self.agent.release_xfer_handle(handle)
+        except Exception:
+            pass
+
+    def close(self):
+        for r in self._reg:
+            try:
+                self.agent.deregister_memory(r)
+            except Exception:
+                pass
+        self._reg = []
+
+
+class MooncakeTransfer(KVTransfer):
+    name = "mooncake"
+
+    def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp"):
+        try:
+            from mooncake.engine import TransferEngine
+        except ImportError as e:
+            raise TransferError("the mooncake transfer engine is not installed (pip install "
+                                f"mooncake-transfer-engine-non-cuda; it needs libibverbs): {e}") from None
+        self.engine = TransferEngine()
+        rc = self.engine.initialize(host, "P2PHANDSHAKE", protocol, "")
+        if rc != 0:
+            raise TransferError(f"mooncake: the transfer engine did not start on {host} ({protocol}): code {rc}")
+        self.address = f"{host}:{self.engine.get_rpc_port()}"
+        self._reg: list[int] = []
+
+    def register(self, regions, device="cpu"):
+        for a, n in regions:
+            if self.engine.register_memory(a, n) != 0:
+                raise TransferError(f"mooncake: could not register {n} bytes at {a:#x}")
+            self._reg.append(a)
+
+    def metadata(self):
+        return self.address.encode()
+
+    def connect(self, peer_metadata):
+        return peer_metadata.decode()
+
+    def write(self, peer, local, remote):
+        bid = self.engine.batch_transfer_async_write(peer, [a for a, _ in local], [a for a, _ in remote],
+                                                     [n for _, n in local])
+        if bid == 0 or bid is None or (isinstance(bid, int) and bid < 0):
+            raise TransferError(f"mooncake: a write to {peer} was refused (code {bid})")
+        return bid
+
+    def poll(self, handle):
+        st = self.engine.get_batch_transfer_status([handle])
+        return "DONE" if st == 0 else ("PROC" if st == 1 else "ERR")
+
+    def close(self):
+        for a in self._reg:
+            self.engine.unregister_memory(a)
+        self._reg = []
+
+
+def make_transfer(engine: str = "nixl", **kw) -> KVTransfer:
+    if engine == "nixl":
+        return NixlTransfer(**kw)
+    if engine == "mooncake":
+        return MooncakeTransfer(**kw)
+    raise ValueError(f"KV transfer engine {engine!r} is not one of {', '.join(ENGINES)}")
