@@ -25,8 +25,10 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from eplb import Job  # noqa: E402
-from machine import machine  # noqa: E402
 from synthetic_models import resolve_model  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # synthetic_models takes bench/ off the path
+from machine import machine  # noqa: E402
 
 
 def hit_rates(url: str) -> dict:
@@ -71,7 +73,7 @@ def main(argv=None) -> int:
                    str(res.parent), "--result-filename", res.name, "--percentile-metrics", "ttft,tpot",
                    "--metric-percentiles", "50,95"]
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-            r = json.loads(res.read_text())
+            r = json.loads(res.read_text())["levels"][0]
             rates = hit_rates(job.url)
             out["policies"][policy] = {"prefix_hit_rate": rates, "ttft_p50_ms": r.get("p50_ttft_ms"),
                                        "ttft_p95_ms": r.get("p95_ttft_ms"), "tpot_p50_ms": r.get("p50_tpot_ms"),

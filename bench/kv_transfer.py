@@ -100,21 +100,25 @@ def run_engine(engine: str, ns) -> dict:
         order, srcs = torch.randperm(nblocks, generator=g).tolist(), torch.randperm(nblocks, generator=g).tolist()
         reqs = [request(1000 + r, order[r * per_req:(r + 1) * per_req], srcs[r * per_req:(r + 1) * per_req])
                 for r in range(n)]
+        out = {"setup_s": setup_s, "blocks_per_request": per_req, "bytes_per_request": per_req * block_bytes,
+               "latency_ms_p50": 1e3 * statistics.median(lat),
+               "latency_ms_p95": 1e3 * sorted(lat)[int(0.95 * (len(lat) - 1))],
+               "latency_GBps_p50": per_req * block_bytes / statistics.median(lat) / 1e9}
         s = time.perf_counter()
         handles = [t.write(peer, local, remote) for local, remote, _, _ in reqs]
         states = [wait(h) for h in handles]
         elapsed = time.perf_counter() - s
-        assert all(x == "DONE" for x in states), states
-        moved = n * per_req * block_bytes
-        for _, _, dst, seeds in reqs:  # destinations are distinct: every block must hold its seed
-            here.send((dst, block_bytes, seeds))
-            bad += here.recv()
+        if all(x == "DONE" for x in states):
+            out["bandwidth_GBps"] = n * per_req * block_bytes / elapsed / 1e9
+            for _, _, dst, seeds in reqs:  # destinations are distinct: every block must hold its seed
+                here.send((dst, block_bytes, seeds))
+                bad += here.recv()
+        else:
+            out["bandwidth_error"] = f"{states.count('ERR')} of {n} writes posted back to back failed"
+        out["blocks_wrong"] = bad
         here.send(None)
         t.close()
-        return {"setup_s": setup_s, "blocks_per_request": per_req, "bytes_per_request": per_req * block_bytes,
-                "latency_ms_p50": 1e3 * statistics.median(lat),
-                "latency_ms_p95": 1e3 * sorted(lat)[int(0.95 * (len(lat) - 1))],
-                "bandwidth_GBps": moved / elapsed / 1e9, "blocks_wrong": bad}
+        return out
     finally:
         proc.join(10)
         if proc.is_alive():
