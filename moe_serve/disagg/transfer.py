@@ -54,11 +54,25 @@ class KVTransfer:
         pass
 
 
+def _no_rdma_here() -> bool:
+    try:
+        return not os.listdir("/sys/class/infiniband")
+    except OSError:
+        return True
+
+
 class NixlTransfer(KVTransfer):
     name = "nixl"
     _ids = itertools.count()
 
     def __init__(self, agent_name: str | None = None):
+        # UCX's InfiniBand modules load wherever libibverbs is installed, RDMA device or not, and the
+        # libnl they bring crashes the process in its exit handlers (exit code 139 after a clean
+        # shutdown). Without an RDMA device they have nothing to drive: leave them out (unless the
+        # user set UCX_MODULES). UCX reads this when the agent's backend loads it, below.
+        if "UCX_MODULES" not in os.environ and _no_rdma_here():
+            os.environ["UCX_MODULES"] = "^ib"
+            log.info("nixl: no RDMA device here: UCX's InfiniBand modules left out (UCX_MODULES=^ib)")
         try:
             from nixl_cu12._api import nixl_agent, nixl_agent_config
         except ImportError:

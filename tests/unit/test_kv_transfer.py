@@ -78,3 +78,20 @@ def test_scattered_blocks_arrive_exactly_and_a_dead_peer_is_an_error():
 def test_unknown_engine_is_refused():
     with pytest.raises(ValueError, match="carrier-pigeon"):
         make_transfer("carrier-pigeon")
+
+
+def test_a_process_that_moved_kv_exits_cleanly():
+    """Where libibverbs is installed but no RDMA device is, UCX's InfiniBand modules used to load
+    and crash the process in its exit handlers (exit code 139 after a clean run)."""
+    import subprocess
+    import sys
+
+    script = ("import torch; from moe_serve.disagg.transfer import make_transfer\n"
+              "a, b = make_transfer('nixl'), make_transfer('nixl')\n"
+              "x, y = torch.ones(4096, dtype=torch.uint8), torch.zeros(4096, dtype=torch.uint8)\n"
+              "a.register([(x.data_ptr(), 4096)]); b.register([(y.data_ptr(), 4096)])\n"
+              "h = a.write(a.connect(b.metadata()), [(x.data_ptr(), 4096)], [(y.data_ptr(), 4096)])\n"
+              "while a.poll(h) == 'PROC': pass\n"
+              "assert bool((y == 1).all()); a.close(); b.close(); print('moved')\n")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "moved" in r.stdout, (r.returncode, r.stderr[-2000:])
