@@ -15,7 +15,6 @@ import pytest
 
 from moe_serve import LLM, SamplingParams
 from tests.distributed.jobs import TorchrunJob
-from tests.e2e.server import free_port
 
 PROMPTS = [[5, 77, 301, 42], [9, 8, 7, 6, 5, 4, 3, 200, 100], [450, 12], [33, 34, 35, 36, 37, 38], [100] * 20]
 ARGS = ["--dtype", "float32", "--kv-cache-memory", str(4 << 20), "--max-num-batched-tokens", "16"]
@@ -60,22 +59,6 @@ def test_ep_serving_matches_single_process(checkpoints, arch, nproc):
         assert "server stopped" in job.log()
     finally:
         job.kill()
-
-
-def test_two_nodes_one_endpoint(checkpoints):
-    path = checkpoints["qwen3_moe"]
-    want = expected_texts(path, PROMPTS, 6)
-    rdzv, port = free_port(), free_port()
-    node1 = TorchrunJob(1, ["--model", path, *ARGS], nnodes=2, node_rank=1, rdzv_port=rdzv, port=port, wait=False)
-    node0 = TorchrunJob(1, ["--model", path, *ARGS], nnodes=2, node_rank=0, rdzv_port=rdzv, port=port, wait=False)
-    try:
-        node0.wait_healthy(240)
-        assert asyncio.run(_complete_all(f"http://127.0.0.1:{port}", PROMPTS, 6)) == want
-        logs = node0.log() + node1.log()
-        assert "rank 0 of 2" in logs and "rank 1 of 2" in logs
-    finally:
-        node0.kill()
-        node1.kill()
 
 
 def test_killed_rank_stops_job_with_named_error(checkpoints):

@@ -210,10 +210,13 @@ def test_connection_cap_answers_503_at_once(server):
 
 
 def test_server_flags_out_of_range_are_refused(checkpoints):
-    for flag, value in (("--http-body-timeout", "0"), ("--request-timeout", "-1"), ("--max-connections", "-2")):
-        p = subprocess.run([sys.executable, "-m", "moe_serve.entrypoints.cli", "serve", "--model",
-                            checkpoints["mixtral"], flag, value], capture_output=True, text=True, timeout=120)
-        assert p.returncode == 2 and flag in p.stderr, (flag, p.returncode, p.stderr[-500:])
+    flags = (("--http-body-timeout", "0"), ("--request-timeout", "-1"), ("--max-connections", "-2"))
+    procs = [subprocess.Popen([sys.executable, "-m", "moe_serve.entrypoints.cli", "serve", "--model", checkpoints["mixtral"],
+                               flag, value], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for flag, value in flags]
+    for (flag, _), p in zip(flags, procs):
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 2 and flag in err, (flag, p.returncode, err[-500:])
 
 
 def _inline(schema, components: dict):

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import openai
-import pytest
 import torch
 
 from moe_serve import LLM, SamplingParams
@@ -65,7 +64,7 @@ def test_default_model_equals_transformers_mixtral_and_uses_every_expert(default
 
     path = default_build["path"]
     tok = AutoTokenizer.from_pretrained(path)
-    prompts = [chat_ids(tok, q) for q in QUESTIONS]
+    prompts = [chat_ids(tok, q) for q in QUESTIONS[:3]]  # the noise-0 test above runs all five
     mixtral, expected = hf_greedy_all("MixtralForCausalLM", path, prompts)
     llm, got = ours(path, prompts)
     for p, g, e in zip(prompts, got, expected):
