@@ -38,7 +38,8 @@ async def _complete_all(url: str, prompts, max_tokens: int) -> list[str]:
 # EP 4 without overlap for DeepSeek-V3 here; the others at EP 4 in test_overlap_ep.py and
 # test_eplb_serving.py (Qwen3-MoE EP 4 with rebalances; Mixtral at EP 2 there and at EP 4 with
 # overlap in test_overlap_ep.py).
-@pytest.mark.parametrize("arch, nproc", [("qwen3_moe", 2), ("deepseek_v3", 2), ("deepseek_v3", 4)])
+# DeepSeek-V3 at EP 2: test_eplb_serving.py, test_spec_decode_ep.py, test_decode_capturable_ep.py.
+@pytest.mark.parametrize("arch, nproc", [("qwen3_moe", 2), ("deepseek_v3", 4)])
 def test_ep_serving_matches_single_process(checkpoints, arch, nproc):
     path = checkpoints[arch]
     want = expected_texts(path, PROMPTS, 8)

@@ -160,7 +160,7 @@ def test_prefix_repetition(server, tmp_path):
     check_stats(lv)
 
 
-@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("endpoint", ["/v1/chat/completions"])
 def test_multi_turn(server, tmp_path, endpoint):
     result, _ = bench_serve(server, tmp_path, "multi", "--dataset-name", "multi_turn", "--endpoint", endpoint,
                             "--num-prompts", "3", "--multi-turn-num-turns", "3", "--random-input-len", "12",

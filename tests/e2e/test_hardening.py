@@ -274,7 +274,7 @@ def test_fuzz_the_api_from_its_openapi_schema(server):
         st.tuples(paths, json_values.map(encode)),
         st.tuples(paths, st.binary(max_size=300)))
     codes: Counter = Counter()
-    stop_at = time.monotonic() + 10
+    stop_at = time.monotonic() + 7
 
     @settings(max_examples=300, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
