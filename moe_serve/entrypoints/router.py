@@ -283,7 +283,10 @@ def build_router_app(pool: WorkerPool, api_key: str | None = None, max_body_byte
             w.in_flight += 1
             try:
                 resp = await client.send(up, stream=True)
-            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as e:
+            except (httpx.ConnectTimeout, httpx.NetworkError, httpx.RemoteProtocolError) as e:
+                # Refused, reset or closed before any answer (a dead worker, or a pooled connection
+                # it had closed): another worker can take the request; one that is alive aborts it
+                # when it sees the connection gone.
                 w.in_flight -= 1
                 w.failures += 1
                 w.healthy = False
