@@ -114,6 +114,36 @@ class KVCacheManager:
             (req.state_slot,) = self.state.allocate(1)
         return True
 
+    def reserve(self, req, end: int) -> bool:
+        """Hold blocks for req as if its first `end` tokens were computed (they arrive from another
+        instance) plus the next one: windowed groups only from the next query's window on (null
+        entries before it), and a live state slot. A state snapshot lent by a prefix hit is given
+        back (the arriving state supersedes it). False, with nothing new held, when a pool runs
+        short. req.num_computed_tokens is left as it was (what is cached here)."""
+        computed = req.num_computed_tokens
+        req.num_computed_tokens = end
+        self.release_out_of_window(req)
+        req.num_computed_tokens = computed
+        need = -(-(end + 1) // self.block_size)
+        tables = self.tables(req)
+        los = [kind.first_needed(end) // self.block_size if kind.kind in ("sliding", "chunked") else 0
+               for kind in self.kinds]
+        short = [sum(1 for i in range(len(t), need) if i >= lo) for t, lo in zip(tables, los)]
+        if any(s > a.num_free_blocks for s, a in zip(short, self.allocs)):
+            return False
+        wants_slot = self.state is not None and req.state_slot is None
+        if wants_slot and self.state.num_free_blocks < 1:
+            return False
+        for g, (t, lo) in enumerate(zip(tables, los)):
+            fresh = iter(self.allocs[g].allocate(short[g]) if short[g] else ())
+            t.extend(self.null_block(g) if i < lo else next(fresh) for i in range(len(t), need))
+        if wants_slot:
+            (req.state_slot,) = self.state.allocate(1)
+        if req.restore_from is not None:
+            self.state.free([req.restore_from])
+            req.restore_from = None
+        return True
+
     def free(self, req) -> None:
         """Give back everything req holds: blocks of every group, its live slot and a snapshot it
         was lent but not yet restored from."""

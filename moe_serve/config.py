@@ -170,3 +170,8 @@ class EngineConfig:
     memory_bandwidth_gbps: float | None = None  # the speed of light's bandwidth (moe_serve/speed_of_light.py)
     speed_of_light_window_s: float = 5.0
     speculative: object | None = None  # spec_decode.SpeculativeConfig, or None (off)
+    # Prefill/decode disaggregation (moe_serve/disagg): "none" | "prefill" | "decode"; the transfer
+    # engine that moves KV between instances; seconds a KV write may take before it is given up.
+    disaggregation_mode: str = "none"
+    disaggregation_transfer_backend: str = "nixl"
+    disaggregation_timeout_s: float = 60.0

@@ -17,10 +17,57 @@ from moe_serve.sampling_params import SamplingParams
 
 
 # --- front end -> engine core ---------------------------------------------------------------------
+class CacheLayout(msgspec.Struct, array_like=True):
+    """Where one engine core's cache lives, for a peer that writes into it (moe_serve/disagg): its
+    transfer engine's metadata, and per block group and per cache tensor of the group's layers (in
+    layer order) the tensor's base address and bytes per block; the same for the state pool's
+    tensors (bytes per slot). `signature` names the model, dtype, block size and tensor shapes:
+    a writer refuses a peer whose signature differs from its own."""
+
+    engine: str
+    agent: bytes
+    signature: str
+    groups: list[list[tuple[int, int]]]
+    state: list[tuple[int, int]] = []
+
+
+class KVTarget(msgspec.Struct, array_like=True):
+    """Blocks a decode instance reserved for a request's prompt: a prefill instance computes the
+    prompt's first `end` tokens and writes positions start .. end - 1 (start: what the decode side
+    had cached, a block boundary) into them. tables: per block group, the decode side's block ids
+    for logical blocks start // block_size onwards (-1 where that side needs none: before a window);
+    state_slot: its live state slot (-1: no state layers)."""
+
+    layout: CacheLayout
+    start: int
+    end: int
+    tables: list[list[int]]
+    state_slot: int = -1
+
+
+class KVParams(msgspec.Struct, array_like=True):
+    """Disaggregated prefill (moe_serve/disagg). role "decode": reserve the prompt's blocks and wait
+    for a prefill instance to fill them (the core answers with the blocks in
+    `EngineCoreOutput.kv_target`, the front end says when they are filled with a `KVDone`); role
+    "prefill": compute the prompt and write its cache into `target`, then end the request."""
+
+    role: str
+    target: KVTarget | None = None
+
+
 class NewRequest(msgspec.Struct, array_like=True):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    kv: KVParams | None = None
+
+
+class KVDone(msgspec.Struct, array_like=True):
+    """The prefill instance has written (ok) or failed to write a decode-side request's blocks."""
+
+    request_id: str
+    ok: bool
+    error: str = ""
 
 
 class UtilityCall(msgspec.Struct, array_like=True):
@@ -36,6 +83,7 @@ class CoreInput(msgspec.Struct, tag="in", array_like=True):
     aborts: list[str] = []
     calls: list[UtilityCall] = []
     shutdown: bool = False
+    kv_done: list[KVDone] = []
 
 
 # --- engine core -> front end ---------------------------------------------------------------------
@@ -57,6 +105,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprob] | None = None
     num_cached_tokens: int = 0
+    # Decode side of a disaggregated request: its blocks are reserved, a prefill instance is to fill them.
+    kv_target: KVTarget | None = None
 
 
 class EngineStats(msgspec.Struct, array_like=True):
@@ -87,6 +137,16 @@ class EngineStats(msgspec.Struct, array_like=True):
     # Prefix cache, counts since start in prompt tokens (a prompt once, however often it is preempted).
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    kv_blocks_in_use: int = 0  # blocks and state slots held by requests, every pool (0: nothing held)
+    # Disaggregation (moe_serve/disagg), counts since start. Prefill side: requests whose cache was
+    # written to a decode instance, bytes written, writes that failed, seconds from post to done.
+    # Decode side: requests whose prompt cache arrived, and those computed here after a prefill failed.
+    kv_sent_requests: int = 0
+    kv_sent_bytes: int = 0
+    kv_send_failures: int = 0
+    kv_send_seconds: float = 0.0
+    kv_received_requests: int = 0
+    kv_fallbacks: int = 0
 
 
 class CoreReady(msgspec.Struct, tag="ready", array_like=True):
@@ -97,6 +157,8 @@ class CoreReady(msgspec.Struct, tag="ready", array_like=True):
     eos_token_ids: list[int]
     block_size: int = 16
     prefix_caching: bool = True
+    disaggregation_mode: str = "none"
+    kv_layout: CacheLayout | None = None  # where its cache lives (a decode-side rank)
 
 
 class CacheEvents(msgspec.Struct, array_like=True):

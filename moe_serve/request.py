@@ -55,6 +55,12 @@ class Request:
     # Draft tokens for the next step (speculative decoding, moe_serve/spec_decode): proposed after a
     # step, scheduled after the last known token, dropped once verified or when the request is preempted.
     spec_token_ids: list[int] = field(default_factory=list)
+    # Disaggregated prefill (moe_serve/disagg): "decode" (its prompt's cache comes from a prefill
+    # instance: the first kv_end tokens) or "prefill" (its cache is written to kv_target, a
+    # decode instance's blocks, once computed); None: computed and decoded here.
+    kv_role: str | None = None
+    kv_target: object | None = None
+    kv_end: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:

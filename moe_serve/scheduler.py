@@ -79,6 +79,16 @@ class Scheduler:
         self._finished_ids: set[str] = set()  # pending for the next non-empty SchedulerOutput
         self._preempted_ids: set[str] = set()
         self._state_copies: list[tuple[int, int]] = []  # snapshots pending for the next non-empty output
+        # Disaggregation (moe_serve/disagg). Decode side: requests whose blocks are reserved while a
+        # prefill instance fills them (out of the queues until `kv_done`), reservations not yet
+        # reported, and aborted ones whose blocks stay held until the writer is known to be done.
+        # Prefill side: finished requests whose blocks are held until their write completes.
+        self.awaiting_kv: dict[str, Request] = {}
+        self._kv_reserved: list[Request] = []
+        self._kv_quarantine: dict[str, Request] = {}
+        self._kv_outbox: list[Request] = []
+        self.kv_received = 0
+        self.kv_fallbacks = 0
 
     # --- queue ----------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -96,6 +106,12 @@ class Scheduler:
         req = self.requests.get(request_id)
         if req is None:
             return None
+        if self.awaiting_kv.pop(request_id, None) is not None:
+            # A prefill instance may still be writing into its blocks: held until kv_done says it is not.
+            req.status = status
+            self._kv_quarantine[request_id] = req
+            self._forget(req)
+            return req
         if req in self.running:
             self.running.remove(req)
         else:
@@ -147,10 +163,22 @@ class Scheduler:
                     scheduled.add(req.request_id)
                     budget -= n
         # 2) admit waiting requests in order; stop at the first that does not fit (FCFS).
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.num_preempted:
+        while self.waiting and budget > 0 and len(self.running) + len(self.awaiting_kv) < self.max_num_seqs \
+                and not out.num_preempted:
             req = self.waiting[0]
             if not req.block_ids:
                 self._attach_prefix(req)
+                if req.kv_role == "decode":
+                    if req.num_computed_tokens >= req.kv_end:  # cached here already: nothing to fetch
+                        req.kv_role = None
+                    elif not self.kv.reserve(req, req.kv_end):
+                        self._detach_prefix(req)
+                        break
+                    else:
+                        self.waiting.popleft()
+                        self.awaiting_kv[req.request_id] = req
+                        self._kv_reserved.append(req)
+                        continue
             n = self._chunk(req, min(req.num_tokens - req.num_computed_tokens, budget))
             if not self._grow(req, n + self._lookahead(req, n)):
                 # Give back the prefix blocks it was lent: a waiting request that holds blocks it
@@ -214,6 +242,50 @@ class Scheduler:
                 self._release(req)
                 finished.append(req)
         return finished
+
+    # --- disaggregation --------------------------------------------------------------------------
+    def take_kv_reserved(self) -> list[Request]:
+        """Decode side: requests whose blocks were reserved since the last call (to be filled)."""
+        out, self._kv_reserved = [r for r in self._kv_reserved if r.request_id in self.awaiting_kv], []
+        return out
+
+    def take_kv_outbox(self) -> list[Request]:
+        """Prefill side: requests that finished computing and hold their blocks for the write."""
+        out, self._kv_outbox = self._kv_outbox, []
+        return out
+
+    def free_held(self, req: Request) -> None:
+        """Prefill side: give back a request's blocks once its write is over (they stay cached)."""
+        self.kv.free(req)
+
+    def kv_done(self, request_id: str, ok: bool) -> Request | None:
+        """Decode side: the prefill instance wrote a request's blocks (ok) or will not. Written: the
+        request resumes after its first kv_end tokens, ahead of the queue (one token to compute).
+        Not written: it is computed here from its prefix-cache hits, like a preempted request. An
+        aborted request's held blocks are given back either way."""
+        req = self._kv_quarantine.pop(request_id, None)
+        if req is not None:
+            self.kv.free(req)
+            return None
+        req = self.awaiting_kv.pop(request_id, None)
+        if req is None:
+            return None
+        req.kv_role = None
+        if ok:
+            req.num_computed_tokens = req.kv_end
+            self.kv_received += 1
+        else:
+            self.kv.free(req)
+            req.num_computed_tokens = 0
+            self._registered[req.request_id] = 0
+            self.kv_fallbacks += 1
+        self.waiting.appendleft(req)
+        return req
+
+    @property
+    def num_kv_held(self) -> int:
+        """Requests whose blocks are held outside the queues (awaiting a prefill, or aborted meanwhile)."""
+        return len(self.awaiting_kv) + len(self._kv_quarantine)
 
     # --- blocks ----------------------------------------------------------------------------------
     def _grow(self, req: Request, n: int) -> bool:
@@ -303,8 +375,14 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _release(self, req: Request) -> None:
+        if req.kv_role == "prefill" and req.status != RequestStatus.FINISHED_ABORTED:
+            self._kv_outbox.append(req)  # its blocks are written to the decode side before they are freed
+        else:
+            self.kv.free(req)
+        self._forget(req)
+
+    def _forget(self, req: Request) -> None:
         self._finished_ids.add(req.request_id)
-        self.kv.free(req)
         self.requests.pop(req.request_id, None)
         self._hashes.pop(req.request_id, None)
         self._registered.pop(req.request_id, None)

@@ -16,9 +16,10 @@ bench/kv_transfer.py measures both between two processes.
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import os
+import socket
+import uuid
 
 log = logging.getLogger("moe_serve.disagg")
 
@@ -63,7 +64,6 @@ def _no_rdma_here() -> bool:
 
 class NixlTransfer(KVTransfer):
     name = "nixl"
-    _ids = itertools.count()
 
     def __init__(self, agent_name: str | None = None):
         # UCX's InfiniBand modules load wherever libibverbs is installed, RDMA device or not, and the
@@ -81,7 +81,8 @@ class NixlTransfer(KVTransfer):
             except ImportError as e:
                 raise TransferError(f"the nixl transfer engine is not installed (pip install nixl-cu12): {e}") from None
         logging.getLogger("nixl").setLevel(logging.WARNING)
-        self.agent_name = agent_name or f"moe-serve-{os.getpid()}-{next(self._ids)}"
+        # Unique across hosts (pids are not): a peer keys its connections by this name.
+        self.agent_name = agent_name or f"moe-serve-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.agent = nixl_agent(self.agent_name, nixl_agent_config(backends=["UCX"]))
         self.mem_type = "DRAM"
         self._reg = []

@@ -49,6 +49,9 @@ class EngineArgs:
     memory_bandwidth: float | None = None  # GB/s for the decode speed of light (default: table or measured)
     speed_of_light_window: float = 5.0  # seconds of decode steps per speed-of-light window (0: every step)
     speculative_config: dict | str | None = None  # {"method": "ngram", "num_speculative_tokens": K, ...}
+    disaggregation_mode: str = "none"  # prefill | decode (moe_serve/disagg)
+    disaggregation_transfer_backend: str = "nixl"  # nixl | mooncake
+    disaggregation_timeout: float = 60.0  # seconds a prompt's KV may take to arrive
 
     def create_engine_config(self, rank: int = 0, world_size: int = 1) -> EngineConfig:
         mc = ModelConfig.from_path(self.model, self.dtype, self.max_model_len, self.load_format, self.seed,
@@ -82,6 +85,15 @@ class EngineArgs:
         if eplb is not None and mc.weight_quantization:
             raise ValueError(f"--enable-eplb with quantized weights ({mc.weight_quantization}) is not supported yet: "
                              "rebalancing moves unquantized expert weights only")
+        from moe_serve.disagg.transfer import ENGINES
+
+        if self.disaggregation_mode not in ("none", "prefill", "decode"):
+            raise ValueError(f"disaggregation_mode={self.disaggregation_mode!r} must be none, prefill or decode")
+        if self.disaggregation_transfer_backend not in ENGINES:
+            raise ValueError(f"disaggregation_transfer_backend={self.disaggregation_transfer_backend!r} must be one "
+                             f"of {', '.join(ENGINES)}")
+        if not self.disaggregation_timeout > 0:
+            raise ValueError(f"disaggregation_timeout={self.disaggregation_timeout} must be > 0")
         from moe_serve.spec_decode import SpeculativeConfig
 
         speculative = SpeculativeConfig.parse(self.speculative_config)
@@ -106,6 +118,9 @@ class EngineArgs:
             memory_bandwidth_gbps=self.memory_bandwidth,
             speed_of_light_window_s=self.speed_of_light_window,
             speculative=speculative,
+            disaggregation_mode=self.disaggregation_mode,
+            disaggregation_transfer_backend=self.disaggregation_transfer_backend,
+            disaggregation_timeout_s=self.disaggregation_timeout,
         )
 
     # --- CLI ------------------------------------------------------------------------------------
@@ -180,6 +195,17 @@ class EngineArgs:
                        help='speculative decoding as JSON: {"method": "ngram", "num_speculative_tokens": K, '
                             '"prompt_lookup_min": a, "prompt_lookup_max": b} (drafts from the context\'s own '
                             'n-grams, verified in one forward; greedy output is unchanged)')
+        g.add_argument("--disaggregation-mode", default="none", choices=["none", "prefill", "decode"],
+                       help="prefill: compute prompts whose KV a decode instance asked for and write it there; "
+                            "decode: take requests, have a prefill instance compute their prompts "
+                            "(kv_transfer_params.prefill_url, set by `moe-serve router --prefill ... --decode ...`) "
+                            "and decode. Both sides must serve the same model, dtype and block size")
+        g.add_argument("--disaggregation-transfer-backend", default="nixl", choices=["nixl", "mooncake"],
+                       help="the transfer engine that moves KV between instances (nixl: NIXL over UCX; mooncake: "
+                            "Mooncake's transfer engine)")
+        g.add_argument("--disaggregation-timeout", type=float, default=60.0,
+                       help="seconds a prompt's KV may take to arrive from the prefill instance before this "
+                            "instance computes the prompt itself")
         g.add_argument("--speed-of-light-window", type=float, default=5.0,
                        help="seconds of decode steps over which the speed-of-light fraction is taken and logged")
 

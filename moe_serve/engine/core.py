@@ -63,7 +63,7 @@ def build_engine(cfg: EngineConfig, ep_group=None, show_progress: bool = True) -
     attn_layers = attention_layers(model)
     profile = profile_memory(model, attn_layers, cfg, moe_ctx, capture)
     kv = size_kv_cache(attn_layers, cfg, weight_bytes, profile)
-    init_kv_cache(attn_layers, cfg, kv)
+    bound = init_kv_cache(attn_layers, cfg, kv)
     meter = make_decode_meter(model, attn_layers, cfg, moe_ctx, bandwidth)  # before graphs: they mark its hits
     sampler = Sampler(cfg.device, cfg.model.seed)
     batch = make_input_batch(cfg, kv)
@@ -76,6 +76,7 @@ def build_engine(cfg: EngineConfig, ep_group=None, show_progress: bool = True) -
     eos = eos_token_ids(cfg)
     grammars = GrammarManager(cfg.model.path, cfg.model.hf["vocab_size"], eos)
     core = EngineCore(cfg, moe_ctx, runner, scheduler, eos, grammars, max_model_len, meter)
+    core.connector = make_kv_connector(cfg, *bound)
     if par.expert_load_record or par.expert_load_window:
         core.enable_load_recording(par.expert_load_window or 100, ep_group, start=bool(par.expert_load_record))
     if par.eplb is not None:
@@ -94,6 +95,22 @@ def make_decode_meter(model, attn_layers: list, cfg: EngineConfig, moe_ctx: MoEC
              "experts, %.2f MB per expert slot hit, and each sequence's cache", meter.bandwidth / 1e9, meter.source,
              b.non_expert_bytes / 1e6, (sum(b.slot_bytes) / len(b.slot_bytes) if b.slot_bytes else 0) / 1e6)
     return meter
+
+
+def make_kv_connector(cfg: EngineConfig, groups: list, state: list):
+    """A disaggregated instance's cache registered with the transfer engine (None otherwise). After
+    the cache is allocated: it registers the tensors bound."""
+    if cfg.disaggregation_mode == "none":
+        return None
+    from moe_serve.disagg.connector import KVConnector, layout_signature
+
+    mc = cfg.model
+    sig = layout_signature(f"{mc.architecture}:{mc.hf.get('num_hidden_layers')}", mc.dtype, cfg.cache.block_size,
+                           groups, state)
+    conn = KVConnector(cfg.disaggregation_transfer_backend, groups, state, sig, str(cfg.device),
+                       cfg.disaggregation_timeout_s)
+    log.info("disaggregation: %s instance, KV over %s", cfg.disaggregation_mode, cfg.disaggregation_transfer_backend)
+    return conn
 
 
 def load_placement(path: str | None, world_size: int) -> list[list[int]] | None:
@@ -223,6 +240,9 @@ class EngineCore:
         self.meter = meter  # decode speed of light (moe_serve/speed_of_light.py)
         self.spec = Speculator(cfg.speculative, max_model_len)  # speculative decoding's drafts and counts
         scheduler.lookahead_tokens = self.spec.lookahead_tokens
+        self.connector = None  # disagg.connector.KVConnector in a disaggregated instance (make_kv_connector)
+        self.kv_sent_requests = self.kv_sent_bytes = self.kv_send_failures = 0
+        self.kv_send_seconds = 0.0
 
     def set_max_model_len(self, n: int) -> None:
         """Every rank serves the same context limit (the smallest any rank's cache allows)."""
@@ -239,6 +259,8 @@ class EngineCore:
         try:
             max_new = self.validate(new.prompt_token_ids, new.params)
             req = Request(new.request_id, list(new.prompt_token_ids), new.params, max_new, self.eos_token_ids)
+            if new.kv is not None:
+                self._disaggregated(req, new.kv)
             if new.params.structured_outputs is not None:
                 if new.request_id in self.scheduler.requests or \
                         any(r.request_id == new.request_id for r, _ in self._awaiting_grammar):
@@ -249,6 +271,96 @@ class EngineCore:
         except ValueError as e:
             return EngineCoreOutput(new.request_id, [], True, "abort", str(e))
         return None
+
+    def _disaggregated(self, req: Request, kv) -> None:
+        """Mark a request whose prompt cache moves between instances (moe_serve/disagg); ValueError
+        when this instance cannot take that part."""
+        mode = self.cfg.disaggregation_mode
+        if kv.role not in ("prefill", "decode"):
+            raise ValueError(f"kv role {kv.role!r} is not prefill or decode")
+        if mode != kv.role:
+            raise ValueError(f"this instance was started with --disaggregation-mode {mode}: it does not take "
+                             f"the {kv.role} side of a disaggregated request")
+        req.kv_role = kv.role
+        if kv.role == "decode":
+            req.kv_end = req.num_prompt_tokens - 1  # the last prompt token is computed here, where it samples
+            return
+        from moe_serve.disagg.connector import LayoutMismatch
+
+        t = kv.target
+        if t is None or not 0 <= t.start < t.end == req.num_prompt_tokens:
+            raise ValueError("a prefill request needs a target whose end is its prompt's length")
+        if t.layout.signature != self.connector.layout.signature:
+            raise LayoutMismatch(f"the decode instance's cache layout ({t.layout.signature}) differs from this "
+                                 f"instance's ({self.connector.layout.signature}): both must serve the same model, "
+                                 "dtype, block size and speculative layers")
+        req.kv_target = t
+        req.max_new_tokens = 1
+
+    def kv_done(self, done: list) -> None:
+        """Decode side: prefill instances wrote (or failed to write) these requests' blocks."""
+        for d in done:
+            req = self.scheduler.kv_done(d.request_id, d.ok)
+            if req is not None and not d.ok:
+                log.warning("request %s: its prompt's KV did not arrive (%s): computing it here", d.request_id,
+                            d.error or "no reason given")
+
+    def _report_reserved(self) -> None:
+        """Decode side: tell the front end which blocks each newly reserved request holds."""
+        from moe_serve.protocol import KVTarget
+
+        sched = self.scheduler
+        bs = sched.block_size
+        for req in sched.take_kv_reserved():
+            start, end = req.num_computed_tokens, req.kv_end
+            tables = [[-1 if b == sched.kv.null_block(g) else b for b in t[start // bs:-(-end // bs)]]
+                      for g, t in enumerate(sched.kv.tables(req))]
+            slot = -1 if req.state_slot is None else req.state_slot
+            self._early_outputs.append(EngineCoreOutput(
+                req.request_id, [], kv_target=KVTarget(self.connector.layout, start, end, tables, slot)))
+
+    def _send_kv(self, held: list[Request], outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        """Prefill side: post the writes of the requests that finished computing; their outputs
+        wait for the writes (poll_kv). Returns the outputs of the other requests."""
+        from moe_serve.disagg.transfer import TransferError
+
+        ids = {r.request_id: r for r in held}
+        sched, rest = self.scheduler, []
+        nulls = [sched.kv.null_block(g) for g in range(len(sched.kv.allocs))]
+        for o in outputs:
+            req = ids.pop(o.request_id, None)
+            if req is None:
+                rest.append(o)
+                continue
+            try:
+                self.connector.post(req, req.kv_target, sched.kv.tables(req), nulls, req.state_slot, sched.block_size,
+                                    o)
+            except (TransferError, ValueError) as e:
+                sched.free_held(req)
+                self.kv_send_failures += 1
+                log.warning("request %s: its KV could not be sent: %s", req.request_id, e)
+                rest.append(EngineCoreOutput(req.request_id, [], True, "abort", f"KV transfer failed: {e}"))
+        for req in ids.values():  # finished without an output of this step (not expected): give back
+            sched.free_held(req)
+        return rest
+
+    def poll_kv(self) -> list[EngineCoreOutput]:
+        """Prefill side: the outputs of requests whose KV write ended (blocks given back)."""
+        if self.connector is None or not self.connector.sending:
+            return []
+        outs = []
+        for send, state in self.connector.poll():
+            self.scheduler.free_held(send.req)
+            if state == "DONE":
+                self.kv_sent_requests += 1
+                self.kv_sent_bytes += send.nbytes
+                self.kv_send_seconds += time.monotonic() - send.t0
+                outs.append(send.output)
+            else:
+                self.kv_send_failures += 1
+                log.warning("request %s: %s", send.req.request_id, state)
+                outs.append(EngineCoreOutput(send.req.request_id, [], True, "abort", f"KV transfer failed: {state}"))
+        return outs
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         outs = []
@@ -262,6 +374,10 @@ class EngineCore:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._awaiting_grammar) or bool(self._early_outputs)
+
+    def has_transfers(self) -> bool:
+        """KV writes in flight (prefill side): the transfer engine's own thread moves them."""
+        return self.connector is not None and bool(self.connector.sending)
 
     def take_early_outputs(self) -> list[EngineCoreOutput]:
         """Outputs of requests that ended before they were scheduled (a grammar that failed to
@@ -292,7 +408,10 @@ class EngineCore:
     def schedule(self) -> SchedulerOutput:
         if self._awaiting_grammar:
             self._admit_compiled()
-        return self.scheduler.schedule()
+        out = self.scheduler.schedule()
+        if self.scheduler._kv_reserved:
+            self._report_reserved()
+        return out
 
     def step(self, lockstep: bool = False) -> list[EngineCoreOutput]:
         if self.eplb is not None and not lockstep:  # one process: its own agreement
@@ -379,6 +498,9 @@ class EngineCore:
                 r.request_id, new, fin, r.status.value if fin else None, r.stop_reason if fin else None,
                 [TokenLogprob(t, lp[0], lp[1]) for t, lp in zip(new, lps)] if lps and lps[0] else None,
                 r.num_cached_prompt_tokens))
+        held = self.scheduler.take_kv_outbox()
+        if held:
+            outputs = self._send_kv(held, outputs)
         if self.runner.drafter is not None:
             self._mtp_drafts(out, result.token_ids, last_accepted)
         elif self.spec.proposer is not None:
@@ -459,7 +581,8 @@ class EngineCore:
                              if self.meter is not None else (0.0, 0.0, 0.0)),
                            self.spec.num_drafts, self.spec.num_draft_tokens, self.spec.num_accepted_tokens,
                            list(self.spec.accepted_per_pos), self.allocator.lookup_tokens,
-                           self.allocator.hit_tokens)
+                           self.allocator.hit_tokens, s.kv.in_use, self.kv_sent_requests, self.kv_sent_bytes,
+                           self.kv_send_failures, self.kv_send_seconds, s.kv_received, s.kv_fallbacks)
 
     def track_cache_events(self) -> None:
         """Keep the prefix cache's changes for take_cache_events (a data-parallel rank's reports)."""

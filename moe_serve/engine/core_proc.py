@@ -101,7 +101,8 @@ class CoreLoop:
         if self.world_size > 1:  # the front end routes by every rank's prefix cache
             c.track_cache_events()
         self.send(CoreReady(self.rank, c.max_model_len, c.vocab_size, c.runner.num_blocks, sorted(c.eos_token_ids),
-                            c.allocator.block_size, c.allocator.enable_prefix_caching))
+                            c.allocator.block_size, c.allocator.enable_prefix_caching,
+                            c.cfg.disaggregation_mode, c.connector.layout if c.connector is not None else None))
 
     def _receive(self, timeout_ms: int) -> tuple[list, bool]:
         """Apply every input waiting (waiting up to timeout_ms for the first); returns outputs of
@@ -125,6 +126,8 @@ class CoreLoop:
                 if rejected is not None:
                     outs.append(rejected)
             outs += self.core.abort_requests(msg.aborts)
+            if msg.kv_done:
+                self.core.kv_done(msg.kv_done)
             for call in msg.calls:
                 self._call(call)
             shutdown = shutdown or msg.shutdown
@@ -151,7 +154,9 @@ class CoreLoop:
         while True:
             self.turns += 1
             self.on_turn(self.turns)
-            outs, shutdown = self._receive(0 if core.has_unfinished() or any_work else _IDLE_POLL_MS)
+            busy = core.has_unfinished() or any_work
+            outs, shutdown = self._receive(0 if busy else (1 if core.has_transfers() else _IDLE_POLL_MS))
+            outs += core.poll_kv()  # disaggregated prefill: KV writes that ended
             sched = core.schedule() if core.has_unfinished() else None
             outs += core.take_early_outputs()
             ntok = sched.num_batched_tokens if sched is not None else 0

@@ -363,14 +363,20 @@ def size_kv_cache(attn_layers: list, cfg: EngineConfig, weight_bytes: int,
                        profile.graph_estimate_bytes if profile is not None else 0)
 
 
-def init_kv_cache(attn_layers: list, cfg: EngineConfig, kv: KVCacheSize) -> None:
+def init_kv_cache(attn_layers: list, cfg: EngineConfig, kv: KVCacheSize) -> tuple[list[list[torch.Tensor]], list]:
     """Allocate every group's cache (its blocks plus the scratch block; the state pool's slots plus
     a scratch slot), bind it to the group's layers, and log what each group keeps. Once sized;
-    before the decode graphs are captured, which read the bound cache."""
+    before the decode graphs are captured, which read the bound cache. Returns the tensors bound,
+    per block group and the state pool's, in layer order (what a KV transfer registers)."""
     bs = cfg.cache.block_size
+    bound: list[list[torch.Tensor]] = []
+    state_bound: list[torch.Tensor] = []
     for g, group in enumerate(kv.groups):
+        bound.append([])
         for layer in group.layers:
-            layer.bind(_cache_tensors(layer, group.num_blocks + 1, cfg))
+            tensors = _cache_tensors(layer, group.num_blocks + 1, cfg)
+            layer.bind(tensors)
+            bound[-1] += tensors
         per_seq = "" if group.kind == FULL else \
             f", at most {_window_blocks(group.kind, cfg) * group.block_bytes / 2**20:.2f} MiB per request between steps"
         log.info("KV cache group %d (%s, %d layers): %d blocks x %d tokens, %.1f MiB (%d bytes per token%s)", g,
@@ -378,7 +384,9 @@ def init_kv_cache(attn_layers: list, cfg: EngineConfig, kv: KVCacheSize) -> None
                  group.block_bytes // bs, per_seq)
     if kv.state is not None:
         for layer in kv.state.layers:
-            layer.bind(_cache_tensors(layer, kv.state.num_blocks + 1, cfg))
+            tensors = _cache_tensors(layer, kv.state.num_blocks + 1, cfg)
+            layer.bind(tensors)
+            state_bound += tensors
         log.info("state cache (%d linear-attention layers): %d slots of %.2f MiB per request (a live slot per "
                  "running request%s), %.1f MiB", len(kv.state.layers), kv.state.num_blocks,
                  kv.state.block_bytes / 2**20,
@@ -386,3 +394,4 @@ def init_kv_cache(attn_layers: list, cfg: EngineConfig, kv: KVCacheSize) -> None
                  kv.state.bytes / 2**20)
     log.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%d bytes per token)",
              kv.num_blocks, bs, kv.num_blocks * bs, kv.kv_cache_bytes / 2**20, kv.block_bytes // bs)
+    return bound, state_bound

@@ -1,0 +1,171 @@
+"""Prefill/decode disaggregation between two real engines in one process, over NIXL: a decode
+engine reserves a prompt's blocks, a prefill engine computes the prompt and writes its cache into
+them, the decode engine computes the last prompt token and decodes. Greedy tokens equal
+transformers' generate (or, where the oracle needs the model's own settings, the colocated
+engine, itself checked against transformers in the model's tests), for every cache kind: full
+GQA, MLA latent, DSA latent + indexer keys, sliding windows, linear-attention states. Blocks the
+decode side has cached are not sent again; every block and slot comes back on both sides."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from moe_serve import LLM, SamplingParams
+from moe_serve.protocol import KVDone, KVParams, NewRequest
+from tests.models.test_hf_parity import hf_greedy, make_prompts
+
+MAX_NEW = 6
+ARGS = dict(dtype="float32", block_size=4, num_kv_blocks=160, max_num_batched_tokens=24, max_num_seqs=8,
+            show_progress=False)
+
+
+def pair(path: str, **kw):
+    return (LLM(path, disaggregation_mode="prefill", **ARGS, **kw).engine,
+            LLM(path, disaggregation_mode="decode", **ARGS, **kw).engine)
+
+
+def run_prefill(P, requests: list[NewRequest]) -> dict[str, object]:
+    """Step the prefill engine until every request's write ended: {request id: its last output}."""
+    for r in requests:
+        assert P.add_request(r) is None
+    ended = {}
+    for _ in range(5000):
+        if not P.has_unfinished() and not P.has_transfers():
+            break
+        if not P.has_unfinished():
+            time.sleep(0.001)  # only writes in flight: NIXL's progress thread moves them
+        for o in P.step() + P.poll_kv():
+            if o.finished:
+                ended[o.request_id] = o
+    assert set(ended) == {r.request_id for r in requests}
+    return ended
+
+
+def disagg_generate(P, D, prompts: list[list[int]], max_new: int = MAX_NEW, fail: set[int] = frozenset()):
+    """Greedy tokens of each prompt through the pair; the prompts in `fail` get a failed transfer
+    (the decode engine computes them itself)."""
+    params = SamplingParams(temperature=0, max_tokens=max_new)
+    for i, p in enumerate(prompts):
+        assert D.add_request(NewRequest(f"r{i}", p, params, KVParams("decode"))) is None
+    tokens = {f"r{i}": [] for i in range(len(prompts))}
+    done, sent = set(), 0
+    for _ in range(2000):
+        if len(done) == len(prompts):
+            break
+        outs = D.step()
+        targets = [o for o in outs if o.kv_target is not None]
+        for o in outs:
+            if o.kv_target is None:
+                tokens[o.request_id] += o.new_token_ids
+                if o.finished:
+                    done.add(o.request_id)
+        ok = [o for o in targets if int(o.request_id[1:]) not in fail]
+        if ok:
+            ended = run_prefill(P, [NewRequest(o.request_id, prompts[int(o.request_id[1:])][:o.kv_target.end],
+                                               SamplingParams(temperature=0, max_tokens=1),
+                                               KVParams("prefill", o.kv_target)) for o in ok])
+            assert all(e.finish_reason != "abort" for e in ended.values()), ended
+            sent += len(ok)
+        D.kv_done([KVDone(o.request_id, int(o.request_id[1:]) not in fail, "test") for o in targets])
+    assert len(done) == len(prompts)
+    return [tokens[f"r{i}"] for i in range(len(prompts))], sent
+
+
+def hf(path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def check_returned(*engines) -> None:
+    for e in engines:
+        assert e.scheduler.kv.in_use == 0
+        e.scheduler.kv.check_invariants()
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])
+def test_gqa_and_mla_match_transformers(checkpoints, arch):
+    path = checkpoints[arch]
+    P, D = pair(path)
+    prompts = make_prompts(500)
+    got, sent = disagg_generate(P, D, prompts)
+    model = hf(path)
+    for p, g in zip(prompts, got):
+        assert g == hf_greedy(model, p, MAX_NEW), p
+    assert sent == len(prompts) - 1  # a one-token prompt has nothing to move
+    assert D.stats().kv_received_requests == sent and P.stats().kv_sent_requests == sent
+    check_returned(P, D)
+
+
+def test_decode_side_prefix_hits_are_not_sent_again(checkpoints):
+    P, D = pair(checkpoints["mixtral"])
+    prompts = make_prompts(501)
+    shared = [p for p in prompts if len(p) >= 40]
+    first, _ = disagg_generate(P, D, shared[:1])
+    bytes_first = P.stats().kv_sent_bytes
+    again, _ = disagg_generate(P, D, shared[:1])  # every full block but the last partial one is cached on D
+    assert again == first
+    assert 0 < P.stats().kv_sent_bytes - bytes_first < bytes_first / 4
+    check_returned(P, D)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "gpt_oss", "deepseek_v32"])
+def test_state_sliding_and_dsa_caches_move(extra_checkpoints, arch):
+    path = extra_checkpoints[arch]
+    P, D = pair(path)
+    prompts = make_prompts(502)
+    got, sent = disagg_generate(P, D, prompts)
+    want = LLM(path, **ARGS).generate([{"prompt_token_ids": p} for p in prompts],
+                                      SamplingParams(temperature=0, max_tokens=MAX_NEW))
+    assert got == [o.outputs[0].token_ids for o in want]
+    assert sent == len(prompts) - 1
+    check_returned(P, D)
+    if arch == "qwen3_next":  # and the colocated engine is transformers' greedy here
+        model = hf(path)
+        for p, g in zip(prompts[:4], got):
+            assert g == hf_greedy(model, p, MAX_NEW)
+
+
+def test_failed_transfer_is_computed_on_the_decode_side(checkpoints):
+    path = checkpoints["mixtral"]
+    P, D = pair(path)
+    prompts = make_prompts(503)[3:8]
+    got, sent = disagg_generate(P, D, prompts, fail={1, 3})
+    model = hf(path)
+    for p, g in zip(prompts, got):
+        assert g == hf_greedy(model, p, MAX_NEW)
+    assert sent == 3 and D.stats().kv_fallbacks == 2
+    check_returned(P, D)
+
+
+def test_aborted_decode_request_holds_its_blocks_until_the_writer_is_done(checkpoints):
+    """An abort while the prompt's cache is on its way keeps the blocks (the writer may still be
+    writing) until the transfer is known to be over; then everything is back."""
+    P, D = pair(checkpoints["mixtral"])
+    prompt = make_prompts(504)[-1]
+    D.add_request(NewRequest("a", prompt, SamplingParams(temperature=0, max_tokens=4), KVParams("decode")))
+    (o,) = [o for o in D.step() if o.kv_target is not None]
+    assert D.abort_requests(["a"])[0].finish_reason == "abort"
+    assert D.scheduler.kv.in_use > 0
+    run_prefill(P, [NewRequest("a", prompt[:o.kv_target.end], SamplingParams(temperature=0, max_tokens=1),
+                               KVParams("prefill", o.kv_target))])
+    D.kv_done([KVDone("a", True)])
+    check_returned(P, D)
+
+
+def test_mismatched_instances_and_roles_are_refused(checkpoints):
+    P, D = pair(checkpoints["mixtral"])
+    _, D2 = pair(checkpoints["qwen3_moe"])
+    p = make_prompts(505)[-1]
+    D2.add_request(NewRequest("x", p, SamplingParams(max_tokens=2), KVParams("decode")))
+    (o,) = [o for o in D2.step() if o.kv_target is not None]
+    refused = P.add_request(NewRequest("x", p[:o.kv_target.end], SamplingParams(max_tokens=1),
+                                       KVParams("prefill", o.kv_target)))
+    assert refused.finish_reason == "abort" and "layout" in refused.stop_reason
+    wrong = D.add_request(NewRequest("y", p, SamplingParams(max_tokens=2), KVParams("prefill", o.kv_target)))
+    assert "--disaggregation-mode decode" in wrong.stop_reason
+    plain = LLM(checkpoints["mixtral"], **ARGS).engine
+    assert "--disaggregation-mode none" in plain.add_request(
+        NewRequest("z", p, SamplingParams(max_tokens=2), KVParams("decode"))).stop_reason
