@@ -42,6 +42,9 @@ class EngineMetrics:
         self.eplb_transfer = Histogram("moe_serve:eplb_transfer_seconds",
                                        "Expert rebalancing: seconds from tuning to the last layer's switch.",
                                        _LAT + [160.0, 320.0])
+        self.kv_fetch = Histogram("moe_serve:kv_transfer_wait_seconds",
+                                  "Disaggregated decode: seconds from a prompt's blocks being reserved to the prefill "
+                                  "instance's answer (its KV written, or a failure).", _LAT)
         self.snapshot = None
         self._rebalances_seen = 0
 
@@ -89,6 +92,9 @@ class EngineMetrics:
              "(0 = no window closed yet).", "decode_sol_fraction"),
             ("moe_serve:memory_bandwidth_bytes_per_second", "The memory bandwidth the speed of light assumes.",
              "memory_bandwidth"),
+            ("moe_serve:kv_blocks_in_use", "KV blocks and state slots held by requests, every cache group "
+             "(0 when nothing runs: what a finished, aborted or failed request held has come back).",
+             "kv_blocks_in_use"),
         ]
         for name, h, attr in per_rank:
             lines += [f"# HELP {name} {h}", f"# TYPE {name} gauge"]
@@ -98,6 +104,18 @@ class EngineMetrics:
             ("moe_serve:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache (each prompt once).",
              "prefix_cache_queries"),
             ("moe_serve:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
+            ("moe_serve:kv_transfer_sent_requests_total", "Disaggregated prefill: requests whose KV was written to a "
+             "decode instance.", "kv_sent_requests"),
+            ("moe_serve:kv_transfer_sent_bytes_total", "Disaggregated prefill: KV bytes written to decode instances.",
+             "kv_sent_bytes"),
+            ("moe_serve:kv_transfer_send_failures_total", "Disaggregated prefill: KV writes that failed or timed out.",
+             "kv_send_failures"),
+            ("moe_serve:kv_transfer_send_seconds_total", "Disaggregated prefill: seconds from posting KV writes to "
+             "their completion, summed.", "kv_send_seconds"),
+            ("moe_serve:kv_transfer_received_requests_total", "Disaggregated decode: requests whose prompt KV arrived.",
+             "kv_received_requests"),
+            ("moe_serve:kv_transfer_fallbacks_total", "Disaggregated decode: requests whose prompt was computed here "
+             "because the prefill instance failed.", "kv_fallbacks"),
         ]
         for name, h, attr in per_rank_counters:
             lines += [f"# HELP {name} {h}", f"# TYPE {name} counter"]
@@ -107,6 +125,6 @@ class EngineMetrics:
         lines += [f"# HELP {name} Speculative decoding: draft tokens accepted at each draft position.",
                   f"# TYPE {name} counter"]
         lines += [f'{name}{{model_name="{model}",position="{j}"}} {v}' for j, v in enumerate(s.spec_accepted_per_pos)]
-        for hist in (self.ttft, self.tpot, self.e2e, self.eplb_transfer):
+        for hist in (self.ttft, self.tpot, self.e2e, self.eplb_transfer, self.kv_fetch):
             lines += hist.render(model)
         return "\n".join(lines) + "\n"

@@ -27,8 +27,8 @@ from moe_serve.engine.output_processor import OutputProcessor
 from moe_serve.engine.routing import Router
 from moe_serve.limits import check_request
 from moe_serve.metrics import EngineMetrics
-from moe_serve.protocol import (CoreFatal, CoreInput, CoreOutputs, CoreReady, EngineOutput, EngineStats, NewRequest,
-                                UtilityCall, UtilityResult)
+from moe_serve.protocol import (CoreFatal, CoreInput, CoreOutputs, CoreReady, EngineOutput, EngineStats, KVDone,
+                                KVParams, NewRequest, UtilityCall, UtilityResult)
 from moe_serve.sampling_params import SamplingParams, child_params
 
 log = logging.getLogger("moe_serve.async_engine")
@@ -42,7 +42,7 @@ class AsyncEngine:
     def __init__(self, client: CoreClient, ready: list[CoreReady], tokenizer, model_name: str,
                  max_waiting_requests: int = 1024, log_interval_s: float = 10.0,
                  check_alive: Callable[[], str | None] = lambda: None, load_balance_method: str = "cache_aware",
-                 load_margin: int = 4096, cache_threshold: float = 0.5):
+                 load_margin: int = 4096, cache_threshold: float = 0.5, kv_timeout_s: float = 60.0):
         self.client = client
         self.world_size = client.world_size
         self.tokenizer = tokenizer
@@ -77,6 +77,12 @@ class AsyncEngine:
         self.stopping: str | None = None  # set by end_all: why every open request was ended
         self.on_fatal = lambda: None  # called (from the receiver thread) if a core dies
         self._cores_done = [False] * self.world_size
+        # Disaggregation (moe_serve/disagg): this instance's side, and on the decode side the
+        # prefill instance each request's prompt goes to, until its KV has arrived.
+        self.disaggregation_mode = ready[0].disaggregation_mode
+        self.kv_timeout_s = kv_timeout_s
+        self._kv_prefill: dict[str, tuple[str, dict, list[int]]] = {}
+        self._http = None  # httpx.AsyncClient for the prefill instances, made in the event loop
         self._sender = threading.Thread(target=self._send_loop, name="core-sender", daemon=True)
         self._receiver = threading.Thread(target=self._recv_loop, name="core-receiver", daemon=True)
         self._sender.start()
@@ -89,9 +95,12 @@ class AsyncEngine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         return check_request(prompt_token_ids, params, self.max_model_len, self.vocab_size)
 
-    def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> "RequestStream":
+    def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+               prefill: tuple[str, dict] | None = None, kv: KVParams | None = None) -> "RequestStream":
         """Queue the n samples of every prompt at once; returns the stream of their outputs.
-        Raises ValueError for a bad request and QueueFullError when the waiting queue is full."""
+        Raises ValueError for a bad request and QueueFullError when the waiting queue is full.
+        prefill: (URL, headers) of the prefill instance that computes the prompts (a decode
+        instance); kv: the request's part of a disaggregated request as it is (a prefill instance)."""
         if self.dead:
             raise RuntimeError(f"the engine has stopped: {self.dead}")
         for ids in prompts:
@@ -116,7 +125,10 @@ class AsyncEngine:
                     if self.world_size > 1:
                         log.info("request %s -> rank %d (%d prompt tokens cached there)", cid, rank,
                                  hit * self.router.block_size)
-                    self._inbox.put((rank, NewRequest(cid, list(ids), cp)))
+                    if prefill is not None:
+                        self._kv_prefill[cid] = (*prefill, list(ids))
+                        kv = KVParams("decode")
+                    self._inbox.put((rank, NewRequest(cid, list(ids), cp, kv)))
         return stream
 
     async def call(self, method: str) -> bytes:
@@ -131,6 +143,7 @@ class AsyncEngine:
 
     def _abort(self, child_ids) -> None:
         for cid in child_ids:
+            self._kv_prefill.pop(cid, None)
             owner = self._release(cid)
             if owner is not None:
                 self._inbox.put((owner, cid))
@@ -166,7 +179,10 @@ class AsyncEngine:
                            sum(s.spec_num_drafts for s in rs), sum(s.spec_num_draft_tokens for s in rs),
                            sum(s.spec_num_accepted_tokens for s in rs),
                            [sum(col) for col in zip(*(s.spec_accepted_per_pos for s in rs))],
-                           queries, hits)
+                           queries, hits, sum(s.kv_blocks_in_use for s in rs),
+                           sum(s.kv_sent_requests for s in rs), sum(s.kv_sent_bytes for s in rs),
+                           sum(s.kv_send_failures for s in rs), sum(s.kv_send_seconds for s in rs),
+                           sum(s.kv_received_requests for s in rs), sum(s.kv_fallbacks for s in rs))
 
     def has_work(self) -> bool:
         return bool(self._owner)
@@ -224,6 +240,8 @@ class AsyncEngine:
                     ci.aborts.append(item)
                 elif isinstance(item, UtilityCall):
                     ci.calls.append(item)
+                elif isinstance(item, KVDone):
+                    ci.kv_done.append(item)
                 elif item is None:
                     ci.shutdown = True
             for rank, ci in per_rank.items():
@@ -285,6 +303,11 @@ class AsyncEngine:
             self._shutdown_asked = True
             log.info("rank %d asked to shut down (SIGTERM); stopping the job", msg.shutdown_asked_by)
             signal.raise_signal(signal.SIGTERM)  # the server drains, then shutdown() stops every core
+        if any(o.kv_target is not None for o in msg.outputs):
+            for o in msg.outputs:
+                if o.kv_target is not None:
+                    self._fetch_kv(msg.rank, o)
+            msg.outputs = [o for o in msg.outputs if o.kv_target is None]
         outs, stopped = self.processor.process(msg.outputs)
         for cid in stopped:  # stop strings: the core frees their blocks
             owner = self._release(cid)
@@ -297,6 +320,7 @@ class AsyncEngine:
                 own = self._owner.get(o.request_id)
                 if own is not None:
                     if o.finished:
+                        self._kv_prefill.pop(o.request_id, None)
                         self._owner.pop(o.request_id)
                         self._rank_load[own[0]] -= own[1]
                         self.router.release(o.request_id)
@@ -311,6 +335,54 @@ class AsyncEngine:
             if all(self._cores_done):
                 self._closed.set()
         return ntok
+
+    # --- disaggregation: the decode side asks a prefill instance for a prompt's KV ----------------
+    def _fetch_kv(self, rank: int, o) -> None:
+        """A rank reserved blocks for a request's prompt: have the prefill instance fill them (in
+        the request's event loop). Whatever happens, the rank hears back (KVDone), so blocks held
+        for an aborted request are given back once no writer can be using them."""
+        with self._lock:
+            dest = self._queues.get(o.request_id)
+            pre = self._kv_prefill.pop(o.request_id, None)
+        if dest is None or pre is None:  # aborted before the reservation was known: nobody writes
+            self._inbox.put((rank, KVDone(o.request_id, False, "the request was aborted")))
+            return
+        asyncio.run_coroutine_threadsafe(self._prefill(rank, o.request_id, o.kv_target, *pre), dest[0])
+
+    async def _prefill(self, rank: int, cid: str, target, url: str, headers: dict, ids: list[int]) -> None:
+        import httpx
+        import msgspec
+
+        from moe_serve.disagg.messages import PrefillRequest, PrefillResponse
+
+        if self._http is None:
+            self._http = httpx.AsyncClient(timeout=httpx.Timeout(self.kv_timeout_s, connect=5.0))
+        # The prefill side gives up a little before this side does, so that no write lands in
+        # blocks this side has already given back.
+        budget = max(self.kv_timeout_s * 0.8, self.kv_timeout_s - 5.0)
+        body = msgspec.json.encode(PrefillRequest(cid, ids[:target.end], target, budget))
+        t0 = time.monotonic()
+        ok, error = False, ""
+        try:
+            r = await asyncio.wait_for(self._http.post(url + "/v1/disagg/prefill", content=body, headers={
+                **headers, "content-type": "application/json"}), self.kv_timeout_s)
+            if r.status_code == 200:
+                msgspec.json.decode(r.content, type=PrefillResponse)
+                ok = True
+            else:
+                error = f"the prefill instance {url} answered {r.status_code}: {r.text[:300]}"
+        except asyncio.TimeoutError:
+            error = f"the prefill instance {url} did not answer within {self.kv_timeout_s:g}s"
+        except (httpx.HTTPError, msgspec.DecodeError, msgspec.ValidationError) as e:
+            error = f"the prefill instance {url} failed: {type(e).__name__}: {e}"
+        seconds = time.monotonic() - t0
+        self.metrics.kv_fetch.observe(seconds)
+        if ok:
+            log.info("request %s: %d prompt tokens' KV arrived from %s in %.3fs", cid,
+                     target.end - target.start, url, seconds)
+        else:
+            log.warning("request %s: %s; computing its prompt here", cid, error)
+        self._inbox.put((rank, KVDone(cid, ok, error)))
 
     def _on_result(self, msg: UtilityResult) -> None:
         with self._lock:

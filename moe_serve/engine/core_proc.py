@@ -77,6 +77,7 @@ class CoreLoop:
         self.turns = 0
         self._pending_load: str | None = None  # "load_start" | "load_stop" asked on this rank
         self._peer_checked = time.monotonic()
+        self._changed = False  # state changed without an output (the next turn reports stats)
 
     def send(self, msg) -> None:
         """Blocks while the front end is behind (its queue full), but not past its death: a core
@@ -128,6 +129,7 @@ class CoreLoop:
             outs += self.core.abort_requests(msg.aborts)
             if msg.kv_done:
                 self.core.kv_done(msg.kv_done)
+                self._changed = True  # blocks given back: the front end's figures should say so
             for call in msg.calls:
                 self._call(call)
             shutdown = shutdown or msg.shutdown
@@ -197,7 +199,8 @@ class CoreLoop:
             closed = not any_work and meter is not None and meter.window.steps > 0 and \
                 meter.close_window() is not None
             events = core.take_cache_events()
-            if outs or any_work or wish or shutdown or closed or events or self.turns == 1:
+            if outs or any_work or wish or shutdown or closed or events or self.turns == 1 or self._changed:
+                self._changed = False
                 self._reported_shutdown_wish |= wish
                 self.send(CoreOutputs(self.rank, outs, core.stats(), self.shutdown_asked_by, bool(shutdown), events))
             if shutdown:

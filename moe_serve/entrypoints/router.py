@@ -15,6 +15,14 @@ worker instance, chosen by `--policy`:
 - `least_load`: the worker with the fewest requests in flight;
 - `round_robin`: each worker in turn.
 
+Disaggregated (`--prefill URL... --decode URL...`): the decode instances are the workers above
+(a request goes whole to one of them, chosen by the policy: its prefix cache saves KV moves); each
+request also gets a prefill instance, chosen by the same policy among the prefill instances, named
+in the body as `kv_transfer_params.prefill_url`. The decode instance reserves the prompt's blocks,
+has that prefill instance compute the prompt and write its KV there (moe_serve/disagg), computes
+the last prompt token itself and streams the output back through here. With no prefill instance
+up, the decode instance computes the prompt itself.
+
 Workers are health-checked every `--health-check-interval` seconds and skipped while down; a
 request whose worker refuses the connection is sent to another, and the client only sees an error
 (503, naming the workers tried) when none takes it. A worker that fails mid-stream ends the
@@ -77,8 +85,9 @@ def chunk_hashes(text: str) -> list[bytes]:
 
 
 class Worker:
-    def __init__(self, url: str, cache_entries: int):
+    def __init__(self, url: str, cache_entries: int, role: str = "worker"):
         self.url = url.rstrip("/")
+        self.role = role  # worker | prefill | decode
         self.in_flight = 0
         self.healthy = True
         self.requests = 0
@@ -104,9 +113,9 @@ class Worker:
 
 class WorkerPool:
     def __init__(self, urls: list[str], policy: str = "cache_aware", load_margin: int = 8,
-                 cache_entries: int = 1 << 18, threshold: float = 0.5):
+                 cache_entries: int = 1 << 18, threshold: float = 0.5, role: str = "worker"):
         if not urls:
-            raise ValueError("--worker: give at least one worker URL")
+            raise ValueError(f"--{role}: give at least one URL")
         if policy not in POLICIES:
             raise ValueError(f"--policy={policy} is not one of {', '.join(POLICIES)}")
         if load_margin < 0:
@@ -117,8 +126,8 @@ class WorkerPool:
             raise ValueError(f"--cache-entries={cache_entries} must be >= 1")
         for u in urls:
             if not u.startswith(("http://", "https://")):
-                raise ValueError(f"--worker {u!r} is not an http:// or https:// URL")
-        self.workers = [Worker(u, cache_entries) for u in urls]
+                raise ValueError(f"--{role} {u!r} is not an http:// or https:// URL")
+        self.workers = [Worker(u, cache_entries, role) for u in urls]
         self.policy, self.load_margin, self.threshold = policy, load_margin, threshold
         self._turn = itertools.count()
         self.routed_by_prefix = 0
@@ -163,7 +172,8 @@ class WorkerPool:
 
 
 def build_router_app(pool: WorkerPool, api_key: str | None = None, max_body_bytes: int = 64 << 20,
-                     body_timeout_s: float = 60.0, request_timeout_s: float | None = None):
+                     body_timeout_s: float = 60.0, request_timeout_s: float | None = None,
+                     prefill_pool: WorkerPool | None = None):
     import httpx
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -179,12 +189,15 @@ def build_router_app(pool: WorkerPool, api_key: str | None = None, max_body_byte
         client = httpx.AsyncClient(timeout=httpx.Timeout(request_timeout_s, connect=5.0),
                                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
         state["client"] = client
-        state["health"] = asyncio.create_task(pool.check_health(client, state["interval"]))
+        state["health"] = [asyncio.create_task(p.check_health(client, state["interval"])) for p in pools]
         yield
-        state["health"].cancel()
+        for t in state["health"]:
+            t.cancel()
         await client.aclose()
 
     state["interval"] = 5.0
+    pools = [pool] + ([prefill_pool] if prefill_pool is not None else [])
+    everyone = [w for p in pools for w in p.workers]
     app = FastAPI(title="moe-serve router", lifespan=lifespan)
     app.state.router_state = state
 
@@ -220,8 +233,8 @@ def build_router_app(pool: WorkerPool, api_key: str | None = None, max_body_byte
 
     @app.get("/workers")
     async def workers():
-        return JSONResponse([{"url": w.url, "healthy": w.healthy, "in_flight": w.in_flight, "requests": w.requests,
-                              "failures": w.failures} for w in pool.workers])
+        return JSONResponse([{"url": w.url, "role": w.role, "healthy": w.healthy, "in_flight": w.in_flight,
+                              "requests": w.requests, "failures": w.failures} for w in everyone])
 
     @app.get("/metrics")
     async def metrics():
@@ -230,13 +243,13 @@ def build_router_app(pool: WorkerPool, api_key: str | None = None, max_body_byte
                               ("moe_serve_router:worker_failures_total", "Requests a worker failed (connection "
                                "refused, or it broke off mid-response).", "failures")):
             lines += [f"# HELP {name} {h}", f"# TYPE {name} counter"]
-            lines += [f'{name}{{worker="{w.url}"}} {getattr(w, attr)}' for w in pool.workers]
+            lines += [f'{name}{{worker="{w.url}",role="{w.role}"}} {getattr(w, attr)}' for w in everyone]
         for name, h, fn in (("moe_serve_router:requests_in_flight", "Requests in flight at each worker.",
                              lambda w: w.in_flight),
                             ("moe_serve_router:worker_up", "1 while the worker answers its health check.",
                              lambda w: int(w.healthy))):
             lines += [f"# HELP {name} {h}", f"# TYPE {name} gauge"]
-            lines += [f'{name}{{worker="{w.url}"}} {fn(w)}' for w in pool.workers]
+            lines += [f'{name}{{worker="{w.url}",role="{w.role}"}} {fn(w)}' for w in everyone]
         name = "moe_serve_router:requests_routed_by_prefix_total"
         lines += [f"# HELP {name} Requests sent to a worker for the prefix it has seen rather than the least busy.",
                   f"# TYPE {name} counter", f"{name} {pool.routed_by_prefix}"]
@@ -268,6 +281,18 @@ def build_router_app(pool: WorkerPool, api_key: str | None = None, max_body_byte
         if not isinstance(parsed, dict):
             return errors(400, "the request body must be a JSON object")
         hashes = chunk_hashes(request_key(path, parsed)) if pool.policy == "cache_aware" else []
+        pre = None
+        if prefill_pool is not None:
+            if "kv_transfer_params" in parsed:
+                return errors(400, "kv_transfer_params is set by this router (disaggregated mode): leave it out",
+                              None, "kv_transfer_params")
+            j = prefill_pool.pick(hashes, {k for k, p in enumerate(prefill_pool.workers) if not p.healthy})
+            if j is None:
+                log.warning("no prefill instance is up: the decode instance computes the prompt itself")
+            else:
+                pre = prefill_pool.workers[j]
+                parsed["kv_transfer_params"] = {"prefill_url": pre.url}
+                body = json.dumps(parsed).encode()
         client, tried, reasons = state["client"], set(), []
         prev = parsed.get("previous_response_id") if path == "/v1/responses" else None
         if isinstance(prev, str) and prev in pool.response_owner:  # only that worker holds it
@@ -308,7 +333,11 @@ def build_router_app(pool: WorkerPool, api_key: str | None = None, max_body_byte
             break
         w.requests += 1
         w.remember(hashes)
-        log.info("%s -> %s (%d)", path, w.url, resp.status_code)
+        if pre is not None:
+            pre.requests += 1
+            pre.in_flight += 1
+            pre.remember(hashes)
+        log.info("%s -> %s%s (%d)", path, f"{pre.url} + " if pre is not None else "", w.url, resp.status_code)
         media = resp.headers.get("content-type", "application/json")
 
         head = bytearray() if path == "/v1/responses" else None
@@ -339,6 +368,8 @@ def build_router_app(pool: WorkerPool, api_key: str | None = None, max_body_byte
                         yield f"data: {json.dumps(msg)}\n\ndata: [DONE]\n\n".encode()
             finally:
                 w.in_flight -= 1
+                if pre is not None:
+                    pre.in_flight -= 1
                 await resp.aclose()
 
         return StreamingResponse(relay(), status_code=resp.status_code, media_type=media)
@@ -368,7 +399,11 @@ def _headers(request) -> dict:
 
 def add_router_parser(sub) -> None:
     p = sub.add_parser("router", help="one OpenAI-compatible endpoint in front of several moe-serve instances")
-    p.add_argument("--worker", nargs="+", required=True, metavar="URL", help="the instances' base URLs")
+    p.add_argument("--worker", nargs="+", default=None, metavar="URL", help="the instances' base URLs")
+    p.add_argument("--prefill", nargs="+", default=None, metavar="URL",
+                   help="disaggregated serving: the prefill instances (--disaggregation-mode prefill); with --decode")
+    p.add_argument("--decode", nargs="+", default=None, metavar="URL",
+                   help="disaggregated serving: the decode instances (--disaggregation-mode decode); with --prefill")
     p.add_argument("--policy", default="cache_aware", choices=POLICIES,
                    help="cache_aware (where the request's prefix was sent before, within --load-margin of the "
                         "least busy), least_load (fewest requests in flight) or round_robin")
@@ -407,12 +442,26 @@ def run_router(ns: argparse.Namespace) -> int:
         raise ValueError(f"--max-request-body-bytes={ns.max_request_body_bytes} must be >= 1")
     if ns.max_connections < 0:
         raise ValueError(f"--max-connections={ns.max_connections} must be >= 0")
-    pool = WorkerPool(ns.worker, ns.policy, ns.load_margin, ns.cache_entries, ns.cache_threshold)
-    app = build_router_app(pool, ns.api_key, ns.max_request_body_bytes, ns.http_body_timeout, ns.request_timeout)
+    if ns.worker and (ns.prefill or ns.decode):
+        raise ValueError("--worker serves colocated instances; --prefill/--decode disaggregated ones: not both")
+    if not ns.worker and not (ns.prefill and ns.decode):
+        raise ValueError("give --worker URL..., or --prefill URL... and --decode URL...")
+    prefill_pool = None
+    if ns.worker:
+        pool = WorkerPool(ns.worker, ns.policy, ns.load_margin, ns.cache_entries, ns.cache_threshold)
+    else:
+        pool = WorkerPool(ns.decode, ns.policy, ns.load_margin, ns.cache_entries, ns.cache_threshold, "decode")
+        prefill_pool = WorkerPool(ns.prefill, ns.policy, ns.load_margin, ns.cache_entries, ns.cache_threshold,
+                                  "prefill")
+    app = build_router_app(pool, ns.api_key, ns.max_request_body_bytes, ns.http_body_timeout, ns.request_timeout,
+                           prefill_pool)
     app.state.router_state["interval"] = ns.health_check_interval
     protocol = GuardedH11Protocol.configure(ns.http_header_timeout, ns.max_connections or None)
     log.info("router on http://%s:%d/v1 over %d worker(s) (%s): %s", ns.host, ns.port, len(pool.workers), ns.policy,
              ", ".join(w.url for w in pool.workers))
+    if prefill_pool is not None:
+        log.info("disaggregated: prefill on %s, decode on %s", ", ".join(w.url for w in prefill_pool.workers),
+                 ", ".join(w.url for w in pool.workers))
     t0 = time.monotonic()
     uvicorn.run(app, host=ns.host, port=ns.port, log_level="warning", access_log=False, http=protocol)
     log.info("router stopped after %.0fs", time.monotonic() - t0)

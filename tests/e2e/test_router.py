@@ -189,5 +189,5 @@ def test_dead_workers_before_and_during_a_request(workers, cache_aware):
                                                                            "max_tokens": 1})
     assert r.status_code == 503
     assert all(w.url in r.json()["error"]["message"] for w in workers)
-    assert re.search(r'moe_serve_router:worker_failures_total\{worker="[^"]+"\} [1-9]',
+    assert re.search(r'moe_serve_router:worker_failures_total\{worker="[^"]+",role="worker"\} [1-9]',
                      httpx.get(cache_aware.url + "/metrics").text)

@@ -47,6 +47,7 @@ class MessagesRequest(msgspec.Struct, omit_defaults=True):
     metadata: dict | None = None  # {"user_id": ...}: accepted, no effect on the output
     cache_control: dict | None = None  # accepted: prompt prefixes are cached automatically
     service_tier: str | None = None  # "auto" / "standard_only"
+    kv_transfer_params: dict | None = None  # disaggregated serving (as on chat completions)
     # Sampling, as older clients send it (the current API has none of them).
 
 
@@ -186,7 +187,8 @@ class MessagesServing:
             tools=self._tools(req),
             tool_choice=self._tool_choice(req) if req.tools is not None or req.tool_choice else None,
             parallel_tool_calls=False if (req.tool_choice or {}).get("disable_parallel_tool_use") else None,
-            chat_template_kwargs=self._template_kwargs(req), response_format=self._response_format(req))
+            chat_template_kwargs=self._template_kwargs(req), response_format=self._response_format(req),
+            kv_transfer_params=req.kv_transfer_params)
 
     # --- the endpoints ------------------------------------------------------------------------------
     async def create(self, req: MessagesRequest, rid: str, deadline: float | None = None):

@@ -107,7 +107,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, max_model_len: int, a
               reasoning_parser: str | None = None) -> FastAPI:
     serving = OpenAIServing(engine, served_model_name, max_model_len, limits, http.request_timeout_s,
                             enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
-                            reasoning_parser=reasoning_parser)
+                            reasoning_parser=reasoning_parser, api_key=api_key)
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -253,6 +253,13 @@ def build_app(engine: AsyncEngine, served_model_name: str, max_model_len: int, a
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
         return await handle(request, A.MessagesRequest, messages.count_tokens, "count", anthropic_error_response)
+
+    # Disaggregation: a decode instance's front end asks this (prefill) instance for a prompt's KV.
+    @app.post("/v1/disagg/prefill")
+    async def disagg_prefill(request: Request):
+        from moe_serve.disagg.messages import PrefillRequest
+
+        return await handle(request, PrefillRequest, serving.prefill, "prefill")
 
     # vLLM's tokenizer endpoints (outside /v1 as in vLLM; the API key is required here too).
     @app.post("/tokenize")

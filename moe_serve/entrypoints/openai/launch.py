@@ -69,7 +69,8 @@ def run_frontend(ns: argparse.Namespace, path: str, client, check_alive) -> int:
         return 1
     name = ns.served_model_name or ns.model or os.path.basename(os.path.normpath(path))
     engine = AsyncEngine(client, ready, tokenizer, name, ns.max_waiting_requests, ns.log_interval, check_alive,
-                         ns.load_balance_method, ns.cache_aware_load_margin, ns.cache_aware_threshold)
+                         ns.load_balance_method, ns.cache_aware_load_margin, ns.cache_aware_threshold,
+                         ns.disaggregation_timeout)
     limits = PromptLimits(engine.max_model_len, tokenizer.chars_per_token, ns.block_size,
                           min(r.num_kv_blocks for r in ready))
     http = HTTPLimits(ns.max_request_body_bytes or default_max_body_bytes(engine.max_model_len, token_bytes,

@@ -63,6 +63,9 @@ class _Common(msgspec.Struct, omit_defaults=True):
     # Constrained output (entrypoints/openai/structured.py): OpenAI's response_format, vLLM's extra.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
+    # vLLM's extra for disaggregated serving: {"prefill_url": URL} on a --disaggregation-mode decode
+    # instance (set by `moe-serve router --prefill ... --decode ...`).
+    kv_transfer_params: dict | None = None
 
 
 class CompletionRequest(_Common):

@@ -52,6 +52,7 @@ class ResponsesRequest(msgspec.Struct, omit_defaults=True):
     max_tool_calls: int | None = None  # refused
     top_logprobs: int | None = None  # refused when not 0
     service_tier: str | None = None  # "auto" / "default" only
+    kv_transfer_params: dict | None = None  # disaggregated serving (as on chat completions)
 
 
 def _new_id(prefix: str) -> str:
@@ -207,7 +208,7 @@ class ResponsesServing:
             stream_options=P.StreamOptions(include_usage=True) if req.stream else None,
             tools=self._tools(req), tool_choice=self._tool_choice(req.tool_choice),
             parallel_tool_calls=req.parallel_tool_calls, response_format=self._response_format(req.text),
-            chat_template_kwargs=self._template_kwargs(req))
+            chat_template_kwargs=self._template_kwargs(req), kv_transfer_params=req.kv_transfer_params)
 
     # --- the endpoint -------------------------------------------------------------------------------
     async def create(self, req: ResponsesRequest, rid: str, deadline: float | None = None):

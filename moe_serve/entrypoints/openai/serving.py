@@ -118,7 +118,7 @@ class OpenAIServing:
                  limits: PromptLimits | None = None, request_timeout_s: float | None = None,
                  tokenizer_threads: int = 2, max_pending_tokenizations: int = 256,
                  enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
-                 reasoning_parser: str | None = None):
+                 reasoning_parser: str | None = None, api_key: str | None = None):
         self.engine = engine
         if enable_auto_tool_choice and tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME "
@@ -137,6 +137,7 @@ class OpenAIServing:
         # Without the cores' KV sizes (tests building the app by hand): no KV bound, no character bound.
         self.limits = limits or PromptLimits(max_model_len, None, 1, 1 << 62)
         self.request_timeout_s = request_timeout_s
+        self.api_key = api_key  # a decode instance sends it to its prefill instances
         # Tokenization and chat templating run here, never on the event loop: one huge prompt must
         # not stall /health or other streams. The queue in front of the pool is bounded (503).
         self._pool = _TokenizerPool(tokenizer_threads)
@@ -210,7 +211,7 @@ class OpenAIServing:
         self.check_completion_prompt(req, params.n, params.max_tokens)
         params = await with_structured_outputs(self, req, params, deadline)
         prompts = await self._until(deadline, self.off_loop(self.completion_prompts, req))
-        stream = self._submit(rid, [ids for _, ids in prompts], params)
+        stream = self._submit(rid, [ids for _, ids in prompts], params, req.kv_transfer_params)
         if req.stream:
             return self._stream_completions(req, rid, prompts, params, stream, deadline)
         k = len(prompts) * params.n
@@ -402,7 +403,7 @@ class OpenAIServing:
         ids = await self._until(deadline, self.off_loop(self.chat_prompt, req, max_tokens))
         if getattr(self.tool_parser_for(req), "needs_special_tokens", False):
             params = params.replace(skip_special_tokens=False)  # the call markers are special tokens
-        stream = self._submit(rid, [ids], params)
+        stream = self._submit(rid, [ids], params, req.kv_transfer_params)
         if req.stream:
             if items:
                 return self.chat_items(req, rid, params, stream, deadline)
@@ -595,11 +596,70 @@ class OpenAIServing:
             raise BadRequest(reason, None, 503, "server_shutting_down", "ServiceUnavailableError")
         raise BadRequest(reason, "prompt" if "prompt" in reason else _field_of(reason))
 
-    def _submit(self, rid: str, prompts: list[list[int]], params: SamplingParams):
+    def _prefill_route(self, kv_transfer_params: dict | None) -> tuple[str, dict] | None:
+        """kv_transfer_params -> (prefill instance URL, headers), checked."""
+        if kv_transfer_params is None:
+            return None
+        if self.engine.disaggregation_mode != "decode":
+            raise BadRequest("kv_transfer_params: this instance was started with --disaggregation-mode "
+                             f"{self.engine.disaggregation_mode}; only a decode instance takes a prefill_url",
+                             "kv_transfer_params")
+        extra = sorted(set(kv_transfer_params) - {"prefill_url"})
+        if extra:
+            raise BadRequest(f"kv_transfer_params: unknown key(s) {', '.join(extra)} (only prefill_url is taken)",
+                             "kv_transfer_params")
+        url = kv_transfer_params.get("prefill_url")
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise BadRequest(f"kv_transfer_params.prefill_url must be an http:// or https:// URL, got {url!r}",
+                             "kv_transfer_params")
+        headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return url.rstrip("/"), headers
+
+    async def prefill(self, req, rid: str, deadline: float | None = None):
+        """POST /v1/disagg/prefill (a prefill instance): compute a decode instance's prompt and
+        write its KV into the blocks it reserved; answer once the write is done."""
+        from moe_serve.disagg.messages import PrefillResponse
+        from moe_serve.protocol import KVParams
+
+        if self.engine.disaggregation_mode != "prefill":
+            raise BadRequest(f"this instance was started with --disaggregation-mode {self.engine.disaggregation_mode}"
+                             ": only a prefill instance computes prompts for others", None)
+        ids, t = req.prompt_token_ids, req.target
+        if not ids or len(ids) != t.end or not 0 <= t.start < t.end:
+            raise BadRequest(f"prompt_token_ids has {len(ids)} tokens; the target asks for positions {t.start} .. "
+                             f"{t.end - 1}", "prompt_token_ids")
+        if not req.timeout_s > 0:
+            raise BadRequest(f"timeout_s must be > 0, got {req.timeout_s}", "timeout_s")
+        stream = self._submit(rid, [ids], SamplingParams(max_tokens=1, temperature=0.0),
+                              kv=KVParams("prefill", t))
+
+        async def drain():
+            last = None
+            async for _, out in stream:
+                last = out
+            return last
+
+        try:
+            last = await asyncio.wait_for(drain(), min(req.timeout_s, (deadline - asyncio.get_running_loop().time())
+                                                       if deadline is not None else req.timeout_s))
+        except asyncio.TimeoutError:
+            await stream.aclose()
+            raise BadRequest(f"the prompt's KV was not written within {req.timeout_s:g}s", None, 504,
+                             "kv_transfer_timeout", "timeout_error") from None
+        finally:
+            await stream.aclose()
+        if last is None or last.finish_reason == "abort":
+            raise BadRequest(f"the prompt's KV was not written: {last.stop_reason if last else 'no output'}", None,
+                             502, "kv_transfer_failed", "ServiceUnavailableError")
+        return PrefillResponse(req.request_id, len(ids), stream.num_cached_tokens, t.end - t.start)
+
+    def _submit(self, rid: str, prompts: list[list[int]], params: SamplingParams,
+                kv_transfer_params: dict | None = None, kv=None):
         for ids in prompts:  # the KV cache and max_model_len, with a message that says which
             self.limits.check_tokens(len(ids), params.max_tokens)
+        prefill = self._prefill_route(kv_transfer_params)
         try:
-            return self.engine.submit(rid, prompts, params)
+            return self.engine.submit(rid, prompts, params, prefill, kv)
         except QueueFullError as e:
             raise BadRequest(str(e), None, 503, "server_overloaded", "ServiceUnavailableError") from None
         except RuntimeError as e:  # the engine has stopped
