@@ -10,7 +10,7 @@ from moe_serve.protocol import KVTarget
 
 class PrefillRequest(msgspec.Struct):
     request_id: str
-    prompt_token_ids: list[int]  # the prompt's first target.end tokens
+    prompt_token_ids: list[int]  # the whole prompt (the decode side computes its last token again)
     target: KVTarget
     timeout_s: float = 30.0  # the prefill side gives up (and writes nothing) after this
 

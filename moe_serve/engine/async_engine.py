@@ -360,7 +360,7 @@ class AsyncEngine:
         # The prefill side gives up a little before this side does, so that no write lands in
         # blocks this side has already given back.
         budget = max(self.kv_timeout_s * 0.8, self.kv_timeout_s - 5.0)
-        body = msgspec.json.encode(PrefillRequest(cid, ids[:target.end], target, budget))
+        body = msgspec.json.encode(PrefillRequest(cid, ids, target, budget))
         t0 = time.monotonic()
         ok, error = False, ""
         try:

@@ -288,14 +288,18 @@ class EngineCore:
         from moe_serve.disagg.connector import LayoutMismatch
 
         t = kv.target
-        if t is None or not 0 <= t.start < t.end == req.num_prompt_tokens:
-            raise ValueError("a prefill request needs a target whose end is its prompt's length")
+        if t is None or not 0 <= t.start < t.end == req.num_prompt_tokens - 1:
+            raise ValueError("a prefill request needs the whole prompt and a target that ends before its last token")
         if t.layout.signature != self.connector.layout.signature:
             raise LayoutMismatch(f"the decode instance's cache layout ({t.layout.signature}) differs from this "
                                  f"instance's ({self.connector.layout.signature}): both must serve the same model, "
                                  "dtype, block size and speculative layers")
         req.kv_target = t
         req.max_new_tokens = 1
+        # The whole prompt is computed (the MTP layer's entry of a position reads the next token), but
+        # per-sequence state must stop before the last token, which the decode side computes.
+        if self.scheduler.kv.has_state:
+            req.prompt_token_ids = req.prompt_token_ids[:t.end]
 
     def kv_done(self, done: list) -> None:
         """Decode side: prefill instances wrote (or failed to write) these requests' blocks."""
@@ -326,6 +330,10 @@ class EngineCore:
 
         ids = {r.request_id: r for r in held}
         sched, rest = self.scheduler, []
+        if self.cfg.device.type == "cuda":  # the step's kernels have written the cache before it is read
+            import torch
+
+            torch.cuda.current_stream(self.cfg.device).synchronize()
         nulls = [sched.kv.null_block(g) for g in range(len(sched.kv.allocs))]
         for o in outputs:
             req = ids.pop(o.request_id, None)
@@ -498,13 +506,13 @@ class EngineCore:
                 r.request_id, new, fin, r.status.value if fin else None, r.stop_reason if fin else None,
                 [TokenLogprob(t, lp[0], lp[1]) for t, lp in zip(new, lps)] if lps and lps[0] else None,
                 r.num_cached_prompt_tokens))
-        held = self.scheduler.take_kv_outbox()
-        if held:
-            outputs = self._send_kv(held, outputs)
         if self.runner.drafter is not None:
             self._mtp_drafts(out, result.token_ids, last_accepted)
         elif self.spec.proposer is not None:
             self.spec.propose(self.scheduler.running)
+        held = self.scheduler.take_kv_outbox()
+        if held:  # after the MTP pass, which writes its layer's cache of this step's tokens
+            outputs = self._send_kv(held, outputs)
         return outputs
 
     def _mtp_drafts(self, out: SchedulerOutput, sampled: list[int], last_accepted: dict[str, int]) -> None:

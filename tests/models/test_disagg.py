@@ -63,7 +63,7 @@ def disagg_generate(P, D, prompts: list[list[int]], max_new: int = MAX_NEW, fail
                     done.add(o.request_id)
         ok = [o for o in targets if int(o.request_id[1:]) not in fail]
         if ok:
-            ended = run_prefill(P, [NewRequest(o.request_id, prompts[int(o.request_id[1:])][:o.kv_target.end],
+            ended = run_prefill(P, [NewRequest(o.request_id, prompts[int(o.request_id[1:])],
                                                SamplingParams(temperature=0, max_tokens=1),
                                                KVParams("prefill", o.kv_target)) for o in ok])
             assert all(e.finish_reason != "abort" for e in ended.values()), ended
@@ -149,7 +149,7 @@ def test_aborted_decode_request_holds_its_blocks_until_the_writer_is_done(checkp
     (o,) = [o for o in D.step() if o.kv_target is not None]
     assert D.abort_requests(["a"])[0].finish_reason == "abort"
     assert D.scheduler.kv.in_use > 0
-    run_prefill(P, [NewRequest("a", prompt[:o.kv_target.end], SamplingParams(temperature=0, max_tokens=1),
+    run_prefill(P, [NewRequest("a", prompt, SamplingParams(temperature=0, max_tokens=1),
                                KVParams("prefill", o.kv_target))])
     D.kv_done([KVDone("a", True)])
     check_returned(P, D)
@@ -161,7 +161,7 @@ def test_mismatched_instances_and_roles_are_refused(checkpoints):
     p = make_prompts(505)[-1]
     D2.add_request(NewRequest("x", p, SamplingParams(max_tokens=2), KVParams("decode")))
     (o,) = [o for o in D2.step() if o.kv_target is not None]
-    refused = P.add_request(NewRequest("x", p[:o.kv_target.end], SamplingParams(max_tokens=1),
+    refused = P.add_request(NewRequest("x", p, SamplingParams(max_tokens=1),
                                        KVParams("prefill", o.kv_target)))
     assert refused.finish_reason == "abort" and "layout" in refused.stop_reason
     wrong = D.add_request(NewRequest("y", p, SamplingParams(max_tokens=2), KVParams("prefill", o.kv_target)))
@@ -169,3 +169,28 @@ def test_mismatched_instances_and_roles_are_refused(checkpoints):
     plain = LLM(checkpoints["mixtral"], **ARGS).engine
     assert "--disaggregation-mode none" in plain.add_request(
         NewRequest("z", p, SamplingParams(max_tokens=2), KVParams("decode"))).stop_reason
+
+
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_speculative_decoding_on_the_decode_side(extra_checkpoints, method):
+    """Greedy text unchanged, and the drafts accepted equal the colocated engine's: with MTP (both
+    sides run the layer, so its cache entries of the prompt move with the model's), the draft
+    layer's cache is what the colocated engine would have had."""
+    path = extra_checkpoints["deepseek_v3_mtp_copy"]
+    spec = {"method": method, "num_speculative_tokens": 2}
+    if method == "ngram":
+        spec |= {"prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    P = LLM(path, disaggregation_mode="prefill", **ARGS, **({"speculative_config": spec} if method == "mtp" else {}))
+    D = LLM(path, disaggregation_mode="decode", speculative_config=spec, **ARGS)
+    prompts = [p * 3 for p in make_prompts(506)[2:6]]  # repeats: n-gram drafts find matches
+    got, sent = disagg_generate(P.engine, D.engine, prompts, max_new=10)
+    colocated = LLM(path, speculative_config=spec, **ARGS)
+    want = colocated.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=10))
+    assert got == [o.outputs[0].token_ids for o in want]
+    ds, cs = D.engine.stats(), colocated.engine.stats()
+    assert ds.spec_num_draft_tokens > 0 and cs.spec_num_draft_tokens > 0
+    rate = ds.spec_num_accepted_tokens / ds.spec_num_draft_tokens
+    assert rate >= 0.8 * cs.spec_num_accepted_tokens / cs.spec_num_draft_tokens
+    if method == "mtp":  # the copy layer's drafts are mostly right
+        assert rate > 0.5
+    check_returned(P.engine, D.engine)

@@ -625,7 +625,7 @@ class OpenAIServing:
             raise BadRequest(f"this instance was started with --disaggregation-mode {self.engine.disaggregation_mode}"
                              ": only a prefill instance computes prompts for others", None)
         ids, t = req.prompt_token_ids, req.target
-        if not ids or len(ids) != t.end or not 0 <= t.start < t.end:
+        if len(ids) != t.end + 1 or not 0 <= t.start < t.end:
             raise BadRequest(f"prompt_token_ids has {len(ids)} tokens; the target asks for positions {t.start} .. "
                              f"{t.end - 1}", "prompt_token_ids")
         if not req.timeout_s > 0:
