@@ -294,6 +294,12 @@ class AsyncEngine:
             self.on_fatal()
 
     def _on_outputs(self, msg: CoreOutputs) -> int:
+        # Reservations first: a figure that shows the blocks held comes after the fetch is under way.
+        if any(o.kv_target is not None for o in msg.outputs):
+            for o in msg.outputs:
+                if o.kv_target is not None:
+                    self._fetch_kv(msg.rank, o)
+            msg.outputs = [o for o in msg.outputs if o.kv_target is None]
         self.rank_stats[msg.rank] = msg.stats
         if msg.cache_events is not None:
             with self._lock:
@@ -303,11 +309,6 @@ class AsyncEngine:
             self._shutdown_asked = True
             log.info("rank %d asked to shut down (SIGTERM); stopping the job", msg.shutdown_asked_by)
             signal.raise_signal(signal.SIGTERM)  # the server drains, then shutdown() stops every core
-        if any(o.kv_target is not None for o in msg.outputs):
-            for o in msg.outputs:
-                if o.kv_target is not None:
-                    self._fetch_kv(msg.rank, o)
-            msg.outputs = [o for o in msg.outputs if o.kv_target is None]
         outs, stopped = self.processor.process(msg.outputs)
         for cid in stopped:  # stop strings: the core frees their blocks
             owner = self._release(cid)

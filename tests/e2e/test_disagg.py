@@ -107,17 +107,6 @@ def test_fields_and_modes_are_checked(mla):
     assert sorted(w["role"] for w in workers) == ["decode", "prefill"]
 
 
-def _stream(url: str, prompt, max_tokens: int, events: list, started: threading.Event | None = None) -> None:
-    with httpx.stream("POST", url + "/v1/completions", headers=AUTH, timeout=120, json={
-            "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True}) as resp:
-        for line in resp.iter_lines():
-            if line.startswith("data: "):
-                events.append(line[6:])
-                if started is not None:
-                    started.set()
-
-
 def test_faults_end_cleanly_and_give_every_block_back(checkpoints):
     """A client that leaves while its prompt's KV is on its way; the decode instance killed
     mid-stream (a named error; the prefill instance keeps serving another decode instance); the
@@ -145,13 +134,21 @@ def test_faults_end_cleanly_and_give_every_block_back(checkpoints):
         blocks_back(p, d1, d2)
         assert p.metrics()["moe_serve:kv_transfer_sent_requests_total"] == 1
         # 2) A decode instance killed mid-stream: its client gets an error event naming it.
-        events, started = [], threading.Event()
-        t = threading.Thread(target=_stream, args=(r.url, [11, 12, 13], 400, events, started))
-        t.start()
-        assert started.wait(60)
-        victim = next(x for x in (d1, d2) if x.metrics()["moe_serve:num_requests_running"] > 0)
-        victim.proc.send_signal(signal.SIGKILL)
-        t.join(60)
+        card = httpx.get(r.url + "/v1/models", headers=AUTH).json()["data"][0]
+        events, victim = [], None
+        with httpx.stream("POST", r.url + "/v1/completions", headers=AUTH, timeout=120, json={
+                "model": MODEL, "prompt": [11, 12, 13], "max_tokens": card["max_model_len"] - 3, "temperature": 0,
+                "stream": True, "ignore_eos": True}) as resp:
+            for line in resp.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[6:])
+                if victim is None:
+                    busy = [w["url"] for w in httpx.get(r.url + "/workers").json()
+                            if w["role"] == "decode" and w["in_flight"]]
+                    victim = d1 if busy == [d1.url] else d2
+                    assert busy == [victim.url]
+                    victim.proc.send_signal(signal.SIGKILL)
         err = json.loads(events[-2])["error"]
         assert events[-1] == "[DONE]" and err["code"] == "worker_failed" and victim.url in err["message"]
         survivor = d2 if victim is d1 else d1
