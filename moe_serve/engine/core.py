@@ -40,6 +40,7 @@ from moe_serve.structured_output.grammar import GrammarManager
 from moe_serve.tokenizer import Tokenizer
 
 log = logging.getLogger("moe_serve.engine")
+SEND_WAIT_S = 0.05  # prefill side: how long a step waits for the KV writes it posted before going on
 
 
 def build_engine(cfg: EngineConfig, ep_group=None, show_progress: bool = True) -> EngineCore:
@@ -350,6 +351,13 @@ class EngineCore:
                 rest.append(EngineCoreOutput(req.request_id, [], True, "abort", f"KV transfer failed: {e}"))
         for req in ids.values():  # finished without an output of this step (not expected): give back
             sched.free_held(req)
+        # A write of a few MB takes milliseconds: wait for it (briefly) rather than leave its request's
+        # answer until after the next step, which may be a long prefill.
+        deadline = time.monotonic() + SEND_WAIT_S
+        while self.connector.sending and time.monotonic() < deadline:
+            rest += self.poll_kv()
+            if self.connector.sending:
+                time.sleep(0.0002)
         return rest
 
     def poll_kv(self) -> list[EngineCoreOutput]:
