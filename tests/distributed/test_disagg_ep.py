@@ -1,8 +1,8 @@
-"""Disaggregated serving with expert parallelism on the decode side: a prefill instance, a decode
-job of 2 ranks under torchrun (each rank's cache registered with its own NIXL agent; the front end
-asks the prefill instance to write into the blocks of whichever rank took the request), and the
-router in front. Greedy text equals the single-process engine's; both ranks received prompts' KV;
-every block on both sides comes back."""
+"""Disaggregated serving with expert parallelism on each side: a prefill job and a decode job of 2
+ranks each under torchrun (every rank's cache registered with its own NIXL agent; the decode front
+end asks the prefill job to write into the blocks of whichever rank took the request, and the
+prefill rank that computed the prompt writes them), and the router in front. Greedy text equals the
+single-process engine's; every rank on both sides moved prompts' KV; every block comes back."""
 from __future__ import annotations
 
 import asyncio
@@ -35,7 +35,8 @@ def test_two_decode_ranks_under_ep(checkpoints):
     path = checkpoints["qwen3_moe"]
     want = [o.outputs[0].text for o in LLM(path, dtype="float32", kv_cache_memory=8 << 20, show_progress=False)
             .generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=6))]
-    p = ServerProcess(["--model", path, *ARGS, "--disaggregation-mode", "prefill"])
+    p = TorchrunJob(2, ["--model", path, *ARGS, "--disaggregation-mode", "prefill", "--load-balance-method",
+                        "least_load"])
     d = TorchrunJob(2, ["--model", path, *ARGS, "--disaggregation-mode", "decode", "--load-balance-method",
                         "least_load"])
     r = None
@@ -46,11 +47,13 @@ def test_two_decode_ranks_under_ep(checkpoints):
         received = per_rank(m, "kv_transfer_received_requests_total")
         assert sorted(received) == [0, 1] and all(v > 0 for v in received.values()), received
         assert sum(received.values()) == len(PROMPTS)
-        assert p.metrics()["moe_serve:kv_transfer_sent_requests_total"] == len(PROMPTS)
-        assert set(per_rank(m, "kv_blocks_in_use").values()) == {0.0}
-        assert p.metrics()["moe_serve:kv_blocks_in_use"] == 0
+        pm = httpx.get(p.url + "/metrics").text
+        sent = per_rank(pm, "kv_transfer_sent_requests_total")
+        assert sorted(sent) == [0, 1] and all(v > 0 for v in sent.values()), sent
+        assert sum(sent.values()) == len(PROMPTS)
+        assert set(per_rank(m, "kv_blocks_in_use").values()) == set(per_rank(pm, "kv_blocks_in_use").values()) == {0}
     finally:
-        for s in (r, p):
-            if s is not None:
-                s.stop(signal.SIGKILL)
+        if r is not None:
+            r.stop(signal.SIGKILL)
+        p.kill()
         d.kill()
