@@ -56,6 +56,15 @@ class KVTransfer:
         pass
 
 
+def _route_address() -> str:
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: this only asks for the route's source
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
 def _no_rdma_here() -> bool:
     try:
         return not os.listdir("/sys/class/infiniband")
@@ -151,7 +160,10 @@ class NixlTransfer(KVTransfer):
 class MooncakeTransfer(KVTransfer):
     name = "mooncake"
 
-    def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp"):
+    def __init__(self, host: str | None = None, protocol: str = "tcp"):
+        # Peers reach this engine at the address it registers: MOE_SERVE_KV_HOST, else the address
+        # this host's default route leaves from (a single host: loopback).
+        host = host or os.environ.get("MOE_SERVE_KV_HOST") or _route_address()
         try:
             from mooncake.engine import TransferEngine
         except ImportError as e:
