@@ -88,6 +88,15 @@ def test_greedy_through_a_disaggregated_pair_equals_one_instance_and_transformer
                                         max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
     assert [ch.message.content for ch in chat.choices] == [alone.choices[0].message.content] * 2
     assert [t.token for t in chat.choices[0].logprobs.content] == [t.token for t in alone.choices[0].logprobs.content]
+    # Structured output: the decode side's grammar constrains the tokens after the moved prompt.
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    out = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "A number as JSON, please."}],
+                                    max_tokens=40, temperature=0, response_format={
+                                        "type": "json_schema", "json_schema": {"name": "n", "schema": schema}})
+    jsonschema.validate(json.loads(out.choices[0].message.content), schema)
     blocks_back(p, d)
 
 

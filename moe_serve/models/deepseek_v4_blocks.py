@@ -1,0 +1,156 @@
+"""DeepSeek-V4's layers outside attention, written for the engine's packed (T tokens) batches.
+`DeepseekV4ForCausalLM` itself is not served yet (its compressed attention caches are the missing
+part: see issue notes); these are the pieces that do not depend on the cache and are checked
+against transformers' modules (tests/models/test_deepseek_v4_blocks.py).
+
+- mHC, manifold-constrained hyper-connections: the residual is `hc_mult` streams per token,
+  (T, N, D). Before attention and before the MoE, `HyperConnection` derives from the normed, flattened
+  streams three mixes with a one-layer perceptron: `pre` (N) collapses the streams into the block's
+  input, `post` (N) spreads the block's output back over them, and `comb` (N x N) carries the
+  residual streams into the output ones, made doubly stochastic by Sinkhorn-Knopp iterations.
+  `HyperHead` collapses the streams once more before the final norm. All in float32.
+- Routing: `SqrtSoftplusRouter` scores sqrt(softplus(logits)), picks the top k of score + correction
+  bias, weighs by the renormalised scores times routed_scaling_factor; `HashRouter` (the first
+  `hash_moe` layers) takes the k experts from a fixed token-id table `tid2eid` and weighs them the
+  same way.
+- `GroupedOutputProjection`: the heads' outputs in `o_groups` groups, each projected to
+  `o_lora_rank` by its own block of `o_a_proj` (block diagonal), then mixed to hidden by `o_b_proj`.
+- `swiglu_limit`: SiLU(min(gate, limit)) * clamp(up, -limit, limit) in the shared and routed experts.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Columns, then (rows, columns) iters - 1 more times, normalised to sum to 1 (+ eps floors)."""
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return comb
+
+
+class HyperConnection(nn.Module):
+    """mHC mixes around one block: weights fn ((2 + N) N, N D), base ((2 + N) N), scale (3)."""
+
+    def __init__(self, hidden_size: int, hc_mult: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
+        super().__init__()
+        self.N, self.iters, self.hc_eps, self.norm_eps = hc_mult, sinkhorn_iters, hc_eps, norm_eps
+        n = (2 + hc_mult) * hc_mult
+        self.fn = nn.Parameter(torch.empty(n, hc_mult * hidden_size, dtype=torch.float32))
+        self.base = nn.Parameter(torch.empty(n, dtype=torch.float32))
+        self.scale = nn.Parameter(torch.empty(3, dtype=torch.float32))
+
+    def forward(self, streams_TND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(post (T, N), comb (T, N, N), the block's input (T, D) in the streams' dtype)."""
+        T, N = streams_TND.shape[0], self.N
+        flat = unweighted_rms_norm(streams_TND.reshape(T, -1).float(), self.norm_eps)
+        mixes = F.linear(flat, self.fn)
+        pre_w, post_w, comb_w = mixes.split([N, N, N * N], dim=-1)
+        pre_b, post_b, comb_b = self.base.split([N, N, N * N])
+        s_pre, s_post, s_comb = self.scale.unbind(0)
+        pre = torch.sigmoid(pre_w * s_pre + pre_b) + self.hc_eps
+        post = 2 * torch.sigmoid(post_w * s_post + post_b)
+        comb = torch.softmax(comb_w.view(T, N, N) * s_comb + comb_b.view(N, N), dim=-1) + self.hc_eps
+        comb = sinkhorn(comb, self.iters, self.hc_eps)
+        collapsed = (pre.unsqueeze(-1) * streams_TND).sum(dim=1).to(streams_TND.dtype)
+        return post, comb, collapsed
+
+    @staticmethod
+    def merge(streams_TND: torch.Tensor, out_TD: torch.Tensor, post_TN: torch.Tensor,
+              comb_TNN: torch.Tensor) -> torch.Tensor:
+        """The streams after a block: post spreads its output, comb (transposed) carries the residual."""
+        dtype = streams_TND.dtype
+        return post_TN.to(dtype).unsqueeze(-1) * out_TD.unsqueeze(-2) + \
+            torch.matmul(comb_TNN.to(dtype).transpose(-1, -2), streams_TND)
+
+
+class HyperHead(nn.Module):
+    """The last collapse of the N streams into one, before the model's final norm."""
+
+    def __init__(self, hidden_size: int, hc_mult: int, hc_eps: float, norm_eps: float):
+        super().__init__()
+        self.N, self.hc_eps, self.norm_eps = hc_mult, hc_eps, norm_eps
+        self.hc_fn = nn.Parameter(torch.empty(hc_mult, hc_mult * hidden_size, dtype=torch.float32))
+        self.hc_base = nn.Parameter(torch.empty(hc_mult, dtype=torch.float32))
+        self.hc_scale = nn.Parameter(torch.empty(1, dtype=torch.float32))
+
+    def forward(self, streams_TND: torch.Tensor) -> torch.Tensor:
+        T = streams_TND.shape[0]
+        flat = unweighted_rms_norm(streams_TND.reshape(T, -1).float(), self.norm_eps)
+        pre = torch.sigmoid(F.linear(flat, self.hc_fn) * self.hc_scale + self.hc_base) + self.hc_eps
+        return (pre.unsqueeze(-1) * streams_TND).sum(dim=1).to(streams_TND.dtype)
+
+
+def sqrt_softplus(x: torch.Tensor) -> torch.Tensor:
+    return F.softplus(x).sqrt()
+
+
+class SqrtSoftplusRouter(nn.Module):
+    """V4's learned routing: top k of sqrt(softplus(logits)) + e_score_correction_bias."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, routed_scaling_factor: float):
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok={top_k} must be in [1, n_routed_experts={num_experts}]")
+        self.num_experts, self.top_k, self.scale = num_experts, top_k, routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32))
+
+    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = sqrt_softplus(F.linear(x_TD.float(), self.weight))
+        ids = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1, sorted=False)[1]
+        w = scores.gather(1, ids)
+        return w / (w.sum(dim=-1, keepdim=True) + 1e-20) * self.scale, ids
+
+
+class HashRouter(nn.Module):
+    """V4's first MoE layers: the experts of a token are tid2eid[token id]; the learned gate only weighs them."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, vocab_size: int, routed_scaling_factor: float):
+        super().__init__()
+        self.num_experts, self.top_k, self.scale = num_experts, top_k, routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32))
+        self.register_buffer("tid2eid", torch.zeros(vocab_size, top_k, dtype=torch.long))
+
+    def forward(self, x_TD: torch.Tensor, ids_T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = sqrt_softplus(F.linear(x_TD.float(), self.weight))
+        experts = self.tid2eid[ids_T.long()]
+        if experts.numel() and not (0 <= int(experts.min()) and int(experts.max()) < self.num_experts):
+            raise ValueError("tid2eid names an expert outside [0, n_routed_experts)")
+        w = scores.gather(1, experts)
+        return w / (w.sum(dim=-1, keepdim=True) + 1e-20) * self.scale, experts
+
+
+class GroupedOutputProjection(nn.Module):
+    """o_a_proj (o_groups blocks of (o_lora_rank, heads * head_dim / o_groups), one weight as the Hub
+    stores it), then o_b_proj."""
+
+    def __init__(self, num_heads: int, head_dim: int, o_groups: int, o_lora_rank: int, hidden_size: int, dtype):
+        super().__init__()
+        if num_heads % o_groups:
+            raise ValueError(f"num_attention_heads={num_heads} is not divisible by o_groups={o_groups}")
+        self.G, self.per_group = o_groups, num_heads * head_dim // o_groups
+        self.o_a_proj = nn.Linear(self.per_group, o_groups * o_lora_rank, bias=False, dtype=dtype)
+        self.o_b_proj = nn.Linear(o_groups * o_lora_rank, hidden_size, bias=False, dtype=dtype)
+
+    def forward(self, attn_THH: torch.Tensor) -> torch.Tensor:
+        """attn: (T, heads, head_dim) -> (T, hidden)."""
+        T = attn_THH.shape[0]
+        x_GTI = attn_THH.reshape(T, self.G, self.per_group).transpose(0, 1)
+        w_GIR = self.o_a_proj.weight.view(self.G, -1, self.per_group).transpose(1, 2)
+        y = torch.bmm(x_GTI, w_GIR).transpose(0, 1).reshape(T, -1)
+        return self.o_b_proj(y)
+
+
+def limited_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up
