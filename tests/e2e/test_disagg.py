@@ -97,6 +97,16 @@ def test_greedy_through_a_disaggregated_pair_equals_one_instance_and_transformer
                                     max_tokens=40, temperature=0, response_format={
                                         "type": "json_schema", "json_schema": {"name": "n", "schema": schema}})
     jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+    # A forced tool call: the grammar makes the decode side write the call, the parser returns it.
+    params = {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"],
+              "additionalProperties": False}
+    call = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}],
+                                     max_tokens=60, temperature=0, tools=[{"type": "function", "function": {
+                                         "name": "get_weather", "parameters": params}}],
+                                     tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    (tc,) = call.choices[0].message.tool_calls
+    assert tc.function.name == "get_weather"
+    jsonschema.validate(json.loads(tc.function.arguments), params)
     blocks_back(p, d)
 
 
