@@ -149,3 +149,48 @@ class PagedDSAAttention(PagedMLAAttention):
                 raise ValueError("a DSA layer that shares the top-k of an earlier layer found none in this step "
                                  "(its model's first DSA layer must have an indexer)")
         return self.ops.sparse_mla_attention(q_latent_TNL, q_pe_TNR, self.latent_cache, meta, topk_TK, self.scale)
+
+
+class PagedRows(nn.Module):
+    """Rows a layer computes per token, kept in paged blocks of one cache kind and read back with
+    plain tensor ops (no attention backend): each of `widths` is a tensor (blocks, block_size,
+    width). DeepSeek-V4 keeps two: a sliding window of its shared K=V and of its compressors' raw
+    projections, and a full-kind cache of its compressed entries (one per finished group of m
+    tokens, in the slot of the group's last token). Being ordinary paged blocks, they are
+    prefix-cached, preempted, freed and moved between instances like any other group's.
+
+    reads: what a decode query reads of them per cached token, for the speed-of-light accounting
+    (`speed_of_light.CacheRead`), given by the owning layer."""
+
+    cache_group = 0
+
+    def __init__(self, kind: CacheKind, widths: list[int]):
+        super().__init__()
+        if not widths or min(widths) < 1:
+            raise ValueError(f"row widths {widths} must be positive")
+        self.cache_kind, self.widths = kind, list(widths)
+        self.caches: list[torch.Tensor | None] = [None] * len(widths)
+        self.reads = None
+
+    def cache_shape(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:
+        return [(num_blocks, block_size, w) for w in self.widths]
+
+    def bind(self, caches: list[torch.Tensor]) -> None:
+        self.caches = list(caches)
+
+    def write(self, rows: list[torch.Tensor], slots: torch.Tensor) -> None:
+        """rows[i] (N, widths[i]) into the slots (N,) of tensor i."""
+        for cache, r in zip(self.caches, rows):
+            cache.view(-1, cache.shape[-1]).index_copy_(0, slots, r.to(cache.dtype))
+
+    def read(self, i: int, slots: torch.Tensor) -> torch.Tensor:
+        """Tensor i's rows at slots (any shape) -> (*slots.shape, width)."""
+        cache = self.caches[i]
+        flat = cache.view(-1, cache.shape[-1])
+        return flat.index_select(0, slots.reshape(-1)).view(*slots.shape, cache.shape[-1])
+
+
+def slots_of(meta: AttentionMetadata, seq_TN: torch.Tensor, pos_TN: torch.Tensor) -> torch.Tensor:
+    """The cache slots of positions pos (any shape, >= 0) of sequences seq (same shape) in meta's group."""
+    bs = meta.block_size
+    return meta.block_tables[seq_TN, pos_TN // bs].to(torch.int64) * bs + pos_TN % bs

@@ -124,6 +124,8 @@ def cache_read_of(layer) -> CacheRead:
 
     if isinstance(layer, StateCache):
         return CacheRead("state", state_bytes=layer.slot_bytes())
+    if hasattr(layer, "reads"):  # attention/layer.py PagedRows: its owner says what a query reads
+        return layer.reads or CacheRead("full")
     if getattr(layer, "latent_cache", None) is not None:
         index = getattr(layer, "index_cache", None)
         topk = getattr(layer, "topk", None)

@@ -202,6 +202,8 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     """load_format='dummy': random weights (small normal, norms at 1) for a config alone."""
     g = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
+        if not p.is_floating_point():
+            continue  # integer tables (DeepSeek-V4's tid2eid) keep the model's own default
         if name.endswith("norm.weight") or "layernorm" in name:
             p.data.fill_(1.0)
         elif "e_score_correction_bias" in name:

@@ -646,12 +646,51 @@ def build_qwen3_5_moe_vl(path: str) -> str:
     return path
 
 
+# DeepSeek-V4: groups of 2 (CSA) and 8 (HCA) tokens and a window of 8, so 20-60 token prompts span
+# many groups and windows; the indexer keeps 4 entries. Its 8 heads make an all-zero score (every
+# head's relu(q . k) zero: an exact tie that transformers breaks by position in its own tensor,
+# which differs between a whole prompt and its chunks) rare enough for these prompts.
+V4_FIELDS = dict(hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, head_dim=32,
+                 q_lora_rank=32, num_experts_per_tok=2, n_routed_experts=8,
+                 compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 8},
+                 layer_types=["heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention",
+                              "compressed_sparse_attention"],
+                 mlp_layer_types=["hash_moe", "moe", "moe", "moe"], sliding_window=8, o_groups=2, o_lora_rank=16,
+                 index_n_heads=8, index_head_dim=16, index_topk=4, hc_mult=2, partial_rotary_factor=0.25,
+                 max_position_embeddings=1024)
+
+
+def build_deepseek_v4(path: str) -> str:
+    """Widened, with the hyper-connections' scales near 1 and a random hash table (transformers
+    initialises tid2eid to zeros: every token to expert 0)."""
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    special = _tokenizer(path)
+    cfg = DeepseekV4Config(vocab_size=VOCAB, **V4_FIELDS, eos_token_id=special["<|im_end|>"], bos_token_id=None,
+                           pad_token_id=special["<|endoftext|>"])
+    torch.manual_seed(0)
+    m = DeepseekV4ForCausalLM(cfg).eval()
+    widen_(m, 7)
+    g = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("scale"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+        for name, b in m.named_buffers():
+            if name.endswith("tid2eid"):
+                E, K = cfg.n_routed_experts, cfg.num_experts_per_tok
+                b.copy_(torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(VOCAB)]))
+    m.save_pretrained(path)
+    return path
+
+
 EXTRA_BUILDERS = {"qwen2_moe": build_qwen2_moe, "olmoe": build_olmoe, "kimi_k2": build_kimi_k2,
                   "glm4_moe": build_glm4_moe, "gpt_oss": build_gpt_oss, "gpt_oss_mxfp4": build_gpt_oss_mxfp4,
                   "minimax_m2": build_minimax_m2, "llama4": build_llama4, "llama4_mm": build_llama4_multimodal,
                   "qwen3_next": build_qwen3_next, "qwen3_5_moe": build_qwen3_5_moe,
                   "qwen3_5_moe_vl": build_qwen3_5_moe_vl, "deepseek_v32": build_deepseek_v32,
-                  "glm_moe_dsa": build_glm_moe_dsa, "deepseek_v3_mtp_copy": build_deepseek_v3_mtp_copy}
+                  "glm_moe_dsa": build_glm_moe_dsa, "deepseek_v3_mtp_copy": build_deepseek_v3_mtp_copy,
+                  "deepseek_v4": build_deepseek_v4}
 
 
 class LazyCheckpoints:

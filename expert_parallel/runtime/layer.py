@@ -239,16 +239,17 @@ class MoE(nn.Module):
             self.ctx.physical_to_logical[self.layer_index] = list(physical_to_logical_S)
         return old
 
-    def forward(self, x_TD: torch.Tensor, step: MoEStep = NO_STEP) -> torch.Tensor:
-        return run_to_end(self.stages(x_TD, step))
+    def forward(self, x_TD: torch.Tensor, step: MoEStep = NO_STEP, token_ids_T: torch.Tensor | None = None) -> torch.Tensor:
+        return run_to_end(self.stages(x_TD, step, token_ids_T))
 
-    def stages(self, x_TD: torch.Tensor, step: MoEStep = NO_STEP):
+    def stages(self, x_TD: torch.Tensor, step: MoEStep = NO_STEP, token_ids_T: torch.Tensor | None = None):
         """The layer as a generator that yields while its communication is in flight: once after
         starting dispatch, once after starting combine. Run alone (`forward`) the yields cost
         nothing; with two micro-batches (expert_parallel/runtime/overlap.py) the other micro-batch computes
-        during them. Returns y_TD."""
+        during them. Returns y_TD. token_ids_T: the tokens' ids, for a router that routes by them
+        (DeepSeek-V4's hash layers)."""
         trace, mb = self.ctx.trace, step.microbatch
-        w_TK, ids_TK = self.gate(x_TD)
+        w_TK, ids_TK = self.gate(x_TD) if token_ids_T is None else self.gate(x_TD, token_ids_T)
         if step.load_recorder is not None:
             step.load_recorder(self.layer_index, ids_TK)
         slots_TK = self.replica_map(ids_TK) if self.replica_map is not None else ids_TK

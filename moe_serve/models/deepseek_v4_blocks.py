@@ -1,7 +1,6 @@
 """DeepSeek-V4's layers outside attention, written for the engine's packed (T tokens) batches.
-`DeepseekV4ForCausalLM` itself is not served yet (its compressed attention caches are the missing
-part: see issue notes); these are the pieces that do not depend on the cache and are checked
-against transformers' modules (tests/models/test_deepseek_v4_blocks.py).
+The model (`deepseek_v4.py`) builds on them; they are checked against transformers' modules on
+their own (tests/models/test_deepseek_v4_blocks.py).
 
 - mHC, manifold-constrained hyper-connections: the residual is `hc_mult` streams per token,
   (T, N, D). Before attention and before the MoE, `HyperConnection` derives from the normed, flattened
@@ -51,7 +50,7 @@ class HyperConnection(nn.Module):
     def forward(self, streams_TND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(post (T, N), comb (T, N, N), the block's input (T, D) in the streams' dtype)."""
         T, N = streams_TND.shape[0], self.N
-        flat = unweighted_rms_norm(streams_TND.reshape(T, -1).float(), self.norm_eps)
+        flat = unweighted_rms_norm(streams_TND.reshape(T, N * streams_TND.shape[-1]).float(), self.norm_eps)
         mixes = F.linear(flat, self.fn)
         pre_w, post_w, comb_w = mixes.split([N, N, N * N], dim=-1)
         pre_b, post_b, comb_b = self.base.split([N, N, N * N])
@@ -84,7 +83,7 @@ class HyperHead(nn.Module):
 
     def forward(self, streams_TND: torch.Tensor) -> torch.Tensor:
         T = streams_TND.shape[0]
-        flat = unweighted_rms_norm(streams_TND.reshape(T, -1).float(), self.norm_eps)
+        flat = unweighted_rms_norm(streams_TND.reshape(T, self.N * streams_TND.shape[-1]).float(), self.norm_eps)
         pre = torch.sigmoid(F.linear(flat, self.hc_fn) * self.hc_scale + self.hc_base) + self.hc_eps
         return (pre.unsqueeze(-1) * streams_TND).sum(dim=1).to(streams_TND.dtype)
 
@@ -118,13 +117,21 @@ class HashRouter(nn.Module):
         super().__init__()
         self.num_experts, self.top_k, self.scale = num_experts, top_k, routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32))
-        self.register_buffer("tid2eid", torch.zeros(vocab_size, top_k, dtype=torch.long))
+        # A parameter (loaded by name like the rest), integer and frozen; until loaded, token t
+        # goes to experts t*k .. t*k + k - 1 (mod n): distinct, and spread over all of them.
+        spread = (torch.arange(vocab_size)[:, None] * top_k + torch.arange(top_k)[None, :]) % num_experts
+        self.tid2eid = nn.Parameter(spread, requires_grad=False)
+
+    def check(self) -> None:
+        """The table as loaded: every entry an expert of this layer."""
+        t = self.tid2eid
+        if t.numel() and not (0 <= int(t.min()) and int(t.max()) < self.num_experts):
+            raise ValueError(f"tid2eid names expert {int(t.min()) if int(t.min()) < 0 else int(t.max())}, outside "
+                             f"[0, n_routed_experts={self.num_experts})")
 
     def forward(self, x_TD: torch.Tensor, ids_T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scores = sqrt_softplus(F.linear(x_TD.float(), self.weight))
-        experts = self.tid2eid[ids_T.long()]
-        if experts.numel() and not (0 <= int(experts.min()) and int(experts.max()) < self.num_experts):
-            raise ValueError("tid2eid names an expert outside [0, n_routed_experts)")
+        experts = self.tid2eid[ids_T.long()]  # checked once, after loading (`check`): no host read here
         w = scores.gather(1, experts)
         return w / (w.sum(dim=-1, keepdim=True) + 1e-20) * self.scale, experts
 
@@ -146,7 +153,7 @@ class GroupedOutputProjection(nn.Module):
         T = attn_THH.shape[0]
         x_GTI = attn_THH.reshape(T, self.G, self.per_group).transpose(0, 1)
         w_GIR = self.o_a_proj.weight.view(self.G, -1, self.per_group).transpose(1, 2)
-        y = torch.bmm(x_GTI, w_GIR).transpose(0, 1).reshape(T, -1)
+        y = torch.bmm(x_GTI, w_GIR).transpose(0, 1).reshape(T, self.o_a_proj.weight.shape[0])
         return self.o_b_proj(y)
 
 

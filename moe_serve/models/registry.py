@@ -20,6 +20,7 @@ _MODELS = {
     # DeepSeek Sparse Attention: DeepSeek-V3.2 and GLM-5.
     "DeepseekV32ForCausalLM": ("moe_serve.models.deepseek_v32", "DeepseekV32ForCausalLM"),
     "GlmMoeDsaForCausalLM": ("moe_serve.models.deepseek_v32", "GlmMoeDsaForCausalLM"),
+    "DeepseekV4ForCausalLM": ("moe_serve.models.deepseek_v4", "DeepseekV4ForCausalLM"),
     "Qwen3NextForCausalLM": ("moe_serve.models.qwen3_next", "Qwen3NextForCausalLM"),
     "Qwen3_5MoeForCausalLM": ("moe_serve.models.qwen3_next", "Qwen3_5MoeForCausalLM"),
     # Qwen3.5-MoE's image-text checkpoints: their language model only (text_config, model.language_model.*).

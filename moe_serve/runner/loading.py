@@ -61,6 +61,9 @@ def load_model_weights(model: nn.Module, cfg: EngineConfig, show_progress: bool 
         init_dummy_weights(model, mc.seed)
     else:
         load_weights(model, mc.path, mc.dtype, show_progress=show_progress, quantization=mc.quantization)
+    check = getattr(model, "check_loaded", None)
+    if check is not None:  # tables a forward indexes with (DeepSeek-V4's tid2eid), checked once here
+        check()
 
 
 def serves_bf16_in_c(cfg: EngineConfig) -> bool:

@@ -19,7 +19,7 @@ from torch import nn
 
 from attention.cache_kinds import FULL, CacheKind
 from attention.state import StateCache
-from attention.layer import PagedAttention, PagedMLAAttention
+from attention.layer import PagedAttention, PagedMLAAttention, PagedRows
 from attention.metadata import AttentionMetadata
 from expert_parallel.runtime.layer import MoEContext
 from expert_parallel.runtime.step import MoEStep
@@ -156,7 +156,7 @@ class KVCacheSize:
 
 def attention_layers(model: nn.Module) -> list:
     """The model's cache-owning layers: paged attention (every kind) and per-sequence state."""
-    return [m for m in model.modules() if isinstance(m, (PagedAttention, PagedMLAAttention, StateCache))]
+    return [m for m in model.modules() if isinstance(m, (PagedAttention, PagedMLAAttention, PagedRows, StateCache))]
 
 
 def group_layers(layers: list) -> tuple[list[tuple[CacheKind, list]], list]:

@@ -143,10 +143,12 @@ def test_client_leaving_mid_stream_frees_the_worker(workers, cache_aware):
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 break
+    def idle() -> bool:  # the worker's request ends, then the router's stream (its in_flight count) after it
+        return (all(w.metrics()["moe_serve:num_requests_running"] == 0 for w in workers)
+                and all(w["in_flight"] == 0 for w in httpx.get(cache_aware.url + "/workers").json()))
+
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        if all(w.metrics()["moe_serve:num_requests_running"] == 0 for w in workers):
-            break
+    while time.monotonic() < deadline and not idle():
         time.sleep(0.2)
     assert all(w.metrics()["moe_serve:num_requests_running"] == 0 for w in workers)
     assert all(w["in_flight"] == 0 for w in httpx.get(cache_aware.url + "/workers").json())

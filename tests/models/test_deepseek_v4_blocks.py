@@ -79,9 +79,10 @@ def test_routers_match_transformers():
     w2, ids2 = ours_hash(x, tok)
     assert torch.equal(ids2, ids)
     torch.testing.assert_close(w2, w)
+    ours_hash.check()
     ours_hash.tid2eid[tok[0]] = cfg.n_routed_experts
     with pytest.raises(ValueError, match="tid2eid"):
-        ours_hash(x, tok)
+        ours_hash.check()
 
 
 def test_grouped_output_projection_and_limited_swiglu_match_transformers():

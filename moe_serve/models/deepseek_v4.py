@@ -1,0 +1,499 @@
+"""DeepSeek-V4 (DeepseekV4ForCausalLM): shared-K=V multi-query attention over a sliding window plus
+compressed entries of the whole context, manifold-constrained hyper-connections (mHC), hash-routed
+MoE in the first layers and sqrt-softplus routing after them (deepseek_v4_blocks.py has the pieces
+outside attention).
+
+Attention of layer type
+- `sliding_attention`: the last `sliding_window` tokens' K (= V), attention sinks per head;
+- `heavily_compressed_attention` (HCA): the window, plus one compressed entry per finished group
+  of m' tokens: the group's raw projections `wkv(x)` pooled by a softmax over `wgate(x) + ape[j]`
+  (per channel, j the token's place in the group), RMS-normed, rotated at position w * m';
+- `compressed_sparse_attention` (CSA): the same at m tokens, each entry pooled over 2m tokens (the
+  first half of the previous group's projections, the second half of its own; the first group
+  has no previous one), and a lightning indexer (its own compressor at index_head_dim, queries
+  from the q_a projection, sum_h w_h relu(q_h . k)) that picks the `index_topk` entries a query
+  attends to.
+A query at p sees entry w once the group is complete ((w + 1) m - 1 <= p). Queries are RMS-normed
+per head without weight; q and K are rotated (interleaved pairs, on the last qk_rope_head_dim
+channels: the "main" RoPE on sliding layers, the "compress" one on the others) and the output's
+rotated channels rotated back at the query's position before the grouped output projection.
+
+Caches (attention/layer.py PagedRows, paged like every other group): one sliding group keeps, per
+token, K and the compressors' raw projections (`wkv(x)`, `wgate(x)`) for as long as a group being
+filled or the window needs them (max(window, 2m, m') tokens); one full group keeps the compressed
+entries (compressor and indexer), each in the slot of its group's last token: (m - 1) of m slots
+stay unused, the price of indexing them like every other block. A group's entry is computed in
+the step that computes its last token, from the raw rows already cached plus this step's. Prefix
+hits, preemption, chunk boundaries, rollback and KV transfer need nothing more: everything lives in
+blocks. This is the torch reference path (a loop over a step's sequences).
+
+Checkpoint names are the Hub's (`layers.{i}.attn.wq_a`, `ffn.experts.{e}.w1`, `hc_attn_fn`,
+`embed`, `head`, ...), with or without transformers' `model.` prefix; the MTP layer (`mtp.*`) is
+skipped with a log line. Not yet: FP8/FP4 weights (refused by the loader), the MTP layer.
+"""
+from __future__ import annotations
+
+import logging
+import re
+
+import torch
+from torch import nn
+
+from attention.cache_kinds import FULL, sliding
+from attention.layer import PagedRows, slots_of
+from attention.metadata import AttentionMetadata
+from expert_parallel.runtime.layer import MoE, MoEContext, run_to_end
+from expert_parallel.runtime.step import NO_STEP, MoEStep
+from moe_serve.layers.embedding import Embedding, LMHead
+from moe_serve.layers.linear import Linear
+from moe_serve.layers.norm import RMSNorm
+from moe_serve.layers.rotary import inv_freq_and_scale
+from moe_serve.models.base import CausalLM
+from moe_serve.models.deepseek_v4_blocks import (GroupedOutputProjection, HashRouter, HyperConnection, HyperHead,
+                                                 SqrtSoftplusRouter, limited_swiglu, unweighted_rms_norm)
+
+log = logging.getLogger("moe_serve.models.deepseek_v4")
+
+SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+
+
+class V4Rope:
+    """cos and sin (T, R/2) of one of V4's two RoPEs ("main", "compress") at any positions."""
+
+    def __init__(self, params: dict, dim: int, max_position: int):
+        self.inv_freq, self.scale = inv_freq_and_scale(params, dim, max_position)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        f = positions.to(torch.float32)[:, None] * self.inv_freq.to(positions.device)[None, :]
+        return f.cos() * self.scale, f.sin() * self.scale
+
+
+def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the last 2 * cos.shape[-1] channels of x (T, [H,] C) as interleaved pairs, in float32
+    (transformers' apply_rotary_pos_emb for V4); cos/sin (T, R/2), broadcast over heads."""
+    R = 2 * cos.shape[-1]
+    cos = cos.to(x.dtype).repeat_interleave(2, dim=-1)
+    sin = sin.to(x.dtype).repeat_interleave(2, dim=-1)
+    if x.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]
+    nope, rope = x[..., :-R], x[..., -R:]
+    turned = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
+    rotated = (rope.float() * cos + turned.float() * sin).to(x.dtype)
+    return torch.cat([nope, rotated], dim=-1)
+
+
+class Compressor(nn.Module):
+    """One compressed series: raw rows wkv(x), wgate(x) per token (2 x width when groups overlap),
+    `ape` (m, that width) added to the gates by place in the group, `norm` after pooling."""
+
+    def __init__(self, hidden: int, head_dim: int, m: int, overlap: bool, eps: float, dtype):
+        super().__init__()
+        k = 2 if overlap else 1
+        self.m, self.head_dim, self.overlap = m, head_dim, overlap
+        self.wkv = Linear(hidden, k * head_dim, dtype=dtype)
+        self.wgate = Linear(hidden, k * head_dim, dtype=dtype)
+        self.ape = nn.Parameter(torch.zeros(m, k * head_dim, dtype=torch.float32))
+        self.norm = RMSNorm(head_dim, eps, dtype)
+
+    @property
+    def span(self) -> int:
+        """Tokens an entry pools over: its group (and the previous one when groups overlap)."""
+        return 2 * self.m if self.overlap else self.m
+
+    def pool(self, kv_NSW: torch.Tensor, gate_NSW: torch.Tensor, first_group_N: torch.Tensor,
+             positions_N: torch.Tensor, rope: V4Rope) -> torch.Tensor:
+        """Entries (N, head_dim) from the raw rows of their `span` tokens (in position order);
+        first_group_N: entries of group 0, which have no previous group; positions_N: w * m."""
+        m, hd = self.m, self.head_dim
+        if self.overlap:
+            kv = torch.cat([kv_NSW[:, :m, :hd], kv_NSW[:, m:, hd:]], dim=1)
+            gate = torch.cat([gate_NSW[:, :m, :hd] + self.ape[:, :hd], gate_NSW[:, m:, hd:] + self.ape[:, hd:]], dim=1)
+            prev = torch.zeros(gate.shape[1], dtype=torch.bool, device=gate.device)
+            prev[:m] = True
+            none = first_group_N[:, None, None] & prev[None, :, None]
+            kv = kv.masked_fill(none, 0.0)
+            gate = gate.masked_fill(none, float("-inf"))
+        else:
+            kv, gate = kv_NSW, gate_NSW + self.ape
+        w = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
+        pooled = self.norm((kv * w).sum(dim=1))
+        return rope_tail(pooled, *rope.cos_sin(positions_N))
+
+
+class Indexer(nn.Module):
+    """CSA's lightning indexer: wq_b (queries from the q_a projection), weights_proj (per-head
+    weights), and its own overlapping compressor at index_head_dim."""
+
+    def __init__(self, hf: dict, m: int, dtype):
+        super().__init__()
+        D, eps = hf["hidden_size"], hf.get("rms_norm_eps", 1e-6)
+        self.N, self.I, self.topk = hf["index_n_heads"], hf["index_head_dim"], int(hf["index_topk"])
+        if self.topk < 1:
+            raise ValueError(f"index_topk={self.topk} must be at least 1")
+        self.wq_b = Linear(hf["q_lora_rank"], self.N * self.I, dtype=dtype)
+        self.weights_proj = Linear(D, self.N, dtype=dtype)
+        self.compressor = Compressor(D, self.I, m, True, eps, dtype)
+
+    def select(self, q_resid_QR, x_QD, keys_EI, cos, sin, positions_Q: torch.Tensor, m: int) -> torch.Tensor:
+        """(Q, E) bool: the entries each query attends to (the top `index_topk` of those complete
+        at its position, scored sum_h w_h relu(q_h . k) / sqrt(I))."""
+        Q, E = x_QD.shape[0], keys_EI.shape[0]
+        q = rope_tail(self.wq_b(q_resid_QR).view(Q, self.N, self.I), cos, sin)
+        scores = torch.relu(torch.einsum("qhi,ei->qhe", q.float(), keys_EI.float())) * self.I ** -0.5
+        w = self.weights_proj(x_QD).float() * self.N ** -0.5
+        score_QE = (scores * w[:, :, None]).sum(dim=1)
+        ready_Q = (positions_Q + 1) // m
+        future = torch.arange(E, device=score_QE.device)[None, :] >= ready_Q[:, None]
+        score_QE = score_QE.masked_fill(future, float("-inf"))
+        top = score_QE.topk(min(self.topk, E), dim=-1).indices
+        chosen = torch.zeros(Q, E, dtype=torch.bool, device=score_QE.device)
+        chosen.scatter_(1, top, top < ready_Q[:, None])
+        return chosen
+
+
+class V4Attention(nn.Module):
+    def __init__(self, hf: dict, layer_type: str, window_span: int, dtype):
+        super().__init__()
+        D, eps = hf["hidden_size"], hf.get("rms_norm_eps", 1e-6)
+        self.H, self.hd = hf["num_attention_heads"], hf["head_dim"]
+        self.eps, self.layer_type = eps, layer_type
+        self.window = int(hf["sliding_window"])
+        q_rank = hf["q_lora_rank"]
+        self.wq_a = Linear(D, q_rank, dtype=dtype)
+        self.q_norm = RMSNorm(q_rank, eps, dtype)
+        self.wq_b = Linear(q_rank, self.H * self.hd, dtype=dtype)
+        self.wkv = Linear(D, self.hd, dtype=dtype)
+        self.kv_norm = RMSNorm(self.hd, eps, dtype)
+        self.o = GroupedOutputProjection(self.H, self.hd, hf["o_groups"], hf["o_lora_rank"], D, dtype)
+        self.sinks = nn.Parameter(torch.zeros(self.H, dtype=torch.float32))
+        self.rope_type = "main" if layer_type == SLIDING else "compress"
+        self.compressor = self.indexer = None
+        rates = compress_rates(hf)
+        widths = [self.hd]
+        if layer_type != SLIDING:
+            self.m = rates[layer_type]
+            self.compressor = Compressor(D, self.hd, self.m, layer_type == CSA, eps, dtype)
+            widths += [self.compressor.wkv.weight.shape[0]] * 2
+            if layer_type == CSA:
+                self.indexer = Indexer(hf, self.m, dtype)
+                widths += [self.indexer.compressor.wkv.weight.shape[0]] * 2
+        from moe_serve.speed_of_light import CacheRead
+
+        elem = torch.empty((), dtype=dtype).element_size()
+        # Row 0 is K of the window; the raw rows are read once per finished group.
+        self.rows = PagedRows(sliding(window_span), widths)
+        self.rows.reads = CacheRead("sliding", self.hd * elem, self.window)
+        self.entries = None
+        if self.compressor is not None:
+            ent = [self.hd] + ([self.indexer.I] if self.indexer is not None else [])
+            self.entries = PagedRows(FULL, ent)
+            # Per cached token: 1/m of an entry (every entry read, or the index keys of all and topk entries).
+            self.entries.reads = (CacheRead("full", self.hd * elem // self.m) if self.indexer is None else
+                                  CacheRead("sparse", self.hd * elem, self.indexer.topk * self.m,
+                                            self.indexer.I * elem // self.m))
+
+    def forward(self, x_TD: torch.Tensor, positions_T: torch.Tensor, meta: AttentionMetadata,
+                ropes: dict, rope_fns: dict) -> torch.Tensor:
+        T = x_TD.shape[0]
+        cos, sin = ropes[self.rope_type]
+        q_resid = self.q_norm(self.wq_a(x_TD))
+        q = unweighted_rms_norm(self.wq_b(q_resid).view(T, self.H, self.hd), self.eps)
+        q = rope_tail(q, cos, sin)
+        kv = rope_tail(self.kv_norm(self.wkv(x_TD)), cos, sin)
+        rows = [kv]
+        if self.compressor is not None:
+            rows += [self.compressor.wkv(x_TD), self.compressor.wgate(x_TD)]
+        if self.indexer is not None:
+            rows += [self.indexer.compressor.wkv(x_TD), self.indexer.compressor.wgate(x_TD)]
+        wmeta = meta.for_group(self.rows.cache_group)
+        self.rows.write(rows, wmeta.slot_mapping)
+        if self.compressor is not None:
+            self._compress(meta, rope_fns["compress"])
+        out = self._attend(q, q_resid, x_TD, meta, ropes["compress"])
+        out = rope_tail(out, cos, -sin)
+        return self.o(out)
+
+    def _compress(self, meta: AttentionMetadata, rope: V4Rope) -> None:
+        """The entries of every group this step completes, into the slot of the group's last token."""
+        m, dev = self.m, meta.slot_mapping.device
+        seqs, ends = [], []
+        for b, (s, q) in enumerate(zip(meta.seq_lens_cpu, meta.query_lens_cpu)):
+            first = s - q  # this step's first position
+            for t in range((first // m + 1) * m - 1, s, m):
+                seqs.append(b)
+                ends.append(t)
+        if not ends:
+            return
+        seq_N = torch.tensor(seqs, device=dev)
+        end_N = torch.tensor(ends, device=dev)
+        wmeta, emeta = meta.for_group(self.rows.cache_group), meta.for_group(self.entries.cache_group)
+        out_slots = slots_of(emeta, seq_N, end_N)
+        group_N = (end_N + 1) // m - 1
+        parts = [(self.compressor, 1)] + ([(self.indexer.compressor, 3)] if self.indexer is not None else [])
+        new = []
+        for comp, row in parts:
+            S = comp.span
+            pos_NS = end_N[:, None] - S + 1 + torch.arange(S, device=dev)[None, :]
+            slots = slots_of(wmeta, seq_N[:, None].expand(-1, S), pos_NS.clamp(min=0))
+            new.append(comp.pool(self.rows.read(row, slots), self.rows.read(row + 1, slots), group_N == 0,
+                                 group_N * m, rope))
+        self.entries.write(new, out_slots)
+
+    def _attend(self, q_THD, q_resid, x_TD, meta: AttentionMetadata, compress_rope) -> torch.Tensor:
+        """Per sequence: its window's K (= V) and its complete entries (all of them on HCA layers,
+        the indexer's choice on CSA), softmax with the sinks."""
+        out = torch.empty_like(q_THD)
+        wmeta = meta.for_group(self.rows.cache_group)
+        emeta = meta.for_group(self.entries.cache_group) if self.entries is not None else None
+        dev, W = q_THD.device, self.window
+        start = 0
+        for b, (s, n) in enumerate(zip(meta.seq_lens_cpu, meta.query_lens_cpu)):
+            rows = slice(start, start + n)
+            start += n
+            if n == 0:
+                continue
+            pos_Q = torch.arange(s - n, s, device=dev)
+            lo = max(0, s - n - W + 1)
+            kpos = torch.arange(lo, s, device=dev)
+            seq = torch.full_like(kpos, b)
+            keys = self.rows.read(0, slots_of(wmeta, seq, kpos))
+            visible = (kpos[None, :] <= pos_Q[:, None]) & (kpos[None, :] > pos_Q[:, None] - W)
+            if self.entries is not None and s // self.m > 0:
+                E = s // self.m
+                epos = (torch.arange(E, device=dev) + 1) * self.m - 1
+                eslots = slots_of(emeta, torch.full_like(epos, b), epos)
+                ent = self.entries.read(0, eslots)
+                if self.indexer is not None:
+                    cos, sin = compress_rope
+                    chosen = self.indexer.select(q_resid[rows], x_TD[rows], self.entries.read(1, eslots),
+                                                 cos[rows], sin[rows], pos_Q, self.m)
+                else:
+                    chosen = torch.arange(E, device=dev)[None, :] < ((pos_Q + 1) // self.m)[:, None]
+                keys = torch.cat([keys, ent], dim=0)
+                visible = torch.cat([visible, chosen], dim=1)
+            logits = torch.einsum("qhd,kd->hqk", q_THD[rows], keys) * self.hd ** -0.5
+            logits = logits.masked_fill(~visible[None], float("-inf"))
+            sinks = self.sinks.to(logits.dtype)[:, None, None].expand(-1, n, 1)
+            both = torch.cat([logits, sinks], dim=-1)
+            both = both - both.max(dim=-1, keepdim=True).values
+            probs = torch.softmax(both, dim=-1)[..., :-1].to(keys.dtype)
+            out[rows] = torch.einsum("hqk,kd->qhd", probs, keys)
+        return out
+
+
+class SharedExpert(nn.Module):
+    """ffn.shared_experts: w1 (gate), w3 (up), w2 (down), with the SwiGLU limit."""
+
+    def __init__(self, hidden: int, inter: int, limit: float | None, dtype):
+        super().__init__()
+        self.w1, self.w3 = Linear(hidden, inter, dtype=dtype), Linear(hidden, inter, dtype=dtype)
+        self.w2 = Linear(inter, hidden, dtype=dtype)
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(limited_swiglu(self.w1(x), self.w3(x), self.limit))
+
+
+class LimitedSwiGLU:
+    """The routed experts' activation on (gate | up) rows: grouped_gemm's `activation` callable."""
+
+    def __init__(self, limit: float | None):
+        self.limit = limit
+
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return limited_swiglu(gate, up, self.limit)
+
+
+class V4DecoderLayer(nn.Module):
+    def __init__(self, hf: dict, i: int, window_span: int, moe: MoEContext, dtype):
+        super().__init__()
+        D, eps = hf["hidden_size"], hf.get("rms_norm_eps", 1e-6)
+        N, iters, hc_eps = hf["hc_mult"], hf.get("hc_sinkhorn_iters", 20), hf.get("hc_eps", 1e-6)
+        self.attn_hc = HyperConnection(D, N, iters, hc_eps, eps)
+        self.ffn_hc = HyperConnection(D, N, iters, hc_eps, eps)
+        self.attn_norm = RMSNorm(D, eps, dtype)
+        self.ffn_norm = RMSNorm(D, eps, dtype)
+        self.attn = V4Attention(hf, layer_types(hf)[i], window_span, dtype)
+        E, K, F = hf["n_routed_experts"], hf["num_experts_per_tok"], hf["moe_intermediate_size"]
+        scale = float(hf.get("routed_scaling_factor", 1.0))
+        self.hashed = mlp_layer_types(hf)[i] == "hash_moe"
+        router = (HashRouter(D, E, K, hf["vocab_size"], scale) if self.hashed else
+                  SqrtSoftplusRouter(D, E, K, scale))
+        limit = hf.get("swiglu_limit")
+        n_shared = hf.get("n_shared_experts") or 0
+        shared = SharedExpert(D, F * n_shared, limit, dtype) if n_shared else None
+        self.ffn = MoE(D, F, E, router, moe, dtype, shared_experts=shared, layer_index=i,
+                       experts_kwargs=dict(activation=LimitedSwiGLU(limit)))
+
+    def stages(self, h_TND, ids_T, positions_T, meta: AttentionMetadata, step: MoEStep, ropes, rope_fns):
+        post, comb, x = self.attn_hc(h_TND)
+        a = self.attn(self.attn_norm(x), positions_T, meta, ropes, rope_fns)
+        h_TND = HyperConnection.merge(h_TND, a, post, comb)
+        post, comb, x = self.ffn_hc(h_TND)
+        y = yield from self.ffn.stages(self.ffn_norm(x), step, ids_T if self.hashed else None)
+        return HyperConnection.merge(h_TND, y, post, comb)
+
+
+class V4Stack(nn.Module):
+    """embed -> hc_mult copies of each token's embedding -> layers -> hyper head -> norm."""
+
+    def __init__(self, hf: dict, moe: MoEContext, dtype):
+        super().__init__()
+        D, eps = hf["hidden_size"], hf.get("rms_norm_eps", 1e-6)
+        self.N = hf["hc_mult"]
+        rates = compress_rates(hf)
+        types = layer_types(hf)
+        span = max([int(hf["sliding_window"])] + [2 * rates[CSA] for t in types if t == CSA]
+                   + [rates[HCA] for t in types if t == HCA])
+        self.embed_tokens = Embedding(hf["vocab_size"], D, dtype)
+        self.layers = nn.ModuleList([V4DecoderLayer(hf, i, span, moe, dtype) for i in range(hf["num_hidden_layers"])])
+        self.hc_head = HyperHead(D, self.N, hf.get("hc_eps", 1e-6), eps)
+        self.norm = RMSNorm(D, eps, dtype)
+        R = int(hf.get("qk_rope_head_dim") or hf["head_dim"] * float(hf.get("partial_rotary_factor", 64 / 512)))
+        max_pos = hf.get("max_position_embeddings", 4096)
+        self.ropes = {t: V4Rope(p, R, max_pos) for t, p in rope_types(hf).items()}
+
+    def forward(self, ids_T, positions_T, meta: AttentionMetadata, step: MoEStep = NO_STEP) -> torch.Tensor:
+        return run_to_end(self.stages(ids_T, positions_T, meta, step))
+
+    def stages(self, ids_T, positions_T, meta: AttentionMetadata, step: MoEStep = NO_STEP):
+        e = self.embed_tokens(ids_T)
+        h = e[:, None, :].expand(-1, self.N, -1).contiguous()
+        ropes = {t: r.cos_sin(positions_T) for t, r in self.ropes.items()}
+        for layer in self.layers:
+            h = yield from layer.stages(h, ids_T, positions_T, meta, step, ropes, self.ropes)
+        return self.norm(self.hc_head(h))
+
+
+def layer_types(hf: dict) -> list[str]:
+    n = hf["num_hidden_layers"]
+    types = hf.get("layer_types")
+    if types is None and hf.get("compress_ratios") is not None:
+        by_rate = {0: SLIDING, 4: CSA, 128: HCA}
+        types = [by_rate.get(r, r) for r in hf["compress_ratios"]]
+    if types is None:
+        types = [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
+    types = list(types)[:n]
+    if len(types) != n or set(types) - {SLIDING, CSA, HCA}:
+        raise ValueError(f"layer_types={types!r} must give one of {SLIDING!r}, {CSA!r}, {HCA!r} for each of the "
+                         f"{n} layers")
+    return types
+
+
+def mlp_layer_types(hf: dict) -> list[str]:
+    n = hf["num_hidden_layers"]
+    types = hf.get("mlp_layer_types")
+    if types is None:
+        k = hf.get("num_hash_layers", 3)
+        types = ["hash_moe"] * min(n, k) + ["moe"] * max(0, n - k)
+    types = list(types)[:n]
+    if len(types) != n or set(types) - {"hash_moe", "moe"}:
+        raise ValueError(f"mlp_layer_types={types!r} must give 'hash_moe' or 'moe' for each of the {n} layers")
+    return types
+
+
+def compress_rates(hf: dict) -> dict:
+    rates = dict(hf.get("compress_rates") or {CSA: 4, HCA: 128})
+    if hf.get("compress_rate_csa"):
+        rates[CSA] = hf["compress_rate_csa"]
+    if hf.get("compress_rate_hca"):
+        rates[HCA] = hf["compress_rate_hca"]
+    for t, r in rates.items():
+        if int(r) < 1:
+            raise ValueError(f"compress_rates[{t!r}]={r} must be at least 1")
+    return {t: int(r) for t, r in rates.items()}
+
+
+def rope_types(hf: dict) -> dict:
+    """{"main": params, "compress": params}: as the config nests them, or derived as transformers
+    does (main: rope_theta, default; compress: compress_rope_theta with the top-level scaling,
+    yarn without its attention factor)."""
+    rp = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
+        out = {"main": dict(rp["main"]), "compress": dict(rp["compress"])}
+    else:
+        flat = {k: v for k, v in rp.items() if k not in ("main", "compress")}
+        flat.setdefault("rope_type", flat.pop("type", "default"))
+        out = {"main": {"rope_type": "default", "rope_theta": hf.get("rope_theta", 10000.0)},
+               "compress": {**flat, "rope_theta": hf.get("compress_rope_theta", 160000.0)}}
+        if out["compress"]["rope_type"] == "yarn":
+            out["compress"].setdefault("attention_factor", 1.0)
+    for name, p in out.items():
+        p.setdefault("rope_type", p.pop("type", "default"))
+        if p["rope_type"] not in ("default", "yarn"):
+            raise ValueError(f"rope_parameters[{name!r}] rope_type={p['rope_type']!r} is not supported for "
+                             f"DeepSeek-V4 (default, yarn)")
+        if p["rope_type"] == "yarn":
+            p.setdefault("original_max_position_embeddings", hf.get("original_max_position_embeddings"))
+    return out
+
+
+# Hub name (after an optional "model." prefix) -> ours.
+_RENAMES = (
+    (r"^embed\.weight$", "model.embed_tokens.weight"),
+    (r"^embed_tokens\.weight$", "model.embed_tokens.weight"),
+    (r"^head\.weight$", "lm_head.weight"),
+    (r"^lm_head\.weight$", "lm_head.weight"),
+    (r"^norm\.weight$", "model.norm.weight"),
+    (r"^hc_head[._](?:hc_)?(fn|base|scale)$", r"model.hc_head.hc_\1"),
+    (r"^layers\.(\d+)\.hc_attn_(fn|base|scale)$", r"model.layers.\1.attn_hc.\2"),
+    (r"^layers\.(\d+)\.hc_ffn_(fn|base|scale)$", r"model.layers.\1.ffn_hc.\2"),
+    (r"^layers\.(\d+)\.attn\.wo_a\.weight$", r"model.layers.\1.attn.o.o_a_proj.weight"),
+    (r"^layers\.(\d+)\.attn\.wo_b\.weight$", r"model.layers.\1.attn.o.o_b_proj.weight"),
+    (r"^layers\.(\d+)\.attn\.norm\.weight$", r"model.layers.\1.attn.kv_norm.weight"),
+    (r"^layers\.(\d+)\.attn\.attn_sink$", r"model.layers.\1.attn.sinks"),
+    (r"^layers\.(\d+)\.ffn\.gate\.bias$", r"model.layers.\1.ffn.gate.e_score_correction_bias"),
+    (r"^layers\.(\d+)\.", r"model.layers.\1."),
+)
+
+
+class DeepseekV4ForCausalLM(CausalLM):
+    expert_names = {"w1": "gate", "w3": "up", "w2": "down"}
+
+    def __init__(self, hf: dict, moe: MoEContext, dtype):
+        for field in ("hc_mult", "head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "sliding_window",
+                      "n_routed_experts"):
+            if not hf.get(field):
+                raise ValueError(f"DeepSeek-V4 config needs {field!r}")
+        if (hf.get("num_key_value_heads") or 1) != 1:
+            raise ValueError(f"num_key_value_heads={hf['num_key_value_heads']}: DeepSeek-V4 attention has one "
+                             "shared K=V head")
+        if hf.get("scoring_func", "sqrtsoftplus") != "sqrtsoftplus":
+            raise ValueError(f"scoring_func={hf['scoring_func']!r} is not supported for DeepSeek-V4 (sqrtsoftplus)")
+        if not hf.get("norm_topk_prob", True):
+            raise ValueError("norm_topk_prob=false is not supported for DeepSeek-V4")
+        nn.Module.__init__(self)
+        self.hf = hf
+        self.num_hidden_layers = hf["num_hidden_layers"]
+        self.model = V4Stack(hf, moe, dtype)
+        self.lm_head = LMHead(hf["vocab_size"], hf["hidden_size"], dtype)
+        self.tie_word_embeddings = bool(hf.get("tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+        self.mtp = None
+        self._mtp_logged = False
+
+    def check_loaded(self) -> None:
+        for m in self.modules():
+            if isinstance(m, HashRouter):
+                m.check()
+
+    def checkpoint_name(self, name: str) -> str | None:
+        bare = name[len("model."):] if name.startswith("model.") else name
+        if bare.startswith("mtp.") or bare.startswith("mtp_"):
+            if not self._mtp_logged:
+                log.info("skipping the checkpoint's multi-token-prediction layer (mtp.*): not used without "
+                         "speculative decoding")
+                self._mtp_logged = True
+            return None
+        m = re.match(r"layers\.(\d+)\.", bare)
+        if m and int(m.group(1)) >= self.num_hidden_layers:
+            return None
+        if self.tie_word_embeddings and bare in ("head.weight", "lm_head.weight"):
+            return None
+        for pat, rep in _RENAMES:
+            new = re.sub(pat, rep, bare)
+            if new != bare:
+                return new
+        return bare
