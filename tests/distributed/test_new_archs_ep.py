@@ -6,7 +6,7 @@ MXFP4 experts (each rank reads and keeps only its experts' blocks), sliding-wind
 sinks; MiniMax-M2 sigmoid routing with a correction bias, full-width q/k norm and partial rotary;
 Llama-4 its routing weights on the experts' inputs (scaled before dispatch), chunked and NoPE
 layers, dense layers between the MoE ones; DeepSeek-V3.2 and GLM-5 their indexers' sparse selection
-(GLM-5's shared between layers). Kimi-K2 is the DeepSeek-V3 model, covered by test_launcher.py."""
+(GLM-5's shared between layers); DeepSeek-V4 its hash-routed first layer (by token id, on each rank's own tokens), compressed caches and hyper-connections. Kimi-K2 is the DeepSeek-V3 model, covered by test_launcher.py."""
 from __future__ import annotations
 
 import asyncio
@@ -22,7 +22,7 @@ from tests.distributed.test_launcher import ARGS, PROMPTS, _complete_all, expect
 # MiniMax-M2, Llama-4 and Qwen3-Next run at EP 4 with overlap below (the same paths, split or not);
 # OLMoE's and Qwen2-MoE's routing is Qwen3-MoE's (test_launcher.py; a shared expert is local to every
 # rank), GLM-4-MoE's grouped sigmoid routing DeepSeek-V3's.
-@pytest.mark.parametrize("arch", ["gpt_oss_mxfp4", "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa"])
+@pytest.mark.parametrize("arch", ["gpt_oss_mxfp4", "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa", "deepseek_v4"])
 def test_ep2_serving_matches_single_process(extra_checkpoints, arch):
     path = extra_checkpoints[arch]
     want = expected_texts(path, PROMPTS, 8)

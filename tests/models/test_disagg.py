@@ -111,7 +111,7 @@ def test_decode_side_prefix_hits_are_not_sent_again(checkpoints):
     check_returned(P, D)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_next", "gpt_oss", "deepseek_v32"])
+@pytest.mark.parametrize("arch", ["qwen3_next", "gpt_oss", "deepseek_v32", "deepseek_v4"])
 def test_state_sliding_and_dsa_caches_move(extra_checkpoints, arch):
     path = extra_checkpoints[arch]
     P, D = pair(path)
