@@ -68,17 +68,20 @@ def load_weights(model: nn.Module, path: str, dtype: torch.dtype, show_progress:
             names_by_file.append((fp, list(f.keys())))
     if fp8_cfg is not None:  # FP8 storage for exactly the weights that come with scales
         scaled = set()
+        own = getattr(model, "loads_own_scales", lambda name: False)  # DeepSeek-V4's FP4 experts
         for _, names in names_by_file:
             for raw in names:
-                if raw.endswith(".weight_scale_inv"):
-                    name = model.checkpoint_name(raw[: -len("_scale_inv")])
-                    m = _PER_EXPERT.match(name) if name else None
+                mapped = model.checkpoint_name(raw)
+                if mapped and mapped.endswith(".weight_scale_inv") and not own(mapped):
+                    name = mapped[: -len("_scale_inv")]
+                    m = _PER_EXPERT.match(name)
                     scaled.add(f"{m.group('prefix')}.experts" if m and m.group("prefix") in experts else name)
         n = fp8.to_block_fp8(model, fp8_cfg.block, scaled)
         if n == 0:
             log.warning("quantization_config says block FP8, but no tensor has a weight_scale_inv: loading the "
                         "weights as they are stored")
-        log.info("block FP8 checkpoint (weight_block_size %s): %d modules keep FP8 weights", list(fp8_cfg.block), n)
+        log.info("block FP8 checkpoint (weight_block_size %s, %s scales): %d modules keep FP8 weights",
+                 list(fp8_cfg.block), fp8_cfg.scale_fmt, n)
     elif quantization == "fp8":
         fp8_cfg = fp8.BlockFp8Config()
         n = fp8.to_block_fp8(model, fp8_cfg.block, None)
@@ -156,6 +159,7 @@ def load_weights(model: nn.Module, path: str, dtype: torch.dtype, show_progress:
 
 def _load_scale(model: nn.Module, name: str, raw: str, t: torch.Tensor, experts: dict, scales: dict, fp: str) -> None:
     """A block-FP8 weight's `weight_scale_inv`: to its linear layer, or to its expert's slots."""
+    from moe_serve.quantization import fp8
     m = _PER_EXPERT.match(name[: -len("_scale_inv")])
     if m and m.group("prefix") in experts:
         kind = model.expert_names.get(m.group("proj"))
@@ -163,7 +167,7 @@ def _load_scale(model: nn.Module, name: str, raw: str, t: torch.Tensor, experts:
             raise ValueError(f"unexpected expert tensor {raw!r} in {fp}")
         ex = experts[m.group("prefix")]
         if ex.holds(int(m.group("e"))):
-            ex.load_scale_inv(int(m.group("e")), kind, t.to(torch.float32))
+            ex.load_scale_inv(int(m.group("e")), kind, fp8.scale_to_float32(t))
         return
     if name not in scales:
         raise ValueError(f"unexpected tensor {raw!r} in {fp}: the model has no FP8 weight {name[:-len('_scale_inv')]!r}")
@@ -171,7 +175,7 @@ def _load_scale(model: nn.Module, name: str, raw: str, t: torch.Tensor, experts:
     if tuple(t.shape) != tuple(b.shape):
         raise ValueError(f"tensor {raw!r} has shape {tuple(t.shape)}, expected {tuple(b.shape)} (the weight's "
                          f"blocks for its weight_block_size)")
-    b.copy_(t.to(torch.float32))
+    b.copy_(fp8.scale_to_float32(t))
 
 
 def _tied(model: nn.Module, name: str) -> bool:

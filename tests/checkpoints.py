@@ -684,13 +684,76 @@ def build_deepseek_v4(path: str) -> str:
     return path
 
 
+def _fp8_ue8m0(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block FP8 with power-of-two scales (e8m0, as DeepSeek-V4 ships them): (q, scale)."""
+    R, C = w.shape
+    nr, nc = -(-R // block[0]), -(-C // block[1])
+    pad = torch.zeros(nr * block[0], nc * block[1])
+    pad[:R, :C] = w
+    amax = pad.view(nr, block[0], nc, block[1]).abs().amax(dim=(1, 3)).clamp(min=2.0 ** -60)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / 448.0)))
+    s = scale.repeat_interleave(block[0], 0)[:R].repeat_interleave(block[1], 1)[:, :C]
+    return (w / s).to(torch.float8_e4m3fn), scale
+
+
+def build_deepseek_v4_fp4(path: str) -> str:
+    """DeepSeek-V4's released format, packed from the random checkpoint: linears of attention and the
+    shared expert in block FP8 (blocks of 32) with ue8m0 scales (`<name>.scale`, float8_e8m0fnu),
+    routed experts FP4 (int8, two e2m1 values a byte, low nibble first; a uint8 e8m0 scale per 32),
+    the compressors, indexer head weights, router, norms, embedding and head as they are (as on the
+    Hub). `<path>/reference` holds the exactly dequantized weights in float32 (the oracle)."""
+    from safetensors.torch import load_file, save_file
+
+    src = build_deepseek_v4(path + "_src")
+    sd = load_file(os.path.join(src, "model.safetensors"))
+    block = (32, 32)
+    out, ref = {}, {}
+    for k, v in sd.items():
+        stem = k[: -len(".weight")] if k.endswith(".weight") else None
+        dense = (stem is not None and v.dim() == 2 and (".attn.w" in k or ".shared_experts." in k)
+                 and ".compressor." not in k)
+        if ".experts." in k and ".shared_experts." not in k:
+            blocks, scales = pack_mxfp4(v)
+            out[k] = blocks.reshape(v.shape[0], v.shape[1] // 2).view(torch.int8)
+            out[stem + ".scale"] = scales
+            from moe_serve.kernels.grouped_gemm.mxfp4 import dequantize_mxfp4
+
+            ref[k] = dequantize_mxfp4(blocks, scales, torch.float32)
+        elif dense:
+            q, scale = _fp8_ue8m0(v.float(), block)
+            out[k], out[stem + ".scale"] = q, scale.to(torch.float8_e8m0fnu)
+            s = scale.repeat_interleave(block[0], 0)[: v.shape[0]].repeat_interleave(block[1], 1)[:, : v.shape[1]]
+            ref[k] = q.float() * s
+        else:
+            out[k] = ref[k] = v
+    os.makedirs(path, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in out.items()}, os.path.join(path, "model.safetensors"),
+              metadata={"format": "pt"})
+    os.makedirs(os.path.join(path, "reference"), exist_ok=True)
+    save_file({k: v.contiguous() for k, v in ref.items()}, os.path.join(path, "reference", "model.safetensors"),
+              metadata={"format": "pt"})
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    for d in (path, os.path.join(path, "reference")):
+        for name in os.listdir(src):
+            if name not in ("config.json", "model.safetensors"):
+                os.symlink(os.path.join(src, name), os.path.join(d, name))
+    with open(os.path.join(path, "reference", "config.json"), "w") as f:
+        json.dump(cfg, f)
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": list(block), "scale_fmt": "ue8m0", "expert_dtype": "fp4"}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return path
+
+
 EXTRA_BUILDERS = {"qwen2_moe": build_qwen2_moe, "olmoe": build_olmoe, "kimi_k2": build_kimi_k2,
                   "glm4_moe": build_glm4_moe, "gpt_oss": build_gpt_oss, "gpt_oss_mxfp4": build_gpt_oss_mxfp4,
                   "minimax_m2": build_minimax_m2, "llama4": build_llama4, "llama4_mm": build_llama4_multimodal,
                   "qwen3_next": build_qwen3_next, "qwen3_5_moe": build_qwen3_5_moe,
                   "qwen3_5_moe_vl": build_qwen3_5_moe_vl, "deepseek_v32": build_deepseek_v32,
                   "glm_moe_dsa": build_glm_moe_dsa, "deepseek_v3_mtp_copy": build_deepseek_v3_mtp_copy,
-                  "deepseek_v4": build_deepseek_v4}
+                  "deepseek_v4": build_deepseek_v4, "deepseek_v4_fp4": build_deepseek_v4_fp4}
 
 
 class LazyCheckpoints:

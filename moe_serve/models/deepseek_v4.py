@@ -29,7 +29,9 @@ blocks. This is the torch reference path (a loop over a step's sequences).
 
 Checkpoint names are the Hub's (`layers.{i}.attn.wq_a`, `ffn.experts.{e}.w1`, `hc_attn_fn`,
 `embed`, `head`, ...), with or without transformers' `model.` prefix; the MTP layer (`mtp.*`) is
-skipped with a log line. Not yet: FP8/FP4 weights (refused by the loader), the MTP layer.
+skipped with a log line. Quantized as released: block FP8 linears with float32 or ue8m0 (one
+exponent byte) scales, `<name>.scale` beside `<name>.weight`; `expert_dtype: fp4` experts kept
+packed in memory (GPT-OSS's MXFP4 expert op, dequantized per step for the routed experts).
 """
 from __future__ import annotations
 
@@ -49,6 +51,8 @@ from moe_serve.layers.linear import Linear
 from moe_serve.layers.norm import RMSNorm
 from moe_serve.layers.rotary import inv_freq_and_scale
 from moe_serve.models.base import CausalLM
+from moe_serve.models.gpt_oss import Mxfp4Experts
+from moe_serve.quantization.fp8 import scale_to_e8m0
 from moe_serve.models.deepseek_v4_blocks import (GroupedOutputProjection, HashRouter, HyperConnection, HyperHead,
                                                  SqrtSoftplusRouter, limited_swiglu, unweighted_rms_norm)
 
@@ -323,8 +327,10 @@ class V4DecoderLayer(nn.Module):
         limit = hf.get("swiglu_limit")
         n_shared = hf.get("n_shared_experts") or 0
         shared = SharedExpert(D, F * n_shared, limit, dtype) if n_shared else None
+        fp4 = fp4_experts(hf)
         self.ffn = MoE(D, F, E, router, moe, dtype, shared_experts=shared, layer_index=i,
-                       experts_kwargs=dict(activation=LimitedSwiGLU(limit)))
+                       experts_cls=Mxfp4Experts if fp4 else None,
+                       experts_kwargs=dict(activation=LimitedSwiGLU(limit), **({"bias": False} if fp4 else {})))
 
     def stages(self, h_TND, ids_T, positions_T, meta: AttentionMetadata, step: MoEStep, ropes, rope_fns):
         post, comb, x = self.attn_hc(h_TND)
@@ -364,6 +370,15 @@ class V4Stack(nn.Module):
         for layer in self.layers:
             h = yield from layer.stages(h, ids_T, positions_T, meta, step, ropes, self.ropes)
         return self.norm(self.hc_head(h))
+
+
+def fp4_experts(hf: dict) -> bool:
+    """The routed experts ship as FP4 (quantization_config.expert_dtype, or the config's own field)."""
+    q = hf.get("quantization_config") or {}
+    return q.get("quant_method") == "fp8" and (q.get("expert_dtype") or hf.get("expert_dtype")) == "fp4"
+
+
+_EXPERT = re.compile(r"^(?P<prefix>model\.layers\.\d+\.ffn)\.experts\.(?P<e>\d+)\.(?P<w>w[123])\.(?P<part>weight|weight_scale_inv)$")
 
 
 def layer_types(hf: dict) -> list[str]:
@@ -439,8 +454,8 @@ _RENAMES = (
     (r"^hc_head[._](?:hc_)?(fn|base|scale)$", r"model.hc_head.hc_\1"),
     (r"^layers\.(\d+)\.hc_attn_(fn|base|scale)$", r"model.layers.\1.attn_hc.\2"),
     (r"^layers\.(\d+)\.hc_ffn_(fn|base|scale)$", r"model.layers.\1.ffn_hc.\2"),
-    (r"^layers\.(\d+)\.attn\.wo_a\.weight$", r"model.layers.\1.attn.o.o_a_proj.weight"),
-    (r"^layers\.(\d+)\.attn\.wo_b\.weight$", r"model.layers.\1.attn.o.o_b_proj.weight"),
+    (r"^layers\.(\d+)\.attn\.wo_a\.(weight|weight_scale_inv)$", r"model.layers.\1.attn.o.o_a_proj.\2"),
+    (r"^layers\.(\d+)\.attn\.wo_b\.(weight|weight_scale_inv)$", r"model.layers.\1.attn.o.o_b_proj.\2"),
     (r"^layers\.(\d+)\.attn\.norm\.weight$", r"model.layers.\1.attn.kv_norm.weight"),
     (r"^layers\.(\d+)\.attn\.attn_sink$", r"model.layers.\1.attn.sinks"),
     (r"^layers\.(\d+)\.ffn\.gate\.bias$", r"model.layers.\1.ffn.gate.e_score_correction_bias"),
@@ -473,6 +488,55 @@ class DeepseekV4ForCausalLM(CausalLM):
             self.lm_head.tie_to(self.model.embed_tokens)
         self.mtp = None
         self._mtp_logged = False
+        self.fp4 = fp4_experts(hf)
+        if self.fp4:
+            q = dict(hf["quantization_config"])
+            q.setdefault("expert_dtype", "fp4")
+            hf["quantization_config"] = q  # the loader's FP8 config sees it too
+            self._experts = {f"model.layers.{i}.ffn": layer.ffn.experts for i, layer in enumerate(self.model.layers)}
+            ex = next(iter(self._experts.values()))
+            E, twoF = ex.w13_blocks.shape[:2]
+            D = ex.w2_blocks.shape[1]
+            log.info("FP4 experts kept compressed (two e2m1 values a byte, an e8m0 scale per 32): %.1f MiB on "
+                     "this rank; each step dequantizes the routed experts of one layer at a time",
+                     len(self._experts) * E * 3 * (twoF // 2) * D * 17 / 32 / 2**20)
+
+    def loads_own_scales(self, name: str) -> bool:
+        return self.fp4 and _EXPERT.match(name) is not None
+
+    def load_checkpoint_tensor(self, name: str, raw: str, f) -> list[str] | None:
+        """FP4 experts: each expert's w1 / w3 (gate / up rows of w13) and w2, int8 with two e2m1
+        values a byte (the low nibble first) and one e8m0 scale per 32 inputs, into the MXFP4 stacks
+        (only the experts this rank holds are read)."""
+        m = _EXPERT.match(name) if self.fp4 else None
+        if m is None or m.group("prefix") not in self._experts:
+            return None
+        ex = self._experts[m.group("prefix")]
+        e, w, part = int(m.group("e")), m.group("w"), m.group("part")
+        key = "w2" if w == "w2" else "w13"
+        blocks, scales = getattr(ex, f"{key}_blocks"), getattr(ex, f"{key}_scales")
+        R, G = scales.shape[1:]
+        if w != "w2":
+            R //= 2
+        rows = slice(R, 2 * R) if w == "w3" else slice(0, R)
+        done = [f"{m.group('prefix')}.experts.{key}_{'blocks' if part == 'weight' else 'scales'}"]
+        if not ex.holds(e):
+            return done
+        t = f.get_tensor(raw)
+        if part == "weight":
+            if t.element_size() != 1 or tuple(t.shape) != (R, G * 16):
+                raise ValueError(f"tensor {raw!r} has shape {tuple(t.shape)} {t.dtype}, expected ({R}, {G * 16}) "
+                                 "bytes (FP4: two values a byte)")
+            t = t.view(torch.uint8).reshape(R, G, 16)
+            target = blocks
+        else:
+            if tuple(t.shape) != (R, G):
+                raise ValueError(f"tensor {raw!r} has shape {tuple(t.shape)}, expected ({R}, {G}) (a scale per 32)")
+            t = scale_to_e8m0(t)
+            target = scales
+        for slot in ex.slots_of[e]:
+            target.data[slot, rows].copy_(t)
+        return done
 
     def check_loaded(self) -> None:
         for m in self.modules():
@@ -481,6 +545,8 @@ class DeepseekV4ForCausalLM(CausalLM):
 
     def checkpoint_name(self, name: str) -> str | None:
         bare = name[len("model."):] if name.startswith("model.") else name
+        if bare.endswith(".scale"):  # the Hub's block scales: <linear>.scale beside <linear>.weight
+            bare = bare[: -len(".scale")] + ".weight_scale_inv"
         if bare.startswith("mtp.") or bare.startswith("mtp_"):
             if not self._mtp_logged:
                 log.info("skipping the checkpoint's multi-token-prediction layer (mtp.*): not used without "

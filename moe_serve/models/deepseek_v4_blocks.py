@@ -144,9 +144,13 @@ class GroupedOutputProjection(nn.Module):
         super().__init__()
         if num_heads % o_groups:
             raise ValueError(f"num_attention_heads={num_heads} is not divisible by o_groups={o_groups}")
+        from moe_serve.layers.linear import Linear
+
         self.G, self.per_group = o_groups, num_heads * head_dim // o_groups
-        self.o_a_proj = nn.Linear(self.per_group, o_groups * o_lora_rank, bias=False, dtype=dtype)
-        self.o_b_proj = nn.Linear(o_groups * o_lora_rank, hidden_size, bias=False, dtype=dtype)
+        self.o_a_proj = Linear(self.per_group, o_groups * o_lora_rank, dtype=dtype)
+        # Read as G blocks by a batched GEMM: an FP8 checkpoint's is dequantized once at load.
+        self.o_a_proj.weight_used_directly = True
+        self.o_b_proj = Linear(o_groups * o_lora_rank, hidden_size, dtype=dtype)
 
     def forward(self, attn_THH: torch.Tensor) -> torch.Tensor:
         """attn: (T, heads, head_dim) -> (T, hidden)."""

@@ -29,6 +29,10 @@ FP8_MAX = 448.0  # largest finite e4m3fn value
 @dataclass(frozen=True)
 class BlockFp8Config:
     block: tuple[int, int] = (128, 128)
+    # "float" (float32 scale_inv, DeepSeek-V3) or "ue8m0" (one exponent byte per block: 2 ** (b - 127),
+    # DeepSeek-V4; stored as float8_e8m0fnu or uint8)
+    scale_fmt: str = "float"
+    expert_dtype: str = "fp8"  # "fp4": the routed experts are MXFP4-packed instead (DeepSeek-V4)
 
     @staticmethod
     def from_hf(q: dict) -> "BlockFp8Config":
@@ -47,7 +51,36 @@ class BlockFp8Config:
         if (not isinstance(block, (list, tuple)) or len(block) != 2
                 or not all(isinstance(b, int) and b > 0 for b in block)):
             raise ValueError(f"quantization_config.weight_block_size={block!r} must be two positive ints")
-        return BlockFp8Config((int(block[0]), int(block[1])))
+        scale_fmt = q.get("scale_fmt") or "float"
+        if scale_fmt not in ("float", "ue8m0"):
+            raise ValueError(f"quantization_config.scale_fmt={scale_fmt!r} must be 'float' or 'ue8m0'")
+        expert_dtype = q.get("expert_dtype") or "fp8"
+        if expert_dtype not in ("fp8", "fp4"):
+            raise ValueError(f"quantization_config.expert_dtype={expert_dtype!r} must be 'fp8' or 'fp4'")
+        return BlockFp8Config((int(block[0]), int(block[1])), scale_fmt, expert_dtype)
+
+
+def scale_to_float32(t: torch.Tensor) -> torch.Tensor:
+    """A checkpoint's block scales as float32 values: float8_e8m0fnu and raw e8m0 bytes (uint8) are
+    powers of two, 2 ** (b - 127); float scales as they are."""
+    if t.dtype == torch.uint8:
+        return torch.exp2(t.to(torch.float32) - 127.0)
+    return t.to(torch.float32)
+
+
+def scale_to_e8m0(t: torch.Tensor) -> torch.Tensor:
+    """Block scales as e8m0 bytes (uint8): float8_e8m0fnu's bits, raw bytes, or float32 powers of two
+    (anything else is refused: MXFP4 keeps one exponent per 32 values)."""
+    if t.dtype == torch.uint8:
+        return t
+    e8m0 = getattr(torch, "float8_e8m0fnu", None)
+    if e8m0 is not None and t.dtype == e8m0:
+        return t.view(torch.uint8)
+    f = t.to(torch.float32)
+    exp = torch.log2(f).round()
+    if not torch.equal(torch.exp2(exp), f) or exp.min() < -127 or exp.max() > 127:
+        raise ValueError("FP4 expert scales must be powers of two (e8m0)")
+    return (exp + 127).to(torch.uint8)
 
 
 def scale_shape(rows: int, cols: int, block: tuple[int, int]) -> tuple[int, int]:

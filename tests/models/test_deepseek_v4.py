@@ -109,3 +109,25 @@ def test_other_variants_refused(extra_checkpoints, tmp_path, fields, match):
         json.dump(cfg, f)
     with pytest.raises(ValueError, match=match):
         LLM(str(tmp_path), dtype="float32", kv_cache_memory=4 << 20, show_progress=False)
+
+
+def test_fp8_and_fp4_weights_as_released(extra_checkpoints):
+    """Block FP8 linears with ue8m0 scales and FP4 experts, as DeepSeek-V4 is released: they stay
+    packed in memory (FP8 values, uint8 MXFP4 blocks) and give transformers' greedy tokens on the
+    exactly dequantized weights."""
+    from expert_parallel.runtime.layer import MoE
+
+    path = extra_checkpoints["deepseek_v4_fp4"]
+    model = hf_model(os.path.join(path, "reference"))
+    llm = LLM(path, dtype="float32", kv_cache_memory=4 << 20, block_size=4, max_num_batched_tokens=16,
+              show_progress=False)
+    net = llm.engine.runner.model
+    attn = net.model.layers[1].attn
+    assert attn.wq_b.weight.dtype == torch.float8_e4m3fn and attn.wq_b.weight_scale_inv is not None
+    assert attn.compressor.wkv.weight.dtype == torch.float32  # shipped unquantized, kept so
+    experts = [m for m in net.modules() if isinstance(m, MoE)][0].experts
+    assert experts.w13_blocks.dtype == torch.uint8 and experts.w13 is None
+    prompts = make_prompts(4)[4:9]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=6))
+    for p, o in zip(prompts, outs):
+        assert list(o.outputs[0].token_ids) == hf_greedy(model, p, 6)
