@@ -150,6 +150,9 @@ REASONING = [
     ("deepseek_r1", {}, "<think>explicit</think>answer", "explicit", "answer"),
     ("deepseek_r1", {}, "still thinking when cut off <", "still thinking when cut off <", ""),
     ("deepseek_r1", {"enable_thinking": False}, "no </think> here", None, "no </think> here"),
+    ("deepseek_v4", {}, "plain answer, no </think> here", None, "plain answer, no </think> here"),
+    ("deepseek_v4", {"thinking": True}, "weighing it</think>the answer", "weighing it", "the answer"),
+    ("deepseek_v4", {"enable_thinking": True}, "cut off while thinking", "cut off while thinking", ""),
     ("qwen3", {}, "<think>\nplan\n</think>\n\nanswer", "\nplan\n", "\n\nanswer"),
     ("qwen3", {}, "answer without thinking, a <b> tag", None, "answer without thinking, a <b> tag"),
     ("qwen3", {}, "  <think>cut", "cut", ""),
@@ -201,6 +204,10 @@ FRAGMENTS_OF = {  # the formats whose calls the fragments above do not make
                      "</｜DSML｜invoke>", "</｜DSML｜function_calls>", '<｜DSML｜invoke name="t"></｜DSML｜invoke>',
                      '<｜DSML｜function_calls>\n<｜DSML｜invoke name="s">\n<｜DSML｜parameter name="k" string="true">v'
                      "</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls>"],
+    "deepseek_v4": ['<｜DSML｜invoke name="f">', '<｜DSML｜parameter name="p" string="false">', "</｜DSML｜parameter>",
+                    "</｜DSML｜invoke>", "</｜DSML｜tool_calls>", '<｜DSML｜invoke name="t"></｜DSML｜invoke>',
+                    '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="s">\n<｜DSML｜parameter name="k" string="true">v'
+                    "</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>"],
 }
 
 

@@ -1,4 +1,4 @@
-"""The DeepSeek-V3.1 and DeepSeek-V3.2 (DSML) tool-call parsers on canned model outputs: the
+"""The DeepSeek-V3.1, DeepSeek-V3.2 and DeepSeek-V4 (DSML) tool-call parsers on canned model outputs: the
 whole-text parse against the calls the text was built from (arguments compared as objects), and
 streams split at every character boundary, one character at a time and in token-sized chunks,
 against the whole-text parse."""
@@ -36,6 +36,12 @@ def dsml(calls):
     invokes = [f'<{D}invoke name="{n}">\n' + "\n".join(dsml_param(k, v) for k, v in a.items()) + f"\n</{D}invoke>"
                for n, a in calls]
     return f"\n\n<{D}function_calls>\n" + "\n".join(invokes) + f"\n</{D}function_calls>"
+
+
+def dsml_v4(calls):
+    """As DeepSeek-V4's encoding_dsv4.py writes an assistant turn's calls: V3.2's invokes in a
+    tool_calls block."""
+    return dsml(calls).replace(f"{D}function_calls>", f"{D}tool_calls>")
 
 
 V31_CALL = "<｜tool▁call▁begin｜>f<｜tool▁sep｜>"
@@ -115,8 +121,17 @@ CASES = [
      f'<{D}invoke name="g">\n<{D}parameter name="o" string="false">{{"k": [1, ', [("f", {"a": [1]})], ["g"]),
 ]
 
+# DeepSeek-V4: V3.2's cases with its block's name (its invokes and parameters are V3.2's).
+CASES += [("deepseek_v4", *(None if x is None else x.replace(f"{D}function_calls>", f"{D}tool_calls>")
+                            if isinstance(x, str) else x for x in case[1:]))
+          for case in CASES if case[0] == "deepseek_v32"]
+# V3.2's block in V4's output is text (with the invokes inside it still read as calls).
+CASES.append(("deepseek_v4", "See: " + dsml([("f", {"a": 1})]), f"See: \n\n<{D}function_calls></{D}function_calls>",
+              [("f", {"a": 1})], []))
+
 MARKERS = {"deepseek_v31": ["<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>"],
-           "deepseek_v32": [f"<{D}function_calls>", f"<{D}invoke"]}
+           "deepseek_v32": [f"<{D}function_calls>", f"<{D}invoke"],
+           "deepseek_v4": [f"<{D}tool_calls>", f"<{D}invoke"]}
 
 
 def _ids(cases):
@@ -154,7 +169,8 @@ def test_stream_at_every_boundary(parser, text, content, calls, dropped):
 
 def test_arguments_stream_before_the_call_ends():
     for parser, text in (("deepseek_v31", v31([("get_weather", {"city": "Paris", "long": "x" * 40})])),
-                         ("deepseek_v32", dsml([("get_weather", {"city": "Paris", "long": "x" * 40})]))):
+                         ("deepseek_v32", dsml([("get_weather", {"city": "Paris", "long": "x" * 40})])),
+                         ("deepseek_v4", dsml_v4([("get_weather", {"city": "Paris", "long": "x" * 40})]))):
         s = PARSERS[parser](None, []).stream()
         cut = text.index("x" * 20)
         d = s.feed(text[:cut])
@@ -183,6 +199,9 @@ FRAGMENTS = {
                      f'<{D}parameter name="a" string="true">', f'<{D}parameter name="b" string="false">',
                      f"</{D}parameter>", '{"x": [1, "}"]}', "12", "true", '"', "\n", " ", "text", "<", f"<{D}",
                      "<b>", dsml([("d", {"k": 1, "s": "v"})]), dsml([("e", {})])],
+    "deepseek_v4": [f"<{D}tool_calls>", f"</{D}tool_calls>", f'<{D}invoke name="f">', f"</{D}invoke>",
+                    f'<{D}parameter name="a" string="true">', f"</{D}parameter>", "12", '"', "\n", "text", "<",
+                    f"<{D}", dsml_v4([("d", {"k": 1, "s": "v"})]), dsml_v4([("e", {})])],
 }
 
 

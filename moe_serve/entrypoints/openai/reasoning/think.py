@@ -5,6 +5,8 @@ everything up to `</think>` is reasoning (a leading `<think>` the model writes a
 with no `</think>` at all the whole output is reasoning. Requests whose chat_template_kwargs turn
 thinking off (`enable_thinking` or `thinking` false) are passed through as content.
 
+deepseek_v4: deepseek_r1's reading, but only when the request turns thinking on (V4's default is off).
+
 qwen3: reasoning only where the output opens `<think>` itself (at its start, after whitespace);
 with enable_thinking=False the template closes an empty think block and the output is content.
 """
@@ -84,5 +86,19 @@ class Qwen3ReasoningParser(_ThinkParser):
     name = "qwen3"
 
 
+class DeepSeekV4ReasoningParser(_ThinkParser):
+    """DeepSeek-V4: its encoder ends a thinking-mode prompt with `<think>` and a chat-mode one with
+    `</think>`, chat mode unless asked (chat_template_kwargs `thinking` or `enable_thinking` true):
+    reasoning only then, starting inside it, as deepseek_r1."""
+
+    name = "deepseek_v4"
+    starts_inside = True
+
+    def _active(self) -> bool:
+        kw = self.chat_template_kwargs
+        return kw.get("thinking") is True or kw.get("enable_thinking") is True
+
+
 REASONING_PARSERS["deepseek_r1"] = DeepSeekR1ReasoningParser
+REASONING_PARSERS["deepseek_v4"] = DeepSeekV4ReasoningParser
 REASONING_PARSERS["qwen3"] = Qwen3ReasoningParser

@@ -140,3 +140,18 @@ def _json_text(raw: str, whole: bool) -> str:
 
 
 PARSERS["deepseek_v32"] = DeepSeekV32ToolParser
+
+
+V4_CALLS_BEGIN, V4_CALLS_END = f"<{DSML}tool_calls>", f"</{DSML}tool_calls>"
+
+
+class DeepSeekV4ToolParser(DeepSeekV32ToolParser):
+    """DeepSeek-V4: V3.2's invokes and parameters inside a `<｜DSML｜tool_calls>` block (its
+    encoding_dsv4.py), instead of `function_calls`."""
+
+    name = "deepseek_v4"
+    calls_begin, calls_end = V4_CALLS_BEGIN, V4_CALLS_END
+    markers = (V4_CALLS_BEGIN, INVOKE_BEGIN)
+
+
+PARSERS["deepseek_v4"] = DeepSeekV4ToolParser
