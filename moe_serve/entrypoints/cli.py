@@ -53,9 +53,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "(needs --tool-call-parser)")
     g.add_argument("--tool-call-parser", default=None,
                    help="the model's tool-call format: hermes (Qwen2.5/Qwen3) | deepseek_v3 (DeepSeek-V3/R1) | "
-                        "deepseek_v31 (DeepSeek-V3.1, V3.2-Exp) | deepseek_v32 (DeepSeek-V3.2, DSML) | deepseek_v4 (DeepSeek-V4, DSML tool_calls) | mistral")
+                        "deepseek_v31 (DeepSeek-V3.1, V3.2-Exp) | deepseek_v32 (DeepSeek-V3.2, DSML) | "
+                        "deepseek_v4 (DeepSeek-V4, DSML tool_calls) | mistral")
     g.add_argument("--reasoning-parser", default=None,
-                   help="move <think>...</think> into reasoning_content: deepseek_r1 | deepseek_v4 (thinking only when chat_template_kwargs turn it on) | qwen3")
+                   help="move <think>...</think> into reasoning_content: deepseek_r1 | deepseek_v4 (thinking only "
+                        "when chat_template_kwargs turn it on) | qwen3")
 
 
 def resolve_model(model: str | None) -> tuple[str, str]:
