@@ -8,6 +8,7 @@ multi-token-prediction layer after its last layer and yarn RoPE scaling.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -660,14 +661,14 @@ V4_FIELDS = dict(hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4, 
                  max_position_embeddings=1024)
 
 
-def build_deepseek_v4(path: str) -> str:
+def build_deepseek_v4(path: str, **fields) -> str:
     """Widened, with the hyper-connections' scales near 1 and a random hash table (transformers
-    initialises tid2eid to zeros: every token to expert 0)."""
+    initialises tid2eid to zeros: every token to expert 0). fields: overrides of V4_FIELDS."""
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
     special = _tokenizer(path)
-    cfg = DeepseekV4Config(vocab_size=VOCAB, **V4_FIELDS, eos_token_id=special["<|im_end|>"], bos_token_id=None,
-                           pad_token_id=special["<|endoftext|>"])
+    cfg = DeepseekV4Config(vocab_size=VOCAB, **{**V4_FIELDS, **fields}, eos_token_id=special["<|im_end|>"],
+                           bos_token_id=None, pad_token_id=special["<|endoftext|>"])
     torch.manual_seed(0)
     m = DeepseekV4ForCausalLM(cfg).eval()
     widen_(m, 7)
@@ -681,6 +682,52 @@ def build_deepseek_v4(path: str) -> str:
                 E, K = cfg.n_routed_experts, cfg.num_experts_per_tok
                 b.copy_(torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(VOCAB)]))
     m.save_pretrained(path)
+    return path
+
+
+def build_deepseek_v4_mtp(path: str, copy: bool) -> str:
+    """A DeepSeek-V4 checkpoint with its MTP layer as the Hub ships it (`mtp.0.*`: e_proj, h_proj,
+    enorm, hnorm, norm, hc_head_{fn,base,scale} and a decoder layer's tensors; transformers drops
+    them on save, so they are written afterwards). copy: a one-layer model (sliding attention,
+    learned routing) with unit-RMS embedding rows and an MTP layer that is the model shifted by one
+    token (e_proj = I, h_proj = 0, the layer, hyper head and norm copied): at position p it runs the
+    model over tokens 1..p+1, so once the window no longer sees token 0 its drafts are the model's
+    own next tokens. Otherwise the four-layer model and random projections and norms around a copy
+    of layer 2 (sliding, learned routing): drafts nearly always rejected."""
+    from safetensors.torch import load_file, save_file
+
+    if copy:
+        build_deepseek_v4(path, num_hidden_layers=1, layer_types=["sliding_attention"], mlp_layer_types=["moe"])
+        src = 0
+    else:
+        build_deepseek_v4(path)
+        src = 2
+    f = os.path.join(path, "model.safetensors")
+    sd = load_file(f)
+    D = V4_FIELDS["hidden_size"]
+    if copy:
+        e = sd["model.embed_tokens.weight"]
+        sd["model.embed_tokens.weight"] = e / e.pow(2).mean(-1, keepdim=True).sqrt()
+    pre = f"model.layers.{src}."
+    for k in [k for k in sd if k.startswith(pre)]:
+        sd["mtp.0." + k[len(pre):]] = sd[k].clone()
+    for part in ("fn", "base", "scale"):
+        sd[f"mtp.0.hc_head_{part}"] = sd[f"model.hc_head.hc_{part}"].clone()
+    g = torch.Generator().manual_seed(31)
+    if copy:
+        mtp = {"e_proj": torch.eye(D), "h_proj": torch.zeros(D, D), "enorm": torch.ones(D), "hnorm": torch.ones(D),
+               "norm": sd["model.norm.weight"].clone()}
+    else:
+        mtp = {"e_proj": torch.randn(D, D, generator=g) * D ** -0.5, "h_proj": torch.randn(D, D, generator=g) * D ** -0.5,
+               **{n: 1.0 + 0.1 * torch.randn(D, generator=g) for n in ("enorm", "hnorm", "norm")}}
+    for name, t in mtp.items():
+        sd[f"mtp.0.{name}.weight"] = t
+    save_file({k: v.contiguous() for k, v in sd.items()}, f, metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json")) as fh:
+        cfg = json.load(fh)
+    cfg["num_nextn_predict_layers"] = 1
+    with open(os.path.join(path, "config.json"), "w") as fh:
+        json.dump(cfg, fh, indent=2)
     return path
 
 
@@ -704,13 +751,14 @@ def build_deepseek_v4_fp4(path: str) -> str:
     Hub). `<path>/reference` holds the exactly dequantized weights in float32 (the oracle)."""
     from safetensors.torch import load_file, save_file
 
-    src = build_deepseek_v4(path + "_src")
+    src = build_deepseek_v4_mtp(path + "_src", copy=False)  # with its MTP layer, packed the same way
     sd = load_file(os.path.join(src, "model.safetensors"))
     block = (32, 32)
     out, ref = {}, {}
     for k, v in sd.items():
         stem = k[: -len(".weight")] if k.endswith(".weight") else None
-        dense = (stem is not None and v.dim() == 2 and (".attn.w" in k or ".shared_experts." in k)
+        dense = (stem is not None and v.dim() == 2 and (".attn.w" in k or ".shared_experts." in k
+                                                         or k.startswith(("mtp.0.e_proj", "mtp.0.h_proj")))
                  and ".compressor." not in k)
         if ".experts." in k and ".shared_experts." not in k:
             blocks, scales = pack_mxfp4(v)
@@ -753,7 +801,9 @@ EXTRA_BUILDERS = {"qwen2_moe": build_qwen2_moe, "olmoe": build_olmoe, "kimi_k2":
                   "qwen3_next": build_qwen3_next, "qwen3_5_moe": build_qwen3_5_moe,
                   "qwen3_5_moe_vl": build_qwen3_5_moe_vl, "deepseek_v32": build_deepseek_v32,
                   "glm_moe_dsa": build_glm_moe_dsa, "deepseek_v3_mtp_copy": build_deepseek_v3_mtp_copy,
-                  "deepseek_v4": build_deepseek_v4, "deepseek_v4_fp4": build_deepseek_v4_fp4}
+                  "deepseek_v4": build_deepseek_v4, "deepseek_v4_fp4": build_deepseek_v4_fp4,
+                  "deepseek_v4_mtp": functools.partial(build_deepseek_v4_mtp, copy=False),
+                  "deepseek_v4_mtp_copy": functools.partial(build_deepseek_v4_mtp, copy=True)}
 
 
 class LazyCheckpoints:

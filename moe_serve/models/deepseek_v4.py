@@ -28,8 +28,9 @@ hits, preemption, chunk boundaries, rollback and KV transfer need nothing more: 
 blocks. This is the torch reference path (a loop over a step's sequences).
 
 Checkpoint names are the Hub's (`layers.{i}.attn.wq_a`, `ffn.experts.{e}.w1`, `hc_attn_fn`,
-`embed`, `head`, ...), with or without transformers' `model.` prefix; the MTP layer (`mtp.*`) is
-skipped with a log line. Quantized as released: block FP8 linears with float32 or ue8m0 (one
+`embed`, `head`, ...), with or without transformers' `model.` prefix. The MTP layer (`mtp.0.*`) is
+V4MTPLayer when speculative decoding asks for method "mtp" (the streams it reads are the stack's
+output; the hyper head and final norm run in compute_logits), skipped with a log line otherwise. Quantized as released: block FP8 linears with float32 or ue8m0 (one
 exponent byte) scales, `<name>.scale` beside `<name>.weight`; `expert_dtype: fp4` experts kept
 packed in memory (GPT-OSS's MXFP4 expert op, dequantized per step for the routed experts).
 """
@@ -310,7 +311,11 @@ class LimitedSwiGLU:
 
 
 class V4DecoderLayer(nn.Module):
-    def __init__(self, hf: dict, i: int, window_span: int, moe: MoEContext, dtype):
+    """Decoder layer i of `layer_types` / `mlp_layer_types`; the MTP layer (i = num_hidden_layers)
+    passes its attention type and routing."""
+
+    def __init__(self, hf: dict, i: int, window_span: int, moe: MoEContext, dtype, layer_type: str | None = None,
+                 hashed: bool | None = None):
         super().__init__()
         D, eps = hf["hidden_size"], hf.get("rms_norm_eps", 1e-6)
         N, iters, hc_eps = hf["hc_mult"], hf.get("hc_sinkhorn_iters", 20), hf.get("hc_eps", 1e-6)
@@ -318,10 +323,10 @@ class V4DecoderLayer(nn.Module):
         self.ffn_hc = HyperConnection(D, N, iters, hc_eps, eps)
         self.attn_norm = RMSNorm(D, eps, dtype)
         self.ffn_norm = RMSNorm(D, eps, dtype)
-        self.attn = V4Attention(hf, layer_types(hf)[i], window_span, dtype)
+        self.attn = V4Attention(hf, layer_type or layer_types(hf)[i], window_span, dtype)
         E, K, F = hf["n_routed_experts"], hf["num_experts_per_tok"], hf["moe_intermediate_size"]
         scale = float(hf.get("routed_scaling_factor", 1.0))
-        self.hashed = mlp_layer_types(hf)[i] == "hash_moe"
+        self.hashed = mlp_layer_types(hf)[i] == "hash_moe" if hashed is None else hashed
         router = (HashRouter(D, E, K, hf["vocab_size"], scale) if self.hashed else
                   SqrtSoftplusRouter(D, E, K, scale))
         limit = hf.get("swiglu_limit")
@@ -342,7 +347,9 @@ class V4DecoderLayer(nn.Module):
 
 
 class V4Stack(nn.Module):
-    """embed -> hc_mult copies of each token's embedding -> layers -> hyper head -> norm."""
+    """embed -> hc_mult copies of each token's embedding -> layers: the streams, flattened (T, N*D).
+    The hyper head and the final norm run in `DeepseekV4ForCausalLM.compute_logits` (on the sampled
+    rows only), so the MTP layer reads the streams as the reference's does."""
 
     def __init__(self, hf: dict, moe: MoEContext, dtype):
         super().__init__()
@@ -350,8 +357,8 @@ class V4Stack(nn.Module):
         self.N = hf["hc_mult"]
         rates = compress_rates(hf)
         types = layer_types(hf)
-        span = max([int(hf["sliding_window"])] + [2 * rates[CSA] for t in types if t == CSA]
-                   + [rates[HCA] for t in types if t == HCA])
+        self.span = span = max([int(hf["sliding_window"])] + [2 * rates[CSA] for t in types if t == CSA]
+                               + [rates[HCA] for t in types if t == HCA])
         self.embed_tokens = Embedding(hf["vocab_size"], D, dtype)
         self.layers = nn.ModuleList([V4DecoderLayer(hf, i, span, moe, dtype) for i in range(hf["num_hidden_layers"])])
         self.hc_head = HyperHead(D, self.N, hf.get("hc_eps", 1e-6), eps)
@@ -369,7 +376,47 @@ class V4Stack(nn.Module):
         ropes = {t: r.cos_sin(positions_T) for t, r in self.ropes.items()}
         for layer in self.layers:
             h = yield from layer.stages(h, ids_T, positions_T, meta, step, ropes, self.ropes)
-        return self.norm(self.hc_head(h))
+        return h.flatten(1)
+
+    def final(self, h_BX: torch.Tensor) -> torch.Tensor:
+        """(B, N*D) streams -> (B, D): the hyper head, then the final norm."""
+        return self.norm(self.hc_head(h_BX.view(h_BX.shape[0], self.N, -1)))
+
+
+class V4MTPLayer(nn.Module):
+    """DeepSeek-V4's multi-token-prediction layer (`mtp.0.*` on the Hub): a decoder layer (sliding
+    attention, learned routing unless the model's hash layers reach its index) fed
+    e_proj(enorm(embed(t_{p+1}))) added to every stream of h_proj(hnorm(streams_p)); its own hyper
+    head and norm, the model's embedding and LM head. Its input at p is the target's streams at p
+    (or its own on a chained pass); spec_decode/mtp.py runs it."""
+
+    def __init__(self, hf: dict, stack: V4Stack, lm_head: LMHead, moe: MoEContext, dtype, moe_index: int,
+                 hashed: bool):
+        super().__init__()
+        D, eps = hf["hidden_size"], hf.get("rms_norm_eps", 1e-6)
+        self.N = hf["hc_mult"]
+        self.e_proj = Linear(D, D, dtype=dtype)
+        self.h_proj = Linear(D, D, dtype=dtype)
+        self.enorm = RMSNorm(D, eps, dtype)
+        self.hnorm = RMSNorm(D, eps, dtype)
+        self.norm = RMSNorm(D, eps, dtype)
+        self.hc_head = HyperHead(D, self.N, hf.get("hc_eps", 1e-6), eps)
+        self.block = V4DecoderLayer(hf, moe_index, stack.span, moe, dtype, layer_type=SLIDING, hashed=hashed)
+        self._shared = (stack, lm_head)  # not submodules: the model's own, loaded once
+
+    def forward(self, embed: nn.Module, rotary, ids_T: torch.Tensor, positions_T: torch.Tensor,
+                prev_h_TX: torch.Tensor, meta: AttentionMetadata, step: MoEStep = NO_STEP) -> torch.Tensor:
+        stack = self._shared[0]
+        T, D = ids_T.shape[0], self.norm.weight.shape[0]
+        e = self.e_proj(self.enorm(embed(ids_T)))
+        h = self.h_proj(self.hnorm(prev_h_TX.reshape(T * self.N, D))).view(T, self.N, D)
+        x = h + e[:, None, :]
+        ropes = {t: r.cos_sin(positions_T) for t, r in stack.ropes.items()}
+        return run_to_end(self.block.stages(x, ids_T, positions_T, meta, step, ropes, stack.ropes)).flatten(1)
+
+    def draft_ids(self, g_BX: torch.Tensor) -> torch.Tensor:
+        g = self.norm(self.hc_head(g_BX.view(g_BX.shape[0], self.N, -1)))
+        return self._shared[1](g).argmax(dim=-1)
 
 
 def fp4_experts(hf: dict) -> bool:
@@ -378,7 +425,7 @@ def fp4_experts(hf: dict) -> bool:
     return q.get("quant_method") == "fp8" and (q.get("expert_dtype") or hf.get("expert_dtype")) == "fp4"
 
 
-_EXPERT = re.compile(r"^(?P<prefix>model\.layers\.\d+\.ffn)\.experts\.(?P<e>\d+)\.(?P<w>w[123])\.(?P<part>weight|weight_scale_inv)$")
+_EXPERT = re.compile(r"^(?P<prefix>(?:model\.layers\.\d+|mtp\.0\.block)\.ffn)\.experts\.(?P<e>\d+)\.(?P<w>w[123])\.(?P<part>weight|weight_scale_inv)$")
 
 
 def layer_types(hf: dict) -> list[str]:
@@ -501,6 +548,61 @@ class DeepseekV4ForCausalLM(CausalLM):
                      "this rank; each step dequantizes the routed experts of one layer at a time",
                      len(self._experts) * E * 3 * (twoF // 2) * D * 17 / 32 / 2**20)
 
+    def compute_logits(self, h_BX: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.final(h_BX))
+
+    def add_mtp_layers(self, moe: MoEContext, dtype) -> int:
+        """The checkpoint's multi-token-prediction layer (`num_nextn_predict_layers`: one on the
+        released checkpoints) as `self.mtp[0]`, its MoE layer after the model's own. As in
+        DeepSeek's reference, its attention is sliding-window only and its routing is hashed only
+        when the model's hash layers (`num_hash_layers`, or the leading `hash_moe` layers) reach its
+        index. Returns its count."""
+        hf = self.hf
+        n = int(hf.get("num_nextn_predict_layers") or 0)
+        if n != 1:
+            raise ValueError(f"speculative_config.method='mtp' needs a checkpoint with one multi-token-prediction "
+                             f"layer; this DeepSeek-V4 config has num_nextn_predict_layers={n}"
+                             + ("" if n else " (use method 'ngram')"))
+        L = self.num_hidden_layers
+        n_hash = hf.get("num_hash_layers")
+        if n_hash is None:
+            types = mlp_layer_types(hf)
+            n_hash = next((i for i, t in enumerate(types) if t != "hash_moe"), len(types))
+            if n_hash == len(types):
+                n_hash = max(n_hash, 3)  # every layer hashed: the reference's default count decides
+        moe_index = self.num_moe_layers
+        if moe.physical_to_logical is not None and len(moe.physical_to_logical) == moe_index:
+            # A placement tuned for the model's own layers: the MTP layer's experts get the default one.
+            from expert_parallel.runtime.layer import default_physical_to_logical
+
+            moe.physical_to_logical.append(default_physical_to_logical(hf["n_routed_experts"],
+                                                                       moe.dispatcher.num_slots))
+        layer = V4MTPLayer(hf, self.model, self.lm_head, moe, dtype, moe_index, hashed=L < int(n_hash))
+        self.mtp = nn.ModuleList([layer])
+        if self.fp4:
+            self._experts["mtp.0.block.ffn"] = layer.block.ffn.experts
+        return n
+
+    def _mtp_name(self, rest: str) -> str | None:
+        """`mtp.0.<rest>` (Hub) -> ours: its own projections, norms and hyper head by name, the
+        decoder layer's tensors as a layer's, under `mtp.0.block`; None for a copy of the model's
+        embedding or head."""
+        head = rest.split(".")[0]
+        if head in ("embed", "embed_tokens", "head", "lm_head", "shared_head"):
+            return None
+        if head in ("e_proj", "h_proj", "enorm", "hnorm", "norm"):
+            return f"mtp.0.{rest}"
+        m = re.match(r"^hc_head[._](?:hc_)?(fn|base|scale)$", rest)
+        if m:
+            return f"mtp.0.hc_head.hc_{m.group(1)}"
+        L = self.num_hidden_layers
+        name = f"layers.{L}.{rest}"
+        for pat, rep in _RENAMES:
+            new = re.sub(pat, rep, name)
+            if new != name:
+                return new.replace(f"model.layers.{L}.", "mtp.0.block.", 1)
+        return name
+
     def loads_own_scales(self, name: str) -> bool:
         return self.fp4 and _EXPERT.match(name) is not None
 
@@ -547,6 +649,8 @@ class DeepseekV4ForCausalLM(CausalLM):
         bare = name[len("model."):] if name.startswith("model.") else name
         if bare.endswith(".scale"):  # the Hub's block scales: <linear>.scale beside <linear>.weight
             bare = bare[: -len(".scale")] + ".weight_scale_inv"
+        if bare.startswith("mtp.0.") and self.mtp is not None:
+            return self._mtp_name(bare[len("mtp.0."):])
         if bare.startswith("mtp.") or bare.startswith("mtp_"):
             if not self._mtp_logged:
                 log.info("skipping the checkpoint's multi-token-prediction layer (mtp.*): not used without "

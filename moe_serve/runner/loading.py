@@ -35,7 +35,7 @@ def build_model(cfg: EngineConfig, moe_ctx: MoEContext, ops: platform.Ops) -> nn
         if spec is not None and spec.method == "mtp":
             if not hasattr(model, "add_mtp_layers"):
                 raise ValueError(f"speculative_config.method='mtp': {mc.architecture} has no multi-token-prediction "
-                                 "layers the engine can run (DeepSeek-V3/V3.2 and Kimi-K2 checkpoints do); use "
+                                 "layers the engine can run (DeepSeek-V3/V3.2/V4, GLM-5 and Kimi-K2 checkpoints do); use "
                                  "method 'ngram'")
             model.add_mtp_layers(moe_ctx, mc.dtype)
             log.info("speculative decoding: the checkpoint's multi-token-prediction layer drafts %d token(s) per step",

@@ -1,5 +1,7 @@
 """Multi-token prediction (MTP) drafts: the checkpoint's own next-token layer, as DeepSeek-V3 and
-GLM-4.5 ship it after their last decoder layer (`model.layers.{num_hidden_layers}.*` on the Hub):
+GLM-4.5 ship it after their last decoder layer (`model.layers.{num_hidden_layers}.*` on the Hub;
+DeepSeek-V4's `mtp.0.*` differs in its input projections and hyper-connections:
+models/deepseek_v4.py V4MTPLayer, which this module runs the same way):
 
     x_p  = eh_proj([enorm(embed(t_{p+1})) ; hnorm(h_p)])      h_p: the target's final (normed)
     g_p  = block(x_p)   (a full decoder layer: MLA + MoE)           hidden state at position p
@@ -83,7 +85,9 @@ class MtpDrafter:
         self.layer: MTPLayer = model.mtp[0]
 
     def _run(self, ids, pos, prev_h, meta, step=NO_STEP):
-        return self.layer(self.model.model.embed_tokens, self.model.model.rotary, ids, pos, prev_h, meta, step)
+        # rotary: the stack's shared RoPE (None where the layer keeps its own, as DeepSeek-V4's does)
+        stack = self.model.model
+        return self.layer(stack.embed_tokens, getattr(stack, "rotary", None), ids, pos, prev_h, meta, step)
 
     @torch.inference_mode()
     def propose(self, *args) -> dict[int, list[int]]:

@@ -18,13 +18,14 @@ SPEC = {"ngram": ["--speculative-config", '{"method": "ngram", "num_speculative_
 LOOPY = PROMPTS + [[7, 8, 9] * 6, [300, 301, 302, 303] * 4]
 
 
-@pytest.mark.parametrize("method", ["ngram", "mtp"])
-def test_ep2_greedy_text_unchanged(checkpoints, extra_checkpoints, method):
-    """DeepSeek-V3 (MLA), two ranks. N-gram: overlap's micro-batches on (split at any size). MTP
-    (the checkpoint whose MTP layer drafts well, tests/checkpoints.py): steps padded as where
-    graphs are captured, so verify steps of 3 tokens per sequence pad to a shape both ranks agree
-    on (the idle rank's empty steps too), and the MTP passes run on both."""
-    path = checkpoints["deepseek_v3"] if method == "ngram" else extra_checkpoints["deepseek_v3_mtp_copy"]
+@pytest.mark.parametrize("method,arch", [("ngram", "deepseek_v3"), ("mtp", "deepseek_v3_mtp_copy"),
+                                         ("mtp", "deepseek_v4_mtp_copy")])
+def test_ep2_greedy_text_unchanged(checkpoints, extra_checkpoints, method, arch):
+    """DeepSeek-V3 (MLA) and DeepSeek-V4, two ranks. N-gram: overlap's micro-batches on (split at
+    any size). MTP (the checkpoints whose MTP layer drafts well, tests/checkpoints.py): steps padded
+    as where graphs are captured, so verify steps of 3 tokens per sequence pad to a shape both
+    ranks agree on (the idle rank's empty steps too), and the MTP passes run on both."""
+    path = checkpoints[arch] if arch in checkpoints else extra_checkpoints[arch]
     extra = ["--enable-overlap", "--overlap-min-tokens", "1"] if method == "ngram" else ["--pad-decode"]
     want = expected_texts(path, LOOPY, 24)
     job = TorchrunJob(2, ["--model", path, *ARGS, *SPEC[method], *extra])

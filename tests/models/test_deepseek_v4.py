@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from moe_serve import LLM, SamplingParams
-from tests.models.test_hf_parity import check_greedy_parity, hf_greedy, hf_model, make_prompts
+from tests.models.test_hf_parity import assert_same_greedy, check_greedy_parity, hf_greedy, hf_model, make_prompts
 from tests.models.test_qwen3_next import check_random_schedule
 
 ARCH = "deepseek_v4"
@@ -131,3 +131,41 @@ def test_fp8_and_fp4_weights_as_released(extra_checkpoints):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=6))
     for p, o in zip(prompts, outs):
         assert list(o.outputs[0].token_ids) == hf_greedy(model, p, 6)
+    # Its MTP layer, packed the same way (FP8 e_proj / h_proj, FP4 experts), drafts: the same tokens.
+    spec = LLM(path, dtype="float32", kv_cache_memory=4 << 20, block_size=4, max_num_batched_tokens=16,
+               show_progress=False, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    layer = spec.engine.runner.model.mtp[0]
+    assert layer.e_proj.weight.dtype == torch.float8_e4m3fn and layer.block.ffn.experts.w13_blocks.dtype == torch.uint8
+    again = spec.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=6))
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
+    assert spec.engine.spec.num_drafts > 0
+
+
+@pytest.mark.parametrize("arch,k", [("deepseek_v4_mtp_copy", 3), ("deepseek_v4_mtp", 2)])
+def test_mtp_speculative_decoding(extra_checkpoints, arch, k):
+    """The checkpoint's MTP layer (`mtp.0.*` as the Hub ships it) drafts; greedy text equals the
+    plain engine's and transformers' under chunked prefill mixed with verify steps. The layer that
+    copies the model shifted by a token (tests/checkpoints.py build_deepseek_v4_mtp) must draft
+    well, which it only does when its Hub names, its stream input and its own sliding cache are
+    right; the random one's drafts are nearly all rejected, so its cache is rolled back often."""
+    from tests.models.test_mtp import engines, prompts
+
+    path = extra_checkpoints[arch]
+    plain, spec = engines(path, k, max_num_batched_tokens=24)
+    ps = [p * 2 for p in prompts(6, seed=3)]  # 6-78 tokens: past the window of 8
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in spec.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)]
+    assert got == want
+    model = hf_model(path)
+    for p, ours in list(zip(ps, got))[:2]:
+        theirs = hf_greedy(model, p, len(ours))  # stops at EOS, which ours ignores
+        assert_same_greedy(model, p, ours[:len(theirs)], theirs)
+    s = spec.engine.spec
+    assert s.num_drafts > 0 and sum(s.accepted_per_pos) == s.num_accepted_tokens
+    if arch == "deepseek_v4_mtp_copy":
+        assert s.num_accepted_tokens > 0.5 * s.num_draft_tokens, (s.num_accepted_tokens, s.num_draft_tokens)
+        assert spec.engine.num_steps < plain.engine.num_steps
+    for llm in (plain, spec):
+        assert llm.engine.scheduler.kv.in_use == 0
+        llm.engine.scheduler.kv.check_invariants()
