@@ -6,7 +6,7 @@ dies in the middle of a transfer stops the job with an error naming it.
 
 The cases are combined into few jobs (each start costs seconds on a small machine): every
 architecture, 2 and 4 ranks, overlap on and off, and both spellings of the settings appear
-(DeepSeek-V3 at EP 2; EP 4 with rebalances runs Qwen3-MoE)."""
+(DeepSeek-V3 at EP 2; EP 4 with rebalances runs Qwen3-MoE, GLM-5 and DeepSeek-V4)."""
 from __future__ import annotations
 
 import asyncio
@@ -34,13 +34,17 @@ JOBS = [  # (architecture, ranks, overlap, how the settings are given)
     ("mixtral", 2, False, ["--num-redundant-experts", "2"]),
     ("qwen3_moe", 4, True, ["--eplb-config", '{"num_redundant_experts": 4}']),
     ("deepseek_v3", 2, True, ["--eplb-config", '{"num_redundant_experts": 0, "step_interval": 4}']),
+    # sparse and compressed attention at EP 4: GLM-5's DSA (an indexer shared between layers) and
+    # DeepSeek-V4 (its hash-routed layer's experts move like any other's)
+    ("glm_moe_dsa", 4, True, ["--num-redundant-experts", "4"]),
+    ("deepseek_v4", 4, True, ["--num-redundant-experts", "4"]),
 ]
 
 
 @pytest.mark.parametrize("arch, nproc, overlap, settings", JOBS, ids=[f"{a}-ep{n}-{'overlap' if o else 'plain'}"
                                                                       for a, n, o, _ in JOBS])
-def test_greedy_text_unchanged_through_rebalances(checkpoints, arch, nproc, overlap, settings):
-    path = checkpoints[arch]
+def test_greedy_text_unchanged_through_rebalances(checkpoints, extra_checkpoints, arch, nproc, overlap, settings):
+    path = checkpoints[arch] if arch in checkpoints else extra_checkpoints[arch]
     want = expected_texts(path, PROMPTS, 10)
     extra = ["--enable-overlap", "--overlap-min-tokens", "1"] if overlap else []
     job = TorchrunJob(nproc, ["--model", path, *ARGS, *EPLB_FLAGS, *settings, *extra, "--speed-of-light-window", "0"])
