@@ -19,7 +19,10 @@ launched it spills nothing). The configurations, per model of MODELS (plus --mod
 dtype it is served in (bf16 / fp16; fp32 too for the small fp32 test checkpoint and --model files):
   - grouped GEMM: each default config (decode / middle / prefill) and each entry of each tuned file
     in moe_serve/kernels/grouped_gemm/configs/, gated (gate/up) and ungated (down), with block-FP8 weights and
-    W8A8 in bf16; the masked grouped GEMM (DeepEP's low-latency layout) likewise;
+    W8A8 in bf16; the masked grouped GEMM (DeepEP's low-latency layout) likewise; the models'
+    expert variants (GPT-OSS: biases and the clamped SwiGLU; DeepSeek-V4: the limited SwiGLU),
+    dense, block FP8 and W8A8 in bf16, and, where the model ships them, MXFP4 weights read packed
+    (in bf16 the decode tile with every activation, with and without biases, too);
   - top-k sum, KV / latent writes, paged attention (decode with and without split-K, prefill; the
     sparse mode of DSA models) and the split reduce; the DSA indexer's scores; FP8 linear layers and activation quantization;
   - linear attention (Gated DeltaNet) where the model has it: the convolution (decode and prefill
@@ -112,6 +115,19 @@ class ModelShape:
     # index_topk tokens for the MLA.
     IH: int = 0
     ID: int = 0
+    # The experts' variant: the activation ("silu"; "clamped": GPT-OSS's ClampedSwiGLU; "limited":
+    # DeepSeek-V4's LimitedSwiGLU), per-expert biases, and MXFP4 weights (GPT-OSS, DeepSeek-V4's
+    # fp4 experts) beside the dense ones.
+    act: str = "silu"
+    bias: bool = False
+    mxfp4: bool = False
+    # False: only the experts' kernels are compiled (attention that is not the Triton paged kernel's).
+    attention: bool = True
+
+    @property
+    def variant(self) -> bool:
+        """Experts with biases or another activation than SwiGLU."""
+        return self.act != "silu" or self.bias
 
     @property
     def mla(self) -> bool:
@@ -134,11 +150,14 @@ MODELS = (
     ModelShape("deepseek-v2-lite", D=2048, K=6, E=64, F=1408, N=16, L=512, R=64),
     ModelShape("deepseek-v3.2", D=7168, K=8, E=256, F=2048, N=128, L=512, R=64, IH=64, ID=128),
     ModelShape("glm-5", D=6144, K=8, E=256, F=2048, N=64, L=512, R=64, IH=32, ID=128),
-    ModelShape("gpt-oss-120b", D=2880, K=4, E=128, F=2880, N=64, G=8, H=64, Hv=64, sinks=True),
+    ModelShape("gpt-oss-120b", D=2880, K=4, E=128, F=2880, N=64, G=8, H=64, Hv=64, sinks=True, act="clamped",
+               bias=True, mxfp4=True),
     ModelShape("llama-4-scout", D=5120, K=1, E=16, F=8192, N=40, G=8, H=128, Hv=128, chunked=True),
     # 3 of 4 layers Gated DeltaNet (16 key heads repeated to 32 value heads), the others gated GQA
     ModelShape("qwen3-next-80b-a3b", D=2048, K=10, E=512, F=512, N=16, G=2, H=256, Hv=256,
                LH=32, LK=128, LV=128, LC=2 * 16 * 128 + 32 * 128, LW=4),
+    # its experts only (FP4, limited SwiGLU; its attention has no Triton kernel here)
+    ModelShape("deepseek-v4", D=4096, K=6, E=256, F=2048, N=64, act="limited", mxfp4=True, attention=False),
     # the built-in random test checkpoint (moe_serve/default_model/tiny.py)
     ModelShape("moe-tiny", D=64, K=2, E=4, F=128, N=4, G=2, H=16, Hv=16, dtypes=DTYPES),
 )
@@ -160,10 +179,17 @@ def model_from_hf_config(path: str) -> ModelShape:
     F = hf.get("moe_intermediate_size") or hf["intermediate_size"]
     name = os.path.basename(os.path.dirname(os.path.abspath(path))) or path
     dtypes = DTYPES  # whatever the file says, --model compiles every dtype
+    q = hf.get("quantization_config") or {}
+    experts = {}
+    if hf.get("model_type") == "gpt_oss":
+        experts = dict(act="clamped", bias=True, mxfp4=q.get("quant_method") == "mxfp4")
+    elif hf.get("model_type") == "deepseek_v4":
+        experts = dict(act="limited" if hf.get("swiglu_limit") is not None else "silu", attention=False,
+                       mxfp4=q.get("quant_method") == "fp8" and (q.get("expert_dtype") or hf.get("expert_dtype")) == "fp4")
     if "kv_lora_rank" in hf:
         return ModelShape(name, D=D, K=K, E=E, F=F, N=N, L=hf["kv_lora_rank"], R=hf["qk_rope_head_dim"],
                           dtypes=dtypes, IH=hf.get("index_n_heads", 0) if hf.get("index_topk") else 0,
-                          ID=hf.get("index_head_dim", 0) if hf.get("index_topk") else 0)
+                          ID=hf.get("index_head_dim", 0) if hf.get("index_topk") else 0, **experts)
     H = hf.get("head_dim") or D // N
     linear = {}
     if hf.get("linear_num_value_heads"):  # Qwen3-Next / Qwen3.5: Gated DeltaNet layers
@@ -171,7 +197,8 @@ def model_from_hf_config(path: str) -> ModelShape:
         linear = dict(LH=LH, LK=LK, LV=LV, LC=2 * hf["linear_num_key_heads"] * LK + LH * LV,
                       LW=hf["linear_conv_kernel_dim"])
     return ModelShape(name, D=D, K=K, E=E, F=F, N=N, G=hf.get("num_key_value_heads", N), H=H, Hv=H, dtypes=dtypes,
-                      sinks=hf.get("model_type") == "gpt_oss", chunked=bool(hf.get("attention_chunk_size")), **linear)
+                      sinks=hf.get("model_type") == "gpt_oss", chunked=bool(hf.get("attention_chunk_size")), **linear,
+                      **experts)
 
 
 @dataclass
@@ -267,28 +294,49 @@ def _probe(call) -> list:
 # engine's own layer classes, built on the "meta" device.
 
 
-def _moe_stand_in(m: ModelShape, dt, weights: str = "plain", E: int | None = None):
+def _activation(m: ModelShape):
+    """The expert activation object the model's layers pass (its constants are runtime arguments)."""
+    from moe_serve.kernels.grouped_gemm.reference import ClampedSwiGLU
+
+    if m.act == "clamped":
+        return ClampedSwiGLU(1.702, 7.0)
+    if m.act == "limited":
+        from moe_serve.models.deepseek_v4 import LimitedSwiGLU
+
+        return LimitedSwiGLU(10.0)
+    return "silu"
+
+
+def _moe_stand_in(m: ModelShape, dt, weights: str = "plain", E: int | None = None, variant: bool = False):
     """An MoE layer's experts and router top-k as the backend reads them: weights "plain" (dt),
-    "fp8" (block FP8, weight-only) or "w8a8"."""
+    "fp8" (block FP8, weight-only), "w8a8" or "mxfp4" (packed, as GPT-OSS and DeepSeek-V4 ship
+    them); SwiGLU without biases unless `variant` (always for MXFP4): m's activation and biases."""
     from types import SimpleNamespace
 
     from expert_parallel.runtime.layer import GroupedExperts
 
     E = E or m.E
+    kw = dict(bias=m.bias, activation=_activation(m)) if variant or weights == "mxfp4" else {}
     with torch.device(_META):
-        experts = GroupedExperts(E, m.D, m.F, list(range(E)), dt)
+        if weights == "mxfp4":
+            from moe_serve.models.gpt_oss import Mxfp4Experts
+
+            return SimpleNamespace(experts=Mxfp4Experts(E, m.D, m.F, list(range(E)), dt, **kw),
+                                   gate=SimpleNamespace(top_k=m.K))
+        experts = GroupedExperts(E, m.D, m.F, list(range(E)), dt, **kw)
         if weights != "plain":
             experts.to_block_fp8((128, 128))
             experts.fp8_act_quant = weights == "w8a8"
     return SimpleNamespace(experts=experts, gate=SimpleNamespace(top_k=m.K))
 
 
-def _experts_probe(m: ModelShape, dt, cfg: dict | None, weights: str = "plain", ids=torch.int64) -> list:
+def _experts_probe(m: ModelShape, dt, cfg: dict | None, weights: str = "plain", ids=torch.int64,
+                   variant: bool = False) -> list:
     """The grouped GEMM on m's expert shapes with config cfg (None: the kernel's own choice), a
     decode-sized batch (the config is forced, so T only sets the top-k launch)."""
     from moe_serve.kernels.grouped_gemm import TritonExperts
 
-    return _probe(lambda: TritonExperts("cuda").launch(_moe_stand_in(m, dt, weights), dt, cfg, ids))
+    return _probe(lambda: TritonExperts("cuda").launch(_moe_stand_in(m, dt, weights, variant=variant), dt, cfg, ids))
 
 
 def _masked_probe(m: ModelShape, dt, cfg: dict, fp8: bool) -> list:
@@ -392,6 +440,21 @@ def enumerate_jobs(models=MODELS, dtypes=DTYPES, inject_broken: bool = False, qu
                 add_launches(_experts_probe(m, dt, cfg, "w8a8"), {GEMM: gemm_user(origin, d, " fp8-w8a8"),
                                                                  QUANT: "fp8 activation quant bf16"})
                 add_launches(_masked_probe(m, dt, cfg, True), {MASKED: gemm_user(f"{origin} masked", d, " fp8-weights")})
+            # The model's expert variant (biases, another activation): dense (and block FP8 in bf16),
+            # and MXFP4 where the model ships so.
+            kinds = ("plain",) + ("fp8", "w8a8") * (dt == torch.bfloat16) if m.variant else ()
+            suffix = f" {m.act}{' bias' if m.bias else ''}"
+            for weights in kinds + ("mxfp4",) * m.mxfp4:
+                add_launches(_experts_probe(m, dt, cfg, weights, variant=True),
+                             {GEMM: gemm_user(origin, d, f" {weights if weights != 'plain' else 'dense'}{suffix}"),
+                              QUANT: "fp8 activation quant bf16"})
+            if m.mxfp4 and dt == torch.bfloat16 and origin == "default decode":
+                # The MXFP4 kernel's every activation, with and without biases, on this shape.
+                for act in ("silu", "limited", "clamped"):
+                    for bias in (False, True):
+                        v = replace(m, act=act, bias=bias)
+                        add_launches(_experts_probe(v, dt, cfg, "mxfp4"),
+                                     {GEMM: gemm_user(origin, d, f" mxfp4 {act}{' bias' if bias else ''}")})
     if inject_broken:
         # A config tl.dot cannot compile (K tile < 16), and a gate/up tile too large for 4 warps'
         # registers (64 x 256 rows and columns, two fp32 accumulators: ~2.2 KB spilled per thread):
@@ -423,7 +486,7 @@ def enumerate_jobs(models=MODELS, dtypes=DTYPES, inject_broken: bool = False, qu
             d = DTYPE_SIG[dt]
             for ids in (torch.int64, torch.int32):  # router ids are int64; remapped placements give int32
                 add_launches(_experts_probe(m, dt, None, ids=ids), {TOPK: f"{m.name} {d}"})
-            for step in TritonAttention.steps(max_len=40, split=True):
+            for step in TritonAttention.steps(max_len=40, split=True) if m.attention else ():
                 for kind in _attention_kinds(m):
                     user = f"{m.name} {step[0]}{' ' + kind if kind else ''} {d}"
                     add_launches(_attention_probe(m, dt, step, kind),
@@ -453,14 +516,15 @@ def spill_checked(job: Job) -> bool:
 
 def quick_jobs(jobs: list[Job]) -> list[Job]:
     """One configuration per kernel, dtype and code path (gate/up or down, split-K or not, MLA or
-    GQA, the weight and activation types): the first enumerated, which is the decode default where
-    the kernel has one (jobs are enumerated decode default first), plus every tuned entry. The
-    default of `--quick`, what the test suite compiles on each change."""
+    GQA, the weight and activation types, the experts' activation and biases): the first
+    enumerated, which is the decode default where the kernel has one (jobs are enumerated decode
+    default first), plus every tuned entry. The default of `--quick`, what the test suite compiles
+    on each change."""
     by_path: dict[tuple, Job] = {}
     for j in jobs:
         c = j.constexprs
         path = (j.kernel, j.dtype, j.types.get("a_ptr") or j.types.get("x_ptr"), j.types.get("b_ptr"), c.get("GATED"),
-                c.get("SPLIT_K"), c.get("HAS_ROPE"), c.get("DECODE"))
+                c.get("SPLIT_K"), c.get("HAS_ROPE"), c.get("DECODE"), c.get("ACT"), c.get("HAS_BIAS"))
         if j.kernel in (GEMM, MASKED) and any(u.startswith("tuned") for u in j.users):
             path += (j.key(),)  # every tuned entry
         by_path.setdefault(path, j)

@@ -12,9 +12,11 @@ de-interleaved at load so w13 keeps the [gate; up] layout every expert op uses.
 
 MXFP4 (quantization_config quant_method "mxfp4", how GPT-OSS ships): the experts come as
 `*_blocks` (uint8, two e2m1 values per byte) and `*_scales` (uint8 e8m0 per 32 values), biases
-unquantized. On the CPU they stay compressed in memory and the expert op dequantizes the routed
-experts of each step (moe_serve/kernels/grouped_gemm/mxfp4.py); elsewhere they are dequantized once at load
-into ordinary expert weights (the memory cost is logged).
+unquantized. On the CPU and on CUDA they stay compressed in memory: the Triton grouped GEMM (CUDA's
+expert backend) decodes each weight tile in registers as it loads it, the torch ops dequantize the
+routed experts of each step (moe_serve/kernels/grouped_gemm/mxfp4.py). On other devices, or with
+`mxfp4_compressed = False`, they are dequantized once at load into ordinary expert weights (the
+memory cost is logged).
 """
 from __future__ import annotations
 
@@ -42,7 +44,8 @@ _EXPERT_TENSOR = re.compile(r"^(?P<prefix>.*\.mlp)\.experts\.(?P<proj>gate_up_pr
 class Mxfp4Experts(GroupedExperts):
     """This rank's expert slots kept in MXFP4: w13 as (E, 2F, D / 32, 16) blocks and (E, 2F, D / 32)
     scales ([gate; up] rows), w2 as (E, D, F / 32, 16) and (E, D, F / 32), all uint8; the biases in
-    the model's dtype (the GEMM dtype after prepare.py). The expert op dequantizes per step."""
+    the model's dtype (the GEMM dtype after prepare.py). The expert op reads them packed (the Triton
+    grouped GEMM) or dequantizes the routed experts per step (torch ops)."""
 
     def __init__(self, num_local: int, hidden_size: int, intermediate_size: int, local_logical: list[int], dtype,
                  bias: bool = True, activation="silu"):
@@ -79,8 +82,10 @@ class GptOssForCausalLM(CausalLM):
     expert_names: dict = {}  # experts only as fused 3-D tensors, loaded by load_checkpoint_tensor
     quant_methods = ("mxfp4",)
     name_rewrites = ((r"\.self_attn\.sinks$", ".self_attn.attn.sinks"), (r"\.mlp\.router\.", ".mlp.gate."))
-    # MXFP4 experts kept compressed: None decides by device (the CPU: yes; elsewhere dequantized at load).
+    # MXFP4 experts kept compressed: None decides by device (the CPU and CUDA: yes; elsewhere dequantized
+    # at load).
     mxfp4_compressed: bool | None = None
+    COMPRESSED_ON = ("cpu", "cuda")
 
     def __init__(self, hf: dict, moe: MoEContext, dtype):
         D, E = hf["hidden_size"], hf["num_local_experts"]
@@ -96,9 +101,10 @@ class GptOssForCausalLM(CausalLM):
         window = hf.get("sliding_window")
         quant = (hf.get("quantization_config") or {}).get("quant_method")
         self.mxfp4 = quant == "mxfp4"
-        # Compressed in memory on the CPU (dequantized per step); elsewhere dequantized at load.
-        on_cpu = torch.get_default_device().type == "cpu"
-        self.compressed = self.mxfp4 and (on_cpu if self.mxfp4_compressed is None else self.mxfp4_compressed)
+        # Compressed in memory on the CPU and CUDA (read packed by the Triton kernel, or dequantized
+        # per step by torch ops); elsewhere dequantized at load.
+        packed_here = torch.get_default_device().type in self.COMPRESSED_ON
+        self.compressed = self.mxfp4 and (packed_here if self.mxfp4_compressed is None else self.mxfp4_compressed)
         rotary = RotaryEmbedding(head_dim, rope_config(hf), hf.get("max_position_embeddings", 4096))
         act = ClampedSwiGLU(float(hf.get("swiglu_alpha", 1.702)), float(hf.get("swiglu_limit", 7.0)))
         F = hf["intermediate_size"]
@@ -123,9 +129,10 @@ class GptOssForCausalLM(CausalLM):
                 from moe_serve.kernels.grouped_gemm.mxfp4 import MAX_DEQUANT_BYTES
 
                 per_layer = slots * 3 * F * D * 4
-                log.info("MXFP4 experts kept compressed: %.1f MiB on this rank; each step dequantizes the routed "
-                         "experts of one layer at a time into reused buffers of at most %.1f MiB",
-                         packed / 2**20, min(per_layer, max(MAX_DEQUANT_BYTES, 3 * F * D * 4)) / 2**20)
+                log.info("MXFP4 experts kept compressed: %.1f MiB on this rank; the Triton expert kernel reads "
+                         "them packed, torch ops dequantize the routed experts of one layer at a time into "
+                         "reused buffers of at most %.1f MiB", packed / 2**20,
+                         min(per_layer, max(MAX_DEQUANT_BYTES, 3 * F * D * 4)) / 2**20)
             else:
                 dense = n * slots * 3 * F * D * torch.empty((), dtype=dtype).element_size()
                 log.info("MXFP4 experts dequantized at load to %s: %.1f MiB on this rank instead of %.1f MiB "

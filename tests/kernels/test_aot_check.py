@@ -121,7 +121,7 @@ def test_decode_launch_choice_has_few_variants_all_compiled_ahead():
     compiled = _compiled_variants()
     rng = random.Random(0)
     batches = [1, 2, 3, 4, 7, 8, 16, 31, 32, 64, 100, 128, 200, 256]
-    for m in aot_check.MODELS:
+    for m in (m for m in aot_check.MODELS if m.attention):  # DeepSeek-V4's experts only
         QH, HD, HR, HV = (m.N, m.L, m.R, m.L) if m.mla else (m.N // m.G, m.H, 0, m.Hv)
         tile = tp.attention_launch(True, QH, HD, HR, HV, torch.bfloat16, m.mla, m.mla, False)
         head_programs = m.G * -(-QH // tile["BLOCK_QH"])
@@ -238,7 +238,8 @@ print(json.dumps({name: [[x.kernel, x.args, x.constexprs, x.options] for x in se
 def test_what_an_engine_run_launches_is_compiled_ahead_and_warmed_up(checkpoints, extra_checkpoints, arch):
     """An engine serving a checkpoint through the Triton backends (the interpreter here; chunked
     prefill, decodes, GQA or MLA, experts 48 or 32 wide, whose sizes Triton does not mark divisible
-    by 16; GPT-OSS's sliding-window and full layers with sinks, its MXFP4 experts on torch ops;
+    by 16; GPT-OSS's sliding-window and full layers with sinks, its MXFP4 experts read packed with
+    biases and the clamped SwiGLU;
     Llama-4's chunked and full layers; DeepSeek-V3.2's indexer and sparse MLA)
     records every launch's compile key. `aot_check --model config.json` compiles each of them,
     the integer and alignment marks included (not a generic variant of the same tiles), and the
@@ -254,11 +255,14 @@ def test_what_an_engine_run_launches_is_compiled_ahead_and_warmed_up(checkpoints
     launched, warmed = ([aot_check.job_from_launch(sp.Launch(k, tuple(map(tuple, a)), tuple(map(tuple, c)),
                                                              tuple(map(tuple, o))))
                          for k, a, c, o in out[name]] for name in ("launched", "warmed"))
-    assert {j.kernel for j in launched} >= ({sp.ATTN, sp.WRITE} if arch == "gpt_oss_mxfp4" else
-                                            {sp.ATTN, sp.WRITE, sp.GEMM, sp.TOPK})
+    assert {j.kernel for j in launched} >= {sp.ATTN, sp.WRITE, sp.GEMM, sp.TOPK}
     if arch == "gpt_oss_mxfp4":  # both kinds of layer reached the kernel
         assert {j.constexprs["SLIDING"] for j in launched if j.kernel == sp.ATTN} == {True, False}
         assert all(j.constexprs["HAS_SINKS"] for j in launched if j.kernel == sp.ATTN)
+        # the experts: packed MXFP4 bytes, biases on both GEMMs, the clamped SwiGLU on gate/up
+        assert {(j.types["b_ptr"], j.constexprs["B_FP4"], j.constexprs["HAS_BIAS"], j.constexprs["ACT"],
+                 j.constexprs["GATED"]) for j in launched if j.kernel == sp.GEMM} >= {
+            ("*u8", True, True, 2, True), ("*u8", True, True, 0, False)}
     if arch == "llama4":
         assert {j.constexprs["CHUNKED"] for j in launched if j.kernel == sp.ATTN} == {True, False}
     if arch == "deepseek_v32":  # every attention launch is sparse, after the indexer's
@@ -274,6 +278,30 @@ def test_what_an_engine_run_launches_is_compiled_ahead_and_warmed_up(checkpoints
     # The marks matter: the runtime specialises unit strides to the constant 1, and the expert width
     # (48 / 32 here) decides the GEMM's N mark.
     gemm = [j for j in launched if j.kernel == sp.GEMM]
-    if arch != "gpt_oss_mxfp4":
-        assert all(j.marks["stride_ak"] == "1" and j.marks["stride_bk"] == "1" for j in gemm)
-        assert {j.marks["N"] for j in gemm if j.constexprs["GATED"]} == {"D" if model.F % 16 == 0 else ""}
+    assert all(j.marks["stride_ak"] == "1" and j.marks["stride_bk"] == "1" for j in gemm)
+    assert {j.marks["N"] for j in gemm if j.constexprs["GATED"]} == {"D" if model.F % 16 == 0 else ""}
+
+
+def test_mxfp4_launches_compile_for_sm90_and_sm100():
+    """The MXFP4 grouped GEMM (packed e2m1 tiles decoded in registers) as GPT-OSS-120B and
+    DeepSeek-V4 launch it in bf16, each default and tuned config (gate/up with the model's activation
+    and biases, down), and at the decode tile every activation with and without biases: all compile
+    for sm_90 and sm_100 within --max-spill. The checkpoints' config.json say which models ship
+    MXFP4 experts (aot_check --model)."""
+    jobs = [j for j in aot_check.enumerate_jobs(dtypes=(torch.bfloat16,)) if j.constexprs.get("B_FP4")]
+    decode = {(j.constexprs["GATED"], j.constexprs["ACT"], j.constexprs["HAS_BIAS"]) for j in jobs
+              if aot_check.is_decode(j)}
+    assert decode == {(True, a, b) for a in (0, 1, 2) for b in (False, True)} | {(False, 0, False), (False, 0, True)}
+    for name, act, bias in (("gpt-oss-120b", 2, True), ("deepseek-v4", 1, False)):
+        mine = [j for j in jobs if any(u.startswith("default") and ("clamped" if act == 2 else "limited") in u
+                                       and ("bias" in u) == bias for u in j.users)]
+        assert {j.constexprs["BLOCK_SIZE_M"] for j in mine} == {16, 32, 64}, name  # decode, middle, prefill
+    rc, lines = run_aot("--arch", "90", "100", "--dtype", "bf16", "--only", "mxfp4", timeout=600)
+    m = LAST_LINE.match(lines[-1])
+    assert m and rc == 0, [line for line in lines if "FAIL" in line or "SPILL" in line] or lines[-5:]
+    assert (int(m.group(1)), m.group(2), m.group(3)) == (len(jobs), "sm_90, sm_100", "0"), lines[-5:]
+    s = SPILL_LINE.match(lines[-3])
+    assert s and s.group(2) == "0", lines[-4:]
+    oks = [line for line in lines if line.lstrip().startswith("ok")]
+    assert len(oks) == 2 * len(jobs) and all("B_FP4=1" in line for line in oks), oks
+    assert {line.split()[1] for line in oks} == {"sm_90", "sm_100"}

@@ -12,7 +12,7 @@ from moe_serve.kernels import cpu_ops
 from moe_serve.kernels.grouped_gemm.grouped_mm import (fused_experts_grouped, fused_experts_single_token, grouped_mm_available,
                                              grouped_mm_fits)
 from moe_serve.kernels.grouped_gemm.mxfp4 import Mxfp4Weight, fused_experts_mxfp4
-from moe_serve.kernels.grouped_gemm.reference import fused_experts_reference
+from moe_serve.kernels.grouped_gemm.reference import fused_experts_reference, kernel_activation
 from moe_serve.kernels.linear import CpuCLinear, TorchLinear
 
 
@@ -115,9 +115,12 @@ class CpuCExperts(TorchExperts):
 
 
 class TritonExperts(TorchExperts):
-    """The Triton grouped GEMM (moe_serve/kernels/grouped_gemm/triton_kernel.py) for plain SwiGLU experts in
-    the activations' dtype and block FP8 (tiles dequantized as they load), the masked GEMM over
-    DeepEP's expert-major layout; GPT-OSS's variant (biases, clamped SwiGLU, MXFP4) runs torch ops."""
+    """The Triton grouped GEMM (moe_serve/kernels/grouped_gemm/triton_kernel.py) for experts in the
+    activations' dtype, block FP8 or MXFP4 (quantized tiles decoded in registers as they load; MXFP4
+    stays packed), with or without per-expert biases, SwiGLU or the clamped / limited variants
+    (GPT-OSS, DeepSeek-V4); the masked GEMM over DeepEP's expert-major layout for plain SwiGLU
+    experts in the activations' dtype or block FP8. What the kernel has no form for (another
+    activation) runs torch ops."""
 
     name = "triton"
     has_masked = True
@@ -130,19 +133,37 @@ class TritonExperts(TorchExperts):
 
         return fused_experts_triton(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK)
 
+    @staticmethod
+    def kernel_args(w13, w2, dtype: torch.dtype, w13_bias=None, w2_bias=None, activation="silu") -> tuple | None:
+        """(w13, w2, keyword arguments) of `fused_experts_triton` for these experts with activations
+        of `dtype`, or None when the kernel cannot run them (an activation it has no form for,
+        dense weights of another dtype)."""
+        if kernel_activation(activation) is None:
+            return None
+        variant = {} if w13_bias is None and w2_bias is None and activation == "silu" else dict(
+            w13_bias=w13_bias, w2_bias=w2_bias, activation=activation)
+        if isinstance(w13, Mxfp4Weight) and isinstance(w2, Mxfp4Weight):
+            return w13, w2, variant  # packed: the kernel decodes each tile as it loads it
+        if hasattr(w13, "scale_inv"):  # block FP8: each tile dequantized as it loads
+            return w13.q, w2.q, dict(w13_scale=w13.scale_inv, w2_scale=w2.scale_inv, scale_block=w13.block,
+                                     act_quant=getattr(w13, "act_quant", False), **variant)
+        if isinstance(w13, torch.Tensor) and w13.dtype == w2.dtype == dtype:
+            return w13, w2, variant
+        return None
+
     def variant(self, x_TD, w13, w2, topk_weights_TK, topk_ids_TK, w13_bias, w2_bias, activation) -> torch.Tensor:
-        if hasattr(w13, "scale_inv") and w13_bias is None and w2_bias is None and activation == "silu":
+        args = self.kernel_args(w13, w2, x_TD.dtype, w13_bias, w2_bias, activation)
+        if args is not None:
             from moe_serve.kernels.grouped_gemm.triton_kernel import fused_experts_triton  # lazy: triton is heavy
 
-            # block FP8: the kernel dequantizes each weight tile as it loads it
-            return fused_experts_triton(x_TD, w13.q, w2.q, topk_weights_TK, topk_ids_TK, w13_scale=w13.scale_inv,
-                                        w2_scale=w2.scale_inv, scale_block=w13.block,
-                                        act_quant=getattr(w13, "act_quant", False))
+            k13, k2, kw = args
+            return fused_experts_triton(x_TD, k13, k2, topk_weights_TK, topk_ids_TK, **kw)
         return super().variant(x_TD, w13, w2, topk_weights_TK, topk_ids_TK, w13_bias, w2_bias, activation)
 
     def masked_applies(self, experts) -> bool:
         """Whether the masked GEMM serves the layer's experts: plain SwiGLU in the activations'
-        dtype, or block FP8."""
+        dtype, or block FP8 (not MXFP4, biases or another activation: those take the generic
+        grouped GEMM over the routed rows)."""
         if experts.op_kwargs():
             return False
         w13, _ = experts.op_weights()
@@ -165,12 +186,13 @@ class TritonExperts(TorchExperts):
                                           w2_scale=w2.scale_inv, scale_block=w13.block)
         return y_ECD.view(E * C, D)
 
-    @staticmethod
-    def in_kernel(moe) -> bool:
-        """Whether the layer's experts run in the Triton kernels at all: plain SwiGLU experts in the
-        activations' dtype or block FP8 (biases, another activation or MXFP4 run torch ops)."""
-        w13, _ = moe.experts.op_weights()
-        return not moe.experts.op_kwargs() and (isinstance(w13, torch.Tensor) or hasattr(w13, "scale_inv"))
+    @classmethod
+    def in_kernel(cls, moe, dtype: torch.dtype | None = None) -> bool:
+        """Whether the layer's experts run in the Triton grouped GEMM at all (see `kernel_args`;
+        dense weights are in the activations' dtype, which is theirs when `dtype` is None)."""
+        w13, w2 = moe.experts.op_weights()
+        dtype = dtype or (w13.dtype if isinstance(w13, torch.Tensor) else None)
+        return cls.kernel_args(w13, w2, dtype, **moe.experts.op_kwargs()) is not None
 
     def configs(self, moe, dtype: torch.dtype) -> list[dict]:
         """The grouped-GEMM configs the layer can pick on this device: the defaults, then this
@@ -183,13 +205,13 @@ class TritonExperts(TorchExperts):
                  if dtype in gcfg.DTYPE_NAMES else None)
         return [dict(c) for c in gcfg.DEFAULT_CONFIGS] + [dict(c) for c in (tuned or {}).values()]
 
-    @staticmethod
-    def _kernel_weights(moe):
-        """(w13, w2, extra kernel arguments) as the layer's forward passes them to the kernels."""
+    def _kernel_weights(self, moe, dtype: torch.dtype):
+        """(w13, w2, keyword arguments) as the layer's forward passes them to the grouped GEMM."""
         w13, w2 = moe.experts.op_weights()
-        if isinstance(w13, torch.Tensor):
-            return w13, w2, {}
-        return w13.q, w2.q, dict(w13_scale=w13.scale_inv, w2_scale=w2.scale_inv, scale_block=w13.block)
+        args = self.kernel_args(w13, w2, dtype, **moe.experts.op_kwargs())
+        if args is None:
+            raise ValueError(f"the Triton grouped GEMM cannot run {type(moe.experts).__name__} in {dtype}")
+        return args
 
     def launch(self, moe, dtype: torch.dtype, cfg: dict | None, ids: torch.dtype = torch.int64, T: int = 4) -> None:
         """One grouped-GEMM launch of the layer's experts with config `cfg` (None: the kernel's own
@@ -197,9 +219,7 @@ class TritonExperts(TorchExperts):
         remapped placements give int32."""
         from moe_serve.kernels.grouped_gemm.triton_kernel import fused_experts_triton  # lazy: triton is heavy
 
-        w13, w2, extra = self._kernel_weights(moe)
-        if extra:
-            extra["act_quant"] = getattr(moe.experts.op_weights()[0], "act_quant", False)
+        w13, w2, extra = self._kernel_weights(moe, dtype)
         meta, K, D = torch.device("meta"), moe.gate.top_k, w13.shape[2]
         fused_experts_triton(torch.empty(T, D, dtype=dtype, device=meta), w13, w2, torch.empty(T, K, device=meta),
                              torch.empty(T, K, dtype=ids, device=meta), cfg, **extra)
@@ -208,7 +228,8 @@ class TritonExperts(TorchExperts):
         """One masked-GEMM launch over DeepEP's expert-major layout, `rows` per expert ("meta")."""
         from moe_serve.kernels.grouped_gemm.masked import masked_experts_triton  # lazy: triton is heavy
 
-        w13, w2, extra = self._kernel_weights(moe)
+        w13, w2, extra = self._kernel_weights(moe, dtype)
+        extra.pop("act_quant", None)  # the masked GEMM is weight-only
         meta, E, D = torch.device("meta"), w13.shape[0], w13.shape[2]
         masked_experts_triton(torch.empty(E, rows, D, dtype=dtype, device=meta),
                               torch.empty(E, dtype=torch.int32, device=meta), w13, w2, cfg, **extra)
@@ -217,12 +238,12 @@ class TritonExperts(TorchExperts):
         """Every variant the layer can launch: each config it can pick, router ids as int64 and
         remapped int32, and the masked GEMM when the dispatcher may use DeepEP's low-latency
         layout (low_latency_rows: its rows per expert)."""
-        if not self.in_kernel(moe):
+        if not self.in_kernel(moe, dtype):
             return
         for cfg in self.configs(moe, dtype):
             for ids in (torch.int64, torch.int32):
                 self.launch(moe, dtype, cfg, ids)
-            if low_latency_rows:
+            if low_latency_rows and self.masked_applies(moe.experts):
                 self.launch_masked(moe, dtype, cfg, low_latency_rows)
 
 

@@ -8,10 +8,11 @@ An e2m1 nibble is sign (bit 3), exponent (bits 1-2) and mantissa (bit 0): the 16
 `FP4_VALUES`. The rows are the projection's output features, so (E, 2F, D) for gate/up and
 (E, D, F) for down: our w13 / w2 layouts, with each block row a whole row of the dense weight.
 
-`fused_experts_mxfp4` dequantizes only the experts the step routes a token to (all local experts
-when host reads of the routing ids are not allowed, as in a captured decode), into one temporary
-stack, and runs the dense op on it: memory is one layer's active experts at a time, never a dense
-copy of the model.
+The Triton grouped GEMM (triton_kernel.py, B_FP4) reads these bytes as they are and decodes each
+weight tile in registers (the CUDA expert backend). The torch ops' path, `fused_experts_mxfp4`,
+dequantizes only the experts the step routes a token to (all local experts when host reads of the
+routing ids are not allowed, as in a captured decode), into one temporary stack, and runs the
+dense op on it: memory is one layer's active experts at a time, never a dense copy of the model.
 """
 from __future__ import annotations
 

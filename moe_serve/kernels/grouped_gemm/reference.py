@@ -37,6 +37,20 @@ class ClampedSwiGLU:
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
 
+def kernel_activation(activation) -> tuple[int, float, float] | None:
+    """(ACT, alpha, limit) of the Triton grouped GEMM (triton_kernel.py) for an activation, or None
+    when it has no kernel form: "silu" is 0; DeepSeek-V4's LimitedSwiGLU (moe_serve/models/deepseek_v4.py:
+    known by its class name and `limit`, not imported) 1 with its limit, or 0 when the limit is None;
+    ClampedSwiGLU 2."""
+    if isinstance(activation, str):
+        return (0, 0.0, 0.0) if activation == "silu" else None
+    if isinstance(activation, ClampedSwiGLU):
+        return 2, float(activation.alpha), float(activation.limit)
+    if type(activation).__name__ == "LimitedSwiGLU" and hasattr(activation, "limit"):
+        return (0, 0.0, 0.0) if activation.limit is None else (1, 0.0, float(activation.limit))
+    return None
+
+
 def activate(gate_up_NF2: torch.Tensor, activation) -> torch.Tensor:
     """activation: "silu" (SwiGLU, every other architecture) or a callable such as ClampedSwiGLU."""
     return silu_and_mul(gate_up_NF2) if activation == "silu" else activation(gate_up_NF2)

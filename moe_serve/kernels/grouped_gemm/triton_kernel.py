@@ -6,10 +6,14 @@ size, E experts on this rank, S padded pair slots (see align.py).
 Three launches, none of which syncs with the host:
   1. gate/up GEMM with SiLU-and-mul fused: h[p] = silu(x[t] @ gate_e^T) * (x[t] @ up_e^T)  -> (P, F)
   2. down GEMM with the router weight folded in: y[p] = w[p] * (h[p] @ w2_e^T)             -> (P, D)
+     (the expert variants: per-expert biases on both GEMMs, GPT-OSS's clamped SwiGLU or
+     DeepSeek-V4's limited one in place of silu * up; see ACT / HAS_BIAS)
   3. top-k sum: out[t] = sum_k y[t*K + k] over pairs whose expert is held here (fp32)     -> (T, D)
 Row blocks of the GEMMs each hold one expert's pairs (align.py pads every expert's run to BLOCK_M),
 so a program loads one expert's weight tile and multiplies it against up to BLOCK_M gathered rows.
 Blocks past the real padded length belong to no expert and return before loading anything.
+The weights are dense (x's dtype), block FP8 or MXFP4 (uint8 blocks and e8m0 scales, mxfp4.py);
+quantized tiles are dequantized in registers as they load, never expanded in memory.
 """
 from __future__ import annotations
 
@@ -19,6 +23,8 @@ import triton.language as tl
 
 from moe_serve.kernels.grouped_gemm.align import align_block_size
 from moe_serve.kernels.grouped_gemm.config import get_config, validate_config
+from moe_serve.kernels.grouped_gemm.mxfp4 import Mxfp4Weight
+from moe_serve.kernels.grouped_gemm.reference import kernel_activation
 
 
 @triton.jit
@@ -56,25 +62,65 @@ def _dot8(a, b, UPCAST: tl.constexpr):
     return tl.dot(a, b)
 
 
+@triton.jit
+def _fp4_tile(blk_ptr, sc_ptr, offs_n, n_mask, k0, Kdim, stride_bn, stride_bk, stride_sn, stride_sk,
+              BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr):
+    """A (BLOCK_K, BLOCK_N) tile of MXFP4 weights in fp32, exactly: the (BLOCK_N, BLOCK_K / 32, 16)
+    packed bytes of columns k0.. (two e2m1 values a byte, the low nibble first; stride_bk is the
+    byte stride) decoded arithmetically and scaled by 2 ** (s - 127), one e8m0 scale s per 32 k
+    (sc_ptr + n * stride_sn + (k // 32) * stride_sk). Kdim is a multiple of 32 and so is BLOCK_K:
+    whole groups are in or out."""
+    G: tl.constexpr = BLOCK_SIZE_K // 32
+    offs_g = k0 // 32 + tl.arange(0, G)
+    offs_j = tl.arange(0, 16)
+    g_mask = offs_g < Kdim // 32
+    n64 = offs_n.to(tl.int64)
+    p = tl.load(blk_ptr + n64[:, None, None] * stride_bn + (offs_g[None, :, None] * 16 + offs_j[None, None, :]) * stride_bk,
+                mask=n_mask[:, None, None] & g_mask[None, :, None], other=0)
+    s = tl.load(sc_ptr + n64[:, None] * stride_sn + offs_g[None, :] * stride_sk,
+                mask=n_mask[:, None] & g_mask[None, :], other=127).to(tl.int32)
+    v = tl.join(p & 0xF, p >> 4).to(tl.int32)  # (BLOCK_N, G, 16, 2): element 32 g + 2 j + h
+    # e2m1: sign bit 3, exponent e bits 1-2, mantissa m bit 0; |value| = (e > 0 ? 2 + m : m) * 2 ** max(e, 1) / 4
+    # (0, 0.5, 1, 1.5, 2, 3, 4, 6: e = 0 is the subnormal m * 0.5)
+    e = (v >> 1) & 3
+    m = v & 1
+    mag = (tl.where(e > 0, 2 + m, m) << tl.maximum(e, 1)).to(tl.float32) * 0.25
+    val = tl.where((v & 8) != 0, -mag, mag)
+    # 2 ** (s - 127) from its bits: the exponent field s (s = 0 is the subnormal 2 ** -127, bits 1 << 22)
+    scale = tl.where(s == 0, 1 << 22, s << 23).to(tl.float32, bitcast=True)
+    w = tl.reshape(val * scale[:, :, None, None], (BLOCK_SIZE_N, BLOCK_SIZE_K))
+    return tl.trans(w)
+
+
+@triton.jit
+def _bias_row(bias_ptr, offs_n, n_mask):
+    """(1, BLOCK_N) fp32 row of a bias, from bias_ptr (the expert's row, unit stride)."""
+    return tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+
+
 # num_pairs = T * K changes every step; left unspecialised so its "== 1" / "divisible by 16" flags
 # never select a new compiled variant mid-serving (num_slots is always a multiple of BLOCK_SIZE_M).
 # The FP8 scale tensors' strides and row offset (whose divisibility follows each model's sizes / 128)
 # are read once per tile, never vectorised: unspecialised too, so they add no variant per model.
 _SCALE_ARGS = ("stride_se", "stride_sn", "stride_sk", "s_up_row0", "stride_asm", "stride_ask")
+# The biases' expert stride (2F or D) is read once per program, as are the activation's constants.
+_VARIANT_ARGS = ("stride_bias_e",)
 
 
-@triton.jit(do_not_specialize=("num_pairs",) + _SCALE_ARGS)
+@triton.jit(do_not_specialize=("num_pairs",) + _SCALE_ARGS + _VARIANT_ARGS)
 def _grouped_gemm_kernel(
     a_ptr, b_ptr, c_ptr, weights_ptr,
     sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
     N, Kdim, num_slots, num_pairs, a_row_div,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
     s_ptr, stride_se, stride_sn, stride_sk, s_up_row0, as_ptr, stride_asm, stride_ask,
+    bias_ptr, stride_bias_e, alpha, limit,
     GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
     BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
     B_SCALED: tl.constexpr = False, SB_N: tl.constexpr = 128, SB_K: tl.constexpr = 128,
-    A_SCALED: tl.constexpr = False,
+    A_SCALED: tl.constexpr = False, B_FP4: tl.constexpr = False, ACT: tl.constexpr = 0,
+    HAS_BIAS: tl.constexpr = False,
 ):
     """c[p, n] = sum_k a[p // a_row_div, k] * b[e, n, k] for the pairs p of each row block.
 
@@ -86,6 +132,15 @@ def _grouped_gemm_kernel(
     A_SCALED (with B_SCALED, SB_K a multiple of BLOCK_SIZE_K): a is FP8 too, quantized per row per
     SB_K channels with scales as[row, k // SB_K]; each K tile's FP8 x FP8 product is rescaled by both
     operands' scales in fp32 (W8A8, DeepSeek-V3's FP8 GEMM).
+    B_FP4: b is MXFP4: b_ptr the uint8 blocks viewed as (E, R, Kdim / 2) (stride_bk the byte
+    stride), s_ptr the e8m0 scales (E, R, Kdim / 32); each tile is decoded in registers as it loads
+    (`_fp4_tile`, exact) and multiplied in a's dtype. Kdim and BLOCK_SIZE_K are multiples of 32.
+    HAS_BIAS: bias[e, n] (rows of stride_bias_e; gate then up for GATED) is added to the fp32
+    product: before the activation, and before the router weight (w[p] * (h . w2 + b2)).
+    ACT (GATED only), with gate and up the biased products:
+      0: silu(gate) * up
+      1: silu(min(gate, limit)) * clamp(up, -limit, limit)                     (DeepSeek-V4)
+      2: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)  (GPT-OSS)
     """
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(num_slots, BLOCK_SIZE_M)
@@ -124,34 +179,57 @@ def _grouped_gemm_kernel(
     for k_blk in range(0, tl.cdiv(Kdim, BLOCK_SIZE_K)):
         k_mask = offs_k < Kdim - k_blk * BLOCK_SIZE_K
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        if A_SCALED:  # W8A8: FP8 x FP8 per K tile, rescaled by the row's and the weight block's scales
-            kb = (k_blk * BLOCK_SIZE_K) // SB_K
-            a_sc = tl.load(as_ptr + a_row * stride_asm + kb * stride_ask, mask=row_mask, other=0.0)
-            b_sc = tl.load(s_ptr + s_base + (offs_n // SB_N) * stride_sn + kb * stride_sk, mask=n_mask, other=0.0)
-            acc += _dot8(a, b, UPCAST) * a_sc[:, None] * b_sc[None, :]
-        else:
-            if B_SCALED:
-                b = _dequant(b, s_ptr, s_base, offs_n, k_blk * BLOCK_SIZE_K, offs_k, k_mask, n_mask, stride_sn,
-                             stride_sk, SB_N, SB_K, BLOCK_SIZE_K).to(a.dtype)
+        if B_FP4:  # packed e2m1 bytes and their scales, decoded in registers
+            b = _fp4_tile(b_ptr + expert * stride_be, s_ptr + s_base, offs_n, n_mask, k_blk * BLOCK_SIZE_K, Kdim,
+                          stride_bn, stride_bk, stride_sn, stride_sk, BLOCK_SIZE_N, BLOCK_SIZE_K).to(a.dtype)
             acc = _dot(a, b, acc, PREC, UPCAST)
-        if GATED:
-            b_up = tl.load(up_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            if A_SCALED:
-                bu_sc = tl.load(s_ptr + s_base + (s_up_row0 + offs_n // SB_N) * stride_sn + kb * stride_sk,
-                                mask=n_mask, other=0.0)
-                acc_up += _dot8(a, b_up, UPCAST) * a_sc[:, None] * bu_sc[None, :]
+            if GATED:
+                b_up = _fp4_tile(b_ptr + expert * stride_be + N * stride_bn, s_ptr + s_base + s_up_row0 * stride_sn,
+                                 offs_n, n_mask, k_blk * BLOCK_SIZE_K, Kdim, stride_bn, stride_bk, stride_sn,
+                                 stride_sk, BLOCK_SIZE_N, BLOCK_SIZE_K).to(a.dtype)
+                acc_up = _dot(a, b_up, acc_up, PREC, UPCAST)
+        else:
+            b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if A_SCALED:  # W8A8: FP8 x FP8 per K tile, rescaled by the row's and the weight block's scales
+                kb = (k_blk * BLOCK_SIZE_K) // SB_K
+                a_sc = tl.load(as_ptr + a_row * stride_asm + kb * stride_ask, mask=row_mask, other=0.0)
+                b_sc = tl.load(s_ptr + s_base + (offs_n // SB_N) * stride_sn + kb * stride_sk, mask=n_mask, other=0.0)
+                acc += _dot8(a, b, UPCAST) * a_sc[:, None] * b_sc[None, :]
             else:
                 if B_SCALED:
-                    b_up = _dequant(b_up, s_ptr, s_base + s_up_row0 * stride_sn, offs_n, k_blk * BLOCK_SIZE_K,
-                                    offs_k, k_mask, n_mask, stride_sn, stride_sk, SB_N, SB_K, BLOCK_SIZE_K).to(a.dtype)
-                acc_up = _dot(a, b_up, acc_up, PREC, UPCAST)
-            up_ptrs += BLOCK_SIZE_K * stride_bk
+                    b = _dequant(b, s_ptr, s_base, offs_n, k_blk * BLOCK_SIZE_K, offs_k, k_mask, n_mask, stride_sn,
+                                 stride_sk, SB_N, SB_K, BLOCK_SIZE_K).to(a.dtype)
+                acc = _dot(a, b, acc, PREC, UPCAST)
+            if GATED:
+                b_up = tl.load(up_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+                if A_SCALED:
+                    bu_sc = tl.load(s_ptr + s_base + (s_up_row0 + offs_n // SB_N) * stride_sn + kb * stride_sk,
+                                    mask=n_mask, other=0.0)
+                    acc_up += _dot8(a, b_up, UPCAST) * a_sc[:, None] * bu_sc[None, :]
+                else:
+                    if B_SCALED:
+                        b_up = _dequant(b_up, s_ptr, s_base + s_up_row0 * stride_sn, offs_n, k_blk * BLOCK_SIZE_K,
+                                        offs_k, k_mask, n_mask, stride_sn, stride_sk, SB_N, SB_K,
+                                        BLOCK_SIZE_K).to(a.dtype)
+                    acc_up = _dot(a, b_up, acc_up, PREC, UPCAST)
+                up_ptrs += BLOCK_SIZE_K * stride_bk
+            b_ptrs += BLOCK_SIZE_K * stride_bk
         a_ptrs += BLOCK_SIZE_K * stride_ak
-        b_ptrs += BLOCK_SIZE_K * stride_bk
 
-    if GATED:
-        acc = acc * tl.sigmoid(acc) * acc_up  # SiLU(gate) * up, in fp32 before the one rounding
+    if HAS_BIAS:
+        acc += _bias_row(bias_ptr + expert * stride_bias_e, offs_n, n_mask)
+        if GATED:
+            acc_up += _bias_row(bias_ptr + expert * stride_bias_e + N, offs_n, n_mask)
+    if GATED:  # in fp32 before the one rounding
+        if ACT == 0:
+            acc = acc * tl.sigmoid(acc) * acc_up  # SiLU(gate) * up
+        else:
+            gate = tl.minimum(acc, limit)
+            up = tl.minimum(tl.maximum(acc_up, -limit), limit)
+            if ACT == 1:
+                acc = gate * tl.sigmoid(gate) * up
+            else:
+                acc = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
     if MUL_WEIGHT:
         w = tl.load(weights_ptr + pair, mask=row_mask, other=0.0).to(tl.float32)
         acc = acc * w[:, None]
@@ -194,14 +272,19 @@ def check_triton_device(t: torch.Tensor) -> None:
 
 
 def gemm_launch(cfg: dict, dtype: torch.dtype) -> dict:
-    """Constexprs and launch options of `_grouped_gemm_kernel` (GATED / MUL_WEIGHT aside) for one
-    config and activation dtype, the same for gate/up and down: what selects a compiled variant
+    """Constexprs and launch options of `_grouped_gemm_kernel` (GATED / MUL_WEIGHT and the variant's
+    ACT / HAS_BIAS aside) for one config and activation dtype, the same for gate/up and down: what selects a compiled variant
     (moe_serve/kernels/aot_check.py compiles each, as the launch specialises it, and holds it to --max-spill:
     none of the default or tuned tiles spills more than 16 B per thread on sm_90 or sm_100)."""
     return dict(GROUP_SIZE_M=cfg["GROUP_SIZE_M"], BLOCK_SIZE_M=cfg["BLOCK_SIZE_M"], BLOCK_SIZE_N=cfg["BLOCK_SIZE_N"],
                 BLOCK_SIZE_K=cfg["BLOCK_SIZE_K"], PREC="ieee" if dtype == torch.float32 else "tf32",
                 UPCAST=INTERPRETED, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-                B_SCALED=False, SB_N=128, SB_K=128, A_SCALED=False)
+                B_SCALED=False, SB_N=128, SB_K=128, A_SCALED=False, B_FP4=False)
+
+
+def fp4_gemm_launch(cfg: dict, dtype: torch.dtype) -> dict:
+    """`gemm_launch` for MXFP4 weights: a K tile of at least one scale group (32)."""
+    return {**gemm_launch(cfg, dtype), "B_FP4": True, "BLOCK_SIZE_K": max(32, cfg["BLOCK_SIZE_K"])}
 
 
 def fp8_gemm_launch(cfg: dict, dtype: torch.dtype, scale_block: tuple[int, int]) -> dict:
@@ -239,6 +322,9 @@ def fused_experts_triton(
     w2_scale: torch.Tensor | None = None,
     scale_block: tuple[int, int] | None = None,
     act_quant: bool = False,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation="silu",
 ) -> torch.Tensor:
     """sum_k topk_weights[t, k] * SwiGLU-expert_{topk_ids[t, k]}(x[t]), experts grouped in one launch.
 
@@ -255,6 +341,13 @@ def fused_experts_triton(
             blocks) and (E, ceil(D / b0), ceil(F / b1)), with scale_block = (b0, b1).
         act_quant: with FP8 weights, quantize the activations too (per token per b1 channels,
             moe_serve/kernels/fp8_quant.py) and multiply FP8 x FP8 (W8A8; the FP8 tensor cores of sm_89+).
+        w13_EFD / w2_EDF may instead both be mxfp4.Mxfp4Weight (uint8 blocks (E, R, C / 32, 16) and
+            e8m0 scales (E, R, C / 32), D and F multiples of 32): the kernel decodes each tile in
+            registers as it loads it; the packed weights are all it reads.
+        w13_bias, w2_bias: optional (E, 2F) / (E, D) per-expert biases (any float dtype), added in
+            fp32 before the activation and before the router weight, as reference.py does.
+        activation: "silu", or an activation with a kernel form (reference.kernel_activation:
+            GPT-OSS's ClampedSwiGLU, DeepSeek-V4's LimitedSwiGLU).
     Returns:
         (T, D) in x's dtype; products accumulate in fp32, as does the top-k sum.
     """
@@ -262,6 +355,15 @@ def fused_experts_triton(
     E, F2, D13 = w13_EFD.shape
     F = F2 // 2
     K = topk_ids_TK.shape[1] if topk_ids_TK.dim() == 2 else 0
+    fp4 = isinstance(w13_EFD, Mxfp4Weight)
+    if fp4 != isinstance(w2_EDF, Mxfp4Weight):
+        raise ValueError("w13 and w2 must both be MXFP4 (Mxfp4Weight) or neither")
+    act = kernel_activation(activation)
+    if act is None:
+        raise ValueError(f"activation {activation!r} has no form in the Triton grouped GEMM")
+    for name, b, shape in (("w13_bias", w13_bias, (E, F2)), ("w2_bias", w2_bias, (E, D))):
+        if b is not None and tuple(b.shape) != shape:
+            raise ValueError(f"{name}={tuple(b.shape)} must be {shape}")
     if D13 != D or F2 != 2 * F or tuple(w2_EDF.shape) != (E, D, F):
         raise ValueError(f"shapes do not match: x_TD={tuple(x_TD.shape)}, w13_EFD={tuple(w13_EFD.shape)}, "
                          f"w2_EDF={tuple(w2_EDF.shape)}")
@@ -277,6 +379,12 @@ def fused_experts_triton(
                 or tuple(w2_scale.shape) != (E, triton.cdiv(D, scale_block[0]), triton.cdiv(F, scale_block[1]))):
             raise ValueError(f"scale shapes {tuple(w13_scale.shape)} / {tuple(w2_scale.shape)} do not match the "
                              f"weights for blocks {tuple(scale_block)}")
+    elif fp4:
+        for w in (w13_EFD, w2_EDF):
+            if w.blocks.dtype != torch.uint8 or w.scales.dtype != torch.uint8 or w.blocks.shape[-1] != 16 \
+                    or tuple(w.blocks.shape[:-1]) != tuple(w.scales.shape):
+                raise ValueError(f"MXFP4 weights need uint8 blocks (E, R, G, 16) and scales (E, R, G), got "
+                                 f"{tuple(w.blocks.shape)} {w.blocks.dtype} / {tuple(w.scales.shape)} {w.scales.dtype}")
     elif not (x_TD.dtype == w13_EFD.dtype == w2_EDF.dtype):
         raise ValueError(f"dtypes differ: x {x_TD.dtype}, w13 {w13_EFD.dtype}, w2 {w2_EDF.dtype}")
     out = out_TD if out_TD is not None else torch.empty((T, D), dtype=x_TD.dtype, device=x_TD.device)
@@ -297,13 +405,25 @@ def fused_experts_triton(
         launch = w8a8_gemm_launch(cfg, x_TD.dtype, scale_block)
     elif scaled:
         launch = fp8_gemm_launch(cfg, x_TD.dtype, scale_block)
+    elif fp4:
+        launch = fp4_gemm_launch(cfg, x_TD.dtype)
     else:
         launch = gemm_launch(cfg, x_TD.dtype)  # gate/up and down alike
+    w13, w2 = w13_EFD, w2_EDF
     if scaled:
         s13 = (w13_scale, w13_scale.stride(0), w13_scale.stride(1), w13_scale.stride(2), nF)
         s2 = (w2_scale, w2_scale.stride(0), w2_scale.stride(1), w2_scale.stride(2), 0)
+    elif fp4:  # the packed bytes as (E, R, C / 2): k's byte stride is 1; one scale per 32 k
+        w13, w2 = w13_EFD.blocks.flatten(2), w2_EDF.blocks.flatten(2)
+        sc13, sc2 = w13_EFD.scales, w2_EDF.scales
+        s13 = (sc13, sc13.stride(0), sc13.stride(1), sc13.stride(2), F)
+        s2 = (sc2, sc2.stride(0), sc2.stride(1), sc2.stride(2), 0)
     else:
         s13 = s2 = (weights_P, 0, 0, 0, 0)  # unused: B_SCALED is off
+    code, alpha, limit = act
+    # The variant's arguments: the bias rows (unit stride along n) and the activation's constants.
+    v13, v2 = ((b.contiguous(), b.shape[1]) if b is not None else (weights_P, 0) for b in (w13_bias, w2_bias))
+    v13, v2 = (*v13, alpha, limit), (*v2, 0.0, 0.0)
     a_in, a_scales = x_TD, (weights_P, 0, 0)  # the scales are unused unless A_SCALED
     if act_quant:
         from moe_serve.kernels.fp8_quant import quantize_per_token_group
@@ -314,23 +434,23 @@ def fused_experts_triton(
     if S > 0:
         h_PF = _empty((P, F), x_TD.dtype, x_TD.device)
         _grouped_gemm_kernel[(S // BM * triton.cdiv(F, launch["BLOCK_SIZE_N"]),)](
-            a_in, w13_EFD, h_PF, weights_P,
+            a_in, w13, h_PF, weights_P,
             routing.sorted_pair_ids_S, routing.expert_ids_B, routing.num_padded,
             F, D, S, P, K,
-            a_in.stride(0), a_in.stride(1), w13_EFD.stride(0), w13_EFD.stride(1), w13_EFD.stride(2),
-            h_PF.stride(0), h_PF.stride(1), *s13, *a_scales,
-            GATED=True, MUL_WEIGHT=False, **launch)
+            a_in.stride(0), a_in.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
+            h_PF.stride(0), h_PF.stride(1), *s13, *a_scales, *v13,
+            GATED=True, MUL_WEIGHT=False, ACT=code, HAS_BIAS=w13_bias is not None, **launch)
         h_in, h_scales = h_PF, (weights_P, 0, 0)
         if act_quant:
             h_in, hs = quantize_per_token_group(h_PF, scale_block[1])
             h_scales = (hs, hs.stride(0), hs.stride(1))
         _grouped_gemm_kernel[(S // BM * triton.cdiv(D, launch["BLOCK_SIZE_N"]),)](
-            h_in, w2_EDF, y_PD, weights_P,
+            h_in, w2, y_PD, weights_P,
             routing.sorted_pair_ids_S, routing.expert_ids_B, routing.num_padded,
             D, F, S, P, 1,
-            h_in.stride(0), h_in.stride(1), w2_EDF.stride(0), w2_EDF.stride(1), w2_EDF.stride(2),
-            y_PD.stride(0), y_PD.stride(1), *s2, *h_scales,
-            GATED=False, MUL_WEIGHT=True, **launch)
+            h_in.stride(0), h_in.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
+            y_PD.stride(0), y_PD.stride(1), *s2, *h_scales, *v2,
+            GATED=False, MUL_WEIGHT=True, ACT=0, HAS_BIAS=w2_bias is not None, **launch)
     topk = topk_sum_launch(K, D)
     _topk_sum_kernel[(T, triton.cdiv(D, topk["BLOCK_D"]))](
         y_PD, ids_TK, out, D, y_PD.stride(0), out.stride(0), out.stride(1), **topk)
