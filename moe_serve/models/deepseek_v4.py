@@ -32,7 +32,8 @@ Checkpoint names are the Hub's (`layers.{i}.attn.wq_a`, `ffn.experts.{e}.w1`, `h
 V4MTPLayer when speculative decoding asks for method "mtp" (the streams it reads are the stack's
 output; the hyper head and final norm run in compute_logits), skipped with a log line otherwise. Quantized as released: block FP8 linears with float32 or ue8m0 (one
 exponent byte) scales, `<name>.scale` beside `<name>.weight`; `expert_dtype: fp4` experts kept
-packed in memory (GPT-OSS's MXFP4 expert op, dequantized per step for the routed experts).
+packed in memory (GPT-OSS's MXFP4 expert op: decoded tile by tile in the Triton kernel on GPUs,
+dequantized per step for the routed experts by torch ops on the CPU).
 """
 from __future__ import annotations
 
@@ -545,7 +546,8 @@ class DeepseekV4ForCausalLM(CausalLM):
             E, twoF = ex.w13_blocks.shape[:2]
             D = ex.w2_blocks.shape[1]
             log.info("FP4 experts kept compressed (two e2m1 values a byte, an e8m0 scale per 32): %.1f MiB on "
-                     "this rank; each step dequantizes the routed experts of one layer at a time",
+                     "this rank (the Triton experts kernel decodes tiles as it loads them; torch ops dequantize "
+                     "one layer's routed experts per step)",
                      len(self._experts) * E * 3 * (twoF // 2) * D * 17 / 32 / 2**20)
 
     def compute_logits(self, h_BX: torch.Tensor) -> torch.Tensor:

@@ -130,7 +130,7 @@ def test_decode_forward_has_no_host_sync(extra_checkpoints, arch, monkeypatch):
 
 
 def test_mxfp4_dequantized_at_load_gives_the_same_tokens(extra_checkpoints, monkeypatch, caplog):
-    """The GPU's way (dense expert weights dequantized once at load, the cost logged), run here:
+    """mxfp4_compressed=False (dense expert weights dequantized once at load, the cost logged):
     the same greedy tokens as the compressed experts."""
     import logging
 
