@@ -131,24 +131,15 @@ class DeepseekV3ForCausalLM(CausalLM):
         """Build the checkpoint's multi-token-prediction layer (`num_nextn_predict_layers`, one on
         every released DeepSeek-V3/V3.2 and Kimi-K2 checkpoint) as `self.mtp[0]`: its decoder
         layer is an MoE layer after the model's own (the next MoE layer index). Returns its count."""
-        from moe_serve.spec_decode.mtp import MTPLayer
+        from moe_serve.spec_decode.mtp import MTPLayer, one_mtp_layer, place_mtp_experts
 
         hf = self.hf
-        n = int(hf.get("num_nextn_predict_layers") or 0)
-        if n != 1:
-            raise ValueError(f"speculative_config.method='mtp' needs a checkpoint with one multi-token-prediction "
-                             f"layer; {hf.get('architectures', ['this model'])[0]} has num_nextn_predict_layers={n}"
-                             + ("" if n else " (use method 'ngram')"))
+        n = one_mtp_layer(hf)
         L = self.num_hidden_layers
         moe_index = None
         if hf.get("n_routed_experts"):
             moe_index = self.num_moe_layers
-            if moe.physical_to_logical is not None and len(moe.physical_to_logical) == moe_index:
-                # A placement tuned for the model's own layers: the MTP layer's experts get the default one.
-                from expert_parallel.runtime.layer import default_physical_to_logical
-
-                moe.physical_to_logical.append(default_physical_to_logical(hf["n_routed_experts"],
-                                                                           moe.dispatcher.num_slots))
+            place_mtp_experts(moe, hf["n_routed_experts"], moe_index)
         block = self._decoder_layer(hf, self.model.rotary, moe, dtype, L, moe_index)
         self.mtp = nn.ModuleList([MTPLayer(hf["hidden_size"], hf["vocab_size"], hf.get("rms_norm_eps", 1e-6),
                                            block, dtype)])

@@ -559,12 +559,10 @@ class DeepseekV4ForCausalLM(CausalLM):
         DeepSeek's reference, its attention is sliding-window only and its routing is hashed only
         when the model's hash layers (`num_hash_layers`, or the leading `hash_moe` layers) reach its
         index. Returns its count."""
+        from moe_serve.spec_decode.mtp import one_mtp_layer, place_mtp_experts
+
         hf = self.hf
-        n = int(hf.get("num_nextn_predict_layers") or 0)
-        if n != 1:
-            raise ValueError(f"speculative_config.method='mtp' needs a checkpoint with one multi-token-prediction "
-                             f"layer; this DeepSeek-V4 config has num_nextn_predict_layers={n}"
-                             + ("" if n else " (use method 'ngram')"))
+        n = one_mtp_layer(hf)
         L = self.num_hidden_layers
         n_hash = hf.get("num_hash_layers")
         if n_hash is None:
@@ -573,12 +571,7 @@ class DeepseekV4ForCausalLM(CausalLM):
             if n_hash == len(types):
                 n_hash = max(n_hash, 3)  # every layer hashed: the reference's default count decides
         moe_index = self.num_moe_layers
-        if moe.physical_to_logical is not None and len(moe.physical_to_logical) == moe_index:
-            # A placement tuned for the model's own layers: the MTP layer's experts get the default one.
-            from expert_parallel.runtime.layer import default_physical_to_logical
-
-            moe.physical_to_logical.append(default_physical_to_logical(hf["n_routed_experts"],
-                                                                       moe.dispatcher.num_slots))
+        place_mtp_experts(moe, hf["n_routed_experts"], moe_index)
         layer = V4MTPLayer(hf, self.model, self.lm_head, moe, dtype, moe_index, hashed=L < int(n_hash))
         self.mtp = nn.ModuleList([layer])
         if self.fp4:

@@ -43,6 +43,26 @@ from moe_serve.layers.linear import Linear
 from moe_serve.layers.norm import RMSNorm
 
 
+def one_mtp_layer(hf: dict) -> int:
+    """The checkpoint's count of multi-token-prediction layers, which must be one (as on every
+    released checkpoint that has them); a ValueError naming the field otherwise."""
+    n = int(hf.get("num_nextn_predict_layers") or 0)
+    if n != 1:
+        raise ValueError(f"speculative_config.method='mtp' needs a checkpoint with one multi-token-prediction "
+                         f"layer; {(hf.get('architectures') or ['this model'])[0]} has num_nextn_predict_layers={n}"
+                         + ("" if n else " (use method 'ngram')"))
+    return n
+
+
+def place_mtp_experts(moe, num_experts: int, moe_index: int) -> None:
+    """A placement tuned for the model's own MoE layers has none for the MTP layer's (the
+    moe_index-th): it gets the default one."""
+    if moe.physical_to_logical is not None and len(moe.physical_to_logical) == moe_index:
+        from expert_parallel.runtime.layer import default_physical_to_logical
+
+        moe.physical_to_logical.append(default_physical_to_logical(num_experts, moe.dispatcher.num_slots))
+
+
 class SharedHead(nn.Module):
     def __init__(self, hidden_size: int, vocab_size: int, eps: float, dtype):
         super().__init__()
