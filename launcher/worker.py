@@ -23,6 +23,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     s.add_argument("--dist-timeout", type=float, default=60.0,
                    help="seconds a rank may fall behind before the job stops with an error naming it")
     add_network_args(s)
+    from launcher.elastic import add_elastic_args
+
+    add_elastic_args(s)
     return p.parse_args(argv)
 
 
@@ -43,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ns = parse(argv)
     try:
-        rc = run(ns, argv[1:])  # what follows "serve" goes to the front end as it is
+        rc = run(ns, argv[1:], argv)  # what follows "serve" goes to the front end as it is
     except ValueError as e:
         print(f"moe-serve (rank {rank_env}): error: {e}", file=sys.stderr)
         rc = 2
@@ -63,8 +66,16 @@ def main(argv: list[str] | None = None) -> int:
     os._exit(rc)
 
 
-def run(ns: argparse.Namespace, serve_argv: list[str]) -> int:
+def run(ns: argparse.Namespace, serve_argv: list[str], argv: list[str] | None = None) -> int:
     import json
+
+    from launcher import elastic
+
+    elastic.check_elastic_args(ns)
+    if ns.enable_elastic_ep:
+        if ns.elastic_join or os.environ.get(elastic.ENV_CORE):
+            return elastic.run_core(ns, serve_argv)
+        return elastic.supervise(argv if argv is not None else ["serve", *serve_argv])
 
     from expert_parallel.runtime.groups import destroy_process_groups, init_process_groups
     from launcher import network

@@ -45,6 +45,13 @@ class EngineMetrics:
         self.kv_fetch = Histogram("moe_serve:kv_transfer_wait_seconds",
                                   "Disaggregated decode: seconds from a prompt's blocks being reserved to the prefill "
                                   "instance's answer (its KV written, or a failure).", _LAT)
+        # Elastic EP (launcher/elastic.py), set by the front end when the ranks regroup.
+        self.elastic_recovery = Histogram("moe_serve:elastic_recovery_seconds",
+                                          "Elastic EP: seconds from a rank's loss to the survivors serving again.",
+                                          _LAT + [160.0])
+        self.ep_world_size = 1
+        self.elastic_recoveries = 0
+        self.elastic_resubmitted = 0
         self.snapshot = None
         self._rebalances_seen = 0
 
@@ -67,6 +74,8 @@ class EngineMetrics:
              s.prefix_cache_hit_rate),
             ("moe_serve:expert_balancedness", "Mean over max routed tokens per rank in the last expert-load "
              "window (1 = balanced; 0 = not measured yet).", getattr(s, "expert_balancedness", 0.0)),
+            ("moe_serve:ep_world_size", "Ranks the experts are sharded over now (elastic EP: the members).",
+             self.ep_world_size),
         ]
         counters = [
             ("moe_serve:prompt_tokens_total", "Prompt tokens computed.", s.prompt_tokens),
@@ -80,6 +89,10 @@ class EngineMetrics:
              s.spec_num_draft_tokens),
             ("moe_serve:spec_decode_num_accepted_tokens_total", "Speculative decoding: draft tokens accepted.",
              s.spec_num_accepted_tokens),
+            ("moe_serve:elastic_recoveries_total", "Elastic EP: regroups after a rank was lost.",
+             self.elastic_recoveries),
+            ("moe_serve:elastic_requests_resubmitted_total", "Elastic EP: requests in flight resubmitted to the "
+             "members after a regroup (with the tokens already streamed).", self.elastic_resubmitted),
         ]
         lines: list[str] = []
         for name, h, v in gauges:
@@ -125,6 +138,6 @@ class EngineMetrics:
         lines += [f"# HELP {name} Speculative decoding: draft tokens accepted at each draft position.",
                   f"# TYPE {name} counter"]
         lines += [f'{name}{{model_name="{model}",position="{j}"}} {v}' for j, v in enumerate(s.spec_accepted_per_pos)]
-        for hist in (self.ttft, self.tpot, self.e2e, self.eplb_transfer, self.kv_fetch):
+        for hist in (self.ttft, self.tpot, self.e2e, self.eplb_transfer, self.kv_fetch, self.elastic_recovery):
             lines += hist.render(model)
         return "\n".join(lines) + "\n"

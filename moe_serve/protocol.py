@@ -60,6 +60,9 @@ class NewRequest(msgspec.Struct, array_like=True):
     prompt_token_ids: list[int]
     params: SamplingParams
     kv: KVParams | None = None
+    # Tokens the request has already generated and streamed (a request moved off a lost rank by
+    # elastic EP): the core recomputes prompt + these and goes on from there, as after a preemption.
+    output_token_ids: list[int] = []
 
 
 class KVDone(msgspec.Struct, array_like=True):
@@ -72,10 +75,12 @@ class KVDone(msgspec.Struct, array_like=True):
 
 class UtilityCall(msgspec.Struct, array_like=True):
     """A call answered by one `UtilityResult` with the same call_id.
-    method: "load_start" | "load_stop" (applied by every rank at the same step) | "load_dump"."""
+    method: "load_start" | "load_stop" (applied by every rank at the same step) | "load_dump" |
+    "scale" (elastic EP: regroup to `arg` ranks at a step boundary)."""
 
     call_id: int
     method: str
+    arg: int = 0
 
 
 class CoreInput(msgspec.Struct, tag="in", array_like=True):
@@ -84,6 +89,10 @@ class CoreInput(msgspec.Struct, tag="in", array_like=True):
     calls: list[UtilityCall] = []
     shutdown: bool = False
     kv_done: list[KVDone] = []
+    # The EP membership generation the front end knew when it queued these (elastic EP): a core of
+    # a later generation drops the requests, aborts and KV answers of an earlier one, which the
+    # front end resubmits after a regroup.
+    generation: int = 0
 
 
 # --- engine core -> front end ---------------------------------------------------------------------
@@ -159,6 +168,9 @@ class CoreReady(msgspec.Struct, tag="ready", array_like=True):
     prefix_caching: bool = True
     disaggregation_mode: str = "none"
     kv_layout: CacheLayout | None = None  # where its cache lives (a decode-side rank)
+    host: str = ""  # where the core runs, and its process (GET /ranks)
+    pid: int = 0
+    expert_slots: int = 0  # expert slots per MoE layer on this rank
 
 
 class CacheEvents(msgspec.Struct, array_like=True):
@@ -177,6 +189,7 @@ class CoreOutputs(msgspec.Struct, tag="out", array_like=True):
     shutdown_asked_by: int = -1
     finished_shutdown: bool = False  # the core's last message before it exits
     cache_events: CacheEvents | None = None
+    generation: int = 0  # the EP membership generation of the core that sent it (elastic EP)
 
 
 class UtilityResult(msgspec.Struct, tag="util", array_like=True):
@@ -190,7 +203,29 @@ class CoreFatal(msgspec.Struct, tag="fatal", array_like=True):
     error: str
 
 
-CoreMessage = CoreReady | CoreOutputs | UtilityResult | CoreFatal
+class RankInfo(msgspec.Struct, array_like=True):
+    rank: int  # the rank's id for the job's life (its torchrun RANK, or the id a joiner took)
+    host: str
+    pid: int  # of the process that runs its engine core
+    expert_slots: int
+
+
+class ElasticChange(msgspec.Struct, tag="elastic", array_like=True):
+    """From the coordinating core (rank 0) of an elastic-EP job. phase "recovering": a rank was lost
+    (`lost`) or the membership is changing and the survivors are regrouping; "serving": every
+    member below has rebuilt its engine core for `generation` (their requests are gone: the front end
+    resubmits every open one, with the tokens already streamed), in EP-rank order."""
+
+    generation: int
+    phase: str
+    members: list[RankInfo] = []
+    lost: list[int] = []
+    reason: str = ""
+    seconds: float = 0.0  # "serving": from the failure (or the planned change) to serving again
+    max_model_len: int = 0
+
+
+CoreMessage = CoreReady | CoreOutputs | UtilityResult | CoreFatal | ElasticChange
 
 
 # --- the front end's own product (same process: handlers read it) -----------------------------

@@ -9,7 +9,10 @@ results to each request's asyncio.Queue with `call_soon_threadsafe`. A handler t
 (client disconnect) aborts its request, which frees its KV blocks in the core.
 
 A core that dies (its process gone, or a `CoreFatal`) makes the engine `dead`: every open request
-ends with the reason, /health answers 503 and `on_fatal` stops the server.
+ends with the reason, /health answers 503 and `on_fatal` stops the server. Under elastic EP
+(launcher/elastic.py) only rank 0's loss does: when rank 0's core says the ranks have regrouped
+(`ElasticChange`), every open request is resubmitted to a member, with the tokens it has already
+streamed, and inputs and outputs of an earlier generation are dropped on both sides.
 """
 from __future__ import annotations
 
@@ -27,8 +30,8 @@ from moe_serve.engine.output_processor import OutputProcessor
 from moe_serve.engine.routing import Router
 from moe_serve.limits import check_request
 from moe_serve.metrics import EngineMetrics
-from moe_serve.protocol import (CoreFatal, CoreInput, CoreOutputs, CoreReady, EngineOutput, EngineStats, KVDone,
-                                KVParams, NewRequest, UtilityCall, UtilityResult)
+from moe_serve.protocol import (CoreFatal, CoreInput, CoreOutputs, CoreReady, ElasticChange, EngineOutput, EngineStats,
+                                KVDone, KVParams, NewRequest, RankInfo, UtilityCall, UtilityResult)
 from moe_serve.sampling_params import SamplingParams, child_params
 
 log = logging.getLogger("moe_serve.async_engine")
@@ -42,7 +45,8 @@ class AsyncEngine:
     def __init__(self, client: CoreClient, ready: list[CoreReady], tokenizer, model_name: str,
                  max_waiting_requests: int = 1024, log_interval_s: float = 10.0,
                  check_alive: Callable[[], str | None] = lambda: None, load_balance_method: str = "cache_aware",
-                 load_margin: int = 4096, cache_threshold: float = 0.5, kv_timeout_s: float = 60.0):
+                 load_margin: int = 4096, cache_threshold: float = 0.5, kv_timeout_s: float = 60.0,
+                 elastic: bool = False):
         self.client = client
         self.world_size = client.world_size
         self.tokenizer = tokenizer
@@ -83,6 +87,17 @@ class AsyncEngine:
         self.kv_timeout_s = kv_timeout_s
         self._kv_prefill: dict[str, tuple[str, dict, list[int]]] = {}
         self._http = None  # httpx.AsyncClient for the prefill instances, made in the event loop
+        # Elastic EP: the members' generation, who they are, and what each open request needs to be
+        # resubmitted (its prompt and params, the tokens it has generated).
+        self.elastic = elastic
+        self.generation = 0
+        self.live = list(range(self.world_size))
+        self.rank_info = {r.rank: RankInfo(r.rank, r.host, r.pid, r.expert_slots) for r in ready}
+        self.elastic_state = "serving"
+        self.lost_ranks: list[int] = []
+        self._requests: dict[str, tuple[list[int], SamplingParams]] = {}
+        self._generated: dict[str, list[int]] = {}
+        self.metrics.ep_world_size = self.world_size
         self._sender = threading.Thread(target=self._send_loop, name="core-sender", daemon=True)
         self._receiver = threading.Thread(target=self._recv_loop, name="core-receiver", daemon=True)
         self._sender.start()
@@ -122,23 +137,25 @@ class AsyncEngine:
                     rank, hit = self.router.pick(cid, ids, self._rank_load)
                     self._rank_load[rank] += cost
                     self._owner[cid] = (rank, cost)
+                    if self.elastic:
+                        self._requests[cid], self._generated[cid] = (list(ids), cp), []
                     if self.world_size > 1:
                         log.info("request %s -> rank %d (%d prompt tokens cached there)", cid, rank,
                                  hit * self.router.block_size)
                     if prefill is not None:
                         self._kv_prefill[cid] = (*prefill, list(ids))
                         kv = KVParams("decode")
-                    self._inbox.put((rank, NewRequest(cid, list(ids), cp, kv)))
+                    self._inbox.put((rank, NewRequest(cid, list(ids), cp, kv), self.generation))
         return stream
 
-    async def call(self, method: str) -> bytes:
-        """A utility call answered by rank 0's core (expert-load recording start/stop/dump)."""
+    async def call(self, method: str, arg: int = 0) -> bytes:
+        """A utility call answered by rank 0's core (expert-load recording start/stop/dump, scale)."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         cid = next(self._call_ids)
         with self._lock:
             self._calls[cid] = (loop, fut)
-        self._inbox.put((0, UtilityCall(cid, method)))
+        self._inbox.put((0, UtilityCall(cid, method, arg)))
         return await asyncio.wait_for(fut, timeout=60)
 
     def _abort(self, child_ids) -> None:
@@ -157,6 +174,8 @@ class AsyncEngine:
                 return None
             self._rank_load[o[0]] -= o[1]
             self.router.release(cid)
+            self._requests.pop(cid, None)
+            self._generated.pop(cid, None)
             return o[0]
 
     def _forget(self, child_ids) -> None:
@@ -166,7 +185,7 @@ class AsyncEngine:
 
     def stats(self) -> EngineStats:
         """Every rank's stats summed (usage averaged; the hit rate over every rank's prompt tokens)."""
-        rs = self.rank_stats
+        rs = [self.rank_stats[r] for r in self.live]
         n = len(rs)
         queries, hits = sum(s.prefix_cache_queries for s in rs), sum(s.prefix_cache_hits for s in rs)
         return EngineStats(sum(s.num_running for s in rs), sum(s.num_waiting for s in rs),
@@ -209,7 +228,7 @@ class AsyncEngine:
         with self._lock:
             ids = list(self._queues)
         self._abort(ids)
-        for r in range(self.world_size):
+        for r in list(self.live):
             self._inbox.put((r, None))  # None: shut down
         if not self._closed.wait(timeout_s):
             log.warning("engine cores did not confirm shutdown within %.0fs", timeout_s)
@@ -227,13 +246,17 @@ class AsyncEngine:
                     items.append(self._inbox.get_nowait())
                 except queue.Empty:
                     break
-            per_rank: dict[int, CoreInput] = {}
+            per_rank: dict[tuple[int, int], CoreInput] = {}
             quit_ = False
-            for rank, item in items:
+            gen = self.generation
+            for rank, item, *stamp in items:
                 if rank == "stop":
                     quit_ = True
                     continue
-                ci = per_rank.setdefault(rank, CoreInput([], [], [], False))
+                g = stamp[0] if stamp else gen
+                if g < gen:  # a request queued before a regroup: it has been resubmitted since
+                    continue
+                ci = per_rank.setdefault((rank, g), CoreInput([], [], [], False, generation=g))
                 if isinstance(item, NewRequest):
                     ci.new.append(item)
                 elif isinstance(item, str):
@@ -244,9 +267,11 @@ class AsyncEngine:
                     ci.kv_done.append(item)
                 elif item is None:
                     ci.shutdown = True
-            for rank, ci in per_rank.items():
+            for (rank, _), ci in per_rank.items():
                 try:
-                    self.client.send(rank, ci)
+                    if not self.client.send(rank, ci, block=not self.elastic):
+                        log.warning("rank %d takes no input (lost, or regrouping): %d new request(s) wait for the "
+                                    "next generation", rank, len(ci.new))
                 except Exception:  # sockets closed under us at exit
                     return
             if quit_:
@@ -267,7 +292,13 @@ class AsyncEngine:
                     tokens_since += self._on_outputs(msg)
                 elif isinstance(msg, UtilityResult):
                     self._on_result(msg)
+                elif isinstance(msg, ElasticChange):
+                    self._on_elastic(msg)
                 elif isinstance(msg, CoreFatal):
+                    if self.elastic and msg.rank != 0:
+                        log.warning("engine core (rank %d) failed: %s; the others regroup without it", msg.rank,
+                                    msg.error)
+                        continue
                     raise RuntimeError(f"engine core (rank {msg.rank}) failed: {msg.error}")
                 now = time.monotonic()
                 if now - last_log >= self._log_interval and tokens_since:
@@ -294,6 +325,13 @@ class AsyncEngine:
             self.on_fatal()
 
     def _on_outputs(self, msg: CoreOutputs) -> int:
+        if msg.generation != self.generation:  # a core of another generation: its requests were resubmitted
+            return 0
+        if self.elastic:
+            for o in msg.outputs:
+                done = self._generated.get(o.request_id)
+                if done is not None:
+                    done += o.new_token_ids
         # Reservations first: a figure that shows the blocks held comes after the fetch is under way.
         if any(o.kv_target is not None for o in msg.outputs):
             for o in msg.outputs:
@@ -336,6 +374,52 @@ class AsyncEngine:
             if all(self._cores_done):
                 self._closed.set()
         return ntok
+
+    # --- elastic EP: the ranks regrouped --------------------------------------------------------------
+    def _on_elastic(self, msg: ElasticChange) -> None:
+        if msg.phase == "recovering":
+            self.elastic_state = "recovering"
+            log.warning("the ranks are regrouping (generation %d): %s", msg.generation, msg.reason)
+            return
+        members = [i.rank for i in msg.members]
+        resubmitted = 0
+        with self._lock:
+            self.generation = msg.generation
+            self.live = members
+            self.rank_info = {i.rank: i for i in msg.members}
+            self.lost_ranks = sorted((set(self.lost_ranks) | set(msg.lost)) - set(members))
+            for r in range(self.world_size):
+                if r not in members:
+                    self.rank_stats[r] = EngineStats()
+                self._cores_done[r] = r not in members  # shutdown waits for the members only
+            self.router.reset(members)  # every member's cache was made again
+            self._rank_load = [0] * self.world_size
+            for cid in list(self._owner):
+                prompt, cp = self._requests[cid]
+                done = list(self._generated.get(cid, ()))
+                cost = max(1, len(prompt) + (cp.max_tokens or self.max_model_len - len(prompt)) - len(done))
+                rank, _ = self.router.pick(cid, prompt + done, self._rank_load)
+                self._rank_load[rank] += cost
+                self._owner[cid] = (rank, cost)
+                self._inbox.put((rank, NewRequest(cid, prompt, cp, None, done), msg.generation))
+                resubmitted += 1
+            self.elastic_state = "serving"
+        m = self.metrics
+        m.ep_world_size = len(members)
+        if msg.lost:
+            m.elastic_recoveries += 1
+            m.elastic_recovery.observe(msg.seconds)
+        m.elastic_resubmitted += resubmitted
+        log.warning("generation %d serving on ranks %s (%s; regrouped in %.2fs): %d request(s) in flight resubmitted",
+                    msg.generation, members, msg.reason or "planned", msg.seconds, resubmitted)
+
+    def ranks_view(self) -> dict:
+        """GET /ranks: every member's id, EP rank, host, pid of its engine core, state and expert slots."""
+        with self._lock:
+            live, info, state = list(self.live), dict(self.rank_info), self.elastic_state
+        return {"generation": self.generation, "world_size": len(live), "state": state, "lost": list(self.lost_ranks),
+                "ranks": [{"rank": r, "ep_rank": i, "host": info[r].host, "pid": info[r].pid, "state": state,
+                           "expert_slots": info[r].expert_slots} for i, r in enumerate(live)]}
 
     # --- disaggregation: the decode side asks a prefill instance for a prompt's KV ----------------
     def _fetch_kv(self, rank: int, o) -> None:

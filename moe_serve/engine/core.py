@@ -260,6 +260,10 @@ class EngineCore:
         try:
             max_new = self.validate(new.prompt_token_ids, new.params)
             req = Request(new.request_id, list(new.prompt_token_ids), new.params, max_new, self.eos_token_ids)
+            if new.output_token_ids:  # moved here from a lost rank: recomputed, then continued
+                if new.kv is not None or len(new.output_token_ids) >= max_new:
+                    raise ValueError("a resumed request must have tokens left to generate and no KV transfer")
+                req.output_token_ids = list(new.output_token_ids)
             if new.kv is not None:
                 self._disaggregated(req, new.kv)
             if new.params.structured_outputs is not None:
@@ -413,6 +417,8 @@ class EngineCore:
                 continue
             try:
                 req.grammar = self.grammars.state(fut.result())
+                for t in req.output_token_ids:  # a resumed request: what it already generated
+                    req.grammar.accept(t)
                 self.scheduler.add_request(req)
             except Exception as e:  # the front end checks specs first, so this is not expected
                 log.warning("request %s: structured output grammar failed: %s", req.request_id, e)

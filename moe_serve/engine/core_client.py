@@ -43,8 +43,20 @@ class CoreClient:
         h = f"[{h}]" if ":" in h else h
         return [f"tcp://{h}:{p}" for p in self.in_ports], f"tcp://{h}:{self.out_port}"
 
-    def send(self, rank: int, msg: CoreInput) -> None:
-        self.in_socks[rank].send(input_encoder.encode(msg), copy=False)
+    def send(self, rank: int, msg: CoreInput, block: bool = True) -> bool:
+        """Queue msg for a rank's core. block False (elastic EP): a rank that takes nothing for a
+        second (its core is gone, so its socket has no peer) gets nothing; returns False then."""
+        data = input_encoder.encode(msg)
+        if block:
+            self.in_socks[rank].send(data, copy=False)
+            return True
+        for _ in range(20):
+            try:
+                self.in_socks[rank].send(data, zmq.NOBLOCK, copy=False)
+                return True
+            except zmq.Again:
+                time.sleep(0.05)
+        return False
 
     def recv(self, timeout_ms: int) -> CoreMessage | None:
         """The next message from any core, None on timeout or a malformed message (logged)."""

@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from typing import Callable
@@ -57,6 +58,15 @@ def agreed_shape(q_max: int, neg_q_min: int) -> int:
     the ranks' steps differ or any is mixed (then no rank pads)."""
     return q_max if q_max == -neg_q_min and q_max < _MIXED else 0
 
+class Regroup(Exception):
+    """Every rank agreed, at this turn, to regroup (elastic EP, launcher/elastic.py): a replacement
+    waits to join, or a planned change of size (`size` ranks)."""
+
+    def __init__(self, reason: str, size: int | None = None):
+        super().__init__(reason)
+        self.reason, self.size = reason, size
+
+
 class CoreLoop:
     def __init__(self, core, rank: int, world_size: int, in_addr: str, out_addr: str, sync_group=None,
                  on_turn: Callable[[int], None] = lambda n: None, peer_alive: Callable[[], bool] = lambda: True):
@@ -78,6 +88,23 @@ class CoreLoop:
         self._pending_load: str | None = None  # "load_start" | "load_stop" asked on this rank
         self._peer_checked = time.monotonic()
         self._changed = False  # state changed without an output (the next turn reports stats)
+        # Elastic EP (launcher/elastic.py): the membership generation this core serves, and a
+        # regroup asked on this rank (rank 0: a replacement waits; a planned size), agreed each turn.
+        self.generation = 0
+        self._regroup_size: int | None = None  # 0: regroup at the same size (a replacement joins)
+        self._scale_call: int | None = None
+
+    def ask_regroup(self, size: int = 0) -> None:
+        """Regroup at the next turn's agreement (thread-safe: one attribute written)."""
+        if self._regroup_size is None or size:
+            self._regroup_size = size
+
+    def rebind(self, core, world_size: int, sync_group, generation: int) -> None:
+        """Serve a rebuilt engine core (elastic EP) through the same sockets."""
+        self.core, self.world_size, self.group, self.generation = core, world_size, sync_group, generation
+        self._pending_load = None
+        gc.collect()
+        gc.freeze()
 
     def send(self, msg) -> None:
         """Blocks while the front end is behind (its queue full), but not past its death: a core
@@ -91,7 +118,8 @@ class CoreLoop:
                 if not self.peer_alive():
                     raise RuntimeError("the front-end process is gone") from None
 
-    def ready(self) -> None:
+    def ready(self, announce: bool = True) -> None:
+        """announce: say CoreReady to the front end (at start; not for a replacement joining later)."""
         c = self.core
         # What start-up made (modules, weights, tokenizer, buffers) lives as long as this process:
         # moved out of the collector's generations, so the collections the step loop's small
@@ -99,11 +127,13 @@ class CoreLoop:
         # process that runs one engine: an in-process LLM may be dropped, and frozen cycles would leak.
         gc.collect()
         gc.freeze()
-        if self.world_size > 1:  # the front end routes by every rank's prefix cache
+        if self.world_size > 1 or self.generation > 0:  # the front end routes by every rank's prefix cache
             c.track_cache_events()
-        self.send(CoreReady(self.rank, c.max_model_len, c.vocab_size, c.runner.num_blocks, sorted(c.eos_token_ids),
-                            c.allocator.block_size, c.allocator.enable_prefix_caching,
-                            c.cfg.disaggregation_mode, c.connector.layout if c.connector is not None else None))
+        if announce:
+            self.send(CoreReady(self.rank, c.max_model_len, c.vocab_size, c.runner.num_blocks,
+                                sorted(c.eos_token_ids), c.allocator.block_size, c.allocator.enable_prefix_caching,
+                                c.cfg.disaggregation_mode, c.connector.layout if c.connector is not None else None,
+                                socket.gethostname(), os.getpid(), c.moe_ctx.dispatcher.slots_per_rank))
 
     def _receive(self, timeout_ms: int) -> tuple[list, bool]:
         """Apply every input waiting (waiting up to timeout_ms for the first); returns outputs of
@@ -122,6 +152,11 @@ class CoreLoop:
                 log.error("rank %d: dropped a malformed message from the front end (%d bytes): %s", self.rank,
                           len(frame.buffer), e)
                 continue
+            for call in msg.calls:
+                self._call(call)
+            shutdown = shutdown or msg.shutdown
+            if msg.generation < self.generation:  # queued for a core of an earlier generation
+                continue  # (the front end resubmits its requests for this one)
             for new in msg.new:
                 rejected = self.core.add_request(new)
                 if rejected is not None:
@@ -130,9 +165,6 @@ class CoreLoop:
             if msg.kv_done:
                 self.core.kv_done(msg.kv_done)
                 self._changed = True  # blocks given back: the front end's figures should say so
-            for call in msg.calls:
-                self._call(call)
-            shutdown = shutdown or msg.shutdown
 
     def _call(self, call) -> None:
         if call.method in ("load_start", "load_stop"):
@@ -140,6 +172,9 @@ class CoreLoop:
             self.send(UtilityResult(call.call_id, b"true"))
         elif call.method == "load_dump":
             self.send(UtilityResult(call.call_id, json.dumps(self.core.dump_load()).encode()))
+        elif call.method == "scale":
+            self.ask_regroup(call.arg)  # answered once the job serves at the new size (ElasticChange)
+            self.send(UtilityResult(call.call_id, b"true"))
         else:
             self.send(UtilityResult(call.call_id, error=f"unknown utility call {call.method!r}"))
 
@@ -170,17 +205,24 @@ class CoreLoop:
                 # The rebalancing's flag, and the digest of a tuned placement as d and -d (MAX of
                 # both: every rank tuned the same one iff they are each other's negation).
                 eplb_flag, digest = core.eplb_state()
+                regroup, self._regroup_size = self._regroup_size, None
                 flags = torch.tensor([ntok, self.rank + 1 if self.wants_shutdown else 0, shutdown,
                                       load == "load_start", load == "load_stop", eplb_flag, q, q_lo,
-                                      digest, -digest], dtype=torch.int64)
+                                      digest, -digest, -1 if regroup is None else regroup], dtype=torch.int64)
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-                max_tok, term_rank, shutdown, start, stop, eplb_busy, q_hi, q_lo, d_max, neg_d_max = \
+                max_tok, term_rank, shutdown, start, stop, eplb_busy, q_hi, q_lo, d_max, neg_d_max, regroup = \
                     (int(v) for v in flags.tolist())
+                if regroup >= 0 and not shutdown:
+                    raise Regroup("a planned change of size" if regroup else "a replacement joins",
+                                  regroup or None)
                 uniform = agreed_shape(q_hi, q_lo)
                 digests = (d_max, neg_d_max)
                 load = "load_start" if start else ("load_stop" if stop else None)
                 self.shutdown_asked_by = term_rank - 1
             else:
+                regroup, self._regroup_size = self._regroup_size, None
+                if regroup is not None and self.elastic and not shutdown:
+                    raise Regroup("a planned change of size" if regroup else "a replacement joins", regroup or None)
                 max_tok, uniform = ntok, None  # one process: its own step decides
                 self.shutdown_asked_by = 0 if self.wants_shutdown else -1
                 eplb_busy, digests = core.eplb_flag(), None
@@ -202,13 +244,16 @@ class CoreLoop:
             if outs or any_work or wish or shutdown or closed or events or self.turns == 1 or self._changed:
                 self._changed = False
                 self._reported_shutdown_wish |= wish
-                self.send(CoreOutputs(self.rank, outs, core.stats(), self.shutdown_asked_by, bool(shutdown), events))
+                self.send(CoreOutputs(self.rank, outs, core.stats(), self.shutdown_asked_by, bool(shutdown), events,
+                                      self.generation))
             if shutdown:
                 return 0
             if time.monotonic() - self._peer_checked > 1.0:  # busy or idle: a step is far shorter
                 self._peer_checked = time.monotonic()
                 if not self.peer_alive():
                     raise RuntimeError("the front-end process is gone")
+
+    elastic = False  # set by an elastic rank: a regroup may also start from a one-rank generation
 
     def fatal(self, e: BaseException) -> None:
         """Tell the front end why this core stops, if it is there to hear it: never blocks (a PUSH

@@ -70,6 +70,14 @@ class Router:
         self._held: dict[str, tuple[int, list[bytes]]] = {}  # request id -> (rank, hashes it promised)
         self._turn = itertools.count()
         self.routed_by_prefix = 0  # requests sent to a rank for its cached prefix (not the least loaded)
+        self.live = list(range(world_size))  # the ranks requests may go to (elastic EP: the members)
+
+    def reset(self, live: list[int]) -> None:
+        """Route to `live` only, every cache empty (elastic EP: the members rebuilt their cores)."""
+        self.live = list(live)
+        self.cached = [set() for _ in range(self.world_size)]
+        self.promised = [Counter() for _ in range(self.world_size)]
+        self._held.clear()
 
     def apply_events(self, rank: int, added: list[bytes], removed: list[bytes]) -> None:
         s = self.cached[rank]
@@ -87,16 +95,16 @@ class Router:
 
     def pick(self, request_id: str, token_ids: list[int], loads: list[int]) -> tuple[int, int]:
         """The rank for a new request and how many of its prompt's blocks that rank holds."""
-        if self.world_size == 1:
-            return 0, 0
+        ranks = self.live
+        if len(ranks) == 1:
+            return ranks[0], 0
         if self.policy == "round_robin":
-            return next(self._turn) % self.world_size, 0
-        ranks = list(range(self.world_size))
-        sizes = [len(self.cached[r]) + len(self.promised[r]) for r in ranks]
+            return ranks[next(self._turn) % len(ranks)], 0
+        sizes = {r: len(self.cached[r]) + len(self.promised[r]) for r in ranks}
         if self.policy == "least_load":
             return min(ranks, key=lambda r: (loads[r], sizes[r], r)), 0
         hashes = prompt_block_hashes(token_ids, self.block_size)
-        matched = [self.matched_blocks(r, hashes) for r in ranks]
+        matched = {r: self.matched_blocks(r, hashes) for r in ranks}
         rank, by_prefix = cache_aware_choice(ranks, matched, len(token_ids) // self.block_size, loads, sizes,
                                              self.threshold, self.load_margin)
         self.routed_by_prefix += by_prefix

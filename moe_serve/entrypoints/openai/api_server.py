@@ -170,6 +170,46 @@ def build_app(engine: AsyncEngine, served_model_name: str, max_model_len: int, a
         return PlainTextResponse(engine.metrics.render(served_model_name, engine.stats(), engine.rank_stats),
                                  media_type="text/plain; version=0.0.4")
 
+    @app.get("/ranks")
+    async def ranks():
+        return JSONResponse(engine.ranks_view())
+
+    @app.post("/scale_elastic_ep")
+    async def scale_elastic_ep(request: Request):
+        """vLLM's shape: {"new_data_parallel_size": N}. Down: the highest rank ids leave at a step
+        boundary, their requests resubmitted; answered once the job serves at N."""
+        if not engine.elastic:
+            return error_response(400, "scale_elastic_ep needs a job started with --enable-elastic-ep",
+                                  param="new_data_parallel_size")
+        try:
+            body = msgspec.json.decode(await request.body())
+            n = body["new_data_parallel_size"]
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError
+        except Exception:
+            return error_response(400, "the body must be {\"new_data_parallel_size\": N} with N an integer >= 1",
+                                  param="new_data_parallel_size")
+        extra = sorted(set(body) - {"new_data_parallel_size", "drain_timeout"})
+        if extra:
+            return error_response(400, f"unknown field {extra[0]!r}", param=extra[0])
+        now = len(engine.live)
+        if n > now:
+            return error_response(400, f"new_data_parallel_size={n} is more than the {now} ranks serving: a rank joins "
+                                  "by starting it with --enable-elastic-ep --elastic-join NODE0:PORT (it takes a free "
+                                  "rank id, up to the job's starting size)", param="new_data_parallel_size")
+        if n < now:
+            timeout = body.get("drain_timeout", 120)
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+                return error_response(400, "drain_timeout must be a positive number of seconds", param="drain_timeout")
+            await engine.call("scale", n)
+            deadline = time.monotonic() + timeout
+            while len(engine.live) != n:
+                if time.monotonic() > deadline:
+                    return error_response(503, f"the ranks did not regroup to {n} within {timeout}s",
+                                          "ServiceUnavailableError")
+                await asyncio.sleep(0.05)
+        return JSONResponse({"new_data_parallel_size": len(engine.live), **engine.ranks_view()})
+
     async def handle(request: Request, typ, fn, prefix: str, error_response=error_response):
         """Read, decode and run one request; error_response writes its errors (OpenAI's shape, or
         Anthropic's on the Messages endpoints)."""

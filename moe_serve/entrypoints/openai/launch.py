@@ -70,7 +70,7 @@ def run_frontend(ns: argparse.Namespace, path: str, client, check_alive) -> int:
     name = ns.served_model_name or ns.model or os.path.basename(os.path.normpath(path))
     engine = AsyncEngine(client, ready, tokenizer, name, ns.max_waiting_requests, ns.log_interval, check_alive,
                          ns.load_balance_method, ns.cache_aware_load_margin, ns.cache_aware_threshold,
-                         ns.disaggregation_timeout)
+                         ns.disaggregation_timeout, elastic=getattr(ns, "enable_elastic_ep", False))
     limits = PromptLimits(engine.max_model_len, tokenizer.chars_per_token, ns.block_size,
                           min(r.num_kv_blocks for r in ready))
     http = HTTPLimits(ns.max_request_body_bytes or default_max_body_bytes(engine.max_model_len, token_bytes,
@@ -198,6 +198,9 @@ def frontend_main(argv: list[str] | None = None) -> int:
     p.add_argument("--dist-timeout", type=float, default=60.0)
     p.add_argument("--dist-interface", default=None)
     p.add_argument("--dist-join-timeout", type=float, default=120.0)
+    from launcher.elastic import add_elastic_args
+
+    add_elastic_args(p)
     ns = p.parse_args(argv)
     http_flags_check(ns)
     rank_env = os.environ.get("RANK", "0")
