@@ -165,6 +165,13 @@ def run_launch(ns: argparse.Namespace) -> int:
 
     _check_counts(ns)
     serve = parse(["serve", *_serve_args(ns)])  # a bad serve flag fails here, once, not in every rank
+    if serve.elastic_join:  # a replacement joins a running elastic job through its store, not torchrun's rendezvous
+        if ns.nproc_per_node != 1 or ns.nnodes != 1:
+            raise ValueError("--elastic-join starts one replacement rank: use --nproc-per-node 1 (start several "
+                             "for more)")
+        cmd = [sys.executable, "-m", "launcher", "serve", *_serve_args(ns)]
+        sys.stdout.flush()
+        os.execv(cmd[0], cmd)
     if ns.nnodes == 1:
         cmd = torchrun_command(ns)
         sys.stdout.flush()

@@ -163,6 +163,7 @@ class Membership:
         self._joiners_handled = 0
         self._stop = threading.Event()
         self._hb_key: str | None = None
+        self._call_since: float | None = None  # when the heartbeat's store call in progress began
         self.on_joiner = lambda: None  # the coordinator's watcher calls it when a replacement waits
 
     def k(self, key: str) -> str:
@@ -177,6 +178,18 @@ class Membership:
             return
         self._hb_thread = threading.Thread(target=self._beat, name="elastic-heartbeat", daemon=True)
         self._hb_thread.start()
+        threading.Thread(target=self._deadman, name="elastic-deadman", daemon=True).start()
+
+    def _deadman(self) -> None:
+        """A store call that never returns (a cut link: TCP retries for many minutes, past the
+        store's own timeout) cannot be interrupted; this thread sees it and ends the process."""
+        limit = max(self.hb_timeout * 2, 2.0)
+        while not self._stop.wait(self.hb_interval):
+            since = self._call_since
+            if since is not None and time.monotonic() - since > limit:
+                log.error("rank %s: the job's store (node 0, %s:%d) has not answered for %.0fs: this host has lost node "
+                          "0; stopping", self._hb_key, *self.addr, time.monotonic() - since)
+                os._exit(1)
 
     def _beat(self) -> None:
         store = job_store(*self.addr, self.store_timeout)
@@ -184,8 +197,10 @@ class Membership:
         n = 0
         while not self._stop.is_set():
             n += 1
+            self._call_since = time.monotonic()
             try:
-                store.set(self.k(f"alive/{self._hb_key}"), str(n))
+                store.add(self.k(f"alive/{self._hb_key}"), 1)  # a round trip (a set is sent and forgotten)
+                self._call_since = None
             except Exception as e:
                 if self._stop.is_set():
                     return
@@ -270,7 +285,9 @@ class Membership:
             for r in self.members:
                 if r in remove:
                     continue
-                if store.check([self.k(f"g{target}/here/{r}")]):
+                if store.check([self.k(f"exited/{r}")]):
+                    lost.append(r)  # (it may have said it was here, then died)
+                elif store.check([self.k(f"g{target}/here/{r}")]):
                     here.append(r)
                 elif self.lost(store, r) is not None:
                     lost.append(r)
@@ -346,8 +363,11 @@ class Membership:
 
 
 # --- process groups of one generation ---------------------------------------------------------------
-def form_groups(m: Membership, backend: str, device, timeout_s: float):
-    """The world and control groups of m's generation, over a store prefix of their own."""
+def form_groups(m: Membership, backend: str, device, timeout_s: float, build_timeout_s: float):
+    """The world and control groups of m's generation, over a store prefix of their own. Every
+    member is waiting for the member list, so they meet within timeout_s (a member lost after it
+    was named fails the generation that soon); the groups' collectives then wait up to
+    build_timeout_s while the cores are rebuilt."""
     import torch
     import torch.distributed as dist
 
@@ -361,8 +381,10 @@ def form_groups(m: Membership, backend: str, device, timeout_s: float):
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=n, timeout=timeout, **kwargs)
     cpu = dist.new_group(ranks=list(range(n)), backend="gloo", timeout=timeout)
-    return ProcessGroups(rank, n, int(os.environ.get("LOCAL_RANK", "0")), dist.group.WORLD, cpu,
+    groups = ProcessGroups(rank, n, int(os.environ.get("LOCAL_RANK", "0")), dist.group.WORLD, cpu,
                          device if device.type == "cuda" else torch.device("cpu"))
+    set_timeout(groups, build_timeout_s)
+    return groups
 
 
 def set_timeout(groups, timeout_s: float) -> None:
@@ -463,6 +485,9 @@ def run_core(ns: argparse.Namespace, serve_argv: list[str]) -> int:
     from moe_serve.entrypoints.openai.launch import spawn_frontend
     from moe_serve.protocol import ElasticChange, RankInfo
 
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # where every thread is, for an operator
     dev = platform.resolve_device(ns.device)
     backend = platform.dist_backend(dev)
     if ns.elastic_join:
@@ -505,9 +530,10 @@ def run_core(ns: argparse.Namespace, serve_argv: list[str]) -> int:
     try:
         while True:
             try:
-                groups = form_groups(m, backend, dev, max(ns.dist_timeout, 30.0))
-                log.info("generation %d: rank %d is EP rank %d of %d (members %s, pid %d)", m.generation, rank,
-                         groups.rank, groups.world_size, m.members, os.getpid())
+                groups = form_groups(m, backend, dev, settle if m.generation else max(ns.dist_timeout, 30.0),
+                                     max(ns.dist_timeout, 30.0))
+                log.info("generation %d: rank %d is EP rank %d of %d (pid %d, members %s)", m.generation, rank,
+                         groups.rank, groups.world_size, os.getpid(), m.members)
                 cfg = elastic_config(args, groups.rank, groups.world_size)
                 core = build_engine(cfg, groups.ep_group, show_progress=rank == 0 and m.generation == 0)
                 if groups.world_size > 1:

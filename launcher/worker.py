@@ -40,10 +40,10 @@ def add_network_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    rank_env = os.environ.get("RANK", "0")
+    argv = sys.argv[1:] if argv is None else argv
+    rank_env = "joining" if "--elastic-join" in argv else os.environ.get("RANK", "0")
     logging.basicConfig(level=os.environ.get("MOE_SERVE_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s %(levelname)s [rank {rank_env}] %(name)s: %(message)s")
-    argv = sys.argv[1:] if argv is None else argv
     ns = parse(argv)
     try:
         rc = run(ns, argv[1:], argv)  # what follows "serve" goes to the front end as it is

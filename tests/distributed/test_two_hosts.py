@@ -226,3 +226,38 @@ def test_loopback_advertised_across_hosts(hosts, model, tmp_path):
         assert "ranks 0, 1 would advertise a loopback address (127.0.0.1 on lo)" in log, log[-3000:]
         assert "--dist-interface" in log
         _no_trace(log)
+
+
+def test_elastic_two_hosts_link_cut_keeps_serving(hosts, checkpoints, tmp_path):
+    """Elastic EP, 2 hosts x 2 ranks: host 1's link is cut while 16 streams run; host 0's ranks
+    regroup within the collective and heartbeat timeouts and every stream finishes with the
+    single-process engine's text; host 1's cores, cut off from node 0's store, stop."""
+    from moe_serve import LLM, SamplingParams
+    from tests.distributed import test_elastic_ep as el
+
+    path = checkpoints["qwen3_moe"]
+    llm = LLM(path, dtype="float32", kv_cache_memory=4 << 20, show_progress=False)
+    want = [o.outputs[0].text for o in llm.generate([{"prompt_token_ids": p} for p in el.PROMPTS], SamplingParams(
+        temperature=0, max_tokens=el.MAX_TOKENS, ignore_eos=True))]
+    port, master_port = free_port(), free_port()
+    serve = ["--model", path, *el.ARGS, "--host", "0.0.0.0", "--port", str(port), "--elastic-timeout", "3",
+             "--elastic-heartbeat-timeout", "2"]
+    logs = [str(tmp_path / "host0.log"), str(tmp_path / "host1.log")]
+    procs = [hosts.run(n, torchrun(hosts, n, 2, master_port, serve), logs[n]) for n in (0, 1)]
+    url = hosts.wait_healthy(port, procs, logs)
+    assert len(el.ranks(url)["ranks"]) == 4
+    health: list[float] = []
+    got = asyncio.run(el.stream_all(url, [(0.0, lambda: hosts.link(1, False))], health))
+    assert got == want
+    assert max(health) < 1.0, max(health)
+    r = el.ranks(url)
+    assert [x["rank"] for x in r["ranks"]] == [0, 1] and r["lost"] == [2, 3], r
+    assert el.metric(url, "moe_serve:elastic_recoveries_total") == 1
+    seconds = el.metric(url, "moe_serve:elastic_recovery_seconds_sum")
+    assert 0 < seconds < 15, seconds  # the collective timeout (3 s) and the heartbeat's (2 s), not minutes
+    assert el.no_blocks_held(url)
+    assert asyncio.run(el.stream_all(url)) == want  # and it goes on serving
+    deadline = time.monotonic() + 30
+    while "has lost node 0" not in read(logs[1]):
+        assert time.monotonic() < deadline, read(logs[1])[-3000:]
+        time.sleep(0.5)
