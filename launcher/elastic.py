@@ -319,6 +319,10 @@ class Membership:
                 store.set(self.k(f"join/{j}/assigned"), json.dumps({"error": f"the job is at its full size of "
                                                                              f"{self.full_size} ranks"}))
                 continue
+            # The id's previous holder is gone: its recorded exit and heartbeat are not the replacement's.
+            store.delete_key(self.k(f"exited/{free[0]}"))
+            with self._seen_lock:
+                self._seen.pop(str(free[0]), None)
             store.set(self.k(f"join/{j}/assigned"), json.dumps({"rank": free[0], "generation": target}))
             log.info("generation %d: a replacement (join request %d) joins as rank %d", target, j, free[0])
             admitted.append(free[0])

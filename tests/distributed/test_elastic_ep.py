@@ -143,18 +143,23 @@ def test_lost_rank_recovers_then_a_replacement_joins(checkpoints, want, tmp_path
         assert job.log().count(" -> rank 2 ") > before  # the replacement serves
         assert metric(job.url, "moe_serve:elastic_recoveries_total") == 1  # a join is not a recovery
 
+        # Another loss: the replacement, which took a dead rank's id, is not taken for it.
+        assert asyncio.run(stream_all(job.url, [(0.0, lambda: kill_core(job.url, 1))], [])) == want
+        assert [x["rank"] for x in ranks(job.url)["ranks"]] == [0, 2, 3]
+
         # A planned scale-down (vLLM's shape): the highest ids leave at a step boundary.
         resp = httpx.post(job.url + "/scale_elastic_ep", json={"new_data_parallel_size": 2}, timeout=60)
         assert resp.status_code == 200, resp.text
-        assert [x["rank"] for x in resp.json()["ranks"]] == [0, 1]
+        assert [x["rank"] for x in resp.json()["ranks"]] == [0, 2]
         bad = httpx.post(job.url + "/scale_elastic_ep", json={"new_data_parallel_size": 3}, timeout=10)
         assert bad.status_code == 400 and "--elastic-join" in bad.json()["error"]["message"]
-        assert joiner.wait(30) == 0  # it left cleanly
+        assert "rank 3 leaves the job (a planned scale-down to 2 ranks)" in job.log()
         assert asyncio.run(stream_all(job.url)) == want
         assert no_blocks_held(job.url)
 
         os.kill(ranks(job.url)["ranks"][0]["pid"], signal.SIGTERM)  # drains, then stops every rank
         assert job.wait(60) == 0, job.log()[-3000:]
+        assert joiner.wait(30) == 0
     finally:
         if joiner is not None and joiner.poll() is None:
             os.killpg(joiner.pid, signal.SIGKILL)
