@@ -47,7 +47,7 @@ class EngineMetrics:
                                   "instance's answer (its KV written, or a failure).", _LAT)
         # Elastic EP (launcher/elastic.py), set by the front end when the ranks regroup.
         self.elastic_recovery = Histogram("moe_serve:elastic_recovery_seconds",
-                                          "Elastic EP: seconds from a rank's loss to the survivors serving again.",
+                                          "Elastic EP: seconds from a rank's loss being seen (a collective failing) to the survivors serving again.",
                                           _LAT + [160.0])
         self.ep_world_size = 1
         self.elastic_recoveries = 0
