@@ -456,10 +456,11 @@ def release_core(loop) -> None:
     core = loop.core
     loop.core = None
     if core is not None:
-        try:
-            core.grammars.shutdown()
-        except Exception:
-            pass
+        for part in (core.grammars.shutdown, core.eplb.close if core.eplb is not None else None):
+            try:
+                part and part()
+            except Exception as e:
+                log.warning("releasing the old engine core: %s", e)
     del core
     gc.unfreeze()
     gc.collect()
@@ -553,6 +554,7 @@ def run_core(ns: argparse.Namespace, serve_argv: list[str]) -> int:
                     raise
                 log.warning("generation %d failed to form (%s): regrouping again", m.generation, _first_line(e))
                 drop_groups()
+                core = None  # (the loop's reference goes in release_core: the rebuilt core gets the memory)
                 if loop is not None:
                     release_core(loop)
                 t_fail = t_fail or time.monotonic()
@@ -592,6 +594,7 @@ def run_core(ns: argparse.Namespace, serve_argv: list[str]) -> int:
             if rank == 0:
                 loop.send(ElasticChange(m.generation + 1, "recovering", reason=reason))
             drop_groups()
+            core = None
             release_core(loop)
             members, lost = m.next_generation(m.generation + 1, remove)
         if rank == 0 and args.expert_load_record:
