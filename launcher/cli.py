@@ -165,13 +165,8 @@ def run_launch(ns: argparse.Namespace) -> int:
 
     _check_counts(ns)
     serve = parse(["serve", *_serve_args(ns)])  # a bad serve flag fails here, once, not in every rank
-    if serve.elastic_join:  # a replacement joins a running elastic job through its store, not torchrun's rendezvous
-        if ns.nproc_per_node != 1 or ns.nnodes != 1:
-            raise ValueError("--elastic-join starts one replacement rank: use --nproc-per-node 1 (start several "
-                             "for more)")
-        cmd = [sys.executable, "-m", "launcher", "serve", *_serve_args(ns)]
-        sys.stdout.flush()
-        os.execv(cmd[0], cmd)
+    if serve.elastic_join:  # replacements join a running elastic job through its store, not torchrun's rendezvous
+        return join_elastic(ns)
     if ns.nnodes == 1:
         cmd = torchrun_command(ns)
         sys.stdout.flush()
@@ -187,3 +182,28 @@ def run_launch(ns: argparse.Namespace) -> int:
         raise LaunchError(str(e)) from None
     cmd = torchrun_command(ns, serve.dist_join_timeout, local_addr)
     return supervise(cmd, ns, serve.dist_join_timeout)
+
+
+def join_elastic(ns: argparse.Namespace) -> int:
+    """--elastic-join: start --nproc-per-node replacement ranks on this host (LOCAL_RANK 0..n-1, the
+    devices they use), each taking the lowest free rank id of the running job; wait for them all."""
+    logging.basicConfig(level=os.environ.get("MOE_SERVE_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s [launch] %(name)s: %(message)s")
+    cmd = [sys.executable, "-m", "launcher", "serve", *_serve_args(ns)]
+    procs = [subprocess.Popen(cmd, env=dict(os.environ, LOCAL_RANK=str(i), LOCAL_WORLD_SIZE=str(ns.nproc_per_node)))
+             for i in range(ns.nproc_per_node)]
+    log.info("%d replacement rank(s) started (pids %s), joining the elastic job at %s", len(procs),
+             ", ".join(str(p.pid) for p in procs), _serve_value(ns, "--elastic-join"))
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda s, f: [p.send_signal(s) for p in procs if p.poll() is None])
+    return max(abs(p.wait()) for p in procs)
+
+
+def _serve_value(ns: argparse.Namespace, flag: str) -> str:
+    args = _serve_args(ns)
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return "?"

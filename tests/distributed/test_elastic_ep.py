@@ -126,18 +126,21 @@ def test_lost_rank_recovers_then_a_replacement_joins(checkpoints, want, tmp_path
         assert no_blocks_held(job.url)
         assert "rank 2's engine core exited with signal 9; the other ranks go on without it" in job.log()
 
-        # A replacement started with the same command and --elastic-join takes the free id.
+        # A replacement started with the launcher and --elastic-join takes the free id.
         log = open(tmp_path / "joiner.log", "w")
-        joiner = subprocess.Popen([sys.executable, "-m", "launcher", "serve", "--model", path, *ARGS,
-                                   "--elastic-join", f"127.0.0.1:{master_port}"], stdout=log, stderr=subprocess.STDOUT,
-                                  env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
+        joiner = subprocess.Popen([sys.executable, "-m", "moe_serve.entrypoints.cli", "launch", "--nproc-per-node", "1",
+                                   "--", "--model", path, *ARGS, "--elastic-join", f"127.0.0.1:{master_port}"],
+                                  stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                                  start_new_session=True)
         deadline = time.monotonic() + 90
         while ranks(job.url)["world_size"] != 4:
             assert time.monotonic() < deadline and joiner.poll() is None, (tmp_path / "joiner.log").read_text()[-3000:]
             time.sleep(0.2)
         r = ranks(job.url)
         assert [x["rank"] for x in r["ranks"]] == [0, 1, 2, 3] and r["lost"] == []
-        assert next(x["pid"] for x in r["ranks"] if x["rank"] == 2) == joiner.pid
+        core_pid = next(x["pid"] for x in r["ranks"] if x["rank"] == 2)
+        with open(f"/proc/{core_pid}/stat") as f:
+            assert int(f.read().rsplit(")", 1)[1].split()[1]) == joiner.pid  # the launcher's child
         before = job.log().count(" -> rank 2 ")
         assert asyncio.run(stream_all(job.url)) == want
         assert job.log().count(" -> rank 2 ") > before  # the replacement serves
