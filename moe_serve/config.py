@@ -175,3 +175,15 @@ class EngineConfig:
     disaggregation_mode: str = "none"
     disaggregation_transfer_backend: str = "nixl"
     disaggregation_timeout_s: float = 60.0
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """What activations, norms, attention and the KV cache run in: the model's dtype, except a
+        bfloat16 model on a CPU whose layers all run in our C kernels (experts, linear, attention,
+        norms): float32 there, over GEMM weights and an embedding table kept in bfloat16 (the
+        kernels widen them in registers). Those kernels compute in float32, so bfloat16 activations
+        would only be converted around every op (and norms and attention fall back to torch ops)."""
+        if self.device.type == "cpu" and self.model.dtype == torch.bfloat16 and self.moe_backend == "cpu_c" and \
+                self.linear_backend == "cpu_c" and self.attention_backend == "cpu_c" and self.norm_backend == "cpu_c":
+            return torch.float32
+        return self.model.dtype

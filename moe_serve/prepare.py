@@ -7,6 +7,10 @@ element by element, many times slower than float32 (moe_serve/kernels/cpu_gemm.p
 in float32, converted once here, and the GEMMs run in float32 on upcast activations; embeddings,
 norms, activations and the KV cache stay in the model's dtype. The memory cost is logged. On CUDA,
 and on CPUs with half-precision matrix instructions, nothing changes.
+
+Where our C kernels run every layer kind of a bfloat16 model on a CPU, the model is built and
+loaded in float32 (EngineConfig.activation_dtype) and its GEMM weights and embedding table are
+narrowed back to bfloat16 here: activations, norms, attention and the KV cache stay float32.
 """
 from __future__ import annotations
 
@@ -32,10 +36,13 @@ def gemm_weight_dtype(model_dtype: torch.dtype, device: torch.device, c_kernels:
 
 
 def prepare_gemm_weights(model: nn.Module, model_dtype: torch.dtype, device: torch.device,
-                         c_kernels: bool = False) -> int:
-    """Convert GEMM weights to `gemm_weight_dtype` once; returns the bytes this adds."""
+                         c_kernels: bool = False, params_dtype: torch.dtype | None = None) -> int:
+    """Convert GEMM weights to `gemm_weight_dtype` once; returns the bytes this adds (negative:
+    saves). params_dtype: what the model was built and loaded in, when not model_dtype (a bfloat16
+    model under float32 activations, EngineConfig.activation_dtype): its GEMM weights and embedding
+    table are narrowed back to the model's dtype here, the rest stays in the activations' dtype."""
     from expert_parallel.runtime.layer import GroupedExperts
-    from moe_serve.layers.embedding import LMHead
+    from moe_serve.layers.embedding import Embedding, LMHead
     from moe_serve.layers.linear import Linear
 
     from moe_serve.platform import fp8_activation_quant
@@ -46,17 +53,28 @@ def prepare_gemm_weights(model: nn.Module, model_dtype: torch.dtype, device: tor
             m.fp8_act_quant = fp8_activation_quant(device) and m.fp8_block[1] % 16 == 0  # W8A8's k tiles
         elif isinstance(m, GroupedExperts) and m.fp8_block is not None:
             m.fp8_act_quant = fp8_activation_quant(device) and m.fp8_block[1] % 16 == 0
-    if target == model_dtype:
+    params_dtype = params_dtype or model_dtype
+    if target == params_dtype:
         return 0
     added = 0
+    done: dict[int, nn.Parameter] = {}  # a parameter converted once, wherever it is shared (a tied head)
 
     def convert(module: nn.Module, name: str) -> None:
         nonlocal added
         p = getattr(module, name)
         if p is None or p.dtype == target or p.dtype == torch.float8_e4m3fn:  # FP8 stays FP8
             return
-        added += p.numel() * (torch.empty((), dtype=target).element_size() - p.element_size())
-        setattr(module, name, nn.Parameter(p.detach().to(target), requires_grad=False))
+        if id(p) not in done:
+            added += p.numel() * (torch.empty((), dtype=target).element_size() - p.element_size())
+            done[id(p)] = nn.Parameter(p.detach().to(target), requires_grad=False)
+        setattr(module, name, done[id(p)])
+
+    narrowing = params_dtype != model_dtype  # float32 activations over the model's bfloat16 weights
+    if narrowing:  # the table too (read a row per token), its rows widened as they are looked up
+        for m in model.modules():
+            if isinstance(m, Embedding):
+                convert(m, "weight")
+                m.out_dtype = params_dtype
 
     for m in model.modules():
         if isinstance(m, Linear) and not getattr(m, "weight_used_directly", False):
@@ -72,8 +90,13 @@ def prepare_gemm_weights(model: nn.Module, model_dtype: torch.dtype, device: tor
         elif isinstance(m, LMHead):
             # A head tied to the embedding gets its own float32 copy; the embedding keeps its dtype.
             convert(m, "weight")
-    log.info("GEMM weights kept in %s on this CPU (no %s matrix instructions): +%.1f MiB, converted once at load",
-             str(target).replace("torch.", ""), str(model_dtype).replace("torch.", ""), added / 2**20)
+    if narrowing:
+        log.info("activations, norms, attention and the KV cache in %s over %s GEMM weights and embedding table "
+                 "(our C kernels widen them in registers): %.1f MiB of weights", str(params_dtype).replace("torch.", ""),
+                 str(target).replace("torch.", ""), sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20)
+    else:
+        log.info("GEMM weights kept in %s on this CPU (no %s matrix instructions): +%.1f MiB, converted once at load",
+                 str(target).replace("torch.", ""), str(model_dtype).replace("torch.", ""), added / 2**20)
     return added
 
 

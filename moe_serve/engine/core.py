@@ -106,7 +106,7 @@ def make_kv_connector(cfg: EngineConfig, groups: list, state: list):
     from moe_serve.disagg.connector import KVConnector, layout_signature
 
     mc = cfg.model
-    sig = layout_signature(f"{mc.architecture}:{mc.hf.get('num_hidden_layers')}", mc.dtype, cfg.cache.block_size,
+    sig = layout_signature(f"{mc.architecture}:{mc.hf.get('num_hidden_layers')}", cfg.activation_dtype, cfg.cache.block_size,
                            groups, state)
     conn = KVConnector(cfg.disaggregation_transfer_backend, groups, state, sig, str(cfg.device),
                        cfg.disaggregation_timeout_s)

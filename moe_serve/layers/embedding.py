@@ -9,13 +9,18 @@ from moe_serve.kernels.linear import TorchLinear
 
 
 class Embedding(nn.Module):
+    # The activations' dtype where the table is kept narrower (a bfloat16 table under float32
+    # activations: moe_serve/prepare.py); None: the table's own.
+    out_dtype: torch.dtype | None = None
+
     def __init__(self, vocab_size: int, hidden_size: int, dtype=torch.float32):
         super().__init__()
         self.vocab_size = vocab_size
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype))
 
     def forward(self, ids_T: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids_T, self.weight)
+        rows = F.embedding(ids_T, self.weight)
+        return rows if self.out_dtype is None else rows.to(self.out_dtype)
 
 
 class LMHead(nn.Module):

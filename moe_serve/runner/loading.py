@@ -29,15 +29,16 @@ def build_model(cfg: EngineConfig, moe_ctx: MoEContext, ops: platform.Ops) -> nn
     mc = cfg.model
     torch.manual_seed(mc.seed)
     cls = model_class(mc.architecture)
+    dtype = cfg.activation_dtype  # (a bfloat16 model's GEMM weights are narrowed back in prepare_weights)
     with torch.device(cfg.device):
-        model = cls(mc.hf, moe_ctx, mc.dtype)
+        model = cls(mc.hf, moe_ctx, dtype)
         spec = cfg.speculative
         if spec is not None and spec.method == "mtp":
             if not hasattr(model, "add_mtp_layers"):
                 raise ValueError(f"speculative_config.method='mtp': {mc.architecture} has no multi-token-prediction "
                                  "layers the engine can run (DeepSeek-V3/V3.2/V4, GLM-5 and Kimi-K2 checkpoints do); use "
                                  "method 'ngram'")
-            model.add_mtp_layers(moe_ctx, mc.dtype)
+            model.add_mtp_layers(moe_ctx, dtype)
             log.info("speculative decoding: the checkpoint's multi-token-prediction layer drafts %d token(s) per step",
                      spec.num_speculative_tokens)
     platform.bind_ops(model, ops)  # each layer holds the backend object of its kind of op
@@ -60,7 +61,7 @@ def load_model_weights(model: nn.Module, cfg: EngineConfig, show_progress: bool 
             fp8.to_block_fp8(model, (fp8.checkpoint_config(mc.hf) or fp8.BlockFp8Config()).block, None)
         init_dummy_weights(model, mc.seed)
     else:
-        load_weights(model, mc.path, mc.dtype, show_progress=show_progress, quantization=mc.quantization)
+        load_weights(model, mc.path, cfg.activation_dtype, show_progress=show_progress, quantization=mc.quantization)
     check = getattr(model, "check_loaded", None)
     if check is not None:  # tables a forward indexes with (DeepSeek-V4's tid2eid), checked once here
         check()
@@ -77,7 +78,8 @@ def prepare_weights(model: nn.Module, cfg: EngineConfig, started: float) -> int:
     (the build). After loading, whose tensors it converts; before the warm-up and the KV-cache
     sizing, which must see the weights as they are served."""
     mc = cfg.model
-    prepare_gemm_weights(model, mc.dtype, cfg.device, c_kernels=serves_bf16_in_c(cfg))
+    prepare_gemm_weights(model, mc.dtype, cfg.device, c_kernels=serves_bf16_in_c(cfg),
+                         params_dtype=cfg.activation_dtype)
     place_weights_on_huge_pages(model, cfg.device)
     weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
     weight_bytes += sum(b.numel() * b.element_size() for n, b in model.named_buffers()
@@ -91,7 +93,7 @@ def warm_up_kernels(model: nn.Module, cfg: EngineConfig, dispatcher: Dispatcher)
     """Compile every Triton kernel variant this model's layers can launch (moe_serve/kernel_warmup.py);
     their compile keys."""
     mc = cfg.model
-    return kernel_warmup.warm_up(model, dtype=mc.dtype, device=cfg.device, block_size=cfg.cache.block_size,
+    return kernel_warmup.warm_up(model, dtype=cfg.activation_dtype, device=cfg.device, block_size=cfg.cache.block_size,
                                  max_model_len=mc.max_model_len, num_heads=mc.hf["num_attention_heads"],
                                  dispatcher=dispatcher)
 

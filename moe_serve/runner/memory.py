@@ -180,7 +180,7 @@ def _cache_tensors(layer, n: int, cfg: EngineConfig) -> list[torch.Tensor]:
     """Zeroed cache tensors of one layer for n blocks (state layers: n slots)."""
     if isinstance(layer, StateCache):
         return [torch.zeros(s, dtype=d, device=cfg.device) for s, d in layer.cache_shapes(n)]
-    return [torch.zeros(s, dtype=cfg.model.dtype, device=cfg.device)
+    return [torch.zeros(s, dtype=cfg.activation_dtype, device=cfg.device)
             for s in layer.cache_shape(n, cfg.cache.block_size)]
 
 
@@ -307,7 +307,7 @@ def size_kv_cache(attn_layers: list, cfg: EngineConfig, weight_bytes: int,
     group has room for). The full-attention groups get the rest. After the
     profile it is sized from and before any allocation that the budget would otherwise miss."""
     cc, fraction = cfg.cache, cfg.cache.memory_fraction
-    elem = torch.empty((), dtype=cfg.model.dtype).element_size()
+    elem = torch.empty((), dtype=cfg.activation_dtype).element_size()
     groups, state_layers = group_layers(attn_layers)
     if not groups:
         raise ValueError("the model has no attention layer to keep a KV cache for")

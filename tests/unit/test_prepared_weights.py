@@ -42,7 +42,14 @@ def test_bf16_weights_converted_at_most_once(checkpoints, arch, half_matmul, bac
     gemm = gemm_weight_dtype(torch.bfloat16, torch.device("cpu"), c_kernels=backend == "cpu_c")
     assert gemm == (torch.bfloat16 if half_matmul or backend == "cpu_c" else torch.float32)
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
-    assert model.model.norm.weight.dtype == torch.bfloat16
+    # Where our C kernels run every layer kind, activations, norms and the KV cache are float32
+    # over the bfloat16 GEMM weights and table (those kernels compute in float32); else bfloat16.
+    act = torch.float32 if backend == "cpu_c" else torch.bfloat16
+    assert llm.engine.cfg.activation_dtype == act
+    assert model.model.norm.weight.dtype == act
+    caches = [t for layer in llm.engine.runner.attn_layers for t in vars(layer).values()
+              if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 3]
+    assert caches and all(t.dtype == act for t in caches)
     experts = [m for m in model.modules() if hasattr(m, "w13")]
     assert experts and all(m.w13.dtype == gemm and m.w2.dtype == gemm for m in experts)
     mode = ParamConversions(list(model.parameters()))
