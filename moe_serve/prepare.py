@@ -42,7 +42,7 @@ def prepare_gemm_weights(model: nn.Module, model_dtype: torch.dtype, device: tor
     model under float32 activations, EngineConfig.activation_dtype): its GEMM weights and embedding
     table are narrowed back to the model's dtype here, the rest stays in the activations' dtype."""
     from expert_parallel.runtime.layer import GroupedExperts
-    from moe_serve.layers.embedding import Embedding, LMHead
+    from moe_serve.layers.embedding import Embedding
     from moe_serve.layers.linear import Linear
 
     from moe_serve.platform import fp8_activation_quant
@@ -58,39 +58,21 @@ def prepare_gemm_weights(model: nn.Module, model_dtype: torch.dtype, device: tor
         return 0
     added = 0
     done: dict[int, nn.Parameter] = {}  # a parameter converted once, wherever it is shared (a tied head)
-
-    def convert(module: nn.Module, name: str) -> None:
-        nonlocal added
-        p = getattr(module, name)
+    narrowing = params_dtype != model_dtype  # float32 activations over the model's bfloat16 weights
+    for m, name in gemm_params(model, narrowing):
+        if isinstance(m, Linear) and name == "weight" and m.weight_scale_inv is not None:
+            m.dequant_dtype = target  # its FP8 blocks dequantize straight to the GEMM dtype
+        p = getattr(m, name)
         if p is None or p.dtype == target or p.dtype == torch.float8_e4m3fn:  # FP8 stays FP8
-            return
+            continue
         if id(p) not in done:
             added += p.numel() * (torch.empty((), dtype=target).element_size() - p.element_size())
             done[id(p)] = nn.Parameter(p.detach().to(target), requires_grad=False)
-        setattr(module, name, done[id(p)])
-
-    narrowing = params_dtype != model_dtype  # float32 activations over the model's bfloat16 weights
-    if narrowing:  # the table too (read a row per token), its rows widened as they are looked up
+        setattr(m, name, done[id(p)])
+    if narrowing:
         for m in model.modules():
             if isinstance(m, Embedding):
-                convert(m, "weight")
                 m.out_dtype = params_dtype
-
-    for m in model.modules():
-        if isinstance(m, Linear) and not getattr(m, "weight_used_directly", False):
-            if m.weight_scale_inv is not None:
-                m.dequant_dtype = target  # its FP8 blocks dequantize straight to the GEMM dtype
-            convert(m, "weight")
-            convert(m, "bias")
-        elif isinstance(m, GroupedExperts):
-            convert(m, "w13")  # None for MXFP4 experts, whose uint8 blocks stay as they are
-            convert(m, "w2")
-            convert(m, "w13_bias")  # GPT-OSS's expert biases (None elsewhere)
-            convert(m, "w2_bias")
-        elif isinstance(m, LMHead):
-            # A head tied to the embedding gets its own float32 copy; the embedding keeps its dtype.
-            convert(m, "weight")
-    if narrowing:
         log.info("activations, norms, attention and the KV cache in %s over %s GEMM weights and embedding table "
                  "(our C kernels widen them in registers): %.1f MiB of weights", str(params_dtype).replace("torch.", ""),
                  str(target).replace("torch.", ""), sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20)
@@ -98,6 +80,47 @@ def prepare_gemm_weights(model: nn.Module, model_dtype: torch.dtype, device: tor
         log.info("GEMM weights kept in %s on this CPU (no %s matrix instructions): +%.1f MiB, converted once at load",
                  str(target).replace("torch.", ""), str(model_dtype).replace("torch.", ""), added / 2**20)
     return added
+
+
+def gemm_params(model: nn.Module, with_embedding: bool = False):
+    """(module, parameter name) of every GEMM weight kept in the GEMM dtype: linear layers' weights
+    and biases (not those a layer uses directly in torch ops), the stacked expert tensors, the LM
+    head (a head tied to the embedding gets its own copy unless the table goes too), and with
+    with_embedding the embedding tables (their rows then widened to the activations' dtype)."""
+    from expert_parallel.runtime.layer import GroupedExperts
+    from moe_serve.layers.embedding import Embedding, LMHead
+    from moe_serve.layers.linear import Linear
+
+    if with_embedding:
+        for m in model.modules():
+            if isinstance(m, Embedding):
+                yield m, "weight"
+    for m in model.modules():
+        if isinstance(m, Linear) and not getattr(m, "weight_used_directly", False):
+            yield m, "weight"
+            yield m, "bias"
+        elif isinstance(m, GroupedExperts):
+            yield from ((m, n) for n in ("w13", "w2", "w13_bias", "w2_bias"))  # None: MXFP4 / no biases
+        elif isinstance(m, LMHead):
+            yield m, "weight"
+
+
+def narrow_before_load(model: nn.Module, target: torch.dtype, activation_dtype: torch.dtype) -> None:
+    """A model built in `activation_dtype` whose GEMM weights and embedding tables are kept in
+    `target` (EngineConfig.activation_dtype): make those parameters `target` before the loader
+    fills them, so the wider copy never exists (its untouched allocation is given back)."""
+    from moe_serve.layers.embedding import Embedding
+
+    done: dict[int, nn.Parameter] = {}
+    for m, name in gemm_params(model, with_embedding=True):
+        p = getattr(m, name)
+        if p is None or p.dtype != activation_dtype:
+            continue
+        if id(p) not in done:
+            done[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=target, device=p.device), requires_grad=False)
+        setattr(m, name, done[id(p)])
+        if isinstance(m, Embedding):
+            m.out_dtype = activation_dtype
 
 
 # --- huge pages for the weights a CPU decode step streams ------------------------------------------

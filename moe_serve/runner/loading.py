@@ -14,7 +14,7 @@ from expert_parallel.runtime.layer import MoEContext
 from moe_serve import kernel_warmup, platform
 from moe_serve.config import EngineConfig
 from moe_serve.models.registry import model_class
-from moe_serve.prepare import place_weights_on_huge_pages, prepare_gemm_weights
+from moe_serve.prepare import gemm_weight_dtype, narrow_before_load, place_weights_on_huge_pages, prepare_gemm_weights
 from moe_serve.quantization import fp8
 from moe_serve.weights import init_dummy_weights, load_weights
 
@@ -29,7 +29,7 @@ def build_model(cfg: EngineConfig, moe_ctx: MoEContext, ops: platform.Ops) -> nn
     mc = cfg.model
     torch.manual_seed(mc.seed)
     cls = model_class(mc.architecture)
-    dtype = cfg.activation_dtype  # (a bfloat16 model's GEMM weights are narrowed back in prepare_weights)
+    dtype = cfg.activation_dtype
     with torch.device(cfg.device):
         model = cls(mc.hf, moe_ctx, dtype)
         spec = cfg.speculative
@@ -41,6 +41,8 @@ def build_model(cfg: EngineConfig, moe_ctx: MoEContext, ops: platform.Ops) -> nn
             model.add_mtp_layers(moe_ctx, dtype)
             log.info("speculative decoding: the checkpoint's multi-token-prediction layer drafts %d token(s) per step",
                      spec.num_speculative_tokens)
+    if dtype != mc.dtype:  # float32 activations: the GEMM weights are made in the model's dtype now
+        narrow_before_load(model, gemm_weight_dtype(mc.dtype, cfg.device, serves_bf16_in_c(cfg)), dtype)
     platform.bind_ops(model, ops)  # each layer holds the backend object of its kind of op
     n_moe = model.num_moe_layers
     if moe_ctx.physical_to_logical is not None and n_moe != len(moe_ctx.physical_to_logical):
