@@ -398,11 +398,12 @@ def test_reference_backend_takes_it_for_prefill_chunks(isa):
     assert calls == [1]
 
 
-@pytest.mark.parametrize("M,K,N", [(1, 576, 576), (3, 40, 17), (16, 64, 96), (5, 17, 1030)])
+@pytest.mark.parametrize("M,K,N", [(1, 576, 576), (3, 40, 17), (2, 88, 33), (16, 64, 96), (5, 17, 1030)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_linear_bf16_weight_matches_float64(M, K, N, threads, isa):
     """Decode rows over a bf16 weight (the weight-row prefetch runs past tile ends and the row tail
-    N % 4 is taken), and the cpu_c linear backend routes such calls to it, bias included."""
+    N % 4 is taken; K's whole 32-value chunks take the even/odd path, then a 16-value step and a
+    masked tail: K = 40, 88, 17), and the cpu_c linear backend routes such calls to it, bias included."""
     from moe_serve.kernels.linear import CpuCLinear
 
     linear = CpuCLinear()

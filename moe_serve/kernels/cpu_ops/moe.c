@@ -31,6 +31,20 @@
 #define NB 4 /* weight rows per micro-tile (tile's sums are taken 4 at a time) */
 #define PF_BLOCKS 2 /* how many NB-row tiles ahead the decode tiles prefetch weights */
 
+/* Scratch kept between calls, grow-only, per calling thread and slot: a fresh multi-megabyte
+ * allocation per layer would come from mmap and fault its pages in on every call. */
+static void* scratch(int slot, size_t bytes) {
+  static __thread void* buf[3];
+  static __thread size_t cap[3];
+  if (bytes > cap[slot]) {
+    free(buf[slot]);
+    const size_t want = (bytes + bytes / 4 + 63) & ~(size_t)63;
+    buf[slot] = aligned_alloc(64, want);
+    cap[slot] = buf[slot] ? want : 0;
+  }
+  return buf[slot];
+}
+
 /* 16 weights from k of a row (float32 or bf16), all of them, or the first n (the rest zero). */
 VF_INLINE vf16 load_w(const void* w, int bf16, int64_t k) {
   return bf16 ? vf_load_bf16((const uint16_t*)w + k) : vf_load((const float*)w + k);
@@ -65,10 +79,34 @@ VF_INLINE vf16 load_wn(const void* w, int bf16, int64_t k, int64_t n) {
     }                                                                                                  \
   }
 
+/* One k step of 32 over bf16 weights and activations split by vf_split_pairs: each weight row's 32
+ * values as their even and odd elements (a shift and a mask: no cross-lane widening, one load),
+ * against the rows' matching halves. Same prefetch as TILE_STEP (4 lines: the NB rows' bytes). */
+#define TILE_STEP_PAIRS()                                                                              \
+  {                                                                                                    \
+    vf16 we[NB], wo[NB];                                                                               \
+    _Pragma("GCC unroll 4") for (int j = 0; j < NB; j++)                                               \
+      vf_load_bf16_pairs((const uint16_t*)wp[j] + k, &we[j], &wo[j]);                                  \
+    if (pf) {                                                                                          \
+      const char* at = pf + (k >> 5) * 256;                                                            \
+      vf_prefetch_l2(at);                                                                              \
+      vf_prefetch_l2(at + 64);                                                                         \
+      vf_prefetch_l2(at + 128);                                                                        \
+      vf_prefetch_l2(at + 192);                                                                        \
+    }                                                                                                  \
+    _Pragma("GCC unroll 4") for (int i = 0; i < MBC; i++) {                                            \
+      const vf16 xe = vf_load(a[i] + k), xo = vf_load(a[i] + k + 16);                                  \
+      _Pragma("GCC unroll 4") for (int j = 0; j < NB; j++) {                                           \
+        acc[i][j] = vf_fma(xe, we[j], acc[i][j]);                                                      \
+        acc[i][j] = vf_fma(xo, wo[j], acc[i][j]);                                                      \
+      }                                                                                                \
+    }                                                                                                  \
+  }
+
 /* One micro-tile: MBC rows of a (a compile-time count, so a lone decode row does a quarter of the
  * FMAs) against NB weight rows starting at wr[0..NB), written to y rows m0.. at columns n..n+nb. */
-VF_INLINE void tile(const float* const* ar, const int MBC, const char* const* wr, int bf16, int64_t K, float* y,
-                    int64_t ldy, int nb, const char* pf) {
+VF_INLINE void tile(const float* const* ar, const int MBC, const char* const* wr, int bf16, int split, int64_t K,
+                    float* y, int64_t ldy, int nb, const char* pf) {
   /* The row pointers as locals: loads through the callers' pointer arrays could alias the
    * accumulators (vector types may alias anything), which would then be stored back on every step. */
   const float* a[MB];
@@ -79,6 +117,8 @@ VF_INLINE void tile(const float* const* ar, const int MBC, const char* const* wr
   _Pragma("GCC unroll 4") for (int i = 0; i < MBC; i++)
     _Pragma("GCC unroll 4") for (int j = 0; j < NB; j++) acc[i][j] = vf_zero();
   int64_t k = 0;
+  if (split)
+    for (; k + 32 <= K; k += 32) TILE_STEP_PAIRS()
   for (; k + 16 <= K; k += 16) TILE_STEP(load_w(wp[j], bf16, k), vf_load(a[i] + k))
   if (k < K) TILE_STEP(load_wn(wp[j], bf16, k, K - k), vf_loadn(a[i] + k, K - k))
   /* (constant indices into acc only, so it lives in registers: a runtime index would keep it in
@@ -90,10 +130,11 @@ VF_INLINE void tile(const float* const* ar, const int MBC, const char* const* wr
   }
 }
 #undef TILE_STEP
+#undef TILE_STEP_PAIRS
 
 /* y[m, n] = sum_k a[m, k] * w[n, k] for m < M, n in [n0, n1); a rows a + m*lda, y rows y + m*ldy. */
-static void gemm_block(const float* a, int64_t lda, int M, const void* w, int bf16, int64_t K, int n0, int n1,
-                       float* y, int64_t ldy) {
+static void gemm_block(const float* a, int64_t lda, int M, const void* w, int bf16, int split, int64_t K, int n0,
+                       int n1, float* y, int64_t ldy) {
   const int64_t esz = bf16 ? 2 : 4;
   for (int n = n0; n < n1; n += NB) {
     const int nb = n1 - n < NB ? n1 - n : NB;
@@ -107,10 +148,10 @@ static void gemm_block(const float* a, int64_t lda, int M, const void* w, int bf
       /* The NB rows PF_BLOCKS tiles on, prefetched while the first row tile runs. */
       const char* pf = m0 == 0 && n + (PF_BLOCKS + 1) * NB <= n1 ? wr[0] + PF_BLOCKS * NB * K * esz : 0;
       switch (mb) {
-        case 1: tile(ar, 1, wr, bf16, K, yt, ldy, nb, pf); break;
-        case 2: tile(ar, 2, wr, bf16, K, yt, ldy, nb, pf); break;
-        case 3: tile(ar, 3, wr, bf16, K, yt, ldy, nb, pf); break;
-        default: tile(ar, 4, wr, bf16, K, yt, ldy, nb, pf); break;
+        case 1: tile(ar, 1, wr, bf16, split, K, yt, ldy, nb, pf); break;
+        case 2: tile(ar, 2, wr, bf16, split, K, yt, ldy, nb, pf); break;
+        case 3: tile(ar, 3, wr, bf16, split, K, yt, ldy, nb, pf); break;
+        default: tile(ar, 4, wr, bf16, split, K, yt, ldy, nb, pf); break;
       }
     }
   }
@@ -119,8 +160,19 @@ static void gemm_block(const float* a, int64_t lda, int M, const void* w, int bf
 /* y = a @ w^T over all N weight rows, the row blocks split over nt threads. */
 static void gemm(const float* a, int64_t lda, int M, const void* w, int bf16, int64_t K, int N, float* y, int64_t ldy,
                  int nt) {
+  /* bf16 weights: the rows of a split for TILE_STEP_PAIRS (without the scratch, the plain path) */
+  int split = 0;
+  if (bf16 && K >= 32) {
+    float* s = scratch(2, (size_t)M * (size_t)K * sizeof(float));
+    if (s) {
+      for (int m = 0; m < M; m++) vf_split_pairs(a + (int64_t)m * lda, K, s + (int64_t)m * K);
+      a = s;
+      lda = K;
+      split = 1;
+    }
+  }
   if (nt <= 1 || N < 2 * NB * nt) {
-    gemm_block(a, lda, M, w, bf16, K, 0, N, y, ldy);
+    gemm_block(a, lda, M, w, bf16, split, K, 0, N, y, ldy);
     return;
   }
   const int blocks = (N + NB - 1) / NB;
@@ -135,7 +187,7 @@ static void gemm(const float* a, int64_t lda, int M, const void* w, int bf16, in
 #endif
     const int b0 = (int)((int64_t)blocks * t / tn), b1 = (int)((int64_t)blocks * (t + 1) / tn);
     const int n0 = b0 * NB, n1 = b1 * NB < N ? b1 * NB : N;
-    if (n0 < n1) gemm_block(a, lda, M, w, bf16, K, n0, n1, y, ldy);
+    if (n0 < n1) gemm_block(a, lda, M, w, bf16, split, K, n0, n1, y, ldy);
   }
 }
 
@@ -371,20 +423,6 @@ static void panel_group(const float* x, int64_t T, int64_t D, const int64_t* pe,
 /* Whether an expert of n rows takes the panel path (the shapes and weights it is written for). */
 static inline int panel_path(int64_t n, int w_bf16, int64_t D, int64_t F) {
   return n >= PANEL_MIN_ROWS && !w_bf16 && F % 4 == 0 && D % RB == 0;
-}
-
-/* Scratch kept between calls, grow-only, per calling thread and slot: a fresh multi-megabyte
- * allocation per layer would come from mmap and fault its pages in on every call. */
-static void* scratch(int slot, size_t bytes) {
-  static __thread void* buf[2];
-  static __thread size_t cap[2];
-  if (bytes > cap[slot]) {
-    free(buf[slot]);
-    const size_t want = (bytes + bytes / 4 + 63) & ~(size_t)63;
-    buf[slot] = aligned_alloc(64, want);
-    cap[slot] = buf[slot] ? want : 0;
-  }
-  return buf[slot];
 }
 
 /* Panel groups run so far by this process (the tests check which path a shape takes). */

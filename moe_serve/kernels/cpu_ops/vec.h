@@ -11,7 +11,9 @@
  * exports it as `cpu_ops_isa()`.
  *
  * Operations: vf_zero / vf_set1 / vf_load / vf_store; vf_loadn / vf_storen (the first n lanes, the
- * others zero / untouched: tails); vf_load_bf16[n] (bf16 widened in registers, u16 << 16); vf_fma
+ * others zero / untouched: tails); vf_load_bf16[n] (bf16 widened in registers, u16 << 16);
+ * vf_load_bf16_pairs (32 bf16 as their even and odd elements, widened by a shift and a mask alone:
+ * no cross-lane widening, half the loads; see vf_split_pairs for the matching activations); vf_fma
  * (a * b + c), vf_fnma (c - a * b); vf_add / sub / mul / div / max / min; vf_hsum, vf_hmax and
  * vf_hsum4 (four sums at once); vf_exp; vf_rcp (1 / x: an estimate refined by a Newton step on
  * AVX-512, the exact quotient elsewhere); vf_prefetch_l2; vf_gather (int32 offsets, lanes past n
@@ -98,6 +100,12 @@ VF_INLINE vf16 vf_load_bf16(const uint16_t* p) {
 }
 VF_INLINE vf16 vf_load_bf16n(const uint16_t* p, int64_t n) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(vf_mask_(n), p)), 16));
+}
+/* 32 bf16 at p: even[i] = p[2i], odd[i] = p[2i + 1], both widened to float32. */
+VF_INLINE void vf_load_bf16_pairs(const uint16_t* p, vf16* even, vf16* odd) {
+  const __m512i v = _mm512_loadu_si512((const void*)p);
+  *even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+  *odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u)));
 }
 VF_INLINE vf16 vf_fma(vf16 a, vf16 b, vf16 c) { return _mm512_fmadd_ps(a, b, c); }
 VF_INLINE vf16 vf_fnma(vf16 a, vf16 b, vf16 c) { return _mm512_fnmadd_ps(a, b, c); }
@@ -192,6 +200,12 @@ VF_INLINE vf16 vf_load_bf16n(const uint16_t* p, int64_t n) {
   uint16_t t[16] = {0};
   if (n > 0) memcpy(t, p, (size_t)n * sizeof(uint16_t));
   return vf_load_bf16(t);
+}
+VF_INLINE void vf_load_bf16_pairs(const uint16_t* p, vf16* even, vf16* odd) {
+  const __m256i a = _mm256_loadu_si256((const __m256i*)p), b = _mm256_loadu_si256((const __m256i*)(p + 16));
+  const __m256i m = _mm256_set1_epi32((int)0xFFFF0000u);
+  *even = vf_mk_(_mm256_castsi256_ps(_mm256_slli_epi32(a, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(b, 16)));
+  *odd = vf_mk_(_mm256_castsi256_ps(_mm256_and_si256(a, m)), _mm256_castsi256_ps(_mm256_and_si256(b, m)));
 }
 VF_INLINE vf16 vf_fma(vf16 a, vf16 b, vf16 c) {
   return vf_mk_(_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi));
@@ -299,6 +313,13 @@ VF_INLINE vf16 vf_load_bf16n(const uint16_t* p, int64_t n) {
   if (n > 0) memcpy(t, p, (size_t)n * sizeof(uint16_t));
   return vf_load_bf16(t);
 }
+VF_INLINE void vf_load_bf16_pairs(const uint16_t* p, vf16* even, vf16* odd) {
+  for (int i = 0; i < 4; i++) {
+    const uint32x4_t v = vreinterpretq_u32_u16(vld1q_u16(p + 8 * i));
+    even->q[i] = vreinterpretq_f32_u32(vshlq_n_u32(v, 16));
+    odd->q[i] = vreinterpretq_f32_u32(vandq_u32(v, vdupq_n_u32(0xFFFF0000u)));
+  }
+}
 VF_INLINE vf16 vf_fma(vf16 a, vf16 b, vf16 c) { VF_MAP1_(vfmaq_f32(c.q[i_], a.q[i_], b.q[i_])) }
 VF_INLINE vf16 vf_fnma(vf16 a, vf16 b, vf16 c) { VF_MAP1_(vfmsq_f32(c.q[i_], a.q[i_], b.q[i_])) }
 VF_INLINE vf16 vf_add(vf16 a, vf16 b) { VF_MAP1_(vaddq_f32(a.q[i_], b.q[i_])) }
@@ -372,6 +393,12 @@ VF_INLINE void vf_storen(float* p, vf16 v, int64_t n) {
   for (int i = 0; i < 16 && i < n; i++) p[i] = v.v[i];
 }
 VF_INLINE vf16 vf_load_bf16(const uint16_t* p) { VF_MAP_(vf_bf16_to_f32(p[i_])) }
+VF_INLINE void vf_load_bf16_pairs(const uint16_t* p, vf16* even, vf16* odd) {
+  for (int i = 0; i < 16; i++) {
+    even->v[i] = vf_bf16_to_f32(p[2 * i]);
+    odd->v[i] = vf_bf16_to_f32(p[2 * i + 1]);
+  }
+}
 VF_INLINE vf16 vf_load_bf16n(const uint16_t* p, int64_t n) {
   if (n >= 16) return vf_load_bf16(p);
   VF_MAP_(i_ < n ? vf_bf16_to_f32(p[i_]) : 0.f)
@@ -437,3 +464,16 @@ VF_INLINE vf16 vf_rcp(vf16 d) { VF_MAP_(1.f / d.v[i_]) }
 VF_INLINE vf16 vf_gather(const float* base, const int32_t* idx, int64_t n) { VF_MAP_(i_ < n ? base[idx[i_]] : 0.f) }
 #undef VF_MAP_
 #endif
+
+/* The activations that match vf_load_bf16_pairs' weights: each whole 32-float chunk of x[0..K) as
+ * its 16 even elements then its 16 odd ones, the tail (K % 32) copied as it is. A dot product of a
+ * bf16 row with x is then sum(even(w) * dst[0..16)) + sum(odd(w) * dst[16..32)) per chunk. */
+VF_INLINE void vf_split_pairs(const float* x, int64_t K, float* dst) {
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32)
+    for (int i = 0; i < 16; i++) {
+      dst[k + i] = x[k + 2 * i];
+      dst[k + 16 + i] = x[k + 2 * i + 1];
+    }
+  for (; k < K; k++) dst[k] = x[k];
+}
