@@ -145,11 +145,13 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class GraphConfig:
-    """Decode steps padded to a ladder of batch sizes (`moe_serve.cuda_graph`) and, on CUDA, one
-    captured graph per size. pad_decode None: pad where graphs are captured (CUDA without
-    enforce_eager); True forces the padded path (eager on the CPU, for tests), False turns it off."""
+    """Decode steps padded to a ladder of batch sizes (`moe_serve.cuda_graph`) and one graph per size:
+    on CUDA a captured CUDA graph, on the CPU a recording of the forward (moe_serve/cpu_graph.py, where
+    runner/graphs.py `cpu_graphs_apply`). pad_decode None: pad where graphs are captured (without
+    enforce_eager); True forces the padded path (eager where no graph is captured, for tests), False
+    turns it off."""
     enforce_eager: bool = False
-    max_capture_size: int | None = None  # None: max_num_seqs (capped at 512)
+    max_capture_size: int | None = None  # None: max_num_seqs (capped at 512; on the CPU at 32)
     pad_decode: bool | None = None
 
 

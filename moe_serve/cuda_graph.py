@@ -21,8 +21,15 @@ same treatment with q = 1 + K tokens per sequence (`DecodeGraphs(query_len=q)`, 
 sequences capped at the largest capture size in tokens): padded sequences are q tokens at
 positions 0 .. q - 1 of the scratch block, and with expert parallelism the ranks agree on q as
 they agree on decode (engine/core_proc.py `step_shape`). Prefill, mixed, split (overlap) steps
-and verify steps where some sequence carries fewer drafts run eagerly. The capture code runs only on a CUDA device; on the
-CPU the padded path runs eagerly (and only when asked: it is slower there: bench/results/architecture-figures.md).
+and verify steps where some sequence carries fewer drafts run eagerly.
+
+On the CPU, where our C kernels run every layer of a model they can hold (runner/graphs.py
+`cpu_graphs_apply`), each ladder size is a `CpuGraph` instead (moe_serve/cpu_graph.py): the same
+static buffers, the forward recorded once as the C calls and torch ops it made, replayed without
+the Python of the modules. Its ladder is every size up to 8, then multiples of 8 up to 32
+(CPU_MAX_CAPTURE_SIZE, or --max-capture-size): on a CPU a padded row costs its share of the
+arithmetic, and each size keeps its own buffers. Elsewhere on the CPU the padded path runs eagerly,
+and only when asked (it is slower there: bench/results/architecture-figures.md).
 """
 from __future__ import annotations
 
@@ -34,19 +41,25 @@ import torch
 from attention.metadata import AttentionMetadata
 from expert_parallel.runtime.step import MoEStep
 from moe_serve import platform
+from moe_serve.cpu_graph import CpuGraph
 
 log = logging.getLogger("moe_serve.cuda_graph")
 
 MAX_CAPTURE_SIZE = 512
 
 
-def capture_sizes(max_num_seqs: int, max_capture_size: int | None = None) -> list[int]:
-    """The ladder: 1, 2, 4, 8, then every multiple of 8, up to min(max_num_seqs, max_capture_size)
-    (default cap 512); the cap itself is always included, so every batch up to it has a size."""
-    cap = min(max_num_seqs, max_capture_size or MAX_CAPTURE_SIZE)
+CPU_MAX_CAPTURE_SIZE = 32
+
+
+def capture_sizes(max_num_seqs: int, max_capture_size: int | None = None, cpu: bool = False) -> list[int]:
+    """The ladder: 1, 2, 4, 8 (on the CPU every size up to 8), then every multiple of 8, up to
+    min(max_num_seqs, max_capture_size) (default cap 512, on the CPU 32); the cap itself is always
+    included, so every batch up to it has a size."""
+    cap = min(max_num_seqs, max_capture_size or (CPU_MAX_CAPTURE_SIZE if cpu else MAX_CAPTURE_SIZE))
     if cap < 1:
         raise ValueError(f"largest capture size {cap} must be >= 1")
-    sizes = [s for s in (1, 2, 4) if s < cap] + list(range(8, cap, 8))
+    small = range(1, 8) if cpu else (1, 2, 4)
+    sizes = [s for s in small if s < cap] + list(range(8, cap, 8))
     return sizes + [cap]
 
 
@@ -152,22 +165,35 @@ class DecodeGraphs:
         sizes in the same order (the MoE layers' collectives are captured too, in the dispatcher's
         fixed-shape form), and agree(ok) -> bool, a collective, says after each size whether every
         rank captured it: if one did not, all of them raise (and so all run eagerly)."""
-        torch.cuda.synchronize()
-        free0, _ = torch.cuda.mem_get_info()
+        cpu = self.ids.device.type == "cpu"
+        if not cpu:
+            torch.cuda.synchronize()
+            free0, _ = torch.cuda.mem_get_info()
         t0 = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
+        pool = None if cpu else torch.cuda.graph_pool_handle()
         self.graphs = {}  # none kept unless every size is captured (on every rank)
         self.graphs = capture_ladder(self.sizes, lambda B: self._capture_one(B, pool), agree)
-        torch.cuda.synchronize()
+        if cpu:
+            self.memory_bytes = sum(g.memory_bytes for g, _ in self.graphs.values())
+        else:
+            torch.cuda.synchronize()
+            self.memory_bytes = free0 - torch.cuda.mem_get_info()[0]
         self.capture_s = time.perf_counter() - t0
-        self.memory_bytes = free0 - torch.cuda.mem_get_info()[0]
-        log.info("captured %d %s graphs (batch %s) in %.1fs, %.1f MiB of graph memory", len(self.graphs),
+        log.info("captured %d %s %s (batch %s) in %.1fs, %.1f MiB of graph memory", len(self.graphs),
                  "decode" if self.q == 1 else f"verify ({self.q} tokens per sequence)",
-                 ",".join(map(str, self.sizes)), self.capture_s, self.memory_bytes / 2**20)
+                 "CPU graphs (recorded calls)" if cpu else "graphs", ",".join(map(str, self.sizes)), self.capture_s,
+                 self.memory_bytes / 2**20)
 
     def _capture_one(self, B: int, pool) -> tuple:
         T = B * self.q
         ids, pos, meta, step = self.ids[:T], self.pos[:T], self._meta(B), decode_step(T)
+        if pool is None:  # the CPU: the forward as it runs there (our C kernels), recorded
+            for _ in range(2):  # lazily made tables and buffers, before the recording
+                meta.backend_plans.clear()
+                self.model(ids, pos, meta, step)
+            meta.backend_plans.clear()
+            g = CpuGraph()
+            return g, g.capture(lambda: self.model(ids, pos, meta, step))
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), platform.capturable(self.model):

@@ -50,11 +50,26 @@ class GQASelfAttention(nn.Module):
         self.attn = PagedAttention(num_heads, num_kv_heads, head_dim, head_dim ** -0.5,
                                    sliding_window=sliding_window, sinks=sinks)
 
+    # q, k and v's projections as one GEMM (moe_serve/prepare.py fuse_projections): the stacked
+    # weight and bias, of which q_proj, k_proj and v_proj's own parameters are then row views.
+    qkv_weight: torch.Tensor | None = None
+    qkv_bias: torch.Tensor | None = None
+
+    def fusable_projections(self) -> list[list[str]]:
+        return [["q_proj", "k_proj", "v_proj"]]
+
+    def set_fused(self, names: list[str], weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.qkv_weight, self.qkv_bias = weight, bias
+
     def forward(self, x_TD: torch.Tensor, positions_T: torch.Tensor, meta: AttentionMetadata,
                 rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """rope: the step's (cos, sin) rows of `rotary`'s tables (gathered once for every layer)."""
         T = x_TD.shape[0]
-        q, k, v = self.q_proj(x_TD), self.k_proj(x_TD), self.v_proj(x_TD)
+        if self.qkv_weight is not None:
+            q, k, v = self.q_proj.ops(x_TD, self.qkv_weight, self.qkv_bias).split(
+                [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], dim=-1)
+        else:
+            q, k, v = self.q_proj(x_TD), self.k_proj(x_TD), self.v_proj(x_TD)
         if self.q_norm is not None and self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:

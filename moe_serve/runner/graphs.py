@@ -1,17 +1,20 @@
-"""Which decode steps are padded to the capture ladder, and the capture of one CUDA graph per
-ladder size (moe_serve/cuda_graph.py has the ladder, the capture and the replay; `ModelRunner`
-pads and replays). Steps of `build_engine`, in its order."""
+"""Which decode steps are padded to the capture ladder, and the capture of one CUDA graph (on the
+CPU a recording, moe_serve/cpu_graph.py) per ladder size (moe_serve/cuda_graph.py has the ladder,
+the capture and the replay; `ModelRunner` pads and replays). Steps of `build_engine`, in its order."""
 from __future__ import annotations
 
 import logging
 
+import torch
 from torch import nn
 
+from attention.layer import PagedAttention
 from expert_parallel.runtime.layer import MoEContext
 from moe_serve import cuda_graph, platform
 from moe_serve.config import EngineConfig
 from moe_serve.input_batch import InputBatch
-from moe_serve.runner.memory import KVCacheSize
+from moe_serve.kernels import cpu_ops
+from moe_serve.runner.memory import KVCacheSize, attention_layers
 
 # Every runner module logs under the runner's name: operators and the launcher tests look for it.
 log = logging.getLogger("moe_serve.model_runner")
@@ -25,9 +28,31 @@ def captures_graphs(cfg: EngineConfig, moe_ctx: MoEContext, ops: platform.Ops) -
     keep reading. Nor with the torch attention backend: its single-decode path sizes its gather
     from host lengths. Decided before the memory profile, which reserves memory for the graphs."""
     gc, par = cfg.graphs, cfg.parallel
-    capture = (ops.captures_graphs and not gc.enforce_eager and par.eplb is None
-               and moe_ctx.dispatcher.captures_decode())
+    capture = ((ops.captures_graphs or cpu_graphs_apply(cfg, moe_ctx, ops)) and not gc.enforce_eager
+               and par.eplb is None and moe_ctx.dispatcher.captures_decode())
     return capture and (gc.pad_decode is None or gc.pad_decode)
+
+
+def cpu_graphs_apply(cfg: EngineConfig, moe_ctx: MoEContext, ops: platform.Ops) -> bool:
+    """Whether the CPU records its decode steps (moe_serve/cpu_graph.py): our C kernels built, the
+    attention backend ours over float32 activations (its decode kernel reads lengths, block tables
+    and positions from tensors, where the torch path sizes a gather from host lengths), and one
+    rank (an expert-parallel step's collectives are not ops a recording sees). Which layers the
+    model has is checked when the model is there (`cpu_graph_blocker`)."""
+    return (cfg.device.type == "cpu" and ops.attention.name == "cpu_c" and cfg.activation_dtype == torch.float32
+            and moe_ctx.dispatcher.world_size == 1 and cpu_ops.available())
+
+
+def cpu_graph_blocker(model: nn.Module) -> str | None:
+    """Why a CPU recording could not hold this model's decode step, or None: only full paged
+    attention reads everything it depends on from tensors in our C decode kernel (sliding windows,
+    sinks, chunks, MLA, sparse attention and per-sequence state take paths that decide on the host)."""
+    for layer in attention_layers(model):
+        if type(layer) is not PagedAttention:
+            return f"its {type(layer).__name__} layers"
+        if layer.sliding_window is not None or layer.sinks is not None or layer.attention_chunk is not None:
+            return "its sliding-window, sink or chunked attention layers"
+    return None
 
 
 def capture_decode_graphs(model: nn.Module, cfg: EngineConfig, moe_ctx: MoEContext, batch: InputBatch,
@@ -37,8 +62,12 @@ def capture_decode_graphs(model: nn.Module, cfg: EngineConfig, moe_ctx: MoEConte
     runner's steps: a graph holds the bound KV cache and the input batch's buffers. Collective under
     expert parallelism (the ranks agree on every size: all keep their graphs or all run eagerly)."""
     gc = cfg.graphs
+    cpu = cfg.device.type == "cpu"
+    if capture and cpu and (blocker := cpu_graph_blocker(model)) is not None:
+        log.info("decode steps run eagerly: a CPU recording cannot hold %s", blocker)
+        capture = False
     pad = capture if gc.pad_decode is None else gc.pad_decode
-    pad_sizes = cuda_graph.capture_sizes(cfg.scheduler.max_num_seqs, gc.max_capture_size) if pad else []
+    pad_sizes = cuda_graph.capture_sizes(cfg.scheduler.max_num_seqs, gc.max_capture_size, cpu=capture and cpu) if pad else []
     if not capture:
         return pad_sizes, None
     graphs = cuda_graph.DecodeGraphs(model, pad_sizes, batch.max_blocks, cfg.cache.block_size, batch.max_model_len,
@@ -49,7 +78,7 @@ def capture_decode_graphs(model: nn.Module, cfg: EngineConfig, moe_ctx: MoEConte
         # Padding was for the graphs (unless pad_decode asked for it): eager steps run unpadded. The
         # ranks of an expert-parallel job fail together (capture_agreement), so they agree on this too.
         pad_sizes = pad_sizes if gc.pad_decode else []
-        log.warning("decode CUDA graph capture failed, running eagerly%s: %s: %s",
+        log.warning("decode graph capture failed, running eagerly%s: %s: %s",
                     " (still padded: pad_decode)" if pad_sizes else " and unpadded", type(e).__name__, str(e)[:300])
         return pad_sizes, None
     est = kv.graph_estimate_bytes
@@ -69,6 +98,8 @@ def capture_verify_graphs(model: nn.Module, cfg: EngineConfig, moe_ctx: MoEConte
     in the scratch block). Steps with fewer drafts for some sequence, or mixed with prefill
     chunks, run eagerly. After the decode graphs (the same pool rules, the same agreement)."""
     gc, spec = cfg.graphs, cfg.speculative
+    if cfg.device.type == "cpu":
+        capture = False  # CPU recordings hold decode steps only (verify steps attend as prefills do)
     pad = capture if gc.pad_decode is None else gc.pad_decode
     if spec is None or not pad:
         return 0, [], None

@@ -97,3 +97,39 @@ def test_cpu_weights_move_onto_huge_pages_unchanged_and_shared_ones_stay_shared(
     assert big.weight.data_ptr() % HUGE_PAGE == 0
     assert _anon_huge_kb(big.weight.data_ptr()) >= 4 * HUGE_PAGE // 1024  # the whole pages are huge pages
     assert place_weights_on_huge_pages(model, torch.device("meta")) == 0  # not a CPU: nothing to do
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_qkv_projections_fused_into_views_of_one_weight(checkpoints, quantization):
+    """Attention's q, k and v projections run as one GEMM over one stacked weight of which the three
+    layers' own weights are row views (no memory added, the values the checkpoint has); block-FP8
+    layers (weights with scales) are left as they are."""
+    import glob
+    import os
+
+    from safetensors.torch import load_file
+
+    from moe_serve.layers.attention import GQASelfAttention
+
+    path = checkpoints["qwen3_moe"]
+    llm = LLM(path, dtype="float32", kv_cache_memory=1 << 22, show_progress=False, quantization=quantization)
+    attns = [m for m in llm.engine.runner.model.modules() if isinstance(m, GQASelfAttention)]
+    assert attns
+    if quantization == "fp8":
+        assert all(a.qkv_weight is None for a in attns)
+        return
+    ckpt = {}
+    for f in glob.glob(os.path.join(path, "*.safetensors")):
+        ckpt.update(load_file(f))
+    names = dict(llm.engine.runner.model.named_modules())
+    for a in attns:
+        w = a.qkv_weight
+        assert w is not None and w.shape[0] == a.q_proj.out_features + a.k_proj.out_features + a.v_proj.out_features
+        row = 0
+        for proj in (a.q_proj, a.k_proj, a.v_proj):
+            assert proj.weight.data_ptr() == w.data_ptr() + row * w.stride(0) * w.element_size()
+            name = next(n for n, m in names.items() if m is proj)
+            torch.testing.assert_close(proj.weight, ckpt[f"{name}.weight"].to(w.dtype), rtol=0, atol=0)
+            row += proj.out_features
+    out = llm.generate([{"prompt_token_ids": [5, 77, 301, 42]}], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 3

@@ -234,8 +234,19 @@ def status() -> dict:
             "sources": [p.name for p in _SRCS], "compiler": _compiler(), "isa": _STATUS["isa"] if ok else None}
 
 
+# While a decode graph records a forward (moe_serve/cpu_graph.py), the library as the wrappers get
+# it: every call recorded, then made.
+_recording = None
+
+
+def _lib():
+    """The loaded library (None where the kernels are unavailable); while a CPU graph records, its
+    recording view of it."""
+    return _recording if _recording is not None else _loaded_lib()
+
+
 @functools.lru_cache(maxsize=None)
-def _lib() -> ctypes.CDLL | None:
+def _loaded_lib() -> ctypes.CDLL | None:
     if os.environ.get("MOE_SERVE_CPU_OPS", "1") == "0":
         _STATUS["reason"] = "off (MOE_SERVE_CPU_OPS=0)"
         log.info("cpu_ops: off (MOE_SERVE_CPU_OPS=0); the CPU runs torch ops only")

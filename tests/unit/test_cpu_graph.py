@@ -1,0 +1,108 @@
+"""CPU decode graphs (moe_serve/cpu_graph.py): a decode forward recorded once per ladder size and
+replayed over the static buffers gives exactly what the eager forward gives, step after step, with
+new inputs each time; what a recording cannot hold fails the capture instead of replaying stale
+values."""
+import random
+
+import pytest
+import torch
+
+from moe_serve import LLM, SamplingParams
+from moe_serve.cpu_graph import CaptureError, CpuGraph
+
+
+def _generate(path, eager: bool, prompts, n: int, dtype: str = "float32", **kw):
+    llm = LLM(path, dtype=dtype, kv_cache_memory=1 << 22, show_progress=False, enforce_eager=eager, **kw)
+    graphs = llm.engine.runner.graphs
+    replays = []
+    if graphs is not None:
+        for B, (g, _) in graphs.graphs.items():
+            plain = g.replay
+
+            def counted(plain=plain, B=B):
+                replays.append(B)
+                return plain()
+
+            g.replay = counted
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        [SamplingParams(temperature=0, max_tokens=n + 3 * i, ignore_eos=True, logprobs=2)
+                         for i in range(len(prompts))])
+    got = [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
+           for o in outs]
+    return got, graphs, replays
+
+
+@pytest.mark.parametrize("arch,dtype", [("qwen3_moe", "float32"), ("mixtral", "float32"), ("qwen3_moe", "bfloat16")])
+def test_cpu_graph_decode_equals_eager(checkpoints, arch, dtype):
+    """Eleven sequences of different lengths, one finishing every third step: the decode batch
+    shrinks through the ladder (padded sizes included: 11 .. 9 -> 16), contexts cross block
+    boundaries. Every token and its logprobs equal the eager engine's, and the graphs did run. In
+    bfloat16 (float32 activations over bf16 weights and embedding table: the rows' widening is a `to`
+    that inference mode dispatches as an op that may alias its input, and does not)."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 200) for _ in range(rng.randrange(3, 30))] for _ in range(11)]
+    eager, none, _ = _generate(checkpoints[arch], True, prompts, 12, dtype)
+    graphed, graphs, replays = _generate(checkpoints[arch], False, prompts, 12, dtype)
+    assert none is None and graphs is not None
+    assert set(range(1, 9)) | {16} == set(replays), sorted(set(replays))
+    for (toks_e, lp_e), (toks_g, lp_g) in zip(eager, graphed):
+        assert toks_g == toks_e
+        for a, b in zip(lp_e, lp_g):
+            assert a.keys() == b.keys() and all(abs(a[t] - b[t]) <= 1e-5 for t in a)
+
+
+def test_cpu_graph_not_captured_for_layers_that_decide_on_the_host(checkpoints):
+    """MLA (DeepSeek-V3) attends through paths that read host lengths: its decode steps stay eager."""
+    llm = LLM(checkpoints["deepseek_v3"], dtype="float32", kv_cache_memory=1 << 22, show_progress=False)
+    assert llm.engine.runner.graphs is None
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_cpu_graph_replays_ops_into_their_tensors():
+    """Ops that make new tensors are computed again into them (their out= form, or the op and a
+    copy: `to`, which inference mode dispatches as an op that may alias), ops that write into an
+    argument are repeated, views are left alone; the replay equals the eager function on new inputs."""
+    w = torch.randn(64, 16, dtype=torch.float64)
+    ids = torch.tensor([3, 9])
+    x = torch.randn(2, 16, dtype=torch.float64)
+
+    def fn():
+        rows = torch.nn.functional.embedding(ids, w).to(torch.float32)  # a copy, then a dtype change
+        h = rows + x.t().contiguous().t().float()  # a copy of a transposed view
+        vals, idx = torch.topk(h, 4, dim=-1)  # two outputs (topk.values)
+        acc = torch.zeros(2, 16)
+        acc.index_add_(1, idx[0], vals)  # writes into a tensor the recording made
+        acc += 1
+        return acc[:, :8] * torch.softmax(h[:, :8], dim=-1)  # a view of a made tensor
+
+    with torch.inference_mode():
+        g = CpuGraph()
+        g.capture(fn)
+        for _ in range(3):
+            ids.copy_(torch.randint(0, 64, (2,)))
+            x.copy_(torch.randn(2, 16, dtype=torch.float64))
+            want = fn()
+            got = g.replay()
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert g.memory_bytes > 0
+
+
+@pytest.mark.parametrize("read", ["item", "int", "tolist"])
+def test_cpu_graph_refuses_host_reads(read):
+    t = torch.tensor([2.0, 3.0])
+
+    def fn():
+        y = t * 2
+        return {"item": lambda: y[0].item(), "int": lambda: int(y[0]), "tolist": lambda: y.tolist()}[read]()
+
+    with torch.inference_mode(), pytest.raises(CaptureError, match="host"):
+        CpuGraph().capture(fn)
+    assert t.tolist() == [2.0, 3.0]  # the recording's guards are gone afterwards
+
+
+def test_cpu_graph_flags(checkpoints):
+    """--enforce-eager keeps the CPU eager too; --max-capture-size sets the CPU ladder's top."""
+    llm = LLM(checkpoints["qwen3_moe"], dtype="float32", kv_cache_memory=1 << 22, show_progress=False,
+              max_capture_size=4)
+    assert sorted(llm.engine.runner.graphs.graphs) == [1, 2, 3, 4]
