@@ -25,6 +25,7 @@ capture with `CaptureError`, and the steps then run eagerly.
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -58,16 +59,17 @@ def _writes_argument(func) -> bool:
 
 def _out_form(func):
     """(overload, names of its out arguments) computing func into given tensors, or None: the
-    overload of the same op whose inputs are func's and whose keyword-only outputs match func's
-    returns (add.Tensor -> add.out, topk.default -> topk.values)."""
-    ins = [a.name for a in func._schema.arguments]
+    overload of the same op whose inputs are func's, names and types (where.ScalarOther has no out
+    form: where.self_out takes a tensor), and whose keyword-only outputs match func's returns
+    (add.Tensor -> add.out, topk.default -> topk.values)."""
+    ins = [(a.name, str(a.type)) for a in func._schema.arguments]
     n_out = len(func._schema.returns)
     packet = func.overloadpacket
     for name in packet.overloads():
         ov = getattr(packet, name)
         args = ov._schema.arguments
         outs = [a.name for a in args if a.is_out]
-        if len(outs) == n_out and [a.name for a in args if not a.is_out] == ins:
+        if len(outs) == n_out and [(a.name, str(a.type)) for a in args if not a.is_out] == ins:
             return ov, outs
     return None
 
@@ -148,8 +150,16 @@ class _CCall:
             raise RuntimeError(f"cpu_ops.{self.name} failed during a decode graph replay")
 
 
-def _no_host_read(*_args, **_kwargs):
-    raise CaptureError("the forward reads a tensor's values on the host (.tolist() / .numpy())")
+def _guarded(plain, thread: int):
+    """Tensor.tolist / numpy while a recording runs on `thread`: refused there, as they were elsewhere
+    (a dispatch mode does not see these reads of a CPU tensor)."""
+
+    def method(self, *args, **kwargs):
+        if threading.get_ident() == thread:
+            raise CaptureError(f"the forward reads a tensor's values on the host (.{plain.__name__}())")
+        return plain(self, *args, **kwargs)
+
+    return method
 
 
 class CpuGraph:
@@ -183,13 +193,14 @@ class CpuGraph:
     @contextlib.contextmanager
     def _recording(self):
         lib = cpu_ops._loaded_lib()
-        cpu_ops._recording = None if lib is None else _RecordingLib(lib, self)
+        cpu_ops._recording.lib = None if lib is None else _RecordingLib(lib, self)
         tolist, numpy = torch.Tensor.tolist, torch.Tensor.numpy
-        torch.Tensor.tolist = torch.Tensor.numpy = _no_host_read
+        me = threading.get_ident()
+        torch.Tensor.tolist, torch.Tensor.numpy = _guarded(tolist, me), _guarded(numpy, me)
         try:
             yield
         finally:
-            cpu_ops._recording = None
+            cpu_ops._recording.lib = None
             torch.Tensor.tolist, torch.Tensor.numpy = tolist, numpy
 
     def replay(self):

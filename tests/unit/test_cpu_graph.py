@@ -60,8 +60,9 @@ def test_cpu_graph_not_captured_for_layers_that_decide_on_the_host(checkpoints):
 
 
 def test_cpu_graph_replays_ops_into_their_tensors():
-    """Ops that make new tensors are computed again into them (their out= form, or the op and a
-    copy: `to`, which inference mode dispatches as an op that may alias), ops that write into an
+    """Ops that make new tensors are computed again into them (their out= form where one takes the
+    same argument types, or the op and a copy: `to`, which inference mode dispatches as an op that
+    may alias), ops that write into an
     argument are repeated, views are left alone; the replay equals the eager function on new inputs."""
     w = torch.randn(64, 16, dtype=torch.float64)
     ids = torch.tensor([3, 9])
@@ -74,7 +75,8 @@ def test_cpu_graph_replays_ops_into_their_tensors():
         acc = torch.zeros(2, 16)
         acc.index_add_(1, idx[0], vals)  # writes into a tensor the recording made
         acc += 1
-        return acc[:, :8] * torch.softmax(h[:, :8], dim=-1)  # a view of a made tensor
+        gated = torch.where(h[:, :8] > 0, h[:, :8], 8)  # where.ScalarOther: its out form takes a tensor
+        return acc[:, :8] * torch.softmax(gated, dim=-1)  # a view of a made tensor
 
     with torch.inference_mode():
         g = CpuGraph()

@@ -37,6 +37,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -234,15 +235,16 @@ def status() -> dict:
             "sources": [p.name for p in _SRCS], "compiler": _compiler(), "isa": _STATUS["isa"] if ok else None}
 
 
-# While a decode graph records a forward (moe_serve/cpu_graph.py), the library as the wrappers get
-# it: every call recorded, then made.
-_recording = None
+# While a decode graph records a forward on this thread (moe_serve/cpu_graph.py), the library as
+# the wrappers get it there: every call recorded, then made.
+_recording = threading.local()
 
 
 def _lib():
-    """The loaded library (None where the kernels are unavailable); while a CPU graph records, its
-    recording view of it."""
-    return _recording if _recording is not None else _loaded_lib()
+    """The loaded library (None where the kernels are unavailable); while a CPU graph records on
+    this thread, its recording view of it."""
+    rec = getattr(_recording, "lib", None)
+    return rec if rec is not None else _loaded_lib()
 
 
 @functools.lru_cache(maxsize=None)
