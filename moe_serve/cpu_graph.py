@@ -19,7 +19,8 @@ inputs into the static buffers it was recorded over (moe_serve/cuda_graph.py Dec
 what the forward decided on the host during the recording is fixed. That is why it is used only
 where every such decision depends on shapes alone (moe_serve/runner/graphs.py `cpu_graphs_apply`):
 our C kernels read sequence lengths, block tables, positions and routing from tensors at replay. A
-host read of a tensor's value during the recording (`.item()`, `.tolist()`, `int(t)`) fails the
+host read of a tensor's value during the recording (`.item()`, `.tolist()`, `int(t)`), or an op
+whose output shape depends on the values (nonzero, boolean-mask indexing, bincount), fails the
 capture with `CaptureError`, and the steps then run eagerly.
 """
 from __future__ import annotations
@@ -106,6 +107,8 @@ class _Recorder(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if name in _HOST_READS:
             raise CaptureError(f"the forward reads a tensor's value on the host ({func})")
+        if torch.Tag.dynamic_output_shape in func.tags:  # nonzero, masked_select, bincount, unique ...
+            raise CaptureError(f"{func}'s output shape depends on the values (a replay would keep the recorded one)")
         out = func(*args, **kwargs)
         g = self.graph
         g.keep.append(out)

@@ -25,8 +25,9 @@ and verify steps where some sequence carries fewer drafts run eagerly.
 
 On the CPU, where our C kernels run every layer of a model they can hold (runner/graphs.py
 `cpu_graphs_apply`), each ladder size is a `CpuGraph` instead (moe_serve/cpu_graph.py): the same
-static buffers, the forward recorded once as the C calls and torch ops it made, replayed without
-the Python of the modules. Its ladder is every size up to 8, then multiples of 8 up to 32
+static buffers, the forward recorded once as the C calls and torch ops it made (the smallest size
+at start-up, each other one by the first step of its size), replayed without the Python of the
+modules. Its ladder is every size up to 8, then multiples of 8 up to 32
 (CPU_MAX_CAPTURE_SIZE, or --max-capture-size): on a CPU a padded row costs its share of the
 arithmetic, and each size keeps its own buffers. Elsewhere on the CPU the padded path runs eagerly,
 and only when asked (it is slower there: bench/results/architecture-figures.md).
@@ -41,7 +42,7 @@ import torch
 from attention.metadata import AttentionMetadata
 from expert_parallel.runtime.step import MoEStep
 from moe_serve import platform
-from moe_serve.cpu_graph import CpuGraph
+from moe_serve.cpu_graph import CaptureError, CpuGraph
 
 log = logging.getLogger("moe_serve.cuda_graph")
 
@@ -149,6 +150,7 @@ class DecodeGraphs:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.memory_bytes = 0
         self.capture_s = 0.0
+        self.record_lazily = False  # the CPU: sizes not recorded yet are recorded by their first step
 
     def _meta(self, B: int) -> AttentionMetadata:
         # Host lengths at their largest: the split count is fixed by max_model_len, not the step.
@@ -170,25 +172,46 @@ class DecodeGraphs:
             torch.cuda.synchronize()
             free0, _ = torch.cuda.mem_get_info()
         t0 = time.perf_counter()
-        pool = None if cpu else torch.cuda.graph_pool_handle()
         self.graphs = {}  # none kept unless every size is captured (on every rank)
-        self.graphs = capture_ladder(self.sizes, lambda B: self._capture_one(B, pool), agree)
         if cpu:
-            self.memory_bytes = sum(g.memory_bytes for g, _ in self.graphs.values())
-        else:
-            torch.cuda.synchronize()
-            self.memory_bytes = free0 - torch.cuda.mem_get_info()[0]
+            # One size now (a recording that fails fails here, before serving: the steps then run
+            # eagerly and unpadded); the others when a step first needs them (a recording costs one
+            # forward, and a start-up, a test's above all, uses few sizes).
+            self.graphs = {self.sizes[0]: self._capture_one(self.sizes[0], None)}
+            self.record_lazily = True
+            self.capture_s = time.perf_counter() - t0
+            log.info("decode steps replayed from CPU recordings (batch %s; each recorded on first use, %d now in "
+                     "%.2fs)", ",".join(map(str, self.sizes)), len(self.graphs), self.capture_s)
+            return
+        pool = torch.cuda.graph_pool_handle()
+        self.graphs = capture_ladder(self.sizes, lambda B: self._capture_one(B, pool), agree)
+        torch.cuda.synchronize()
+        self.memory_bytes = free0 - torch.cuda.mem_get_info()[0]
         self.capture_s = time.perf_counter() - t0
-        log.info("captured %d %s %s (batch %s) in %.1fs, %.1f MiB of graph memory", len(self.graphs),
+        log.info("captured %d %s graphs (batch %s) in %.1fs, %.1f MiB of graph memory", len(self.graphs),
                  "decode" if self.q == 1 else f"verify ({self.q} tokens per sequence)",
-                 "CPU graphs (recorded calls)" if cpu else "graphs", ",".join(map(str, self.sizes)), self.capture_s,
-                 self.memory_bytes / 2**20)
+                 ",".join(map(str, self.sizes)), self.capture_s, self.memory_bytes / 2**20)
 
-    def _capture_one(self, B: int, pool) -> tuple:
+    def _record(self, B: int):
+        """A CPU recording of size B made by the step that first needs it (its inputs already in the
+        static buffers: the recorded forward is that step's); None, and no more recordings, if it
+        fails (that step and the later ones run eagerly on the static buffers)."""
+        try:
+            g, out = self._capture_one(B, None, warm=False)
+        except CaptureError as e:
+            self.record_lazily = False
+            log.warning("CPU recording of decode batch %d failed, running such steps eagerly: %s", B, e)
+            return None
+        self.graphs[B] = (g, out)
+        self.memory_bytes += g.memory_bytes
+        log.debug("decode batch %d recorded: %d calls, %.2f MiB", B, len(g.calls), g.memory_bytes / 2**20)
+        return out
+
+    def _capture_one(self, B: int, pool, warm: bool = True) -> tuple:
         T = B * self.q
         ids, pos, meta, step = self.ids[:T], self.pos[:T], self._meta(B), decode_step(T)
         if pool is None:  # the CPU: the forward as it runs there (our C kernels), recorded
-            for _ in range(2):  # lazily made tables and buffers, before the recording
+            if warm:  # lazily made tables and buffers, before the first recording
                 meta.backend_plans.clear()
                 self.model(ids, pos, meta, step)
             meta.backend_plans.clear()
@@ -229,6 +252,8 @@ class DecodeGraphs:
         if self.state_slots is not None:
             self.state_slots[:B].copy_(meta.state_slots, non_blocking=True)
         if B not in self.graphs:
+            if self.record_lazily and B in self.sizes and (out := self._record(B)) is not None:
+                return out
             return self.model(self.ids[:T], self.pos[:T], self._meta(B), decode_step(T))
         g, out = self.graphs[B]
         g.replay()

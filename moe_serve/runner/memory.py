@@ -204,7 +204,8 @@ def profile_memory(model: nn.Module, attn_layers: list, cfg: EngineConfig, moe_c
     if probe is None:
         return None
     peak = profile_step_memory(model, attn_layers, cfg, probe)
-    graphs = profile_graph_memory(model, attn_layers, cfg, moe_ctx, probe) if captures_graphs else 0
+    # (CPU recordings hold a few buffers per size: nothing to reserve)
+    graphs = profile_graph_memory(model, attn_layers, cfg, moe_ctx, probe) if captures_graphs and cfg.device.type == "cuda" else 0
     return MemoryProfile(peak, graphs, probe.free_bytes())
 
 

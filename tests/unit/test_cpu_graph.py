@@ -11,19 +11,18 @@ from moe_serve import LLM, SamplingParams
 from moe_serve.cpu_graph import CaptureError, CpuGraph
 
 
-def _generate(path, eager: bool, prompts, n: int, dtype: str = "float32", **kw):
+def _generate(path, eager: bool, prompts, n: int, dtype: str = "float32", monkeypatch=None, **kw):
     llm = LLM(path, dtype=dtype, kv_cache_memory=1 << 22, show_progress=False, enforce_eager=eager, **kw)
     graphs = llm.engine.runner.graphs
     replays = []
     if graphs is not None:
-        for B, (g, _) in graphs.graphs.items():
-            plain = g.replay
+        plain = CpuGraph.replay
 
-            def counted(plain=plain, B=B):
-                replays.append(B)
-                return plain()
+        def counted(self):
+            replays.append(next(B for B, (g, _) in graphs.graphs.items() if g is self))
+            return plain(self)
 
-            g.replay = counted
+        monkeypatch.setattr(CpuGraph, "replay", counted)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         [SamplingParams(temperature=0, max_tokens=n + 3 * i, ignore_eos=True, logprobs=2)
                          for i in range(len(prompts))])
@@ -33,7 +32,7 @@ def _generate(path, eager: bool, prompts, n: int, dtype: str = "float32", **kw):
 
 
 @pytest.mark.parametrize("arch,dtype", [("qwen3_moe", "float32"), ("mixtral", "float32"), ("qwen3_moe", "bfloat16")])
-def test_cpu_graph_decode_equals_eager(checkpoints, arch, dtype):
+def test_cpu_graph_decode_equals_eager(checkpoints, arch, dtype, monkeypatch):
     """Eleven sequences of different lengths, one finishing every third step: the decode batch
     shrinks through the ladder (padded sizes included: 11 .. 9 -> 16), contexts cross block
     boundaries. Every token and its logprobs equal the eager engine's, and the graphs did run. In
@@ -42,9 +41,10 @@ def test_cpu_graph_decode_equals_eager(checkpoints, arch, dtype):
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 200) for _ in range(rng.randrange(3, 30))] for _ in range(11)]
     eager, none, _ = _generate(checkpoints[arch], True, prompts, 12, dtype)
-    graphed, graphs, replays = _generate(checkpoints[arch], False, prompts, 12, dtype)
+    graphed, graphs, replays = _generate(checkpoints[arch], False, prompts, 12, dtype, monkeypatch)
     assert none is None and graphs is not None
-    assert set(range(1, 9)) | {16} == set(replays), sorted(set(replays))
+    # each size recorded by its first step (1 at start-up), replayed by the next ones
+    assert set(graphs.graphs) == set(range(1, 9)) | {16} == set(replays), (sorted(graphs.graphs), sorted(set(replays)))
     for (toks_e, lp_e), (toks_g, lp_g) in zip(eager, graphed):
         assert toks_g == toks_e
         for a, b in zip(lp_e, lp_g):
@@ -90,15 +90,17 @@ def test_cpu_graph_replays_ops_into_their_tensors():
     assert g.memory_bytes > 0
 
 
-@pytest.mark.parametrize("read", ["item", "int", "tolist"])
+@pytest.mark.parametrize("read", ["item", "int", "tolist", "nonzero", "mask"])
 def test_cpu_graph_refuses_host_reads(read):
+    """Host reads of values, and ops whose output shape depends on the values, fail the capture."""
     t = torch.tensor([2.0, 3.0])
 
     def fn():
         y = t * 2
-        return {"item": lambda: y[0].item(), "int": lambda: int(y[0]), "tolist": lambda: y.tolist()}[read]()
+        return {"item": lambda: y[0].item(), "int": lambda: int(y[0]), "tolist": lambda: y.tolist(),
+                "nonzero": lambda: torch.nonzero(y > 5), "mask": lambda: y[y > 5]}[read]()
 
-    with torch.inference_mode(), pytest.raises(CaptureError, match="host"):
+    with torch.inference_mode(), pytest.raises(CaptureError, match="host|depends on the values"):
         CpuGraph().capture(fn)
     assert t.tolist() == [2.0, 3.0]  # the recording's guards are gone afterwards
 
@@ -107,4 +109,28 @@ def test_cpu_graph_flags(checkpoints):
     """--enforce-eager keeps the CPU eager too; --max-capture-size sets the CPU ladder's top."""
     llm = LLM(checkpoints["qwen3_moe"], dtype="float32", kv_cache_memory=1 << 22, show_progress=False,
               max_capture_size=4)
-    assert sorted(llm.engine.runner.graphs.graphs) == [1, 2, 3, 4]
+    assert llm.engine.runner.pad_sizes == llm.engine.runner.graphs.sizes == [1, 2, 3, 4]
+    assert LLM(checkpoints["qwen3_moe"], dtype="float32", kv_cache_memory=1 << 22, show_progress=False,
+               enforce_eager=True).engine.runner.graphs is None
+
+
+def test_failed_recording_on_first_use_runs_eagerly(checkpoints, monkeypatch, caplog):
+    """A size whose recording fails when a step first needs it: that step and the later ones run
+    eagerly (on the static buffers), with the same tokens, and nothing more is recorded."""
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13]]
+    want, _, _ = _generate(checkpoints["qwen3_moe"], True, prompts, 6)
+    plain = CpuGraph.capture
+    calls = []
+
+    def capture(self, fn):
+        calls.append(1)
+        if len(calls) > 1:  # the start-up recording succeeds, the next one fails
+            fn()  # part of a forward ran before the failure (its KV writes are repeated eagerly)
+            raise CaptureError("the forward reads a tensor's value on the host (stand-in)")
+        return plain(self, fn)
+
+    monkeypatch.setattr(CpuGraph, "capture", capture)
+    got, graphs, _ = _generate(checkpoints["qwen3_moe"], False, prompts, 6, monkeypatch=monkeypatch)
+    assert got == want
+    assert list(graphs.graphs) == [1] and not graphs.record_lazily and len(calls) == 2
+    assert "CPU recording of decode batch 3 failed" in caplog.text

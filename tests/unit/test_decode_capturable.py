@@ -14,7 +14,9 @@ PROMPTS = [[5, 77, 301, 42], [9, 8, 7, 6, 5, 4], [450, 12, 13]]
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v3"])
 def test_decode_forward_has_no_host_sync(checkpoints, arch, monkeypatch):
     def run(guard: bool) -> list[list[int]]:
-        llm = LLM(checkpoints[arch], dtype="float32", kv_cache_memory=1 << 20, show_progress=False)
+        # eager: the check runs the capturable path a CUDA graph would hold (a CPU graph replay
+        # would not go through model.forward)
+        llm = LLM(checkpoints[arch], dtype="float32", kv_cache_memory=1 << 20, show_progress=False, enforce_eager=True)
         core, model = llm.engine, llm.engine.runner.model
         guarded = []
         if guard:

@@ -46,13 +46,16 @@ def test_enforce_eager_and_capture_size_flags(checkpoints):
     assert (g.enforce_eager, g.max_capture_size, g.pad_decode) == (False, None, None)
     with pytest.raises(ValueError, match="max_capture_size"):
         EngineArgs(checkpoints["qwen3_moe"], max_capture_size=0).create_engine_config()
-    # LLM keywords reach the runner: the ladder follows max_capture_size; the CPU captures nothing
-    # and pads only when asked.
+    # LLM keywords reach the runner: the ladder follows max_capture_size; eager, the CPU pads only
+    # when asked; by default it records its decode steps (moe_serve/cpu_graph.py) over the CPU ladder.
     llm = LLM(checkpoints["qwen3_moe"], dtype="float32", kv_cache_memory=1 << 20, show_progress=False,
               pad_decode=True, max_capture_size=6, enforce_eager=True)
     assert llm.engine.runner.pad_sizes == [1, 2, 4, 6] and llm.engine.runner.graphs is None
-    assert LLM(checkpoints["qwen3_moe"], dtype="float32", kv_cache_memory=1 << 20,
-               show_progress=False).engine.runner.pad_sizes == []
+    assert LLM(checkpoints["qwen3_moe"], dtype="float32", kv_cache_memory=1 << 20, show_progress=False,
+               enforce_eager=True).engine.runner.pad_sizes == []
+    runner = LLM(checkpoints["qwen3_moe"], dtype="float32", kv_cache_memory=1 << 20, show_progress=False,
+                 max_num_seqs=64).engine.runner
+    assert runner.pad_sizes == [1, 2, 3, 4, 5, 6, 7, 8, 16, 24, 32] == runner.graphs.sizes and list(runner.graphs.graphs) == [1]
 
 
 def _caches(runner) -> list[torch.Tensor]:
@@ -70,7 +73,8 @@ def _run(path: str, pad: bool, static_buffers: bool = False):
     allocator gave requests, and the runner. Padded decode forwards run under the no-sync guard.
     static_buffers: padded steps go through DecodeGraphs (uncaptured on the CPU: the model runs
     eagerly on the static buffers and metadata a captured graph reads)."""
-    llm = LLM(path, dtype="float32", num_kv_blocks=64, max_num_seqs=16, show_progress=False, pad_decode=pad)
+    llm = LLM(path, dtype="float32", num_kv_blocks=64, max_num_seqs=16, show_progress=False, pad_decode=pad,
+              enforce_eager=pad)  # padded and eager (no CPU recording)
     core, runner = llm.engine, llm.engine.runner
     if static_buffers:
         # From batch 2: the torch backend's one-decode path sizes its gather from host lengths, so
@@ -145,7 +149,8 @@ def test_padded_decode_matches_unpadded(checkpoints, arch):
 
 def test_no_padding_while_expert_load_is_recorded(checkpoints):
     """Padded rows would count as routed tokens (and a graph replay would skip the hook)."""
-    llm = LLM(checkpoints["qwen3_moe"], dtype="float32", kv_cache_memory=1 << 20, show_progress=False, pad_decode=True)
+    llm = LLM(checkpoints["qwen3_moe"], dtype="float32", kv_cache_memory=1 << 20, show_progress=False, pad_decode=True,
+              enforce_eager=True)
     core, runner = llm.engine, llm.engine.runner
     rec = core.load_recorder or core.enable_load_recording(10)
     decode3 = [(0, 4, 1, True), (1, 6, 1, True), (2, 3, 1, True)]

@@ -28,7 +28,7 @@ class FailingGraphs:
 
 def _cfg(pad_decode, speculative=None):
     return SimpleNamespace(graphs=GraphConfig(pad_decode=pad_decode), scheduler=SimpleNamespace(max_num_seqs=8),
-                           cache=SimpleNamespace(block_size=16), device=torch.device("cpu"),
+                           cache=SimpleNamespace(block_size=16), device=torch.device("cuda"),  # the CUDA path, simulated
                            model=SimpleNamespace(max_model_len=64), speculative=speculative)
 
 
