@@ -79,8 +79,8 @@ def main(argv=None) -> int:
             rows.append(row)
             print(f"{name} batch {B:3d}: decode step {row['graphs_ms']:.2f} ms with CPU graphs, {row['eager_ms']:.2f} "
                   f"eager ({row['graphs_over_eager']:.2f}x)", flush=True)
-        rows.append(dict(model=name, description=desc, captured_sizes=captured, same_tokens=same[0] == same[1]))
-        print(f"{name}: captured {captured}; greedy tokens equal: {same[0] == same[1]}", flush=True)
+        rows.append(dict(model=name, description=desc, recorded_at_startup=captured, same_tokens=same[0] == same[1]))
+        print(f"{name}: recorded at start-up {captured} (the others by their first step); greedy tokens equal: {same[0] == same[1]}", flush=True)
         del engines
     out = Path(args.out or HERE / "results" / f"cpu_graphs_{args.models.replace(',', '_')}_{args.dtype}.json")
     out.write_text(json.dumps(dict(host=machine(), threads=args.threads, dtype=args.dtype, output_len=args.output_len,
