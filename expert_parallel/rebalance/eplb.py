@@ -52,6 +52,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from expert_parallel.rebalance.config import LAYERS_IN_FLIGHT, EplbConfig
 from expert_parallel.placement.load_stats import ExpertLoadRecorder
+from expert_parallel.runtime.groups import group_timeout
 from expert_parallel.rebalance.plan import LayerPlan, plan_layer
 
 log = logging.getLogger("moe_serve.eplb")
@@ -120,7 +121,10 @@ class EplbManager:
                                            max_windows=cfg.max_windows)
         self.recorder.start()
         # A group of its own for the weight traffic: its sends never interleave with MoE collectives.
-        self.p2p_group = dist.new_group(backend=dist.get_backend()) if world_size > 1 else None
+        # Within the world's timeout: a rank lost while it is being made (an elastic job's next
+        # generation, formed while a second rank dies) fails the build, which then regroups.
+        self.p2p_group = (dist.new_group(backend=dist.get_backend(), timeout=group_timeout())
+                          if world_size > 1 else None)
         first = self.layers[0].slot_tensors()
         for m in self.layers:
             if {k: (t.shape, t.dtype) for k, t in m.slot_tensors().items()} != \

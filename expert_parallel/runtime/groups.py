@@ -96,6 +96,18 @@ def init_process_groups(backend: str | None, timeout_s: float = 600.0) -> Proces
     return ProcessGroups(rank, world_size, local_rank, ep_group, cpu_group, device)
 
 
+def group_timeout(group: Any = None) -> timedelta | None:
+    """The collective timeout `group` (the world by default) was made with, or None where the backend
+    does not say. A group made later from inside a running job takes it, not torch's 30-minute
+    default: a rank lost while the group is being made then fails that within the job's timeout."""
+    group = group or dist.group.WORLD
+    kind = torch.device("cuda") if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    try:
+        return group._get_backend(kind).options._timeout
+    except Exception:  # another backend, or a torch without these private fields: torch's default
+        return None
+
+
 def destroy_process_groups(groups: ProcessGroups) -> None:
     """Tear down what init_process_groups created (the control group, then the world)."""
     if not dist.is_initialized():

@@ -4,7 +4,6 @@ the capture and the replay; `ModelRunner` pads and replays). Steps of `build_eng
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from torch import nn
@@ -38,13 +37,11 @@ def cpu_graphs_apply(cfg: EngineConfig, moe_ctx: MoEContext, ops: platform.Ops) 
     """Whether the CPU records its decode steps (moe_serve/cpu_graph.py): our C kernels built, the
     attention backend ours over float32 activations (its decode kernel reads lengths, block tables
     and positions from tensors, where the torch path sizes a gather from host lengths), and one
-    rank (an expert-parallel step's collectives are not ops a recording sees); not in the engine
-    core of an elastic job (launcher/elastic.py), whose world can shrink to one rank mid-serving: a
-    job that lost all but rank 0 stalled there with recordings on, not understood yet. Which layers the
-    model has is checked when the model is there (`cpu_graph_blocker`)."""
+    rank (an expert-parallel step's collectives are not ops a recording sees; an elastic job that
+    shrank to one rank records like any other). Which layers the model has is checked when the model
+    is there (`cpu_graph_blocker`)."""
     return (cfg.device.type == "cpu" and ops.attention.name == "cpu_c" and cfg.activation_dtype == torch.float32
-            and moe_ctx.dispatcher.world_size == 1 and cpu_ops.available()
-            and os.environ.get("MOE_SERVE_ELASTIC_CORE") != "1")  # not yet in an elastic job's cores
+            and moe_ctx.dispatcher.world_size == 1 and cpu_ops.available())
 
 
 def cpu_graph_blocker(model: nn.Module) -> str | None:
