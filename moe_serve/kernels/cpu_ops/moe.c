@@ -75,7 +75,7 @@ VF_INLINE vf16 load_wn(const void* w, int bf16, int64_t k, int64_t n) {
     }                                                                                                  \
     _Pragma("GCC unroll 4") for (int i = 0; i < MBC; i++) {                                            \
       const vf16 xv = LOADX;                                                                           \
-      _Pragma("GCC unroll 4") for (int j = 0; j < NB; j++) acc[i][j] = vf_fma(xv, wv[j], acc[i][j]);   \
+      _Pragma("GCC unroll 4") for (int j = 0; j < NB; j++) acc[i][j] = vs_fma(xv, wv[j], acc[i][j]);   \
     }                                                                                                  \
   }
 
@@ -97,8 +97,8 @@ VF_INLINE vf16 load_wn(const void* w, int bf16, int64_t k, int64_t n) {
     _Pragma("GCC unroll 4") for (int i = 0; i < MBC; i++) {                                            \
       const vf16 xe = vf_load(a[i] + k), xo = vf_load(a[i] + k + 16);                                  \
       _Pragma("GCC unroll 4") for (int j = 0; j < NB; j++) {                                           \
-        acc[i][j] = vf_fma(xe, we[j], acc[i][j]);                                                      \
-        acc[i][j] = vf_fma(xo, wo[j], acc[i][j]);                                                      \
+        acc[i][j] = vs_fma(xe, we[j], acc[i][j]);                                                      \
+        acc[i][j] = vs_fma(xo, wo[j], acc[i][j]);                                                      \
       }                                                                                                \
     }                                                                                                  \
   }
@@ -113,9 +113,9 @@ VF_INLINE void tile(const float* const* ar, const int MBC, const char* const* wr
   const char* wp[NB];
   _Pragma("GCC unroll 4") for (int i = 0; i < MB; i++) a[i] = ar[i];
   _Pragma("GCC unroll 4") for (int j = 0; j < NB; j++) wp[j] = wr[j];
-  vf16 acc[MB][NB];
+  vsum acc[MB][NB];
   _Pragma("GCC unroll 4") for (int i = 0; i < MBC; i++)
-    _Pragma("GCC unroll 4") for (int j = 0; j < NB; j++) acc[i][j] = vf_zero();
+    _Pragma("GCC unroll 4") for (int j = 0; j < NB; j++) acc[i][j] = vs_zero();
   int64_t k = 0;
   if (split)
     for (; k + 32 <= K; k += 32) TILE_STEP_PAIRS()
@@ -125,7 +125,7 @@ VF_INLINE void tile(const float* const* ar, const int MBC, const char* const* wr
    * memory, stored on every step since the float loads above might alias it) */
   _Pragma("GCC unroll 4") for (int i = 0; i < MBC; i++) {
     float sums[NB];
-    vf_hsum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3], sums);
+    vs_hsum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3], sums);
     _Pragma("GCC unroll 4") for (int j = 0; j < nb; j++) y[i * ldy + j] = sums[j];
   }
 }

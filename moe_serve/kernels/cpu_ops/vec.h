@@ -17,7 +17,8 @@
  * (a * b + c), vf_fnma (c - a * b); vf_add / sub / mul / div / max / min; vf_hsum, vf_hmax and
  * vf_hsum4 (four sums at once); vf_exp; vf_rcp (1 / x: an estimate refined by a Newton step on
  * AVX-512, the exact quotient elsewhere); vf_prefetch_l2; vf_gather (int32 offsets, lanes past n
- * zero).
+ * zero). vsum, a dot product's accumulator: vs_zero, vs_fma (c + a * b with the vf16 product folded
+ * into one native register, so a tile of them fits the register file on every ISA) and vs_hsum4.
  *
  * Register blocking that depends on the register file (VF_ROW_VECS, VF_PANEL_ROWS below) is the
  * only tuning the kernels take from here. */
@@ -152,6 +153,12 @@ VF_INLINE vf16 vf_gather(const float* base, const int32_t* idx, int64_t n) {
   return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), vf_mask_(n), _mm512_loadu_si512(idx), base, 4);
 }
 
+/* vsum: one register of partial dot products (vf16 itself here) */
+typedef vf16 vsum;
+VF_INLINE vsum vs_zero(void) { return vf_zero(); }
+VF_INLINE vsum vs_fma(vf16 a, vf16 b, vsum c) { return vf_fma(a, b, c); }
+VF_INLINE void vs_hsum4(vsum a, vsum b, vsum c, vsum d, float* out) { vf_hsum4(a, b, c, d, out); }
+
 /* ================================================================================ AVX2 + FMA */
 #elif defined(VF_AVX2)
 #include <immintrin.h>
@@ -271,6 +278,16 @@ VF_INLINE vf16 vf_gather(const float* base, const int32_t* idx, int64_t n) {
   return vf_load(t);
 }
 
+/* vsum: a vf16's two halves folded into one register (16 accumulators of a 4 x 4 dot-product tile
+ * are 16 registers, not the 32 that vf16 accumulators would spill from AVX2's 16) */
+typedef __m256 vsum;
+VF_INLINE vsum vs_zero(void) { return _mm256_setzero_ps(); }
+VF_INLINE vsum vs_fma(vf16 a, vf16 b, vsum c) { return _mm256_fmadd_ps(a.hi, b.hi, _mm256_fmadd_ps(a.lo, b.lo, c)); }
+VF_INLINE void vs_hsum4(vsum a, vsum b, vsum c, vsum d, float* out) {
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
+}
+
 /* ================================================================================ NEON (aarch64) */
 #elif defined(VF_NEON)
 #include <arm_neon.h>
@@ -365,6 +382,16 @@ VF_INLINE vf16 vf_gather(const float* base, const int32_t* idx, int64_t n) {
   const int k = n < 0 ? 0 : n > 16 ? 16 : (int)n;
   for (int i = 0; i < k; i++) t[i] = base[idx[i]];
   return vf_load(t);
+}
+/* vsum: a vf16's four quarters folded into one register (a 4 x 4 tile: 16 of the 32 registers) */
+typedef float32x4_t vsum;
+VF_INLINE vsum vs_zero(void) { return vdupq_n_f32(0.f); }
+VF_INLINE vsum vs_fma(vf16 a, vf16 b, vsum c) {
+  for (int i = 0; i < 4; i++) c = vfmaq_f32(c, a.q[i], b.q[i]);
+  return c;
+}
+VF_INLINE void vs_hsum4(vsum a, vsum b, vsum c, vsum d, float* out) {
+  vst1q_f32(out, vpaddq_f32(vpaddq_f32(a, b), vpaddq_f32(c, d)));
 }
 #undef VF_MAP1_
 
@@ -462,6 +489,10 @@ VF_INLINE float vf_exp1_(float x) {
 VF_INLINE vf16 vf_exp(vf16 x) { VF_MAP_(vf_exp1_(x.v[i_])) }
 VF_INLINE vf16 vf_rcp(vf16 d) { VF_MAP_(1.f / d.v[i_]) }
 VF_INLINE vf16 vf_gather(const float* base, const int32_t* idx, int64_t n) { VF_MAP_(i_ < n ? base[idx[i_]] : 0.f) }
+typedef vf16 vsum;
+VF_INLINE vsum vs_zero(void) { return vf_zero(); }
+VF_INLINE vsum vs_fma(vf16 a, vf16 b, vsum c) { return vf_fma(a, b, c); }
+VF_INLINE void vs_hsum4(vsum a, vsum b, vsum c, vsum d, float* out) { vf_hsum4(a, b, c, d, out); }
 #undef VF_MAP_
 #endif
 
@@ -477,3 +508,4 @@ VF_INLINE void vf_split_pairs(const float* x, int64_t K, float* dst) {
     }
   for (; k < K; k++) dst[k] = x[k];
 }
+
