@@ -27,7 +27,8 @@ def gemm_weight_dtype(model_dtype: torch.dtype, device: torch.device, c_kernels:
     except half precision on a CPU without half-precision matrix instructions, where torch's GEMMs
     would convert the weights on every call: float32 there, unless our C kernels run the experts
     and the linear layers (c_kernels), which widen bfloat16 weights in registers (half the bytes a
-    memory-bound decode step reads; longer prefill rows convert per call)."""
+    memory-bound decode step reads; their panel kernel widens each block of rows once per call for
+    prefill rows, up to its sizes: moe_serve/kernels/cpu_ops)."""
     from moe_serve.kernels.cpu_gemm import cpu_has_half_matmul
 
     if device.type == "cpu" and model_dtype in (torch.bfloat16, torch.float16) and not cpu_has_half_matmul():

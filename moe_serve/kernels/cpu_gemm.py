@@ -10,6 +10,7 @@ kernels do, so results only get closer to the float64 references.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -17,8 +18,17 @@ import torch.nn.functional as F
 _HALF = (torch.bfloat16, torch.float16)
 
 
+# oneDNN ISA caps (ONEDNN_MAX_CPU_ISA) below its first bf16 matrix instructions (AVX512_CORE_BF16)
+_ONEDNN_NO_HALF = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX512_CORE", "AVX512_CORE_VNNI"}
+
+
 @functools.lru_cache(maxsize=None)
 def cpu_has_half_matmul() -> bool:
+    """Whether torch's half-precision GEMMs run on matrix instructions here: the CPU has AVX512-BF16,
+    AMX or AVX512-FP16, and ONEDNN_MAX_CPU_ISA, where set, does not cap oneDNN below them."""
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", os.environ.get("DNNL_MAX_CPU_ISA", "")).strip().upper()
+    if cap in _ONEDNN_NO_HALF:
+        return False
     try:
         with open("/proc/cpuinfo") as f:
             flags = f.read()

@@ -19,7 +19,7 @@
 int moe_experts_f32(const float* x, int64_t T, int64_t D, const int64_t* ids, const float* wts, int64_t K,
                     const void* w13, const void* w2, int w_bf16, int64_t E, int64_t F, float* out, int nt);
 int64_t moe_panel_groups_run(void);
-int linear_panels_f32(const float* x, int64_t ldx, int64_t M, const float* w, const float* b, int64_t K, int64_t N,
+int linear_panels_f32(const float* x, int64_t ldx, int64_t M, const void* w, int w_bf16, const float* b, int64_t K, int64_t N,
                       float* y, int64_t ldy, int nt);
 void linear_f32(const float* x, int64_t ldx, int64_t M, const void* w, int w_bf16, int64_t K, int64_t N, float* y,
                 int64_t ldy, int nt);
@@ -175,8 +175,9 @@ static void linear_case(int64_t M, int64_t K, int64_t N, int bf16, int panels, i
   float* y = malloc((size_t)(M * N) * sizeof(float));
   char what[160];
   if (panels) {
-    const int rc = linear_panels_f32(x, ldx, M, w, b, K, N, y, N, nt);
-    snprintf(what, sizeof what, "linear_panels f32 M=%ld K=%ld N=%ld +bias nt=%d", (long)M, (long)K, (long)N, nt);
+    const int rc = linear_panels_f32(x, ldx, M, bf16 ? (const void*)wh : w, bf16, b, K, N, y, N, nt);
+    snprintf(what, sizeof what, "linear_panels %s M=%ld K=%ld N=%ld +bias nt=%d", bf16 ? "bf16" : "f32", (long)M,
+             (long)K, (long)N, nt);
     check_rc(what, rc);
   } else {
     linear_f32(x, ldx, M, bf16 ? (const void*)wh : w, bf16, K, N, y, N, nt);
@@ -481,7 +482,9 @@ int main(void) {
     moe_case(7, 17, 9, 4, 2, 0, 1, nt, 0);
     moe_case(5, 40, 24, 6, 2, 1, 1, nt, 0);
     moe_case(7, 17, 9, 4, 2, 1, 1, nt, 0);
-    moe_case(33, 128, 80, 16, 4, 1, 1, nt, 0); /* bf16: more than 16 rows an expert, still the tiles */
+    moe_case(33, 128, 80, 16, 4, 1, 1, nt, 0); /* bf16, at most 16 rows an expert: the tiles */
+    moe_case(100, 64, 32, 3, 2, 1, 1, nt, 1); /* bf16 panels: each row block widened once */
+    moe_case(34, 40, 12, 2, 1, 1, 0, nt, 1);  /* bf16 panels, rows shorter than a vector (tails) */
     /* the panel path: 17+ rows an expert, partial panels, D off 16, experts on both sides */
     moe_case(34, 40, 12, 2, 1, 0, 0, nt, 1);
     moe_case(100, 64, 32, 3, 2, 0, 1, nt, 1);
@@ -493,6 +496,8 @@ int main(void) {
     linear_case(5, 33, 40, 0, 1, nt);
     linear_case(50, 20, 16, 0, 1, nt);
     linear_case(17, 100, 200, 0, 1, nt);
+    linear_case(50, 20, 16, 1, 1, nt);
+    linear_case(17, 100, 200, 1, 1, nt);
     decode_attention_case(8, 2, 64, 64, 4, nt); /* grouped: 4 heads a key, H % 16 == 0 */
     decode_attention_case(3, 1, 40, 24, 3, nt);
     decode_attention_case(4, 4, 17, 80, 1, nt);

@@ -112,6 +112,33 @@ def test_panel_path_matches_float64_reference(T, D, F, E, K, held, threads, isa)
     assert want > 0 and cpu_ops.panel_groups_run() - ran == want  # the panel path ran, group by group
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("T,D,F,E,K,held", [
+    (100, 64, 32, 3, 2, True),    # panels of 48, 48 and a partial one
+    (34, 40, 12, 2, 1, False),    # rows shorter than a vector: the widening's masked tails
+    (300, 128, 80, 16, 4, True),  # 16 experts, several panels each, ids held elsewhere
+])
+def test_panel_path_bf16_weights_matches_float64_reference(T, D, F, E, K, held, threads, isa, monkeypatch):
+    """bf16 experts with many rows take the panel kernel too, each block of 8 weight rows widened
+    once for all its panels; the cpu_c backend sends them there where torch's bf16 GEMMs have no
+    matrix instructions, and leaves them to torch where they have."""
+    from moe_serve.kernels import cpu_gemm
+
+    x, w13, w2, wts, ids = _case(T, D, F, E, K, torch.bfloat16, seed=T + D, held_elsewhere=held)
+    ref = fused_experts_reference(x.double(), w13.double(), w2.double(), wts.double(), ids)
+    ran = cpu_ops.panel_groups_run()
+    with _threads(threads):
+        got = cpu_ops.moe_experts(x, w13, w2, wts, ids)
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+    rows = torch.bincount(ids[ids >= 0], minlength=E)
+    assert cpu_ops.panel_groups_run() - ran == sum(1 for n in rows if n >= 17) > 0
+    big = torch.zeros(20 * E, K, dtype=torch.int64)  # past decode size: 20 rows per expert
+    monkeypatch.setattr(cpu_gemm, "cpu_has_half_matmul", lambda: False)
+    assert cpu_ops.panels_fit(w13, w2) and cpu_ops.use_for(x, w13, w2, big)
+    monkeypatch.setattr(cpu_gemm, "cpu_has_half_matmul", lambda: True)
+    assert not cpu_ops.panels_fit(w13, w2) and not cpu_ops.use_for(x, w13, w2, big)
+
+
 def test_fused_experts_takes_it_where_it_is_written_for(isa):
     """The cpu_c experts backend runs the C kernel for decode-sized batches, for prefill-sized ones
     too where the panel path takes the weights (float32, F % 4 == 0, D % 8 == 0), torch's ops for
@@ -400,12 +427,14 @@ def test_reference_backend_takes_it_for_prefill_chunks(isa):
 
 @pytest.mark.parametrize("M,K,N", [(1, 576, 576), (3, 40, 17), (2, 88, 33), (16, 64, 96), (5, 17, 1030)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_linear_bf16_weight_matches_float64(M, K, N, threads, isa):
+def test_linear_bf16_weight_matches_float64(M, K, N, threads, isa, monkeypatch):
     """Decode rows over a bf16 weight (the weight-row prefetch runs past tile ends and the row tail
     N % 4 is taken; K's whole 32-value chunks take the even/odd path, then a 16-value step and a
     masked tail: K = 40, 88, 17), and the cpu_c linear backend routes such calls to it, bias included."""
+    from moe_serve.kernels import cpu_gemm
     from moe_serve.kernels.linear import CpuCLinear
 
+    monkeypatch.setattr(cpu_gemm, "cpu_has_half_matmul", lambda: True)  # torch's bf16 GEMM for prefill rows
     linear = CpuCLinear()
 
     g = torch.Generator().manual_seed(M * K + N)
@@ -422,6 +451,38 @@ def test_linear_bf16_weight_matches_float64(M, K, N, threads, isa):
     want = (x.bfloat16().double() @ w.double().T + b.double())
     torch.testing.assert_close(pub.double(), want, rtol=1e-2, atol=1e-2)  # one bf16 rounding of the output
     assert not cpu_ops.linear_fits(torch.randn(cpu_ops.LINEAR_MAX_ROWS + 1, K), w)  # prefill rows: torch's GEMM
+
+
+@pytest.mark.parametrize("M,K,N", [(17, 40, 16), (48, 100, 200), (96, 512, 576), (33, 17, 8)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_linear_bf16_panels_where_torch_has_no_bf16_matmul(M, K, N, threads, isa, monkeypatch):
+    """Where torch's bf16 GEMMs have no matrix instructions (an AVX2 CPU: they would widen the whole
+    weight per call), rows past the dot-product tiles take the panel kernel over the bf16 weight,
+    each block of 8 rows widened once (K off the vector width: a masked tail; partial panels; a
+    bias), up to LINEAR_PANEL_MAX_ROWS rows and N % 8 == 0; where they have them, torch keeps those."""
+    from moe_serve.kernels import cpu_gemm
+    from moe_serve.kernels.linear import CpuCLinear
+
+    monkeypatch.setattr(cpu_gemm, "cpu_has_half_matmul", lambda: False)
+    g = torch.Generator().manual_seed(M * K + N)
+    w = (torch.randn(N, K, generator=g) * K ** -0.5).bfloat16()
+    x = torch.randn(M, K + 8, generator=g)[:, 5:5 + K]  # rows K + 8 apart
+    b = torch.randn(N, generator=g).bfloat16()
+    calls = []
+    orig = cpu_ops.linear
+    monkeypatch.setattr(cpu_ops, "linear", lambda *a: calls.append(a[0].shape) or orig(*a))
+    with _threads(threads):
+        assert cpu_ops.linear_fits(x, w)
+        got = orig(x, w, b)
+        pub = CpuCLinear()(x, w, b)
+    ref = x.double() @ w.double().T + b.double()
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pub.double(), ref, rtol=1e-5, atol=1e-5)
+    assert calls == [x.shape]  # the backend ran the C kernel
+    assert not cpu_ops.linear_fits(torch.randn(cpu_ops.LINEAR_PANEL_MAX_ROWS + 1, K), w)
+    assert not cpu_ops.linear_fits(torch.randn(M, K), torch.randn(N + 1, K).bfloat16())  # N % 8
+    monkeypatch.setattr(cpu_gemm, "cpu_has_half_matmul", lambda: True)
+    assert not cpu_ops.linear_fits(x, w)
 
 
 @pytest.mark.parametrize("M,K,N", [(1, 512, 512), (4, 40, 17), (5, 64, 96), (17, 33, 40), (48, 100, 8),

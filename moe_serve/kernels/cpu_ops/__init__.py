@@ -43,6 +43,8 @@ from pathlib import Path
 
 import torch
 
+from moe_serve.kernels import cpu_gemm
+
 log = logging.getLogger("moe_serve.cpu_ops")
 
 _SRCS = sorted(Path(__file__).parent.glob("*.c"))  # attention.c, gated_delta.c, moe.c, norm.c: one library
@@ -169,8 +171,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
                   ctypes.c_float, ctypes.c_int]
     f = lib.linear_panels_f32
     f.restype = ctypes.c_int
-    f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                  ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                  ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     f = lib.linear_f32
     f.restype = None
     f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
@@ -353,9 +355,13 @@ MAX_ROWS_PER_EXPERT = 16
 
 
 def panels_fit(w13_EFD: torch.Tensor, w2_EDF: torch.Tensor) -> bool:
-    """Whether experts with many rows (prefill) take the C kernel's panel path: float32 weights, F a
-    multiple of 4 and D of 8 (see moe.c); other experts take it only for decode-sized batches."""
-    return w13_EFD.dtype == torch.float32 and (w13_EFD.shape[1] // 2) % 4 == 0 and w2_EDF.shape[1] % 8 == 0
+    """Whether experts with many rows (prefill) take the C kernel's panel path: float32 weights, or
+    bf16 ones on a CPU whose torch GEMMs have no bf16 matrix instructions (there torch widens every
+    expert's weights per call; measured, mid shapes at 512 tokens, a Xeon with oneDNN capped at AVX2:
+    21 ms against torch's 99; with AMX torch's 12 ms beat the panels' 13), F a multiple of 4 and D of
+    8 (see moe.c); other experts take it only for decode-sized batches."""
+    return ((w13_EFD.dtype == torch.float32 or (w13_EFD.dtype == torch.bfloat16 and not cpu_gemm.cpu_has_half_matmul()))
+            and (w13_EFD.shape[1] // 2) % 4 == 0 and w2_EDF.shape[1] % 8 == 0)
 
 
 def use_for(x_TD: torch.Tensor, w13_EFD: torch.Tensor, w2_EDF: torch.Tensor, topk_ids_TK: torch.Tensor) -> bool:
@@ -444,7 +450,12 @@ def prefill_attention(q_TNH: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 # Rows up to which a linear layer runs in C on the CPU over bf16 weights: at decode sizes those read
 # at a fraction of bandwidth through torch here (measured, 1 thread: a 576 x 576 bf16 GEMV 0.48 ms,
-# 1.4 GB/s; the 576 x 49152 LM head 20.8 ms). Float32 weights run in C up to LINEAR_PANEL_MAX_ROWS
+# 1.4 GB/s; the 576 x 49152 LM head 20.8 ms). Where torch's bf16 GEMMs have no matrix instructions
+# (`cpu_gemm.cpu_has_half_matmul`: they widen the whole weight per call) bf16 weights also take the
+# panel kernel up to LINEAR_PANEL_MAX_ROWS rows (N a multiple of 8), each block of 8 rows widened once
+# into L1: measured on a Xeon with oneDNN capped at AVX2, 1 thread, 32 rows, the 4096 x 512 LM head
+# 1.8 ms against torch's 5.0 (widened per call) or 7.6 (bf16 without matrix instructions); with AMX
+# torch's bf16 GEMM is the faster (0.8 ms) and keeps them. Float32 weights run in C up to LINEAR_PANEL_MAX_ROWS
 # rows: up to LINEAR_DOT_MAX_ROWS by the dot-product tiles (the weight streamed once), above by the
 # panel micro-kernel of moe.c (N a multiple of 8; weight rows prefetched 8 blocks ahead). Measured
 # here, 1 thread, cold weights, against torch's GEMM: a 512 x 512 weight 1.15x at 1 row, 1.4x at 4,
@@ -462,14 +473,17 @@ def linear_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
         return False
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if w.dtype == torch.bfloat16:
-        return x.dtype in (torch.float32, torch.bfloat16) and 0 < rows <= LINEAR_MAX_ROWS and available()
+        return (x.dtype in (torch.float32, torch.bfloat16) and 0 < rows
+                and (rows <= LINEAR_MAX_ROWS or (rows <= LINEAR_PANEL_MAX_ROWS and w.shape[0] % 8 == 0
+                                                 and not cpu_gemm.cpu_has_half_matmul()))
+                and available())
     return (w.dtype == torch.float32 and x.dtype == torch.float32 and 0 < rows <= LINEAR_PANEL_MAX_ROWS
             and (rows <= LINEAR_DOT_MAX_ROWS or w.shape[0] % 8 == 0) and available())
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """x @ w^T (+ b), accumulated in float32: w (N, K) streamed once by the dot-product tiles (bf16
-    decode rows, float32 up to LINEAR_DOT_MAX_ROWS rows), else by the panel kernel (float32); out
+    up to LINEAR_MAX_ROWS rows, float32 up to LINEAR_DOT_MAX_ROWS), else by the panel kernel; out
     float32 of shape x.shape[:-1] + (N,). Check linear_fits first."""
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
@@ -477,15 +491,16 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
         x2 = x2.float()
     M, N = x2.shape[0], w.shape[0]
     y = torch.empty(M, N, dtype=torch.float32)
-    if w.dtype == torch.float32 and M > LINEAR_DOT_MAX_ROWS:
+    bf16 = w.dtype == torch.bfloat16
+    if M > (LINEAR_MAX_ROWS if bf16 else LINEAR_DOT_MAX_ROWS):
         bias = None if b is None else (b if b.dtype == torch.float32 else b.float()).contiguous()
-        rc = _lib().linear_panels_f32(x2.data_ptr(), x2.stride(0), M, w.data_ptr(),
+        rc = _lib().linear_panels_f32(x2.data_ptr(), x2.stride(0), M, w.data_ptr(), int(bf16),
                                       bias.data_ptr() if bias is not None else None, K, N, y.data_ptr(), N,
                                       torch.get_num_threads())
         if rc:
             raise MemoryError(f"cpu_ops.linear: no scratch memory for {M} rows of {K}")
     else:
-        _lib().linear_f32(x2.data_ptr(), x2.stride(0), M, w.data_ptr(), int(w.dtype == torch.bfloat16), K, N,
+        _lib().linear_f32(x2.data_ptr(), x2.stride(0), M, w.data_ptr(), int(bf16), K, N,
                           y.data_ptr(), N, torch.get_num_threads())
         if b is not None:
             y += b

@@ -6,7 +6,7 @@
  * half this core's bandwidth and costs a dozen ops per layer. Here the GEMM loops put the weight
  * rows outermost (a block of 4 weight rows stays in L1 while every routed row passes it), so the
  * weights are read once whatever the number of rows, and the activations stay in L1/L2. At prefill
- * sizes (above PANEL_MIN_ROWS rows of an expert, float32 weights) the panel path further down runs
+ * sizes (above PANEL_MIN_ROWS rows of an expert) the panel path further down runs
  * an outer-product micro-kernel instead, with the gather, SiLU-and-mul, routing weight and top-k sum
  * in its packing and epilogues.
  *
@@ -14,7 +14,7 @@
  * elsewhere and contributes nothing); wts [T, K] float32; w13 [E, 2F, D] (gate rows then up rows,
  * as F.linear's weight); w2 [E, D, F]; out [T, D], overwritten. float32 activations; weights in
  * float32 or bfloat16 (kept bf16 in memory, widened in registers: half the bytes for a bf16
- * checkpoint; the panel path takes float32 weights only).
+ * checkpoint; the panel path widens each block of 8 bf16 rows once, into L1, for all its panels).
  *
  * Written once over vec.h's 16-lane vectors: AVX-512, AVX2 + FMA, NEON or plain C, chosen at build.
  *
@@ -34,8 +34,8 @@
 /* Scratch kept between calls, grow-only, per calling thread and slot: a fresh multi-megabyte
  * allocation per layer would come from mmap and fault its pages in on every call. */
 static void* scratch(int slot, size_t bytes) {
-  static __thread void* buf[3];
-  static __thread size_t cap[3];
+  static __thread void* buf[4];
+  static __thread size_t cap[4];
   if (bytes > cap[slot]) {
     free(buf[slot]);
     const size_t want = (bytes + bytes / 4 + 63) & ~(size_t)63;
@@ -214,7 +214,8 @@ static void silu_mul_row(const float* g, const float* u, float* a, int64_t F) {
  * k step is 3 vector loads and 8 broadcasts for 24 FMAs into 24 accumulators. The gate/up GEMM's
  * epilogue applies SiLU-and-mul and the routing weight and writes the activations already packed as
  * the down GEMM's panels [F][NR]; the down GEMM's epilogue adds each token's D outputs into out.
- * Nothing of P x 2F or P x D is materialised. float32 weights; F a multiple of 4 and D of 8. */
+ * Nothing of P x 2F or P x D is materialised. float32 or bf16 weights (block_rows); F a multiple of 4
+ * and D of 8. */
 #define NR 48 /* tokens per panel: three 16-lane vectors */
 #define RB 8  /* weight rows per micro-tile (gate/up: 4 gate rows and the 4 matching up rows; down: 8
                     * output dims, added into out 8 wide) */
@@ -312,19 +313,53 @@ static inline int panel_rows(int64_t n, int p) {
   return left < NR ? (int)left : NR;
 }
 
-/* Row block nb (rows 8 nb .. 8 nb + 7 of w, rows K apart) against every one of npan packed panels
- * [K][NR] of n rows: dst[drow[i] + 8 nb + r] = w_r . x_i (+ bias[8 nb + r]). The row block PF_AHEAD
- * on is prefetched while the first panel passes (the weight rows stay in L1 for the others). */
-static void row_block(const float* w, int64_t K, int nb, int nblocks, const float* xp, int npan, int64_t n,
-                      const int64_t* drow, float* dst, const float* bias) {
+/* Weight rows first[0..RB) (indices of K-long rows of w) as float32 row pointers: in place for
+ * float32 weights; bf16 ones widened into buf (RB x K floats: the block stays in L1/L2 while every
+ * panel passes it, so the widening is paid once per block, not per panel; the rows' bytes, half of
+ * float32's, are what streams from memory). */
+static inline void block_rows(const void* w, int bf16, const int64_t* first, int64_t K, float* buf,
+                              const float** wr) {
+  for (int r = 0; r < RB; r++) {
+    if (!bf16) {
+      wr[r] = (const float*)w + first[r] * K;
+      continue;
+    }
+    const uint16_t* src = (const uint16_t*)w + first[r] * K;
+    float* d = buf + (int64_t)r * K;
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) vf_store(d + k, vf_load_bf16(src + k));
+    if (k < K) vf_storen(d + k, vf_load_bf16n(src + k, K - k), K - k);
+    wr[r] = d;
+  }
+}
+
+/* This OpenMP thread's RB x K floats of wbuf (nt of them: block_rows' widened bf16 rows). */
+static inline float* thread_rows(float* wbuf, int64_t K) {
+  if (!wbuf) return 0;
+#ifdef _OPENMP
+  extern int omp_get_thread_num(void);
+  return wbuf + (int64_t)omp_get_thread_num() * RB * K;
+#else
+  return wbuf;
+#endif
+}
+
+/* Row block nb (rows 8 nb .. 8 nb + 7 of w, rows K apart; float32, or bf16 widened into wbuf) against
+ * every one of npan packed panels [K][NR] of n rows: dst[drow[i] + 8 nb + r] = w_r . x_i (+ bias[8 nb
+ * + r]). For float32 rows the row block PF_AHEAD on is prefetched while the first panel passes (the
+ * weight rows stay in L1 for the others); bf16 blocks are read in one sequential run by the widening. */
+static void row_block(const void* w, int bf16, float* wbuf, int64_t K, int nb, int nblocks, const float* xp,
+                      int npan, int64_t n, const int64_t* drow, float* dst, const float* bias) {
   const int64_t n0 = (int64_t)nb * RB;
   const float* wr[RB];
-  for (int r = 0; r < RB; r++) wr[r] = w + (n0 + r) * K;
+  int64_t first[RB];
+  for (int r = 0; r < RB; r++) first[r] = n0 + r;
+  block_rows(w, bf16, first, K, thread_rows(wbuf, K), wr);
   for (int p = 0; p < npan; p++) {
     const int np = panel_rows(n, p);
     vf16 acc[RB][3];
     const char* pf[2] = {0, 0};
-    if (p == 0 && nb + PF_AHEAD < nblocks) {
+    if (!bf16 && p == 0 && nb + PF_AHEAD < nblocks) {
       pf[0] = (const char*)(wr[0] + PF_AHEAD * RB * K);
       pf[1] = (const char*)(wr[4] + PF_AHEAD * RB * K);
     }
@@ -354,8 +389,8 @@ static void pack_tokens(const float* x, int small_offsets, int64_t D, const int6
  * followed by room for ng int64 row offsets, a whole number of panels' float weights, ng int64
  * offsets into the group's token-major down output and that output, [ng][D + 16] (64-byte aligned). */
 static void panel_group(const float* x, int64_t T, int64_t D, const int64_t* pe, int64_t ng, const float* wts,
-                        int64_t K, const float* w13, const float* w2, int64_t F, float* out, float* xp, float* ap,
-                        int nt) {
+                        int64_t K, const void* w13, const void* w2, int bf16, float* wbuf, int64_t F, float* out,
+                        float* xp, float* ap, int nt) {
   const int npan = (int)((ng + NR - 1) / NR);
   /* each pair's token row offset, computed once (a 64-bit division per use would cost as much as
    * the down GEMM's inner loop) */
@@ -378,16 +413,22 @@ static void panel_group(const float* x, int64_t T, int64_t D, const int64_t* pe,
   for (int fb = 0; fb < fblocks; fb++) {
     const int64_t f0 = (int64_t)fb * 4;
     const float* wr[RB];
+    int64_t first[RB];
     for (int r = 0; r < 4; r++) {
-      wr[r] = w13 + (f0 + r) * D;
-      wr[r + 4] = w13 + (F + f0 + r) * D;
+      first[r] = f0 + r;
+      first[r + 4] = F + f0 + r;
     }
-    const char* pf[2] = {(const char*)(wr[0] + PF_AHEAD * 4 * D), (const char*)(wr[4] + PF_AHEAD * 4 * D)};
+    block_rows(w13, bf16, first, D, thread_rows(wbuf, D), wr);
+    const char* pf[2] = {0, 0};
     const char* nopf[2] = {0, 0};
+    if (!bf16 && fb + PF_AHEAD < fblocks) {
+      pf[0] = (const char*)(wr[0] + PF_AHEAD * 4 * D);
+      pf[1] = (const char*)(wr[4] + PF_AHEAD * 4 * D);
+    }
     for (int p = 0; p < npan; p++) {
       const int np = panel_rows(ng, p);
       vf16 acc[RB][3];
-      micro(wr, xp + (int64_t)p * D * NR, D, np, p == 0 && fb + PF_AHEAD < fblocks ? pf : nopf, acc);
+      micro(wr, xp + (int64_t)p * D * NR, D, np, p == 0 ? pf : nopf, acc);
       const float* wt = wg + (int64_t)p * NR;
       float* a = ap + (int64_t)p * F * NR;
       const int nv = (np + 15) / 16;
@@ -411,7 +452,7 @@ static void panel_group(const float* x, int64_t T, int64_t D, const int64_t* pe,
   const int64_t ldy = D + 16;
   for (int64_t i = 0; i < ng; i++) yrow[i] = i * ldy;
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
-  for (int db = 0; db < dblocks; db++) row_block(w2, F, db, dblocks, ap, npan, ng, yrow, yb, 0);
+  for (int db = 0; db < dblocks; db++) row_block(w2, bf16, wbuf, F, db, dblocks, ap, npan, ng, yrow, yb, 0);
   for (int64_t i = 0; i < ng; i++) {
     float* o = out + row[i];
     const float* yi = yb + i * ldy;
@@ -422,7 +463,8 @@ static void panel_group(const float* x, int64_t T, int64_t D, const int64_t* pe,
 
 /* Whether an expert of n rows takes the panel path (the shapes and weights it is written for). */
 static inline int panel_path(int64_t n, int w_bf16, int64_t D, int64_t F) {
-  return n >= PANEL_MIN_ROWS && !w_bf16 && F % 4 == 0 && D % RB == 0;
+  (void)w_bf16;
+  return n >= PANEL_MIN_ROWS && F % 4 == 0 && D % RB == 0;
 }
 
 /* Panel groups run so far by this process (the tests check which path a shape takes). */
@@ -461,6 +503,12 @@ int moe_experts_f32(const float* x, int64_t T, int64_t D, const int64_t* ids, co
   const int64_t floats = panel_floats > dot_floats ? panel_floats : dot_floats;
   float* xs = scratch(1, (size_t)floats * sizeof(float));
   if (!xs) return -1;
+  /* bf16 weights on the panel path: each thread's block of RB widened rows */
+  float* wbuf = 0;
+  if (panels && w_bf16) {
+    wbuf = scratch(3, (size_t)(nt < 1 ? 1 : nt) * RB * (size_t)(D > F ? D : F) * sizeof(float));
+    if (!wbuf) return -1;
+  }
   float* h = xs + small * D;
   float* act = h + small * 2 * F;
   float* y = act + small * F;
@@ -470,11 +518,11 @@ int moe_experts_f32(const float* x, int64_t T, int64_t D, const int64_t* ids, co
     if (!n) continue;
     const int64_t* pe = order + start[e];
     if (panel_path(n, w_bf16, D, F)) {
-      const float* w13e = (const float*)w13 + e * 2 * F * D;
-      const float* w2e = (const float*)w2 + e * D * F;
+      const char* w13e = (const char*)w13 + e * 2 * F * D * esz;
+      const char* w2e = (const char*)w2 + e * D * F * esz;
       for (int64_t g0 = 0; g0 < n; g0 += group, panel_groups_run++)
-        panel_group(x, T, D, pe + g0, n - g0 < group ? n - g0 : group, wts, K, w13e, w2e, F, out, xs,
-                    xs + (group / NR) * D * NR, nt);
+        panel_group(x, T, D, pe + g0, n - g0 < group ? n - g0 : group, wts, K, w13e, w2e, w_bf16, wbuf, F, out,
+                    xs, xs + (group / NR) * D * NR, nt);
       continue;
     }
     for (int64_t i = 0; i < n; i++) memcpy(xs + i * D, x + (pe[i] / K) * D, (size_t)D * sizeof(float));
@@ -495,12 +543,17 @@ int moe_experts_f32(const float* x, int64_t T, int64_t D, const int64_t* ids, co
   return 0;
 }
 
-/* y[M, N] = x[M, K] @ w[N, K]^T (+ b) over float32 weights with N % 8 == 0, by the panel micro-kernel:
- * x's rows packed into panels of NR (groups of about 1 MB, for L2), every block of 8 weight rows
- * passing each panel of a group; row blocks split over threads. x rows ldx apart, y rows ldy.
- * Returns 0, or -1 without scratch memory. */
-int linear_panels_f32(const float* x, int64_t ldx, int64_t M, const float* w, const float* b, int64_t K, int64_t N,
-                      float* y, int64_t ldy, int nt) {
+/* y[M, N] = x[M, K] @ w[N, K]^T (+ b) over float32 or bf16 weights (w_bf16) with N % 8 == 0, by the
+ * panel micro-kernel: x's rows packed into panels of NR (groups of about 1 MB, for L2), every block of
+ * 8 weight rows passing each panel of a group; row blocks split over threads. x rows ldx apart, y
+ * rows ldy. Returns 0, or -1 without scratch memory. */
+int linear_panels_f32(const float* x, int64_t ldx, int64_t M, const void* w, int w_bf16, const float* b, int64_t K,
+                      int64_t N, float* y, int64_t ldy, int nt) {
+  float* wbuf = 0;
+  if (w_bf16) {
+    wbuf = scratch(3, (size_t)(nt < 1 ? 1 : nt) * RB * (size_t)K * sizeof(float));
+    if (!wbuf) return -1;
+  }
   int64_t group = ((int64_t)1 << 20) / (K * NR * (int64_t)sizeof(float));
   group = (group < 1 ? 1 : group) * NR;
   const int64_t g_rows = M < group ? M : group;
@@ -522,7 +575,7 @@ int linear_panels_f32(const float* x, int64_t ldx, int64_t M, const float* w, co
       pack_tokens(x, M * ldx < ((int64_t)1 << 31), K, xrow + (int64_t)p * NR, np, xp + (int64_t)p * K * NR);
     }
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
-    for (int nb = 0; nb < nblocks; nb++) row_block(w, K, nb, nblocks, xp, npan, ng, yrow, y, b);
+    for (int nb = 0; nb < nblocks; nb++) row_block(w, w_bf16, wbuf, K, nb, nblocks, xp, npan, ng, yrow, y, b);
   }
   return 0;
 }
