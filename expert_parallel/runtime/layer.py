@@ -279,13 +279,14 @@ class MoE(nn.Module):
 
 
 def mark_slots_hit(hits_S1: torch.Tensor, sent) -> None:
-    """Mark the local slots a dispatch output sends rows to (device ops only, no host sync)."""
+    """Mark (non-zero) the local slots a dispatch output sends rows to (device ops only, no host
+    sync; whether a slot was hit is all the meter reads, so a fill, not a count: one op fewer)."""
     if sent.expert_major is not None:
         count_S = sent.expert_major[1]
         hits_S1[1:1 + count_S.shape[0]] += (count_S > 0).to(hits_S1.dtype)
     else:
         flat = sent.topk_ids_RK.reshape(-1).to(torch.int64) + 1
-        hits_S1.index_add_(0, flat.clamp_(min=0), torch.ones_like(flat, dtype=hits_S1.dtype))
+        hits_S1.index_fill_(0, flat.clamp_(min=0), 1)
 
 
 def pairs_as_rows(x_TD: torch.Tensor, slots_TK: torch.Tensor, w_TK: torch.Tensor, step: MoEStep):

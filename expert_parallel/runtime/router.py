@@ -13,7 +13,21 @@ def _f32(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float32 else x.to(torch.float32)  # a no-op .to still costs an op
 
 
-class SoftmaxTopKRouter(nn.Module):
+class _GemmRouter(nn.Module):
+    """A router whose scores are one GEMM of the hidden states with a float32 weight. That GEMM runs
+    on the platform's linear backend, as every Linear's does (`op_kind`; moe_serve/platform.py
+    bind_ops gives it `ops`: on the CPU our C kernels, where torch's GEMM spends more in its own
+    overhead than in a 1-row router product); F.linear while unbound (a router used on its own)."""
+
+    op_kind = "linear"
+    ops = None
+
+    def scores(self, x_TD: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        x = _f32(x_TD)
+        return F.linear(x, self.weight, bias) if self.ops is None else self.ops(x, self.weight, bias)
+
+
+class SoftmaxTopKRouter(_GemmRouter):
     """Mixtral / Qwen3-MoE: softmax over all experts, keep the top k, optionally renormalise."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool, dtype=torch.float32):
@@ -27,7 +41,7 @@ class SoftmaxTopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32))
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits_TE = F.linear(_f32(x_TD), self.weight)
+        logits_TE = self.scores(x_TD)
         if self.renormalize:  # softmax over all, top k, renormalised = softmax over the top-k logits
             top_TK, ids_TK = torch.topk(logits_TE, self.top_k, dim=-1)
             return torch.softmax(top_TK, dim=-1), ids_TK
@@ -36,7 +50,7 @@ class SoftmaxTopKRouter(nn.Module):
         return w_TK, ids_TK
 
 
-class GroupLimitedSigmoidRouter(nn.Module):
+class GroupLimitedSigmoidRouter(_GemmRouter):
     """DeepSeek-V3: sigmoid scores; experts chosen by score + e_score_correction_bias within the
     topk_group best of n_group groups (a group scores the sum of its 2 best); weights are the raw
     scores of the chosen experts, renormalised if norm_topk_prob, times routed_scaling_factor."""
@@ -56,7 +70,7 @@ class GroupLimitedSigmoidRouter(nn.Module):
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         T = x_TD.shape[0]
-        scores_TE = torch.sigmoid(F.linear(_f32(x_TD), self.weight))
+        scores_TE = torch.sigmoid(self.scores(x_TD))
         choice_TE = scores_TE + self.e_score_correction_bias
         if self.n_group == 1:  # the one group is always kept: nothing to mask (Kimi-K2, MiniMax-M2)
             ids_TK = torch.topk(choice_TE, self.top_k, dim=-1, sorted=False)[1]
@@ -74,7 +88,7 @@ class GroupLimitedSigmoidRouter(nn.Module):
         return w_TK * self.scale, ids_TK
 
 
-class TopKThenSoftmaxRouter(nn.Module):
+class TopKThenSoftmaxRouter(_GemmRouter):
     """GPT-OSS: logits with a bias, the top k kept, softmax over those k only."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int):
@@ -86,12 +100,12 @@ class TopKThenSoftmaxRouter(nn.Module):
         self.bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32))
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits_TE = F.linear(_f32(x_TD), self.weight, self.bias)
+        logits_TE = self.scores(x_TD, self.bias)
         top_TK, ids_TK = torch.topk(logits_TE, self.top_k, dim=-1)
         return torch.softmax(top_TK, dim=-1), ids_TK
 
 
-class TopKSigmoidRouter(nn.Module):
+class TopKSigmoidRouter(_GemmRouter):
     """Llama-4: the top k logits (no bias), each passed through a sigmoid; no normalisation. (Its
     MoE layer applies the weights to the experts' inputs: MoE's weights_on_inputs.)"""
 
@@ -103,5 +117,5 @@ class TopKSigmoidRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32))
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        top_TK, ids_TK = torch.topk(F.linear(_f32(x_TD), self.weight), self.top_k, dim=-1)
+        top_TK, ids_TK = torch.topk(self.scores(x_TD), self.top_k, dim=-1)
         return torch.sigmoid(top_TK), ids_TK
