@@ -43,6 +43,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, upca
     already stored in float32 for such a CPU (moe_serve/prepare.py) is used as it is: only the
     activations are cast, never the weight."""
     if w.dtype != x.dtype:
+        if upcast_half and w.dtype in _HALF and x.dtype == torch.float32:
+            # float32 activations over half weights (a model run by our C kernels, for the rows they
+            # leave to torch): widened for this call, not the activations rounded to half precision
+            # for a GEMM this CPU runs element by element
+            return F.linear(x, w.float(), None if b is None else b.float())
         return F.linear(x.to(w.dtype), w, b).to(x.dtype)
     if upcast_half and x.dtype in _HALF and x.dim() >= 2 and x.shape[-2] >= 2:
         return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)

@@ -584,3 +584,40 @@ def test_models_forward_runs_the_kernels(checkpoints):
             setattr(cpu_ops, n, origs[n])
     assert cpu_ops.panel_groups_run() > ran  # 150 tokens x top-3 over 8 experts: panels
     assert all(calls.get(n, 0) > 0 for n in names), calls
+
+
+
+def test_bf16_model_prefill_through_the_bf16_panels_matches_transformers(checkpoints, tmp_path, monkeypatch):
+    """A bfloat16 Qwen3-MoE on a CPU whose torch has no bf16 matrix instructions: its weights stay
+    bf16, a 150-token prefill runs the experts through the panel kernel over them, and the linear
+    layers' 150 rows through torch with the weight widened (not the float32 activations rounded to
+    bf16), all in float32 activations: the last token's log-probs equal transformers' float32
+    forward over the same bf16 checkpoint to float32 rounding."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from moe_serve import LLM, SamplingParams
+    from moe_serve.kernels import cpu_gemm
+
+    src = checkpoints["qwen3_moe"]
+    AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).save_pretrained(tmp_path)
+    for f in os.listdir(src):
+        if "token" in f:
+            shutil.copy(os.path.join(src, f), tmp_path)
+    monkeypatch.setattr(cpu_gemm, "cpu_has_half_matmul", lambda: False)
+    llm = LLM(str(tmp_path), dtype="bfloat16", kv_cache_memory=1 << 22, show_progress=False)
+    assert llm.engine.cfg.activation_dtype == torch.float32
+    experts = [m for m in llm.engine.runner.model.modules() if hasattr(m, "w13")]
+    assert experts and all(m.w13.dtype == torch.bfloat16 for m in experts)
+    prompt = [(7 * i + 3) % 500 + 4 for i in range(150)]
+    ran = cpu_ops.panel_groups_run()
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=1, logprobs=5))
+    assert cpu_ops.panel_groups_run() > ran  # 150 tokens x top-k over 8 experts: bf16 panels
+    oracle = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = torch.log_softmax(oracle(torch.tensor([prompt])).logits[0, -1].double(), -1)
+    ours = out[0].outputs[0].logprobs[0]
+    assert len(ours) >= 5
+    for t, lp in ours.items():
+        assert abs(lp.logprob - float(ref[t])) < 1e-4, (t, lp.logprob, float(ref[t]))
