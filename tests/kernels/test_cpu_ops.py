@@ -90,17 +90,20 @@ def test_silu_over_the_whole_float_range(isa):
     torch.testing.assert_close(got.double(), ref, rtol=2e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("T,D,F,E,K,held", [
     (17, 40, 12, 1, 1, False),   # one expert of exactly 17 rows: the smallest panel case, D off the vector width
+    (34, 40, 12, 2, 1, False),   # rows shorter than a vector (bf16: the widening's masked tails)
     (100, 64, 32, 3, 2, True),   # panels of 48, 48 and a partial one; F/4 and D/8 row blocks
     (700, 256, 64, 2, 1, True),  # an expert beyond one panel group (1 MB of packed tokens)
     (300, 128, 80, 16, 4, True),  # experts on both sides of the panel threshold in one call
 ])
-def test_panel_path_matches_float64_reference(T, D, F, E, K, held, threads, isa):
-    """Experts with many rows (prefill) take the outer-product panel kernel in float32: partial
-    panels, several panel groups, ids held elsewhere, experts below the threshold in the same call."""
-    x, w13, w2, wts, ids = _case(T, D, F, E, K, torch.float32, seed=T + D, held_elsewhere=held)
+def test_panel_path_matches_float64_reference(T, D, F, E, K, held, threads, dtype, isa):
+    """Experts with many rows (prefill) take the outer-product panel kernel, over float32 weights
+    or bf16 ones (each block of 8 weight rows widened once for all its panels): partial panels,
+    several panel groups, ids held elsewhere, experts below the threshold in the same call."""
+    x, w13, w2, wts, ids = _case(T, D, F, E, K, dtype, seed=T + D, held_elsewhere=held)
     ref = fused_experts_reference(x.double(), w13.double(), w2.double(), wts.double(), ids)
     ran = cpu_ops.panel_groups_run()
     with _threads(threads):
@@ -112,27 +115,14 @@ def test_panel_path_matches_float64_reference(T, D, F, E, K, held, threads, isa)
     assert want > 0 and cpu_ops.panel_groups_run() - ran == want  # the panel path ran, group by group
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("T,D,F,E,K,held", [
-    (100, 64, 32, 3, 2, True),    # panels of 48, 48 and a partial one
-    (34, 40, 12, 2, 1, False),    # rows shorter than a vector: the widening's masked tails
-    (300, 128, 80, 16, 4, True),  # 16 experts, several panels each, ids held elsewhere
-])
-def test_panel_path_bf16_weights_matches_float64_reference(T, D, F, E, K, held, threads, isa, monkeypatch):
-    """bf16 experts with many rows take the panel kernel too, each block of 8 weight rows widened
-    once for all its panels; the cpu_c backend sends them there where torch's bf16 GEMMs have no
-    matrix instructions, and leaves them to torch where they have."""
+def test_bf16_experts_take_the_panels_where_torch_has_no_bf16_matmul(monkeypatch):
+    """The cpu_c backend sends prefill-sized bf16 experts to the panel kernel where torch's bf16
+    GEMMs have no matrix instructions (it would widen every expert's weights per call), and leaves
+    them to torch where they have."""
     from moe_serve.kernels import cpu_gemm
 
-    x, w13, w2, wts, ids = _case(T, D, F, E, K, torch.bfloat16, seed=T + D, held_elsewhere=held)
-    ref = fused_experts_reference(x.double(), w13.double(), w2.double(), wts.double(), ids)
-    ran = cpu_ops.panel_groups_run()
-    with _threads(threads):
-        got = cpu_ops.moe_experts(x, w13, w2, wts, ids)
-    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
-    rows = torch.bincount(ids[ids >= 0], minlength=E)
-    assert cpu_ops.panel_groups_run() - ran == sum(1 for n in rows if n >= 17) > 0
-    big = torch.zeros(20 * E, K, dtype=torch.int64)  # past decode size: 20 rows per expert
+    x, w13, w2, _, _ = _case(1, 64, 32, 4, 2, torch.bfloat16)
+    big = torch.zeros(20 * 4, 2, dtype=torch.int64)  # past decode size: 20 rows per expert
     monkeypatch.setattr(cpu_gemm, "cpu_has_half_matmul", lambda: False)
     assert cpu_ops.panels_fit(w13, w2) and cpu_ops.use_for(x, w13, w2, big)
     monkeypatch.setattr(cpu_gemm, "cpu_has_half_matmul", lambda: True)

@@ -360,7 +360,8 @@ def panels_fit(w13_EFD: torch.Tensor, w2_EDF: torch.Tensor) -> bool:
     expert's weights per call; measured, mid shapes at 512 tokens, a Xeon with oneDNN capped at AVX2:
     21 ms against torch's 99; with AMX torch's 12 ms beat the panels' 13), F a multiple of 4 and D of
     8 (see moe.c); other experts take it only for decode-sized batches."""
-    return ((w13_EFD.dtype == torch.float32 or (w13_EFD.dtype == torch.bfloat16 and not cpu_gemm.cpu_has_half_matmul()))
+    bf16_here = w13_EFD.dtype == torch.bfloat16 and not cpu_gemm.cpu_has_half_matmul()
+    return ((w13_EFD.dtype == torch.float32 or bf16_here)
             and (w13_EFD.shape[1] // 2) % 4 == 0 and w2_EDF.shape[1] % 8 == 0)
 
 

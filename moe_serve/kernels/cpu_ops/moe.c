@@ -461,9 +461,8 @@ static void panel_group(const float* x, int64_t T, int64_t D, const int64_t* pe,
   }
 }
 
-/* Whether an expert of n rows takes the panel path (the shapes and weights it is written for). */
-static inline int panel_path(int64_t n, int w_bf16, int64_t D, int64_t F) {
-  (void)w_bf16;
+/* Whether an expert of n rows takes the panel path (the shapes it is written for, any weight dtype). */
+static inline int panel_path(int64_t n, int64_t D, int64_t F) {
   return n >= PANEL_MIN_ROWS && F % 4 == 0 && D % RB == 0;
 }
 
@@ -494,7 +493,7 @@ int moe_experts_f32(const float* x, int64_t T, int64_t D, const int64_t* ids, co
     if (ids[p] >= 0 && ids[p] < E) order[fill[ids[p]]++] = p;
   /* Scratch: the dot-product path's rows (at most PANEL_MIN_ROWS - 1 of them), or one panel group
    * (as many panels as keep the gate/up GEMM's packed tokens near 1 MB, for L2) of each operand. */
-  const int panels = panel_path(rows, w_bf16, D, F);
+  const int panels = panel_path(rows, D, F);
   const int64_t small = panels ? PANEL_MIN_ROWS - 1 : rows;
   int64_t group = ((int64_t)1 << 20) / (D * NR * (int64_t)sizeof(float));
   group = (group < 1 ? 1 : group) * NR;
@@ -517,7 +516,7 @@ int moe_experts_f32(const float* x, int64_t T, int64_t D, const int64_t* ids, co
     const int64_t n = start[e + 1] - start[e];
     if (!n) continue;
     const int64_t* pe = order + start[e];
-    if (panel_path(n, w_bf16, D, F)) {
+    if (panel_path(n, D, F)) {
       const char* w13e = (const char*)w13 + e * 2 * F * D * esz;
       const char* w2e = (const char*)w2 + e * D * F * esz;
       for (int64_t g0 = 0; g0 < n; g0 += group, panel_groups_run++)

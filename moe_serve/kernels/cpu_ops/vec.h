@@ -282,7 +282,9 @@ VF_INLINE vf16 vf_gather(const float* base, const int32_t* idx, int64_t n) {
  * are 16 registers, not the 32 that vf16 accumulators would spill from AVX2's 16) */
 typedef __m256 vsum;
 VF_INLINE vsum vs_zero(void) { return _mm256_setzero_ps(); }
-VF_INLINE vsum vs_fma(vf16 a, vf16 b, vsum c) { return _mm256_fmadd_ps(a.hi, b.hi, _mm256_fmadd_ps(a.lo, b.lo, c)); }
+VF_INLINE vsum vs_fma(vf16 a, vf16 b, vsum c) {
+  return _mm256_fmadd_ps(a.hi, b.hi, _mm256_fmadd_ps(a.lo, b.lo, c));
+}
 VF_INLINE void vs_hsum4(vsum a, vsum b, vsum c, vsum d, float* out) {
   const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
   _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
