@@ -633,6 +633,11 @@ def _cost(job: Job) -> int:
     return tile * job.options.get("num_warps", 4) * (2 if c.get("GATED") else 1)
 
 
+def _names_any(j: Job, words: list[str]) -> bool:
+    """Whether j's kernel, description or one of its users contains one of words."""
+    return any(w in j.kernel or w in j.describe() or any(w in u for u in j.users) for w in words)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m moe_serve.kernels.aot_check", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -640,6 +645,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="compile processes")
     p.add_argument("--only", nargs="+", default=None,
                    help="only configurations whose kernel, description or user contains one of these")
+    p.add_argument("--skip", nargs="+", default=None, metavar="WORD",
+                   help="leave out configurations whose kernel, description or user contains one of these")
     p.add_argument("--model", action="append", default=[], help="also a model's config.json (repeatable)")
     p.add_argument("--dtype", nargs="+", choices=[DTYPE_SIG[d] for d in DTYPES], default=None)
     p.add_argument("--inject-broken", action="store_true",
@@ -658,8 +665,9 @@ def main(argv: list[str] | None = None) -> int:
     dtypes = tuple(d for d in DTYPES if args.dtype is None or DTYPE_SIG[d] in args.dtype)
     jobs = enumerate_jobs(models, dtypes, args.inject_broken, args.quick)
     if args.only:
-        jobs = [j for j in jobs if any(o in j.kernel or o in j.describe() or any(o in u for u in j.users)
-                                       for o in args.only)]
+        jobs = [j for j in jobs if _names_any(j, args.only)]
+    if args.skip:
+        jobs = [j for j in jobs if not _names_any(j, args.skip)]
     jobs.sort(key=_cost, reverse=True)
     archs = list(dict.fromkeys(args.arch))
     names = ", ".join(f"sm_{a}" for a in archs)

@@ -90,7 +90,7 @@ class TwoHosts:
                     return url
             except httpx.HTTPError:
                 pass
-            time.sleep(0.3)
+            time.sleep(0.1)
         raise TimeoutError("the two-host job did not become healthy:\n" + "\n".join(read(x)[-3000:] for x in logs))
 
     def kill_all(self) -> None:

@@ -42,7 +42,7 @@ class TorchrunJob:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(0.3)
+            time.sleep(0.1)
         self.kill()
         raise TimeoutError(f"job did not become healthy:\n{self.log()}")
 

@@ -60,7 +60,7 @@ class ServerProcess:
             if time.monotonic() > deadline:
                 self.stop()
                 raise TimeoutError(f"server did not become healthy:\n{self.log()}")
-            time.sleep(0.3)
+            time.sleep(0.1)
 
     def log(self) -> str:
         with open(self.log_path) as f:

@@ -80,10 +80,11 @@ def test_every_configuration_compiles_for_sm90_and_sm100_without_spills():
                  ("paged_attn", None, True, False), ("reduce_splits", None, None, None)):
         assert path in short, path
     assert all(aot_check.is_decode(j) for j in quick if j.kernel in (aot_check.GEMM, aot_check.MASKED, aot_check.ATTN))
+    # (MXFP4's configurations left to test_mxfp4_launches_compile_for_sm90_and_sm100, which compiles them all)
     for arch, names, dts in (("90", ("bf16", "fp32", "fp16"), (torch.bfloat16, torch.float32, torch.float16)),
                              ("100", ("bf16",), (torch.bfloat16,))):
-        quick_set = aot_check.enumerate_jobs(dtypes=dts, quick=True)
-        rc, lines = run_aot("--arch", arch, "--dtype", *names, "--quick", timeout=600)
+        quick_set = [j for j in aot_check.enumerate_jobs(dtypes=dts, quick=True) if not j.constexprs.get("B_FP4")]
+        rc, lines = run_aot("--arch", arch, "--dtype", *names, "--quick", "--skip", "mxfp4", timeout=600)
         m = LAST_LINE.match(lines[-1])
         assert m, lines[-10:]
         assert rc == 0, [line for line in lines if "FAIL" in line or "SPILL" in line]
