@@ -84,9 +84,6 @@ VF_INLINE vf16 load_wn(const void* w, int bf16, int64_t k, int64_t n) {
  * against the rows' matching halves. Same prefetch as TILE_STEP (4 lines: the NB rows' bytes). */
 #define TILE_STEP_PAIRS()                                                                              \
   {                                                                                                    \
-    vf16 we[NB], wo[NB];                                                                               \
-    _Pragma("GCC unroll 4") for (int j = 0; j < NB; j++)                                               \
-      vf_load_bf16_pairs((const uint16_t*)wp[j] + k, &we[j], &wo[j]);                                  \
     if (pf) {                                                                                          \
       const char* at = pf + (k >> 5) * 256;                                                            \
       vf_prefetch_l2(at);                                                                              \
@@ -94,11 +91,24 @@ VF_INLINE vf16 load_wn(const void* w, int bf16, int64_t k, int64_t n) {
       vf_prefetch_l2(at + 128);                                                                        \
       vf_prefetch_l2(at + 192);                                                                        \
     }                                                                                                  \
-    _Pragma("GCC unroll 4") for (int i = 0; i < MBC; i++) {                                            \
-      const vf16 xe = vf_load(a[i] + k), xo = vf_load(a[i] + k + 16);                                  \
+    if (MBC == 1) { /* a lone row: weight row by weight row, odd halves into the spare acc[1] */       \
+      const vf16 xe = vf_load(a[0] + k), xo = vf_load(a[0] + k + 16);                                  \
       _Pragma("GCC unroll 4") for (int j = 0; j < NB; j++) {                                           \
-        acc[i][j] = vs_fma(xe, we[j], acc[i][j]);                                                      \
-        acc[i][j] = vs_fma(xo, wo[j], acc[i][j]);                                                      \
+        vf16 we, wo;                                                                                   \
+        vf_load_bf16_pairs((const uint16_t*)wp[j] + k, &we, &wo);                                      \
+        acc[0][j] = vs_fma(xe, we, acc[0][j]);                                                         \
+        acc[1][j] = vs_fma(xo, wo, acc[1][j]);                                                         \
+      }                                                                                                \
+    } else {                                                                                           \
+      vf16 we[NB], wo[NB];                                                                             \
+      _Pragma("GCC unroll 4") for (int j = 0; j < NB; j++)                                             \
+        vf_load_bf16_pairs((const uint16_t*)wp[j] + k, &we[j], &wo[j]);                                \
+      _Pragma("GCC unroll 4") for (int i = 0; i < MBC; i++) {                                          \
+        const vf16 xe = vf_load(a[i] + k), xo = vf_load(a[i] + k + 16);                                \
+        _Pragma("GCC unroll 4") for (int j = 0; j < NB; j++) {                                         \
+          acc[i][j] = vs_fma(xe, we[j], acc[i][j]);                                                    \
+          acc[i][j] = vs_fma(xo, wo[j], acc[i][j]);                                                    \
+        }                                                                                              \
       }                                                                                                \
     }                                                                                                  \
   }
@@ -114,11 +124,14 @@ VF_INLINE void tile(const float* const* ar, const int MBC, const char* const* wr
   _Pragma("GCC unroll 4") for (int i = 0; i < MB; i++) a[i] = ar[i];
   _Pragma("GCC unroll 4") for (int j = 0; j < NB; j++) wp[j] = wr[j];
   vsum acc[MB][NB];
-  _Pragma("GCC unroll 4") for (int i = 0; i < MBC; i++)
+  _Pragma("GCC unroll 4") for (int i = 0; i < (MBC == 1 ? 2 : MBC); i++)
     _Pragma("GCC unroll 4") for (int j = 0; j < NB; j++) acc[i][j] = vs_zero();
   int64_t k = 0;
-  if (split)
+  if (split) {
     for (; k + 32 <= K; k += 32) TILE_STEP_PAIRS()
+    if (MBC == 1)
+      _Pragma("GCC unroll 4") for (int j = 0; j < NB; j++) acc[0][j] = vs_add(acc[0][j], acc[1][j]);
+  }
   for (; k + 16 <= K; k += 16) TILE_STEP(load_w(wp[j], bf16, k), vf_load(a[i] + k))
   if (k < K) TILE_STEP(load_wn(wp[j], bf16, k, K - k), vf_loadn(a[i] + k, K - k))
   /* (constant indices into acc only, so it lives in registers: a runtime index would keep it in

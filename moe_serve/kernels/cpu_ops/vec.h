@@ -17,7 +17,7 @@
  * (a * b + c), vf_fnma (c - a * b); vf_add / sub / mul / div / max / min; vf_hsum, vf_hmax and
  * vf_hsum4 (four sums at once); vf_exp; vf_rcp (1 / x: an estimate refined by a Newton step on
  * AVX-512, the exact quotient elsewhere); vf_prefetch_l2; vf_gather (int32 offsets, lanes past n
- * zero). vsum, a dot product's accumulator: vs_zero, vs_fma (c + a * b with the vf16 product folded
+ * zero). vsum, a dot product's accumulator: vs_zero, vs_add, vs_fma (c + a * b with the vf16 product folded
  * into one native register, so a tile of them fits the register file on every ISA) and vs_hsum4.
  *
  * Register blocking that depends on the register file (VF_ROW_VECS, VF_PANEL_ROWS below) is the
@@ -157,6 +157,7 @@ VF_INLINE vf16 vf_gather(const float* base, const int32_t* idx, int64_t n) {
 typedef vf16 vsum;
 VF_INLINE vsum vs_zero(void) { return vf_zero(); }
 VF_INLINE vsum vs_fma(vf16 a, vf16 b, vsum c) { return vf_fma(a, b, c); }
+VF_INLINE vsum vs_add(vsum a, vsum b) { return vf_add(a, b); }
 VF_INLINE void vs_hsum4(vsum a, vsum b, vsum c, vsum d, float* out) { vf_hsum4(a, b, c, d, out); }
 
 /* ================================================================================ AVX2 + FMA */
@@ -282,6 +283,7 @@ VF_INLINE vf16 vf_gather(const float* base, const int32_t* idx, int64_t n) {
  * are 16 registers, not the 32 that vf16 accumulators would spill from AVX2's 16) */
 typedef __m256 vsum;
 VF_INLINE vsum vs_zero(void) { return _mm256_setzero_ps(); }
+VF_INLINE vsum vs_add(vsum a, vsum b) { return _mm256_add_ps(a, b); }
 VF_INLINE vsum vs_fma(vf16 a, vf16 b, vsum c) {
   return _mm256_fmadd_ps(a.hi, b.hi, _mm256_fmadd_ps(a.lo, b.lo, c));
 }
@@ -388,6 +390,7 @@ VF_INLINE vf16 vf_gather(const float* base, const int32_t* idx, int64_t n) {
 /* vsum: a vf16's four quarters folded into one register (a 4 x 4 tile: 16 of the 32 registers) */
 typedef float32x4_t vsum;
 VF_INLINE vsum vs_zero(void) { return vdupq_n_f32(0.f); }
+VF_INLINE vsum vs_add(vsum a, vsum b) { return vaddq_f32(a, b); }
 VF_INLINE vsum vs_fma(vf16 a, vf16 b, vsum c) {
   for (int i = 0; i < 4; i++) c = vfmaq_f32(c, a.q[i], b.q[i]);
   return c;
@@ -494,6 +497,7 @@ VF_INLINE vf16 vf_gather(const float* base, const int32_t* idx, int64_t n) { VF_
 typedef vf16 vsum;
 VF_INLINE vsum vs_zero(void) { return vf_zero(); }
 VF_INLINE vsum vs_fma(vf16 a, vf16 b, vsum c) { return vf_fma(a, b, c); }
+VF_INLINE vsum vs_add(vsum a, vsum b) { return vf_add(a, b); }
 VF_INLINE void vs_hsum4(vsum a, vsum b, vsum c, vsum d, float* out) { vf_hsum4(a, b, c, d, out); }
 #undef VF_MAP_
 #endif
