@@ -13,6 +13,15 @@ def _f32(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float32 else x.to(torch.float32)  # a no-op .to still costs an op
 
 
+def topk_softmax(logits_TE: torch.Tensor, k: int, over_topk: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's k largest logits, largest first, weighted by the softmax over those k (over_topk)
+    or over the whole row (the same ids: the softmax keeps the order)."""
+    if over_topk:
+        top_TK, ids_TK = torch.topk(logits_TE, k, dim=-1)
+        return torch.softmax(top_TK, dim=-1), ids_TK
+    return torch.topk(torch.softmax(logits_TE, dim=-1), k, dim=-1)
+
+
 class _GemmRouter(nn.Module):
     """A router whose scores are one GEMM of the hidden states with a float32 weight. That GEMM runs
     on the platform's linear backend, as every Linear's does (`op_kind`; moe_serve/platform.py
@@ -25,6 +34,12 @@ class _GemmRouter(nn.Module):
     def scores(self, x_TD: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         x = _f32(x_TD)
         return F.linear(x, self.weight, bias) if self.ops is None else self.ops(x, self.weight, bias)
+
+    def choose(self, logits_TE: torch.Tensor, over_topk: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """topk_softmax of the logits, on the backend the GEMM ran on (one C call on the CPU)."""
+        if self.ops is None:
+            return topk_softmax(logits_TE, self.top_k, over_topk)
+        return self.ops.topk_softmax(logits_TE, self.top_k, over_topk)
 
 
 class SoftmaxTopKRouter(_GemmRouter):
@@ -41,13 +56,8 @@ class SoftmaxTopKRouter(_GemmRouter):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32))
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits_TE = self.scores(x_TD)
-        if self.renormalize:  # softmax over all, top k, renormalised = softmax over the top-k logits
-            top_TK, ids_TK = torch.topk(logits_TE, self.top_k, dim=-1)
-            return torch.softmax(top_TK, dim=-1), ids_TK
-        probs_TE = torch.softmax(logits_TE, dim=-1)
-        w_TK, ids_TK = torch.topk(probs_TE, self.top_k, dim=-1)
-        return w_TK, ids_TK
+        # softmax over all, top k, renormalised = softmax over the top-k logits
+        return self.choose(self.scores(x_TD), over_topk=self.renormalize)
 
 
 class GroupLimitedSigmoidRouter(_GemmRouter):
@@ -100,9 +110,7 @@ class TopKThenSoftmaxRouter(_GemmRouter):
         self.bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32))
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits_TE = self.scores(x_TD, self.bias)
-        top_TK, ids_TK = torch.topk(logits_TE, self.top_k, dim=-1)
-        return torch.softmax(top_TK, dim=-1), ids_TK
+        return self.choose(self.scores(x_TD, self.bias), over_topk=True)
 
 
 class TopKSigmoidRouter(_GemmRouter):

@@ -4,7 +4,7 @@ by moe_serve/platform.py and bound to every Linear and the LM head.
 - `TorchLinear` ("torch"): torch ops (moe_serve/kernels/cpu_gemm.linear: half precision upcast on CPUs
   without half-precision matrix instructions); block-FP8 weights dequantized per call;
 - `CpuCLinear` ("cpu_c"): our C GEMMs (moe_serve/kernels/cpu_ops/moe.c) for the decode-sized float32 calls
-  they take, torch ops otherwise;
+  they take, torch ops otherwise; the routers' top-k and softmax in one C call;
 - `TritonLinear` ("triton"): block-FP8 weights through the Triton W8A16/W8A8 kernel
   (moe_serve/kernels/fp8_linear.py, tiles dequantized as they load); dense weights through torch (cuBLAS).
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from expert_parallel.runtime import router
 from moe_serve.kernels import cpu_ops
 from moe_serve.kernels import cpu_gemm
 from moe_serve.kernels.cpu_gemm import linear as torch_linear
@@ -30,6 +31,12 @@ class TorchLinear:
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         return torch_linear(x, w, b, self.upcast_half)
+
+    def topk_softmax(self, logits_TE: torch.Tensor, k: int, over_topk: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """A router's choice from its logits (the GEMM before it runs on this backend too): each
+        row's k largest, largest first, weighted by the softmax over those k (over_topk) or over
+        the whole row."""
+        return router.topk_softmax(logits_TE, k, over_topk)
 
     def fp8(self, layer, x: torch.Tensor) -> torch.Tensor:
         """A block-FP8 Linear: its weight dequantized now, for this call only."""
@@ -53,6 +60,11 @@ class CpuCLinear(TorchLinear):
             y = cpu_ops.linear(x, w, b)
             return y if y.dtype == x.dtype else y.to(x.dtype)
         return torch_linear(x, w, b, self.upcast_half)
+
+    def topk_softmax(self, logits_TE, k, over_topk):
+        if cpu_ops.topk_softmax_fits(logits_TE, k):  # one C call for the top-k and the softmax
+            return cpu_ops.topk_softmax(logits_TE, k, over_topk)
+        return super().topk_softmax(logits_TE, k, over_topk)
 
 
 class TritonLinear(TorchLinear):

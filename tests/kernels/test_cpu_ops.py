@@ -611,3 +611,40 @@ def test_bf16_model_prefill_through_the_bf16_panels_matches_transformers(checkpo
     assert len(ours) >= 5
     for t, lp in ours.items():
         assert abs(lp.logprob - float(ref[t])) < 1e-4, (t, lp.logprob, float(ref[t]))
+
+
+@pytest.mark.parametrize("T,E,K", [(1, 16, 2), (5, 8, 1), (3, 128, 8), (2, 64, 64), (4, 6, 6)])
+@pytest.mark.parametrize("over_topk", [True, False])
+def test_topk_softmax_matches_float64(T, E, K, over_topk, isa, monkeypatch):
+    """The routers' choice in one C call: each row's K largest logits in order (ties kept in expert
+    order: a row with repeated values), weighted by a float64 softmax over those K or the whole row;
+    the cpu_c linear backend routes routers to it, and a K it cannot take is refused."""
+    from expert_parallel.runtime.router import SoftmaxTopKRouter
+    from moe_serve.kernels.linear import CpuCLinear
+
+    g = torch.Generator().manual_seed(T * E + K)
+    logits = torch.randn(T, E, generator=g) * 3
+    logits[-1, ::2] = 0.5  # ties in the last row
+    w, ids = cpu_ops.topk_softmax(logits, K, over_topk)
+    l64 = logits.double()
+    for t in range(T):
+        want = sorted(range(E), key=lambda e: (-l64[t, e].item(), e))[:K]
+        assert ids[t].tolist() == want
+        p = torch.softmax(l64[t, want] if over_topk else l64[t], 0)
+        torch.testing.assert_close(w[t].double(), p if over_topk else p[want], rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="k=65"):
+        cpu_ops.topk_softmax(torch.randn(1, 80), 65, True)
+    assert not cpu_ops.topk_softmax_fits(torch.randn(1, 80), 65) and not cpu_ops.topk_softmax_fits(logits, E + 1)
+    # A router bound to the backend chooses in C, as the unbound one (torch) does.
+    router = SoftmaxTopKRouter(32, E, K, renormalize=over_topk)
+    torch.nn.init.normal_(router.weight, generator=g)
+    x = torch.randn(T, 32, generator=g)
+    w_torch, ids_torch = router(x)
+    router.ops = CpuCLinear()
+    calls = []
+    c_call = cpu_ops.topk_softmax
+    monkeypatch.setattr(cpu_ops, "topk_softmax", lambda *a: calls.append(a) or c_call(*a))
+    w_c, ids_c = router(x)
+    assert len(calls) == 1
+    assert torch.equal(ids_c, ids_torch)
+    torch.testing.assert_close(w_c, w_torch, rtol=1e-5, atol=1e-6)

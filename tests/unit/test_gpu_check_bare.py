@@ -84,10 +84,16 @@ def test_gpu_check_exits_2_without_a_gpu():
     assert r.returncode == 2 and "no CUDA GPU" in r.stderr, r.stderr
 
 
-def test_model_only_decode_equals_the_engine_greedy_tokens(tmp_path):
+def test_model_only_decode_equals_the_engine_greedy_tokens(tmp_path, monkeypatch):
     """decode_sol's model-only loop (device-side metadata advance) generates what moe_serve.LLM does
     with the same dummy weights."""
     import importlib.util
+
+    import moe_serve.runner.loading as loading
+
+    # install_device_dummy_init replaces the engine's initialiser for this process: put it back after
+    # (decode_sol's draws floats only; a later MXFP4 model's packed uint8 blocks would meet it)
+    monkeypatch.setattr(loading, "init_dummy_weights", loading.init_dummy_weights)
 
     spec = importlib.util.spec_from_file_location("decode_sol_under_test", ROOT / "bench" / "decode_sol.py")
     ds = importlib.util.module_from_spec(spec)

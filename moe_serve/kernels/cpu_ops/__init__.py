@@ -177,6 +177,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     f.restype = None
     f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
                   ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    f = lib.topk_softmax_f32
+    f.restype = ctypes.c_int
+    f.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
     f = lib.norm_rope_f32
     f.restype = ctypes.c_int
     f.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 4, ctypes.c_void_p, ctypes.c_float, ctypes.c_int64,
@@ -506,6 +509,23 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
         if b is not None:
             y += b
     return y.view(*x.shape[:-1], N)
+
+
+def topk_softmax_fits(logits_TE: torch.Tensor, k: int) -> bool:
+    return (logits_TE.is_cpu and logits_TE.dtype == torch.float32 and logits_TE.dim() == 2
+            and logits_TE.is_contiguous() and 1 <= k <= min(logits_TE.shape[1], 64) and available())
+
+
+def topk_softmax(logits_TE: torch.Tensor, k: int, over_topk: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights_TK, ids_TK) of each row's k largest logits, largest first: the softmax over those k
+    (over_topk), or the softmax over the whole row at them. Check topk_softmax_fits first."""
+    T = logits_TE.shape[0]
+    w = torch.empty(T, k, dtype=torch.float32)
+    ids = torch.empty(T, k, dtype=torch.int64)
+    if _lib().topk_softmax_f32(logits_TE.data_ptr(), T, logits_TE.shape[1], k, int(over_topk), w.data_ptr(),
+                               ids.data_ptr()):
+        raise ValueError(f"cpu_ops.topk_softmax: k={k} outside [1, min({logits_TE.shape[1]}, 64)]")
+    return w, ids
 
 
 # Largest key / value head dim of gated_delta.c's per-head buffers.

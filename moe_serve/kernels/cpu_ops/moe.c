@@ -598,6 +598,33 @@ void linear_f32(const float* x, int64_t ldx, int64_t M, const void* w, int w_bf1
   gemm(x, ldx, (int)M, w, w_bf16, K, (int)N, y, ldy, nt);
 }
 
+/* Routing from T tokens' logits (T x E, float32): each token's K largest, largest first (ties: the
+ * lower expert id first, as a stable sort), and their weights: the softmax over those K (over_topk),
+ * or the softmax over all E at those K. Returns 0, or -1 for K outside [1, min(E, 64)]. */
+int topk_softmax_f32(const float* logits, int64_t T, int64_t E, int64_t K, int over_topk, float* w, int64_t* ids) {
+  if (K < 1 || K > E || K > 64) return -1;
+  for (int64_t t = 0; t < T; t++) {
+    const float* l = logits + t * E;
+    int64_t* it = ids + t * K;
+    int64_t n = 0;
+    for (int64_t e = 0; e < E; e++) { /* insertion into the K best so far, kept in order */
+      const float v = l[e];
+      if (n == K && !(v > l[it[K - 1]])) continue;
+      int64_t j = n < K ? n++ : K - 1;
+      for (; j > 0 && v > l[it[j - 1]]; j--) it[j] = it[j - 1];
+      it[j] = e;
+    }
+    const float m = l[it[0]];
+    float sum = 0.f;
+    if (over_topk)
+      for (int64_t j = 0; j < K; j++) sum += expf(l[it[j]] - m);
+    else
+      for (int64_t e = 0; e < E; e++) sum += expf(l[e] - m);
+    for (int64_t j = 0; j < K; j++) w[t * K + j] = expf(l[it[j]] - m) / sum;
+  }
+  return 0;
+}
+
 /* The instruction set vec.h was built for: "avx512", "avx2", "neon" or "generic". */
 const char* cpu_ops_isa(void) { return CPU_OPS_ISA; }
 
