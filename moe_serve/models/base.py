@@ -37,11 +37,22 @@ class DecoderStack(nn.Module):
         return run_to_end(self.stages(ids_T, positions_T, meta, step))
 
     def stages(self, ids_T, positions_T, meta: AttentionMetadata, step: MoEStep = NO_STEP):
-        h = self.embed_tokens(ids_T)
+        # Between layers that take it (defers_residual), a layer's FFN output travels unadded and
+        # the next norm adds it (one fused call on the CPU, not an add and then a norm).
+        h, pending = self.embed_tokens(ids_T), None
         rope = self.rotary.cos_sin(positions_T)
         for layer in self.layers:
+            if getattr(layer, "defers_residual", False):
+                h, pending = yield from layer.stages(h, positions_T, meta, step, rope, pending, defer=True)
+                continue
+            if pending is not None:
+                h, pending = h + pending, None
             h = yield from layer.stages(h, positions_T, meta, step, rope)
-        return self.norm(h)
+        if pending is None:
+            return self.norm(h)
+        if isinstance(self.norm, RMSNorm):
+            return self.norm.add_norm(h, pending)[1]
+        return self.norm(h + pending)
 
 
 class CausalLM(nn.Module):

@@ -13,6 +13,9 @@ from moe_serve.layers.norm import RMSNorm
 
 
 class DecoderLayer(nn.Module):
+    # DecoderStack passes each such layer the previous one's FFN output unadded (`stages`' residual).
+    defers_residual = True
+
     def __init__(self, hidden_size: int, eps: float, self_attn: nn.Module, ffn: nn.Module, ffn_name: str, dtype):
         super().__init__()
         self.input_layernorm = RMSNorm(hidden_size, eps, dtype)
@@ -25,11 +28,18 @@ class DecoderLayer(nn.Module):
                 step: MoEStep, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return run_to_end(self.stages(x_TD, positions_T, meta, step, rope))
 
-    def stages(self, x_TD, positions_T, meta: AttentionMetadata, step: MoEStep, rope: tuple[torch.Tensor, torch.Tensor]):
+    def stages(self, x_TD, positions_T, meta: AttentionMetadata, step: MoEStep, rope: tuple[torch.Tensor, torch.Tensor],
+               residual: torch.Tensor | None = None, defer: bool = False):
         """Generator form: yields while an MoE block's communication is in flight. rope: the step's
-        (cos, sin) rows (DecoderStack gathers them once for every layer)."""
-        a = self.self_attn(self.input_layernorm(x_TD), positions_T, meta, rope)
-        h, x = self.post_attention_layernorm.add_norm(x_TD, a)  # h = x + a, fused on the CPU
+        (cos, sin) rows (DecoderStack gathers them once for every layer). residual: the previous
+        layer's FFN output, not yet added to x_TD (the add fused into the input norm); defer:
+        return (h, FFN output) for the next norm to add, instead of their sum."""
+        if residual is None:
+            h_in, x = x_TD, self.input_layernorm(x_TD)
+        else:
+            h_in, x = self.input_layernorm.add_norm(x_TD, residual)
+        a = self.self_attn(x, positions_T, meta, rope)
+        h, x = self.post_attention_layernorm.add_norm(h_in, a)  # h = x + a, fused on the CPU
         ffn = getattr(self, self.ffn_name)
         out = (yield from ffn.stages(x, step)) if isinstance(ffn, MoE) else ffn(x)
-        return h + out
+        return (h, out) if defer else h + out
