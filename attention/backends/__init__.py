@@ -5,7 +5,7 @@ moe_serve/platform.py and bound to every attention layer.
   every kernel is tested against;
 - `CpuCAttention` ("cpu_c"): the same, with our C kernels (moe_serve/kernels/cpu_ops/attention.c) taking a
   step's decodes and prefill chunks where they fit (float32 CPU tensors), read in place from the
-  cache;
+  cache, and the new keys and values written into it in one call;
 - `TritonAttention` ("triton"): the Triton kernels (attention/backends/triton_paged.py), imported
   on first use so CPU users never load Triton.
 
@@ -71,6 +71,12 @@ class CpuCAttention(TorchAttention):
     def __init__(self, device: torch.device | str = "cpu"):
         super().__init__(device)
         self.gather_pool = {}  # a CPU's decode gathers reuse their buffers: no page faults per step
+
+    def write_kv(self, k_TGH, v_TGH, k_cache, v_cache, slot_mapping_T) -> None:
+        if cpu_ops.write_kv_fits(k_TGH, v_TGH, k_cache, v_cache, slot_mapping_T):  # one C call, not two ops
+            cpu_ops.write_kv(k_TGH, v_TGH, k_cache, v_cache, slot_mapping_T)
+        else:
+            super().write_kv(k_TGH, v_TGH, k_cache, v_cache, slot_mapping_T)
 
     def paged_attention(self, q_TNH, k_cache, v_cache, meta, scale: float, *, sliding_window: int | None = None,
                         sinks: torch.Tensor | None = None, attention_chunk: int | None = None) -> torch.Tensor:

@@ -648,3 +648,37 @@ def test_topk_softmax_matches_float64(T, E, K, over_topk, isa, monkeypatch):
     assert len(calls) == 1
     assert torch.equal(ids_c, ids_torch)
     torch.testing.assert_close(w_c, w_torch, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("G,H,Hv", [(2, 64, 64), (1, 16, 32)])
+def test_write_kv_matches_index_copy(G, H, Hv, isa):
+    """New keys and values (rows of a wider qkv output: strided) land in their slots as torch's
+    index_copy_ puts them, the other slots untouched; a slot past the cache is refused with nothing
+    written; the cpu_c attention backend takes such writes."""
+    from attention.backends import CpuCAttention, TorchAttention
+
+    g = torch.Generator().manual_seed(G * H + Hv)
+    nb, bs, T = 5, 4, 7
+    qkv = torch.randn(T, 3 * G * max(H, Hv), generator=g)
+    k = qkv[:, :G * H].view(T, G, H)
+    v = torch.randn(T, 2 * G * Hv, generator=g)[:, G * Hv:].view(T, G, Hv)  # rows another stride apart
+    slots = torch.randperm(nb * bs, generator=g)[:T]
+    kc, vc = torch.randn(nb, bs, G, H, generator=g), torch.randn(nb, bs, G, Hv, generator=g)
+    want, got, via = [(kc.clone(), vc.clone()) for _ in range(3)]
+    TorchAttention().write_kv(k, v, *want, slots)
+    assert cpu_ops.write_kv_fits(k, v, *got, slots)
+    cpu_ops.write_kv(k, v, *got, slots)
+    calls = []
+    monkeypatch = pytest.MonkeyPatch()
+    c_call = cpu_ops.write_kv
+    monkeypatch.setattr(cpu_ops, "write_kv", lambda *a: calls.append(1) or c_call(*a))
+    CpuCAttention().write_kv(k, v, *via, slots)
+    monkeypatch.undo()
+    assert calls == [1]
+    for a, b in ((want, got), (want, via)):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    before = [c.clone() for c in got]
+    with pytest.raises(IndexError, match="outside the cache's 20"):
+        cpu_ops.write_kv(k, v, *got, torch.cat([slots[:-1], torch.tensor([nb * bs])]))
+    assert torch.equal(before[0], got[0]) and torch.equal(before[1], got[1])
+    assert not cpu_ops.write_kv_fits(k, v, got[0].bfloat16(), got[1], slots)

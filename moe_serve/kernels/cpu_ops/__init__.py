@@ -177,6 +177,10 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     f.restype = None
     f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
                   ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    f = lib.write_kv_f32
+    f.restype = ctypes.c_int
+    f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_void_p] * 3,
+                  *[ctypes.c_int64] * 4]
     f = lib.topk_softmax_f32
     f.restype = ctypes.c_int
     f.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
@@ -418,6 +422,32 @@ def decode_attention_fits(q_BNH: torch.Tensor, k_cache: torch.Tensor, v_cache: t
             and block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1
             and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
             and q_BNH.shape[1] % k_cache.shape[2] == 0 and available())
+
+
+def _token_rows_of(x_TGH: torch.Tensor) -> bool:
+    """Rows of G heads of H floats, each row contiguous (rows any stride apart)."""
+    return x_TGH.dim() == 3 and x_TGH.stride(2) == 1 and x_TGH.stride(1) == x_TGH.shape[2]
+
+
+def write_kv_fits(k_TGH: torch.Tensor, v_TGH: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping_T: torch.Tensor) -> bool:
+    return (k_TGH.is_cpu and k_TGH.dtype == torch.float32 and v_TGH.dtype == torch.float32
+            and k_cache.dtype == torch.float32 and v_cache.dtype == torch.float32 and k_cache.is_contiguous()
+            and v_cache.is_contiguous() and _token_rows_of(k_TGH) and _token_rows_of(v_TGH)
+            and k_TGH.shape[1:] == k_cache.shape[2:] and v_TGH.shape[1:] == v_cache.shape[2:]
+            and k_TGH.shape[0] == v_TGH.shape[0] == slot_mapping_T.shape[0]
+            and slot_mapping_T.dtype == torch.int64 and slot_mapping_T.is_contiguous() and available())
+
+
+def write_kv(k_TGH: torch.Tensor, v_TGH: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping_T: torch.Tensor) -> None:
+    """Each new token's key and value rows into its cache slot, as index_copy_ would. Check
+    write_kv_fits first."""
+    nb, bs = k_cache.shape[:2]
+    dk, dv = k_TGH.shape[1] * k_TGH.shape[2], v_TGH.shape[1] * v_TGH.shape[2]
+    if _lib().write_kv_f32(k_TGH.data_ptr(), k_TGH.stride(0), v_TGH.data_ptr(), v_TGH.stride(0), k_cache.data_ptr(),
+                           v_cache.data_ptr(), slot_mapping_T.data_ptr(), k_TGH.shape[0], dk, dv, nb * bs):
+        raise IndexError(f"cpu_ops.write_kv: a slot outside the cache's {nb * bs}")
 
 
 def decode_attention(q_BNH: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -110,6 +110,20 @@ static void values_block(const float* p, int64_t lds, const float* const* vrow, 
   }
 }
 
+/* Each of T new tokens' key row (dk floats at k + t * ldk) and value row (dv floats at v + t * ldv)
+ * into slot slots[t] of the paged caches (rows of dk / dv floats, nslots of them). Returns 0, or -1
+ * (nothing written) when a slot is outside [0, nslots). */
+int write_kv_f32(const float* k, int64_t ldk, const float* v, int64_t ldv, float* k_cache, float* v_cache,
+                 const int64_t* slots, int64_t T, int64_t dk, int64_t dv, int64_t nslots) {
+  for (int64_t t = 0; t < T; t++)
+    if (slots[t] < 0 || slots[t] >= nslots) return -1;
+  for (int64_t t = 0; t < T; t++) {
+    memcpy(k_cache + slots[t] * dk, k + t * ldk, (size_t)dk * sizeof(float));
+    memcpy(v_cache + slots[t] * dv, v + t * ldv, (size_t)dv * sizeof(float));
+  }
+  return 0;
+}
+
 /* Returns 0, or -1 without scratch memory. */
 int decode_attention_f32(const float* q, int64_t ldq, const float* k_cache, const float* v_cache, const int32_t* bt,
                          int64_t ldbt, const int32_t* seq_lens, float* out, int64_t B, int64_t N, int64_t G,
