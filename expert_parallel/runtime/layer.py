@@ -265,7 +265,7 @@ class MoE(nn.Module):
         sent = pending.wait()
         trace and trace("dispatch_end", mb, self.layer_index)
         if self.ctx.experts_hit_LS is not None:
-            mark_slots_hit(self.ctx.experts_hit_LS[self.layer_index], sent)
+            mark_slots_hit(self.ctx.experts_hit_LS[self.layer_index], sent, self.ops)
         trace and trace("experts", mb, self.layer_index)
         y_RD = expert_outputs(sent, self.experts, self.ops, x_in.shape[0], all_local=d.world_size == 1)
         trace and trace("combine_start", mb, self.layer_index)
@@ -278,15 +278,15 @@ class MoE(nn.Module):
         return y_TD if shared is None else y_TD + shared
 
 
-def mark_slots_hit(hits_S1: torch.Tensor, sent) -> None:
+def mark_slots_hit(hits_S1: torch.Tensor, sent, backend) -> None:
     """Mark (non-zero) the local slots a dispatch output sends rows to (device ops only, no host
-    sync; whether a slot was hit is all the meter reads, so a fill, not a count: one op fewer)."""
+    sync; whether a slot was hit is all the meter reads, so a fill, not a count); a routed layout's
+    marks by the layer's experts backend (`mark_slots`: one C call on the CPU)."""
     if sent.expert_major is not None:
         count_S = sent.expert_major[1]
         hits_S1[1:1 + count_S.shape[0]] += (count_S > 0).to(hits_S1.dtype)
     else:
-        flat = sent.topk_ids_RK.reshape(-1).to(torch.int64) + 1
-        hits_S1.index_fill_(0, flat.clamp_(min=0), 1)
+        backend.mark_slots(hits_S1, sent.topk_ids_RK)
 
 
 def pairs_as_rows(x_TD: torch.Tensor, slots_TK: torch.Tensor, w_TK: torch.Tensor, step: MoEStep):

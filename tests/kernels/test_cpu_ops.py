@@ -682,3 +682,31 @@ def test_write_kv_matches_index_copy(G, H, Hv, isa):
         cpu_ops.write_kv(k, v, *got, torch.cat([slots[:-1], torch.tensor([nb * bs])]))
     assert torch.equal(before[0], got[0]) and torch.equal(before[1], got[1])
     assert not cpu_ops.write_kv_fits(k, v, got[0].bfloat16(), got[1], slots)
+
+
+def test_mark_slots_matches_the_torch_marks(isa):
+    """The speed-of-light meter's marks in one C call: the slots the ids route to, ids of -1 (or
+    below) into entry 0, as the torch backend's three ops mark them; an id past the slots is
+    refused with nothing marked; the cpu_c experts backend takes contiguous int64 ids."""
+    from moe_serve.kernels.grouped_gemm import CpuCExperts, TorchExperts
+
+    g = torch.Generator().manual_seed(3)
+    S = 12
+    ids = torch.randint(-2, S, (9, 4), generator=g)
+    ids[0, 0] = -1
+    want, got, via = (torch.zeros(S + 1, dtype=torch.int32) for _ in range(3))
+    TorchExperts().mark_slots(want, ids)
+    assert cpu_ops.mark_slots_fits(got, ids)
+    cpu_ops.mark_slots(got, ids)
+    calls = []
+    c_call = cpu_ops.mark_slots
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_ops, "mark_slots", lambda *a: calls.append(1) or c_call(*a))
+        CpuCExperts().mark_slots(via, ids)
+    assert calls == [1] and torch.equal(got, want) and torch.equal(via, want)
+    assert want[0] == 1 and want.sum() == 1 + len(set(ids[ids >= 0].tolist()))
+    fresh = torch.zeros(S + 1, dtype=torch.int32)
+    with pytest.raises(IndexError, match="past the 12 slots"):
+        cpu_ops.mark_slots(fresh, torch.tensor([3, S]))
+    assert not fresh.any()
+    assert not cpu_ops.mark_slots_fits(fresh, ids.int()) and not cpu_ops.mark_slots_fits(fresh, ids.T)

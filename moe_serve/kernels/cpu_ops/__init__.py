@@ -177,6 +177,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     f.restype = None
     f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
                   ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    f = lib.mark_slots_i32
+    f.restype = ctypes.c_int
+    f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
     f = lib.write_kv_f32
     f.restype = ctypes.c_int
     f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_void_p] * 3,
@@ -539,6 +542,17 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
         if b is not None:
             y += b
     return y.view(*x.shape[:-1], N)
+
+
+def mark_slots_fits(hits_S1: torch.Tensor, ids: torch.Tensor) -> bool:
+    return (hits_S1.is_cpu and hits_S1.dtype == torch.int32 and hits_S1.dim() == 1 and hits_S1.is_contiguous()
+            and ids.is_cpu and ids.dtype == torch.int64 and ids.is_contiguous() and available())
+
+
+def mark_slots(hits_S1: torch.Tensor, ids: torch.Tensor) -> None:
+    """hits_S1[id + 1] = 1 for every id (ids below 0 mark hits_S1[0]). Check mark_slots_fits first."""
+    if _lib().mark_slots_i32(hits_S1.data_ptr(), hits_S1.shape[0], ids.data_ptr(), ids.numel()):
+        raise IndexError(f"cpu_ops.mark_slots: an id past the {hits_S1.shape[0] - 1} slots")
 
 
 def topk_softmax_fits(logits_TE: torch.Tensor, k: int) -> bool:

@@ -625,6 +625,16 @@ int topk_softmax_f32(const float* logits, int64_t T, int64_t E, int64_t K, int o
   return 0;
 }
 
+/* The speed-of-light meter's marks: hits[id + 1] = 1 for each of n routed ids (any id below -1
+ * counts as -1: hits[0] takes the rows whose slot is elsewhere). Returns 0, or -1 (nothing marked)
+ * for an id past the n_hits - 1 slots. */
+int mark_slots_i32(int32_t* hits, int64_t n_hits, const int64_t* ids, int64_t n) {
+  for (int64_t i = 0; i < n; i++)
+    if (ids[i] + 1 >= n_hits) return -1;
+  for (int64_t i = 0; i < n; i++) hits[ids[i] < -1 ? 0 : ids[i] + 1] = 1;
+  return 0;
+}
+
 /* The instruction set vec.h was built for: "avx512", "avx2", "neon" or "generic". */
 const char* cpu_ops_isa(void) { return CPU_OPS_ISA; }
 

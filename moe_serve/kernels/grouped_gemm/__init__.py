@@ -44,6 +44,12 @@ class TorchExperts:
     def capturable(self) -> "TorchExperts":
         return TorchExperts(self.device, host_reads=False)
 
+    def mark_slots(self, hits_S1: torch.Tensor, topk_ids_RK: torch.Tensor) -> None:
+        """The speed-of-light meter's marks (expert_parallel/runtime/layer.py mark_slots_hit):
+        hits_S1[1 + s] non-zero for each slot s the ids route a row to, ids of -1 into hits_S1[0]."""
+        flat = topk_ids_RK.reshape(-1).to(torch.int64) + 1
+        hits_S1.index_fill_(0, flat.clamp_(min=0), 1)
+
     def grouped(self, dtype: torch.dtype) -> bool:
         """Whether torch's grouped GEMM runs this dtype on this device (probed once: lru_cache)."""
         return grouped_mm_available(dtype, self.device.type)
@@ -106,6 +112,12 @@ class CpuCExperts(TorchExperts):
 
     def capturable(self) -> TorchExperts:  # the torch ops a GPU would run: the C call is opaque to capture
         return TorchExperts(self.device, host_reads=False)
+
+    def mark_slots(self, hits_S1, topk_ids_RK):
+        if cpu_ops.mark_slots_fits(hits_S1, topk_ids_RK):  # one C call, not three ops
+            cpu_ops.mark_slots(hits_S1, topk_ids_RK)
+        else:
+            super().mark_slots(hits_S1, topk_ids_RK)
 
     def plain(self, x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, all_local: bool) -> torch.Tensor:
         if cpu_ops.use_for(x_TD, w13_EFD, w2_EDF, topk_ids_TK):
