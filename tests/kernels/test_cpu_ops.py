@@ -651,7 +651,7 @@ def test_topk_softmax_matches_float64(T, E, K, over_topk, isa, monkeypatch):
 
 
 @pytest.mark.parametrize("G,H,Hv", [(2, 64, 64), (1, 16, 32)])
-def test_write_kv_matches_index_copy(G, H, Hv, isa):
+def test_write_kv_matches_index_copy(G, H, Hv, isa, monkeypatch):
     """New keys and values (rows of a wider qkv output: strided) land in their slots as torch's
     index_copy_ puts them, the other slots untouched; a slot past the cache is refused with nothing
     written; the cpu_c attention backend takes such writes."""
@@ -669,11 +669,9 @@ def test_write_kv_matches_index_copy(G, H, Hv, isa):
     assert cpu_ops.write_kv_fits(k, v, *got, slots)
     cpu_ops.write_kv(k, v, *got, slots)
     calls = []
-    monkeypatch = pytest.MonkeyPatch()
     c_call = cpu_ops.write_kv
     monkeypatch.setattr(cpu_ops, "write_kv", lambda *a: calls.append(1) or c_call(*a))
     CpuCAttention().write_kv(k, v, *via, slots)
-    monkeypatch.undo()
     assert calls == [1]
     for a, b in ((want, got), (want, via)):
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
@@ -684,7 +682,7 @@ def test_write_kv_matches_index_copy(G, H, Hv, isa):
     assert not cpu_ops.write_kv_fits(k, v, got[0].bfloat16(), got[1], slots)
 
 
-def test_mark_slots_matches_the_torch_marks(isa):
+def test_mark_slots_matches_the_torch_marks(isa, monkeypatch):
     """The speed-of-light meter's marks in one C call: the slots the ids route to, ids of -1 (or
     below) into entry 0, as the torch backend's three ops mark them; an id past the slots is
     refused with nothing marked; the cpu_c experts backend takes contiguous int64 ids."""
@@ -700,9 +698,8 @@ def test_mark_slots_matches_the_torch_marks(isa):
     cpu_ops.mark_slots(got, ids)
     calls = []
     c_call = cpu_ops.mark_slots
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cpu_ops, "mark_slots", lambda *a: calls.append(1) or c_call(*a))
-        CpuCExperts().mark_slots(via, ids)
+    monkeypatch.setattr(cpu_ops, "mark_slots", lambda *a: calls.append(1) or c_call(*a))
+    CpuCExperts().mark_slots(via, ids)
     assert calls == [1] and torch.equal(got, want) and torch.equal(via, want)
     assert want[0] == 1 and want.sum() == 1 + len(set(ids[ids >= 0].tolist()))
     fresh = torch.zeros(S + 1, dtype=torch.int32)
