@@ -177,6 +177,9 @@ def test_one_collective_per_rebalance(tmp_path):
     assert any(any(op[0] == "send" for op in b) for b in batches[1])  # experts moved both ways
     assert nccl_order(batches) == "done"
     assert nccl_order([[[op] for b in rank for op in b] for rank in batches]) == "deadlock"
+    # Each rank holds the tuner's slots: rank q the q-th run of slots_per_rank physical slots of every layer.
+    s = (E + REDUNDANT) // WORLD
+    assert [r["local_logical"] for r in res] == [[row[q * s:(q + 1) * s] for row in want] for q in range(WORLD)]
 
 
 def nccl_order(groups_by_rank: list) -> str:
@@ -215,8 +218,6 @@ def nccl_order(groups_by_rank: list) -> str:
         if not moved:
             return "deadlock"
     return "done"
-    s = (E + REDUNDANT) // WORLD
-    assert [r["local_logical"] for r in res] == [[row[q * s:(q + 1) * s] for row in want] for q in range(WORLD)]
 
 
 if __name__ == "__main__":
