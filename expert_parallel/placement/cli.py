@@ -16,7 +16,8 @@ import argparse
 import sys
 
 from expert_parallel.placement import tuner
-from expert_parallel.placement.map import Placement, PlacementError, load_expert_load, load_placement, save_placement
+from expert_parallel.placement.map import (Placement, PlacementError, load_expert_load, load_placement, save_placement,
+                                           window_weights)
 
 
 def _decay(text: str) -> float | None:
@@ -62,12 +63,14 @@ def add_placement_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _tune(args) -> int:
-    load, _ = load_expert_load(args.load, args.num_layers)
+    load, meta = load_expert_load(args.load, args.num_layers)
     if not 0 <= args.holdout < len(load):
         raise PlacementError(f"holdout={args.holdout} must leave at least one of the {len(load)} windows")
     fit = load[: len(load) - args.holdout]
+    weights = window_weights(meta, len(load))  # a partial last window weighs its share of the steps
     config = tuner.TuneConfig(decay=args.decay, hedge=args.hedge, locality_tolerance=args.locality_tolerance)
-    p2l, infos = tuner.tune(fit, args.gpus, args.nodes, args.slots, args.groups, config)
+    p2l, infos = tuner.tune(fit, args.gpus, args.nodes, args.slots, args.groups, config,
+                            None if weights is None else weights[: len(fit)])
     meta = {"groups": args.groups, "tuner": {
         "fit_windows": len(fit), "total_windows": len(load), "hedge": args.hedge,
         "locality_tolerance": args.locality_tolerance,

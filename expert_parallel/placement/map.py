@@ -10,7 +10,9 @@ a token visits changes where it is computed, never what it computes.
 Files (JSON objects; other tools read and write them, so keep the keys):
   placement: {"physical_to_logical": L lists of S logical ids, "gpus": G, "nodes": N,
               "num_logical_experts": E, "slots": S, ...any metadata}
-  load:      {"expert_load": W windows (oldest first) of L lists of E token counts, ...metadata}
+  load:      {"expert_load": W windows (oldest first) of L lists of E token counts,
+              "window_steps": steps per full window, "window_step_counts": W step counts (optional:
+              a recording stopped between boundaries ends with a partial window), ...metadata}
 Every check raises PlacementError naming the offending field and value.
 """
 from __future__ import annotations
@@ -183,7 +185,29 @@ def load_expert_load(path: str | Path, num_layers: int | None = None,
     """Read a load file. Returns expert_load_WLE (int64, oldest window first) and its metadata."""
     obj = _read_json(path, "load")
     load = check_expert_load(obj, num_layers, num_logical_experts)
-    return load, {k: v for k, v in obj.items() if k != "expert_load"}
+    meta = {k: v for k, v in obj.items() if k != "expert_load"}
+    window_weights(meta, len(load))  # checks window_step_counts
+    return load, meta
+
+
+def window_weights(metadata: dict[str, Any], num_windows: int) -> np.ndarray | None:
+    """Each window's steps over a full window's, from a load file's window_step_counts and
+    window_steps (None when the file has no step counts: every window full)."""
+    counts = metadata.get("window_step_counts")
+    if counts is None:
+        return None
+    full = metadata.get("window_steps")
+    if isinstance(full, bool) or not isinstance(full, int) or full <= 0:
+        raise PlacementError(f"window_steps={full!r} must be a positive integer when window_step_counts is given")
+    if not isinstance(counts, list) or len(counts) != num_windows:
+        got = len(counts) if isinstance(counts, list) else type(counts).__name__
+        raise PlacementError(f"window_step_counts has {got} entries, expected one per window ({num_windows})")
+    bad = next((i for i, c in enumerate(counts)
+                if isinstance(c, bool) or not isinstance(c, int) or not 0 < c <= full), None)
+    if bad is not None:
+        raise PlacementError(f"window_step_counts[{bad}]={counts[bad]!r} must be a step count in 1..{full} "
+                             "(window_steps)")
+    return np.asarray(counts, dtype=np.float64) / full
 
 
 def save_expert_load(path: str | Path, expert_load_WLE, metadata: dict[str, Any] | None = None) -> None:

@@ -145,13 +145,14 @@ def _candidates(mean, var, gpus, nodes, slots, groups, config, eplb_load=None):
 
 
 def tune_layer(history_WE, gpus: int, nodes: int, slots: int, groups: int | None = None,
-               config: TuneConfig = TuneConfig()) -> tuple[np.ndarray, dict]:
+               config: TuneConfig = TuneConfig(), weights_W=None) -> tuple[np.ndarray, dict]:
     """Placement of one layer from its load history.
 
     Args:
         history_WE: (W, E) token counts per window, oldest first.
         groups: expert groups (contiguous id blocks, as group-limited routers use); when they
             spread evenly over the nodes, the strictly hierarchical candidate is considered.
+        weights_W: each window's steps over a full window's (forecast.forecast); None: all full.
     Returns:
         physical_to_logical_S (int64) and info: mode (the chosen candidate), decay, and per
         candidate the predicted worst GPU (step 6's scenario mean where it applies, else the
@@ -160,14 +161,14 @@ def tune_layer(history_WE, gpus: int, nodes: int, slots: int, groups: int | None
     h = np.asarray(history_WE, dtype=np.float64)
     E = h.shape[1]
     check_shape(E, slots, gpus, nodes, groups)
-    mean, rel_err, decay = forecast(h, config.decay)
+    mean, rel_err, decay = forecast(h, config.decay, weights_W)
     var = (rel_err * mean) ** 2
     # Step 6 applies where the runtime's split has replicas on several GPUs to work with.
     served = config.split == "balanced" and config.scenarios > 0 and slots > E and gpus > 1
     if served:
         from expert_parallel.placement.map import ReplicaMap
 
-        X = np.rint(scenarios(h, config.scenarios, decay)).astype(np.int64)  # (scenarios, E)
+        X = np.rint(scenarios(h, config.scenarios, decay, weights_W=weights_W)).astype(np.int64)  # (scenarios, E)
     layouts, predicted = {}, {}
     for name, e_R, g_R, m_R, v_R in _candidates(mean, var, gpus, nodes, slots, groups, config, h.sum(0)):
         if name == "eplb" and not served:
@@ -193,10 +194,11 @@ def tune_layer(history_WE, gpus: int, nodes: int, slots: int, groups: int | None
 
 
 def tune(history_WLE, gpus: int, nodes: int, slots: int, groups: int | None = None,
-         config: TuneConfig = TuneConfig()) -> tuple[np.ndarray, list[dict]]:
-    """tune_layer for every layer. history_WLE: (W, L, E). Returns physical_to_logical_LS, infos."""
+         config: TuneConfig = TuneConfig(), weights_W=None) -> tuple[np.ndarray, list[dict]]:
+    """tune_layer for every layer. history_WLE: (W, L, E); weights_W: (W,) each window's steps over
+    a full window's (None: all full). Returns physical_to_logical_LS, infos."""
     h = np.asarray(history_WLE, dtype=np.float64)
     if h.ndim != 3 or h.shape[0] == 0:
         raise ValueError(f"expert_load must be windows x layers x experts, got shape {h.shape}")
-    out = [tune_layer(h[:, l], gpus, nodes, slots, groups, config) for l in range(h.shape[1])]
+    out = [tune_layer(h[:, l], gpus, nodes, slots, groups, config, weights_W) for l in range(h.shape[1])]
     return np.stack([p for p, _ in out]), [info for _, info in out]

@@ -42,7 +42,7 @@ def test_negative_ids_are_ignored_and_dtypes_accepted():
     assert rec.windows()[0, 0].tolist() == [1, 0, 0, 2]
 
 
-def test_nothing_is_recorded_unless_started_and_stop_drops_the_partial_window():
+def test_nothing_is_recorded_unless_started_and_stop_keeps_the_partial_window():
     rec = ExpertLoadRecorder(1, 3, window_steps=2)
     rec.record(0, torch.tensor([[1]]))
     rec.end_step()
@@ -52,10 +52,43 @@ def test_nothing_is_recorded_unless_started_and_stop_drops_the_partial_window():
     for _ in range(3):
         rec.record(0, torch.tensor([[2]]))
         rec.end_step()
-    rec.stop()
-    assert rec.windows()[:, 0].tolist() == [[0, 0, 2]]
+    rec.stop()  # one full window of 2 steps, then 1 step of the next: kept, with its count
+    assert rec.windows()[:, 0].tolist() == [[0, 0, 2], [0, 0, 1]]
+    assert rec.window_step_counts() == [2, 1]
+    rec.stop()  # nothing open: nothing added
+    assert rec.num_windows == 2
     rec.start()  # a fresh start forgets the old windows
-    assert rec.num_windows == 0
+    assert rec.num_windows == 0 and rec.window_step_counts() == []
+
+
+@pytest.mark.parametrize("window_steps, steps", [(100, 60), (4, 9), (3, 3)])
+def test_a_recording_shorter_than_a_window_is_kept(window_steps, steps, tmp_path):
+    """dump() of a running recording shows the open window without closing it; stop() closes it."""
+    rng = np.random.default_rng(steps)
+    rec = ExpertLoadRecorder(2, 5, window_steps=window_steps)
+    rec.start()
+    per_step = []
+    for _ in range(steps):
+        step = torch.zeros(2, 5, dtype=torch.int64)
+        for layer in range(2):
+            ids = _ids(rng, int(rng.integers(1, 6)), 2, 5)
+            rec.record(layer, ids)
+            step[layer] += torch.bincount(ids.flatten(), minlength=5)
+        rec.end_step()
+        per_step.append(step)
+    full, rest = divmod(steps, window_steps)
+    want = [sum(per_step[w * window_steps:(w + 1) * window_steps]) for w in range(full)]
+    want_steps = [window_steps] * full
+    if rest:
+        want.append(sum(per_step[full * window_steps:]))
+        want_steps.append(rest)
+    dumped = rec.dump(tmp_path / "load.json")
+    assert dumped["expert_load"] == torch.stack(want).tolist() and dumped["window_step_counts"] == want_steps
+    assert rec.num_windows == full and rec.active  # the dump closed nothing
+    load, meta = load_expert_load(tmp_path / "load.json", num_layers=2, num_logical_experts=5)
+    assert load.tolist() == dumped["expert_load"] and meta["window_step_counts"] == want_steps
+    rec.stop()
+    assert rec.windows().tolist() == torch.stack(want).tolist() and rec.window_step_counts() == want_steps
 
 
 @pytest.mark.parametrize("in_place", [True, False])
@@ -84,6 +117,7 @@ def test_max_windows_keeps_the_newest():
         rec.record(0, torch.tensor([[e]]))
         rec.end_step()
     assert rec.windows()[:, 0].tolist() == [[0, 1], [0, 1]]
+    assert rec.window_step_counts() == [1, 1]
 
 
 def test_dump_writes_the_load_format(tmp_path):
@@ -96,7 +130,8 @@ def test_dump_writes_the_load_format(tmp_path):
     assert check_expert_load(obj).shape == (2, 2, 3)
     load, meta = load_expert_load(tmp_path / "load.json", num_layers=2, num_logical_experts=3)
     assert load[1].tolist() == [[1, 1, 0], [0, 0, 0]]
-    assert meta == {"model": "tiny", "window_steps": 1, "num_layers": 2, "num_logical_experts": 3}
+    assert meta == {"model": "tiny", "window_steps": 1, "num_layers": 2, "num_logical_experts": 3,
+                    "window_step_counts": [1, 1]}
     assert json.loads((tmp_path / "load.json").read_text())["expert_load"] == load.tolist()
 
 

@@ -95,6 +95,11 @@ def test_load_file_roundtrip(tmp_path):
     ({"expert_load": [[[1, 2]]]}, {"num_logical_experts": 3}, r"expert_load\[0\]\[0\] has 2 experts, expected 3"),
     ({"expert_load": [[[1, -2]]]}, {}, r"expert_load\[0\]\[0\]\[1\]=-2 is not a token count"),
     ({"expert_load": [[[1, 2.5]]]}, {}, r"expert_load\[0\]\[0\]\[1\]=2.5 is not a token count"),
+    ({"expert_load": [[[1, 2]]], "window_steps": 4, "window_step_counts": [4, 2]}, {},
+     r"window_step_counts has 2 entries, expected one per window \(1\)"),
+    ({"expert_load": [[[1, 2]], [[1, 2]]], "window_steps": 4, "window_step_counts": [4, 5]}, {},
+     r"window_step_counts\[1\]=5 must be a step count in 1..4"),
+    ({"expert_load": [[[1, 2]]], "window_step_counts": [1]}, {}, "window_steps=None must be a positive integer"),
 ])
 def test_load_file_errors(tmp_path, obj, kwargs, field):
     (tmp_path / "l.json").write_text(json.dumps(obj))

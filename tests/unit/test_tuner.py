@@ -153,6 +153,22 @@ def test_forecast_memory_follows_the_data():
     assert np.allclose(mean, 1.0) and rel_err == 0.0
 
 
+def test_forecast_weighs_a_partial_window_by_its_steps():
+    """A last window of half the steps: its shares weigh half in the decayed mean, and its total
+    counts at its rate (twice its tokens), by hand with decay 1 (a plain weighted mean)."""
+    full = np.array([300.0, 100.0, 0.0, 0.0])  # 400 tokens over a full window
+    half = np.array([0.0, 0.0, 50.0, 50.0])  # 100 tokens over half a window (200 at that rate)
+    mean, _, decay = tuner.forecast(np.stack([full, half]), decay=1.0, weights_W=[1.0, 0.5])
+    shares = (1.0 * full / 400 + 0.5 * half / 100) / 1.5
+    scale = (1.0 * 400 + 0.5 * 200) / 1.5
+    assert decay == 1.0 and np.allclose(mean, shares * scale)
+    # Weights of 1 are the unweighted forecast; a weight outside (0, 1] is refused, naming it.
+    assert np.allclose(tuner.forecast(np.stack([full, half]), 0.5, [1.0, 1.0])[0],
+                       tuner.forecast(np.stack([full, half]), 0.5)[0])
+    with pytest.raises(ValueError, match="window weights"):
+        tuner.forecast(np.stack([full, half]), 1.0, [1.0, 0.0])
+
+
 # ---- metrics by hand -----------------------------------------------------------------------------
 def test_evaluate_by_hand():
     # 4 experts in 2 groups, 6 slots on 2 GPUs of 3 slots, one GPU per node.
