@@ -562,6 +562,12 @@ class EngineCore:
             rec.start()
         return rec
 
+    def stop_load_recording(self) -> None:
+        """Stop the HTTP-controlled recording, keeping its partial window (at shutdown, on every
+        rank at the same turn: the window's reduction is collective)."""
+        if self.load_recorder is not None:
+            self.load_recorder.stop()
+
     def dump_load(self, path: str | None = None) -> dict:
         if self.load_recorder is None:
             return {}

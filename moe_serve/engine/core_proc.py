@@ -86,6 +86,7 @@ class CoreLoop:
         self._reported_shutdown_wish = False
         self.turns = 0
         self._pending_load: str | None = None  # "load_start" | "load_stop" asked on this rank
+        self._pending_dumps: list[int] = []  # load_dump calls asked on this rank, answered at the agreed turn
         self._peer_checked = time.monotonic()
         self._changed = False  # state changed without an output (the next turn reports stats)
         # Elastic EP (launcher/elastic.py): the membership generation this core serves, and a
@@ -103,6 +104,9 @@ class CoreLoop:
         """Serve a rebuilt engine core (elastic EP) through the same sockets."""
         self.core, self.world_size, self.group, self.generation = core, world_size, sync_group, generation
         self._pending_load = None
+        for cid in self._pending_dumps:  # a new generation records afresh: nothing of the old one to dump
+            self.send(UtilityResult(cid, error="the job regrouped before the dump; ask again"))
+        self._pending_dumps = []
         gc.collect()
         gc.freeze()
 
@@ -170,18 +174,23 @@ class CoreLoop:
         if call.method in ("load_start", "load_stop"):
             self._pending_load = call.method  # applied at the turn every rank agrees on
             self.send(UtilityResult(call.call_id, b"true"))
-        elif call.method == "load_dump":
-            self.send(UtilityResult(call.call_id, json.dumps(self.core.dump_load()).encode()))
+        elif call.method == "load_dump":  # at the agreed turn: its open window is reduced over the ranks
+            self._pending_dumps.append(call.call_id)
         elif call.method == "scale":
             self.ask_regroup(call.arg)  # answered once the job serves at the new size (ElasticChange)
             self.send(UtilityResult(call.call_id, b"true"))
         else:
             self.send(UtilityResult(call.call_id, error=f"unknown utility call {call.method!r}"))
 
-    def _apply_load(self, action: str | None) -> None:
+    def _apply_load(self, action: str | None, dump: bool) -> None:
         rec = self.core.load_recorder
         if rec is not None and action is not None:
             rec.start() if action == "load_start" else rec.stop()
+        if dump:  # every rank (the open window's reduction is collective); the asking rank answers
+            text = json.dumps(self.core.dump_load()).encode()
+            for cid in self._pending_dumps:
+                self.send(UtilityResult(cid, text))
+            self._pending_dumps = []
 
     def run(self) -> int:
         """Loop until the front end says shut down (every rank at the same turn); returns 0."""
@@ -198,6 +207,7 @@ class CoreLoop:
             outs += core.take_early_outputs()
             ntok = sched.num_batched_tokens if sched is not None else 0
             load, self._pending_load = self._pending_load, None
+            dump = bool(self._pending_dumps)
             if self.world_size > 1:
                 import torch.distributed as dist
 
@@ -207,7 +217,7 @@ class CoreLoop:
                 eplb_flag, digest = core.eplb_state()
                 regroup, self._regroup_size = self._regroup_size, None
                 flags = torch.tensor([ntok, self.rank + 1 if self.wants_shutdown else 0, shutdown,
-                                      load == "load_start", load == "load_stop", eplb_flag, q, q_lo,
+                                      (load == "load_start") | dump << 1, load == "load_stop", eplb_flag, q, q_lo,
                                       digest, -digest, -1 if regroup is None else regroup], dtype=torch.int64)
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
                 max_tok, term_rank, shutdown, start, stop, eplb_busy, q_hi, q_lo, d_max, neg_d_max, regroup = \
@@ -217,7 +227,8 @@ class CoreLoop:
                                   regroup or None)
                 uniform = agreed_shape(q_hi, q_lo)
                 digests = (d_max, neg_d_max)
-                load = "load_start" if start else ("load_stop" if stop else None)
+                load = "load_start" if start & 1 else ("load_stop" if stop else None)
+                dump = bool(start & 2)
                 self.shutdown_asked_by = term_rank - 1
             else:
                 regroup, self._regroup_size = self._regroup_size, None
@@ -226,7 +237,7 @@ class CoreLoop:
                 max_tok, uniform = ntok, None  # one process: its own step decides
                 self.shutdown_asked_by = 0 if self.wants_shutdown else -1
                 eplb_busy, digests = core.eplb_flag(), None
-            self._apply_load(load)
+            self._apply_load(load, dump)
             # Expert rebalancing advances here, between steps, at the same turn on every rank.
             core.eplb_boundary(eplb_busy, self.group, digests)
             any_work = max_tok > 0
@@ -247,6 +258,7 @@ class CoreLoop:
                 self.send(CoreOutputs(self.rank, outs, core.stats(), self.shutdown_asked_by, bool(shutdown), events,
                                       self.generation))
             if shutdown:
+                core.stop_load_recording()  # every rank at this turn: a partial window is kept
                 return 0
             if time.monotonic() - self._peer_checked > 1.0:  # busy or idle: a step is far shorter
                 self._peer_checked = time.monotonic()
