@@ -24,12 +24,22 @@ of a window is (window bytes / bandwidth) / window seconds, per rank: the gauge
 `moe_serve:decode_speed_of_light_fraction`. Padded rows of a graph-replayed step route like real
 ones, so their experts count (the step does read them).
 
+A decode step's seconds are the whole turn of the step loop, not the forward alone: from the end
+of the step before (of any kind, an empty lockstep one included) to the end of this one, so
+scheduling, sampling, outputs and the ranks' agreement count, as they do for the clients. An idle
+turn breaks the chain (`pause`): the next step counts from its own start.
+
 Bandwidth: `--memory-bandwidth` (GB/s) when given; on a GPU the datasheet HBM figure of a known
-model (`HBM_GBPS`); else a copy measured at start-up (bytes read plus bytes written), as on a CPU.
+model (`HBM_GBPS`); else a read-only stream measured at start-up (`measure_bandwidth`: a sum over a
+buffer larger than the last-level cache, best of a few), as on a CPU. Decode reads its weights and
+caches and writes little, so the ceiling is what the memory can deliver to reads; a copy's
+(read + write) / time is lower on most machines and would overstate the achieved fraction.
 """
 from __future__ import annotations
 
+import glob
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -46,23 +56,69 @@ HBM_GBPS: list[tuple[str, float]] = [
 ]
 
 
-def measure_bandwidth(device: torch.device | str, nbytes: int = 64 << 20, repeats: int = 2) -> float:
-    """Copy bandwidth in bytes/s (read + write) of an `nbytes` tensor copy, best of `repeats`. The
-    buffers (2 x 64 MiB by default) should be larger than the last-level cache so that the copy
-    streams from memory; within a few percent of 256 MiB on the CPUs measured, in a fifth of the time."""
+MIN_STREAM_BYTES = 256 << 20  # the read stream's least buffer, whatever the cache
+
+
+def last_level_cache_bytes(device: torch.device | str = "cpu") -> int | None:
+    """The largest cache between this device's cores and its memory (None when unknown): a GPU's
+    L2; a CPU's largest as Linux lists it for CPU 0 (sysfs) or the C library reports it (cpuid),
+    whichever is larger (the two disagree on some virtual machines and chiplet CPUs)."""
     device = torch.device(device)
-    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
+    if device.type == "cuda":
+        return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)) or None
+    best = 0
+    for name in ("SC_LEVEL2_CACHE_SIZE", "SC_LEVEL3_CACHE_SIZE", "SC_LEVEL4_CACHE_SIZE"):
+        try:
+            best = max(best, os.sysconf(name))
+        except (ValueError, OSError):  # a name this C library does not know
+            pass
+    for entry in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*"):
+        try:
+            with open(os.path.join(entry, "type")) as f:
+                if f.read().strip() == "Instruction":
+                    continue
+            with open(os.path.join(entry, "size")) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        try:
+            size = int(text[:-1]) * units[text[-1]] if text[-1:] in units else int(text)
+        except ValueError:
+            continue
+        best = max(best, size)
+    return best or None
+
+
+def stream_bytes(device: torch.device | str = "cpu") -> int:
+    """The read stream's buffer: twice the last-level cache, at least MIN_STREAM_BYTES, and on a
+    CPU at most an eighth of the memory available now."""
+    device = torch.device(device)
+    want = max(MIN_STREAM_BYTES, 2 * (last_level_cache_bytes(device) or 0))
+    if device.type == "cpu":
+        import psutil
+
+        want = min(want, max(MIN_STREAM_BYTES, psutil.virtual_memory().available // 8))
+    return want
+
+
+def measure_bandwidth(device: torch.device | str, nbytes: int | None = None, repeats: int = 3) -> float:
+    """Read bandwidth in bytes/s: a sum over an `nbytes` float32 buffer (default `stream_bytes`:
+    larger than the last-level cache, so the reads come from memory), best of `repeats`, with the
+    threads this process computes with. A sum reads every byte once and writes nothing."""
+    device = torch.device(device)
+    nbytes = nbytes or stream_bytes(device)
+    buf = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
+    buf.fill_(1.0)  # first touch: page faults and allocation are not bandwidth
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    dst.copy_(src)  # first touch: page faults and allocation are not bandwidth
     sync()
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        dst.copy_(src)
+        buf.sum()
         sync()
         best = min(best, time.perf_counter() - t0)
-    return 2 * src.numel() * 4 / best
+    return buf.numel() * 4 / best
 
 
 _MEASURED: dict[str, float] = {}  # per device, once per process (engines after the first reuse it)
@@ -80,8 +136,8 @@ def device_bandwidth(device: torch.device | str, override_gbps: float | None = N
         for key, gbps in HBM_GBPS:
             if key in name:
                 return gbps * 1e9, f"{name} datasheet"
-        return _measured(device), f"{name}: copy measured at start-up (not in the table)"
-    return _measured(device), "copy measured at start-up"
+        return _measured(device), f"{name}: read stream measured at start-up (not in the table)"
+    return _measured(device), "read stream measured at start-up"
 
 
 def _measured(device: torch.device) -> float:
@@ -97,10 +153,16 @@ class CacheRead:
     new one included)."""
 
     kind: str  # "full" | "sliding" | "chunked" | "state" | "sparse"
-    bytes_per_token: int = 0  # paged layers: K and V (or the latent) of one token
-    tokens: int = 0  # sliding: the window; chunked: the chunk; sparse: top-k
-    index_bytes_per_token: int = 0  # sparse: the indexer key of one token (every one is scored)
+    bytes_per_token: int = 0  # paged layers: K and V (or the latent) of one token (one entry when group > 1)
+    tokens: int = 0  # sliding: the window; chunked: the chunk; sparse: top-k (entries when group > 1)
+    index_bytes_per_token: int = 0  # sparse: the indexer key of one token or entry (every one is scored)
     state_bytes: int = 0  # state layers: one sequence's state
+    # Compressed caches (DeepSeek-V4): one entry per finished group of `group` tokens; the step whose
+    # token finishes a group also reads the raw rows it pools, pool_bytes_per_token for each of the
+    # last pool_span tokens.
+    group: int = 1
+    pool_span: int = 0
+    pool_bytes_per_token: int = 0
 
     def bytes_for(self, n: int) -> int:
         if self.kind == "state":
@@ -109,9 +171,16 @@ class CacheRead:
             return min(n, self.tokens) * self.bytes_per_token
         if self.kind == "chunked":
             return ((n - 1) % self.tokens + 1) * self.bytes_per_token
+        entries = n // self.group
+        pooled = min(n, self.pool_span) * self.pool_bytes_per_token if n % self.group == 0 else 0
         if self.kind == "sparse":
-            return min(n, self.tokens) * self.bytes_per_token + n * self.index_bytes_per_token
-        return n * self.bytes_per_token
+            return min(entries, self.tokens) * self.bytes_per_token + entries * self.index_bytes_per_token + pooled
+        return entries * self.bytes_per_token + pooled
+
+    @property
+    def per_token(self) -> bool:
+        """Full, one entry per token, nothing pooled: bytes_per_token times the tokens."""
+        return self.kind == "full" and self.group == 1 and not self.pool_bytes_per_token
 
 
 def _per_token(t: torch.Tensor | None) -> int:
@@ -177,8 +246,8 @@ class DecodeBytes:
     def cache_bytes(self, context_lens: list[int]) -> int:
         """Cache bytes a decode step reads for sequences holding these many tokens (new one included).
         Full layers (most) in one product with the tokens in all; the others per sequence."""
-        full = sum(r.bytes_per_token for r in self.reads if r.kind == "full")
-        rest = [r for r in self.reads if r.kind != "full"]
+        full = sum(r.bytes_per_token for r in self.reads if r.per_token)
+        rest = [r for r in self.reads if not r.per_token]
         return full * sum(context_lens) + sum(r.bytes_for(n) for n in context_lens for r in rest)
 
     def step_bytes(self, slots_hit_per_layer: list[int], context_lens: list[int]) -> int:
@@ -220,13 +289,32 @@ class DecodeMeter:
         self.total_bytes = 0
         self.total_seconds = 0.0
         self.total_steps = 0
+        self._turn_end: float | None = None  # when the step loop's last busy turn ended (None: idle since)
 
     def begin_step(self) -> None:
+        """Before any step's forward: a step after an idle spell counts from here."""
+        if self._turn_end is None:
+            self._turn_end = time.perf_counter()
         if self.hits_LS is not None:
             self.hits_LS.zero_()
 
-    def end_decode_step(self, context_lens: list[int], seconds: float) -> None:
-        """After a decode-only step: its sequences' cache lengths (new token included), its time."""
+    def end_step(self, context_lens: list[int] | None) -> None:
+        """After every step this rank runs (an empty lockstep one too): a decode-only step (its
+        sequences' cache lengths, new token included) is counted, over the time since the step
+        before ended; another kind only moves that mark."""
+        now = time.perf_counter()
+        seconds = now - (self._turn_end if self._turn_end is not None else now)
+        self._turn_end = now
+        if context_lens is not None:
+            self._count_decode_step(context_lens, seconds)
+
+    def pause(self) -> float | None:
+        """An idle turn of the step loop: close the window (if it holds steps) and count the next
+        step from its own start."""
+        self._turn_end = None
+        return self.close_window() if self.window.steps else None
+
+    def _count_decode_step(self, context_lens: list[int], seconds: float) -> None:
         w = self.window
         if self.hits_LS is not None:  # distinct slots hit per layer, weighted by slot bytes: on the device
             self._expert_bytes += ((self.hits_LS[:, 1:] > 0).sum(1) * self._slot_bytes).sum()

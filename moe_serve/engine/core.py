@@ -451,7 +451,11 @@ class EngineCore:
         if out.is_empty:
             if lockstep:
                 t0 = time.perf_counter()
+                if self.meter is not None:
+                    self.meter.begin_step()
                 self.runner.execute_empty(max_tokens_any_rank, uniform_len)
+                if self.meter is not None:
+                    self.meter.end_step(None)
                 if self.runner.drafter is not None:
                     self.runner.propose_drafts([], [])
                 if self.load_recorder is not None:
@@ -474,8 +478,8 @@ class EngineCore:
         t0 = time.perf_counter()
         result = self.runner.execute(out, max_tokens_any_rank, uniform_len)
         seconds = time.perf_counter() - t0
-        if decode_lens is not None:
-            meter.end_decode_step(decode_lens, seconds)
+        if meter is not None:  # the step's turn of the loop, since the step before ended
+            meter.end_step(decode_lens)
         if self.eplb is not None:
             self.eplb.end_step(seconds)
         # Each sampling piece's rows: one, or with k draft tokens k + 1 (spec_decode.accept verifies).

@@ -249,8 +249,7 @@ class CoreLoop:
             # Idle: the decode speed-of-light window closes with the burst that filled it (and the
             # first turn reports the stats known at start-up, the assumed bandwidth among them).
             meter = core.meter
-            closed = not any_work and meter is not None and meter.window.steps > 0 and \
-                meter.close_window() is not None
+            closed = not any_work and meter is not None and meter.pause() is not None
             events = core.take_cache_events()
             if outs or any_work or wish or shutdown or closed or events or self.turns == 1 or self._changed:
                 self._changed = False

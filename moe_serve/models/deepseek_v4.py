@@ -193,10 +193,17 @@ class V4Attention(nn.Module):
         if self.compressor is not None:
             ent = [self.hd] + ([self.indexer.I] if self.indexer is not None else [])
             self.entries = PagedRows(FULL, ent)
-            # Per cached token: 1/m of an entry (every entry read, or the index keys of all and topk entries).
-            self.entries.reads = (CacheRead("full", self.hd * elem // self.m) if self.indexer is None else
-                                  CacheRead("sparse", self.hd * elem, self.indexer.topk * self.m,
-                                            self.indexer.I * elem // self.m))
+            # One entry per finished group of m: every entry (HCA), or the index keys of all and the
+            # top-k entries (CSA). A step that finishes a group pools its raw rows: kv and gate, the
+            # head_dim each compressor keeps of each of its span's rows.
+            pool = 2 * (self.hd + (self.indexer.I if self.indexer is not None else 0)) * elem
+            span = self.compressor.span
+            assert self.indexer is None or self.indexer.compressor.span == span
+            self.entries.reads = (
+                CacheRead("full", self.hd * elem, group=self.m, pool_span=span, pool_bytes_per_token=pool)
+                if self.indexer is None else
+                CacheRead("sparse", self.hd * elem, self.indexer.topk, self.indexer.I * elem, group=self.m,
+                          pool_span=span, pool_bytes_per_token=pool))
 
     def forward(self, x_TD: torch.Tensor, positions_T: torch.Tensor, meta: AttentionMetadata,
                 ropes: dict, rope_fns: dict) -> torch.Tensor:

@@ -82,6 +82,56 @@ def test_decode_bytes_match_a_count_by_hand(arch, checkpoints, extra_checkpoints
         assert llm.engine.stats().decode_sol_fraction == meter.fraction > 0
 
 
+def test_the_window_counts_the_whole_step_loop(checkpoints, monkeypatch):
+    """A decode step's seconds run from the end of the step before to the end of its own: work the
+    engine does outside the forward (here the scheduler's update, slowed down) counts, as it does
+    for the clients; an idle spell between two calls does not."""
+    import time
+
+    llm = LLM(checkpoints["qwen3_moe"], dtype="float32", num_kv_blocks=64, speed_of_light_window=1e9,
+              show_progress=False)
+    meter, delay = llm.engine.meter, 0.05
+    update = llm.engine.scheduler.update
+
+    def slow_update(*args, **kwargs):
+        time.sleep(delay)
+        return update(*args, **kwargs)
+
+    monkeypatch.setattr(llm.engine.scheduler, "update", slow_update)
+    sp = SamplingParams(max_tokens=N_OUT, temperature=0, ignore_eos=True)
+    for _ in range(2):
+        before = (meter.total_steps, meter.total_seconds)
+        t0 = time.perf_counter()
+        llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], sp, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        steps, seconds = meter.total_steps - before[0], meter.total_seconds - before[1]
+        assert steps == N_OUT - 1
+        # Each decode step's turn holds one slowed update (of the step before it); the prefill
+        # step's own time is not a decode step's, so the decode steps' seconds stay below the wall.
+        assert steps * delay <= seconds < wall
+        time.sleep(2 * delay)  # idle between the calls: the next call's first step does not count it
+
+
+def test_the_ceiling_is_a_read_stream_past_the_last_level_cache():
+    import subprocess
+
+    from moe_serve.speed_of_light import last_level_cache_bytes, measure_bandwidth, stream_bytes
+
+    sizes = []  # the cache sizes the C library reports (cpuid), where it reports them
+    for line in subprocess.run(["getconf", "-a"], capture_output=True, text=True).stdout.splitlines():
+        name, _, value = line.partition(" ")
+        if name.startswith("LEVEL") and name.endswith("CACHE_SIZE") and value.strip().isdigit():
+            sizes.append(int(value.strip()))
+    llc = last_level_cache_bytes("cpu")
+    assert llc is None or llc >= max(sizes, default=0)
+    import psutil
+
+    # Twice the largest cache (the C library's figure too), unless an eighth of the free memory is less.
+    cap = max(256 << 20, psutil.virtual_memory().available // 8)
+    assert stream_bytes("cpu") >= min(max(256 << 20, 2 * max([llc or 0, *sizes])), cap)
+    assert measure_bandwidth("cpu", 64 << 20, repeats=1) > 1e8
+
+
 def test_bandwidth_override_and_refusal(checkpoints):
     from moe_serve.speed_of_light import device_bandwidth
 
@@ -89,4 +139,85 @@ def test_bandwidth_override_and_refusal(checkpoints):
     with pytest.raises(ValueError, match="memory_bandwidth"):
         LLM(checkpoints["qwen3_moe"], dtype="float32", memory_bandwidth=0.0, show_progress=False)
     bw, source = device_bandwidth("cpu")
-    assert bw > 1e8 and "measured" in source
+    assert bw > 1e8 and source == "read stream measured at start-up"
+
+
+# --- bytes per cache kind and per expert slot, by hand from each checkpoint's config ---------------
+LENS = [1, 2, 3, 7, 8, 9, 15, 16, 17, 40]  # cached tokens of a sequence at a decode step (new one included)
+
+
+def _cache_by_hand(cfg: dict, elem: int, n: int) -> int:
+    """Bytes one decode query of a sequence holding n tokens reads of every layer's cache."""
+    t = cfg["model_type"]
+    L = cfg["num_hidden_layers"]
+    if t in ("deepseek_v3", "deepseek_v32"):
+        latent = (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * elem  # MLA: the latent and its rope part
+        if t == "deepseek_v3":
+            return L * n * latent
+        # DSA: the top-k tokens' latents, and every token's indexer key
+        return L * (min(n, cfg["index_topk"]) * latent + n * cfg["index_head_dim"] * elem)
+    if t == "qwen3_next":
+        kd, vd = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+        hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+        conv = (2 * hk * kd + hv * vd) * (cfg["linear_conv_kernel_dim"] - 1)  # the short convolution's last inputs
+        state = (conv + hv * kd * vd) * 4  # and the delta rule's state: float32, read then written back
+        full = L // cfg["full_attention_interval"]
+        kv = 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * elem
+        return (L - full) * 2 * state + full * n * kv
+    if t == "deepseek_v4":
+        hd, I, W, k = cfg["head_dim"], cfg["index_head_dim"], cfg["sliding_window"], cfg["index_topk"]
+        total = 0
+        for kind in cfg["layer_types"]:
+            total += min(n, W) * hd * elem  # the window's shared K = V
+            if kind == "sliding_attention":
+                continue
+            m = cfg["compress_rates"][kind]
+            entries, finishes = n // m, n % m == 0
+            if kind == "heavily_compressed_attention":  # every entry; a finished group pools m raw kv + gate rows
+                total += entries * hd * elem + (finishes and min(n, m) * 2 * hd * elem)
+            else:  # CSA: top-k entries, every index key; groups overlap, so pooling reads 2m rows (and the indexer's)
+                total += (min(entries, k) * hd * elem + entries * I * elem
+                          + (finishes and min(n, 2 * m) * 2 * (hd + I) * elem))
+        return total
+    kv = 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * elem
+    kinds = cfg.get("layer_types") or ["full_attention"] * L
+    return sum((min(n, cfg["sliding_window"]) if k == "sliding_attention" else n) * kv for k in kinds)
+
+
+def _slot_by_hand(cfg: dict, elem: int, quant: str | None) -> int:
+    """Bytes of one routed expert: its three projections (gate and up fused or not) as stored."""
+    D = cfg["hidden_size"]
+    F = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+    if quant == "fp8":  # one byte a weight, a float32 scale per 128 x 128 block of each matrix
+        blocks = 2 * (-(-F // 128)) * (-(-D // 128)) + (-(-D // 128)) * (-(-F // 128))
+        return 3 * D * F + 4 * blocks
+    if quant == "mxfp4":  # two weights a byte, a one-byte scale per 32 weights; biases as served
+        return (3 * D * F) // 2 + (3 * D * F) // 32 + (2 * F + D) * elem
+    return 3 * D * F * elem
+
+
+@pytest.mark.parametrize("arch, kwargs, quant", [
+    ("deepseek_v3", {}, None),  # MLA
+    ("deepseek_v3", {"quantization": "fp8"}, "fp8"),
+    ("deepseek_v32", {}, None),  # DSA
+    ("qwen3_next", {}, None),  # linear-attention state beside full attention
+    ("deepseek_v4", {}, None),  # V4's window rows and compressed entries
+    ("gpt_oss_mxfp4", {}, "mxfp4"),
+    ("qwen3_moe", {"dtype": "bfloat16"}, None),
+])
+def test_cache_and_slot_bytes_by_hand(arch, kwargs, quant, checkpoints, extra_checkpoints):
+    path = checkpoints[arch] if arch in checkpoints else extra_checkpoints[arch]
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    kwargs = {"dtype": "float32", **kwargs}
+    elem = 2 if kwargs["dtype"] == "bfloat16" else 4
+    llm = LLM(path, num_kv_blocks=64, speed_of_light_window=1e9, show_progress=False, **kwargs)
+    counted = llm.engine.meter.bytes
+    want = _slot_by_hand(cfg, elem, quant)
+    assert counted.slot_bytes and all(b == want for b in counted.slot_bytes), (counted.slot_bytes, want)
+    # Caches hold activations: a bf16 model whose layers all run in our CPU kernels keeps float32
+    # ones (EngineConfig.activation_dtype), else the model's dtype.
+    cache_elem = llm.engine.cfg.activation_dtype.itemsize
+    assert cache_elem in (elem, 4)
+    for n in LENS:
+        assert counted.cache_bytes([n]) == _cache_by_hand(cfg, cache_elem, n), n
+    assert counted.cache_bytes(LENS) == sum(_cache_by_hand(cfg, cache_elem, n) for n in LENS)
