@@ -46,6 +46,23 @@ class StepInputs:
     batches: list[tuple[torch.Tensor, torch.Tensor, AttentionMetadata]]
     logits_indices_S: torch.Tensor | None  # int64 indices into the step's packed tokens
     sampling: SamplingMetadata | None
+    # Prompt logprobs (rows of requests that asked, `InputBatch.prompt_logprob_plan`): the packed
+    # index of each prompt position computed this step and the prompt token that follows it.
+    prompt_lp_indices_P: torch.Tensor | None = None
+    prompt_lp_targets_P: torch.Tensor | None = None
+
+
+@dataclass
+class PromptLogprobPiece:
+    """One request's prompt positions in a step whose next token's logprob it asked for: `count`
+    consecutive packed rows from `first_index` of the step's prompt-logprob rows, giving prompt
+    tokens `first_token` .. first_token + count - 1, with `num_top` top logprobs each."""
+
+    request_id: str
+    first_index: int
+    count: int
+    first_token: int
+    num_top: int
 
 
 class InputBatch:
@@ -89,15 +106,35 @@ class InputBatch:
             self.remove(rid)
         pieces = []
         self.step_drafts = []  # draft tokens at the end of each piece (speculative decoding)
+        self.prompt_logprob_plan: list[PromptLogprobPiece] = []
+        self._prompt_lp_rows: tuple[list[int], list[int]] = ([], [])  # packed indices, next prompt tokens
+        packed = 0
         for s in out.scheduled:
             row = self._sync(s.request)
             if s.draft_ids:  # after the known tokens, not counted in them: the next sync overwrites
                 have = int(self._ntok[row])
                 self._check_len(s.request, have + len(s.draft_ids))
                 self._tok[row, have:have + len(s.draft_ids)] = s.draft_ids
-            pieces.append((row, s.request.num_computed_tokens, s.num_tokens, s.samples))
+            start = s.request.num_computed_tokens
+            pieces.append((row, start, s.num_tokens, s.samples))
             self.step_drafts.append(len(s.draft_ids))
+            if s.request.needs_prompt_logprobs:
+                self._plan_prompt_logprobs(s.request, packed, start, s.num_tokens)
+            packed += s.num_tokens
         return pieces
+
+    def _plan_prompt_logprobs(self, req: Request, packed: int, start: int, n: int) -> None:
+        """The positions p of this piece (start .. start + n - 1) whose hidden state gives the
+        logprob of prompt token p + 1 that req has not got yet (a recomputed piece, after a
+        preemption, skips those it has)."""
+        lo, hi = max(start, req.num_prompt_logprobs), min(start + n, req.num_prompt_tokens - 1)
+        if hi <= lo:
+            return
+        idx, targets = self._prompt_lp_rows
+        self.prompt_logprob_plan.append(PromptLogprobPiece(req.request_id, len(idx), hi - lo, lo + 1,
+                                                           req.params.prompt_logprobs))
+        idx.extend(range(packed + lo - start, packed + hi - start))
+        targets.extend(req.prompt_token_ids[lo + 1:hi + 1])
 
     def _sync(self, req: Request) -> int:
         """req's row, added if it has none; new tokens and block ids appended."""
@@ -204,6 +241,10 @@ class InputBatch:
         names = md.tensor_fields() if md is not None else []
         host.append(torch.tensor(logits_idx, dtype=torch.int64) if sample_rows else None)
         host += [getattr(md, k) for k in names]
+        # Taken once: a step prepared without an update (an empty lockstep step) has none.
+        (lp_idx, lp_targets), self._prompt_lp_rows = getattr(self, "_prompt_lp_rows", ([], [])), ([], [])
+        if lp_idx:  # prompt logprobs: their rows travel in the same copy
+            host += [torch.tensor(lp_idx, dtype=torch.int64), torch.tensor(lp_targets, dtype=torch.int64)]
         self.last_logits_idx = logits_idx  # host copy: what speculative drafters read back
         dev = self.h2d(host)
         per = self._tensors_per_batch
@@ -211,8 +252,9 @@ class InputBatch:
                    for i, (q_lens, seq_lens) in enumerate(lens)]
         k = per * len(groups)
         if md is not None:
-            md = replace(md, **dict(zip(names, dev[k + 1:])))
-        return StepInputs(batches, dev[k], md)
+            md = replace(md, **dict(zip(names, dev[k + 1:k + 1 + len(names)])))
+        lp = dev[k + 1 + len(names):] if lp_idx else (None, None)
+        return StepInputs(batches, dev[k], md, *lp)
 
     def _device_batch(self, dev: list[torch.Tensor], q_lens: list[int], seq_lens: list[int]):
         """(ids_T, positions_T, meta) from one batch's device tensors (_forward_host's order)."""

@@ -15,9 +15,10 @@ from expert_parallel.runtime.step import MoEStep
 from moe_serve.config import EngineConfig
 from moe_serve.cuda_graph import DecodeGraphs, padded_size
 from moe_serve.input_batch import InputBatch, Piece, StepInputs
+from moe_serve.protocol import TokenLogprob
 from moe_serve.runner.loading import warm_up_kernels
 from moe_serve.runner.memory import KVCacheSize
-from moe_serve.sampler import Sampler, SampleResult
+from moe_serve.sampler import Sampler, SampleResult, prompt_logprobs
 from moe_serve.scheduler import SchedulerOutput
 from moe_serve.structured_output.bitmask import BitmaskFiller
 
@@ -168,8 +169,9 @@ class ModelRunner:
         self._copy_states(out.state_copies)
         self._snapshot_states(out)
         h, step = self._forward(pieces, max_tokens_any_rank, uniform_len)
+        prompt_lps = self._prompt_logprobs(h, step) if step.prompt_lp_indices_P is not None else {}
         if step.sampling is None:
-            return SampleResult([], [])
+            return SampleResult([], [], prompt_lps)
         md = step.sampling
         if md.grammar_cpu is not None:
             # Host work that overlaps the forward already queued on an accelerator.
@@ -177,7 +179,28 @@ class ModelRunner:
                 self._bitmask = BitmaskFiller(self.cfg.scheduler.max_num_seqs, self.batch.sampling.V, self.device)
             md.grammar_rows_G, md.grammar_bitmask_GW = self._bitmask.fill(md.grammar_cpu)
         logits = self.model.compute_logits(h.index_select(0, step.logits_indices_S))
-        return self.sampler(logits, md)
+        result = self.sampler(logits, md)
+        result.prompt_logprobs = prompt_lps
+        return result
+
+    def _prompt_logprobs(self, h: torch.Tensor, step: StepInputs) -> dict[str, list[TokenLogprob]]:
+        """The prompt logprobs of this step's positions that asked for them (the input batch's
+        plan): only those rows go through the LM head. Request id -> entries, in prompt order."""
+        plan = self.batch.prompt_logprob_plan
+        n_top = max(p.num_top for p in plan)
+        rows = prompt_logprobs(self.model.compute_logits, h.index_select(0, step.prompt_lp_indices_P),
+                               step.prompt_lp_targets_P, n_top, self.batch.sampling.V)
+        out = {}
+        for p in plan:
+            prompt = self.batch.req_at_row[self.batch.row_of[p.request_id]].prompt_token_ids
+            entries = []
+            for j in range(p.count):
+                r = rows[p.first_index + j]
+                top_v, top_i = r[2:2 + p.num_top], r[2 + n_top:2 + n_top + p.num_top]
+                entries.append(TokenLogprob(prompt[p.first_token + j], r[0], [(int(t), v) for t, v in zip(top_i, top_v)],
+                                            int(r[1])))
+            out[p.request_id] = entries
+        return out
 
     def _copy_states(self, copies: list[tuple[int, int]]) -> None:
         """The scheduler's state-slot copies (prefix-cache snapshots, then restores), in order."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 @dataclass
 class Logprob:
     logprob: float
+    rank: int | None = None  # 1 = the most likely token (prompt logprobs and the top-n entries)
     decoded_token: str | None = None
 
 
@@ -32,3 +33,6 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
+    # With SamplingParams.prompt_logprobs (vLLM's shape): None for the first prompt token, then per
+    # prompt token {token id: Logprob} holding that token and the top prompt_logprobs ones.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -99,7 +99,8 @@ class CoreInput(msgspec.Struct, tag="in", array_like=True):
 class TokenLogprob(msgspec.Struct, array_like=True):
     token_id: int
     logprob: float
-    top: list[tuple[int, float]]
+    top: list[tuple[int, float]]  # the most likely tokens there, best first
+    rank: int | None = None  # prompt logprobs: 1 + the tokens more likely than token_id (None: not computed)
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -116,6 +117,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0
     # Decode side of a disaggregated request: its blocks are reserved, a prefill instance is to fill them.
     kv_target: KVTarget | None = None
+    # With the request's first new token, when params.prompt_logprobs is set: the entries of prompt
+    # tokens 1 .. n - 1, in order (the first prompt token has none).
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class EngineStats(msgspec.Struct, array_like=True):
@@ -242,6 +246,7 @@ class EngineOutput(msgspec.Struct):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob] | None = None  # see EngineCoreOutput.prompt_logprobs
 
 
 input_encoder = msgspec.msgpack.Encoder()

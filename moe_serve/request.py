@@ -49,6 +49,11 @@ class Request:
     stop_reason: int | str | None = None
     first_token_time: float | None = None
     logprobs: list = field(default_factory=list)  # per output token: (chosen logprob, {id: logprob})
+    # Prompt logprobs (params.prompt_logprobs): how many prompt tokens after the first have theirs
+    # (tokens 1 .. num_prompt_logprobs; token j's comes from position j - 1's hidden state), and
+    # those not yet sent (protocol.TokenLogprob), which go out with the request's first new token.
+    num_prompt_logprobs: int = 0
+    pending_prompt_logprobs: list = field(default_factory=list)
     # structured_output.GrammarState when the output is constrained: it has accepted exactly
     # output_token_ids (so preemption, which recomputes the same tokens, leaves it valid).
     grammar: object | None = None
@@ -77,6 +82,11 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether some prompt position still has to be computed for its prompt logprobs."""
+        return self.params.prompt_logprobs is not None and self.num_prompt_logprobs < self.num_prompt_tokens - 1
 
     @property
     def is_finished(self) -> bool:

@@ -7,6 +7,10 @@ the model's own distribution (before any of those transforms).
 No Python loop over rows touches a tensor, and the only device->host reads are the sampled ids
 (and, when some row asked for them, one read of the logprob values).
 
+Prompt logprobs (`prompt_logprobs`) take the hidden states of only the prompt positions whose
+request asked for them, through the LM head in slices of bounded size, and return each next
+prompt token's logprob, its rank and the top-n in one read.
+
 Random rows draw by an exponential race: argmax(p / q) with q ~ Exp(1) i.i.d. per token draws a
 token with probability p. Unseeded rows take q from the engine's generator; seeded rows from a
 counter-based hash of (seed, output position, token id) (`seeded_random.py`), so they do not
@@ -14,7 +18,8 @@ depend on the rest of the batch. Greedy rows take the argmax of the processed lo
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -29,6 +34,9 @@ class SampleResult:
     token_ids: list[int]
     # Per row: (logprob of the chosen token, [(token id, logprob), ...] top-N) or None.
     logprobs: list[tuple[float, list[tuple[int, float]]] | None]
+    # Prompt logprobs computed this step: request id -> the entries of its prompt tokens, in order
+    # (protocol.TokenLogprob; filled by the model runner).
+    prompt_logprobs: dict = field(default_factory=dict)
 
 
 class Sampler:
@@ -110,3 +118,29 @@ def _logprobs(raw_SV: torch.Tensor, chosen_S: torch.Tensor, want: list[int]) -> 
         ids = row[1 + n_top:1 + n_top + n]
         out.append((row[0], [(int(i), v) for i, v in zip(ids, row[1:1 + n])]))
     return out
+
+
+# The most float32 logits one slice of prompt rows materializes (256 MiB): a long prompt's chunk
+# at a large vocabulary would otherwise make a (tokens x vocab) tensor of gigabytes.
+PROMPT_LOGITS_BYTES = 1 << 28
+
+
+def prompt_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tensor], h_PD: torch.Tensor,
+                    targets_P: torch.Tensor, n_top: int, vocab_size: int,
+                    max_bytes: int = PROMPT_LOGITS_BYTES) -> list[list[float]]:
+    """Per prompt row: [logprob of its next prompt token, that token's rank (1 = the most likely;
+    1 + the tokens strictly more likely), top n_top logprobs..., their token ids...] of the raw
+    distribution, log_softmax in float32. h_PD: the hidden states of the rows (P, D); targets_P:
+    the token that follows each (int64). The LM head runs on slices of rows whose float32 logits
+    fit in max_bytes; one device->host read at the end."""
+    step = max(1, max_bytes // (4 * vocab_size))
+    parts = []
+    for i in range(0, h_PD.shape[0], step):
+        lp_MV = torch.log_softmax(compute_logits(h_PD[i:i + step]).to(torch.float32), dim=-1)
+        tgt_M1 = lp_MV.gather(1, targets_P[i:i + step, None])
+        cols = [tgt_M1, (lp_MV > tgt_M1).sum(dim=1, keepdim=True).to(torch.float32) + 1]
+        if n_top > 0:
+            top_v, top_i = torch.topk(lp_MV, min(n_top, lp_MV.shape[-1]), dim=-1)
+            cols += [top_v, top_i.to(torch.float32)]  # ids and ranks are exact in float32 below 2**24
+        parts.append(torch.cat(cols, dim=1))
+    return torch.cat(parts).tolist() if parts else []

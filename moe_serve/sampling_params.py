@@ -25,7 +25,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per generated token (0: only the chosen one)
-    prompt_logprobs: int | None = None  # not computed yet: anything but None is refused
+    # Per prompt token after the first: its logprob, its rank and this many top logprobs (vLLM's).
+    # Computed from the raw model output like `logprobs`; a request asking for them never resumes
+    # from prefix-cache hits before they are all computed (every position is run through the model).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # OpenAI's penalties (-2..2): subtract frequency * count + presence * (count > 0) of each token
@@ -89,8 +92,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise ValueError(f"min_tokens={self.min_tokens} must not exceed max_tokens={self.max_tokens}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
-        if self.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported yet")
+        if self.prompt_logprobs is not None and (isinstance(self.prompt_logprobs, bool) or
+                                                 not isinstance(self.prompt_logprobs, int) or
+                                                 not 0 <= self.prompt_logprobs <= 20):
+            raise ValueError(f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs!r}")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

@@ -334,13 +334,15 @@ class Scheduler:
     def _attach_prefix(self, req: Request) -> None:
         """Reuse cached blocks for the longest cached prefix every cache group can resume from. At
         least one token is always left to compute, since the step that computes the last known
-        token is the one that samples."""
+        token is the one that samples. A request that still needs prompt logprobs takes no hits:
+        every prompt position it has no logprob for is computed (vLLM does the same)."""
         tokens = req.all_token_ids
         hashes = self._full_block_hashes(req, len(tokens) // self.block_size)
-        hits = self.kv.attach_prefix(req, hashes, (len(tokens) - 1) // self.block_size)
+        lookup = not req.needs_prompt_logprobs
+        hits = self.kv.attach_prefix(req, hashes, (len(tokens) - 1) // self.block_size if lookup else 0)
         self._registered[req.request_id] = hits
         req.num_computed_tokens = hits * self.block_size
-        if req.num_preemptions == 0:
+        if req.num_preemptions == 0 and lookup:
             req.num_cached_prompt_tokens = req.num_computed_tokens
             if req.request_id not in self._looked_up:  # the hit rate counts a prompt once, not per attempt
                 self._looked_up.add(req.request_id)

@@ -501,6 +501,8 @@ class RequestStream:
         self.num_prompt_tokens = sum(len(p) for p in prompts)
         self.num_output_tokens = 0
         self._cached: dict[int, int] = {}  # per prompt: its tokens served from the prefix cache
+        # Per choice: its prompt's logprob entries (protocol.TokenLogprob), when params.prompt_logprobs is set.
+        self.prompt_logprobs: list[list | None] = [None] * len(self.child_ids)
         self.t0 = time.monotonic()
         self.first: float | None = None
         self.closed = False
@@ -519,6 +521,8 @@ class RequestStream:
         self.num_output_tokens += len(out.new_token_ids)
         k = self._index[out.request_id] // self.params.n
         self._cached[k] = max(self._cached.get(k, 0), out.num_cached_tokens)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs[self._index[out.request_id]] = out.prompt_logprobs
         if out.finished:
             self.open_ids.discard(out.request_id)
         return self._index[out.request_id], out

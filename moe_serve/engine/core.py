@@ -264,6 +264,7 @@ class EngineCore:
                 if new.kv is not None or len(new.output_token_ids) >= max_new:
                     raise ValueError("a resumed request must have tokens left to generate and no KV transfer")
                 req.output_token_ids = list(new.output_token_ids)
+                req.num_prompt_logprobs = req.num_prompt_tokens - 1  # sent with its first token already
             if new.kv is not None:
                 self._disaggregated(req, new.kv)
             if new.params.structured_outputs is not None:
@@ -283,6 +284,10 @@ class EngineCore:
         mode = self.cfg.disaggregation_mode
         if kv.role not in ("prefill", "decode"):
             raise ValueError(f"kv role {kv.role!r} is not prefill or decode")
+        if req.params.prompt_logprobs is not None:
+            # The prompt's hidden states exist only on the prefill instance, which returns no tokens.
+            raise ValueError("prompt_logprobs cannot be computed for a disaggregated request: its prompt is "
+                             "computed on a prefill instance")
         if mode != kv.role:
             raise ValueError(f"this instance was started with --disaggregation-mode {mode}: it does not take "
                              f"the {kv.role} side of a disaggregated request")
@@ -506,6 +511,11 @@ class EngineCore:
             self.runner.restore_states(rollback)
         else:
             rollback = set()
+        for s in out.scheduled:  # before the update: a request that ends in this step sends them now
+            lps = result.prompt_logprobs.get(s.request.request_id)
+            if lps:
+                s.request.pending_prompt_logprobs += lps
+                s.request.num_prompt_logprobs += len(lps)
         now = time.monotonic()
         self.scheduler.update(out, sampled, rollback)
         if self.load_recorder is not None:
@@ -520,10 +530,13 @@ class EngineCore:
                 r.first_token_time = now
             fin = r.is_finished
             lps = logprobs[r.request_id][:len(new)]
+            prompt_lps = None
+            if r.params.prompt_logprobs is not None and before == 0:  # its first token: the prompt's entries
+                prompt_lps, r.pending_prompt_logprobs = r.pending_prompt_logprobs, []
             outputs.append(EngineCoreOutput(
                 r.request_id, new, fin, r.status.value if fin else None, r.stop_reason if fin else None,
                 [TokenLogprob(t, lp[0], lp[1]) for t, lp in zip(new, lps)] if lps and lps[0] else None,
-                r.num_cached_prompt_tokens))
+                r.num_cached_prompt_tokens, prompt_logprobs=prompt_lps))
         if self.runner.drafter is not None:
             self._mtp_drafts(out, result.token_ids, last_accepted)
         elif self.spec.proposer is not None:

@@ -92,10 +92,10 @@ class LLM:
                 outputs[oi].num_cached_tokens = eo.num_cached_tokens
                 if eo.logprobs is not None:
                     for lp in eo.logprobs:
-                        d = {tid: Logprob(v, self.tokenizer.decode([tid], False)) for tid, v in lp.top}
-                        d[lp.token_id] = Logprob(lp.logprob, self.tokenizer.decode([lp.token_id], False))
-                        co.logprobs.append(d)
+                        co.logprobs.append(self._logprob_dict(lp))
                         co.cumulative_logprob += lp.logprob
+                if eo.prompt_logprobs is not None and outputs[oi].prompt_logprobs is None:  # every sample has them
+                    outputs[oi].prompt_logprobs = [None] + [self._logprob_dict(lp) for lp in eo.prompt_logprobs]
                 if eo.finished:
                     co.finish_reason, co.stop_reason = eo.finish_reason, eo.stop_reason
                     bar.update(1)
@@ -105,3 +105,10 @@ class LLM:
         for ro in outputs:
             ro.finished = all(c.finish_reason is not None for c in ro.outputs)
         return outputs
+
+    def _logprob_dict(self, lp) -> dict:
+        """{token id: Logprob} of one position: its top tokens (ranks 1, 2, ...) and the token itself."""
+        d = {tid: Logprob(v, i + 1, self.tokenizer.decode([tid], False)) for i, (tid, v) in enumerate(lp.top)}
+        rank = lp.rank if lp.rank is not None else (d[lp.token_id].rank if lp.token_id in d else None)
+        d[lp.token_id] = Logprob(lp.logprob, rank, self.tokenizer.decode([lp.token_id], False))
+        return d

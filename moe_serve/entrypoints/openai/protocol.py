@@ -57,7 +57,9 @@ class _Common(msgspec.Struct, omit_defaults=True):
     presence_penalty: float | None = None
     repetition_penalty: float | None = None  # vLLM's extra
     logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
-    prompt_logprobs: int | None = None  # vLLM's extra: refused (400) until computed
+    # vLLM's extra: per prompt token its logprob, rank and this many top logprobs ([0, 20]; not with
+    # stream). On completions echo with logprobs computes them too (OpenAI's legacy scoring).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Constrained output (entrypoints/openai/structured.py): OpenAI's response_format, vLLM's extra.
@@ -158,12 +160,21 @@ class CompletionLogprobs(msgspec.Struct):
     text_offset: list[int]
 
 
+class PromptLogprob(msgspec.Struct):
+    """One entry of vLLM's `prompt_logprobs`: per prompt token {token id: this}."""
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
 class CompletionChoice(msgspec.Struct):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # vLLM's: None for the first prompt token, then {token id: PromptLogprob} (the token and the top ones).
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(msgspec.Struct):
@@ -225,6 +236,7 @@ class ChatCompletionResponse(msgspec.Struct):
     choices: list[ChatChoice]
     usage: UsageInfo
     object: str = "chat.completion"
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None  # vLLM's, as on completions
 
 
 class DeltaFunctionCall(msgspec.Struct, omit_defaults=True):

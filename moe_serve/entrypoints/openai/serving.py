@@ -36,7 +36,10 @@ def _field_of(msg: str) -> str | None:
 
 
 def sampling_params(req: P._Common, max_tokens: int | None, logprobs: int | None,
-                    max_tokens_field: str = "max_tokens") -> SamplingParams:
+                    max_tokens_field: str = "max_tokens", prompt_logprobs: int | None = None) -> SamplingParams:
+    """prompt_logprobs: what the engine computes (default: the request's field)."""
+    if req.prompt_logprobs is not None and req.stream:  # as vLLM: they would come only at the end
+        raise BadRequest("prompt_logprobs is not available with stream=true", "prompt_logprobs")
     if req.n is None or req.n < 1:
         raise BadRequest(f"n must be >= 1, got {req.n}", "n")
     if req.n > L.MAX_N:
@@ -71,7 +74,7 @@ def sampling_params(req: P._Common, max_tokens: int | None, logprobs: int | None
             include_stop_str_in_output=req.include_stop_str_in_output,
             frequency_penalty=req.frequency_penalty or 0.0, presence_penalty=req.presence_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty, logit_bias=bias,
-            prompt_logprobs=req.prompt_logprobs)
+            prompt_logprobs=req.prompt_logprobs if prompt_logprobs is None else prompt_logprobs)
     except ValueError as e:
         raise BadRequest(str(e), _field_of(str(e))) from None
 
@@ -202,12 +205,29 @@ class OpenAIServing:
             return [(None, list(x)) for x in p]
         raise BadRequest("prompt must be a string, a list of strings, a list of token ids or a list of lists", "prompt")
 
+    def completion_params(self, req: P.CompletionRequest) -> SamplingParams:
+        """The sampling parameters of a completions request. `max_tokens: 0` with echo (OpenAI's
+        legacy scoring: the prompt alone, with its logprobs) runs one step whose token is dropped;
+        without echo it is refused, as in vLLM. echo with logprobs computes the prompt's logprobs
+        (prompt_logprobs: the larger of the two counts)."""
+        echo_only = req.max_tokens == 0
+        if echo_only and not req.echo:
+            raise BadRequest("max_tokens must be >= 1, got 0 (0 is taken only with echo=true: the prompt alone)",
+                             "max_tokens")
+        if echo_only and req.min_tokens:
+            raise BadRequest(f"min_tokens={req.min_tokens} must not exceed max_tokens=0", "min_tokens")
+        plp = req.prompt_logprobs
+        if req.echo and isinstance(req.logprobs, int) and 0 <= req.logprobs <= 20:
+            plp = max(req.logprobs, plp if isinstance(plp, int) else -1)
+        return sampling_params(req, 1 if echo_only else (16 if req.max_tokens is None else req.max_tokens),
+                               req.logprobs, prompt_logprobs=plp)
+
     async def completions(self, req: P.CompletionRequest, rid: str, deadline: float | None = None):
         """Returns a CompletionResponse, or an async iterator of SSE lines when streaming."""
         self.check_model(req.model)
         if req.suffix:
             raise BadRequest("suffix is not supported", "suffix")
-        params = sampling_params(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs)
+        params = self.completion_params(req)
         self.check_completion_prompt(req, params.n, params.max_tokens)
         params = await with_structured_outputs(self, req, params, deadline)
         prompts = await self._until(deadline, self.off_loop(self.completion_prompts, req))
@@ -217,46 +237,96 @@ class OpenAIServing:
         k = len(prompts) * params.n
         texts, lps, fins = await self._collect(stream, k, deadline)
         self._check_ended(fins)
+        echo_only = req.max_tokens == 0
         choices = []
         for c in range(k):
             ptext, ids = prompts[c // params.n]
             prefix = (ptext if ptext is not None else self.tok.decode(ids)) if req.echo else ""
-            lp = self._completion_logprobs(lps[c], len(prefix)) if req.logprobs is not None else None
-            choices.append(P.CompletionChoice(c, prefix + texts[c], lp, fins[c][0], fins[c][1]))
-        return P.CompletionResponse(rid, int(time.time()), self.model_name, choices, _usage(stream))
+            plps = stream.prompt_logprobs[c]
+            text, fin = (prefix, ("length", None)) if echo_only else (prefix + texts[c], fins[c])
+            lp = None
+            if req.logprobs is not None:
+                lp = self._completion_logprobs([] if echo_only else lps[c], len(prefix), req.logprobs,
+                                               (ids, plps) if req.echo else None)
+            choices.append(P.CompletionChoice(c, text, lp, *fin, self._prompt_logprobs_field(
+                ids, plps, req.prompt_logprobs if req.prompt_logprobs is not None else params.prompt_logprobs)))
+        return P.CompletionResponse(rid, int(time.time()), self.model_name, choices,
+                                    _usage(stream, 0 if echo_only else None))
 
-    def _completion_logprobs(self, lps, offset: int) -> P.CompletionLogprobs:
+    def _completion_logprobs(self, lps, offset: int, num_top: int | None = None,
+                             prompt: tuple[list[int], list | None] | None = None) -> P.CompletionLogprobs:
+        """OpenAI's legacy logprobs of the generated tokens `lps` (their text starting at offset);
+        with prompt (echo: the prompt's ids and logprob entries) the prompt's tokens first, from
+        offset 0, the first with none (null), as OpenAI and vLLM answer. num_top: top entries kept."""
         tokens, tlp, top, offs = [], [], [], []
-        for lp in lps:
-            t = self.tok.decode([lp.token_id], False)
-            offs.append(offset)
-            offset += len(t)
+
+        def add(token_id: int, logprob: float | None, top_pairs, at: int) -> int:
+            t = self.tok.decode([token_id], False)
+            offs.append(at)
             tokens.append(t)
-            tlp.append(lp.logprob)
-            top.append({self.tok.decode([i], False): v for i, v in lp.top} or None)
+            tlp.append(logprob)
+            top.append(None if top_pairs is None else
+                       ({self.tok.decode([i], False): v for i, v in top_pairs[:num_top]} or None))
+            return at + len(t)
+
+        if prompt is not None:
+            ids, entries = prompt
+            at = add(ids[0], None, None, 0)
+            for e in entries or []:
+                at = add(e.token_id, e.logprob, e.top, at)
+        for lp in lps:
+            offset = add(lp.token_id, lp.logprob, lp.top, offset)
         return P.CompletionLogprobs(tokens, tlp, top, offs)
+
+    def _prompt_logprobs_field(self, ids: list[int], entries: list | None, num_top: int | None):
+        """vLLM's `prompt_logprobs` of one prompt (None when not asked for)."""
+        if num_top is None or entries is None:
+            return None
+        out: list = [None]
+        for e in entries:
+            d = {t: P.PromptLogprob(v, i + 1, self.tok.decode([t], False)) for i, (t, v) in enumerate(e.top[:num_top])}
+            d[e.token_id] = P.PromptLogprob(e.logprob, e.rank, self.tok.decode([e.token_id], False))
+            out.append(d)
+        return out
 
     async def _stream_completions(self, req, rid, prompts, params, stream, deadline) -> AsyncIterator[bytes]:
         created = int(time.time())
         ended = None
+        echo_only = req.max_tokens == 0
+        # The echoed prompt goes first; with its logprobs (which come with a choice's first token)
+        # or alone (max_tokens 0) it goes with the choice's first output.
+        deferred = req.echo and (req.logprobs is not None or echo_only)
+
+        def echo_chunk(c: int, entries=None, finish: str | None = None) -> bytes:
+            ptext, ids = prompts[c // params.n]
+            lp = self._completion_logprobs([], 0, req.logprobs, (ids, entries)) if req.logprobs is not None else None
+            return _sse(P.CompletionResponse(rid, created, self.model_name, [P.CompletionChoice(
+                c, ptext if ptext is not None else self.tok.decode(ids), lp, finish)],
+                _usage(stream, 0 if echo_only else None) if _continuous(req) else None))
+
         try:
-            if req.echo:
+            if req.echo and not deferred:
                 for c in range(len(prompts) * params.n):
-                    ptext, ids = prompts[c // params.n]
-                    yield _sse(P.CompletionResponse(rid, created, self.model_name, [P.CompletionChoice(
-                        c, ptext if ptext is not None else self.tok.decode(ids))]))
+                    yield echo_chunk(c)
+            echoed = [False] * (len(prompts) * params.n)
             async for c, out in self._timed(stream, deadline):
-                ended = ended or _error_of(out)
-                if not (out.new_text or out.finished or out.logprobs):
+                error = _error_of(out)
+                ended = ended or error
+                if deferred and not echoed[c] and error is None:
+                    echoed[c] = True
+                    yield echo_chunk(c, out.prompt_logprobs, "length" if echo_only else None)
+                if echo_only or not (out.new_text or out.finished or out.logprobs):
                     continue
-                lp = self._completion_logprobs(out.logprobs or [], 0) if req.logprobs is not None else None
+                lp = self._completion_logprobs(out.logprobs or [], 0, req.logprobs) if req.logprobs is not None \
+                    else None
                 yield _sse(P.CompletionResponse(rid, created, self.model_name, [P.CompletionChoice(
                     c, out.new_text, lp, out.finish_reason, out.stop_reason)],
                     _usage(stream) if _continuous(req) else None))
             if self.engine.dead or ended:
                 yield self._ended_event(ended)
             elif req.stream_options and req.stream_options.include_usage:
-                yield _sse(P.CompletionResponse(rid, created, self.model_name, [], _usage(stream)))
+                yield _sse(P.CompletionResponse(rid, created, self.model_name, [],
+                                                _usage(stream, 0 if echo_only else None)))
         except BadRequest as e:  # the request timed out
             yield _sse_error(str(e), e.status, e.type, e.code)
         finally:
@@ -417,7 +487,9 @@ class OpenAIServing:
             message, finish = self._chat_message(texts[i], fins[i][0], tools, reasoner, req.parallel_tool_calls)
             choices.append(P.ChatChoice(i, message, self._chat_logprobs(lps[i]) if req.logprobs else None, finish,
                                         fins[i][1]))
-        return P.ChatCompletionResponse(rid, int(time.time()), self.model_name, choices, _usage(stream))
+        return P.ChatCompletionResponse(rid, int(time.time()), self.model_name, choices, _usage(stream),
+                                        prompt_logprobs=self._prompt_logprobs_field(ids, stream.prompt_logprobs[0],
+                                                                                    params.prompt_logprobs))
 
     async def count_chat_tokens(self, req: P.ChatCompletionRequest, deadline: float | None = None) -> int:
         """The prompt tokens the chat request's conversation (and tools) render to."""
@@ -658,6 +730,10 @@ class OpenAIServing:
         for ids in prompts:  # the KV cache and max_model_len, with a message that says which
             self.limits.check_tokens(len(ids), params.max_tokens)
         prefill = self._prefill_route(kv_transfer_params)
+        if prefill is not None and params.prompt_logprobs is not None:
+            raise BadRequest("prompt_logprobs (also asked by echo with logprobs) cannot be served with "
+                             "kv_transfer_params: the prompt is computed on a prefill instance, which returns "
+                             "no logprobs", "prompt_logprobs")
         try:
             return self.engine.submit(rid, prompts, params, prefill, kv)
         except QueueFullError as e:
@@ -710,9 +786,11 @@ def _error_of(out) -> str | None:
     return None
 
 
-def _usage(stream) -> P.UsageInfo:
-    return P.UsageInfo(stream.num_prompt_tokens, stream.num_output_tokens,
-                       stream.num_prompt_tokens + stream.num_output_tokens,
+def _usage(stream, completion_tokens: int | None = None) -> P.UsageInfo:
+    """completion_tokens: the count to report when it is not the tokens generated (0 for the
+    prompt alone: echo with max_tokens 0 drops the one token it runs)."""
+    done = stream.num_output_tokens if completion_tokens is None else completion_tokens
+    return P.UsageInfo(stream.num_prompt_tokens, done, stream.num_prompt_tokens + done,
                        P.PromptTokensDetails(getattr(stream, "num_cached_tokens", 0)))
 
 
