@@ -66,11 +66,15 @@ class NewRequest(msgspec.Struct, array_like=True):
 
 
 class KVDone(msgspec.Struct, array_like=True):
-    """The prefill instance has written (ok) or failed to write a decode-side request's blocks."""
+    """The prefill instance has written (ok) or failed to write a decode-side request's blocks.
+    ended: no write into them can still land (the prefill side answered, or is gone). A failure
+    not known to have ended (this side stopped waiting) is followed by a KVDone with ended=True:
+    until then the blocks stay out of use, and the request is computed here in others."""
 
     request_id: str
     ok: bool
     error: str = ""
+    ended: bool = True
 
 
 class UtilityCall(msgspec.Struct, array_like=True):

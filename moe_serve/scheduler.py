@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 from attention.blocks import BlockAllocator, hash_block
 from attention.kv_manager import KVCacheManager
@@ -258,15 +259,18 @@ class Scheduler:
         """Prefill side: give back a request's blocks once its write is over (they stay cached)."""
         self.kv.free(req)
 
-    def kv_done(self, request_id: str, ok: bool) -> Request | None:
+    def kv_done(self, request_id: str, ok: bool, ended: bool = True) -> Request | None:
         """Decode side: the prefill instance wrote a request's blocks (ok) or will not. Written: the
         request resumes after its first kv_end tokens, ahead of the queue (one token to compute).
-        Not written: it is computed here from its prefix-cache hits, like a preempted request. An
-        aborted request's held blocks are given back either way."""
-        req = self._kv_quarantine.pop(request_id, None)
-        if req is not None:
-            self.kv.free(req)
-            return None
+        Not written: it is computed here from its prefix-cache hits, like a preempted request.
+        Blocks a write may still land in (not ended: the prefill side has not said its write is
+        over) are set aside, out of use, and given back by a later kv_done with ended; meanwhile
+        the request is computed in others. An aborted request's held blocks likewise."""
+        if ended:
+            held = self._kv_quarantine.pop(request_id, None)
+            if held is not None:
+                self.kv.free(held)
+                return None
         req = self.awaiting_kv.pop(request_id, None)
         if req is None:
             return None
@@ -275,12 +279,25 @@ class Scheduler:
             req.num_computed_tokens = req.kv_end
             self.kv_received += 1
         else:
-            self.kv.free(req)
+            if ended:
+                self.kv.free(req)
+            else:
+                self._kv_quarantine[request_id] = self._take_blocks(req)
             req.num_computed_tokens = 0
             self._registered[req.request_id] = 0
             self.kv_fallbacks += 1
         self.waiting.appendleft(req)
         return req
+
+    def _take_blocks(self, req: Request):
+        """What req holds (blocks of every group, its state slot), moved to a holder that
+        `self.kv.free` takes later; req is left holding nothing."""
+        tables = self.kv.tables(req)
+        held = SimpleNamespace(block_ids=tables[0], group_block_ids=tables[1:], state_slot=req.state_slot,
+                               restore_from=req.restore_from)
+        req.block_ids, req.group_block_ids = [], [[] for _ in tables[1:]]
+        req.state_slot = req.restore_from = None
+        return held
 
     @property
     def num_kv_held(self) -> int:

@@ -314,7 +314,7 @@ class EngineCore:
     def kv_done(self, done: list) -> None:
         """Decode side: prefill instances wrote (or failed to write) these requests' blocks."""
         for d in done:
-            req = self.scheduler.kv_done(d.request_id, d.ok)
+            req = self.scheduler.kv_done(d.request_id, d.ok, d.ended)
             if req is not None and not d.ok:
                 log.warning("request %s: its prompt's KV did not arrive (%s): computing it here", d.request_id,
                             d.error or "no reason given")
@@ -376,7 +376,15 @@ class EngineCore:
         outs = []
         for send, state in self.connector.poll():
             self.scheduler.free_held(send.req)
-            if state == "DONE":
+            if send.aborted:  # aborted while its write was posted: answered now that the write has ended
+                if state == "DONE":
+                    self.kv_sent_requests += 1
+                    self.kv_sent_bytes += send.nbytes
+                else:
+                    self.kv_send_failures += 1
+                outs.append(EngineCoreOutput(send.req.request_id, [], True, "abort",
+                                             f"aborted; its KV write has ended ({state})"))
+            elif state == "DONE":
                 self.kv_sent_requests += 1
                 self.kv_sent_bytes += send.nbytes
                 self.kv_send_seconds += time.monotonic() - send.t0
@@ -392,6 +400,8 @@ class EngineCore:
         for rid in request_ids:
             if self.scheduler.abort_request(rid) is not None:
                 outs.append(EngineCoreOutput(rid, [], True, "abort"))
+            elif self.connector is not None and self.connector.abort(rid):
+                pass  # its KV write is posted: answered (poll_kv) once the write has ended, never before
             elif any(r.request_id == rid for r, _ in self._awaiting_grammar):
                 self._awaiting_grammar = [(r, f) for r, f in self._awaiting_grammar if r.request_id != rid]
                 outs.append(EngineCoreOutput(rid, [], True, "abort"))

@@ -297,6 +297,19 @@ def install_signal_handlers(loop: CoreLoop) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+def _die_with_parent(parent: int) -> None:
+    """A prefill instance's core ends with its front end, at once (Linux): a decode instance that
+    finds the front end gone takes its KV writes as ended (moe_serve/disagg), so none may go on."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the loop's own check ends it within a second
+        return
+    if os.getppid() != parent:  # the front end was gone before this was set
+        os._exit(1)
+
+
 def main(argv: list[str] | None = None) -> int:
     """The single-process server's engine core: EngineArgs as JSON, the front end's addresses."""
     p = argparse.ArgumentParser(prog="python -m moe_serve.engine.core_proc")
@@ -311,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
 
     parent = os.getppid()
     args = msgspec.json.decode(ns.engine_args.encode(), type=EngineArgs)
+    if args.disaggregation_mode == "prefill":
+        _die_with_parent(parent)
     loop = None
     try:
         core = build_engine(args.create_engine_config(), show_progress=args.show_progress)

@@ -711,15 +711,23 @@ class OpenAIServing:
                 last = out
             return last
 
+        late = False
         try:
             last = await asyncio.wait_for(drain(), min(req.timeout_s, (deadline - asyncio.get_running_loop().time())
                                                        if deadline is not None else req.timeout_s))
         except asyncio.TimeoutError:
-            await stream.aclose()
-            raise BadRequest(f"the prompt's KV was not written within {req.timeout_s:g}s", None, 504,
-                             "kv_transfer_timeout", "timeout_error") from None
+            # Whatever answer this sends, the decode side reuses its blocks on it: so the request is
+            # aborted but its stream kept, and the answer waits for the core's last word on it, which
+            # comes only once no write of it is in flight (a posted write cannot be recalled).
+            late = True
+            self.engine.cancel(stream.child_ids)
+            last = await drain()
         finally:
             await stream.aclose()
+        if late and (last is None or last.finish_reason == "abort"):
+            raise BadRequest(f"the prompt's KV was not written within {req.timeout_s:g}s (no write of it is in "
+                             f"flight: {last.stop_reason if last else 'no output'})", None, 504,
+                             "kv_transfer_timeout", "timeout_error")
         if last is None or last.finish_reason == "abort":
             raise BadRequest(f"the prompt's KV was not written: {last.stop_reason if last else 'no output'}", None,
                              502, "kv_transfer_failed", "ServiceUnavailableError")
