@@ -4,7 +4,10 @@ Every rank publishes, in the job's key-value store, the number of the engine tur
 A watchdog thread on every rank checks the others: when this rank has been waiting in turn n for
 longer than `timeout_s` and some rank has not started turn n (or its heartbeat thread stopped, i.e.
 the process is gone), the watchdog logs which rank it is and ends this process with exit code 1;
-torchrun then stops the rest of the job and reports the failure.
+torchrun then stops the rest of the job and reports the failure. Before it ends the process it runs
+`before_exit` (rank 0: stop and reap the front end, so that no process of the job outlives it:
+torchrun signals only the workers still running, and an orphaned front end would hold the HTTP
+port after the job has ended).
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import logging
 import os
 import threading
 import time
+from typing import Callable
 
 import torch.distributed as dist
 
@@ -29,6 +33,7 @@ class Watchdog:
         self._thread: threading.Thread | None = None
         self.store = store
         self._store_call_since: float | None = None  # when the watchdog's current store round began
+        self.before_exit: Callable[[str], None] | None = None  # given the reason; runs before os._exit
         if store is None and world_size > 1 and dist.is_initialized():
             try:
                 from torch.distributed.distributed_c10d import _get_default_store
@@ -50,6 +55,17 @@ class Watchdog:
         self._thread.start()
         threading.Thread(target=self._deadman, name="rank-watchdog-store", daemon=True).start()
 
+    def _exit(self, reason: str) -> None:
+        """End this process with code 1 once `before_exit` has run (bounded by its own waits)."""
+        try:
+            if self.before_exit is not None:
+                self.before_exit(reason)
+        except Exception as e:  # the process ends anyway
+            log.error("rank %d: stopping the processes this rank started: %s", self.rank, e)
+        finally:
+            logging.shutdown()
+            os._exit(1)
+
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
@@ -63,11 +79,12 @@ class Watchdog:
         while not self._stop.wait(period):
             since = self._store_call_since
             if since is not None and time.monotonic() - since > self.timeout_s:
-                log.error("rank %d: the job's key-value store (MASTER_ADDR %s:%s, on node 0) has not answered for "
-                          "%.0fs: this host has lost node 0 (its link is down, or node 0 is gone); stopping",
-                          self.rank, os.environ.get("MASTER_ADDR", "?"), os.environ.get("MASTER_PORT", "?"),
-                          time.monotonic() - since)
-                os._exit(1)
+                why = (f"the job's key-value store (MASTER_ADDR {os.environ.get('MASTER_ADDR', '?')}:"
+                       f"{os.environ.get('MASTER_PORT', '?')}, on node 0) has not answered for "
+                       f"{time.monotonic() - since:.0f}s: this host has lost node 0 (its link is down, or node 0 is "
+                       f"gone)")
+                log.error("rank %d: %s; stopping", self.rank, why)
+                self._exit(why)
 
     def _run(self) -> None:
         period = min(1.0, self.timeout_s / 4)
@@ -93,11 +110,11 @@ class Watchdog:
                 if self._stop.is_set():
                     return
                 log.error("rank %d: lost the job's key-value store (%s); exiting", self.rank, e)
-                os._exit(1)
+                self._exit(f"rank {self.rank} lost the job's key-value store ({e})")
             finally:
                 self._store_call_since = None
             if behind:
                 names = ", ".join(f"rank {r} (at turn {t}, last heartbeat {age:.0f}s ago)" for r, t, age in behind)
-                log.error("rank %d waited %.0fs in turn %d for %s: dead or hung; stopping the job", self.rank,
-                          now - self.turn_started, self.turn, names)
-                os._exit(1)
+                why = f"rank {self.rank} waited {now - self.turn_started:.0f}s in turn {self.turn} for {names}: dead or hung"
+                log.error("%s; stopping the job", why)
+                self._exit(why)

@@ -127,6 +127,9 @@ def run(ns: argparse.Namespace, serve_argv: list[str], argv: list[str] | None = 
     loop, clean = None, False
     try:
         a = json.loads(broadcast_bytes(addrs, groups.cpu_group))
+        if frontend is not None:  # the watchdog ends this process: the front end goes first
+            out_url = network.url(a["host"], a["out"])
+            watchdog.before_exit = lambda why: stop_frontend(frontend, why, out_url)
         core = build_engine(cfg, groups.ep_group, show_progress=rank == 0)
         agree_max_model_len(core, groups.cpu_group)
         peer_alive = (lambda: frontend.poll() is None) if frontend is not None else (lambda: True)
@@ -200,6 +203,31 @@ def join_network(ns: argparse.Namespace, backend: str):
         log.info("every rank joined: %s", network.table_of(peers))
     store.set_timeout(datetime.timedelta(seconds=ns.dist_timeout))
     return ep, peers, dist.PrefixStore(prefix + "/watchdog", store)
+
+
+def stop_frontend(proc, reason: str, out_addr: str, timeout_s: float = 3.0) -> None:
+    """Stop rank 0's front end and reap it, before this process ends on a failure it cannot
+    recover from: the front end hears why as a core failure (its streams end with the reason),
+    and is killed if it has not exited within timeout_s. torchrun signals only the workers still
+    running, so a front end left behind would outlive the job, its HTTP port held."""
+    if proc.poll() is not None:
+        return
+    try:
+        import zmq
+
+        from moe_serve.protocol import CoreFatal, input_encoder
+
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 500)
+        sock.connect(out_addr)
+        sock.send(input_encoder.encode(CoreFatal(0, reason)), zmq.NOBLOCK)
+        sock.close()
+        ctx.term()
+    except Exception as e:  # it is stopped below either way
+        log.warning("could not tell the front end why the job stops: %s", e)
+        proc.terminate()
+    _wait(proc, timeout_s)
 
 
 def _wait(proc, timeout_s: float = 30.0) -> int:

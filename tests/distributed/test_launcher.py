@@ -92,6 +92,73 @@ def test_killed_rank_stops_job_with_named_error(checkpoints):
         job.kill()
 
 
+def _children(pid: int) -> list[int]:
+    import os
+
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(d))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def _exists(pid: int) -> bool:
+    import os
+
+    return os.path.exists(f"/proc/{pid}")
+
+
+def test_hung_rank_stops_rank0_with_its_front_end_reaped(checkpoints):
+    """Rank 1 hangs (SIGSTOP): rank 0's watchdog ends rank 0 after --dist-timeout, and rank 0's
+    front end (its child, which holds the HTTP port) is gone by the time rank 0's process is: torchrun
+    signals only the workers still running, so a front end left to notice by itself would outlive
+    the job. Clients of the request in flight hear why."""
+    import os
+    import threading
+
+    job = TorchrunJob(2, ["--model", checkpoints["qwen3_moe"], *ARGS, "--dist-timeout", "4"])
+    pid1 = job.rank_pid(1)
+    try:
+        pid0 = job.rank_pid(0)
+        (frontend,) = _children(pid0)
+        streamed, first = [], threading.Event()
+
+        def long_request():
+            body = {"prompt": [5, 6, 7], "max_tokens": 900, "ignore_eos": True, "stream": True}
+            try:
+                with httpx.stream("POST", job.url + "/v1/completions", json=body, timeout=90) as r:
+                    for line in r.iter_lines():
+                        streamed.append(line)
+                        first.set()
+            except httpx.HTTPError as e:
+                streamed.append(repr(e))
+            first.set()
+
+        t = threading.Thread(target=long_request, daemon=True)
+        t.start()
+        first.wait(60)
+        assert t.is_alive(), streamed  # streaming
+        os.kill(pid1, signal.SIGSTOP)
+        while _exists(pid0) and open(f"/proc/{pid0}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+            time.sleep(0.01)  # running until the watchdog ends it (a zombie once it has)
+        assert not _exists(frontend), "rank 0 has ended, its front end still runs"
+        log = job.log()
+        assert "rank 0 waited" in log and "for rank 1 " in log and "dead or hung" in log, log[-3000:]
+        t.join(30)
+        assert any("dead or hung" in line for line in streamed), streamed[-5:]
+    finally:
+        try:
+            os.kill(pid1, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        job.kill()
+
+
 def test_sigterm_on_follower_rank_stops_job_cleanly(checkpoints):
     job = TorchrunJob(2, ["--model", checkpoints["deepseek_v3"], *ARGS])
     try:

@@ -184,6 +184,26 @@ def spawn_frontend(serve_argv: list[str], world_size: int, bind_host: str) -> tu
     return proc, ports["in"], ports["out"]
 
 
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: the kernel kills this front end the moment rank 0's process ends, however it ends.
+    Rank 0 stops and reaps its front end on every exit it makes itself (launcher/worker.py); this
+    covers the ones it cannot (SIGKILL, the OOM killer), where a front end that only noticed by
+    polling would outlive the job for seconds, its HTTP port held. (The signal follows the thread
+    that started this process: rank 0 spawns it from its main thread, which lives as long as it.)"""
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, int(signal.SIGKILL), 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+    except (OSError, AttributeError) as e:  # not Linux: check_alive's polling still notices
+        log.debug("no parent-death signal: %s", e)
+        return
+    if os.getppid() != parent_pid:  # rank 0 ended before the signal was set
+        os._exit(1)
+
+
 def frontend_main(argv: list[str] | None = None) -> int:
     from moe_serve.engine.core_client import CoreClient
     from moe_serve.entrypoints.cli import add_serve_args
@@ -206,6 +226,7 @@ def frontend_main(argv: list[str] | None = None) -> int:
     rank_env = os.environ.get("RANK", "0")
     logging.basicConfig(level=os.environ.get("MOE_SERVE_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s %(levelname)s [rank {rank_env} front end] %(name)s: %(message)s")
+    _die_with_parent(ns.parent_pid)
     client = CoreClient(ns.world_size, ns.bind_host)
     with os.fdopen(ns.announce_fd, "w") as f:
         f.write(json.dumps({"in": client.in_ports, "out": client.out_port}) + "\n")
