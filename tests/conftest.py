@@ -64,3 +64,16 @@ def default_build(smollm2, gguf_once, tmp_path_factory):
         again = smollm2.ensure_default_model()
         reuse_s = time.perf_counter() - t0
     return dict(path=path, description=description, cache=cache, build_s=build_s, again=again, reuse_s=reuse_s)
+
+
+@pytest.fixture(scope="session")
+def default_tool_server(default_build):
+    """`moe-serve serve` with no --model (the built-in default model, float32) and auto tool choice
+    with the hermes parser, as agent frameworks are served; one per session, shared by the tests
+    of agent frameworks and of streams' first chunks."""
+    from tests.e2e.server import ServerProcess
+
+    s = ServerProcess(["--dtype", "float32", "--kv-cache-memory", str(64 << 20), "--enable-auto-tool-choice",
+                       "--tool-call-parser", "hermes"], env={"MOE_SERVE_CACHE": default_build["cache"]})
+    yield s
+    assert s.stop() == 0

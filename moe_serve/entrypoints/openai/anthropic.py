@@ -91,10 +91,11 @@ class MessagesServing:
                         "name": block["name"], "arguments": json.dumps(block.get("input") or {})}})
                 elif kind == "tool_result" and role == "user":
                     if texts:  # text before a result: its own user turn
-                        msgs.append(P.ChatMessage("user", "".join(texts)))
+                        msgs.append(P.ChatMessage("user", "\n".join(texts)))
                         texts = []
                     result = block.get("content", "")
-                    text = result if isinstance(result, str) else _text(result, f"{at}.content", "messages")
+                    # A list of blocks (as coding agents send results) is one string, its texts on lines.
+                    text = result if isinstance(result, str) else _text(result, f"{at}.content", "messages", "\n")
                     if block.get("is_error"):
                         text = f"Error: {text}"
                     if not isinstance(block.get("tool_use_id"), str):
@@ -107,7 +108,7 @@ class MessagesServing:
                                      "tool_use and thinking from the assistant, text and tool_result from the user; "
                                      "image and document inputs are not served)", "messages")
             if texts or calls or thinking or role == "assistant":
-                msgs.append(P.ChatMessage(role, "".join(texts) if texts or not calls else None,
+                msgs.append(P.ChatMessage(role, "\n".join(texts) if texts or not calls else None,
                                           tool_calls=calls or None, reasoning_content=thinking))
         return msgs
 
@@ -250,49 +251,54 @@ class MessagesServing:
             open_kind = kind
             return evs + [event("content_block_start", index=index, content_block=block)]
 
+        # The chat items come from the first token on; message_start goes out with the first one's
+        # events (one write per item), so a client timing the first event times a computed token.
         async for item in items:
+            evs = []
             if isinstance(item, StreamFailure):
-                for b in close():
-                    yield b
-                yield event("error", error={"type": ERROR_TYPES.get(item.status, "api_error"), "message": item.message})
+                evs += close()
+                evs.append(event("error", error={"type": ERROR_TYPES.get(item.status, "api_error"),
+                                                 "message": item.message}))
+                yield b"".join(evs)
                 return
             if item.usage is not None:  # every chunk carries the usage so far
                 usage = (item.usage.prompt_tokens, item.usage.completion_tokens)
             if not started:
                 started = True
-                yield event("message_start", message=self._message(msg_id, [], None, None, usage[0], 0))
+                evs.append(event("message_start", message=self._message(msg_id, [], None, None, usage[0], 0)))
             for c in item.choices:
                 d = c.delta
                 if d.reasoning_content:
                     if open_kind != "thinking":
-                        for b in start("thinking", {"type": "thinking", "thinking": "", "signature": ""}):
-                            yield b
-                    yield event("content_block_delta", index=index,
-                                delta={"type": "thinking_delta", "thinking": d.reasoning_content})
+                        evs += start("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+                    evs.append(event("content_block_delta", index=index,
+                                     delta={"type": "thinking_delta", "thinking": d.reasoning_content}))
                 if d.content:
                     if open_kind != "text":
-                        for b in start("text", {"type": "text", "text": ""}):
-                            yield b
-                    yield event("content_block_delta", index=index, delta={"type": "text_delta", "text": d.content})
+                        evs += start("text", {"type": "text", "text": ""})
+                    evs.append(event("content_block_delta", index=index,
+                                     delta={"type": "text_delta", "text": d.content}))
                 for tc in d.tool_calls or []:
                     if tc.index not in calls:
-                        for b in start("tool_use", {"type": "tool_use", "id": tc.id or f"toolu_{uuid.uuid4().hex}",
-                                                    "name": (tc.function.name if tc.function else None) or "",
-                                                    "input": {}}):
-                            yield b
+                        evs += start("tool_use", {"type": "tool_use", "id": tc.id or f"toolu_{uuid.uuid4().hex}",
+                                                  "name": (tc.function.name if tc.function else None) or "",
+                                                  "input": {}})
                         calls[tc.index] = index
                     frag = tc.function.arguments if tc.function else None
                     if frag:
-                        yield event("content_block_delta", index=calls[tc.index],
-                                    delta={"type": "input_json_delta", "partial_json": frag})
+                        evs.append(event("content_block_delta", index=calls[tc.index],
+                                         delta={"type": "input_json_delta", "partial_json": frag}))
                 if c.finish_reason:
                     finish, stop_str = c.finish_reason, c.stop_reason
-        for b in close():
-            yield b
+            if evs:
+                yield b"".join(evs)
         stop, seq = _stop_reason(finish, stop_str)
-        yield event("message_delta", delta={"stop_reason": stop, "stop_sequence": seq},
-                    usage={"input_tokens": usage[0], "output_tokens": usage[1]})
-        yield event("message_stop")
+        evs = [] if started else [event("message_start", message=self._message(msg_id, [], None, None, *usage))]
+        evs += close()
+        evs.append(event("message_delta", delta={"stop_reason": stop, "stop_sequence": seq},
+                         usage={"input_tokens": usage[0], "output_tokens": usage[1]}))
+        evs.append(event("message_stop"))
+        yield b"".join(evs)
 
 
 def _stop_reason(finish: str | None, stop) -> tuple[str | None, str | None]:
@@ -313,7 +319,9 @@ def _arguments(text: str):
     return v if isinstance(v, dict) else {}
 
 
-def _text(content, where: str, param: str) -> str:
+def _text(content, where: str, param: str, sep: str = "") -> str:
+    """A string, or a list of text blocks' texts joined by sep (vLLM: "" for the system prompt's
+    blocks, newlines for a message's and a tool result's)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -324,4 +332,4 @@ def _text(content, where: str, param: str) -> str:
             kind = b.get("type") if isinstance(b, dict) else None
             raise BadRequest(f"{where}[{j}]: only text blocks are supported here, not type {kind!r}", param)
         texts.append(b["text"])
-    return "".join(texts)
+    return sep.join(texts)

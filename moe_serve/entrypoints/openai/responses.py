@@ -278,31 +278,36 @@ class ResponsesServing:
             seq[0] += 1
             return f"event: {kind}\n".encode() + b"data: " + msgspec.json.encode(data) + b"\n\n"
 
-        start = self._response(req, resp_id, [], None, None, "in_progress")
-        yield event("response.created", response=start)
-        yield event("response.in_progress", response=start)
+        def opening() -> list[bytes]:
+            start = self._response(req, resp_id, [], None, None, "in_progress")
+            return [event("response.created", response=start), event("response.in_progress", response=start)]
+
+        # The stream's first bytes go out with the first chat item, which comes with the first token:
+        # response.created and in_progress are written together with the first output's events (one
+        # write per chat item), so a client timing the first event times a computed token.
         out = _StreamedOutput(event)
-        finish, usage = None, None
+        finish, usage, started = None, None, False
         async for item in items:
+            evs = [] if started else opening()
+            started = True
             if isinstance(item, StreamFailure):
-                for b in out.close():
-                    yield b
                 failed = self._response(req, resp_id, out.items, None, usage, "failed")
                 failed["error"] = {"code": str(item.code or item.type), "message": item.message}
-                yield event("response.failed", response=failed)
+                yield b"".join([*evs, *out.close(), event("response.failed", response=failed)])
                 return
             if item.usage is not None and not item.choices:
                 usage = _usage(item.usage)
             for c in item.choices:
-                for b in out.feed(c.delta):
-                    yield b
+                evs += out.feed(c.delta)
                 finish = c.finish_reason or finish
-        for b in out.close():
-            yield b
+            if evs:
+                yield b"".join(evs)
+        evs = ([] if started else opening()) + out.close()
         response = self._response(req, resp_id, out.items, finish, usage)
         self._keep(req, resp_id, messages, out.message(), response)
-        yield event("response.incomplete" if response["status"] == "incomplete" else "response.completed",
-                    response=response)
+        evs.append(event("response.incomplete" if response["status"] == "incomplete" else "response.completed",
+                         response=response))
+        yield b"".join(evs)
 
 
 class _StreamedOutput:
@@ -448,5 +453,5 @@ def _text_of(content, where: str) -> str:
             raise BadRequest(f"{where}[{j}]: only text content parts are supported, not type {kind!r} (image and "
                              "file inputs are not served)", "input")
         texts.append(part["text"])
-    return "".join(texts)
+    return "\n".join(texts)  # as vLLM joins a message's text parts
 

@@ -378,9 +378,11 @@ class OpenAIServing:
         return REASONING_PARSERS[self.reasoning_parser](self.tok, req.chat_template_kwargs)
 
     def chat_messages(self, messages: list[P.ChatMessage], field: str = "messages") -> list[dict]:
-        """The request's messages as Hugging Face chat templates expect them: text content, an
-        assistant's tool_calls with their arguments as objects (templates write them with tojson),
-        a tool message's tool_call_id."""
+        """The request's messages as Hugging Face chat templates expect them, in the shape vLLM hands
+        them over: content always a string (null, as agent frameworks send beside tool_calls, is "";
+        a list of text parts is their texts joined by newlines), an assistant's tool_calls with their
+        arguments as objects (templates write them with tojson), a tool message's tool_call_id.
+        Templates written for plain chat concatenate content as a string and rely on this."""
         msgs = []
         for k, m in enumerate(messages):
             if m.role not in ("system", "user", "assistant", "tool", "developer"):
@@ -393,7 +395,7 @@ class OpenAIServing:
                         raise BadRequest(f"{field}[{k}].content[{j}]: only text content parts are supported, not "
                                          f"type {part.get('type')!r} (image inputs are not served)", field)
                     texts.append(part["text"])
-                content = "".join(texts)
+                content = "\n".join(texts)
             msg = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
             if m.name is not None:
                 msg["name"] = m.name
@@ -402,8 +404,6 @@ class OpenAIServing:
                     raise BadRequest(f"{field}[{k}]: only assistant messages have tool_calls", field)
                 msg["tool_calls"] = [self._history_call(c, f"{field}[{k}].tool_calls[{j}]", field)
                                      for j, c in enumerate(m.tool_calls)]
-                if content is None:
-                    msg["content"] = None  # (some templates, DeepSeek's, test for none beside tool calls)
             if m.tool_call_id is not None:
                 if m.role != "tool":
                     raise BadRequest(f"{field}[{k}]: only tool messages have a tool_call_id", field)
@@ -540,20 +540,27 @@ class OpenAIServing:
         tool_streams = [tools.stream() if tools is not None else None for _ in range(params.n)]
         think_streams = [reasoner.stream() if reasoner is not None else None for _ in range(params.n)]
         called = [False] * params.n
+        # A choice's role goes out with its first output, never before: clients (benchmarks
+        # included) time the first chunk as the first token, so it must carry one (as vLLM's).
+        # When the parsers hold that token's text back, the chunk has the role and empty content.
+        greeted = [False] * params.n
         try:
-            for i in range(params.n):
-                yield P.ChatCompletionChunk(rid, created, self.model_name,
-                                            [P.ChatStreamChoice(i, P.Delta(role="assistant", content=""))],
-                                            _usage(stream) if _continuous(req) else None)
             async for i, out in self._timed(stream, deadline):
                 ended = ended or _error_of(out)
-                if not (out.new_text or out.finished or out.logprobs):
+                first = not greeted[i]
+                greeted[i] = True
+                if not (first or out.new_text or out.finished or out.logprobs):
                     continue
                 delta = _stream_delta(out.new_text, out.finished, think_streams[i], tool_streams[i])
                 if delta.tool_calls and req.parallel_tool_calls is False:
                     delta.tool_calls = [c for c in delta.tool_calls if c.index == 0] or None
                 called[i] = called[i] or bool(delta.tool_calls)
-                if not (delta.content or delta.reasoning_content or delta.tool_calls or out.finished or out.logprobs):
+                if first:
+                    delta.role = "assistant"
+                    if delta.content is None and not delta.tool_calls:
+                        delta.content = ""
+                elif not (delta.content or delta.reasoning_content or delta.tool_calls or out.finished
+                          or out.logprobs):
                     continue
                 lp = self._chat_logprobs(out.logprobs or []) if req.logprobs else None
                 finish = _calls_finish(tools, out.finish_reason) if out.finished and called[i] else out.finish_reason
