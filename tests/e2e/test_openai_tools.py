@@ -241,7 +241,8 @@ BAD = [
     ({"seed": 1 << 64}, "seed"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"echo": True}, "echo"),
-    ({"prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ({"tool_choice": "auto", "tools": [{"type": "function", "function": {"name": "f"}}],
       "messages": [{"role": "user", "content": "x", "tool_call_id": "c"}]}, "messages"),
 ]

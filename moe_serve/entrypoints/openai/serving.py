@@ -265,8 +265,13 @@ class OpenAIServing:
             offs.append(at)
             tokens.append(t)
             tlp.append(logprob)
-            top.append(None if top_pairs is None else
-                       ({self.tok.decode([i], False): v for i, v in top_pairs[:num_top]} or None))
+            if top_pairs is None:
+                top.append(None)
+                return at + len(t)
+            d: dict[str, float] = {}
+            for i, v in top_pairs[:num_top]:  # two tokens that read the same: the likelier keeps the key
+                d.setdefault(self.tok.decode([i], False), v)
+            top.append(d or None)
             return at + len(t)
 
         if prompt is not None:
