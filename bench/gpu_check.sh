@@ -7,8 +7,8 @@
 #
 # Everything it produces lands in OUT_DIR: each stage's JSON/text results and its full log
 # (<stage>.log), plus env.txt (nvidia-smi). Each stage runs under `timeout`; the whole check fits
-# in 8 minutes (kernels 300 s, decode 150 s, nvidia-smi 20 s). Exit status: 0 all passed, 1 a check
-# failed or a stage failed or timed out, 2 no CUDA GPU here.
+# in 8 minutes (kernels 300 s, decode 150 s, nvidia-smi 20 s), 12 with the elastic stage (240 s, on 2+
+# GPUs only). Exit status: 0 all passed, 1 a check failed or a stage failed or timed out, 2 no CUDA GPU here.
 # Python: $PYTHON if set, else the checkout's .venv, else python3 on PATH. Needs only torch and
 # triton: decode_sol.py measures the model modules alone when the engine's own dependencies
 # (msgspec, tokenizers, tqdm) are missing, and uses the whole engine when they are there.
@@ -61,6 +61,19 @@ stage() {
 stage kernels 300 "$PY" bench/kernels.py --out-dir "$OUT"
 # Decode speed of light: single-stream and batch-64 decode of a dummy Qwen3-30B-A3B-sized model.
 stage decode_sol 150 "$PY" bench/decode_sol.py --out "$OUT/decode_sol.json"
+
+# Elastic EP over NCCL (tests/distributed/test_elastic_ep.py's GPU case): the cores run with
+# TORCH_NCCL_ASYNC_ERROR_HANDLING=2, a rank stalled in a step is waited for, and a survivor outlives a
+# killed rank's core and regroups. An NCCL job needs one GPU per rank (NCCL refuses two ranks on one
+# device), so this stage needs 2 GPUs, and pytest with the engine's dependencies; elsewhere it says why
+# it did not run (the regroup itself is tested over gloo on the CPU, in the same file).
+ngpu=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+if [ "$ngpu" -ge 2 ] && "$PY" -c 'import pytest, msgspec, tokenizers, httpx' 2>/dev/null; then
+    stage elastic_nccl 240 "$PY" -m pytest -q -x -rs tests/distributed/test_elastic_ep.py -k nccl
+else
+    echo "== elastic_nccl not run: it needs 2 CUDA GPUs (found $ngpu) and pytest with the engine's dependencies" \
+        | tee "$OUT/elastic_nccl.log"
+fi
 
 echo "gpu_check.sh: done (status $rc); results in $OUT"
 exit $rc

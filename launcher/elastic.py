@@ -18,9 +18,16 @@ Membership, in the job's key-value store (torchrun's, on node 0), under `moe_ser
 Ranks keep the id they started with (a replacement takes the lowest free one) for the life of the
 job: the front end addresses cores by it. The EP rank of generation G is the index in its member list.
 
-Failure. A rank's death surfaces on every survivor as a failed collective: at once when its process
-dies (the connection is reset), within `--elastic-timeout` when its host goes silent (the collective
-timeout while serving). Every survivor then leaves its step, says it is here for the next generation,
+Failure. A rank is lost when its core process ends (its supervisor records it at once) or its
+heartbeat stops for `--elastic-heartbeat-timeout` (its host went silent). A slow rank is not lost:
+every member watches the others (`Membership._watch_members`), and a rank that has waited in one
+step for `--elastic-timeout` asks the membership about them; while every heartbeat beats it goes on
+waiting (a long prefill chunk), up to `--dist-timeout` (the collectives' own timeout while serving:
+a rank alive but hung). When a member is lost it ends its own wait (`interrupt_groups`): NCCL's
+communicators are aborted, gloo's connections shut down. On gloo a dead process also resets its
+connections at once. NCCL runs with TORCH_NCCL_ASYNC_ERROR_HANDLING=2 in every core (`core_env`),
+so that a failed or aborted collective raises in the survivor rather than ending its process.
+Every survivor then leaves its step, says it is here for the next generation,
 and waits; the coordinator waits until every member of the old generation is either here or lost
 (its supervisor recorded its exit, or its heartbeat stopped for `--elastic-heartbeat-timeout`), adds
 any replacement waiting to join, and writes the new members. They form new process groups under a
@@ -49,11 +56,25 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Callable
 
 log = logging.getLogger("moe_serve.elastic")
 
 PREFIX = "moe_serve/elastic/"
 ENV_CORE = "MOE_SERVE_ELASTIC_CORE"  # set by the supervisor in its engine-core child
+ENV_STALL = "MOE_SERVE_ELASTIC_STALL"  # tests: "<rank>:<seconds>", that rank sleeps once inside a step
+# TORCH_NCCL_ASYNC_ERROR_HANDLING, read by each NCCL process group when it is made: 0 no handling
+# (a collective on a dead peer waits for ever), 1 abort the communicators and tear the process down
+# (torchrun exports 1 to every worker), 2 abort the communicators only (the error reaches the
+# caller: the survivor regroups), 3 tear down without aborting.
+NCCL_ASYNC_ERROR_HANDLING = "2"
+
+
+def core_env(environ: dict[str, str]) -> dict[str, str]:
+    """The environment of an elastic engine core: the supervisor's, with the core's marker and the
+    NCCL error handling a regroup needs (NCCL_ASYNC_ERROR_HANDLING: CleanUpOnly), whatever torchrun
+    or the user set."""
+    return dict(environ, **{ENV_CORE: "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": NCCL_ASYNC_ERROR_HANDLING})
 
 
 class ElasticError(RuntimeError):
@@ -73,8 +94,9 @@ def add_elastic_args(p: argparse.ArgumentParser) -> None:
                    help="start a replacement rank that joins a running elastic job through its store (node 0's "
                         "MASTER_ADDR:MASTER_PORT); takes the lowest free rank id")
     g.add_argument("--elastic-timeout", type=float, default=5.0,
-                   help="elastic EP: seconds a rank waits in a collective while serving before the peer it waits "
-                        "on counts as lost (a dead process is noticed at once; a silent host after this)")
+                   help="elastic EP: seconds a rank waits in one step before it asks the membership about the peers "
+                        "it waits on: one whose core exited or whose heartbeat stopped is lost and the wait ends; "
+                        "one whose heartbeat beats (a long prefill chunk) is waited for, up to --dist-timeout")
     g.add_argument("--elastic-heartbeat-timeout", type=float, default=3.0,
                    help="elastic EP: seconds without a heartbeat after which a rank counts as lost")
 
@@ -112,7 +134,7 @@ def is_collective_failure(e: BaseException) -> bool:
 def supervise(argv: list[str]) -> int:
     """Run this rank's engine core as a child (the same command, ENV_CORE set) and wait for it."""
     rank = int(os.environ.get("RANK", "0"))
-    env = dict(os.environ, **{ENV_CORE: "1"})
+    env = core_env(dict(os.environ))
     child = subprocess.Popen([sys.executable, "-m", "launcher", *argv], env=env)
     log.info("rank %d: elastic EP: the engine core runs in process %d (this process, pid %d, supervises it)", rank,
              child.pid, os.getpid())
@@ -147,7 +169,7 @@ class Membership:
     """This core's view of the job's members, through the store (see the module's docstring)."""
 
     def __init__(self, host: str, port: int, rank: int | None, heartbeat_timeout_s: float, settle_timeout_s: float,
-                 store_timeout_s: float = 30.0):
+                 store_timeout_s: float = 30.0, wait_check_s: float = 5.0):
         self.addr = (host, port)
         self.store = job_store(host, port, store_timeout_s)
         self.rank = rank
@@ -165,6 +187,17 @@ class Membership:
         self._hb_key: str | None = None
         self._call_since: float | None = None  # when the heartbeat's store call in progress began
         self.on_joiner = lambda: None  # the coordinator's watcher calls it when a replacement waits
+        # While serving: when this core's current turn began (None between generations), the seconds
+        # a turn may last before the peers are asked about, and what ends the wait on a loss.
+        self.turn_since: float | None = None
+        self.wait_check = wait_check_s
+        self.on_lost: Callable[[str], None] = lambda why: None
+        self._interrupted: int | None = None  # the generation whose wait was ended
+        self.group_sockets: set[str] = set()  # the connections of this generation's groups
+
+    def turn_began(self, turn: int) -> None:
+        """CoreLoop's on_turn: a new step starts here."""
+        self.turn_since = time.monotonic()
 
     def k(self, key: str) -> str:
         return PREFIX + key
@@ -179,6 +212,37 @@ class Membership:
         self._hb_thread = threading.Thread(target=self._beat, name="elastic-heartbeat", daemon=True)
         self._hb_thread.start()
         threading.Thread(target=self._deadman, name="elastic-deadman", daemon=True).start()
+        threading.Thread(target=self._watch_members, name="elastic-members", daemon=True).start()
+
+    def _watch_members(self) -> None:
+        """While this core serves: keep every member's heartbeat age fresh; once a step has lasted
+        `wait_check` seconds, a member whose core exited or whose heartbeat stopped is lost, and
+        `on_lost` ends this core's wait (at most once per generation). A member that is merely
+        slow is waited for. Its own store client and thread: the wait it ends may take a moment,
+        and the heartbeat must go on meanwhile."""
+        store = None
+        while not self._stop.wait(self.hb_interval):
+            since, gen, members = self.turn_since, self.generation, list(self.members)
+            if since is None or self._interrupted == gen:
+                continue
+            try:
+                store = store or job_store(*self.addr, self.store_timeout)
+                lost = [(r, why) for r in members if r != self.rank
+                        for why in [self.lost(store, r)] if why is not None]
+            except Exception as e:  # the heartbeat's deadman ends a process cut off from the store
+                log.warning("rank %s: could not read the members' state: %s", self.rank, e)
+                continue
+            waited = time.monotonic() - since
+            if not lost or waited < self.wait_check or self.turn_since != since or self.generation != gen:
+                continue
+            why = "; ".join(f"rank {r} is lost ({w})" for r, w in lost)
+            log.warning("rank %s: waited %.1fs in this step (generation %d): %s: ending the wait", self.rank, waited,
+                        gen, why)
+            self._interrupted = gen
+            try:
+                self.on_lost(why)
+            except Exception as e:
+                log.warning("rank %s: ending the wait: %s", self.rank, e)
 
     def _deadman(self) -> None:
         """A store call that never returns (a cut link: TCP retries for many minutes, past the
@@ -380,15 +444,85 @@ def form_groups(m: Membership, backend: str, device, timeout_s: float, build_tim
     n, rank = len(m.members), m.members.index(m.rank)
     timeout = datetime.timedelta(seconds=timeout_s)
     if n == 1:
+        m.group_sockets = set()
         return ProcessGroups(0, 1, int(os.environ.get("LOCAL_RANK", "0")), None, None, device)
     store = dist.PrefixStore(m.k(f"g{m.generation}/pg"), m.store)
     kwargs = {"device_id": device} if device.type == "cuda" else {}
+    before = _socket_inodes()
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=n, timeout=timeout, **kwargs)
     cpu = dist.new_group(ranks=list(range(n)), backend="gloo", timeout=timeout)
+    m.group_sockets = _socket_inodes() - before  # the groups' connections (what interrupt_groups shuts)
     groups = ProcessGroups(rank, n, int(os.environ.get("LOCAL_RANK", "0")), dist.group.WORLD, cpu,
                          device if device.type == "cuda" else torch.device("cpu"))
     set_timeout(groups, build_timeout_s)
     return groups
+
+
+def group_settings(groups) -> dict:
+    """What this core's groups run with, read back from them: each group's backend and timeout,
+    and the NCCL error handling in this process's environment (read when an NCCL group is made)."""
+    import torch
+
+    out = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")}
+    if groups.world_size == 1:
+        return out
+    for name, g in (("ep_group", groups.ep_group), ("cpu_group", groups.cpu_group)):
+        dev = torch.device("cuda") if name == "ep_group" and groups.device.type == "cuda" else torch.device("cpu")
+        b = g._get_backend(dev)
+        out[name] = {"backend": b.name(), "timeout_s": b.options._timeout.total_seconds()}
+    return out
+
+
+def _socket_inodes() -> set[str]:
+    """The socket inodes of this process's open descriptors ("socket:[N]")."""
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:"):
+            out.add(link)
+    return out
+
+
+def interrupt_groups(group_sockets: set[str], store_addr: tuple[str, int]) -> int:
+    """End the collective this process waits in, from another thread, after a member was lost:
+    NCCL communicators are aborted (ncclCommAbort makes their kernels return; with
+    TORCH_NCCL_ASYNC_ERROR_HANDLING=2 the error reaches the caller), and the connections the
+    groups opened are shut down: gloo's abort does not end an operation in progress (torch 2.13),
+    a closed connection does, as a dead peer's does. The job's store connections are left alone.
+    Returns the number of connections shut down."""
+    import torch
+
+    if torch.cuda.is_available():
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            from torch.distributed.distributed_c10d import _world
+
+            for pg in list(_world.pg_map):
+                try:
+                    pg._get_backend(torch.device("cuda")).abort()
+                except Exception:  # a gloo group: no CUDA backend
+                    pass
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") not in group_sockets:
+                continue
+            s = socket.socket(fileno=os.dup(int(fd)))
+        except OSError:
+            continue
+        try:
+            if s.type == socket.SOCK_STREAM and s.getpeername()[1] != store_addr[1]:
+                s.shutdown(socket.SHUT_RDWR)  # (the duplicate shares the connection)
+                n += 1
+        except OSError:  # a listening socket, or closed meanwhile
+            pass
+        finally:
+            s.close()
+    return n
 
 
 def set_timeout(groups, timeout_s: float) -> None:
@@ -493,7 +627,15 @@ def run_core(ns: argparse.Namespace, serve_argv: list[str]) -> int:
     import faulthandler
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # where every thread is, for an operator
+    # Before any NCCL group is made (a replacement runs its core in the torchrun worker itself, not
+    # under supervise(), so its environment is torchrun's).
+    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = NCCL_ASYNC_ERROR_HANDLING
     dev = platform.resolve_device(ns.device)
+    if dev.type == "cuda" and dev.index is None:  # one GPU per rank, as torchrun numbers them on a node
+        import torch
+
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(dev)  # before any NCCL call: a communicator binds the current device
     backend = platform.dist_backend(dev)
     if ns.elastic_join:
         master, _, port_s = ns.elastic_join.rpartition(":")
@@ -508,7 +650,13 @@ def run_core(ns: argparse.Namespace, serve_argv: list[str]) -> int:
     network.wait_reachable(master, port, ep, ns.dist_join_timeout)
     settle = ns.elastic_timeout + ns.elastic_heartbeat_timeout + 2.0
     m = Membership(master, port, None if ns.elastic_join else int(os.environ["RANK"]), ns.elastic_heartbeat_timeout,
-                   settle, max(ns.dist_join_timeout, 30.0))
+                   settle, max(ns.dist_join_timeout, 30.0), wait_check_s=ns.elastic_timeout)
+
+    def end_wait(why: str) -> None:
+        n = interrupt_groups(m.group_sockets, m.addr)
+        log.info("rank %s: aborted this generation's communicators and shut %d of its connections", m.rank, n)
+
+    m.on_lost = end_wait
     if ns.elastic_join:
         rank, gen, members = m.wait_to_join(ns.dist_join_timeout)
         m.full_size = int(json.loads(m.store.get(m.k("frontend")))["world"])
@@ -541,6 +689,7 @@ def run_core(ns: argparse.Namespace, serve_argv: list[str]) -> int:
                          groups.rank, groups.world_size, os.getpid(), m.members)
                 cfg = elastic_config(args, groups.rank, groups.world_size)
                 core = build_engine(cfg, groups.ep_group, show_progress=rank == 0 and m.generation == 0)
+                _stall_for_tests(core, rank)
                 if groups.world_size > 1:
                     agree_max_model_len(core, groups.cpu_group)
                 m.publish_info(RankInfo(rank, host_name(), os.getpid(), core.moe_ctx.dispatcher.slots_per_rank))
@@ -548,7 +697,11 @@ def run_core(ns: argparse.Namespace, serve_argv: list[str]) -> int:
                     import torch.distributed as dist
 
                     dist.barrier(group=groups.cpu_group)
-                set_timeout(groups, ns.elastic_timeout)
+                # While serving, a collective waits for a slow peer whose heartbeat beats up to
+                # --dist-timeout (a rank hung that long counts as lost); a lost one ends the wait
+                # sooner (Membership._watch_members).
+                set_timeout(groups, max(ns.dist_timeout, ns.elastic_timeout))
+                log.info("generation %d: rank %d's groups: %s", m.generation, rank, json.dumps(group_settings(groups)))
             except Exception as e:
                 if (m.generation == 0 and not ns.elastic_join) or not is_collective_failure(e):
                     raise
@@ -563,7 +716,8 @@ def run_core(ns: argparse.Namespace, serve_argv: list[str]) -> int:
                 continue
             if loop is None:
                 loop = CoreLoop(core, rank, groups.world_size, network.url(a["host"], a["in"][rank]),
-                                network.url(a["host"], a["out"]), groups.cpu_group, peer_alive=peer_alive)
+                                network.url(a["host"], a["out"]), groups.cpu_group, on_turn=m.turn_began,
+                                peer_alive=peer_alive)
                 install_signal_handlers(loop)
                 loop.elastic, loop.generation = True, m.generation
                 loop.ready(announce=m.generation == 0 and not ns.elastic_join)
@@ -582,11 +736,13 @@ def run_core(ns: argparse.Namespace, serve_argv: list[str]) -> int:
                 rc = loop.run()
                 break
             except Regroup as r:
+                m.turn_since = None
                 t_fail, reason = time.monotonic(), r.reason
                 if r.size is not None:
                     remove = frozenset(sorted(m.members, reverse=True)[:max(0, len(m.members) - r.size)])
                 log.info("generation %d: %s: regrouping at this step", m.generation, reason)
             except Exception as e:
+                m.turn_since = None
                 if not is_collective_failure(e):
                     raise
                 t_fail, reason = time.monotonic(), f"a collective failed ({_first_line(e)})"
@@ -621,6 +777,25 @@ def run_core(ns: argparse.Namespace, serve_argv: list[str]) -> int:
             from launcher.worker import _wait
 
             _wait(frontend)
+
+
+def _stall_for_tests(core, rank: int) -> None:
+    """ENV_STALL="<rank>:<seconds>" (tests): that rank sleeps once, inside its first step with
+    tokens, while its heartbeat goes on: a slow rank, as a long prefill chunk makes one."""
+    spec = os.environ.get(ENV_STALL)
+    if not spec or int(spec.split(":")[0]) != rank:
+        return
+    seconds, execute = float(spec.split(":")[1]), core.execute
+
+    def stalled(sched, *args, **kwargs):
+        if sched.num_batched_tokens > 0 and core.execute is stalled:
+            core.execute = execute
+            os.environ.pop(ENV_STALL, None)  # once in this process's life, not once per generation
+            log.warning("rank %d: stalling %.1fs inside this step (%s)", rank, seconds, ENV_STALL)
+            time.sleep(seconds)
+        return execute(sched, *args, **kwargs)
+
+    core.execute = stalled
 
 
 def _first_line(e: BaseException) -> str:

@@ -141,6 +141,9 @@ def test_lost_rank_recovers_then_a_replacement_joins(checkpoints, want, tmp_path
         core_pid = next(x["pid"] for x in r["ranks"] if x["rank"] == 2)
         with open(f"/proc/{core_pid}/stat") as f:
             assert int(f.read().rsplit(")", 1)[1].split()[1]) == joiner.pid  # the launcher's child
+        # The replacement's core runs in its torchrun worker (torchrun exported 1 there): set in-process.
+        assert group_settings((tmp_path / "joiner.log").read_text(), 2, r["generation"])[
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
         before = job.log().count(" -> rank 2 ")
         assert asyncio.run(stream_all(job.url)) == want
         assert job.log().count(" -> rank 2 ") > before  # the replacement serves
@@ -194,6 +197,78 @@ def test_loss_during_rebalance_then_two_losses_in_a_row(checkpoints, want, monke
         assert asyncio.run(stream_all(job.url)) == want  # one rank holds every expert now
     finally:
         job.kill()
+
+
+def test_slow_rank_is_waited_for_not_regrouped(checkpoints, want, monkeypatch):
+    """Rank 1 sleeps inside a step for twice --elastic-timeout (a long prefill chunk), its heartbeat
+    beating: rank 0 waits for it in the step's collectives, asks the membership once the step has
+    lasted --elastic-timeout, finds every member alive, and goes on waiting. The job keeps its
+    members and its generation, and every stream completes with the single-process text."""
+    monkeypatch.setenv("MOE_SERVE_ELASTIC_STALL", "1:4")
+    job = TorchrunJob(2, ["--model", checkpoints["qwen3_moe"], *ARGS])
+    try:
+        r = ranks(job.url)
+        # What every core process was started with, and what its groups run with, read back.
+        for x in r["ranks"]:
+            with open(f"/proc/{x['pid']}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+            assert env[b"TORCH_NCCL_ASYNC_ERROR_HANDLING"] == b"2", env.get(b"TORCH_NCCL_ASYNC_ERROR_HANDLING")
+        for rank in (0, 1):
+            settings = group_settings(job.log(), rank, 0)
+            assert settings["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+            # Serving collectives wait --dist-timeout (20 s) for a peer alive, not --elastic-timeout.
+            assert settings["cpu_group"] == {"backend": "gloo", "timeout_s": 20.0}
+            assert settings["ep_group"] == {"backend": "gloo", "timeout_s": 20.0}
+        assert asyncio.run(stream_all(job.url, health=[])) == want
+        log = job.log()
+        assert "rank 1: stalling 4.0s inside this step" in log
+        r = ranks(job.url)
+        assert r["generation"] == 0 and r["world_size"] == 2 and r["lost"] == [], r
+        assert metric(job.url, "moe_serve:elastic_recoveries_total") == 0
+        assert "regrouping" not in log and "ending the wait" not in log, log[-3000:]
+        assert no_blocks_held(job.url)
+    finally:
+        job.kill()
+
+
+@pytest.mark.gpu
+def test_nccl_survivor_waits_for_a_slow_rank_then_regroups(checkpoints, monkeypatch):
+    """The same over NCCL, one GPU per rank (NCCL refuses two ranks on one device, so 2 GPUs): the
+    cores run with TORCH_NCCL_ASYNC_ERROR_HANDLING=2, a rank stalled for twice --elastic-timeout is
+    waited for, and when rank 1's core is killed mid-stream rank 0's process survives (NCCL's
+    watchdog does not tear it down), regroups alone and completes every stream."""
+    import torch
+
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if have < 2:
+        pytest.skip(f"needs 2 CUDA devices for an NCCL job of 2 ranks, found {have}")
+    path = checkpoints["qwen3_moe"]
+    llm = LLM(path, dtype="float32", kv_cache_memory=4 << 20, show_progress=False, device="cuda")
+    want_cuda = [o.outputs[0].text for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(
+        temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))]
+    del llm
+    monkeypatch.setenv("MOE_SERVE_ELASTIC_STALL", "1:4")
+    job = TorchrunJob(2, ["--model", path, *ARGS, "--device", "cuda"])
+    try:
+        for rank in (0, 1):
+            settings = group_settings(job.log(), rank, 0)
+            assert settings["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+            assert settings["ep_group"] == {"backend": "nccl", "timeout_s": 20.0}
+        assert asyncio.run(stream_all(job.url, health=[])) == want_cuda
+        assert ranks(job.url)["generation"] == 0 and "rank 1: stalling 4.0s" in job.log()
+        pid0 = next(x["pid"] for x in ranks(job.url)["ranks"] if x["rank"] == 0)
+        assert asyncio.run(stream_all(job.url, [(0.0, lambda: kill_core(job.url, 1))], [])) == want_cuda
+        r = ranks(job.url)
+        assert [x["rank"] for x in r["ranks"]] == [0] and r["lost"] == [1] and r["ranks"][0]["pid"] == pid0, r
+        assert no_blocks_held(job.url)
+    finally:
+        job.kill()
+
+
+def group_settings(log: str, rank: int, generation: int) -> dict:
+    mark = f"generation {generation}: rank {rank}'s groups: "
+    line = next(x for x in log.splitlines() if mark in x)
+    return json.loads(line.split(mark, 1)[1])
 
 
 def test_rank0_loss_ends_the_job_naming_it(checkpoints):
