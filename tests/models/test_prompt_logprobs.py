@@ -110,6 +110,18 @@ def test_prompt_logprobs_survive_preemption_mid_prompt(mixtral, monkeypatch):
         check_against_reference(model, p, o.prompt_logprobs, 2)
 
 
+def test_a_disaggregated_request_with_prompt_logprobs_ends_with_the_reason(mixtral):
+    """The core refuses it (its prompt would be computed elsewhere) naming the field, before
+    anything is reserved; the same request without kv is served."""
+    from moe_serve.protocol import KVParams, NewRequest
+
+    llm = LLM(mixtral[0], dtype="float32", show_progress=False)
+    out = llm.engine.add_request(NewRequest("d", [5, 6, 7], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                                            KVParams("decode")))
+    assert out is not None and out.finish_reason == "abort" and "prompt_logprobs" in out.stop_reason
+    assert not llm.engine.has_unfinished()
+
+
 def test_lm_head_slices_against_float64():
     """`sampler.prompt_logprobs` in slices of one or a few rows equals one float64 pass."""
     g = torch.Generator().manual_seed(0)
