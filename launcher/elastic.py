@@ -135,12 +135,14 @@ def supervise(argv: list[str]) -> int:
     """Run this rank's engine core as a child (the same command, ENV_CORE set) and wait for it."""
     rank = int(os.environ.get("RANK", "0"))
     env = core_env(dict(os.environ))
+    _become_subreaper()
     child = subprocess.Popen([sys.executable, "-m", "launcher", *argv], env=env)
     log.info("rank %d: elastic EP: the engine core runs in process %d (this process, pid %d, supervises it)", rank,
              child.pid, os.getpid())
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda s, f: child.send_signal(s))
     rc = child.wait()
+    _reap_orphans(rank)
     try:
         store = job_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), 5.0)
         store.set(f"{PREFIX}exited/{rank}", str(rc))
@@ -155,6 +157,43 @@ def supervise(argv: list[str]) -> int:
     if rc != 0:
         log.warning("rank %d's engine core exited with %s; the other ranks go on without it (elastic EP)", rank, how)
     return 0
+
+
+def _become_subreaper() -> None:
+    """Linux: what the core starts (rank 0's front end) and leaves behind when it dies is
+    re-parented to this supervisor, not to init, so that _reap_orphans can wait for it: the
+    worker must not end, and torchrun report the job's end, while a process of it still runs."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass
+
+
+def _reap_orphans(rank: int, timeout_s: float = 5.0) -> None:
+    """Wait for the core's orphans (the front end dies with its parent: launch.py's parent-death
+    signal), killing any still there after timeout_s."""
+    for kill in (False, True):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return  # none left
+            if not pid:
+                time.sleep(0.02)
+        if kill:
+            break
+        for d in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    if d.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == os.getpid():
+                        log.warning("rank %d: killing process %s, left behind by the engine core", rank, d)
+                        os.kill(int(d), signal.SIGKILL)
+            except (OSError, ValueError, IndexError):
+                pass
+    log.warning("rank %d: processes left behind by the engine core did not exit", rank)
 
 
 def job_store(host: str, port: int, timeout_s: float):

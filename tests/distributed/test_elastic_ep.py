@@ -272,12 +272,17 @@ def group_settings(log: str, rank: int, generation: int) -> dict:
 
 
 def test_rank0_loss_ends_the_job_naming_it(checkpoints):
+    from tests.distributed.test_launcher import _children
+
     job = TorchrunJob(2, ["--model", checkpoints["qwen3_moe"], *ARGS])
     try:
+        (frontend,) = _children(next(x["pid"] for x in ranks(job.url)["ranks"] if x["rank"] == 0))
         kill_core(job.url, 0)
         rc = job.wait(60)
         assert rc != 0
         assert "rank 0 hosts the front end, and an elastic job cannot lose it; the job ends" in job.log()
+        # The core's front end, orphaned, died with it and was reaped before the job ended.
+        assert not os.path.exists(f"/proc/{frontend}")
     finally:
         job.kill()
 

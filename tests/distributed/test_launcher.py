@@ -122,9 +122,9 @@ def test_hung_rank_stops_rank0_with_its_front_end_reaped(checkpoints):
     import threading
 
     job = TorchrunJob(2, ["--model", checkpoints["qwen3_moe"], *ARGS, "--dist-timeout", "4"])
-    pid1 = job.rank_pid(1)
+    pid1 = None
     try:
-        pid0 = job.rank_pid(0)
+        pid0, pid1 = job.rank_pid(0), job.rank_pid(1)
         (frontend,) = _children(pid0)
         streamed, first = [], threading.Event()
 
@@ -152,10 +152,11 @@ def test_hung_rank_stops_rank0_with_its_front_end_reaped(checkpoints):
         t.join(30)
         assert any("dead or hung" in line for line in streamed), streamed[-5:]
     finally:
-        try:
-            os.kill(pid1, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        if pid1 is not None:
+            try:
+                os.kill(pid1, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         job.kill()
 
 
