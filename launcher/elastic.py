@@ -727,7 +727,9 @@ def run_core(ns: argparse.Namespace, serve_argv: list[str]) -> int:
                 log.info("generation %d: rank %d is EP rank %d of %d (pid %d, members %s)", m.generation, rank,
                          groups.rank, groups.world_size, os.getpid(), m.members)
                 cfg = elastic_config(args, groups.rank, groups.world_size)
+                sockets = _socket_inodes()
                 core = build_engine(cfg, groups.ep_group, show_progress=rank == 0 and m.generation == 0)
+                m.group_sockets |= _socket_inodes() - sockets  # groups the engine made (EPLB's transfers)
                 _stall_for_tests(core, rank)
                 if groups.world_size > 1:
                     agree_max_model_len(core, groups.cpu_group)
