@@ -9,8 +9,10 @@
   the server's and the router's `/metrics` render.
 - `models.md`: the supported architectures, from the model registry (`moe_serve/models/registry.py`);
   what each model class can do (MTP drafting, quantized formats, image-text checkpoints) is read from
-  the class, the attention and cache kinds from `MODEL_NOTES` below, which must name every
-  architecture the registry serves and no other.
+  the class, the KV cache kinds from the layers of the model built on the meta device (from
+  transformers' default config of the architecture), the model names and a description of the
+  attention from `MODEL_NOTES` below, which must name every architecture the registry serves and
+  no other.
 - `http.md`: every HTTP route and its request body's fields, from the server's and the router's
   `/openapi.json`.
 
@@ -198,39 +200,75 @@ def metrics_reference() -> str:
 
 # --- supported models -----------------------------------------------------------------------------
 
-# architecture -> (models, attention, KV cache kinds, note). The other columns come from the code.
-MODEL_NOTES: dict[str, tuple[str, str, str, str]] = {
-    "MixtralForCausalLM": ("Mixtral", "GQA", "full", ""),
-    "Qwen3MoeForCausalLM": ("Qwen3-MoE", "GQA, q/k norm", "full", ""),
-    "Qwen2MoeForCausalLM": ("Qwen1.5-MoE, Qwen2-MoE", "GQA", "full",
-                            "gated shared expert; no sliding window"),
-    "OlmoeForCausalLM": ("OLMoE", "MHA, full-width q/k norm", "full", ""),
-    "Glm4MoeForCausalLM": ("GLM-4.5", "GQA, partial rotary", "full", "group-limited sigmoid routing"),
-    "GptOssForCausalLM": ("GPT-OSS", "GQA with attention sinks, sliding-window and full layers", "full, sliding",
+# architecture -> (models, attention, note). The other columns come from the code.
+MODEL_NOTES: dict[str, tuple[str, str, str]] = {
+    "MixtralForCausalLM": ("Mixtral", "GQA", ""),
+    "Qwen3MoeForCausalLM": ("Qwen3-MoE", "GQA, q/k norm", ""),
+    "Qwen2MoeForCausalLM": ("Qwen1.5-MoE, Qwen2-MoE", "GQA", "gated shared expert; no sliding window"),
+    "OlmoeForCausalLM": ("OLMoE", "MHA, full-width q/k norm", ""),
+    "Glm4MoeForCausalLM": ("GLM-4.5", "GQA, partial rotary", "group-limited sigmoid routing"),
+    "GptOssForCausalLM": ("GPT-OSS", "GQA with attention sinks, sliding-window and full layers",
                           "MXFP4 experts as the Hub ships them"),
-    "MiniMaxM2ForCausalLM": ("MiniMax-M2", "GQA, q/k norm over the whole projection, partial rotary", "full",
+    "MiniMaxM2ForCausalLM": ("MiniMax-M2", "GQA, q/k norm over the whole projection, partial rotary",
                              "sigmoid routing with a correction bias"),
-    "Llama4ForCausalLM": ("Llama-4", "GQA, chunked-attention and NoPE layers", "full, chunked",
+    "Llama4ForCausalLM": ("Llama-4", "GQA, chunked-attention and NoPE layers",
                           "routing weight on the expert's input; dense layers between MoE ones"),
-    "Llama4ForConditionalGeneration": ("Llama-4 (image-text checkpoints)", "as Llama-4", "full, chunked",
+    "Llama4ForConditionalGeneration": ("Llama-4 (image-text checkpoints)", "as Llama-4",
                                        "chat messages with image parts are refused"),
-    "KimiK2ForCausalLM": ("Kimi-K2", "MLA", "full (compressed latent)",
-                          "DeepSeek-V3's model; Kimi-K2 configs name it or DeepseekV3ForCausalLM"),
-    "DeepseekV3ForCausalLM": ("DeepSeek-V3, DeepSeek-R1, Kimi-K2", "MLA", "full (compressed latent)", ""),
+    "KimiK2ForCausalLM": ("Kimi-K2", "MLA", "Kimi-K2 configs name this class or DeepseekV3ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("DeepSeek-V3, DeepSeek-R1, Kimi-K2", "MLA", ""),
     "DeepseekV32ForCausalLM": ("DeepSeek-V3.2", "DeepSeek Sparse Attention: MLA over the `index_topk` tokens a "
-                               "lightning indexer scores highest", "full (latent and indexer keys)", ""),
-    "GlmMoeDsaForCausalLM": ("GLM-5", "DeepSeek Sparse Attention", "full (latent and indexer keys)",
-                             "\"shared\" layers reuse the previous layer's selection"),
+                               "lightning indexer scores highest", ""),
+    "GlmMoeDsaForCausalLM": ("GLM-5", "DeepSeek Sparse Attention", "\"shared\" layers reuse the previous layer's "
+                             "selection"),
     "DeepseekV4ForCausalLM": ("DeepSeek-V4", "sliding-window attention with sinks beside compressed entries of "
-                              "the whole context (CSA with a lightning indexer, HCA)", "full, sliding",
+                              "the whole context (CSA with a lightning indexer, HCA)",
                               "hyper-connections, hash-routed first layers; FP8 with ue8m0 scales and FP4 experts "
                               "as released, the experts kept packed"),
-    "Qwen3NextForCausalLM": ("Qwen3-Next", "Gated DeltaNet linear attention beside gated full attention",
-                             "full, state (per-request conv and recurrent state)", "gated shared expert"),
-    "Qwen3_5MoeForCausalLM": ("Qwen3.5-MoE", "as Qwen3-Next", "full, state", ""),
-    "Qwen3_5MoeForConditionalGeneration": ("Qwen3.5-MoE (image-text checkpoints)", "as Qwen3-Next", "full, state",
-                                           ""),
+    "Qwen3NextForCausalLM": ("Qwen3-Next", "Gated DeltaNet linear attention beside gated full attention with "
+                             "partial rotary", "gated shared expert"),
+    "Qwen3_5MoeForCausalLM": ("Qwen3.5-MoE", "as Qwen3-Next", ""),
+    "Qwen3_5MoeForConditionalGeneration": ("Qwen3.5-MoE (image-text checkpoints)", "as Qwen3-Next", ""),
 }
+
+# The cache kinds are read off a model built on the meta device (no memory) from transformers' default
+# config of the architecture: the model type where transformers' auto mappings do not name the
+# class, and fixes where that default is not a checkpoint's shape.
+_MODEL_TYPES = {"KimiK2ForCausalLM": "deepseek_v3", "Llama4ForCausalLM": "llama4_text",
+                "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text"}
+_CONFIG_FIXES = {"glm4_moe": {"head_dim": 128}}  # the default's 4096 / 96 heads gives an odd rotary width
+
+
+def model_cache_kinds(arch: str) -> list[str]:
+    """The cache kinds the model's layers declare (attention/cache_kinds.py), with what the full
+    caches hold for MLA ("latent") and DeepSeek Sparse Attention ("indexer keys")."""
+    import torch
+    from transformers.models.auto import configuration_auto, modeling_auto
+
+    from expert_parallel.runtime.dispatch.local import LocalDispatcher
+    from expert_parallel.runtime.layer import MoEContext
+    from moe_serve.config import text_config
+    from moe_serve.models.registry import model_class, num_logical_experts
+
+    model_type = _MODEL_TYPES.get(arch)
+    if model_type is None:
+        model_type = next(t for names in (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                          modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+                          for t, cls in names.items() if cls == arch)  # the first is the architecture's own
+    hf = configuration_auto.CONFIG_MAPPING[model_type]().to_dict()
+    hf = {**text_config(hf), **_CONFIG_FIXES.get(model_type, {}), "architectures": [arch]}
+    with torch.device("meta"):
+        model = model_class(arch)(hf, MoEContext(LocalDispatcher(num_logical_experts(arch, hf))), torch.bfloat16)
+    kinds, classes = [], {type(m).__name__ for m in model.modules()}
+    for m in model.modules():
+        kind = getattr(getattr(m, "cache_kind", None), "kind", None)
+        if kind is not None and kind not in kinds:
+            kinds.append(kind)
+    order = ["full", "sliding", "chunked", "state"]
+    kinds.sort(key=order.index)
+    if "full" in kinds and classes & {"PagedMLAAttention", "PagedDSAAttention"}:
+        kinds[0] = "full (MLA latent" + (", indexer keys)" if "PagedDSAAttention" in classes else ")")
+    return kinds
 
 
 def model_rows() -> list[dict]:
@@ -245,7 +283,7 @@ def model_rows() -> list[dict]:
     rows = []
     for arch in archs:
         cls = model_class(arch)
-        models, attention, caches, note = MODEL_NOTES[arch]
+        models, attention, note = MODEL_NOTES[arch]
         formats = ["bf16/fp16/fp32", "block FP8"] + [q.upper() for q in getattr(cls, "quant_methods", ())]
         spec = ["n-gram"] + (["MTP"] if hasattr(cls, "add_mtp_layers") else [])
         notes = [note] if note else []
@@ -253,9 +291,9 @@ def model_rows() -> list[dict]:
             notes.insert(0, "the language model only (`text_config`)")
         if cls.__name__ != arch:
             notes.append(f"served by `{cls.__name__}`")
-        rows.append(dict(arch=arch, models=models, attention=attention, caches=caches, formats=", ".join(formats),
-                         ep="yes" if issubclass(cls, CausalLM) else "no", spec=", ".join(spec),
-                         notes="; ".join(notes)))
+        rows.append(dict(arch=arch, models=models, attention=attention, caches=", ".join(model_cache_kinds(arch)),
+                         formats=", ".join(formats), ep="yes" if issubclass(cls, CausalLM) else "no",
+                         spec=", ".join(spec), notes="; ".join(notes)))
     return rows
 
 
@@ -286,9 +324,10 @@ def models_reference() -> str:
     for r in model_rows():
         lines.append(f"| `{r['arch']}` | {_cell(r['models'])} | {_cell(r['attention'])} | {_cell(r['caches'])} | "
                      f"{r['formats']} | {r['ep']} | {r['spec']} | {_cell(r['notes'])} |")
-    lines += ["", "Cache kinds (`attention/cache_kinds.py`): *full* keeps every token's K/V (or MLA's latent), "
-              "*sliding* the last window's, *chunked* the current chunk's, *state* a fixed-size recurrent state per "
-              "request.", ""]
+    lines += ["", "Cache kinds, as each model's layers declare them (`attention/cache_kinds.py`): *full* keeps every "
+              "token's K/V (MLA: the compressed latent; DeepSeek Sparse Attention: the latent and the indexer's "
+              "keys), *sliding* the last window's, *chunked* the current chunk's, *state* a fixed-size recurrent "
+              "state per request (the short convolution's inputs and the linear attention's matrix).", ""]
     return "\n".join(lines)
 
 
