@@ -287,3 +287,43 @@ def test_the_flag_check_catches_a_wrong_flag(checker):
     # bench/placement.py has --held-out, bench/eplb.py does not.
     assert sorted(flag for flag, _ in check_page_flags(page, checker)) == sorted([
         "--max-model-length", "--dist-interface", "--elastic-joins", "--held-out", "--no-such-flag"])
+
+
+# --- other names the prose gives ------------------------------------------------------------------
+
+def test_every_metric_the_prose_names_is_exported(pages):
+    metrics = pages["docs/reference/metrics.md"]
+    exported = set(re.findall(r"\| `(moe_serve(?:_router)?:[a-z0-9_]+)` \|", metrics))
+    problems = []
+    for page in _prose_pages():
+        for name in re.findall(r"moe_serve(?:_router)?:[a-z0-9_]*[a-z0-9]", page.read_text()):
+            base = re.sub(r"_(bucket|sum|count)$", "", name)
+            if base not in exported and not any(m.startswith(base + "_") for m in exported):  # families: kv_transfer_*
+                problems.append(f"{page.relative_to(ROOT)}: {name}")
+    assert not problems, problems
+
+
+def test_every_route_the_prose_names_exists():
+    server, router = docs_gen.server_openapi()["paths"], docs_gen.router_openapi()["paths"]
+    routes = {(m.upper(), re.sub(r"\{\w+\}", "{}", p)) for paths in (server, router) for p, ops in paths.items()
+              for m in ops}
+    routes |= {("GET", "/openapi.json")}
+    problems = []
+    for page in _prose_pages():
+        for method, path in re.findall(r"\b(GET|POST) (/[a-z0-9_/{}.]+[a-z0-9_}])", page.read_text()):
+            if (method, re.sub(r"\{\w+\}", "{}", path)) not in routes:
+                problems.append(f"{page.relative_to(ROOT)}: {method} {path}")
+    assert not problems, problems
+
+
+def test_every_repository_path_the_prose_names_exists():
+    problems = []
+    for page in _prose_pages():
+        text = page.read_text()
+        for m in re.finditer(r"`((?:deploy|docs|bench|scripts|moe_serve|launcher|attention|expert_parallel|tests)"
+                             r"/[A-Za-z0-9_./-]*[A-Za-z0-9_])`", text):
+            if text[max(0, m.start() - 9):m.start()].endswith("DeepEP's "):  # a file of DeepEP's repository
+                continue
+            if not (ROOT / m.group(1)).exists():
+                problems.append(f"{page.relative_to(ROOT)}: {m.group(1)}")
+    assert not problems, problems
