@@ -110,6 +110,24 @@ def test_prompt_logprobs_survive_preemption_mid_prompt(mixtral, monkeypatch):
         check_against_reference(model, p, o.prompt_logprobs, 2)
 
 
+def test_prompt_logprobs_under_the_overlap_split(mixtral, monkeypatch):
+    """Steps split into two overlapped micro-batches: the prompt rows are found in either."""
+    path, model = mixtral
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (30, 21, 9)]
+    llm = LLM(path, dtype="float32", enable_overlap=True, overlap_min_tokens=4, max_num_batched_tokens=32,
+              show_progress=False)
+    runner_model = llm.engine.runner.model
+    splits = []
+    forward = runner_model.forward_microbatches
+    monkeypatch.setattr(runner_model, "forward_microbatches", lambda *a: splits.append(1) or forward(*a))
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=1))
+    assert splits, "no step was split"
+    for p, o in zip(prompts, outs):
+        check_against_reference(model, p, o.prompt_logprobs, 1)
+
+
 def test_a_disaggregated_request_with_prompt_logprobs_ends_with_the_reason(mixtral):
     """The core refuses it (its prompt would be computed elsewhere) naming the field, before
     anything is reserved; the same request without kv is served."""
