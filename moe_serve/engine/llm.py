@@ -101,7 +101,7 @@ class LLM:
                     bar.update(1)
         bar.close()
         if self.engine.meter is not None:  # the call's last decode steps: into the speed-of-light figures
-            self.engine.meter.close_window()
+            self.engine.meter.pause()
         for ro in outputs:
             ro.finished = all(c.finish_reason is not None for c in ro.outputs)
         return outputs
