@@ -170,9 +170,9 @@ def _parse_exposition(text: str) -> list[dict]:
 
 def server_metrics() -> list[dict]:
     from moe_serve.metrics import EngineMetrics
-    from moe_serve.protocol import EngineStats
+    from moe_serve.protocol import EngineStats, SpecDecodeStats
 
-    stats = EngineStats(spec_accepted_per_pos=[0])
+    stats = EngineStats(spec_decode=SpecDecodeStats(accepted_per_pos=[0]))
     return _parse_exposition(EngineMetrics().render("MODEL", stats, [stats]))
 
 

@@ -58,37 +58,39 @@ class EngineMetrics:
     def update_from(self, stats) -> None:
         self.snapshot = stats
         # One observation per rebalance (stats arrive every step, so a new count is one new rebalance).
-        new = getattr(stats, "eplb_rebalances", 0) - self._rebalances_seen
+        eplb = stats.eplb
+        new = eplb.rebalances - self._rebalances_seen
         if new > 0:
             for _ in range(new):
-                self.eplb_transfer.observe(stats.eplb_last_transfer_s)
-            self._rebalances_seen = stats.eplb_rebalances
+                self.eplb_transfer.observe(eplb.last_transfer_s)
+            self._rebalances_seen = eplb.rebalances
 
     def render(self, model: str, s, ranks: list | None = None) -> str:
         """s: an EngineStats (summed over ranks); ranks: each rank's own (the per-rank gauges)."""
+        sc, spec = s.scheduler, s.spec_decode
         gauges = [
-            ("moe_serve:num_requests_running", "Requests running on the engine.", s.num_running),
-            ("moe_serve:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
-            ("moe_serve:kv_cache_usage_perc", "Share of KV blocks in use (1 = full).", s.kv_cache_usage),
+            ("moe_serve:num_requests_running", "Requests running on the engine.", sc.num_running),
+            ("moe_serve:num_requests_waiting", "Requests waiting to be scheduled.", sc.num_waiting),
+            ("moe_serve:kv_cache_usage_perc", "Share of KV blocks in use (1 = full).", sc.kv_cache_usage),
             ("moe_serve:prefix_cache_hit_rate", "Prompt tokens served from the prefix cache.",
-             s.prefix_cache_hit_rate),
+             sc.prefix_cache_hit_rate),
             ("moe_serve:expert_balancedness", "Mean over max routed tokens per rank in the last expert-load "
-             "window (1 = balanced; 0 = not measured yet).", getattr(s, "expert_balancedness", 0.0)),
+             "window (1 = balanced; 0 = not measured yet).", s.eplb.balancedness),
             ("moe_serve:ep_world_size", "Ranks the experts are sharded over now (elastic EP: the members).",
              self.ep_world_size),
         ]
         counters = [
-            ("moe_serve:prompt_tokens_total", "Prompt tokens computed.", s.prompt_tokens),
-            ("moe_serve:generation_tokens_total", "Tokens generated.", s.generation_tokens),
-            ("moe_serve:num_preemptions_total", "Requests preempted for lack of KV blocks.", s.num_preemptions),
+            ("moe_serve:prompt_tokens_total", "Prompt tokens computed.", sc.prompt_tokens),
+            ("moe_serve:generation_tokens_total", "Tokens generated.", sc.generation_tokens),
+            ("moe_serve:num_preemptions_total", "Requests preempted for lack of KV blocks.", sc.num_preemptions),
             ("moe_serve:eplb_rebalances_total", "Expert rebalances completed while serving.",
-             getattr(s, "eplb_rebalances", 0)),
+             s.eplb.rebalances),
             ("moe_serve:spec_decode_num_drafts_total", "Speculative decoding: pieces verified with draft tokens.",
-             s.spec_num_drafts),
+             spec.num_drafts),
             ("moe_serve:spec_decode_num_draft_tokens_total", "Speculative decoding: draft tokens verified.",
-             s.spec_num_draft_tokens),
+             spec.num_draft_tokens),
             ("moe_serve:spec_decode_num_accepted_tokens_total", "Speculative decoding: draft tokens accepted.",
-             s.spec_num_accepted_tokens),
+             spec.num_accepted_tokens),
             ("moe_serve:elastic_recoveries_total", "Elastic EP: regroups after a rank was lost.",
              self.elastic_recoveries),
             ("moe_serve:elastic_requests_resubmitted_total", "Elastic EP: requests in flight resubmitted to the "
@@ -102,42 +104,42 @@ class EngineMetrics:
         per_rank = [
             ("moe_serve:decode_speed_of_light_fraction", "Achieved share of the decode speed of light over the "
              "last window of decode-only steps: (bytes the steps must read / memory bandwidth) / their time "
-             "(0 = no window closed yet).", "decode_sol_fraction"),
+             "(0 = no window closed yet).", ("speed_of_light", "fraction")),
             ("moe_serve:memory_bandwidth_bytes_per_second", "The memory bandwidth the speed of light assumes.",
-             "memory_bandwidth"),
+             ("speed_of_light", "memory_bandwidth")),
             ("moe_serve:kv_blocks_in_use", "KV blocks and state slots held by requests, every cache group "
              "(0 when nothing runs: what a finished, aborted or failed request held has come back).",
-             "kv_blocks_in_use"),
+             ("scheduler", "kv_blocks_in_use")),
         ]
-        for name, h, attr in per_rank:
+        for name, h, (part, field) in per_rank:
             lines += [f"# HELP {name} {h}", f"# TYPE {name} gauge"]
-            lines += [f'{name}{{model_name="{model}",rank="{r}"}} {getattr(rs, attr)}'
+            lines += [f'{name}{{model_name="{model}",rank="{r}"}} {getattr(getattr(rs, part), field)}'
                       for r, rs in enumerate(ranks or [s])]
         per_rank_counters = [
             ("moe_serve:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache (each prompt once).",
-             "prefix_cache_queries"),
-            ("moe_serve:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
+             ("scheduler", "prefix_cache_queries")),
+            ("moe_serve:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", ("scheduler", "prefix_cache_hits")),
             ("moe_serve:kv_transfer_sent_requests_total", "Disaggregated prefill: requests whose KV was written to a "
-             "decode instance.", "kv_sent_requests"),
+             "decode instance.", ("kv_transfer", "sent_requests")),
             ("moe_serve:kv_transfer_sent_bytes_total", "Disaggregated prefill: KV bytes written to decode instances.",
-             "kv_sent_bytes"),
+             ("kv_transfer", "sent_bytes")),
             ("moe_serve:kv_transfer_send_failures_total", "Disaggregated prefill: KV writes that failed or timed out.",
-             "kv_send_failures"),
+             ("kv_transfer", "send_failures")),
             ("moe_serve:kv_transfer_send_seconds_total", "Disaggregated prefill: seconds from posting KV writes to "
-             "their completion, summed.", "kv_send_seconds"),
+             "their completion, summed.", ("kv_transfer", "send_seconds")),
             ("moe_serve:kv_transfer_received_requests_total", "Disaggregated decode: requests whose prompt KV arrived.",
-             "kv_received_requests"),
+             ("kv_transfer", "received_requests")),
             ("moe_serve:kv_transfer_fallbacks_total", "Disaggregated decode: requests whose prompt was computed here "
-             "because the prefill instance failed.", "kv_fallbacks"),
+             "because the prefill instance failed.", ("kv_transfer", "fallbacks")),
         ]
-        for name, h, attr in per_rank_counters:
+        for name, h, (part, field) in per_rank_counters:
             lines += [f"# HELP {name} {h}", f"# TYPE {name} counter"]
-            lines += [f'{name}{{model_name="{model}",rank="{r}"}} {getattr(rs, attr, 0)}'
+            lines += [f'{name}{{model_name="{model}",rank="{r}"}} {getattr(getattr(rs, part), field)}'
                       for r, rs in enumerate(ranks or [s])]
         name = "moe_serve:spec_decode_num_accepted_tokens_per_pos_total"
         lines += [f"# HELP {name} Speculative decoding: draft tokens accepted at each draft position.",
                   f"# TYPE {name} counter"]
-        lines += [f'{name}{{model_name="{model}",position="{j}"}} {v}' for j, v in enumerate(s.spec_accepted_per_pos)]
+        lines += [f'{name}{{model_name="{model}",position="{j}"}} {v}' for j, v in enumerate(spec.accepted_per_pos)]
         for hist in (self.ttft, self.tpot, self.e2e, self.eplb_transfer, self.kv_fetch, self.elastic_recovery):
             lines += hist.render(model)
         return "\n".join(lines) + "\n"

@@ -11,6 +11,8 @@ Importing this module does not import torch.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from moe_serve.sampling_params import SamplingParams
@@ -126,8 +128,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     prompt_logprobs: list[TokenLogprob] | None = None
 
 
-class EngineStats(msgspec.Struct, array_like=True):
-    """One rank's scheduler and cache state after a step; the front end sums them over ranks."""
+class SchedulerStats(msgspec.Struct, array_like=True):
+    """The scheduler's and the cache's state after a step; counts since start."""
 
     num_running: int = 0
     num_waiting: int = 0
@@ -137,33 +139,103 @@ class EngineStats(msgspec.Struct, array_like=True):
     prompt_tokens: int = 0
     generation_tokens: int = 0
     num_steps: int = 0
-    # Expert rebalancing (every rank holds the same figures; the front end reads rank 0's).
-    eplb_rebalances: int = 0
-    expert_balancedness: float = 0.0  # mean / max tokens per rank over the last window (0: not measured)
-    eplb_last_transfer_s: float = 0.0  # the last rebalance, from tuning to its last layer's switch
-    # Decode speed of light (moe_serve/speed_of_light.py), this rank's last closed window (0: none yet).
-    decode_sol_fraction: float = 0.0
-    decode_tokens_per_s: float = 0.0
-    memory_bandwidth: float = 0.0  # bytes/s
-    # Speculative decoding (moe_serve/spec_decode), counts since start: pieces verified with drafts,
-    # draft tokens, accepted ones, and acceptances per draft position.
-    spec_num_drafts: int = 0
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
-    spec_accepted_per_pos: list[int] = []
     # Prefix cache, counts since start in prompt tokens (a prompt once, however often it is preempted).
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     kv_blocks_in_use: int = 0  # blocks and state slots held by requests, every pool (0: nothing held)
-    # Disaggregation (moe_serve/disagg), counts since start. Prefill side: requests whose cache was
-    # written to a decode instance, bytes written, writes that failed, seconds from post to done.
-    # Decode side: requests whose prompt cache arrived, and those computed here after a prefill failed.
-    kv_sent_requests: int = 0
-    kv_sent_bytes: int = 0
-    kv_send_failures: int = 0
-    kv_send_seconds: float = 0.0
-    kv_received_requests: int = 0
-    kv_fallbacks: int = 0
+
+
+class EplbStats(msgspec.Struct, array_like=True):
+    """Expert rebalancing (every rank holds the same figures; the front end reads rank 0's)."""
+
+    rebalances: int = 0
+    balancedness: float = 0.0  # mean / max tokens per rank over the last window (0: not measured)
+    last_transfer_s: float = 0.0  # the last rebalance, from tuning to its last layer's switch
+
+
+class SpeedOfLightStats(msgspec.Struct, array_like=True):
+    """Decode speed of light (moe_serve/speed_of_light.py), this rank's last closed window (0: none yet)."""
+
+    fraction: float = 0.0
+    tokens_per_s: float = 0.0
+    memory_bandwidth: float = 0.0  # bytes/s
+
+
+class SpecDecodeStats(msgspec.Struct, array_like=True):
+    """Speculative decoding (moe_serve/spec_decode), counts since start: pieces verified with drafts,
+    draft tokens, accepted ones, and acceptances per draft position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = []
+
+
+class KVTransferStats(msgspec.Struct, array_like=True):
+    """Disaggregation (moe_serve/disagg), counts since start. Prefill side: requests whose cache was
+    written to a decode instance, bytes written, writes that failed, seconds from post to done.
+    Decode side: requests whose prompt cache arrived, and those computed here after a prefill failed."""
+
+    sent_requests: int = 0
+    sent_bytes: int = 0
+    send_failures: int = 0
+    send_seconds: float = 0.0
+    received_requests: int = 0
+    fallbacks: int = 0
+
+
+# The flat names of the one-struct era (metric docs, older readers): name -> (part, field).
+_FLAT_NAMES = {
+    **{f: ("scheduler", f) for f in SchedulerStats.__struct_fields__},
+    "eplb_rebalances": ("eplb", "rebalances"), "expert_balancedness": ("eplb", "balancedness"),
+    "eplb_last_transfer_s": ("eplb", "last_transfer_s"),
+    "decode_sol_fraction": ("speed_of_light", "fraction"), "decode_tokens_per_s": ("speed_of_light", "tokens_per_s"),
+    "memory_bandwidth": ("speed_of_light", "memory_bandwidth"),
+    **{f"spec_{f}": ("spec_decode", f) for f in SpecDecodeStats.__struct_fields__},
+    **{f"kv_{f}": ("kv_transfer", f) for f in KVTransferStats.__struct_fields__},
+}
+
+
+class EngineStats(msgspec.Struct, array_like=True):
+    """One rank's figures after a step, one named part per concern; the front end combines them over
+    ranks (`combine_rank_stats`). A step feature's stats() lands in the part named as the feature
+    (`eplb`, `speed_of_light`) or, for any other feature, in `features` under its name."""
+
+    scheduler: SchedulerStats = msgspec.field(default_factory=SchedulerStats)
+    spec_decode: SpecDecodeStats = msgspec.field(default_factory=SpecDecodeStats)
+    kv_transfer: KVTransferStats = msgspec.field(default_factory=KVTransferStats)
+    eplb: EplbStats = msgspec.field(default_factory=EplbStats)
+    speed_of_light: SpeedOfLightStats = msgspec.field(default_factory=SpeedOfLightStats)
+    features: dict[str, Any] = {}  # other features' stats by feature name (plain dicts once decoded)
+
+    def __getattr__(self, name: str):
+        """A flat name of the one-struct era (`num_waiting`, `kv_sent_bytes`, `decode_sol_fraction`)
+        reads its named part's field."""
+        try:
+            part, field = _FLAT_NAMES[name]
+        except KeyError:
+            raise AttributeError(name) from None
+        return getattr(getattr(self, part), field)
+
+
+def combine_rank_stats(rs: list[EngineStats]) -> EngineStats:
+    """Every rank's stats summed (usage averaged; the hit rate over every rank's prompt tokens;
+    rebalancing: the same on every rank, so rank 0's; speed of light: per rank only, left at 0)."""
+    sched = [s.scheduler for s in rs]
+    queries, hits = sum(s.prefix_cache_queries for s in sched), sum(s.prefix_cache_hits for s in sched)
+    summed = SchedulerStats(**{f: sum(getattr(s, f) for s in sched) for f in SchedulerStats.__struct_fields__})
+    summed.kv_cache_usage /= len(sched)
+    summed.prefix_cache_hit_rate = hits / queries if queries else 0.0
+    summed.num_steps = max(s.num_steps for s in sched)
+    spec = [s.spec_decode for s in rs]
+    kv = [s.kv_transfer for s in rs]
+    return EngineStats(
+        summed,
+        SpecDecodeStats(sum(s.num_drafts for s in spec), sum(s.num_draft_tokens for s in spec),
+                        sum(s.num_accepted_tokens for s in spec),
+                        [sum(col) for col in zip(*(s.accepted_per_pos for s in spec))]),
+        KVTransferStats(**{f: sum(getattr(s, f) for s in kv) for f in KVTransferStats.__struct_fields__}),
+        rs[0].eplb)
 
 
 class CoreReady(msgspec.Struct, tag="ready", array_like=True):

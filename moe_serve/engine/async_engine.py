@@ -31,7 +31,7 @@ from moe_serve.engine.routing import Router
 from moe_serve.limits import check_request
 from moe_serve.metrics import EngineMetrics
 from moe_serve.protocol import (CoreFatal, CoreInput, CoreOutputs, CoreReady, ElasticChange, EngineOutput, EngineStats,
-                                KVDone, KVParams, NewRequest, RankInfo, UtilityCall, UtilityResult)
+                                KVDone, combine_rank_stats, KVParams, NewRequest, RankInfo, UtilityCall, UtilityResult)
 from moe_serve.sampling_params import SamplingParams, child_params
 
 log = logging.getLogger("moe_serve.async_engine")
@@ -128,7 +128,7 @@ class AsyncEngine:
         if self._stop:
             raise QueueFullError("the server is shutting down")
         count = params.n * len(prompts)
-        if sum(s.num_waiting for s in self.rank_stats) + self._inbox.qsize() + count > self.max_waiting_requests:
+        if sum(s.scheduler.num_waiting for s in self.rank_stats) + self._inbox.qsize() + count > self.max_waiting_requests:
             raise QueueFullError(f"more than max_waiting_requests={self.max_waiting_requests} requests are waiting")
         stream = RequestStream(self, request_id, prompts, params)
         with self._lock:
@@ -197,24 +197,8 @@ class AsyncEngine:
                 self._queues.pop(cid, None)
 
     def stats(self) -> EngineStats:
-        """Every rank's stats summed (usage averaged; the hit rate over every rank's prompt tokens)."""
-        rs = [self.rank_stats[r] for r in self.live]
-        n = len(rs)
-        queries, hits = sum(s.prefix_cache_queries for s in rs), sum(s.prefix_cache_hits for s in rs)
-        return EngineStats(sum(s.num_running for s in rs), sum(s.num_waiting for s in rs),
-                           sum(s.kv_cache_usage for s in rs) / n, hits / queries if queries else 0.0,
-                           sum(s.num_preemptions for s in rs), sum(s.prompt_tokens for s in rs),
-                           sum(s.generation_tokens for s in rs), max(s.num_steps for s in rs),
-                           # Expert rebalancing: the same on every rank, so rank 0's.
-                           rs[0].eplb_rebalances, rs[0].expert_balancedness, rs[0].eplb_last_transfer_s,
-                           0.0, 0.0, 0.0,  # speed of light: per rank only (rank_stats)
-                           sum(s.spec_num_drafts for s in rs), sum(s.spec_num_draft_tokens for s in rs),
-                           sum(s.spec_num_accepted_tokens for s in rs),
-                           [sum(col) for col in zip(*(s.spec_accepted_per_pos for s in rs))],
-                           queries, hits, sum(s.kv_blocks_in_use for s in rs),
-                           sum(s.kv_sent_requests for s in rs), sum(s.kv_sent_bytes for s in rs),
-                           sum(s.kv_send_failures for s in rs), sum(s.kv_send_seconds for s in rs),
-                           sum(s.kv_received_requests for s in rs), sum(s.kv_fallbacks for s in rs))
+        """Every rank's stats combined (protocol.combine_rank_stats)."""
+        return combine_rank_stats([self.rank_stats[r] for r in self.live])
 
     def has_work(self) -> bool:
         return bool(self._owner)
@@ -316,14 +300,15 @@ class AsyncEngine:
                 now = time.monotonic()
                 if now - last_log >= self._log_interval and tokens_since:
                     s = self.stats()
-                    sol = [r.decode_sol_fraction for r in self.rank_stats if r.decode_sol_fraction > 0]
+                    sc, sd = s.scheduler, s.spec_decode
+                    sol = [r.speed_of_light.fraction for r in self.rank_stats if r.speed_of_light.fraction > 0]
                     log.info("throughput %.1f tokens/s; running %d, waiting %d; KV cache %.1f%%; prefix hit %.1f%%%s",
-                             tokens_since / (now - last_log), s.num_running, s.num_waiting,
-                             100 * s.kv_cache_usage, 100 * s.prefix_cache_hit_rate,
+                             tokens_since / (now - last_log), sc.num_running, sc.num_waiting,
+                             100 * sc.kv_cache_usage, 100 * sc.prefix_cache_hit_rate,
                              (f"; decode at {100 * sum(sol) / len(sol):.1f}% of speed of light" if sol else "")
-                             + (f"; speculative: mean acceptance length {1 + s.spec_num_accepted_tokens / s.spec_num_drafts:.2f}"
-                                f" ({s.spec_num_accepted_tokens} of {s.spec_num_draft_tokens} draft tokens accepted)"
-                                if s.spec_num_drafts else ""))
+                             + (f"; speculative: mean acceptance length {1 + sd.num_accepted_tokens / sd.num_drafts:.2f}"
+                                f" ({sd.num_accepted_tokens} of {sd.num_draft_tokens} draft tokens accepted)"
+                                if sd.num_drafts else ""))
                     last_log, tokens_since = now, 0
         except Exception as e:  # a dead core must not leave clients hanging
             if self._stop and self._closed.is_set():

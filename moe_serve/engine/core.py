@@ -8,39 +8,41 @@ single-process server's core process and every rank of a torchrun job).
 from __future__ import annotations
 
 import logging
-import os
 import time
 from concurrent.futures import Future, wait
 
-import torch.distributed as dist
+import msgspec
 
 from attention.kv_manager import KVCacheManager
 from attention.state import StateCache
-from expert_parallel.placement.load_stats import ExpertLoadRecorder
 from expert_parallel.placement.map import load_placement as read_placement
-from expert_parallel.rebalance.eplb import EplbManager, tuner_fn
 from expert_parallel.runtime.dispatch import make_dispatcher
-from expert_parallel.runtime.layer import MoE, MoEContext, default_physical_to_logical, num_default_slots
+from expert_parallel.runtime.layer import MoEContext, num_default_slots
 from moe_serve.config import EngineConfig
+from moe_serve.engine.disagg import disaggregated, poll_kv, report_reserved, send_kv
+from moe_serve.engine.features import FeatureContext, FeatureSet, build_features
+from moe_serve.engine.features.access import FeatureAccess
+from moe_serve.engine.step_parts import accept_sampled, keep_prompt_logprobs, mtp_drafts, request_output
 from moe_serve.limits import check_request
 from moe_serve.model_runner import ModelRunner, make_input_batch
 from moe_serve.models.registry import num_logical_experts
 from moe_serve import platform
 from moe_serve.platform import deepep_support
-from moe_serve.protocol import EngineCoreOutput, EngineStats, NewRequest, TokenLogprob
+from moe_serve.protocol import (EngineCoreOutput, EngineStats, KVTransferStats, NewRequest, SchedulerStats,
+                                SpecDecodeStats)
 from moe_serve.request import Request, RequestStatus
 from moe_serve.runner.graphs import capture_decode_graphs, capture_verify_graphs, captures_graphs
 from moe_serve.runner.loading import build_model, load_model_weights, prepare_weights, warm_up_before_serving
 from moe_serve.runner.memory import KVCacheSize, attention_layers, init_kv_cache, profile_memory, size_kv_cache
 from moe_serve.sampler import Sampler
 from moe_serve.speed_of_light import DecodeMeter, device_bandwidth
-from moe_serve.spec_decode import Speculator, accept
+from moe_serve.spec_decode import Speculator
 from moe_serve.scheduler import Scheduler, SchedulerOutput
 from moe_serve.structured_output.grammar import GrammarManager
 from moe_serve.tokenizer import Tokenizer
 
 log = logging.getLogger("moe_serve.engine")
-SEND_WAIT_S = 0.05  # prefill side: how long a step waits for the KV writes it posted before going on
+FEATURE_PARTS = tuple(f for f in EngineStats.__struct_fields__ if f not in ("scheduler", "features"))
 
 
 def build_engine(cfg: EngineConfig, ep_group=None, show_progress: bool = True) -> EngineCore:
@@ -76,12 +78,10 @@ def build_engine(cfg: EngineConfig, ep_group=None, show_progress: bool = True) -
     scheduler = make_scheduler(cfg, kv, max_model_len)
     eos = eos_token_ids(cfg)
     grammars = GrammarManager(cfg.model.path, cfg.model.hf["vocab_size"], eos)
-    core = EngineCore(cfg, moe_ctx, runner, scheduler, eos, grammars, max_model_len, meter)
+    core = EngineCore(cfg, moe_ctx, runner, scheduler, eos, grammars, max_model_len)
     core.connector = make_kv_connector(cfg, *bound)
-    if par.expert_load_record or par.expert_load_window:
-        core.enable_load_recording(par.expert_load_window or 100, ep_group, start=bool(par.expert_load_record))
-    if par.eplb is not None:
-        core.enable_eplb(make_eplb(cfg, model, moe_ctx, num_slots))
+    # Last: a feature may enter a collective (EPLB makes a process group); registered in features/__init__.py.
+    core.features = build_features(FeatureContext(cfg, model, moe_ctx, runner, num_slots, ep_group, meter))
     return core
 
 
@@ -196,30 +196,14 @@ def eos_token_ids(cfg: EngineConfig) -> frozenset[int]:
     return frozenset(eos)
 
 
-def make_eplb(cfg: EngineConfig, model, moe_ctx: MoEContext, num_slots: int) -> EplbManager:
-    """The online rebalancer over the model's MoE layers. Last: it makes a process group (a
-    collective) and its load hook goes after the recorder's."""
-    E = num_logical_experts(cfg.model.architecture, cfg.model.hf)
-    moes = [m for m in model.modules() if isinstance(m, MoE)]
-    rows = moe_ctx.physical_to_logical or [default_physical_to_logical(E, num_slots) for _ in moes]
-    par = cfg.parallel
-    # Nodes (torchrun's LOCAL_WORLD_SIZE ranks each) and the router's expert groups, so the
-    # tuner also keeps tokens near their node on a multi-node job.
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", par.world_size) or par.world_size)
-    nodes = par.world_size // local if par.world_size % local == 0 else 1
-    groups = cfg.model.hf.get("n_group")
-    groups = groups if nodes > 1 and isinstance(groups, int) and groups > 0 and E % groups == 0 else None
-    return EplbManager(moes, rows, E, par.eplb, par.rank, par.world_size, cfg.device,
-                       tune_fn=tuner_fn(nodes, groups, par.replica_split))
-
-
-class EngineCore:
+class EngineCore(FeatureAccess):
     """The schedule -> run -> sample loop of one rank over the parts `build_engine` made; making one
-    does no work."""
+    does no work. Per-step capabilities plug in as step features (moe_serve/engine/features/): the
+    core calls their hooks at fixed points and never names one."""
 
     def __init__(self, cfg: EngineConfig, moe_ctx: MoEContext, runner: ModelRunner, scheduler: Scheduler,
                  eos_token_ids: frozenset[int], grammars: GrammarManager, max_model_len: int,
-                 meter: DecodeMeter | None = None):
+                 features=()):
         self.cfg = cfg
         self.moe_ctx = moe_ctx
         self.runner = runner
@@ -236,14 +220,11 @@ class EngineCore:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.num_steps = 0
-        self.load_recorder: ExpertLoadRecorder | None = None  # enable_load_recording
-        self.eplb: EplbManager | None = None  # enable_eplb
-        self.meter = meter  # decode speed of light (moe_serve/speed_of_light.py)
+        self.features = FeatureSet(features)  # the step features (moe_serve/engine/features/)
         self.spec = Speculator(cfg.speculative, max_model_len)  # speculative decoding's drafts and counts
         scheduler.lookahead_tokens = self.spec.lookahead_tokens
         self.connector = None  # disagg.connector.KVConnector in a disaggregated instance (make_kv_connector)
-        self.kv_sent_requests = self.kv_sent_bytes = self.kv_send_failures = 0
-        self.kv_send_seconds = 0.0
+        self.kv_sent = KVTransferStats()  # the prefill side's counts (the decode side's: the scheduler's)
 
     def set_max_model_len(self, n: int) -> None:
         """Every rank serves the same context limit (the smallest any rank's cache allows)."""
@@ -266,50 +247,22 @@ class EngineCore:
                 req.output_token_ids = list(new.output_token_ids)
                 req.num_prompt_logprobs = req.num_prompt_tokens - 1  # sent with its first token already
             if new.kv is not None:
-                self._disaggregated(req, new.kv)
+                disaggregated(self, req, new.kv)
             if new.params.structured_outputs is not None:
                 if new.request_id in self.scheduler.requests or \
                         any(r.request_id == new.request_id for r, _ in self._awaiting_grammar):
                     raise ValueError(f"request_id {new.request_id!r} is already in use")
                 self._awaiting_grammar.append((req, self.grammars.compiled(new.params.structured_outputs)))
             else:
-                self.scheduler.add_request(req)
+                self._queue(req)
         except ValueError as e:
             return EngineCoreOutput(new.request_id, [], True, "abort", str(e))
         return None
 
-    def _disaggregated(self, req: Request, kv) -> None:
-        """Mark a request whose prompt cache moves between instances (moe_serve/disagg); ValueError
-        when this instance cannot take that part."""
-        mode = self.cfg.disaggregation_mode
-        if kv.role not in ("prefill", "decode"):
-            raise ValueError(f"kv role {kv.role!r} is not prefill or decode")
-        if req.params.prompt_logprobs is not None:
-            # The prompt's hidden states exist only on the prefill instance, which returns no tokens.
-            raise ValueError("prompt_logprobs cannot be computed for a disaggregated request: its prompt is "
-                             "computed on a prefill instance")
-        if mode != kv.role:
-            raise ValueError(f"this instance was started with --disaggregation-mode {mode}: it does not take "
-                             f"the {kv.role} side of a disaggregated request")
-        req.kv_role = kv.role
-        if kv.role == "decode":
-            req.kv_end = req.num_prompt_tokens - 1  # the last prompt token is computed here, where it samples
-            return
-        from moe_serve.disagg.connector import LayoutMismatch
-
-        t = kv.target
-        if t is None or not 0 <= t.start < t.end == req.num_prompt_tokens - 1:
-            raise ValueError("a prefill request needs the whole prompt and a target that ends before its last token")
-        if t.layout.signature != self.connector.layout.signature:
-            raise LayoutMismatch(f"the decode instance's cache layout ({t.layout.signature}) differs from this "
-                                 f"instance's ({self.connector.layout.signature}): both must serve the same model, "
-                                 "dtype, block size and speculative layers")
-        req.kv_target = t
-        req.max_new_tokens = 1
-        # The whole prompt is computed (the MTP layer's entry of a position reads the next token), but
-        # per-sequence state must stop before the last token, which the decode side computes.
-        if self.scheduler.kv.has_state:
-            req.prompt_token_ids = req.prompt_token_ids[:t.end]
+    def _queue(self, req: Request) -> None:
+        self.scheduler.add_request(req)
+        for hook in self.features.hooks.on_request_added:
+            hook(req)
 
     def kv_done(self, done: list) -> None:
         """Decode side: prefill instances wrote (or failed to write) these requests' blocks."""
@@ -319,81 +272,11 @@ class EngineCore:
                 log.warning("request %s: its prompt's KV did not arrive (%s): computing it here", d.request_id,
                             d.error or "no reason given")
 
-    def _report_reserved(self) -> None:
-        """Decode side: tell the front end which blocks each newly reserved request holds."""
-        from moe_serve.protocol import KVTarget
-
-        sched = self.scheduler
-        bs = sched.block_size
-        for req in sched.take_kv_reserved():
-            start, end = req.num_computed_tokens, req.kv_end
-            tables = [[-1 if b == sched.kv.null_block(g) else b for b in t[start // bs:-(-end // bs)]]
-                      for g, t in enumerate(sched.kv.tables(req))]
-            slot = -1 if req.state_slot is None else req.state_slot
-            self._early_outputs.append(EngineCoreOutput(
-                req.request_id, [], kv_target=KVTarget(self.connector.layout, start, end, tables, slot)))
-
-    def _send_kv(self, held: list[Request], outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
-        """Prefill side: post the writes of the requests that finished computing; their outputs
-        wait for the writes (poll_kv). Returns the outputs of the other requests."""
-        from moe_serve.disagg.transfer import TransferError
-
-        ids = {r.request_id: r for r in held}
-        sched, rest = self.scheduler, []
-        if self.cfg.device.type == "cuda":  # the step's kernels have written the cache before it is read
-            import torch
-
-            torch.cuda.current_stream(self.cfg.device).synchronize()
-        nulls = [sched.kv.null_block(g) for g in range(len(sched.kv.allocs))]
-        for o in outputs:
-            req = ids.pop(o.request_id, None)
-            if req is None:
-                rest.append(o)
-                continue
-            try:
-                self.connector.post(req, req.kv_target, sched.kv.tables(req), nulls, req.state_slot, sched.block_size,
-                                    o)
-            except (TransferError, ValueError) as e:
-                sched.free_held(req)
-                self.kv_send_failures += 1
-                log.warning("request %s: its KV could not be sent: %s", req.request_id, e)
-                rest.append(EngineCoreOutput(req.request_id, [], True, "abort", f"KV transfer failed: {e}"))
-        for req in ids.values():  # finished without an output of this step (not expected): give back
-            sched.free_held(req)
-        # A write of a few MB takes milliseconds: wait for it (briefly) rather than leave its request's
-        # answer until after the next step, which may be a long prefill.
-        deadline = time.monotonic() + SEND_WAIT_S
-        while self.connector.sending and time.monotonic() < deadline:
-            rest += self.poll_kv()
-            if self.connector.sending:
-                time.sleep(0.0002)
-        return rest
-
     def poll_kv(self) -> list[EngineCoreOutput]:
         """Prefill side: the outputs of requests whose KV write ended (blocks given back)."""
         if self.connector is None or not self.connector.sending:
             return []
-        outs = []
-        for send, state in self.connector.poll():
-            self.scheduler.free_held(send.req)
-            if send.aborted:  # aborted while its write was posted: answered now that the write has ended
-                if state == "DONE":
-                    self.kv_sent_requests += 1
-                    self.kv_sent_bytes += send.nbytes
-                else:
-                    self.kv_send_failures += 1
-                outs.append(EngineCoreOutput(send.req.request_id, [], True, "abort",
-                                             f"aborted; its KV write has ended ({state})"))
-            elif state == "DONE":
-                self.kv_sent_requests += 1
-                self.kv_sent_bytes += send.nbytes
-                self.kv_send_seconds += time.monotonic() - send.t0
-                outs.append(send.output)
-            else:
-                self.kv_send_failures += 1
-                log.warning("request %s: %s", send.req.request_id, state)
-                outs.append(EngineCoreOutput(send.req.request_id, [], True, "abort", f"KV transfer failed: {state}"))
-        return outs
+        return poll_kv(self)
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         outs = []
@@ -434,7 +317,7 @@ class EngineCore:
                 req.grammar = self.grammars.state(fut.result())
                 for t in req.output_token_ids:  # a resumed request: what it already generated
                     req.grammar.accept(t)
-                self.scheduler.add_request(req)
+                self._queue(req)
             except Exception as e:  # the front end checks specs first, so this is not expected
                 log.warning("request %s: structured output grammar failed: %s", req.request_id, e)
                 self._early_outputs.append(EngineCoreOutput(
@@ -446,13 +329,15 @@ class EngineCore:
         if self._awaiting_grammar:
             self._admit_compiled()
         out = self.scheduler.schedule()
-        if self.scheduler._kv_reserved:
-            self._report_reserved()
+        if self.connector is not None:  # decode side: the blocks reserved for prompts to arrive
+            self._early_outputs += report_reserved(self)
+        for hook in self.features.hooks.after_schedule:
+            hook(out)
         return out
 
     def step(self, lockstep: bool = False) -> list[EngineCoreOutput]:
-        if self.eplb is not None and not lockstep:  # one process: its own agreement
-            self.eplb_boundary(self.eplb_flag())
+        if not lockstep:  # one process: its own agreement
+            self.features.agree_alone()
         out = self.schedule()
         return self.take_early_outputs() + self.execute(out, lockstep)
 
@@ -465,179 +350,87 @@ class EngineCore:
         verify; False when mixed; None: this rank's own step decides), the padding to a ladder size."""
         if out.is_empty:
             if lockstep:
-                t0 = time.perf_counter()
-                if self.meter is not None:
-                    self.meter.begin_step()
-                self.runner.execute_empty(max_tokens_any_rank, uniform_len)
-                if self.meter is not None:
-                    self.meter.end_step(None)
-                if self.runner.drafter is not None:
+                self._forward(out, max_tokens_any_rank, uniform_len)
+                if self.runner.drafter is not None:  # its passes are collective under EP
                     self.runner.propose_drafts([], [])
-                if self.load_recorder is not None:
-                    self.load_recorder.end_step()
-                if self.eplb is not None:
-                    self.eplb.end_step(time.perf_counter() - t0)
             return []
+        self._count_step(out)
+        result = self._forward(out, max_tokens_any_rank, uniform_len)
+        sampled, logprobs, sampled_reqs, last_accepted = accept_sampled(out, result, self.spec)
+        rollback = self._rollback(out, sampled)
+        keep_prompt_logprobs(out, result)  # before the update: a request that ends in this step sends them now
+        now = time.monotonic()
+        self.scheduler.update(out, sampled, rollback)
+        outputs = self._outputs(sampled_reqs, logprobs, now)
+        self._propose(out, result, last_accepted)
+        held = self.scheduler.take_kv_outbox()
+        if held:  # after the MTP pass, which writes its layer's cache of this step's tokens
+            outputs = send_kv(self, held, outputs)
+        for hook in self.features.hooks.on_outputs:
+            outputs = hook(outputs)
+        return outputs
+
+    def _count_step(self, out: SchedulerOutput) -> None:
         self.num_steps += 1
         for s in out.scheduled:
             r = s.request
             if r.num_computed_tokens < r.num_prompt_tokens:
                 self.num_prompt_tokens += min(s.num_tokens, r.num_prompt_tokens - r.num_computed_tokens)
-        meter = self.meter
-        decode_lens = None  # a decode-only step: each sequence's cache length with its new token
-        if meter is not None:
-            meter.begin_step()
-            if all(s.num_tokens == 1 and s.request.num_computed_tokens == s.request.num_tokens - 1
-                   for s in out.scheduled):
-                decode_lens = [s.request.num_tokens for s in out.scheduled]
+
+    def _forward(self, out: SchedulerOutput, max_tokens_any_rank, uniform_len):
+        """The model's forward with the features' hooks around it (an empty lockstep one too)."""
+        for hook in self.features.hooks.before_forward:
+            hook(out)
         t0 = time.perf_counter()
-        result = self.runner.execute(out, max_tokens_any_rank, uniform_len)
+        if out.is_empty:
+            result = None
+            self.runner.execute_empty(max_tokens_any_rank, uniform_len)
+        else:
+            result = self.runner.execute(out, max_tokens_any_rank, uniform_len)
         seconds = time.perf_counter() - t0
-        if meter is not None:  # the step's turn of the loop, since the step before ended
-            meter.end_step(decode_lens)
-        if self.eplb is not None:
-            self.eplb.end_step(seconds)
-        # Each sampling piece's rows: one, or with k draft tokens k + 1 (spec_decode.accept verifies).
-        sampled, logprobs, sampled_reqs, i = {}, {}, [], 0
-        last_accepted = {}  # request id -> the sampling row of its last accepted token
-        for s in out.scheduled:
-            if not s.samples:
-                continue
-            k = len(s.draft_ids)
-            rows = result.token_ids[i:i + k + 1]
-            keep = accept(rows, s.draft_ids) if k else rows
-            sampled[s.request.request_id] = keep
-            logprobs[s.request.request_id] = result.logprobs[i:i + len(keep)]
-            sampled_reqs.append((s.request, s.request.num_output_tokens))
-            last_accepted[s.request.request_id] = i + len(keep) - 1
-            i += k + 1
-            if k:
-                self.spec.record(k, len(keep) - 1)
-        # Per-sequence state (linear attention) advanced over rejected drafts: restore it to before
-        # the step and recompute the accepted tokens in the next one (ModelRunner.restore_states).
+        for hook in self.features.hooks.after_forward:
+            hook(out, result, seconds)
+        return result
+
+    def _rollback(self, out: SchedulerOutput, sampled: dict) -> set[str]:
+        """Per-sequence state (linear attention) advanced over rejected drafts: restore it to before
+        the step and recompute the accepted tokens in the next one (ModelRunner.restore_states)."""
         rollback = {s.request.request_id for s in out.scheduled
                     if s.samples and s.draft_ids and len(sampled[s.request.request_id]) <= len(s.draft_ids)}
         if rollback and self.runner.state_layers:
             self.runner.restore_states(rollback)
-        else:
-            rollback = set()
-        for s in out.scheduled:  # before the update: a request that ends in this step sends them now
-            lps = result.prompt_logprobs.get(s.request.request_id)
-            if lps:
-                s.request.pending_prompt_logprobs += lps
-                s.request.num_prompt_logprobs += len(lps)
-        now = time.monotonic()
-        self.scheduler.update(out, sampled, rollback)
-        if self.load_recorder is not None:
-            self.load_recorder.end_step()
+            return rollback
+        return set()
+
+    def _outputs(self, sampled_reqs: list, logprobs: dict, now: float) -> list[EngineCoreOutput]:
         outputs = []
         for r, before in sampled_reqs:
             if r.status == RequestStatus.FINISHED_ABORTED and r.stop_reason is None:  # aborted during the step
                 continue
             new = r.output_token_ids[before:]  # the sampled tokens it kept (all, unless one stopped it)
             self.num_generation_tokens += len(new)
-            if r.first_token_time is None:
-                r.first_token_time = now
-            fin = r.is_finished
-            lps = logprobs[r.request_id][:len(new)]
-            prompt_lps = None
-            if r.params.prompt_logprobs is not None and before == 0:  # its first token: the prompt's entries
-                prompt_lps, r.pending_prompt_logprobs = r.pending_prompt_logprobs, []
-            outputs.append(EngineCoreOutput(
-                r.request_id, new, fin, r.status.value if fin else None, r.stop_reason if fin else None,
-                [TokenLogprob(t, lp[0], lp[1]) for t, lp in zip(new, lps)] if lps and lps[0] else None,
-                r.num_cached_prompt_tokens, prompt_logprobs=prompt_lps))
-        if self.runner.drafter is not None:
-            self._mtp_drafts(out, result.token_ids, last_accepted)
-        elif self.spec.proposer is not None:
-            self.spec.propose(self.scheduler.running)
-        held = self.scheduler.take_kv_outbox()
-        if held:  # after the MTP pass, which writes its layer's cache of this step's tokens
-            outputs = self._send_kv(held, outputs)
+            outputs.append(request_output(r, new, logprobs[r.request_id][:len(new)], before, now))
         return outputs
 
-    def _mtp_drafts(self, out: SchedulerOutput, sampled: list[int], last_accepted: dict[str, int]) -> None:
-        """Run the MTP drafter after a step (every step: its passes are collective under EP) and
-        give each request that decodes next its drafts."""
-        batch = self.runner.batch
-        rows, reqs = [], []
-        for s in out.scheduled:
-            r = s.request
-            j = last_accepted.get(r.request_id)
-            if j is None or r.is_finished or r.num_computed_tokens != r.num_tokens - 1:
-                continue
-            row = batch.row_of[r.request_id]
-            rows.append((row, batch.last_logits_idx[j], r.num_computed_tokens - 1))
-            reqs.append((r, row))
-        drafts = self.runner.propose_drafts(rows, sampled)
-        for r, row in reqs:
-            self.spec.set_drafts(r, drafts.get(row, []))
-
-    # --- expert load ----------------------------------------------------------------------------
-    def enable_load_recording(self, window_steps: int, ep_group=None, start: bool = False):
-        """Count routed tokens per (MoE layer, logical expert) in windows of `window_steps` steps.
-        With expert parallelism every window is summed over the ranks (one all_reduce per window,
-        at the same step on every rank)."""
-        reduce_fn = None
-        if self.cfg.parallel.world_size > 1:
-            reduce_fn = lambda t: dist.all_reduce(t, group=ep_group)  # noqa: E731
-        rec = ExpertLoadRecorder(self.runner.model.num_moe_layers, num_logical_experts(self.cfg.model.architecture,
-                                 self.cfg.model.hf), window_steps, reduce_fn=reduce_fn, device=self.cfg.device)
-        self.load_recorder = rec
-        self.runner.load_hooks.append(rec.record)
-        if start:
-            rec.start()
-        return rec
-
-    def stop_load_recording(self) -> None:
-        """Stop the HTTP-controlled recording, keeping its partial window (at shutdown, on every
-        rank at the same turn: the window's reduction is collective)."""
-        if self.load_recorder is not None:
-            self.load_recorder.stop()
-
-    def dump_load(self, path: str | None = None) -> dict:
-        if self.load_recorder is None:
-            return {}
-        return self.load_recorder.dump(path, metadata={"model": self.cfg.model.path})
-
-    # --- expert rebalancing ---------------------------------------------------------------------
-    def enable_eplb(self, mgr: EplbManager) -> None:
-        """Rebalance experts online with `mgr` (make_eplb); its load hook sits beside the
-        HTTP-controlled recorder, if any: both count."""
-        self.eplb = mgr
-        self.runner.load_hooks.append(mgr.record)
-
-    def eplb_flag(self) -> int:
-        """What this rank adds to the per-turn agreement: 1 while its part of the pending
-        rebalancing step is not done (0 without rebalancing)."""
-        return self.eplb.local_flag() if self.eplb is not None else 0
-
-    def eplb_state(self) -> tuple[int, int]:
-        """eplb_flag and the digest of a tuned placement waiting to be taken up (0 if none), read
-        together: the per-turn agreement carries both (EplbManager.local_state)."""
-        return self.eplb.local_state() if self.eplb is not None else (0, 0)
-
-    def eplb_boundary(self, agreed_flag: int, sync_group=None, digests: tuple[int, int] | None = None) -> None:
-        """Between steps, at the same turn on every rank: advance the rebalancing (tune, post
-        transfers, switch a layer whose transfer every rank finished). digests: the agreed
-        (MAX digest, MAX -digest), which must match when a tuned placement is taken up."""
-        if self.eplb is not None:
-            self.eplb.boundary(agreed_flag, sync_group, digests)
+    def _propose(self, out: SchedulerOutput, result, last_accepted: dict[str, int]) -> None:
+        """The next step's drafts: the MTP drafter (every step: its passes are collective under EP)
+        or the engine-side proposer."""
+        if self.runner.drafter is not None:
+            mtp_drafts(self, out, result.token_ids, last_accepted)
+        elif self.spec.proposer is not None:
+            self.spec.propose(self.scheduler.running)
 
     # --- stats ----------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
-        s = self.scheduler
-        return EngineStats(len(s.running), len(s.waiting) + len(self._awaiting_grammar), self.allocator.usage,
-                           self.allocator.hit_rate,
-                           s.num_preemptions, self.num_prompt_tokens, self.num_generation_tokens, self.num_steps,
-                           *((self.eplb.rebalances, self.eplb.balancedness, self.eplb.last_transfer_s)
-                             if self.eplb is not None else (0, 0.0, 0.0)),
-                           *((self.meter.fraction, self.meter.last["tokens_per_s"], self.meter.bandwidth)
-                             if self.meter is not None else (0.0, 0.0, 0.0)),
-                           self.spec.num_drafts, self.spec.num_draft_tokens, self.spec.num_accepted_tokens,
-                           list(self.spec.accepted_per_pos), self.allocator.lookup_tokens,
-                           self.allocator.hit_tokens, s.kv.in_use, self.kv_sent_requests, self.kv_sent_bytes,
-                           self.kv_send_failures, self.kv_send_seconds, s.kv_received, s.kv_fallbacks)
+        s, a, spec = self.scheduler, self.allocator, self.spec
+        sched = SchedulerStats(len(s.running), len(s.waiting) + len(self._awaiting_grammar), a.usage, a.hit_rate,
+                               s.num_preemptions, self.num_prompt_tokens, self.num_generation_tokens, self.num_steps,
+                               a.lookup_tokens, a.hit_tokens, s.kv.in_use)
+        spec_stats = SpecDecodeStats(spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
+                                     list(spec.accepted_per_pos))
+        kv = msgspec.structs.replace(self.kv_sent, received_requests=s.kv_received, fallbacks=s.kv_fallbacks)
+        parts, others = self.features.stats(FEATURE_PARTS)
+        return EngineStats(sched, spec_stats, kv, features=others, **parts)
 
     def track_cache_events(self) -> None:
         """Keep the prefix cache's changes for take_cache_events (a data-parallel rank's reports)."""

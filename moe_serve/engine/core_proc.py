@@ -4,12 +4,13 @@ waits on HTTP. One per data-parallel rank.
 Each turn it takes every `CoreInput` that has arrived from the front end (ZMQ PULL), schedules, and
 runs the step; the new tokens of the step go back in one `CoreOutputs` message (ZMQ PUSH). With
 expert parallelism the ranks agree once per turn, in one small all-reduce (MAX) over the CPU group,
-on: the most tokens any rank scheduled (0: nobody has work, so nobody runs the model; otherwise
-every rank runs the step, an empty forward where it has nothing, so the MoE collectives line up),
-whether any rank got SIGTERM, whether the front end said shut down, expert-load recording
-starting or stopping (so every rank's windows cover the same steps), and whether any rank's part
-of a pending expert-rebalancing step is unfinished (expert_parallel/rebalance/eplb.py: 0 means every rank
-switches the layer at this turn).
+on named fields (`TurnAgreement`, and each step feature's own struct: moe_serve/engine/features/):
+the most tokens any rank scheduled (0: nobody has work, so nobody runs the model; otherwise every
+rank runs the step, an empty forward where it has nothing, so the MoE collectives line up), the
+step's shape, whether any rank got SIGTERM, whether the front end said shut down, a regroup
+(elastic EP), and the features' fields: expert-load recording starting or stopping (so every rank's
+windows cover the same steps), whether any rank's part of a pending expert-rebalancing step is
+unfinished (0 means every rank switches the layer at this turn).
 
 `python -m moe_serve.engine.core_proc` is the single-process server's core (one rank, spawned by
 the front end); torchrun ranks run `CoreLoop` from launcher/worker.py.
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import logging
 import os
 import signal
@@ -30,6 +30,8 @@ from typing import Callable
 import msgspec
 import zmq
 
+from moe_serve.engine.features.agreement import Layout
+from moe_serve.engine.features.base import MinInt
 from moe_serve.protocol import (CoreFatal, CoreInput, CoreOutputs, CoreReady, UtilityResult, input_decoder,
                                 input_encoder)
 
@@ -58,6 +60,18 @@ def agreed_shape(q_max: int, neg_q_min: int) -> int:
     the ranks' steps differ or any is mixed (then no rank pads)."""
     return q_max if q_max == -neg_q_min and q_max < _MIXED else 0
 
+
+class TurnAgreement(msgspec.Struct):
+    """The loop's own fields of the per-turn agreement (the features add theirs)."""
+
+    max_tokens: int = 0  # the most tokens any rank scheduled (0: nobody runs the model)
+    sigterm_rank: int = 0  # 1 + a rank that got SIGTERM (0: none)
+    shutdown: int = 0  # the front end said shut down
+    regroup: int = -1  # elastic EP: -1 none, 0 a replacement joins, n a planned size of n ranks
+    q_max: int = 0  # the step's shape (step_shape): the most tokens per sequence ...
+    q_min: MinInt = _MIXED  # ... and the fewest, over the ranks that run any
+
+
 class Regroup(Exception):
     """Every rank agreed, at this turn, to regroup (elastic EP, launcher/elastic.py): a replacement
     waits to join, or a planned change of size (`size` ranks)."""
@@ -85,8 +99,8 @@ class CoreLoop:
         self.shutdown_asked_by = -1  # the rank whose SIGTERM is known here (own, or agreed over ranks)
         self._reported_shutdown_wish = False
         self.turns = 0
-        self._pending_load: str | None = None  # "load_start" | "load_stop" asked on this rank
-        self._pending_dumps: list[int] = []  # load_dump calls asked on this rank, answered at the agreed turn
+        self._owed: set[int] = set()  # utility calls a feature answers at an agreed turn
+        self._layouts: dict[tuple, Layout] = {}
         self._peer_checked = time.monotonic()
         self._changed = False  # state changed without an output (the next turn reports stats)
         # Elastic EP (launcher/elastic.py): the membership generation this core serves, and a
@@ -103,10 +117,9 @@ class CoreLoop:
     def rebind(self, core, world_size: int, sync_group, generation: int) -> None:
         """Serve a rebuilt engine core (elastic EP) through the same sockets."""
         self.core, self.world_size, self.group, self.generation = core, world_size, sync_group, generation
-        self._pending_load = None
-        for cid in self._pending_dumps:  # a new generation records afresh: nothing of the old one to dump
+        for cid in sorted(self._owed):  # a new generation records afresh: nothing of the old one to dump
             self.send(UtilityResult(cid, error="the job regrouped before the dump; ask again"))
-        self._pending_dumps = []
+        self._owed.clear()
         gc.collect()
         gc.freeze()
 
@@ -171,31 +184,59 @@ class CoreLoop:
                 self._changed = True  # blocks given back: the front end's figures should say so
 
     def _call(self, call) -> None:
-        if call.method in ("load_start", "load_stop"):
-            self._pending_load = call.method  # applied at the turn every rank agrees on
-            self.send(UtilityResult(call.call_id, b"true"))
-        elif call.method == "load_dump":  # at the agreed turn: its open window is reduced over the ranks
-            self._pending_dumps.append(call.call_id)
+        taken, answer = self.core.features.call(call)  # a feature's (load_start, load_stop, load_dump)
+        if taken:
+            if answer is None:  # answered at a turn every rank agrees on
+                self._owed.add(call.call_id)
+            else:
+                self.send(answer)
         elif call.method == "scale":
             self.ask_regroup(call.arg)  # answered once the job serves at the new size (ElasticChange)
             self.send(UtilityResult(call.call_id, b"true"))
         else:
             self.send(UtilityResult(call.call_id, error=f"unknown utility call {call.method!r}"))
 
-    def _apply_load(self, action: str | None, dump: bool) -> None:
-        rec = self.core.load_recorder
-        if rec is not None and action is not None:
-            rec.start() if action == "load_start" else rec.stop()
-        if dump:  # every rank (the open window's reduction is collective); the asking rank answers
-            text = json.dumps(self.core.dump_load()).encode()
-            for cid in self._pending_dumps:
-                self.send(UtilityResult(cid, text))
-            self._pending_dumps = []
+    def _agree(self, sched, shutdown: bool) -> tuple[int, int | None, bool]:
+        """The turn's agreement: with EP, the loop's fields and every feature's in ONE MAX all-reduce
+        (features/agreement.py lays them out by name); one process agrees with itself. Raises
+        Regroup when one is agreed; applies the features' part. Returns the most tokens any rank
+        scheduled, the tokens every sequence has (agreed_shape; None: this rank decides), shutdown."""
+        ntok = sched.num_batched_tokens if sched is not None else 0
+        regroup, self._regroup_size = self._regroup_size, None
+        parts = self.core.features.agreement()
+        if self.world_size > 1:
+            q, neg_q = step_shape(sched)
+            mine = TurnAgreement(ntok, self.rank + 1 if self.wants_shutdown else 0, int(shutdown),
+                                 -1 if regroup is None else regroup, q, -neg_q)
+            agreed = self._all_reduce([("turn", mine), *parts])
+            turn = agreed.pop("turn")
+            shutdown, regroup = bool(turn.shutdown), None if turn.regroup < 0 else turn.regroup
+            self.shutdown_asked_by = turn.sigterm_rank - 1
+            max_tok, uniform = turn.max_tokens, agreed_shape(turn.q_max, -turn.q_min)
+        else:
+            agreed, max_tok, uniform = dict(parts), ntok, None  # one process: its own step decides
+            self.shutdown_asked_by = 0 if self.wants_shutdown else -1
+        if regroup is not None and (self.world_size > 1 or self.elastic) and not shutdown:
+            raise Regroup("a planned change of size" if regroup else "a replacement joins", regroup or None)
+        # Between steps, at the same turn on every rank: load recording, expert rebalancing.
+        self.core.features.apply_agreement(agreed, self.group)
+        for result in self.core.features.take_results():
+            self._owed.discard(result.call_id)
+            self.send(result)
+        return max_tok, uniform, shutdown
+
+    def _all_reduce(self, parts: list) -> dict:
+        import torch
+        import torch.distributed as dist
+
+        key = tuple((name, type(p)) for name, p in parts)
+        layout = self._layouts.get(key) or self._layouts.setdefault(key, Layout(parts))
+        flags = torch.tensor(layout.pack(parts), dtype=torch.int64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        return layout.unpack(flags.tolist())
 
     def run(self) -> int:
         """Loop until the front end says shut down (every rank at the same turn); returns 0."""
-        import torch
-
         core, any_work = self.core, False
         while True:
             self.turns += 1
@@ -205,64 +246,33 @@ class CoreLoop:
             outs += core.poll_kv()  # disaggregated prefill: KV writes that ended
             sched = core.schedule() if core.has_unfinished() else None
             outs += core.take_early_outputs()
-            ntok = sched.num_batched_tokens if sched is not None else 0
-            load, self._pending_load = self._pending_load, None
-            dump = bool(self._pending_dumps)
-            if self.world_size > 1:
-                import torch.distributed as dist
-
-                q, q_lo = step_shape(sched)
-                # The rebalancing's flag, and the digest of a tuned placement as d and -d (MAX of
-                # both: every rank tuned the same one iff they are each other's negation).
-                eplb_flag, digest = core.eplb_state()
-                regroup, self._regroup_size = self._regroup_size, None
-                flags = torch.tensor([ntok, self.rank + 1 if self.wants_shutdown else 0, shutdown,
-                                      (load == "load_start") | dump << 1, load == "load_stop", eplb_flag, q, q_lo,
-                                      digest, -digest, -1 if regroup is None else regroup], dtype=torch.int64)
-                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-                max_tok, term_rank, shutdown, start, stop, eplb_busy, q_hi, q_lo, d_max, neg_d_max, regroup = \
-                    (int(v) for v in flags.tolist())
-                if regroup >= 0 and not shutdown:
-                    raise Regroup("a planned change of size" if regroup else "a replacement joins",
-                                  regroup or None)
-                uniform = agreed_shape(q_hi, q_lo)
-                digests = (d_max, neg_d_max)
-                load = "load_start" if start & 1 else ("load_stop" if stop else None)
-                dump = bool(start & 2)
-                self.shutdown_asked_by = term_rank - 1
-            else:
-                regroup, self._regroup_size = self._regroup_size, None
-                if regroup is not None and self.elastic and not shutdown:
-                    raise Regroup("a planned change of size" if regroup else "a replacement joins", regroup or None)
-                max_tok, uniform = ntok, None  # one process: its own step decides
-                self.shutdown_asked_by = 0 if self.wants_shutdown else -1
-                eplb_busy, digests = core.eplb_flag(), None
-            self._apply_load(load, dump)
-            # Expert rebalancing advances here, between steps, at the same turn on every rank.
-            core.eplb_boundary(eplb_busy, self.group, digests)
+            max_tok, uniform, shutdown = self._agree(sched, shutdown)
             any_work = max_tok > 0
             if any_work:
                 outs += core.execute(sched if sched is not None else _empty(), lockstep=self.world_size > 1,
                                      max_tokens_any_rank=max_tok if self.world_size > 1 else None,
                                      uniform_len=uniform)
-            wish = self.shutdown_asked_by >= 0 and not self._reported_shutdown_wish
-            # Idle: the decode speed-of-light window closes with the burst that filled it (and the
-            # first turn reports the stats known at start-up, the assumed bandwidth among them).
-            meter = core.meter
-            closed = not any_work and meter is not None and meter.pause() is not None
-            events = core.take_cache_events()
-            if outs or any_work or wish or shutdown or closed or events or self.turns == 1 or self._changed:
-                self._changed = False
-                self._reported_shutdown_wish |= wish
-                self.send(CoreOutputs(self.rank, outs, core.stats(), self.shutdown_asked_by, bool(shutdown), events,
-                                      self.generation))
+            # Idle: the features close what the burst filled (the speed-of-light window).
+            closed = not any_work and core.features.idle()
+            self._report(core, outs, any_work, shutdown, closed)
             if shutdown:
-                core.stop_load_recording()  # every rank at this turn: a partial window is kept
+                core.features.shutdown()  # every rank at this turn (a partial load window is kept)
                 return 0
             if time.monotonic() - self._peer_checked > 1.0:  # busy or idle: a step is far shorter
                 self._peer_checked = time.monotonic()
                 if not self.peer_alive():
                     raise RuntimeError("the front-end process is gone")
+
+    def _report(self, core, outs: list, any_work: bool, shutdown: bool, closed: bool) -> None:
+        """One CoreOutputs when there is news (the first turn reports the stats known at start-up,
+        the assumed bandwidth among them)."""
+        wish = self.shutdown_asked_by >= 0 and not self._reported_shutdown_wish
+        events = core.take_cache_events()
+        if outs or any_work or wish or shutdown or closed or events or self.turns == 1 or self._changed:
+            self._changed = False
+            self._reported_shutdown_wish |= wish
+            self.send(CoreOutputs(self.rank, outs, core.stats(), self.shutdown_asked_by, bool(shutdown), events,
+                                  self.generation))
 
     elastic = False  # set by an elastic rank: a regroup may also start from a one-rank generation
 

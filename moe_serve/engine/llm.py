@@ -100,8 +100,7 @@ class LLM:
                     co.finish_reason, co.stop_reason = eo.finish_reason, eo.stop_reason
                     bar.update(1)
         bar.close()
-        if self.engine.meter is not None:  # the call's last decode steps: into the speed-of-light figures
-            self.engine.meter.pause()
+        self.engine.features.idle()  # the call's last decode steps: into the speed-of-light figures
         for ro in outputs:
             ro.finished = all(c.finish_reason is not None for c in ro.outputs)
         return outputs

@@ -51,9 +51,9 @@ def test_references_cover_the_code(pages):
         assert f"## `moe-serve {cmd}`" in cli
     assert "## `python -m launcher serve`" in cli and "`--enable-elastic-ep`" in cli and "`--dist-interface NAME`" in cli
     from moe_serve.metrics import EngineMetrics
-    from moe_serve.protocol import EngineStats
+    from moe_serve.protocol import EngineStats, SpecDecodeStats
 
-    rendered = EngineMetrics().render("m", EngineStats(spec_accepted_per_pos=[0]))
+    rendered = EngineMetrics().render("m", EngineStats(spec_decode=SpecDecodeStats(accepted_per_pos=[0])))
     for name in re.findall(r"^# HELP (\S+) ", rendered, re.M):
         assert f"| `{name}` |" in metrics, name
     assert "`moe_serve_router:worker_up`" in metrics
