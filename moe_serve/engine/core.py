@@ -4,6 +4,12 @@ The core knows nothing of text: detokenization, stop strings and streaming live 
 `OutputProcessor`. Token-level stops (EOS, stop_token_ids, max_tokens) are decided here, where the
 blocks are freed. `build_engine(config)` is the one way to make a core (offline `LLM`, the
 single-process server's core process and every rank of a torchrun job).
+
+A step: schedule (features' after_schedule) -> before_forward -> the model's forward ->
+after_forward -> keep the accepted tokens, update the scheduler, build the outputs, propose drafts,
+post KV writes -> on_outputs. Capabilities that act per step (the speed-of-light meter, expert-load
+recording, EPLB, a test's own) are step features (moe_serve/engine/features/): the core calls them
+at those points and never names one.
 """
 from __future__ import annotations
 
