@@ -230,12 +230,13 @@ def combine_rank_stats(rs: list[EngineStats]) -> EngineStats:
     spec = [s.spec_decode for s in rs]
     kv = [s.kv_transfer for s in rs]
     return EngineStats(
-        summed,
-        SpecDecodeStats(sum(s.num_drafts for s in spec), sum(s.num_draft_tokens for s in spec),
-                        sum(s.num_accepted_tokens for s in spec),
-                        [sum(col) for col in zip(*(s.accepted_per_pos for s in spec))]),
-        KVTransferStats(**{f: sum(getattr(s, f) for s in kv) for f in KVTransferStats.__struct_fields__}),
-        rs[0].eplb)
+        scheduler=summed,
+        spec_decode=SpecDecodeStats(
+            num_drafts=sum(s.num_drafts for s in spec), num_draft_tokens=sum(s.num_draft_tokens for s in spec),
+            num_accepted_tokens=sum(s.num_accepted_tokens for s in spec),
+            accepted_per_pos=[sum(col) for col in zip(*(s.accepted_per_pos for s in spec))]),
+        kv_transfer=KVTransferStats(**{f: sum(getattr(s, f) for s in kv) for f in KVTransferStats.__struct_fields__}),
+        eplb=rs[0].eplb)
 
 
 class CoreReady(msgspec.Struct, tag="ready", array_like=True):

@@ -34,7 +34,7 @@ from moe_serve.model_runner import ModelRunner, make_input_batch
 from moe_serve.models.registry import num_logical_experts
 from moe_serve import platform
 from moe_serve.platform import deepep_support
-from moe_serve.protocol import (EngineCoreOutput, EngineStats, KVTransferStats, NewRequest, SchedulerStats,
+from moe_serve.protocol import (CacheEvents, EngineCoreOutput, EngineStats, KVTransferStats, NewRequest, SchedulerStats,
                                 SpecDecodeStats)
 from moe_serve.request import Request, RequestStatus
 from moe_serve.runner.graphs import capture_decode_graphs, capture_verify_graphs, captures_graphs
@@ -429,14 +429,18 @@ class EngineCore(FeatureAccess):
     # --- stats ----------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
         s, a, spec = self.scheduler, self.allocator, self.spec
-        sched = SchedulerStats(len(s.running), len(s.waiting) + len(self._awaiting_grammar), a.usage, a.hit_rate,
-                               s.num_preemptions, self.num_prompt_tokens, self.num_generation_tokens, self.num_steps,
-                               a.lookup_tokens, a.hit_tokens, s.kv.in_use)
-        spec_stats = SpecDecodeStats(spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
-                                     list(spec.accepted_per_pos))
+        sched = SchedulerStats(
+            num_running=len(s.running), num_waiting=len(s.waiting) + len(self._awaiting_grammar),
+            kv_cache_usage=a.usage, prefix_cache_hit_rate=a.hit_rate, num_preemptions=s.num_preemptions,
+            prompt_tokens=self.num_prompt_tokens, generation_tokens=self.num_generation_tokens,
+            num_steps=self.num_steps, prefix_cache_queries=a.lookup_tokens, prefix_cache_hits=a.hit_tokens,
+            kv_blocks_in_use=s.kv.in_use)
+        spec_stats = SpecDecodeStats(num_drafts=spec.num_drafts, num_draft_tokens=spec.num_draft_tokens,
+                                     num_accepted_tokens=spec.num_accepted_tokens,
+                                     accepted_per_pos=list(spec.accepted_per_pos))
         kv = msgspec.structs.replace(self.kv_sent, received_requests=s.kv_received, fallbacks=s.kv_fallbacks)
         parts, others = self.features.stats(FEATURE_PARTS)
-        return EngineStats(sched, spec_stats, kv, features=others, **parts)
+        return EngineStats(scheduler=sched, spec_decode=spec_stats, kv_transfer=kv, features=others, **parts)
 
     def track_cache_events(self) -> None:
         """Keep the prefix cache's changes for take_cache_events (a data-parallel rank's reports)."""
@@ -444,8 +448,6 @@ class EngineCore(FeatureAccess):
 
     def take_cache_events(self):
         """The prefix cache's net changes since the last call (None: none, or not tracked)."""
-        from moe_serve.protocol import CacheEvents
-
         if self.allocator.events is None or not self.allocator.events:
             return None
         return CacheEvents(*self.allocator.take_events())

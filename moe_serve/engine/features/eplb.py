@@ -64,4 +64,4 @@ class Eplb(StepFeature):
 
     def stats(self) -> EplbStats:
         m = self.manager
-        return EplbStats(m.rebalances, m.balancedness, m.last_transfer_s)
+        return EplbStats(rebalances=m.rebalances, balancedness=m.balancedness, last_transfer_s=m.last_transfer_s)

@@ -34,4 +34,4 @@ class SpeedOfLight(StepFeature):
 
     def stats(self) -> SpeedOfLightStats:
         m = self.meter
-        return SpeedOfLightStats(m.fraction, m.last["tokens_per_s"], m.bandwidth)
+        return SpeedOfLightStats(fraction=m.fraction, tokens_per_s=m.last["tokens_per_s"], memory_bandwidth=m.bandwidth)
