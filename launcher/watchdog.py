@@ -36,9 +36,7 @@ class Watchdog:
         self.before_exit: Callable[[str], None] | None = None  # given the reason; runs before os._exit
         if store is None and world_size > 1 and dist.is_initialized():
             try:
-                from torch.distributed.distributed_c10d import _get_default_store
-
-                self.store = _get_default_store()
+                self.store = dist.group.WORLD.get_group_store()  # the store the default group was made with
             except Exception as e:  # no store: collective timeouts still bound the wait
                 log.warning("watchdog disabled: no key-value store (%s)", e)
 

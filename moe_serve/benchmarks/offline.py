@@ -59,7 +59,7 @@ def make_llm(ns: argparse.Namespace):
     """The offline engine from the engine flags (no --model: the built-in default model)."""
     from moe_serve import LLM
     from moe_serve.engine.args import EngineArgs
-    from moe_serve.entrypoints.cli import resolve_model
+    from moe_serve.entrypoints.cli_args import resolve_model
 
     path, _ = resolve_model(ns.model)
     kw = dataclasses.asdict(EngineArgs.from_cli(ns, path))

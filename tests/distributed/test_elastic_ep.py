@@ -288,7 +288,7 @@ def test_rank0_loss_ends_the_job_naming_it(checkpoints):
 
 
 def test_elastic_flags_are_checked(checkpoints):
-    from launcher.elastic import check_elastic_args
+    from moe_serve.entrypoints.cli_args import check_elastic_args
     from launcher.worker import parse
 
     def err(*flags):

@@ -133,7 +133,7 @@ def run_single_process_server(ns: argparse.Namespace) -> int:
 
     from moe_serve.engine.args import EngineArgs
     from moe_serve.engine.core_client import CoreClient
-    from moe_serve.entrypoints.cli import resolve_model
+    from moe_serve.entrypoints.cli_args import resolve_model
 
     path, _ = resolve_model(ns.model)
     args = EngineArgs.from_cli(ns, path)
@@ -206,7 +206,7 @@ def _die_with_parent(parent_pid: int) -> None:
 
 def frontend_main(argv: list[str] | None = None) -> int:
     from moe_serve.engine.core_client import CoreClient
-    from moe_serve.entrypoints.cli import add_serve_args
+    from moe_serve.entrypoints.cli_args import add_elastic_args, add_serve_args
 
     p = argparse.ArgumentParser(prog="python -m moe_serve.entrypoints.openai.launch")
     add_serve_args(p)
@@ -218,8 +218,6 @@ def frontend_main(argv: list[str] | None = None) -> int:
     p.add_argument("--dist-timeout", type=float, default=60.0)
     p.add_argument("--dist-interface", default=None)
     p.add_argument("--dist-join-timeout", type=float, default=120.0)
-    from launcher.elastic import add_elastic_args
-
     add_elastic_args(p)
     ns = p.parse_args(argv)
     http_flags_check(ns)
