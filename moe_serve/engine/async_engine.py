@@ -116,15 +116,18 @@ class AsyncEngine:
         return check_request(prompt_token_ids, params, self.max_model_len, self.vocab_size)
 
     def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
-               prefill: tuple[str, dict] | None = None, kv: KVParams | None = None) -> "RequestStream":
+               prefill: tuple[str, dict] | None = None, kv: KVParams | None = None,
+               validated: bool = False) -> "RequestStream":
         """Queue the n samples of every prompt at once; returns the stream of their outputs.
         Raises ValueError for a bad request and QueueFullError when the waiting queue is full.
         prefill: (URL, headers) of the prefill instance that computes the prompts (a decode
-        instance); kv: the request's part of a disaggregated request as it is (a prefill instance)."""
+        instance); kv: the request's part of a disaggregated request as it is (a prefill instance);
+        validated: the caller has run `validate` on each prompt (the HTTP front end's runner)."""
         if self.dead:
             raise RuntimeError(f"the engine has stopped: {self.dead}")
-        for ids in prompts:
-            self.validate(ids, params)
+        if not validated:
+            for ids in prompts:
+                self.validate(ids, params)
         if self._stop:
             raise QueueFullError("the server is shutting down")
         count = params.n * len(prompts)

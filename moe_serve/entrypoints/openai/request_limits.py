@@ -1,15 +1,19 @@
 """Limits an OpenAI request must meet before the server spends anything on it.
 
 Everything here is cheap and runs on the event loop before tokenization: counts and sizes of the
-request's lists, and lower bounds on its prompt's token count from its length in characters (no
-token stands for more than `chars_per_token` characters, so a text of c characters has at least
-c / chars_per_token tokens). A request that could never run (too long for max_model_len, or for
-the KV cache of every rank) is refused with a 400 that names the field, in OpenAI's error shape.
+request's lists, its sampling fields (`sampling_params`), and lower bounds on its prompt's token
+count from its length in characters (no token stands for more than `chars_per_token` characters,
+so a text of c characters has at least c / chars_per_token tokens). A request that could never run
+(too long for max_model_len, or for the KV cache of every rank) is refused with a 400 that names
+the field, in OpenAI's error shape. The request runner (runner.py) applies `PromptLimits` to the
+tokens once they are known.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+from moe_serve.sampling_params import SamplingParams
 
 # Sizes of lists in a request. Beyond these a request is refused with a 400 naming the field; each
 # is far above what a real client sends and low enough that checking the rest stays cheap.
@@ -35,6 +39,15 @@ class BadRequest(ValueError):
         self.param, self.status, self.code, self.type = param, status, code, type_
 
 
+def field_of(msg: str) -> str | None:
+    """The parameter a validation message names (the first word before '=' / ' must')."""
+    for token in msg.replace("=", " ").split():
+        token = token.split("[", 1)[0]
+        if token.isidentifier() and token not in ("the", "a", "an", "max"):
+            return token
+    return None
+
+
 def check_count(name: str, n: int, most: int, what: str = "entries") -> None:
     if n > most:
         raise BadRequest(f"{name} has {n} {what}; at most {most} are allowed", name, code="too_many_" + what)
@@ -46,6 +59,51 @@ def check_stop(stop) -> None:
     long = next((s for s in strings if isinstance(s, str) and len(s) > MAX_STOP_CHARS), None)
     if long is not None:
         raise BadRequest(f"stop strings must be at most {MAX_STOP_CHARS} characters, got one of {len(long)}", "stop")
+
+
+def sampling_params(req, max_tokens: int | None, logprobs: int | None, max_tokens_field: str = "max_tokens",
+                    prompt_logprobs: int | None = None) -> SamplingParams:
+    """The sampling parameters of a completions or chat request (protocol._Common), checked.
+    prompt_logprobs: what the engine computes (default: the request's field)."""
+    if req.prompt_logprobs is not None and req.stream:  # as vLLM: they would come only at the end
+        raise BadRequest("prompt_logprobs is not available with stream=true", "prompt_logprobs")
+    if req.n is None or req.n < 1:
+        raise BadRequest(f"n must be >= 1, got {req.n}", "n")
+    if req.n > MAX_N:
+        raise BadRequest(f"n must be <= {MAX_N}, got {req.n}", "n")
+    if max_tokens is not None and max_tokens < 1:
+        raise BadRequest(f"{max_tokens_field} must be >= 1, got {max_tokens}", max_tokens_field)
+    if req.temperature is not None and not 0 <= req.temperature <= 2:  # OpenAI's range
+        raise BadRequest(f"temperature must be in [0, 2], got {req.temperature}", "temperature")
+    if req.stream_options is not None and not req.stream:
+        raise BadRequest("stream_options is only allowed with stream=true", "stream_options")
+    for name in ("seed", "top_k", "min_tokens"):  # integers cross to the core as 64-bit msgpack
+        v = getattr(req, name)
+        if v is not None and not -(1 << 63) <= v < (1 << 63):
+            raise BadRequest(f"{name} must fit in a signed 64-bit integer, got {v}", name)
+    check_stop(req.stop)
+    check_count("stop_token_ids", len(req.stop_token_ids or ()), MAX_STOP_TOKEN_IDS, "ids")
+    check_count("logit_bias", len(req.logit_bias or ()), MAX_LOGIT_BIAS, "entries")
+    bias = None
+    if req.logit_bias:
+        try:
+            bias = {int(k): v for k, v in req.logit_bias.items()}
+        except ValueError:
+            raise BadRequest(f"logit_bias keys must be token ids, got {sorted(req.logit_bias)[:5]}",
+                             "logit_bias") from None
+    try:
+        return SamplingParams(
+            n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p, top_k=-1 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p, seed=req.seed, max_tokens=max_tokens,
+            min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
+            logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            frequency_penalty=req.frequency_penalty or 0.0, presence_penalty=req.presence_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty, logit_bias=bias,
+            prompt_logprobs=req.prompt_logprobs if prompt_logprobs is None else prompt_logprobs)
+    except ValueError as e:
+        raise BadRequest(str(e), field_of(str(e))) from None
 
 
 @dataclass(frozen=True)

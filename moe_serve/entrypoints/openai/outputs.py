@@ -1,0 +1,59 @@
+"""What the OpenAI endpoints write, shared by completions and chat: usage, SSE events, the error
+event a stream cut short ends with, and vLLM's `prompt_logprobs` field."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import msgspec
+
+from moe_serve.entrypoints.openai import protocol as P
+
+
+class StreamFailure(NamedTuple):
+    """Why a stream ends early (its last event): _sse_error's arguments."""
+    message: str
+    status: int = 503
+    type: str = "ServiceUnavailableError"
+    code: str | int | None = None
+
+
+def _continuous(req) -> bool:
+    return bool(req.stream_options and req.stream_options.continuous_usage_stats)
+
+
+def _error_of(out) -> str | None:
+    """The reason a request was ended for it (server stopping, engine failure, refused by the
+    core): an abort that carries a message."""
+    if out.finished and out.finish_reason == "abort" and isinstance(out.stop_reason, str):
+        return out.stop_reason
+    return None
+
+
+def _usage(stream, completion_tokens: int | None = None) -> P.UsageInfo:
+    """completion_tokens: the count to report when it is not the tokens generated (0 for the
+    prompt alone: echo with max_tokens 0 drops the one token it runs)."""
+    done = stream.num_output_tokens if completion_tokens is None else completion_tokens
+    return P.UsageInfo(stream.num_prompt_tokens, done, stream.num_prompt_tokens + done,
+                       P.PromptTokensDetails(getattr(stream, "num_cached_tokens", 0)))
+
+
+def _sse(obj) -> bytes:
+    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
+
+
+def _sse_error(message: str, status: int = 503, type_: str = "ServiceUnavailableError",
+               code: str | int | None = None) -> bytes:
+    """A stream that cannot finish ends with an error event in OpenAI's error shape."""
+    return _sse(P.ErrorResponse(P.ErrorInfo(message, type_, None, code if code is not None else status)))
+
+
+def prompt_logprobs_field(tok, ids: list[int], entries: list | None, num_top: int | None):
+    """vLLM's `prompt_logprobs` of one prompt (None when not asked for)."""
+    if num_top is None or entries is None:
+        return None
+    out: list = [None]
+    for e in entries:
+        d = {t: P.PromptLogprob(v, i + 1, tok.decode([t], False)) for i, (t, v) in enumerate(e.top[:num_top])}
+        d[e.token_id] = P.PromptLogprob(e.logprob, e.rank, tok.decode([e.token_id], False))
+        out.append(d)
+    return out
