@@ -105,10 +105,11 @@ def build_app(engine: AsyncEngine, served_model_name: str, max_model_len: int, a
               extra_routes=None, limits: PromptLimits | None = None, http: HTTPLimits = HTTPLimits(),
               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
               reasoning_parser: str | None = None) -> FastAPI:
+    """The server's app: its guards (API key, errors in OpenAI's shape), then each group of routes
+    in turn (the order of /openapi.json), then extra_routes (each a function that adds routes)."""
     serving = OpenAIServing(engine, served_model_name, max_model_len, limits, http.request_timeout_s,
                             enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
                             reasoning_parser=reasoning_parser, api_key=api_key)
-    created = int(time.time())
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -118,6 +119,20 @@ def build_app(engine: AsyncEngine, served_model_name: str, max_model_len: int, a
     app = FastAPI(title="moe-serve", version=__version__, lifespan=lifespan)
     # Set once the shutdown has waited --shutdown-grace: bodies still arriving are refused (503).
     app.state.stopping = asyncio.Event()
+    _add_guards(app, api_key)
+    _add_server_routes(app, engine, served_model_name, max_model_len)
+    _add_elastic_routes(app, engine)
+    handle = _request_handler(app, serving, engine, http)
+    _add_openai_routes(app, serving, handle)
+    for route in extra_routes or []:
+        route(app)
+    _openapi_bodies(app)
+    return app
+
+
+def _add_guards(app: FastAPI, api_key: str | None) -> None:
+    """The API key on /v1 and the tokenizer routes; every error in OpenAI's shape (Anthropic's on
+    the Messages endpoints), never a traceback."""
 
     @app.middleware("http")
     async def auth(request: Request, call_next):
@@ -150,6 +165,11 @@ def build_app(engine: AsyncEngine, served_model_name: str, max_model_len: int, a
         return error_response(400, f"invalid request: {errs[0].get('msg') if errs else exc}",
                               param=loc[0] if loc else None)
 
+
+def _add_server_routes(app: FastAPI, engine: AsyncEngine, served_model_name: str, max_model_len: int) -> None:
+    """/health, /version, /v1/models, /metrics and /ranks."""
+    created = int(time.time())
+
     @app.get("/health")
     async def health():
         if engine.dead:
@@ -174,6 +194,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, max_model_len: int, a
     async def ranks():
         return JSONResponse(engine.ranks_view())
 
+
+def _add_elastic_routes(app: FastAPI, engine: AsyncEngine) -> None:
     @app.post("/scale_elastic_ep")
     async def scale_elastic_ep(request: Request):
         """vLLM's shape: {"new_data_parallel_size": N}. Down: the highest rank ids leave at a step
@@ -210,9 +232,13 @@ def build_app(engine: AsyncEngine, served_model_name: str, max_model_len: int, a
                 await asyncio.sleep(0.05)
         return JSONResponse({"new_data_parallel_size": len(engine.live), **engine.ranks_view()})
 
+
+def _request_handler(app: FastAPI, serving: OpenAIServing, engine: AsyncEngine, http: HTTPLimits):
+    """handle(request, body type, handler, request-id prefix[, error writer]): read, decode and run
+    one request; the error writer writes its errors (OpenAI's shape, or Anthropic's on the
+    Messages endpoints)."""
+
     async def handle(request: Request, typ, fn, prefix: str, error_response=error_response):
-        """Read, decode and run one request; error_response writes its errors (OpenAI's shape, or
-        Anthropic's on the Messages endpoints)."""
         deadline = serving.deadline()
         try:
             body = await read_body(request.receive, request.headers, http.max_body_bytes, http.body_timeout_s,
@@ -245,24 +271,32 @@ def build_app(engine: AsyncEngine, served_model_name: str, max_model_len: int, a
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             return Response(msgspec.json.encode(result), media_type="application/json")
 
-        return await until_disconnect(request, run())
+        return await _until_disconnect(request, run())
 
-    async def until_disconnect(request: Request, coro):
-        """Run a non-streaming handler; if the client goes away first, cancel it (which aborts).
-        (Only once the body is read: a disconnect check reads from the same channel as the body.)"""
-        task = asyncio.ensure_future(coro)
-        try:
-            while not task.done():
-                done, _ = await asyncio.wait({task}, timeout=0.5)
-                if not done and await request.is_disconnected():
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
-                    return Response(status_code=499)
-            return task.result()
-        except asyncio.CancelledError:
-            task.cancel()
-            raise
+    return handle
+
+
+async def _until_disconnect(request: Request, coro):
+    """Run a non-streaming handler; if the client goes away first, cancel it (which aborts).
+    (Only once the body is read: a disconnect check reads from the same channel as the body.)"""
+    task = asyncio.ensure_future(coro)
+    try:
+        while not task.done():
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if not done and await request.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                return Response(status_code=499)
+        return task.result()
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+
+
+def _add_openai_routes(app: FastAPI, serving: OpenAIServing, handle) -> None:
+    """The request endpoints: completions, chat, the agents' (Responses, Anthropic Messages), the
+    disaggregated prefill and the tokenizer's, each read and run by handle."""
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -272,7 +306,27 @@ def build_app(engine: AsyncEngine, served_model_name: str, max_model_len: int, a
     async def chat(request: Request):
         return await handle(request, P.ChatCompletionRequest, serving.chat, "chatcmpl")
 
-    # The agents' endpoints: translations onto the chat path (responses.py, anthropic.py).
+    _add_agent_routes(app, serving, handle)
+
+    # Disaggregation: a decode instance's front end asks this (prefill) instance for a prompt's KV.
+    @app.post("/v1/disagg/prefill")
+    async def disagg_prefill(request: Request):
+        from moe_serve.disagg.messages import PrefillRequest
+
+        return await handle(request, PrefillRequest, serving.prefill, "prefill")
+
+    # vLLM's tokenizer endpoints (outside /v1 as in vLLM; the API key is required here too).
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await handle(request, P.TokenizeRequest, serving.tokenize, "tok")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await handle(request, P.DetokenizeRequest, serving.detokenize, "detok")
+
+
+def _add_agent_routes(app: FastAPI, serving: OpenAIServing, handle) -> None:
+    """The agents' endpoints: translations onto the chat path (responses.py, anthropic.py)."""
     responses, messages = R.ResponsesServing(serving), A.MessagesServing(serving)
 
     @app.post("/v1/responses")
@@ -293,27 +347,6 @@ def build_app(engine: AsyncEngine, served_model_name: str, max_model_len: int, a
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
         return await handle(request, A.MessagesRequest, messages.count_tokens, "count", anthropic_error_response)
-
-    # Disaggregation: a decode instance's front end asks this (prefill) instance for a prompt's KV.
-    @app.post("/v1/disagg/prefill")
-    async def disagg_prefill(request: Request):
-        from moe_serve.disagg.messages import PrefillRequest
-
-        return await handle(request, PrefillRequest, serving.prefill, "prefill")
-
-    # vLLM's tokenizer endpoints (outside /v1 as in vLLM; the API key is required here too).
-    @app.post("/tokenize")
-    async def tokenize(request: Request):
-        return await handle(request, P.TokenizeRequest, serving.tokenize, "tok")
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request):
-        return await handle(request, P.DetokenizeRequest, serving.detokenize, "detok")
-
-    for route in extra_routes or []:
-        route(app)
-    _openapi_bodies(app)
-    return app
 
 
 def serve(app: FastAPI, engine: AsyncEngine, host: str, port: int, grace_s: float,
