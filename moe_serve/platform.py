@@ -9,7 +9,8 @@ them to the layers (`bind_ops`); a layer calls the object it holds and never ask
 is on. Explicit choices override "auto" for comparisons and tests; models never name a kernel.
 
 A new backend for one kind of op is one class (with the methods of the kind's torch class) and
-one line in OPS.
+one line in OPS. A kind without a flag of its own (compressed attention, DeepSeek-V4's) follows
+another's name (FOLLOWS): the attention backend's class of that kind, else its torch ops.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from attention.backends import CpuCAttention, TorchAttention, TritonAttention
+from attention.backends.compressed import TorchCompressedAttention
 from moe_serve.kernels import cpu_ops
 from moe_serve.kernels.gated_delta import CpuCLinearAttention, TorchLinearAttention, TritonLinearAttention
 from moe_serve.kernels.grouped_gemm import CpuCExperts, TorchExperts, TritonExperts
@@ -38,7 +40,11 @@ OPS: dict[str, dict[str, type]] = {
     "norm": {"torch": TorchNorm, "cpu_c": CpuCNorm},
     "linear_attention": {"torch": TorchLinearAttention, "cpu_c": CpuCLinearAttention,
                          "triton": TritonLinearAttention},
+    "compressed_attention": {"torch": TorchCompressedAttention},
 }
+# Kinds with no flag of their own: the backend of the kind they follow, by its name (their torch ops
+# where that name has no class of theirs yet), shown beside it in the table where the names differ.
+FOLLOWS = {"compressed_attention": "attention"}
 # Earlier names of the same backends, still accepted by the flags.
 ALIASES = {"reference": "torch"}
 
@@ -65,6 +71,7 @@ class Ops:
     linear: object
     norm: object
     linear_attention: object
+    compressed_attention: object
 
     @property
     def compiles_kernels(self) -> bool:
@@ -84,14 +91,20 @@ class Ops:
         return replace(self, **{kind: getattr(self, kind).capturable() for kind in OPS})
 
     def table(self) -> str:
-        return ", ".join(f"{kind}={getattr(self, kind).name}" for kind in OPS)
+        names = {kind: getattr(self, kind).name for kind in OPS}
+        return ", ".join(f"{kind}={name}" + "".join(f" ({f}={names[f]})" for f, led in FOLLOWS.items()
+                                                    if led == kind and names[f] != name)
+                         for kind, name in names.items() if kind not in FOLLOWS)
 
 
 def resolve_ops(device: torch.device, experts: str, attention: str, linear: str = "torch",
                 norm: str = "torch", linear_attention: str = "torch") -> Ops:
     """The backend objects for resolved names (EngineConfig's)."""
     names = dict(experts=experts, attention=attention, linear=linear, norm=norm, linear_attention=linear_attention)
-    return Ops(device, **{kind: OPS[kind][name](device) for kind, name in names.items()})
+    objs = {kind: OPS[kind][name](device) for kind, name in names.items()}
+    for kind, led in FOLLOWS.items():
+        objs[kind] = OPS[kind].get(names[led], OPS[kind]["torch"])(device)
+    return Ops(device, **objs)
 
 
 def bind_ops(model: nn.Module, ops: Ops) -> None:

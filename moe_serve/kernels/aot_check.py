@@ -301,7 +301,7 @@ def _activation(m: ModelShape):
     if m.act == "clamped":
         return ClampedSwiGLU(1.702, 7.0)
     if m.act == "limited":
-        from moe_serve.models.deepseek_v4 import LimitedSwiGLU
+        from moe_serve.layers.experts import LimitedSwiGLU
 
         return LimitedSwiGLU(10.0)
     return "silu"
@@ -319,7 +319,7 @@ def _moe_stand_in(m: ModelShape, dt, weights: str = "plain", E: int | None = Non
     kw = dict(bias=m.bias, activation=_activation(m)) if variant or weights == "mxfp4" else {}
     with torch.device(_META):
         if weights == "mxfp4":
-            from moe_serve.models.gpt_oss import Mxfp4Experts
+            from moe_serve.layers.experts import Mxfp4Experts
 
             return SimpleNamespace(experts=Mxfp4Experts(E, m.D, m.F, list(range(E)), dt, **kw),
                                    gate=SimpleNamespace(top_k=m.K))

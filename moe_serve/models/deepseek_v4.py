@@ -18,14 +18,9 @@ per head without weight; q and K are rotated (interleaved pairs, on the last qk_
 channels: the "main" RoPE on sliding layers, the "compress" one on the others) and the output's
 rotated channels rotated back at the query's position before the grouped output projection.
 
-Caches (attention/layer.py PagedRows, paged like every other group): one sliding group keeps, per
-token, K and the compressors' raw projections (`wkv(x)`, `wgate(x)`) for as long as a group being
-filled or the window needs them (max(window, 2m, m') tokens); one full group keeps the compressed
-entries (compressor and indexer), each in the slot of its group's last token: (m - 1) of m slots
-stay unused, the price of indexing them like every other block. A group's entry is computed in
-the step that computes its last token, from the raw rows already cached plus this step's. Prefix
-hits, preemption, chunk boundaries, rollback and KV transfer need nothing more: everything lives in
-blocks. This is the torch reference path (a loop over a step's sequences).
+The attention itself (its caches, the compressors' pooling, the indexer's choice, the softmax with
+sinks) is attention/compressed.py's `CompressedAttention`, run by the backend moe_serve/platform.py
+binds (op kind "compressed_attention"); this file builds q, K and the raw rows and owns the weights.
 
 Checkpoint names are the Hub's (`layers.{i}.attn.wq_a`, `ffn.experts.{e}.w1`, `hc_attn_fn`,
 `embed`, `head`, ...), with or without transformers' `model.` prefix. The MTP layer (`mtp.0.*`) is
@@ -43,20 +38,19 @@ import re
 import torch
 from torch import nn
 
-from attention.cache_kinds import FULL, sliding
-from attention.layer import PagedRows, slots_of
+from attention.compressed import CompressedAttention, Compressor, Indexer, rope_tail
 from attention.metadata import AttentionMetadata
 from expert_parallel.runtime.layer import MoE, MoEContext, run_to_end
 from expert_parallel.runtime.step import NO_STEP, MoEStep
 from moe_serve.layers.embedding import Embedding, LMHead
+from moe_serve.layers.experts import LimitedSwiGLU, LimitedSwiGLUExpert, Mxfp4Experts
 from moe_serve.layers.linear import Linear
 from moe_serve.layers.norm import RMSNorm
 from moe_serve.layers.rotary import inv_freq_and_scale
 from moe_serve.models.base import CausalLM
-from moe_serve.models.gpt_oss import Mxfp4Experts
 from moe_serve.quantization.fp8 import scale_to_e8m0
 from moe_serve.models.deepseek_v4_blocks import (GroupedOutputProjection, HashRouter, HyperConnection, HyperHead,
-                                                 SqrtSoftplusRouter, limited_swiglu, unweighted_rms_norm)
+                                                 SqrtSoftplusRouter, unweighted_rms_norm)
 
 log = logging.getLogger("moe_serve.models.deepseek_v4")
 
@@ -74,90 +68,10 @@ class V4Rope:
         return f.cos() * self.scale, f.sin() * self.scale
 
 
-def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the last 2 * cos.shape[-1] channels of x (T, [H,] C) as interleaved pairs, in float32
-    (transformers' apply_rotary_pos_emb for V4); cos/sin (T, R/2), broadcast over heads."""
-    R = 2 * cos.shape[-1]
-    cos = cos.to(x.dtype).repeat_interleave(2, dim=-1)
-    sin = sin.to(x.dtype).repeat_interleave(2, dim=-1)
-    if x.dim() == 3:
-        cos, sin = cos[:, None], sin[:, None]
-    nope, rope = x[..., :-R], x[..., -R:]
-    turned = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
-    rotated = (rope.float() * cos + turned.float() * sin).to(x.dtype)
-    return torch.cat([nope, rotated], dim=-1)
-
-
-class Compressor(nn.Module):
-    """One compressed series: raw rows wkv(x), wgate(x) per token (2 x width when groups overlap),
-    `ape` (m, that width) added to the gates by place in the group, `norm` after pooling."""
-
-    def __init__(self, hidden: int, head_dim: int, m: int, overlap: bool, eps: float, dtype):
-        super().__init__()
-        k = 2 if overlap else 1
-        self.m, self.head_dim, self.overlap = m, head_dim, overlap
-        self.wkv = Linear(hidden, k * head_dim, dtype=dtype)
-        self.wgate = Linear(hidden, k * head_dim, dtype=dtype)
-        self.ape = nn.Parameter(torch.zeros(m, k * head_dim, dtype=torch.float32))
-        self.norm = RMSNorm(head_dim, eps, dtype)
-
-    @property
-    def span(self) -> int:
-        """Tokens an entry pools over: its group (and the previous one when groups overlap)."""
-        return 2 * self.m if self.overlap else self.m
-
-    def pool(self, kv_NSW: torch.Tensor, gate_NSW: torch.Tensor, first_group_N: torch.Tensor,
-             positions_N: torch.Tensor, rope: V4Rope) -> torch.Tensor:
-        """Entries (N, head_dim) from the raw rows of their `span` tokens (in position order);
-        first_group_N: entries of group 0, which have no previous group; positions_N: w * m."""
-        m, hd = self.m, self.head_dim
-        if self.overlap:
-            kv = torch.cat([kv_NSW[:, :m, :hd], kv_NSW[:, m:, hd:]], dim=1)
-            gate = torch.cat([gate_NSW[:, :m, :hd] + self.ape[:, :hd], gate_NSW[:, m:, hd:] + self.ape[:, hd:]], dim=1)
-            prev = torch.zeros(gate.shape[1], dtype=torch.bool, device=gate.device)
-            prev[:m] = True
-            none = first_group_N[:, None, None] & prev[None, :, None]
-            kv = kv.masked_fill(none, 0.0)
-            gate = gate.masked_fill(none, float("-inf"))
-        else:
-            kv, gate = kv_NSW, gate_NSW + self.ape
-        w = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
-        pooled = self.norm((kv * w).sum(dim=1))
-        return rope_tail(pooled, *rope.cos_sin(positions_N))
-
-
-class Indexer(nn.Module):
-    """CSA's lightning indexer: wq_b (queries from the q_a projection), weights_proj (per-head
-    weights), and its own overlapping compressor at index_head_dim."""
-
-    def __init__(self, hf: dict, m: int, dtype):
-        super().__init__()
-        D, eps = hf["hidden_size"], hf.get("rms_norm_eps", 1e-6)
-        self.N, self.I, self.topk = hf["index_n_heads"], hf["index_head_dim"], int(hf["index_topk"])
-        if self.topk < 1:
-            raise ValueError(f"index_topk={self.topk} must be at least 1")
-        self.wq_b = Linear(hf["q_lora_rank"], self.N * self.I, dtype=dtype)
-        self.weights_proj = Linear(D, self.N, dtype=dtype)
-        self.compressor = Compressor(D, self.I, m, True, eps, dtype)
-
-    def select(self, q_resid_QR, x_QD, keys_EI, cos, sin, positions_Q: torch.Tensor, m: int) -> torch.Tensor:
-        """(Q, E) bool: the entries each query attends to (the top `index_topk` of those complete
-        at its position, scored sum_h w_h relu(q_h . k) / sqrt(I))."""
-        Q, E = x_QD.shape[0], keys_EI.shape[0]
-        q = rope_tail(self.wq_b(q_resid_QR).view(Q, self.N, self.I), cos, sin)
-        scores = torch.relu(torch.einsum("qhi,ei->qhe", q.float(), keys_EI.float())) * self.I ** -0.5
-        w = self.weights_proj(x_QD).float() * self.N ** -0.5
-        score_QE = (scores * w[:, :, None]).sum(dim=1)
-        ready_Q = (positions_Q + 1) // m
-        future = torch.arange(E, device=score_QE.device)[None, :] >= ready_Q[:, None]
-        score_QE = score_QE.masked_fill(future, float("-inf"))
-        top = score_QE.topk(min(self.topk, E), dim=-1).indices
-        chosen = torch.zeros(Q, E, dtype=torch.bool, device=score_QE.device)
-        chosen.scatter_(1, top, top < ready_Q[:, None])
-        return chosen
-
-
 class V4Attention(nn.Module):
+    """q (from the q_a projection), the shared K (= V) and the compressors' raw rows of a layer's
+    tokens, attended by `attention` (attention/compressed.py), then the grouped output projection."""
+
     def __init__(self, hf: dict, layer_type: str, window_span: int, dtype):
         super().__init__()
         D, eps = hf["hidden_size"], hf.get("rms_norm_eps", 1e-6)
@@ -174,36 +88,14 @@ class V4Attention(nn.Module):
         self.sinks = nn.Parameter(torch.zeros(self.H, dtype=torch.float32))
         self.rope_type = "main" if layer_type == SLIDING else "compress"
         self.compressor = self.indexer = None
-        rates = compress_rates(hf)
-        widths = [self.hd]
         if layer_type != SLIDING:
-            self.m = rates[layer_type]
-            self.compressor = Compressor(D, self.hd, self.m, layer_type == CSA, eps, dtype)
-            widths += [self.compressor.wkv.weight.shape[0]] * 2
+            m = compress_rates(hf)[layer_type]
+            self.compressor = Compressor(D, self.hd, m, layer_type == CSA, eps, dtype)
             if layer_type == CSA:
-                self.indexer = Indexer(hf, self.m, dtype)
-                widths += [self.indexer.compressor.wkv.weight.shape[0]] * 2
-        from moe_serve.speed_of_light import CacheRead
-
-        elem = torch.empty((), dtype=dtype).element_size()
-        # Row 0 is K of the window; the raw rows are read once per finished group.
-        self.rows = PagedRows(sliding(window_span), widths)
-        self.rows.reads = CacheRead("sliding", self.hd * elem, self.window)
-        self.entries = None
-        if self.compressor is not None:
-            ent = [self.hd] + ([self.indexer.I] if self.indexer is not None else [])
-            self.entries = PagedRows(FULL, ent)
-            # One entry per finished group of m: every entry (HCA), or the index keys of all and the
-            # top-k entries (CSA). A step that finishes a group pools its raw rows: kv and gate, the
-            # head_dim each compressor keeps of each of its span's rows.
-            pool = 2 * (self.hd + (self.indexer.I if self.indexer is not None else 0)) * elem
-            span = self.compressor.span
-            assert self.indexer is None or self.indexer.compressor.span == span
-            self.entries.reads = (
-                CacheRead("full", self.hd * elem, group=self.m, pool_span=span, pool_bytes_per_token=pool)
-                if self.indexer is None else
-                CacheRead("sparse", self.hd * elem, self.indexer.topk, self.indexer.I * elem, group=self.m,
-                          pool_span=span, pool_bytes_per_token=pool))
+                self.indexer = Indexer(D, q_rank, hf["index_n_heads"], hf["index_head_dim"], hf["index_topk"], m,
+                                       eps, dtype)
+        self.attention = CompressedAttention(self.H, self.hd, self.window, window_span, dtype, self.compressor,
+                                             self.indexer)
 
     def forward(self, x_TD: torch.Tensor, positions_T: torch.Tensor, meta: AttentionMetadata,
                 ropes: dict, rope_fns: dict) -> torch.Tensor:
@@ -212,110 +104,15 @@ class V4Attention(nn.Module):
         q_resid = self.q_norm(self.wq_a(x_TD))
         q = unweighted_rms_norm(self.wq_b(q_resid).view(T, self.H, self.hd), self.eps)
         q = rope_tail(q, cos, sin)
-        kv = rope_tail(self.kv_norm(self.wkv(x_TD)), cos, sin)
-        rows = [kv]
+        rows = [rope_tail(self.kv_norm(self.wkv(x_TD)), cos, sin)]
         if self.compressor is not None:
-            rows += [self.compressor.wkv(x_TD), self.compressor.wgate(x_TD)]
+            rows += self.compressor.raw(x_TD)
+        index_q = None
         if self.indexer is not None:
-            rows += [self.indexer.compressor.wkv(x_TD), self.indexer.compressor.wgate(x_TD)]
-        wmeta = meta.for_group(self.rows.cache_group)
-        self.rows.write(rows, wmeta.slot_mapping)
-        if self.compressor is not None:
-            self._compress(meta, rope_fns["compress"])
-        out = self._attend(q, q_resid, x_TD, meta, ropes["compress"])
-        out = rope_tail(out, cos, -sin)
-        return self.o(out)
-
-    def _compress(self, meta: AttentionMetadata, rope: V4Rope) -> None:
-        """The entries of every group this step completes, into the slot of the group's last token."""
-        m, dev = self.m, meta.slot_mapping.device
-        seqs, ends = [], []
-        for b, (s, q) in enumerate(zip(meta.seq_lens_cpu, meta.query_lens_cpu)):
-            first = s - q  # this step's first position
-            for t in range((first // m + 1) * m - 1, s, m):
-                seqs.append(b)
-                ends.append(t)
-        if not ends:
-            return
-        seq_N = torch.tensor(seqs, device=dev)
-        end_N = torch.tensor(ends, device=dev)
-        wmeta, emeta = meta.for_group(self.rows.cache_group), meta.for_group(self.entries.cache_group)
-        out_slots = slots_of(emeta, seq_N, end_N)
-        group_N = (end_N + 1) // m - 1
-        parts = [(self.compressor, 1)] + ([(self.indexer.compressor, 3)] if self.indexer is not None else [])
-        new = []
-        for comp, row in parts:
-            S = comp.span
-            pos_NS = end_N[:, None] - S + 1 + torch.arange(S, device=dev)[None, :]
-            slots = slots_of(wmeta, seq_N[:, None].expand(-1, S), pos_NS.clamp(min=0))
-            new.append(comp.pool(self.rows.read(row, slots), self.rows.read(row + 1, slots), group_N == 0,
-                                 group_N * m, rope))
-        self.entries.write(new, out_slots)
-
-    def _attend(self, q_THD, q_resid, x_TD, meta: AttentionMetadata, compress_rope) -> torch.Tensor:
-        """Per sequence: its window's K (= V) and its complete entries (all of them on HCA layers,
-        the indexer's choice on CSA), softmax with the sinks."""
-        out = torch.empty_like(q_THD)
-        wmeta = meta.for_group(self.rows.cache_group)
-        emeta = meta.for_group(self.entries.cache_group) if self.entries is not None else None
-        dev, W = q_THD.device, self.window
-        start = 0
-        for b, (s, n) in enumerate(zip(meta.seq_lens_cpu, meta.query_lens_cpu)):
-            rows = slice(start, start + n)
-            start += n
-            if n == 0:
-                continue
-            pos_Q = torch.arange(s - n, s, device=dev)
-            lo = max(0, s - n - W + 1)
-            kpos = torch.arange(lo, s, device=dev)
-            seq = torch.full_like(kpos, b)
-            keys = self.rows.read(0, slots_of(wmeta, seq, kpos))
-            visible = (kpos[None, :] <= pos_Q[:, None]) & (kpos[None, :] > pos_Q[:, None] - W)
-            if self.entries is not None and s // self.m > 0:
-                E = s // self.m
-                epos = (torch.arange(E, device=dev) + 1) * self.m - 1
-                eslots = slots_of(emeta, torch.full_like(epos, b), epos)
-                ent = self.entries.read(0, eslots)
-                if self.indexer is not None:
-                    cos, sin = compress_rope
-                    chosen = self.indexer.select(q_resid[rows], x_TD[rows], self.entries.read(1, eslots),
-                                                 cos[rows], sin[rows], pos_Q, self.m)
-                else:
-                    chosen = torch.arange(E, device=dev)[None, :] < ((pos_Q + 1) // self.m)[:, None]
-                keys = torch.cat([keys, ent], dim=0)
-                visible = torch.cat([visible, chosen], dim=1)
-            logits = torch.einsum("qhd,kd->hqk", q_THD[rows], keys) * self.hd ** -0.5
-            logits = logits.masked_fill(~visible[None], float("-inf"))
-            sinks = self.sinks.to(logits.dtype)[:, None, None].expand(-1, n, 1)
-            both = torch.cat([logits, sinks], dim=-1)
-            both = both - both.max(dim=-1, keepdim=True).values
-            probs = torch.softmax(both, dim=-1)[..., :-1].to(keys.dtype)
-            out[rows] = torch.einsum("hqk,kd->qhd", probs, keys)
-        return out
-
-
-class SharedExpert(nn.Module):
-    """ffn.shared_experts: w1 (gate), w3 (up), w2 (down), with the SwiGLU limit."""
-
-    def __init__(self, hidden: int, inter: int, limit: float | None, dtype):
-        super().__init__()
-        self.w1, self.w3 = Linear(hidden, inter, dtype=dtype), Linear(hidden, inter, dtype=dtype)
-        self.w2 = Linear(inter, hidden, dtype=dtype)
-        self.limit = limit
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(limited_swiglu(self.w1(x), self.w3(x), self.limit))
-
-
-class LimitedSwiGLU:
-    """The routed experts' activation on (gate | up) rows: grouped_gemm's `activation` callable."""
-
-    def __init__(self, limit: float | None):
-        self.limit = limit
-
-    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        return limited_swiglu(gate, up, self.limit)
+            rows += self.indexer.compressor.raw(x_TD)
+            index_q = self.indexer.queries(q_resid, x_TD, *ropes["compress"])
+        out = self.attention(q, rows, index_q, meta, rope_fns["compress"], self.sinks)
+        return self.o(rope_tail(out, cos, -sin))
 
 
 class V4DecoderLayer(nn.Module):
@@ -339,7 +136,7 @@ class V4DecoderLayer(nn.Module):
                   SqrtSoftplusRouter(D, E, K, scale))
         limit = hf.get("swiglu_limit")
         n_shared = hf.get("n_shared_experts") or 0
-        shared = SharedExpert(D, F * n_shared, limit, dtype) if n_shared else None
+        shared = LimitedSwiGLUExpert(D, F * n_shared, limit, dtype) if n_shared else None
         fp4 = fp4_experts(hf)
         self.ffn = MoE(D, F, E, router, moe, dtype, shared_experts=shared, layer_index=i,
                        experts_cls=Mxfp4Experts if fp4 else None,

@@ -14,13 +14,16 @@ their own (tests/models/test_deepseek_v4_blocks.py).
   same way.
 - `GroupedOutputProjection`: the heads' outputs in `o_groups` groups, each projected to
   `o_lora_rank` by its own block of `o_a_proj` (block diagonal), then mixed to hidden by `o_b_proj`.
-- `swiglu_limit`: SiLU(min(gate, limit)) * clamp(up, -limit, limit) in the shared and routed experts.
+- `swiglu_limit`: SiLU(min(gate, limit)) * clamp(up, -limit, limit) in the shared and routed experts
+  (`limited_swiglu`, from moe_serve/layers/experts.py with the expert blocks that use it).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from moe_serve.layers.experts import limited_swiglu  # noqa: F401 - one of V4's pieces, checked with them
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -159,9 +162,3 @@ class GroupedOutputProjection(nn.Module):
         w_GIR = self.o_a_proj.weight.view(self.G, -1, self.per_group).transpose(1, 2)
         y = torch.bmm(x_GTI, w_GIR).transpose(0, 1).reshape(T, self.o_a_proj.weight.shape[0])
         return self.o_b_proj(y)
-
-
-def limited_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
-    if limit is not None:
-        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
-    return F.silu(gate) * up

@@ -26,11 +26,12 @@ import re
 import torch
 from torch import nn
 
-from expert_parallel.runtime.layer import GroupedExperts, MoE, MoEContext
+from expert_parallel.runtime.layer import MoE, MoEContext
 from expert_parallel.runtime.router import TopKThenSoftmaxRouter
-from moe_serve.kernels.grouped_gemm.mxfp4 import Mxfp4Weight, dequantize_mxfp4
+from moe_serve.kernels.grouped_gemm.mxfp4 import dequantize_mxfp4
 from moe_serve.kernels.grouped_gemm.reference import ClampedSwiGLU
 from moe_serve.layers.attention import GQASelfAttention
+from moe_serve.layers.experts import Mxfp4Experts
 from moe_serve.layers.rotary import RotaryEmbedding, rope_config
 from moe_serve.models.base import CausalLM, DecoderStack
 from moe_serve.models.decoder_layer import DecoderLayer
@@ -39,38 +40,6 @@ log = logging.getLogger("moe_serve.models.gpt_oss")
 
 _EXPERT_TENSOR = re.compile(r"^(?P<prefix>.*\.mlp)\.experts\.(?P<proj>gate_up_proj|down_proj)"
                             r"(?P<part>_bias|_blocks|_scales|)$")
-
-
-class Mxfp4Experts(GroupedExperts):
-    """This rank's expert slots kept in MXFP4: w13 as (E, 2F, D / 32, 16) blocks and (E, 2F, D / 32)
-    scales ([gate; up] rows), w2 as (E, D, F / 32, 16) and (E, D, F / 32), all uint8; the biases in
-    the model's dtype (the GEMM dtype after prepare.py). The expert op reads them packed (the Triton
-    grouped GEMM) or dequantizes the routed experts per step (torch ops)."""
-
-    def __init__(self, num_local: int, hidden_size: int, intermediate_size: int, local_logical: list[int], dtype,
-                 bias: bool = True, activation="silu"):
-        nn.Module.__init__(self)
-        D, F = hidden_size, intermediate_size
-        if D % 32 or F % 32:
-            raise ValueError(f"MXFP4 experts need hidden_size ({D}) and intermediate_size ({F}) divisible by 32")
-        self.F = F
-        self.w13 = self.w2 = None  # no dense copy
-
-        def u8(*shape):
-            return nn.Parameter(torch.zeros(num_local, *shape, dtype=torch.uint8), requires_grad=False)
-
-        self.w13_blocks, self.w13_scales = u8(2 * F, D // 32, 16), u8(2 * F, D // 32)
-        self.w2_blocks, self.w2_scales = u8(D, F // 32, 16), u8(D, F // 32)
-        self.w13_bias = nn.Parameter(torch.zeros(num_local, 2 * F, dtype=dtype)) if bias else None
-        self.w2_bias = nn.Parameter(torch.zeros(num_local, D, dtype=dtype)) if bias else None
-        self.activation = activation
-        self.set_local_logical(local_logical)
-
-    def op_weights(self):
-        return Mxfp4Weight(self.w13_blocks, self.w13_scales), Mxfp4Weight(self.w2_blocks, self.w2_scales)
-
-    def op_kwargs(self) -> dict:
-        return dict(w13_bias=self.w13_bias, w2_bias=self.w2_bias, activation=self.activation)
 
 
 def _deinterleave(t: torch.Tensor) -> torch.Tensor:

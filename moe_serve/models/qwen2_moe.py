@@ -4,28 +4,14 @@ scaled per token by sigmoid(shared_expert_gate(x)); dense MLP in `mlp_only_layer
 sparse step. Sliding-window attention is not supported (refused at build)."""
 from __future__ import annotations
 
-import torch
-from torch import nn
-
 from expert_parallel.runtime.layer import MoE, MoEContext
 from expert_parallel.runtime.router import SoftmaxTopKRouter
 from moe_serve.layers.attention import GQASelfAttention
-from moe_serve.layers.linear import DenseMLP, Linear
+from moe_serve.layers.experts import GatedSharedExpert
+from moe_serve.layers.linear import DenseMLP
 from moe_serve.layers.rotary import RotaryEmbedding, rope_config
 from moe_serve.models.base import CausalLM, DecoderStack
 from moe_serve.models.decoder_layer import DecoderLayer
-
-
-class GatedSharedExpert(nn.Module):
-    """shared_expert(x) * sigmoid(shared_expert_gate(x)): one scalar gate per token."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype):
-        super().__init__()
-        self.expert = DenseMLP(hidden_size, intermediate_size, dtype)
-        self.gate = Linear(hidden_size, 1, dtype=dtype)
-
-    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(self.gate(x_TD)) * self.expert(x_TD)
 
 
 class Qwen2MoeForCausalLM(CausalLM):

@@ -52,10 +52,10 @@ from expert_parallel.runtime.router import SoftmaxTopKRouter
 from expert_parallel.runtime.step import MoEStep
 from moe_serve.kernels.gated_delta import LinearAttentionShape, TorchLinearAttention
 from moe_serve.kernels.norm import TorchNorm
+from moe_serve.layers.experts import GatedSharedExpert
 from moe_serve.layers.linear import DenseMLP, Linear
 from moe_serve.layers.rotary import RotaryEmbedding, rope_config
 from moe_serve.models.base import CausalLM, DecoderStack
-from moe_serve.models.qwen2_moe import GatedSharedExpert
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 

@@ -212,7 +212,7 @@ def test_backend_declares_mxfp4_layers_for_warm_up():
     from types import SimpleNamespace
 
     from moe_serve.kernels import specialization as sp
-    from moe_serve.models.gpt_oss import Mxfp4Experts
+    from moe_serve.layers.experts import Mxfp4Experts
 
     backend = experts_backend("triton", DEVICE)
     for act, bias in ((ACTS["clamped"], True), (ACTS["limited"], False)):

@@ -86,7 +86,7 @@ def test_sliding_layers_free_blocks_out_of_their_window(extra_checkpoints):
 def test_mxfp4_experts_stay_compressed(extra_checkpoints):
     """On the CPU the expert weights are the checkpoint's uint8 blocks and scales: no dense copy."""
     from moe_serve.kernels.grouped_gemm.mxfp4 import Mxfp4Weight
-    from moe_serve.models.gpt_oss import Mxfp4Experts
+    from moe_serve.layers.experts import Mxfp4Experts
 
     llm = LLM(extra_checkpoints["gpt_oss_mxfp4"], dtype="float32", kv_cache_memory=1 << 20, show_progress=False)
     model = llm.engine.runner.model
@@ -134,7 +134,8 @@ def test_mxfp4_dequantized_at_load_gives_the_same_tokens(extra_checkpoints, monk
     the same greedy tokens as the compressed experts."""
     import logging
 
-    from moe_serve.models.gpt_oss import GptOssForCausalLM, Mxfp4Experts
+    from moe_serve.layers.experts import Mxfp4Experts
+    from moe_serve.models.gpt_oss import GptOssForCausalLM
 
     path = extra_checkpoints["gpt_oss_mxfp4"]
     prompts = [{"prompt_token_ids": p} for p in make_prompts(201)[4:7]]  # 16, 17, 33 tokens

@@ -39,7 +39,7 @@ class ClampedSwiGLU:
 
 def kernel_activation(activation) -> tuple[int, float, float] | None:
     """(ACT, alpha, limit) of the Triton grouped GEMM (triton_kernel.py) for an activation, or None
-    when it has no kernel form: "silu" is 0; DeepSeek-V4's LimitedSwiGLU (moe_serve/models/deepseek_v4.py:
+    when it has no kernel form: "silu" is 0; DeepSeek-V4's LimitedSwiGLU (moe_serve/layers/experts.py:
     known by its class name and `limit`, not imported) 1 with its limit, or 0 when the limit is None;
     ClampedSwiGLU 2."""
     if isinstance(activation, str):
