@@ -64,6 +64,129 @@ _PER_STEP_ATTN_ARGS = ("num_q_tiles", "num_splits", "window", "chunk", "num_sel"
 _PER_STEP_REDUCE_ARGS = ("num_splits", "stride_wt", "stride_wn", "stride_ws", "stride_lt", "stride_ln")
 
 
+@triton.jit
+def _tile_program(num_q_tiles, BLOCK_Q: tl.constexpr):
+    """(head program, sequence, query tile of it, key split) of this program; decode (BLOCK_Q == 1)
+    puts the head tiles on the fastest grid axis."""
+    if BLOCK_Q == 1:  # decode: head tiles fastest
+        pid_h = tl.program_id(0)
+        pid_q = tl.program_id(1)
+    else:
+        pid_q = tl.program_id(0)
+        pid_h = tl.program_id(1)
+    split = tl.program_id(2)
+    return pid_h, pid_q // num_q_tiles, pid_q % num_q_tiles, split
+
+
+@triton.jit
+def _key_range(ctx, q_len, q_tile, split, num_splits, window, chunk, num_sel,
+               BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, CHUNKED: tl.constexpr,
+               SPARSE: tl.constexpr):
+    """[kv_start, kv_stop): the keys (SPARSE: the selection's entries) this tile reads in its split.
+
+    The keys the tile can see at all are cut into num_splits BLOCK_N-aligned ranges. With SLIDING
+    or CHUNKED they start at the tile's first query's first visible key, so blocks before it (freed
+    by the cache manager, their table entries stale) are never read."""
+    kv_len = ctx - q_len + tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len)
+    if SPARSE:  # ranges of the selection instead of positions
+        kv_len = num_sel
+    if SLIDING or CHUNKED:  # keys before the tile's first query's window (chunk) are never read
+        first_q = ctx - q_len + q_tile * BLOCK_Q
+        if SLIDING:
+            kv_lo = tl.maximum(first_q - window + 1, 0)
+        else:
+            kv_lo = first_q // chunk * chunk
+        split_len = tl.cdiv(tl.cdiv(kv_len - kv_lo, num_splits), BLOCK_N) * BLOCK_N
+        kv_start = kv_lo + split * split_len
+    else:
+        split_len = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+        kv_start = split * split_len
+    return kv_start, tl.minimum(kv_start + split_len, kv_len)
+
+
+@triton.jit
+def _load_rows(ptr, row, head, offs, width, row_mask, stride_r, stride_h, stride_d):
+    """(rows, BLOCK) tile: ptr[row[i], head[i], offs] for the rows of row_mask, columns < width, else 0."""
+    return tl.load(ptr + row[:, None] * stride_r + head[:, None] * stride_h + offs[None, :] * stride_d,
+                   mask=row_mask[:, None] & (offs[None, :] < width), other=0.0)
+
+
+@triton.jit
+def _block_keys(start, kv_stop, table, sel_row, block_size, BLOCK_N: tl.constexpr, SPARSE: tl.constexpr):
+    """(positions, mask, page, offset in page) of the BLOCK_N keys from start: positions start.., or
+    (SPARSE) the selection's entries there, -1 (none) masked off."""
+    pos = start + tl.arange(0, BLOCK_N)
+    k_mask = pos < kv_stop
+    if SPARSE:
+        pos = tl.load(sel_row + pos, mask=k_mask, other=-1)
+        k_mask = pos >= 0
+        pos = tl.maximum(pos, 0)
+    page = tl.load(table + pos // block_size, mask=k_mask, other=0).to(tl.int64)
+    return pos, k_mask, page, (pos % block_size).to(tl.int64)
+
+
+@triton.jit
+def _load_cached(ptr, page, in_page, g, offs, width, k_mask, stride_b, stride_s, stride_g, stride_d):
+    """(BLOCK_N, BLOCK) rows of kv head g from the cache at (page, in_page), columns < width, else 0."""
+    return tl.load(ptr + (page * stride_b + in_page * stride_s + g * stride_g)[:, None] + offs[None, :] * stride_d,
+                   mask=k_mask[:, None] & (offs[None, :] < width), other=0.0)
+
+
+@triton.jit
+def _visible(pos, k_mask, q_pos, row_mask, window, chunk, SLIDING: tl.constexpr, CHUNKED: tl.constexpr,
+             SPARSE: tl.constexpr):
+    """(rows, BLOCK_N) mask of the keys each query row sees: causal (SPARSE: the selection's own
+    cut), within the sliding window, within the query's chunk."""
+    if SPARSE:
+        visible = k_mask[None, :] & row_mask[:, None]
+    else:
+        visible = k_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+    if SLIDING:
+        visible = visible & (pos[None, :] > q_pos[:, None] - window)
+    if CHUNKED:
+        visible = visible & (pos[None, :] >= (q_pos // chunk * chunk)[:, None])
+    return visible
+
+
+@triton.jit
+def _softmax_step(s, m_i, l_i):
+    """Online softmax over one more block of log2-scaled scores s: (p, alpha, m, l), p the block's
+    weights, alpha the factor rescaling what was accumulated, m and l the new max and sum."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row with nothing visible yet keeps m = -inf; subtract 0 instead so no NaN (-inf - -inf).
+    m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_base[:, None])
+    alpha = tl.exp2(m_i - m_base)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _add_sink(m_i, l_i, acc, sinks_ptr, head, row_mask):
+    """The sink: one more softmax term per row, with no value; (m, l, acc) rescaled to it."""
+    sink = tl.load(sinks_ptr + head, mask=row_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+    m_sink = tl.maximum(m_i, sink)
+    alpha = tl.exp2(m_i - m_sink)
+    l_i = l_i * alpha + tl.exp2(sink - m_sink)
+    return m_sink, l_i, acc * alpha[:, None]
+
+
+@triton.jit
+def _store_tile(out_ptr, lse_ptr, acc, m_i, l_i, tok, head, row_mask, offs_hv, HV, split,
+                stride_ot, stride_on, stride_os, stride_od, stride_lt, stride_ln, SPLIT_K: tl.constexpr):
+    """The normalised tile to out, or (SPLIT_K) to the split's workspace slot with its log2-sum-exp."""
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_mask = row_mask[:, None] & (offs_hv[None, :] < HV)
+    o_ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_on + offs_hv[None, :] * stride_od
+    if not SPLIT_K:
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        # Every split stores, even an empty one (l = 0 -> o = 0, lse = -inf), so the reduce never
+        # reads an unwritten workspace entry.
+        tl.store(o_ptrs + split * stride_os, o, mask=o_mask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + tok * stride_lt + head * stride_ln + split, lse, mask=row_mask)
+
+
 @triton.jit(do_not_specialize=_PER_STEP_ATTN_ARGS)
 def _paged_attn_kernel(
     q_ptr, qr_ptr, k_ptr, kr_ptr, v_ptr, out_ptr, lse_ptr, sinks_ptr,
@@ -98,15 +221,7 @@ def _paged_attn_kernel(
     its sequence, -1 for none; the causal cut is the selection's (the indexer picks only visible
     keys). Splits cut the selection.
     """
-    if BLOCK_Q == 1:  # decode: head tiles fastest
-        pid_h = tl.program_id(0)
-        pid_q = tl.program_id(1)
-    else:
-        pid_q = tl.program_id(0)
-        pid_h = tl.program_id(1)
-    split = tl.program_id(2)
-    seq = pid_q // num_q_tiles
-    q_tile = pid_q % num_q_tiles
+    pid_h, seq, q_tile, split = _tile_program(num_q_tiles, BLOCK_Q)
     q_start = tl.load(query_start_ptr + seq)
     q_len = tl.load(query_start_ptr + seq + 1) - q_start
     if q_tile * BLOCK_Q >= q_len:
@@ -123,100 +238,43 @@ def _paged_attn_kernel(
     tok = (q_start + q_local).to(tl.int64)
     head = g * QH + h_local
     q_pos = ctx - q_len + q_local  # absolute position: the query sees keys 0..q_pos
-
-    # Keys this tile can see at all, cut into num_splits BLOCK_N-aligned ranges.
-    kv_len = ctx - q_len + tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len)
-    if SPARSE:  # ranges of the selection instead of positions
-        kv_len = num_sel
-    if SLIDING or CHUNKED:  # keys before the tile's first query's window (chunk) are never read
-        first_q = ctx - q_len + q_tile * BLOCK_Q
-        if SLIDING:
-            kv_lo = tl.maximum(first_q - window + 1, 0)
-        else:
-            kv_lo = first_q // chunk * chunk
-        split_len = tl.cdiv(tl.cdiv(kv_len - kv_lo, num_splits), BLOCK_N) * BLOCK_N
-        kv_start = kv_lo + split * split_len
-    else:
-        split_len = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-        kv_start = split * split_len
-    kv_stop = tl.minimum(kv_start + split_len, kv_len)
+    kv_start, kv_stop = _key_range(ctx, q_len, q_tile, split, num_splits, window, chunk, num_sel,
+                                   BLOCK_Q, BLOCK_N, SLIDING, CHUNKED, SPARSE)
 
     offs_hd = tl.arange(0, BLOCK_HD)
-    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qn + offs_hd[None, :] * stride_qd,
-                mask=row_mask[:, None] & (offs_hd[None, :] < HD), other=0.0)
-    if HAS_ROPE:
-        offs_hr = tl.arange(0, BLOCK_HR)
-        q_r = tl.load(qr_ptr + tok[:, None] * stride_qrt + head[:, None] * stride_qrn
-                      + offs_hr[None, :] * stride_qrd,
-                      mask=row_mask[:, None] & (offs_hr[None, :] < HR), other=0.0)
+    offs_hr = tl.arange(0, BLOCK_HR)
     offs_hv = tl.arange(0, BLOCK_HV)
-
+    q = _load_rows(q_ptr, tok, head, offs_hd, HD, row_mask, stride_qt, stride_qn, stride_qd)
+    if HAS_ROPE:
+        q_r = _load_rows(qr_ptr, tok, head, offs_hr, HR, row_mask, stride_qrt, stride_qrn, stride_qrd)
     m_i = tl.full((BLOCK_Q * BLOCK_QH,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_Q * BLOCK_QH,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_Q * BLOCK_QH, BLOCK_HV), dtype=tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     sel_row = sel_ptr + (q_start + q_tile).to(tl.int64) * stride_st  # SPARSE: the tile's one token
     for start in range(kv_start, kv_stop, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        k_mask = pos < kv_stop
-        if SPARSE:
-            pos = tl.load(sel_row + pos, mask=k_mask, other=-1)
-            k_mask = pos >= 0
-            pos = tl.maximum(pos, 0)
-        page = tl.load(table + pos // block_size, mask=k_mask, other=0).to(tl.int64)
-        in_page = (pos % block_size).to(tl.int64)
-        k = tl.load(k_ptr + (page * stride_kb + in_page * stride_ks + g * stride_kg)[:, None]
-                    + offs_hd[None, :] * stride_kd,
-                    mask=k_mask[:, None] & (offs_hd[None, :] < HD), other=0.0).to(q.dtype)
+        pos, k_mask, page, in_page = _block_keys(start, kv_stop, table, sel_row, block_size, BLOCK_N, SPARSE)
+        k = _load_cached(k_ptr, page, in_page, g, offs_hd, HD, k_mask, stride_kb, stride_ks, stride_kg,
+                         stride_kd).to(q.dtype)
         s = _dot(q, tl.trans(k), tl.zeros((BLOCK_Q * BLOCK_QH, BLOCK_N), dtype=tl.float32), PREC, UPCAST)
         if HAS_ROPE:
-            k_r = tl.load(kr_ptr + (page * stride_krb + in_page * stride_krs + g * stride_krg)[:, None]
-                          + offs_hr[None, :] * stride_krd,
-                          mask=k_mask[:, None] & (offs_hr[None, :] < HR), other=0.0).to(q_r.dtype)
+            k_r = _load_cached(kr_ptr, page, in_page, g, offs_hr, HR, k_mask, stride_krb, stride_krs, stride_krg,
+                               stride_krd).to(q_r.dtype)
             s = _dot(q_r, tl.trans(k_r), s, PREC, UPCAST)
-        if SPARSE:
-            visible = k_mask[None, :] & row_mask[:, None]
-        else:
-            visible = k_mask[None, :] & (pos[None, :] <= q_pos[:, None])
-        if SLIDING:
-            visible = visible & (pos[None, :] > q_pos[:, None] - window)
-        if CHUNKED:
-            visible = visible & (pos[None, :] >= (q_pos // chunk * chunk)[:, None])
-        s = tl.where(visible, s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row with nothing visible yet keeps m = -inf; subtract 0 instead so no NaN (-inf - -inf).
-        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_base[:, None])
-        alpha = tl.exp2(m_i - m_base)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        visible = _visible(pos, k_mask, q_pos, row_mask, window, chunk, SLIDING, CHUNKED, SPARSE)
+        p, alpha, m_new, l_i = _softmax_step(tl.where(visible, s * scale_log2, float("-inf")), m_i, l_i)
         if SHARED_KV:
             v = k  # MLA: the latent row is both the key (with its rope part) and the value
         else:
-            v = tl.load(v_ptr + (page * stride_vb + in_page * stride_vs + g * stride_vg)[:, None]
-                        + offs_hv[None, :] * stride_vd,
-                        mask=k_mask[:, None] & (offs_hv[None, :] < HV), other=0.0).to(q.dtype)
+            v = _load_cached(v_ptr, page, in_page, g, offs_hv, HV, k_mask, stride_vb, stride_vs, stride_vg,
+                             stride_vd).to(q.dtype)
         acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], PREC, UPCAST)
         m_i = m_new
 
     if HAS_SINKS and not SPLIT_K:  # the sink: one more softmax term, with no value
-        sink = tl.load(sinks_ptr + head, mask=row_mask, other=0.0).to(tl.float32) * 1.4426950408889634
-        m_sink = tl.maximum(m_i, sink)
-        alpha = tl.exp2(m_i - m_sink)
-        l_i = l_i * alpha + tl.exp2(sink - m_sink)
-        acc = acc * alpha[:, None]
-        m_i = m_sink
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    o_mask = row_mask[:, None] & (offs_hv[None, :] < HV)
-    o_ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_on + offs_hv[None, :] * stride_od
-    if not SPLIT_K:
-        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=o_mask)
-    else:
-        # Every split stores, even an empty one (l = 0 -> o = 0, lse = -inf), so the reduce never
-        # reads an unwritten workspace entry.
-        tl.store(o_ptrs + split * stride_os, o, mask=o_mask)
-        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-        tl.store(lse_ptr + tok * stride_lt + head * stride_ln + split, lse, mask=row_mask)
-
+        m_i, l_i, acc = _add_sink(m_i, l_i, acc, sinks_ptr, head, row_mask)
+    _store_tile(out_ptr, lse_ptr, acc, m_i, l_i, tok, head, row_mask, offs_hv, HV, split,
+                stride_ot, stride_on, stride_os, stride_od, stride_lt, stride_ln, SPLIT_K)
 
 @triton.jit(do_not_specialize=_PER_STEP_REDUCE_ARGS)
 def _reduce_splits_kernel(ws_ptr, lse_ptr, out_ptr, sinks_ptr, HV, num_splits,

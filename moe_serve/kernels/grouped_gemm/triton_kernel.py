@@ -98,6 +98,89 @@ def _bias_row(bias_ptr, offs_n, n_mask):
     return tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
 
 
+@triton.jit
+def _grouped_tile(num_slots, N, BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr,
+                  GROUP_SIZE_M: tl.constexpr):
+    """(row block, column tile) of this program. Grouped ordering: GROUP_SIZE_M consecutive row
+    blocks sweep the N tiles together, so the activation rows they gather stay in L2 while each
+    weight tile is read by a few programs at once."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(num_slots, BLOCK_SIZE_M)
+    num_pid_n = tl.cdiv(N, BLOCK_SIZE_N)
+    num_pid_in_group = GROUP_SIZE_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_SIZE_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_SIZE_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _fp4_k_step(acc, acc_up, a, b_e_ptr, s_e_ptr, offs_n, n_mask, k0, N, Kdim, s_up_row0,
+                stride_bn, stride_bk, stride_sn, stride_sk, GATED: tl.constexpr, PREC: tl.constexpr,
+                UPCAST: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr):
+    """One K tile against MXFP4 weights (b_e_ptr / s_e_ptr: the expert's blocks and scales): the
+    packed e2m1 bytes and their scales decoded in registers, multiplied in a's dtype."""
+    b = _fp4_tile(b_e_ptr, s_e_ptr, offs_n, n_mask, k0, Kdim,
+                  stride_bn, stride_bk, stride_sn, stride_sk, BLOCK_SIZE_N, BLOCK_SIZE_K).to(a.dtype)
+    acc = _dot(a, b, acc, PREC, UPCAST)
+    if GATED:
+        b_up = _fp4_tile(b_e_ptr + N * stride_bn, s_e_ptr + s_up_row0 * stride_sn,
+                         offs_n, n_mask, k0, Kdim, stride_bn, stride_bk, stride_sn,
+                         stride_sk, BLOCK_SIZE_N, BLOCK_SIZE_K).to(a.dtype)
+        acc_up = _dot(a, b_up, acc_up, PREC, UPCAST)
+    return acc, acc_up
+
+
+@triton.jit
+def _k_step(acc, acc_up, a, b_ptrs, up_ptrs, s_ptr, s_base, as_ptr, a_row, row_mask, offs_n, n_mask, offs_k,
+            k_mask, k0, s_up_row0, stride_sn, stride_sk, stride_asm, stride_ask,
+            GATED: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, B_SCALED: tl.constexpr,
+            A_SCALED: tl.constexpr, SB_N: tl.constexpr, SB_K: tl.constexpr, BLOCK_SIZE_K: tl.constexpr):
+    """One K tile against dense or block-FP8 weights (b_ptrs / up_ptrs: the gate (or only) and up
+    tiles; s_ptr + s_base: the expert's scales): (acc, acc_up) with the tile's products added."""
+    b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+    if A_SCALED:  # W8A8: FP8 x FP8 per K tile, rescaled by the row's and the weight block's scales
+        kb = k0 // SB_K
+        a_sc = tl.load(as_ptr + a_row * stride_asm + kb * stride_ask, mask=row_mask, other=0.0)
+        b_sc = tl.load(s_ptr + s_base + (offs_n // SB_N) * stride_sn + kb * stride_sk, mask=n_mask, other=0.0)
+        acc += _dot8(a, b, UPCAST) * a_sc[:, None] * b_sc[None, :]
+    else:
+        if B_SCALED:
+            b = _dequant(b, s_ptr, s_base, offs_n, k0, offs_k, k_mask, n_mask, stride_sn,
+                         stride_sk, SB_N, SB_K, BLOCK_SIZE_K).to(a.dtype)
+        acc = _dot(a, b, acc, PREC, UPCAST)
+    if GATED:
+        b_up = tl.load(up_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if A_SCALED:
+            bu_sc = tl.load(s_ptr + s_base + (s_up_row0 + offs_n // SB_N) * stride_sn + kb * stride_sk,
+                            mask=n_mask, other=0.0)
+            acc_up += _dot8(a, b_up, UPCAST) * a_sc[:, None] * bu_sc[None, :]
+        else:
+            if B_SCALED:
+                b_up = _dequant(b_up, s_ptr, s_base + s_up_row0 * stride_sn, offs_n, k0,
+                                offs_k, k_mask, n_mask, stride_sn, stride_sk, SB_N, SB_K,
+                                BLOCK_SIZE_K).to(a.dtype)
+            acc_up = _dot(a, b_up, acc_up, PREC, UPCAST)
+    return acc, acc_up
+
+
+@triton.jit
+def _activation(acc, acc_up, alpha, limit, ACT: tl.constexpr):
+    """The gated activation of the (biased) gate and up products, in fp32 before the one rounding."""
+    if ACT == 0:
+        acc = acc * tl.sigmoid(acc) * acc_up  # SiLU(gate) * up
+    else:
+        gate = tl.minimum(acc, limit)
+        up = tl.minimum(tl.maximum(acc_up, -limit), limit)
+        if ACT == 1:
+            acc = gate * tl.sigmoid(gate) * up
+        else:
+            acc = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
+    return acc
+
+
 # num_pairs = T * K changes every step; left unspecialised so its "== 1" / "divisible by 16" flags
 # never select a new compiled variant mid-serving (num_slots is always a multiple of BLOCK_SIZE_M).
 # The FP8 scale tensors' strides and row offset (whose divisibility follows each model's sizes / 128)
@@ -142,18 +225,7 @@ def _grouped_gemm_kernel(
       1: silu(min(gate, limit)) * clamp(up, -limit, limit)                     (DeepSeek-V4)
       2: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)  (GPT-OSS)
     """
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(num_slots, BLOCK_SIZE_M)
-    num_pid_n = tl.cdiv(N, BLOCK_SIZE_N)
-    # Grouped ordering: GROUP_SIZE_M consecutive row blocks sweep the N tiles together, so the
-    # activation rows they gather stay in L2 while each weight tile is read by a few programs at once.
-    num_pid_in_group = GROUP_SIZE_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_SIZE_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_SIZE_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
-
+    pid_m, pid_n = _grouped_tile(num_slots, N, BLOCK_SIZE_M, BLOCK_SIZE_N, GROUP_SIZE_M)
     if pid_m * BLOCK_SIZE_M >= tl.load(num_padded_ptr):
         return
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
@@ -171,47 +243,23 @@ def _grouped_gemm_kernel(
     a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :] * stride_ak
     # int64 expert offset: E * 2F * D passes 2**31 for DeepSeek-sized layers.
     b_ptrs = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk
+    up_ptrs = b_ptrs + N * stride_bn  # GATED only, as is acc_up
     acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
-    if GATED:
-        up_ptrs = b_ptrs + N * stride_bn
-        acc_up = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
     s_base = expert * stride_se
     for k_blk in range(0, tl.cdiv(Kdim, BLOCK_SIZE_K)):
         k_mask = offs_k < Kdim - k_blk * BLOCK_SIZE_K
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         if B_FP4:  # packed e2m1 bytes and their scales, decoded in registers
-            b = _fp4_tile(b_ptr + expert * stride_be, s_ptr + s_base, offs_n, n_mask, k_blk * BLOCK_SIZE_K, Kdim,
-                          stride_bn, stride_bk, stride_sn, stride_sk, BLOCK_SIZE_N, BLOCK_SIZE_K).to(a.dtype)
-            acc = _dot(a, b, acc, PREC, UPCAST)
-            if GATED:
-                b_up = _fp4_tile(b_ptr + expert * stride_be + N * stride_bn, s_ptr + s_base + s_up_row0 * stride_sn,
-                                 offs_n, n_mask, k_blk * BLOCK_SIZE_K, Kdim, stride_bn, stride_bk, stride_sn,
-                                 stride_sk, BLOCK_SIZE_N, BLOCK_SIZE_K).to(a.dtype)
-                acc_up = _dot(a, b_up, acc_up, PREC, UPCAST)
+            acc, acc_up = _fp4_k_step(acc, acc_up, a, b_ptr + expert * stride_be, s_ptr + s_base, offs_n, n_mask,
+                                      k_blk * BLOCK_SIZE_K, N, Kdim, s_up_row0, stride_bn, stride_bk, stride_sn,
+                                      stride_sk, GATED, PREC, UPCAST, BLOCK_SIZE_N, BLOCK_SIZE_K)
         else:
-            b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            if A_SCALED:  # W8A8: FP8 x FP8 per K tile, rescaled by the row's and the weight block's scales
-                kb = (k_blk * BLOCK_SIZE_K) // SB_K
-                a_sc = tl.load(as_ptr + a_row * stride_asm + kb * stride_ask, mask=row_mask, other=0.0)
-                b_sc = tl.load(s_ptr + s_base + (offs_n // SB_N) * stride_sn + kb * stride_sk, mask=n_mask, other=0.0)
-                acc += _dot8(a, b, UPCAST) * a_sc[:, None] * b_sc[None, :]
-            else:
-                if B_SCALED:
-                    b = _dequant(b, s_ptr, s_base, offs_n, k_blk * BLOCK_SIZE_K, offs_k, k_mask, n_mask, stride_sn,
-                                 stride_sk, SB_N, SB_K, BLOCK_SIZE_K).to(a.dtype)
-                acc = _dot(a, b, acc, PREC, UPCAST)
+            acc, acc_up = _k_step(acc, acc_up, a, b_ptrs, up_ptrs, s_ptr, s_base, as_ptr, a_row, row_mask, offs_n,
+                                  n_mask, offs_k, k_mask, k_blk * BLOCK_SIZE_K, s_up_row0, stride_sn, stride_sk,
+                                  stride_asm, stride_ask, GATED, PREC, UPCAST, B_SCALED, A_SCALED, SB_N, SB_K,
+                                  BLOCK_SIZE_K)
             if GATED:
-                b_up = tl.load(up_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-                if A_SCALED:
-                    bu_sc = tl.load(s_ptr + s_base + (s_up_row0 + offs_n // SB_N) * stride_sn + kb * stride_sk,
-                                    mask=n_mask, other=0.0)
-                    acc_up += _dot8(a, b_up, UPCAST) * a_sc[:, None] * bu_sc[None, :]
-                else:
-                    if B_SCALED:
-                        b_up = _dequant(b_up, s_ptr, s_base + s_up_row0 * stride_sn, offs_n, k_blk * BLOCK_SIZE_K,
-                                        offs_k, k_mask, n_mask, stride_sn, stride_sk, SB_N, SB_K,
-                                        BLOCK_SIZE_K).to(a.dtype)
-                    acc_up = _dot(a, b_up, acc_up, PREC, UPCAST)
                 up_ptrs += BLOCK_SIZE_K * stride_bk
             b_ptrs += BLOCK_SIZE_K * stride_bk
         a_ptrs += BLOCK_SIZE_K * stride_ak
@@ -221,15 +269,7 @@ def _grouped_gemm_kernel(
         if GATED:
             acc_up += _bias_row(bias_ptr + expert * stride_bias_e + N, offs_n, n_mask)
     if GATED:  # in fp32 before the one rounding
-        if ACT == 0:
-            acc = acc * tl.sigmoid(acc) * acc_up  # SiLU(gate) * up
-        else:
-            gate = tl.minimum(acc, limit)
-            up = tl.minimum(tl.maximum(acc_up, -limit), limit)
-            if ACT == 1:
-                acc = gate * tl.sigmoid(gate) * up
-            else:
-                acc = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
+        acc = _activation(acc, acc_up, alpha, limit, ACT)
     if MUL_WEIGHT:
         w = tl.load(weights_ptr + pair, mask=row_mask, other=0.0).to(tl.float32)
         acc = acc * w[:, None]
@@ -351,6 +391,34 @@ def fused_experts_triton(
     Returns:
         (T, D) in x's dtype; products accumulate in fp32, as does the top-k sum.
     """
+    act = _check_experts_args(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, w13_scale, w2_scale,
+                              scale_block, w13_bias, w2_bias, activation)
+    T, D = x_TD.shape
+    E, F2, _ = w13_EFD.shape
+    K = topk_ids_TK.shape[1] if topk_ids_TK.dim() == 2 else 0
+    out = out_TD if out_TD is not None else torch.empty((T, D), dtype=x_TD.dtype, device=x_TD.device)
+    if T == 0:
+        return out
+    check_triton_device(x_TD)
+    cfg = dict(config) if config is not None else get_config(E, F2 // 2, D, x_TD.dtype, T, K, x_TD.device)
+    validate_config(cfg)
+
+    routing = align_block_size(topk_ids_TK, E, cfg["BLOCK_SIZE_M"])
+    ids_TK = topk_ids_TK.contiguous()
+    weights_P = topk_weights_TK.contiguous().view(-1)
+    launch = _experts_launch(cfg, x_TD.dtype, w13_EFD, w13_scale, scale_block, act_quant)
+    y_PD = _experts_gemms(x_TD, w13_EFD, w2_EDF, weights_P, routing, K, launch, act, w13_scale, w2_scale,
+                          scale_block, act_quant, w13_bias, w2_bias)
+    topk = topk_sum_launch(K, D)
+    _topk_sum_kernel[(T, triton.cdiv(D, topk["BLOCK_D"]))](
+        y_PD, ids_TK, out, D, y_PD.stride(0), out.stride(0), out.stride(1), **topk)
+    return out
+
+
+def _check_experts_args(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, w13_scale, w2_scale, scale_block,
+                        w13_bias, w2_bias, activation) -> tuple:
+    """`fused_experts_triton`'s shapes, dtypes and weight formats, checked before anything runs;
+    returns the activation's kernel form (code, alpha, limit)."""
     T, D = x_TD.shape
     E, F2, D13 = w13_EFD.shape
     F = F2 // 2
@@ -370,8 +438,7 @@ def fused_experts_triton(
     if tuple(topk_ids_TK.shape) != (T, K) or tuple(topk_weights_TK.shape) != (T, K):
         raise ValueError(f"topk_ids_TK={tuple(topk_ids_TK.shape)} and topk_weights_TK="
                          f"{tuple(topk_weights_TK.shape)} must both be (T, K) with T={T}")
-    scaled = w13_scale is not None
-    if scaled:
+    if w13_scale is not None:
         if not (w13_EFD.dtype == w2_EDF.dtype == torch.float8_e4m3fn) or w2_scale is None or scale_block is None:
             raise ValueError("block-FP8 experts need float8_e4m3fn w13 and w2, both scales and scale_block")
         nF = triton.cdiv(F, scale_block[0])
@@ -387,39 +454,50 @@ def fused_experts_triton(
                                  f"{tuple(w.blocks.shape)} {w.blocks.dtype} / {tuple(w.scales.shape)} {w.scales.dtype}")
     elif not (x_TD.dtype == w13_EFD.dtype == w2_EDF.dtype):
         raise ValueError(f"dtypes differ: x {x_TD.dtype}, w13 {w13_EFD.dtype}, w2 {w2_EDF.dtype}")
-    out = out_TD if out_TD is not None else torch.empty((T, D), dtype=x_TD.dtype, device=x_TD.device)
-    if T == 0:
-        return out
-    check_triton_device(x_TD)
-    cfg = dict(config) if config is not None else get_config(E, F, D, x_TD.dtype, T, K, x_TD.device)
-    validate_config(cfg)
+    return act
 
-    BM = cfg["BLOCK_SIZE_M"]
-    routing = align_block_size(topk_ids_TK, E, BM)
-    P, S = routing.num_pairs, routing.sorted_pair_ids_S.shape[0]
-    ids_TK = topk_ids_TK.contiguous()
-    weights_P = topk_weights_TK.contiguous().view(-1)
+
+def _experts_launch(cfg: dict, dtype: torch.dtype, w13_EFD, w13_scale, scale_block, act_quant: bool) -> dict:
+    """The grouped GEMM's constexprs and launch options for this weight format (gate/up and down alike)."""
+    scaled = w13_scale is not None
     if act_quant and not scaled:
         raise ValueError("act_quant needs block-FP8 weights")
     if act_quant:
-        launch = w8a8_gemm_launch(cfg, x_TD.dtype, scale_block)
-    elif scaled:
-        launch = fp8_gemm_launch(cfg, x_TD.dtype, scale_block)
-    elif fp4:
-        launch = fp4_gemm_launch(cfg, x_TD.dtype)
-    else:
-        launch = gemm_launch(cfg, x_TD.dtype)  # gate/up and down alike
-    w13, w2 = w13_EFD, w2_EDF
+        return w8a8_gemm_launch(cfg, dtype, scale_block)
     if scaled:
-        s13 = (w13_scale, w13_scale.stride(0), w13_scale.stride(1), w13_scale.stride(2), nF)
+        return fp8_gemm_launch(cfg, dtype, scale_block)
+    if isinstance(w13_EFD, Mxfp4Weight):
+        return fp4_gemm_launch(cfg, dtype)
+    return gemm_launch(cfg, dtype)
+
+
+def _weight_operands(w13_EFD, w2_EDF, w13_scale, w2_scale, scale_block, placeholder: torch.Tensor) -> tuple:
+    """(w13, w2, s13, s2): the weights as the kernel reads them and each GEMM's scale arguments
+    (s_ptr, stride_se, stride_sn, stride_sk, s_up_row0); placeholder stands in where B_SCALED and
+    B_FP4 are off and the scales are never read."""
+    F = w2_EDF.shape[2]
+    if w13_scale is not None:
+        s13 = (w13_scale, w13_scale.stride(0), w13_scale.stride(1), w13_scale.stride(2),
+               triton.cdiv(F, scale_block[0]))
         s2 = (w2_scale, w2_scale.stride(0), w2_scale.stride(1), w2_scale.stride(2), 0)
-    elif fp4:  # the packed bytes as (E, R, C / 2): k's byte stride is 1; one scale per 32 k
-        w13, w2 = w13_EFD.blocks.flatten(2), w2_EDF.blocks.flatten(2)
+        return w13_EFD, w2_EDF, s13, s2
+    if isinstance(w13_EFD, Mxfp4Weight):  # the packed bytes as (E, R, C / 2): k's byte stride is 1; one scale per 32 k
         sc13, sc2 = w13_EFD.scales, w2_EDF.scales
         s13 = (sc13, sc13.stride(0), sc13.stride(1), sc13.stride(2), F)
         s2 = (sc2, sc2.stride(0), sc2.stride(1), sc2.stride(2), 0)
-    else:
-        s13 = s2 = (weights_P, 0, 0, 0, 0)  # unused: B_SCALED is off
+        return w13_EFD.blocks.flatten(2), w2_EDF.blocks.flatten(2), s13, s2
+    return w13_EFD, w2_EDF, (placeholder, 0, 0, 0, 0), (placeholder, 0, 0, 0, 0)
+
+
+def _experts_gemms(x_TD, w13_EFD, w2_EDF, weights_P, routing, K: int, launch: dict, act: tuple, w13_scale,
+                   w2_scale, scale_block, act_quant: bool, w13_bias, w2_bias) -> torch.Tensor:
+    """y (P, D): each pair's expert output times its router weight, by the gate/up GEMM (activation
+    fused) and the down GEMM; rows of pairs whose expert is not here are left unwritten."""
+    T, D = x_TD.shape
+    F = w2_EDF.shape[2]
+    P, S = routing.num_pairs, routing.sorted_pair_ids_S.shape[0]
+    BM = launch["BLOCK_SIZE_M"]
+    w13, w2, s13, s2 = _weight_operands(w13_EFD, w2_EDF, w13_scale, w2_scale, scale_block, weights_P)
     code, alpha, limit = act
     # The variant's arguments: the bias rows (unit stride along n) and the activation's constants.
     v13, v2 = ((b.contiguous(), b.shape[1]) if b is not None else (weights_P, 0) for b in (w13_bias, w2_bias))
@@ -431,27 +509,25 @@ def fused_experts_triton(
         a_in, xs = quantize_per_token_group(x_TD, scale_block[1])
         a_scales = (xs, xs.stride(0), xs.stride(1))
     y_PD = _empty((P, D), x_TD.dtype, x_TD.device)
-    if S > 0:
-        h_PF = _empty((P, F), x_TD.dtype, x_TD.device)
-        _grouped_gemm_kernel[(S // BM * triton.cdiv(F, launch["BLOCK_SIZE_N"]),)](
-            a_in, w13, h_PF, weights_P,
-            routing.sorted_pair_ids_S, routing.expert_ids_B, routing.num_padded,
-            F, D, S, P, K,
-            a_in.stride(0), a_in.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
-            h_PF.stride(0), h_PF.stride(1), *s13, *a_scales, *v13,
-            GATED=True, MUL_WEIGHT=False, ACT=code, HAS_BIAS=w13_bias is not None, **launch)
-        h_in, h_scales = h_PF, (weights_P, 0, 0)
-        if act_quant:
-            h_in, hs = quantize_per_token_group(h_PF, scale_block[1])
-            h_scales = (hs, hs.stride(0), hs.stride(1))
-        _grouped_gemm_kernel[(S // BM * triton.cdiv(D, launch["BLOCK_SIZE_N"]),)](
-            h_in, w2, y_PD, weights_P,
-            routing.sorted_pair_ids_S, routing.expert_ids_B, routing.num_padded,
-            D, F, S, P, 1,
-            h_in.stride(0), h_in.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
-            y_PD.stride(0), y_PD.stride(1), *s2, *h_scales, *v2,
-            GATED=False, MUL_WEIGHT=True, ACT=0, HAS_BIAS=w2_bias is not None, **launch)
-    topk = topk_sum_launch(K, D)
-    _topk_sum_kernel[(T, triton.cdiv(D, topk["BLOCK_D"]))](
-        y_PD, ids_TK, out, D, y_PD.stride(0), out.stride(0), out.stride(1), **topk)
-    return out
+    if S == 0:
+        return y_PD
+    h_PF = _empty((P, F), x_TD.dtype, x_TD.device)
+    _grouped_gemm_kernel[(S // BM * triton.cdiv(F, launch["BLOCK_SIZE_N"]),)](
+        a_in, w13, h_PF, weights_P,
+        routing.sorted_pair_ids_S, routing.expert_ids_B, routing.num_padded,
+        F, D, S, P, K,
+        a_in.stride(0), a_in.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
+        h_PF.stride(0), h_PF.stride(1), *s13, *a_scales, *v13,
+        GATED=True, MUL_WEIGHT=False, ACT=code, HAS_BIAS=w13_bias is not None, **launch)
+    h_in, h_scales = h_PF, (weights_P, 0, 0)
+    if act_quant:
+        h_in, hs = quantize_per_token_group(h_PF, scale_block[1])
+        h_scales = (hs, hs.stride(0), hs.stride(1))
+    _grouped_gemm_kernel[(S // BM * triton.cdiv(D, launch["BLOCK_SIZE_N"]),)](
+        h_in, w2, y_PD, weights_P,
+        routing.sorted_pair_ids_S, routing.expert_ids_B, routing.num_padded,
+        D, F, S, P, 1,
+        h_in.stride(0), h_in.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
+        y_PD.stride(0), y_PD.stride(1), *s2, *h_scales, *v2,
+        GATED=False, MUL_WEIGHT=True, ACT=0, HAS_BIAS=w2_bias is not None, **launch)
+    return y_PD
