@@ -18,11 +18,12 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
-from attention.blocks import BlockAllocator, hash_block
+from attention.blocks import BlockAllocator
 from attention.kv_manager import KVCacheManager
 from moe_serve.request import Request, RequestStatus
+from moe_serve.scheduling.kv_transfer import KVTransferBookkeeping
+from moe_serve.scheduling.prefix_cache import PrefixCacheAdmission
 
 
 @dataclass
@@ -59,7 +60,11 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-class Scheduler:
+class Scheduler(PrefixCacheAdmission, KVTransferBookkeeping):
+    """The step's scheduling: the queues, the token budget, preemption, and the update after a step.
+    Its other phases are mixed in from moe_serve/scheduling/: prefix-cache admission
+    (prefix_cache.py) and disaggregation bookkeeping (kv_transfer.py)."""
+
     def __init__(self, allocator: BlockAllocator | KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
                  max_model_len: int):
         self.kv = allocator if isinstance(allocator, KVCacheManager) else KVCacheManager.single(allocator)
@@ -73,23 +78,12 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self._hashes: dict[str, list[bytes]] = {}  # full-block hashes of each live request, in order
-        self._registered: dict[str, int] = {}  # how many of a request's blocks are registered
-        self._looked_up: set[str] = set()  # requests whose prefix lookup is counted in the hit rate
         self.num_preemptions = 0
         self._finished_ids: set[str] = set()  # pending for the next non-empty SchedulerOutput
         self._preempted_ids: set[str] = set()
         self._state_copies: list[tuple[int, int]] = []  # snapshots pending for the next non-empty output
-        # Disaggregation (moe_serve/disagg). Decode side: requests whose blocks are reserved while a
-        # prefill instance fills them (out of the queues until `kv_done`), reservations not yet
-        # reported, and aborted ones whose blocks stay held until the writer is known to be done.
-        # Prefill side: finished requests whose blocks are held until their write completes.
-        self.awaiting_kv: dict[str, Request] = {}
-        self._kv_reserved: list[Request] = []
-        self._kv_quarantine: dict[str, Request] = {}
-        self._kv_outbox: list[Request] = []
-        self.kv_received = 0
-        self.kv_fallbacks = 0
+        self._init_prefix_cache()
+        self._init_kv_transfer()
 
     # --- queue ----------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -107,11 +101,7 @@ class Scheduler:
         req = self.requests.get(request_id)
         if req is None:
             return None
-        if self.awaiting_kv.pop(request_id, None) is not None:
-            # A prefill instance may still be writing into its blocks: held until kv_done says it is not.
-            req.status = status
-            self._kv_quarantine[request_id] = req
-            self._forget(req)
+        if self._end_awaiting_kv(req, status):
             return req
         if req in self.running:
             self.running.remove(req)
@@ -135,9 +125,20 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self._restores: list[tuple[int, int]] = []
-        budget = self.max_num_batched_tokens
-        # 1) running requests, decodes first: a long prompt's next chunk never delays the streams
-        #    that need one token each. Then the unfinished prefill chunks, in arrival order.
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        budget = self._admit_waiting(out, budget)
+        out.num_batched_tokens = self.max_num_batched_tokens - budget
+        if out.scheduled:
+            out.finished_req_ids, self._finished_ids = self._finished_ids, set()
+            out.preempted_req_ids, self._preempted_ids = self._preempted_ids, set()
+            out.state_copies, self._state_copies = self._state_copies + self._restores, []
+        self._restores = []
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Running requests, decodes first: a long prompt's next chunk never delays the streams that
+        need one token each. Then the unfinished prefill chunks, in arrival order. Returns the
+        budget left."""
         scheduled: set[str] = set()
         for decodes in (True, False):
             for req in list(self.running):
@@ -163,22 +164,21 @@ class Scheduler:
                                                           drafts))
                     scheduled.add(req.request_id)
                     budget -= n
-        # 2) admit waiting requests in order; stop at the first that does not fit (FCFS).
+        return budget
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        """Admit waiting requests in order; stop at the first that does not fit (FCFS). Returns the
+        budget left."""
         while self.waiting and budget > 0 and len(self.running) + len(self.awaiting_kv) < self.max_num_seqs \
                 and not out.num_preempted:
             req = self.waiting[0]
             if not req.block_ids:
                 self._attach_prefix(req)
                 if req.kv_role == "decode":
-                    if req.num_computed_tokens >= req.kv_end:  # cached here already: nothing to fetch
-                        req.kv_role = None
-                    elif not self.kv.reserve(req, req.kv_end):
-                        self._detach_prefix(req)
+                    reserved = self._reserve_for_transfer(req)
+                    if reserved is False:
                         break
-                    else:
-                        self.waiting.popleft()
-                        self.awaiting_kv[req.request_id] = req
-                        self._kv_reserved.append(req)
+                    if reserved:
                         continue
             n = self._chunk(req, min(req.num_tokens - req.num_computed_tokens, budget))
             if not self._grow(req, n + self._lookahead(req, n)):
@@ -196,13 +196,7 @@ class Scheduler:
                 out.restored_slots.append(req.restore_from)
                 self._restores.append((req.restore_from, req.state_slot))
                 req.restore_from = None
-        out.num_batched_tokens = self.max_num_batched_tokens - budget
-        if out.scheduled:
-            out.finished_req_ids, self._finished_ids = self._finished_ids, set()
-            out.preempted_req_ids, self._preempted_ids = self._preempted_ids, set()
-            out.state_copies, self._state_copies = self._state_copies + self._restores, []
-        self._restores = []
-        return out
+        return budget
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int | list[int]],
                recompute: set[str] = frozenset()) -> list[Request]:
@@ -244,66 +238,6 @@ class Scheduler:
                 finished.append(req)
         return finished
 
-    # --- disaggregation --------------------------------------------------------------------------
-    def take_kv_reserved(self) -> list[Request]:
-        """Decode side: requests whose blocks were reserved since the last call (to be filled)."""
-        out, self._kv_reserved = [r for r in self._kv_reserved if r.request_id in self.awaiting_kv], []
-        return out
-
-    def take_kv_outbox(self) -> list[Request]:
-        """Prefill side: requests that finished computing and hold their blocks for the write."""
-        out, self._kv_outbox = self._kv_outbox, []
-        return out
-
-    def free_held(self, req: Request) -> None:
-        """Prefill side: give back a request's blocks once its write is over (they stay cached)."""
-        self.kv.free(req)
-
-    def kv_done(self, request_id: str, ok: bool, ended: bool = True) -> Request | None:
-        """Decode side: the prefill instance wrote a request's blocks (ok) or will not. Written: the
-        request resumes after its first kv_end tokens, ahead of the queue (one token to compute).
-        Not written: it is computed here from its prefix-cache hits, like a preempted request.
-        Blocks a write may still land in (not ended: the prefill side has not said its write is
-        over) are set aside, out of use, and given back by a later kv_done with ended; meanwhile
-        the request is computed in others. An aborted request's held blocks likewise."""
-        if ended:
-            held = self._kv_quarantine.pop(request_id, None)
-            if held is not None:
-                self.kv.free(held)
-                return None
-        req = self.awaiting_kv.pop(request_id, None)
-        if req is None:
-            return None
-        req.kv_role = None
-        if ok:
-            req.num_computed_tokens = req.kv_end
-            self.kv_received += 1
-        else:
-            if ended:
-                self.kv.free(req)
-            else:
-                self._kv_quarantine[request_id] = self._take_blocks(req)
-            req.num_computed_tokens = 0
-            self._registered[req.request_id] = 0
-            self.kv_fallbacks += 1
-        self.waiting.appendleft(req)
-        return req
-
-    def _take_blocks(self, req: Request):
-        """What req holds (blocks of every group, its state slot), moved to a holder that
-        `self.kv.free` takes later; req is left holding nothing."""
-        tables = self.kv.tables(req)
-        held = SimpleNamespace(block_ids=tables[0], group_block_ids=tables[1:], state_slot=req.state_slot,
-                               restore_from=req.restore_from)
-        req.block_ids, req.group_block_ids = [], [[] for _ in tables[1:]]
-        req.state_slot = req.restore_from = None
-        return held
-
-    @property
-    def num_kv_held(self) -> int:
-        """Requests whose blocks are held outside the queues (awaiting a prefill, or aborted meanwhile)."""
-        return len(self.awaiting_kv) + len(self._kv_quarantine)
-
     # --- blocks ----------------------------------------------------------------------------------
     def _grow(self, req: Request, n: int) -> bool:
         """Make room for n more tokens of req in every cache group; False (and nothing allocated)
@@ -317,71 +251,6 @@ class Scheduler:
             return 0
         return max(0, min(self.lookahead_tokens, self.max_model_len - req.num_computed_tokens - n))
 
-    def _snapshot_boundary(self, req: Request) -> int:
-        """The position whose state a model with per-sequence state keeps for prefix hits: the last
-        block boundary a later request with this prompt can hit (0: none)."""
-        if not (self.kv.has_state and self.kv.enable_prefix_caching):
-            return 0
-        return (req.num_prompt_tokens - 1) // self.block_size * self.block_size
-
-    def _chunk(self, req: Request, n: int) -> int:
-        """n, or fewer: what the windowed groups hold for one request (`fit_chunk`), and ending at
-        the snapshot boundary when the chunk would cross it."""
-        n = self.kv.fit_chunk(req, n)
-        b = self._snapshot_boundary(req)
-        return b - req.num_computed_tokens if req.num_computed_tokens < b < req.num_computed_tokens + n else n
-
-    def _snapshot_state(self, req: Request) -> None:
-        b = self._snapshot_boundary(req)
-        if b and req.num_computed_tokens == b:
-            copy = self.kv.snapshot(req, self._hashes[req.request_id][b // self.block_size - 1])
-            if copy is not None:
-                self._state_copies.append(copy)
-
-    def _full_block_hashes(self, req: Request, nfull: int) -> list[bytes]:
-        """req's chained block hashes, extended to its first nfull full blocks."""
-        hashes = self._hashes[req.request_id]
-        tokens = req.all_token_ids
-        parent = hashes[-1] if hashes else None
-        for b in range(len(hashes), nfull):
-            parent = hash_block(parent, tokens[b * self.block_size:(b + 1) * self.block_size])
-            hashes.append(parent)
-        return hashes
-
-    def _attach_prefix(self, req: Request) -> None:
-        """Reuse cached blocks for the longest cached prefix every cache group can resume from. At
-        least one token is always left to compute, since the step that computes the last known
-        token is the one that samples. A request that still needs prompt logprobs takes no hits:
-        every prompt position it has no logprob for is computed (vLLM does the same)."""
-        tokens = req.all_token_ids
-        hashes = self._full_block_hashes(req, len(tokens) // self.block_size)
-        lookup = not req.needs_prompt_logprobs
-        hits = self.kv.attach_prefix(req, hashes, (len(tokens) - 1) // self.block_size if lookup else 0)
-        self._registered[req.request_id] = hits
-        req.num_computed_tokens = hits * self.block_size
-        if req.num_preemptions == 0 and lookup:
-            req.num_cached_prompt_tokens = req.num_computed_tokens
-            if req.request_id not in self._looked_up:  # the hit rate counts a prompt once, not per attempt
-                self._looked_up.add(req.request_id)
-                self.alloc.record_lookup(len(tokens), req.num_computed_tokens)
-
-    def _detach_prefix(self, req: Request) -> None:
-        """Undo _attach_prefix for a request that stays waiting."""
-        self.kv.free(req)
-        req.num_computed_tokens = 0
-        self._registered[req.request_id] = 0
-
-    def _register_full_blocks(self, req: Request) -> None:
-        """Hash and register the blocks that became full since the last call (once each)."""
-        if not self.alloc.enable_prefix_caching:
-            return
-        nfull = req.num_computed_tokens // self.block_size
-        done = self._registered.get(req.request_id, 0)
-        if nfull <= done:
-            return
-        self.kv.register(req, self._full_block_hashes(req, nfull), done, nfull)
-        self._registered[req.request_id] = nfull
-
     def _preempt(self, req: Request) -> None:
         req.spec_token_ids = []
         self.kv.free(req)
@@ -394,9 +263,7 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _release(self, req: Request) -> None:
-        if req.kv_role == "prefill" and req.status != RequestStatus.FINISHED_ABORTED:
-            self._kv_outbox.append(req)  # its blocks are written to the decode side before they are freed
-        else:
+        if not self._hold_for_transfer(req):  # held: its blocks are written to the decode side first
             self.kv.free(req)
         self._forget(req)
 
