@@ -45,6 +45,29 @@ def load_weights(model: nn.Module, path: str, dtype: torch.dtype, show_progress:
     quantizes an unquantized checkpoint to block FP8 while it loads."""
     from safetensors import safe_open
 
+    fp8_cfg = _checkpoint_fp8_config(model, path, quantization)
+    experts = {name[: -len(".experts")]: m for name, m in model.named_modules()
+               if isinstance(m, GroupedExperts) and name.endswith(".experts")}
+    names_by_file = []
+    for fp in checkpoint_files(path):
+        with safe_open(fp, framework="pt") as f:
+            names_by_file.append((fp, list(f.keys())))
+    fp8_cfg = _make_fp8_storage(model, fp8_cfg, quantization, names_by_file, experts)
+    loader = _TensorLoader(model, dtype, experts, fp8_cfg)
+    bar = tqdm(total=sum(len(n) for _, n in names_by_file), desc="Loading weights", unit="tensor",
+               disable=not show_progress)
+    for fp, names in names_by_file:
+        with safe_open(fp, framework="pt") as f:
+            for raw in names:
+                bar.update(1)
+                loader.load(raw, f, fp)
+    bar.close()
+    loader.finish(path)
+
+
+def _checkpoint_fp8_config(model: nn.Module, path: str, quantization: str | None):
+    """The checkpoint's block-FP8 config (fp8.BlockFp8Config) or None; any other quantization the
+    model does not load itself, or an unknown `quantization`, is an error."""
     from moe_serve.quantization import fp8
 
     quant = (getattr(model, "hf", None) or {}).get("quantization_config")
@@ -58,15 +81,17 @@ def load_weights(model: nn.Module, path: str, dtype: torch.dtype, show_progress:
                          f"unquantized (bf16/fp16/fp32) checkpoint, or load_format='dummy' for its sizes")
     if quantization not in (None, "fp8"):
         raise ValueError(f"quantization={quantization!r} is not one of: fp8")
-    experts = {name[: -len(".experts")]: m for name, m in model.named_modules()
-               if isinstance(m, GroupedExperts) and name.endswith(".experts")}
-    loaded: set[str] = set()
-    files = checkpoint_files(path)
-    names_by_file = []
-    for fp in files:
-        with safe_open(fp, framework="pt") as f:
-            names_by_file.append((fp, list(f.keys())))
-    if fp8_cfg is not None:  # FP8 storage for exactly the weights that come with scales
+    return fp8_cfg
+
+
+def _make_fp8_storage(model: nn.Module, fp8_cfg, quantization: str | None, names_by_file: list,
+                      experts: dict):
+    """Give FP8 storage to the modules that will hold FP8 weights, before any tensor loads: for a
+    block-FP8 checkpoint exactly the weights that come with scales, for `quantization="fp8"` every
+    quantizable one. Returns the config the loading follows (None: no FP8)."""
+    from moe_serve.quantization import fp8
+
+    if fp8_cfg is not None:
         scaled = set()
         own = getattr(model, "loads_own_scales", lambda name: False)  # DeepSeek-V4's FP4 experts
         for _, names in names_by_file:
@@ -86,75 +111,103 @@ def load_weights(model: nn.Module, path: str, dtype: torch.dtype, show_progress:
         fp8_cfg = fp8.BlockFp8Config()
         n = fp8.to_block_fp8(model, fp8_cfg.block, None)
         log.info("--quantization fp8: %d modules quantized to block FP8 (%s) while loading", n, list(fp8_cfg.block))
-    params = dict(model.named_parameters(remove_duplicate=True))
-    scales = {name: b for name, b in model.named_buffers() if name.endswith("weight_scale_inv")}
-    # A model may load some tensors itself (GPT-OSS: interleaved gate/up, expert biases, MXFP4
-    # blocks): load_checkpoint_tensor(name, raw, file) returns the parameters it filled, or None.
-    hook = getattr(model, "load_checkpoint_tensor", None)
-    total = sum(len(n) for _, n in names_by_file)
-    skipped_layers: set[int] = set()
-    bar = tqdm(total=total, desc="Loading weights", unit="tensor", disable=not show_progress)
-    for fp, names in names_by_file:
-        with safe_open(fp, framework="pt") as f:
-            for raw in names:
-                bar.update(1)
-                name = model.checkpoint_name(raw)
-                if name is None:
-                    mtp = _LAYER.match(raw)
-                    if mtp and int(mtp.group(1)) >= getattr(model, "num_hidden_layers", 1 << 30):
-                        skipped_layers.add(int(mtp.group(1)))
-                    continue
-                if hook is not None and (filled := hook(name, raw, f)):  # tensors the model loads itself
-                    loaded.update(filled)
-                    continue
-                if name.endswith(".weight_scale_inv"):
-                    _load_scale(model, name, raw, f.get_tensor(raw), experts, scales, fp)
-                    loaded.add(name)
-                    continue
-                m = _PER_EXPERT.match(name)
-                if m and m.group("prefix") in experts:
-                    kind = model.expert_names.get(m.group("proj"))
-                    if kind is None:
-                        raise ValueError(f"unexpected expert tensor {raw!r} in {fp}")
-                    ex = experts[m.group("prefix")]
-                    e = int(m.group("e"))
-                    if ex.holds(e):  # other ranks' experts are never read
-                        t = f.get_tensor(raw)
-                        ex.load(e, kind, t if ex.fp8_block is not None else t.to(dtype))
-                    loaded.add(f"{m.group('prefix')}.experts.{'w2' if kind == 'down' else 'w13'}")
-                    continue
-                m = _FUSED.match(name)
-                if m and m.group("prefix") in experts:
-                    _load_fused(experts[m.group("prefix")], m.group("proj"), f.get_slice(raw), dtype, raw)
-                    loaded.add(f"{m.group('prefix')}.experts.{'w2' if m.group('proj') == 'down_proj' else 'w13'}")
-                    continue
-                if name not in params:
-                    raise ValueError(f"unexpected tensor {raw!r} in {fp}: the model has no parameter {name!r}")
+    return fp8_cfg
+
+
+class _TensorLoader:
+    """Puts checkpoint tensors, one at a time, where they belong (the model's own hook, an FP8
+    scale, an expert slot, a parameter) and remembers what was filled, so `finish` can name what
+    the checkpoint lacked."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype, experts: dict, fp8_cfg):
+        self.model, self.dtype, self.experts, self.fp8_cfg = model, dtype, experts, fp8_cfg
+        # After the FP8 storage is made: the parameters as they will be filled.
+        self.params = dict(model.named_parameters(remove_duplicate=True))
+        self.scales = {name: b for name, b in model.named_buffers() if name.endswith("weight_scale_inv")}
+        # A model may load some tensors itself (GPT-OSS: interleaved gate/up, expert biases, MXFP4
+        # blocks): load_checkpoint_tensor(name, raw, file) returns the parameters it filled, or None.
+        self.hook = getattr(model, "load_checkpoint_tensor", None)
+        self.loaded: set[str] = set()
+        self.skipped_layers: set[int] = set()
+
+    def load(self, raw: str, f, fp: str) -> None:
+        """Load tensor `raw` of the open safetensors file f (at path fp)."""
+        name = self.model.checkpoint_name(raw)
+        if name is None:
+            mtp = _LAYER.match(raw)
+            if mtp and int(mtp.group(1)) >= getattr(self.model, "num_hidden_layers", 1 << 30):
+                self.skipped_layers.add(int(mtp.group(1)))
+            return
+        if self.hook is not None and (filled := self.hook(name, raw, f)):  # tensors the model loads itself
+            self.loaded.update(filled)
+            return
+        if name.endswith(".weight_scale_inv"):
+            _load_scale(self.model, name, raw, f.get_tensor(raw), self.experts, self.scales, fp)
+            self.loaded.add(name)
+            return
+        if not self._load_expert(name, raw, f, fp):
+            self._load_param(name, raw, f, fp)
+
+    def _load_expert(self, name: str, raw: str, f, fp: str) -> bool:
+        """An expert tensor, per expert or fused, into its MoE layer's stacked weights; False if
+        `name` is none."""
+        m = _PER_EXPERT.match(name)
+        if m and m.group("prefix") in self.experts:
+            kind = self.model.expert_names.get(m.group("proj"))
+            if kind is None:
+                raise ValueError(f"unexpected expert tensor {raw!r} in {fp}")
+            ex = self.experts[m.group("prefix")]
+            e = int(m.group("e"))
+            if ex.holds(e):  # other ranks' experts are never read
                 t = f.get_tensor(raw)
-                p = params[name]
-                if tuple(t.shape) != tuple(p.shape):
-                    raise ValueError(f"tensor {raw!r} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
-                if p.dtype == fp8.FP8 and t.dtype != fp8.FP8:  # --quantization fp8
-                    q, scale = fp8.quantize_blocks(t, fp8_cfg.block)
-                    p.data.copy_(q)
-                    scales[name + "_scale_inv"].copy_(scale)
-                    loaded.add(name + "_scale_inv")
-                elif p.dtype != fp8.FP8 and t.dtype == fp8.FP8:
-                    raise ValueError(f"tensor {raw!r} is FP8 but has no weight_scale_inv in the checkpoint")
-                else:
-                    p.data.copy_(t.to(p.dtype))
-                loaded.add(name)
-    bar.close()
-    if skipped_layers:
-        log.info("skipped the checkpoint's layer(s) %s after the model's %d: multi-token-prediction layers, not used "
-                 "without speculative decoding", sorted(skipped_layers), model.num_hidden_layers)
-    if fp8_cfg is not None:
-        fp8.finish_block_fp8(model, dtype)
-    missing = sorted(n for n in params if n not in loaded and not _tied(model, n))
-    missing += sorted(n for n in scales if n not in loaded and "experts" not in n)
-    if missing:
-        raise ValueError(f"checkpoint {path!r} is missing tensor(s): {', '.join(missing[:8])}"
-                         + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+                ex.load(e, kind, t if ex.fp8_block is not None else t.to(self.dtype))
+            self.loaded.add(f"{m.group('prefix')}.experts.{'w2' if kind == 'down' else 'w13'}")
+            return True
+        m = _FUSED.match(name)
+        if m and m.group("prefix") in self.experts:
+            _load_fused(self.experts[m.group("prefix")], m.group("proj"), f.get_slice(raw), self.dtype, raw)
+            self.loaded.add(f"{m.group('prefix')}.experts.{'w2' if m.group('proj') == 'down_proj' else 'w13'}")
+            return True
+        return False
+
+    def _load_param(self, name: str, raw: str, f, fp: str) -> None:
+        """Any other tensor: copied into the parameter of its name (quantized to FP8 on the way
+        under `quantization="fp8"`)."""
+        from moe_serve.quantization import fp8
+
+        if name not in self.params:
+            raise ValueError(f"unexpected tensor {raw!r} in {fp}: the model has no parameter {name!r}")
+        t = f.get_tensor(raw)
+        p = self.params[name]
+        if tuple(t.shape) != tuple(p.shape):
+            raise ValueError(f"tensor {raw!r} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
+        if p.dtype == fp8.FP8 and t.dtype != fp8.FP8:  # --quantization fp8
+            q, scale = fp8.quantize_blocks(t, self.fp8_cfg.block)
+            p.data.copy_(q)
+            self.scales[name + "_scale_inv"].copy_(scale)
+            self.loaded.add(name + "_scale_inv")
+        elif p.dtype != fp8.FP8 and t.dtype == fp8.FP8:
+            raise ValueError(f"tensor {raw!r} is FP8 but has no weight_scale_inv in the checkpoint")
+        else:
+            p.data.copy_(t.to(p.dtype))
+        self.loaded.add(name)
+
+    def finish(self, path: str) -> None:
+        """After the last tensor: FP8 weights finished, and an error naming every parameter (and
+        non-expert scale) the checkpoint did not fill."""
+        from moe_serve.quantization import fp8
+
+        model = self.model
+        if self.skipped_layers:
+            log.info("skipped the checkpoint's layer(s) %s after the model's %d: multi-token-prediction layers, not "
+                     "used without speculative decoding", sorted(self.skipped_layers), model.num_hidden_layers)
+        if self.fp8_cfg is not None:
+            fp8.finish_block_fp8(model, self.dtype)
+        missing = sorted(n for n in self.params if n not in self.loaded and not _tied(model, n))
+        missing += sorted(n for n in self.scales if n not in self.loaded and "experts" not in n)
+        if missing:
+            raise ValueError(f"checkpoint {path!r} is missing tensor(s): {', '.join(missing[:8])}"
+                             + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
 
 
 def _load_scale(model: nn.Module, name: str, raw: str, t: torch.Tensor, experts: dict, scales: dict, fp: str) -> None:
