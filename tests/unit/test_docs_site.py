@@ -110,6 +110,33 @@ def test_a_broken_link_fails_the_build(tmp_path):
         assert ("no-such-section" if case == "anchor" else "orphan.md") in r.stdout + r.stderr
 
 
+def test_supported_models_page_is_the_one_list():
+    """No other page (and not the README) names the architectures: they live in the generated table."""
+    archs = supported_architectures()
+    for page in _prose_pages():
+        text = page.read_text()
+        named = [a for a in archs if re.search(rf"\b{a}\b", text)]
+        assert not named, f"{page.relative_to(ROOT)} names {named}: link to docs/reference/models.md instead"
+
+
+def test_readme_is_a_front_page_whose_links_resolve():
+    """At most 150 lines, and every relative link in it names a file here (and, into the site, a
+    heading of that page)."""
+    from markdown.extensions.toc import slugify
+
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 150
+    links = re.findall(r"\]\(([^)#\s]+)(?:#([^)\s]+))?\)", text)
+    assert len(links) >= 15
+    for target, anchor in links:
+        if target.startswith("http"):
+            continue
+        assert (ROOT / target).is_file(), target
+        if anchor:
+            headings = re.findall(r"^#+ (.+)$", (ROOT / target).read_text(), re.M)
+            assert anchor in {slugify(h, "-") for h in headings}, f"{target}#{anchor}"
+
+
 # --- flags ----------------------------------------------------------------------------------------
 
 class _Captured(Exception):
@@ -224,9 +251,15 @@ def _module_parser(module: str) -> argparse.ArgumentParser:
     raise AssertionError(f"{module}.main never parsed its arguments")
 
 
-def check_page_flags(text: str, checker: FlagChecker) -> list[str]:
+def check_page_flags(text: str, checker: FlagChecker) -> list[tuple[str, str]]:
     """(flag, where) for each unknown flag of one page: each command's flags against its own parser,
     then every other `--flag` in code against the flags of every command the docs run."""
+    return command_flag_problems(text, checker) + prose_flag_problems(text, checker)
+
+
+def command_flag_problems(text: str, checker: FlagChecker) -> list[tuple[str, str]]:
+    """Each command of the page's shell blocks, its flags against its own parser (a script's
+    parser is captured on first use, and joins the flags prose may name)."""
     problems = []
     for line in _commands(text):
         try:
@@ -250,7 +283,12 @@ def check_page_flags(text: str, checker: FlagChecker) -> list[str]:
         else:
             continue
         problems += [(w, line) for w in bad]
-    # Flags in prose, inline code and comments: they must belong to one of the commands above.
+    return problems
+
+
+def prose_flag_problems(text: str, checker: FlagChecker) -> list[tuple[str, str]]:
+    """Flags in prose, inline code and comments: each must belong to one of the commands the docs run."""
+    problems = []
     known = checker.all_flags()
     code = re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", text, flags=re.S))
     code += [c for b in re.findall(r"```(?:bash|sh|shell)\n(.*?)```", text, re.S) for c in re.findall(r"#.*", b)]
@@ -270,10 +308,11 @@ def checker():
 
 def test_every_flag_in_the_readme_and_the_site_exists(checker):
     problems = {}
+    for page in _prose_pages():  # every command first: the scripts they run join the known flags
+        problems[str(page.relative_to(ROOT))] = command_flag_problems(page.read_text(), checker)
     for page in _prose_pages():
-        bad = check_page_flags(page.read_text(), checker)
-        if bad:
-            problems[str(page.relative_to(ROOT))] = bad
+        problems[str(page.relative_to(ROOT))] += prose_flag_problems(page.read_text(), checker)
+    problems = {page: bad for page, bad in problems.items() if bad}
     assert not problems, problems
 
 
