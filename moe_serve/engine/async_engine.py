@@ -26,27 +26,29 @@ import time
 from typing import Callable
 
 from moe_serve.engine.core_client import CoreClient
+from moe_serve.disagg.prefill_fetch import PrefillFetch
+from moe_serve.engine.core_channel import CoreChannel
+from moe_serve.engine.elastic_members import ElasticMembers
 from moe_serve.engine.output_processor import OutputProcessor
 from moe_serve.engine.routing import Router
 from moe_serve.limits import check_request
 from moe_serve.metrics import EngineMetrics
-from moe_serve.protocol import (CoreFatal, CoreInput, CoreOutputs, CoreReady, ElasticChange, EngineOutput, EngineStats,
-                                KVDone, combine_rank_stats, KVParams, NewRequest, RankInfo, UtilityCall, UtilityResult)
+from moe_serve.protocol import (CoreOutputs, CoreReady, EngineOutput, EngineStats, combine_rank_stats, KVParams,
+                                NewRequest, RankInfo, UtilityCall, UtilityResult)
 from moe_serve.sampling_params import SamplingParams, child_params
 
 log = logging.getLogger("moe_serve.async_engine")
-
-
-# Decode side: how long blocks of a failed transfer wait (past the prefill side's own deadline) for
-# word that its write has ended, before they are given back anyway (a hang guard, with a warning).
-WRITE_END_GUARD_S = 600.0
 
 
 class QueueFullError(RuntimeError):
     """More requests are waiting than --max-waiting-requests allows."""
 
 
-class AsyncEngine:
+class AsyncEngine(CoreChannel, ElasticMembers, PrefillFetch):
+    """Handlers' calls (submit, abort, utility calls, shutdown) and the cores' outputs; the threads
+    to the cores (engine/core_channel.py), regrouping (engine/elastic_members.py) and the decode
+    side's prefill requests (disagg/prefill_fetch.py) are its parts in their own modules."""
+
     def __init__(self, client: CoreClient, ready: list[CoreReady], tokenizer, model_name: str,
                  max_waiting_requests: int = 1024, log_interval_s: float = 10.0,
                  check_alive: Callable[[], str | None] = lambda: None, load_balance_method: str = "cache_aware",
@@ -237,94 +239,6 @@ class AsyncEngine:
         self._receiver.join(timeout=5)
         self.client.close()
 
-    # --- sender thread ----------------------------------------------------------------------------
-    def _send_loop(self) -> None:
-        while True:
-            items = [self._inbox.get()]
-            while True:
-                try:
-                    items.append(self._inbox.get_nowait())
-                except queue.Empty:
-                    break
-            per_rank: dict[tuple[int, int], CoreInput] = {}
-            quit_ = False
-            gen = self.generation
-            for rank, item, *stamp in items:
-                if rank == "stop":
-                    quit_ = True
-                    continue
-                g = stamp[0] if stamp else gen
-                if g < gen:  # a request queued before a regroup: it has been resubmitted since
-                    continue
-                ci = per_rank.setdefault((rank, g), CoreInput([], [], [], False, generation=g))
-                if isinstance(item, NewRequest):
-                    ci.new.append(item)
-                elif isinstance(item, str):
-                    ci.aborts.append(item)
-                elif isinstance(item, UtilityCall):
-                    ci.calls.append(item)
-                elif isinstance(item, KVDone):
-                    ci.kv_done.append(item)
-                elif item is None:
-                    ci.shutdown = True
-            for (rank, _), ci in per_rank.items():
-                try:
-                    if not self.client.send(rank, ci, block=not self.elastic):
-                        log.warning("rank %d takes no input (lost, or regrouping): %d new request(s) wait for the "
-                                    "next generation", rank, len(ci.new))
-                except Exception:  # sockets closed under us at exit
-                    return
-            if quit_:
-                return
-
-    # --- receiver thread --------------------------------------------------------------------------
-    def _recv_loop(self) -> None:
-        last_log, tokens_since = time.monotonic(), 0
-        try:
-            while not self._closed.is_set():
-                msg = self.client.recv(250)
-                if msg is None:
-                    dead = self.check_alive()
-                    if dead:
-                        raise RuntimeError(dead)
-                    continue
-                if isinstance(msg, CoreOutputs):
-                    tokens_since += self._on_outputs(msg)
-                elif isinstance(msg, UtilityResult):
-                    self._on_result(msg)
-                elif isinstance(msg, ElasticChange):
-                    self._on_elastic(msg)
-                elif isinstance(msg, CoreFatal):
-                    if self.elastic and msg.rank != 0:
-                        log.warning("engine core (rank %d) failed: %s; the others regroup without it", msg.rank,
-                                    msg.error)
-                        continue
-                    raise RuntimeError(f"engine core (rank {msg.rank}) failed: {msg.error}")
-                now = time.monotonic()
-                if now - last_log >= self._log_interval and tokens_since:
-                    s = self.stats()
-                    sc, sd = s.scheduler, s.spec_decode
-                    sol = [r.speed_of_light.fraction for r in self.rank_stats if r.speed_of_light.fraction > 0]
-                    log.info("throughput %.1f tokens/s; running %d, waiting %d; KV cache %.1f%%; prefix hit %.1f%%%s",
-                             tokens_since / (now - last_log), sc.num_running, sc.num_waiting,
-                             100 * sc.kv_cache_usage, 100 * sc.prefix_cache_hit_rate,
-                             (f"; decode at {100 * sum(sol) / len(sol):.1f}% of speed of light" if sol else "")
-                             + (f"; speculative: mean acceptance length {1 + sd.num_accepted_tokens / sd.num_drafts:.2f}"
-                                f" ({sd.num_accepted_tokens} of {sd.num_draft_tokens} draft tokens accepted)"
-                                if sd.num_drafts else ""))
-                    last_log, tokens_since = now, 0
-        except Exception as e:  # a dead core must not leave clients hanging
-            if self._stop and self._closed.is_set():
-                return
-            log.error("engine failed: %s", e)
-            self.dead = str(e)
-            with self._lock:
-                items = list(self._queues.items())
-            for cid, (loop, q) in items:
-                loop.call_soon_threadsafe(q.put_nowait, EngineOutput(cid, [], "", True, "abort", self.dead))
-            self._closed.set()
-            self.on_fatal()
-
     def _on_outputs(self, msg: CoreOutputs) -> int:
         if msg.generation != self.generation:  # a core of another generation: its requests were resubmitted
             return 0
@@ -375,137 +289,6 @@ class AsyncEngine:
             if all(self._cores_done):
                 self._closed.set()
         return ntok
-
-    # --- elastic EP: the ranks regrouped --------------------------------------------------------------
-    def _on_elastic(self, msg: ElasticChange) -> None:
-        if msg.phase == "recovering":
-            self.elastic_state = "recovering"
-            log.warning("the ranks are regrouping (generation %d): %s", msg.generation, msg.reason)
-            return
-        members = [i.rank for i in msg.members]
-        resubmitted = 0
-        with self._lock:
-            self.generation = msg.generation
-            self.live = members
-            self.rank_info = {i.rank: i for i in msg.members}
-            self.lost_ranks = sorted((set(self.lost_ranks) | set(msg.lost)) - set(members))
-            for r in range(self.world_size):
-                if r not in members:
-                    self.rank_stats[r] = EngineStats()
-                self._cores_done[r] = r not in members  # shutdown waits for the members only
-            self.router.reset(members)  # every member's cache was made again
-            self._rank_load = [0] * self.world_size
-            for cid in list(self._owner):
-                prompt, cp = self._requests[cid]
-                done = list(self._generated.get(cid, ()))
-                cost = max(1, len(prompt) + (cp.max_tokens or self.max_model_len - len(prompt)) - len(done))
-                rank, _ = self.router.pick(cid, prompt + done, self._rank_load)
-                self._rank_load[rank] += cost
-                self._owner[cid] = (rank, cost)
-                self._inbox.put((rank, NewRequest(cid, prompt, cp, None, done), msg.generation))
-                resubmitted += 1
-            self.elastic_state = "serving"
-        m = self.metrics
-        m.ep_world_size = len(members)
-        if msg.lost:
-            m.elastic_recoveries += 1
-            m.elastic_recovery.observe(msg.seconds)
-        m.elastic_resubmitted += resubmitted
-        log.warning("generation %d serving on ranks %s (%s; regrouped in %.2fs): %d request(s) in flight resubmitted",
-                    msg.generation, members, msg.reason or "planned", msg.seconds, resubmitted)
-
-    def ranks_view(self) -> dict:
-        """GET /ranks: every member's id, EP rank, host, pid of its engine core, state and expert slots."""
-        with self._lock:
-            live, info, state = list(self.live), dict(self.rank_info), self.elastic_state
-        return {"generation": self.generation, "world_size": len(live), "state": state, "lost": list(self.lost_ranks),
-                "ranks": [{"rank": r, "ep_rank": i, "host": info[r].host, "pid": info[r].pid, "state": state,
-                           "expert_slots": info[r].expert_slots} for i, r in enumerate(live)]}
-
-    # --- disaggregation: the decode side asks a prefill instance for a prompt's KV ----------------
-    def _fetch_kv(self, rank: int, o) -> None:
-        """A rank reserved blocks for a request's prompt: have the prefill instance fill them (in
-        the request's event loop). Whatever happens, the rank hears back (KVDone), so blocks held
-        for an aborted request are given back once no writer can be using them."""
-        with self._lock:
-            dest = self._queues.get(o.request_id)
-            pre = self._kv_prefill.pop(o.request_id, None)
-        if dest is None or pre is None:  # aborted before the reservation was known: nobody writes
-            self._inbox.put((rank, KVDone(o.request_id, False, "the request was aborted")))
-            return
-        asyncio.run_coroutine_threadsafe(self._prefill(rank, o.request_id, o.kv_target, *pre), dest[0])
-
-    async def _prefill(self, rank: int, cid: str, target, url: str, headers: dict, ids: list[int]) -> None:
-        import httpx
-        import msgspec
-
-        from moe_serve.disagg.messages import PrefillRequest, PrefillResponse
-
-        if self._http is None:  # no read timeout: the answer is awaited past this side's deadline (below)
-            self._http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
-        # The prefill side gives up a little before this side does; it answers once no write of the
-        # request is in flight (a posted write cannot be recalled), so any answer means "ended".
-        budget = max(self.kv_timeout_s * 0.8, self.kv_timeout_s - 5.0)
-        body = msgspec.json.encode(PrefillRequest(cid, ids, target, budget))
-        t0 = time.monotonic()
-        post = asyncio.ensure_future(self._http.post(url + "/v1/disagg/prefill", content=body, headers={
-            **headers, "content-type": "application/json"}))
-        ok, ended, error = False, True, ""
-        try:
-            r = await asyncio.wait_for(asyncio.shield(post), self.kv_timeout_s)
-            if r.status_code == 200:
-                msgspec.json.decode(r.content, type=PrefillResponse)
-                ok = True
-            else:
-                error = f"the prefill instance {url} answered {r.status_code}: {r.text[:300]}"
-        except asyncio.TimeoutError:  # its write may still be in flight
-            ended = False
-            error = f"the prefill instance {url} did not answer within {self.kv_timeout_s:g}s"
-        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as e:  # never sent: nothing written
-            error = f"the prefill instance {url} could not be reached: {type(e).__name__}: {e}"
-        except httpx.HTTPError as e:  # sent, and its answer lost: the instance may still be writing
-            ended = False
-            error = f"the prefill instance {url} failed: {type(e).__name__}: {e}"
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            error = f"the prefill instance {url} failed: {type(e).__name__}: {e}"
-        seconds = time.monotonic() - t0
-        self.metrics.kv_fetch.observe(seconds)
-        if ok:
-            log.info("request %s: %d prompt tokens' KV arrived from %s in %.3fs", cid,
-                     target.end - target.start, url, seconds)
-        else:
-            log.warning("request %s: %s; computing its prompt here%s", cid, error,
-                        "" if ended else " (its reserved blocks stay out of use until the prefill side's write ends)")
-        self._inbox.put((rank, KVDone(cid, ok, error, ended)))
-        if not ended:
-            why = await self._write_ended(url, post, budget)
-            log.info("request %s: %s: the blocks reserved for its prompt are given back", cid, why)
-            self._inbox.put((rank, KVDone(cid, False, why, True)))
-
-    async def _write_ended(self, url: str, post, budget: float) -> str:
-        """Wait until no write into a request's reserved blocks can land: the prefill instance's
-        answer (it answers only then), or the instance gone (its engine core dies with its front
-        end). A hang guard gives them back, with a warning, after WRITE_END_GUARD_S."""
-        import httpx
-
-        deadline = time.monotonic() + budget + WRITE_END_GUARD_S
-        try:
-            r = await asyncio.wait_for(post, deadline - time.monotonic())
-            return f"the prefill instance {url} answered {r.status_code}"
-        except asyncio.TimeoutError:
-            pass
-        except Exception:  # the answer was lost: is the instance still there?
-            while time.monotonic() < deadline:
-                try:
-                    await self._http.get(url + "/health", timeout=5.0)
-                except httpx.ConnectError:
-                    return f"the prefill instance {url} is gone"
-                except httpx.HTTPError:
-                    pass
-                await asyncio.sleep(0.5)
-        log.warning("the prefill instance %s neither answered nor went away within %.0fs", url,
-                    budget + WRITE_END_GUARD_S)
-        return "given up waiting for the prefill side"
 
     def _on_result(self, msg: UtilityResult) -> None:
         with self._lock:
