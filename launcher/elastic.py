@@ -230,6 +230,12 @@ class ElasticGenerations(Generations):
         # and the ranks a planned change of size leaves out.
         self.lost: list[int] = []
         self.reason, self.t_fail, self.remove = "", None, frozenset()
+        from moe_serve.engine.features.regroup import Regrouping
+
+        self.regrouping = Regrouping()  # a replacement waiting or a "scale" call: regroup at a turn
+
+    def loop_features(self) -> list:
+        return [self.regrouping]
 
     def join(self) -> None:
         """Reach node 0's store from this rank's address, join the membership (a replacement: wait
@@ -339,10 +345,10 @@ class ElasticGenerations(Generations):
 
         m = self.m
         if first:
-            loop.elastic, loop.generation = True, m.generation
+            loop.generation = m.generation
             loop.ready(announce=m.generation == 0 and not self.ns.elastic_join)
         if self.rank == 0:
-            m.on_joiner = loop.ask_regroup
+            m.on_joiner = self.regrouping.ask
             if m.generation > 0:
                 seconds = time.monotonic() - self.t_fail if self.t_fail else 0.0
                 log.info("generation %d serving on %d ranks %s, %.2fs after %s", m.generation, len(m.members),
@@ -356,7 +362,7 @@ class ElasticGenerations(Generations):
         (and for a failure to form generation 0: the job never started)."""
         if not serving:
             return self._form_again(e, loop)
-        from moe_serve.engine.core_proc import Regroup
+        from moe_serve.engine.features.regroup import Regroup
         from moe_serve.protocol import ElasticChange
 
         m = self.m

@@ -112,6 +112,10 @@ class Generations:
         agree_max_model_len(core, groups.cpu_group)
         return core
 
+    def loop_features(self) -> list:
+        """The core loop's own step features, which outlive a generation's core: a plain run has none."""
+        return []
+
     def on_turn(self, turn: int) -> None:
         """CoreLoop's on_turn: a step starts."""
         self.watchdog.beat(turn)
@@ -179,7 +183,7 @@ def run_rank(ns: argparse.Namespace, serve_argv: list[str], gens: Generations) -
                 peer_alive = (lambda: frontend.poll() is None) if frontend is not None else (lambda: True)
                 loop = CoreLoop(core, gens.rank, groups.world_size, network.url(a["host"], a["in"][gens.rank]),
                                 network.url(a["host"], a["out"]), groups.cpu_group, on_turn=gens.on_turn,
-                                peer_alive=peer_alive)
+                                peer_alive=peer_alive, features=gens.loop_features())
                 install_signal_handlers(loop)
             else:
                 loop.rebind(core, groups.world_size, groups.cpu_group, gens.generation)

@@ -7,8 +7,8 @@ expert parallelism the ranks agree once per turn, in one small all-reduce (MAX) 
 on named fields (`TurnAgreement`, and each step feature's own struct: moe_serve/engine/features/):
 the most tokens any rank scheduled (0: nobody has work, so nobody runs the model; otherwise every
 rank runs the step, an empty forward where it has nothing, so the MoE collectives line up), the
-step's shape, whether any rank got SIGTERM, whether the front end said shut down, a regroup
-(elastic EP), and the features' fields: expert-load recording starting or stopping (so every rank's
+step's shape, whether any rank got SIGTERM, whether the front end said shut down, and the
+features' fields: a regroup (elastic EP: a feature of the loop itself, features/regroup.py), expert-load recording starting or stopping (so every rank's
 windows cover the same steps), whether any rank's part of a pending expert-rebalancing step is
 unfinished (0 means every rank switches the layer at this turn).
 
@@ -32,6 +32,8 @@ import zmq
 
 from moe_serve.engine.features.agreement import Layout
 from moe_serve.engine.features.base import MinInt
+from moe_serve.engine.features.feature_set import FeatureSet
+from moe_serve.engine.features.regroup import Regroup  # noqa: F401 - where the launcher catches it
 from moe_serve.protocol import (CoreFatal, CoreInput, CoreOutputs, CoreReady, UtilityResult, input_decoder,
                                 input_encoder)
 
@@ -67,24 +69,18 @@ class TurnAgreement(msgspec.Struct):
     max_tokens: int = 0  # the most tokens any rank scheduled (0: nobody runs the model)
     sigterm_rank: int = 0  # 1 + a rank that got SIGTERM (0: none)
     shutdown: int = 0  # the front end said shut down
-    regroup: int = -1  # elastic EP: -1 none, 0 a replacement joins, n a planned size of n ranks
     q_max: int = 0  # the step's shape (step_shape): the most tokens per sequence ...
     q_min: MinInt = _MIXED  # ... and the fewest, over the ranks that run any
 
 
-class Regroup(Exception):
-    """Every rank agreed, at this turn, to regroup (elastic EP, launcher/elastic.py): a replacement
-    waits to join, or a planned change of size (`size` ranks)."""
-
-    def __init__(self, reason: str, size: int | None = None):
-        super().__init__(reason)
-        self.reason, self.size = reason, size
-
-
 class CoreLoop:
     def __init__(self, core, rank: int, world_size: int, in_addr: str, out_addr: str, sync_group=None,
-                 on_turn: Callable[[int], None] = lambda n: None, peer_alive: Callable[[], bool] = lambda: True):
+                 on_turn: Callable[[int], None] = lambda n: None, peer_alive: Callable[[], bool] = lambda: True,
+                 features=()):
         self.core, self.rank, self.world_size, self.group = core, rank, world_size, sync_group
+        # The loop's own step features, which outlive a generation's core (elastic EP's regroup:
+        # features/regroup.py): agreed and called with the core's, and applied before them.
+        self.features = FeatureSet(features)
         self.on_turn, self.peer_alive = on_turn, peer_alive
         self.ctx = zmq.Context()
         if "[" in in_addr:  # the front end is on an IPv6 address
@@ -103,16 +99,7 @@ class CoreLoop:
         self._layouts: dict[tuple, Layout] = {}
         self._peer_checked = time.monotonic()
         self._changed = False  # state changed without an output (the next turn reports stats)
-        # Elastic EP (launcher/elastic.py): the membership generation this core serves, and a
-        # regroup asked on this rank (rank 0: a replacement waits; a planned size), agreed each turn.
-        self.generation = 0
-        self._regroup_size: int | None = None  # 0: regroup at the same size (a replacement joins)
-        self._scale_call: int | None = None
-
-    def ask_regroup(self, size: int = 0) -> None:
-        """Regroup at the next turn's agreement (thread-safe: one attribute written)."""
-        if self._regroup_size is None or size:
-            self._regroup_size = size
+        self.generation = 0  # elastic EP (launcher/elastic.py): the membership generation served
 
     def rebind(self, core, world_size: int, sync_group, generation: int) -> None:
         """Serve a rebuilt engine core (elastic EP) through the same sockets."""
@@ -149,7 +136,7 @@ class CoreLoop:
         if announce:
             self.send(CoreReady(self.rank, c.max_model_len, c.vocab_size, c.runner.num_blocks,
                                 sorted(c.eos_token_ids), c.allocator.block_size, c.allocator.enable_prefix_caching,
-                                c.cfg.disaggregation_mode, c.connector.layout if c.connector is not None else None,
+                                c.cfg.disaggregation_mode, c.kv_layout,
                                 socket.gethostname(), os.getpid(), c.moe_ctx.dispatcher.slots_per_rank))
 
     def _receive(self, timeout_ms: int) -> tuple[list, bool]:
@@ -179,20 +166,18 @@ class CoreLoop:
                 if rejected is not None:
                     outs.append(rejected)
             outs += self.core.abort_requests(msg.aborts)
-            if msg.kv_done:
-                self.core.kv_done(msg.kv_done)
-                self._changed = True  # blocks given back: the front end's figures should say so
+            if self.core.features.deliver(msg):  # a feature's input (KVDone: blocks given back)
+                self._changed = True  # state changed without an output: the front end's figures should say so
 
     def _call(self, call) -> None:
-        taken, answer = self.core.features.call(call)  # a feature's (load_start, load_stop, load_dump)
+        taken, answer = self.features.call(call)  # the loop's own (scale), else the core's (load_dump, ...)
+        if not taken:
+            taken, answer = self.core.features.call(call)
         if taken:
             if answer is None:  # answered at a turn every rank agrees on
                 self._owed.add(call.call_id)
             else:
                 self.send(answer)
-        elif call.method == "scale":
-            self.ask_regroup(call.arg)  # answered once the job serves at the new size (ElasticChange)
-            self.send(UtilityResult(call.call_id, b"true"))
         else:
             self.send(UtilityResult(call.call_id, error=f"unknown utility call {call.method!r}"))
 
@@ -202,23 +187,23 @@ class CoreLoop:
         Regroup when one is agreed; applies the features' part. Returns the most tokens any rank
         scheduled, the tokens every sequence has (agreed_shape; None: this rank decides), shutdown."""
         ntok = sched.num_batched_tokens if sched is not None else 0
-        regroup, self._regroup_size = self._regroup_size, None
-        parts = self.core.features.agreement()
+        parts = self.features.agreement() + self.core.features.agreement()
         if self.world_size > 1:
             q, neg_q = step_shape(sched)
             mine = TurnAgreement(ntok, self.rank + 1 if self.wants_shutdown else 0, int(shutdown),
-                                 -1 if regroup is None else regroup, q, -neg_q)
+                                 q, -neg_q)
             agreed = self._all_reduce([("turn", mine), *parts])
             turn = agreed.pop("turn")
-            shutdown, regroup = bool(turn.shutdown), None if turn.regroup < 0 else turn.regroup
+            shutdown = bool(turn.shutdown)
             self.shutdown_asked_by = turn.sigterm_rank - 1
             max_tok, uniform = turn.max_tokens, agreed_shape(turn.q_max, -turn.q_min)
         else:
             agreed, max_tok, uniform = dict(parts), ntok, None  # one process: its own step decides
             self.shutdown_asked_by = 0 if self.wants_shutdown else -1
-        if regroup is not None and (self.world_size > 1 or self.elastic) and not shutdown:
-            raise Regroup("a planned change of size" if regroup else "a replacement joins", regroup or None)
-        # Between steps, at the same turn on every rank: load recording, expert rebalancing.
+        # Between steps, at the same turn on every rank: first the loop's own features (a regroup
+        # raises here, never on the turn the job stops), then the core's: load recording, rebalancing.
+        if not shutdown:
+            self.features.apply_agreement(agreed, self.group)
         self.core.features.apply_agreement(agreed, self.group)
         for result in self.core.features.take_results():
             self._owed.discard(result.call_id)
@@ -241,10 +226,11 @@ class CoreLoop:
         while True:
             self.turns += 1
             self.on_turn(self.turns)
-            busy = core.has_unfinished() or any_work
-            outs, shutdown = self._receive(0 if busy else (1 if core.has_transfers() else _IDLE_POLL_MS))
-            outs += core.poll_kv()  # disaggregated prefill: KV writes that ended
-            sched = core.schedule() if core.has_unfinished() else None
+            held = core.features.holds_steps()  # generation paused, or asleep: requests wait
+            busy = (core.has_unfinished() and not held) or any_work
+            outs, shutdown = self._receive(0 if busy else (1 if core.features.busy() else _IDLE_POLL_MS))
+            outs += core.take_early_outputs()  # before scheduling: work that ended gives its blocks back first
+            sched = core.schedule() if core.has_unfinished() and not held else None
             outs += core.take_early_outputs()
             max_tok, uniform, shutdown = self._agree(sched, shutdown)
             any_work = max_tok > 0
@@ -273,8 +259,6 @@ class CoreLoop:
             self._reported_shutdown_wish |= wish
             self.send(CoreOutputs(self.rank, outs, core.stats(), self.shutdown_asked_by, bool(shutdown), events,
                                   self.generation))
-
-    elastic = False  # set by an elastic rank: a regroup may also start from a one-rank generation
 
     def fatal(self, e: BaseException) -> None:
         """Tell the front end why this core stops, if it is there to hear it: never blocks (a PUSH

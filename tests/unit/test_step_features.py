@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from moe_serve import LLM, SamplingParams
 from moe_serve.engine import features
 from moe_serve.engine.core_proc import TurnAgreement
+from moe_serve.engine.features.regroup import Regroup, RegroupFields, Regrouping
 from moe_serve.engine.features import FeatureSet, MinInt, StepFeature
 from moe_serve.engine.features.agreement import Layout, combine
 from moe_serve.engine.features.eplb import EplbAgreement
@@ -106,10 +107,32 @@ def test_packed_fields_round_trip_and_combine_by_name(ranks):
 
 
 def test_the_engines_contributors_have_distinct_slots():
-    parts = [("turn", TurnAgreement()), ("expert_load", LoadAgreement()), ("eplb", EplbAgreement())]
+    parts = [("turn", TurnAgreement()), ("regroup", RegroupFields()), ("expert_load", LoadAgreement()),
+             ("eplb", EplbAgreement())]
     slots = Layout(parts).slots
     assert len(slots) == len(set(slots)) == 12
     assert "eplb.digest_min" in slots and "turn.q_min" in slots and "expert_load.dump" in slots
+    assert "regroup.size" in slots and not any(s.startswith("turn.regroup") for s in slots)
+
+
+def test_regroup_is_agreed_as_a_loop_feature():
+    """A regroup asked on one rank (a replacement waits: 0; "scale" to n: n) is agreed with MAX and
+    raised on every rank at the same turn; nothing asked agrees on -1 and raises nothing."""
+    asking, quiet = Regrouping(), Regrouping()
+    asking.ask(0)
+    asking.ask(3)  # a planned size wins over a replacement waiting
+    asking.ask(0)
+    parts = [[("regroup", f.agreement())] for f in (asking, quiet)]
+    layout = Layout(parts[0])
+    agreed = layout.unpack(combine([layout.pack(p) for p in parts]))["regroup"]
+    assert agreed == RegroupFields(3)
+    for f in (asking, quiet):
+        with pytest.raises(Regroup) as e:
+            f.apply_agreement(agreed)
+        assert e.value.size == 3
+    nothing = layout.unpack(combine([layout.pack([("regroup", f.agreement())]) for f in (asking, quiet)]))
+    assert nothing["regroup"] == RegroupFields(-1)
+    quiet.apply_agreement(nothing["regroup"])  # no regroup: nothing raised
 
 
 def test_two_contributors_of_one_name_are_refused():
