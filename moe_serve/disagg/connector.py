@@ -1,5 +1,5 @@
-"""The engine core's side of prefill/decode disaggregation: its cache memory registered with a
-transfer engine, the layout a peer needs to write into it, and the prefill side's writes.
+"""A disaggregated core's cache memory registered with a transfer engine, the layout a peer needs to
+write into it, and the prefill side's writes (`KVWriter`, held by the connector: pd_connector.py).
 
 Both instances run the same model with the same block size and dtype, so a block of a cache group
 is, in every cache tensor of the group's layers, one contiguous run of `stride` bytes at `base +
@@ -9,7 +9,7 @@ the prefill side's blocks of the positions the decode side lacks into the decode
 the same positions (consecutive blocks on both sides merge into one pair); state layers' live
 slots likewise. Windowed groups move only the blocks the decode side's next query reads.
 
-`transfer_ranges` is pure Python (tests check it against a copy made block by block); `KVConnector`
+`transfer_ranges` is pure Python (tests check it against a copy made block by block); `KVWriter`
 holds the transfer engine (moe_serve/disagg/transfer.py) and the writes in flight.
 
 A posted write cannot be recalled: an aborted request's write is left to end (done, failed, or
@@ -133,7 +133,7 @@ class Send:
         self.peer, self.pieces, self.wait_until = "", 1, None
 
 
-class KVConnector:
+class KVWriter:
     """A core's cache registered with a transfer engine; writes into peers' caches and their state."""
 
     def __init__(self, engine: str, groups: list[list], state: list, signature: str, device: str,

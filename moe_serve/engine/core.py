@@ -6,10 +6,11 @@ blocks are freed. `build_engine(config)` is the one way to make a core (offline 
 single-process server's core process and every rank of a torchrun job).
 
 A step: schedule (features' after_schedule) -> before_forward -> the model's forward ->
-after_forward -> keep the accepted tokens, update the scheduler, build the outputs, propose drafts,
-post KV writes -> on_outputs. Capabilities that act per step (the speed-of-light meter, expert-load
-recording, EPLB, a test's own) are step features (moe_serve/engine/features/): the core calls them
-at those points and never names one.
+after_forward -> keep the accepted tokens, update the scheduler, build the outputs, propose drafts
+-> on_outputs. Capabilities that act per step (the speed-of-light meter, expert-load recording,
+EPLB, the KV connector of disaggregated prefill and decode, a test's own) are step features
+(moe_serve/engine/features/): the core calls them at those points, and on requests, aborts and
+outputs between steps, and never names one.
 """
 from __future__ import annotations
 
@@ -17,15 +18,12 @@ import logging
 import time
 from concurrent.futures import Future, wait
 
-import msgspec
-
 from attention.kv_manager import KVCacheManager
 from attention.state import StateCache
 from expert_parallel.placement.map import load_placement as read_placement
 from expert_parallel.runtime.dispatch import make_dispatcher
 from expert_parallel.runtime.layer import MoEContext, num_default_slots
 from moe_serve.config import EngineConfig
-from moe_serve.engine.disagg import disaggregated, poll_kv, report_reserved, send_kv
 from moe_serve.engine.features import FeatureContext, FeatureSet, build_features
 from moe_serve.engine.features.access import FeatureAccess
 from moe_serve.engine.step_parts import accept_sampled, keep_prompt_logprobs, mtp_drafts, request_output
@@ -34,7 +32,7 @@ from moe_serve.model_runner import ModelRunner, make_input_batch
 from moe_serve.models.registry import num_logical_experts
 from moe_serve import platform
 from moe_serve.platform import deepep_support
-from moe_serve.protocol import (CacheEvents, EngineCoreOutput, EngineStats, KVTransferStats, NewRequest, SchedulerStats,
+from moe_serve.protocol import (CacheEvents, EngineCoreOutput, EngineStats, NewRequest, SchedulerStats,
                                 SpecDecodeStats)
 from moe_serve.request import Request, RequestStatus
 from moe_serve.runner.graphs import capture_decode_graphs, capture_verify_graphs, captures_graphs
@@ -85,9 +83,9 @@ def build_engine(cfg: EngineConfig, ep_group=None, show_progress: bool = True) -
     eos = eos_token_ids(cfg)
     grammars = GrammarManager(cfg.model.path, cfg.model.hf["vocab_size"], eos)
     core = EngineCore(cfg, moe_ctx, runner, scheduler, eos, grammars, max_model_len)
-    core.connector = make_kv_connector(cfg, *bound)
     # Last: a feature may enter a collective (EPLB makes a process group); registered in features/__init__.py.
-    core.features = build_features(FeatureContext(cfg, model, moe_ctx, runner, num_slots, ep_group, meter))
+    core.features = build_features(FeatureContext(cfg, model, moe_ctx, runner, num_slots, ep_group, meter,
+                                                  scheduler, bound))
     return core
 
 
@@ -102,22 +100,6 @@ def make_decode_meter(model, attn_layers: list, cfg: EngineConfig, moe_ctx: MoEC
              "experts, %.2f MB per expert slot hit, and each sequence's cache", meter.bandwidth / 1e9, meter.source,
              b.non_expert_bytes / 1e6, (sum(b.slot_bytes) / len(b.slot_bytes) if b.slot_bytes else 0) / 1e6)
     return meter
-
-
-def make_kv_connector(cfg: EngineConfig, groups: list, state: list):
-    """A disaggregated instance's cache registered with the transfer engine (None otherwise). After
-    the cache is allocated: it registers the tensors bound."""
-    if cfg.disaggregation_mode == "none":
-        return None
-    from moe_serve.disagg.connector import KVConnector, layout_signature
-
-    mc = cfg.model
-    sig = layout_signature(f"{mc.architecture}:{mc.hf.get('num_hidden_layers')}", cfg.activation_dtype, cfg.cache.block_size,
-                           groups, state)
-    conn = KVConnector(cfg.disaggregation_transfer_backend, groups, state, sig, str(cfg.device),
-                       cfg.disaggregation_timeout_s)
-    log.info("disaggregation: %s instance, KV over %s", cfg.disaggregation_mode, cfg.disaggregation_transfer_backend)
-    return conn
 
 
 def load_placement(path: str | None, world_size: int) -> list[list[int]] | None:
@@ -229,8 +211,6 @@ class EngineCore(FeatureAccess):
         self.features = FeatureSet(features)  # the step features (moe_serve/engine/features/)
         self.spec = Speculator(cfg.speculative, max_model_len)  # speculative decoding's drafts and counts
         scheduler.lookahead_tokens = self.spec.lookahead_tokens
-        self.connector = None  # disagg.connector.KVConnector in a disaggregated instance (make_kv_connector)
-        self.kv_sent = KVTransferStats()  # the prefill side's counts (the decode side's: the scheduler's)
 
     def set_max_model_len(self, n: int) -> None:
         """Every rank serves the same context limit (the smallest any rank's cache allows)."""
@@ -248,12 +228,11 @@ class EngineCore(FeatureAccess):
             max_new = self.validate(new.prompt_token_ids, new.params)
             req = Request(new.request_id, list(new.prompt_token_ids), new.params, max_new, self.eos_token_ids)
             if new.output_token_ids:  # moved here from a lost rank: recomputed, then continued
-                if new.kv is not None or len(new.output_token_ids) >= max_new:
+                if len(new.output_token_ids) >= max_new:
                     raise ValueError("a resumed request must have tokens left to generate and no KV transfer")
                 req.output_token_ids = list(new.output_token_ids)
                 req.num_prompt_logprobs = req.num_prompt_tokens - 1  # sent with its first token already
-            if new.kv is not None:
-                disaggregated(self, req, new.kv)
+            self.features.admit(req, new)  # a feature may mark the request, or refuse it
             if new.params.structured_outputs is not None:
                 if new.request_id in self.scheduler.requests or \
                         any(r.request_id == new.request_id for r, _ in self._awaiting_grammar):
@@ -270,27 +249,13 @@ class EngineCore(FeatureAccess):
         for hook in self.features.hooks.on_request_added:
             hook(req)
 
-    def kv_done(self, done: list) -> None:
-        """Decode side: prefill instances wrote (or failed to write) these requests' blocks."""
-        for d in done:
-            req = self.scheduler.kv_done(d.request_id, d.ok, d.ended)
-            if req is not None and not d.ok:
-                log.warning("request %s: its prompt's KV did not arrive (%s): computing it here", d.request_id,
-                            d.error or "no reason given")
-
-    def poll_kv(self) -> list[EngineCoreOutput]:
-        """Prefill side: the outputs of requests whose KV write ended (blocks given back)."""
-        if self.connector is None or not self.connector.sending:
-            return []
-        return poll_kv(self)
-
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         outs = []
         for rid in request_ids:
             if self.scheduler.abort_request(rid) is not None:
                 outs.append(EngineCoreOutput(rid, [], True, "abort"))
-            elif self.connector is not None and self.connector.abort(rid):
-                pass  # its KV write is posted: answered (poll_kv) once the write has ended, never before
+            elif self.features.claims_abort(rid):
+                pass  # answered by the feature (take_outputs) once its work on the request has ended
             elif any(r.request_id == rid for r, _ in self._awaiting_grammar):
                 self._awaiting_grammar = [(r, f) for r, f in self._awaiting_grammar if r.request_id != rid]
                 outs.append(EngineCoreOutput(rid, [], True, "abort"))
@@ -299,14 +264,11 @@ class EngineCore(FeatureAccess):
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._awaiting_grammar) or bool(self._early_outputs)
 
-    def has_transfers(self) -> bool:
-        """KV writes in flight (prefill side): the transfer engine's own thread moves them."""
-        return self.connector is not None and bool(self.connector.sending)
-
     def take_early_outputs(self) -> list[EngineCoreOutput]:
-        """Outputs of requests that ended before they were scheduled (a grammar that failed to
-        compile); the caller sends them with the step's outputs."""
-        outs, self._early_outputs = self._early_outputs, []
+        """Outputs made outside a step's own: requests that ended before they were scheduled (a
+        grammar that failed to compile) and the features' (take_outputs). The loop takes them every
+        turn, before and after scheduling; the caller sends them with the step's outputs."""
+        outs, self._early_outputs = self._early_outputs + self.features.take_outputs(), []
         return outs
 
     def _admit_compiled(self) -> None:
@@ -335,8 +297,6 @@ class EngineCore(FeatureAccess):
         if self._awaiting_grammar:
             self._admit_compiled()
         out = self.scheduler.schedule()
-        if self.connector is not None:  # decode side: the blocks reserved for prompts to arrive
-            self._early_outputs += report_reserved(self)
         for hook in self.features.hooks.after_schedule:
             hook(out)
         return out
@@ -369,9 +329,6 @@ class EngineCore(FeatureAccess):
         self.scheduler.update(out, sampled, rollback)
         outputs = self._outputs(sampled_reqs, logprobs, now)
         self._propose(out, result, last_accepted)
-        held = self.scheduler.take_kv_outbox()
-        if held:  # after the MTP pass, which writes its layer's cache of this step's tokens
-            outputs = send_kv(self, held, outputs)
         for hook in self.features.hooks.on_outputs:
             outputs = hook(outputs)
         return outputs
@@ -438,9 +395,8 @@ class EngineCore(FeatureAccess):
         spec_stats = SpecDecodeStats(num_drafts=spec.num_drafts, num_draft_tokens=spec.num_draft_tokens,
                                      num_accepted_tokens=spec.num_accepted_tokens,
                                      accepted_per_pos=list(spec.accepted_per_pos))
-        kv = msgspec.structs.replace(self.kv_sent, received_requests=s.kv_received, fallbacks=s.kv_fallbacks)
         parts, others = self.features.stats(FEATURE_PARTS)
-        return EngineStats(scheduler=sched, spec_decode=spec_stats, kv_transfer=kv, features=others, **parts)
+        return EngineStats(scheduler=sched, spec_decode=spec_stats, features=others, **parts)
 
     def track_cache_events(self) -> None:
         """Keep the prefix cache's changes for take_cache_events (a data-parallel rank's reports)."""

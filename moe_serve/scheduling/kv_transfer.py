@@ -1,4 +1,5 @@
-"""Disaggregation bookkeeping (moe_serve/disagg), a phase of `moe_serve.scheduler.Scheduler`.
+"""Disaggregation bookkeeping, a phase of `moe_serve.scheduler.Scheduler`; the connector that drives
+it is moe_serve/disagg/pd_connector.py (a step feature).
 
 Decode side: a request whose prompt a prefill instance computes has its blocks reserved at
 admission and stays out of the queues (`awaiting_kv`) until `kv_done` says the write landed, or
@@ -82,6 +83,11 @@ class KVTransferBookkeeping:
         req.block_ids, req.group_block_ids = [], [[] for _ in tables[1:]]
         req.state_slot = req.restore_from = None
         return held
+
+    def kv_transfer_counts(self) -> tuple[int, int]:
+        """Decode side, since start: requests whose prompt cache arrived, and those computed here
+        after their transfer failed."""
+        return self.kv_received, self.kv_fallbacks
 
     @property
     def num_kv_held(self) -> int:

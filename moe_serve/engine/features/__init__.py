@@ -25,6 +25,8 @@ class FeatureContext:
     num_slots: int  # physical expert slots per MoE layer, over the EP group
     ep_group: Any = None
     meter: Any = None  # the decode speed-of-light meter (made before the graphs, which mark its hits)
+    scheduler: Any = None  # the core's Scheduler
+    cache: Any = None  # the cache tensors bound: (per block group, the state pool's), in layer order
 
 
 def _speed_of_light(ctx: FeatureContext):
@@ -45,12 +47,19 @@ def _eplb(ctx: FeatureContext):
     return Eplb.build(ctx) if ctx.cfg.parallel.eplb is not None else None
 
 
+def _kv_connector(ctx: FeatureContext):
+    from moe_serve.disagg.pd_connector import build_connector
+
+    return build_connector(ctx)
+
+
 Factory = Callable[[FeatureContext], "StepFeature | None"]
 
 FEATURES: list[Factory] = [
     _speed_of_light,
     _expert_load,
     _eplb,
+    _kv_connector,  # last: its writes read the cache every other hook of the step has written
 ]
 
 

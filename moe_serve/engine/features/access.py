@@ -38,3 +38,25 @@ class FeatureAccess:
     def dump_load(self, path: str | None = None) -> dict:
         f = self.feature("expert_load")
         return f.dump(path) if f is not None else {}
+
+    # --- the KV connector (moe_serve/disagg): what the loop does through the generic hooks, by name
+    @property
+    def kv_layout(self):
+        """The CacheLayout peers write this instance's cache by (None: it moves no KV)."""
+        return getattr(self.feature("kv_transfer"), "layout", None)
+
+    def kv_done(self, done: list) -> None:
+        """Decode side: prefill instances wrote (or failed to write) these requests' blocks (KVDone)."""
+        f = self.feature("kv_transfer")
+        if f is not None:
+            f.on_input("kv_done", done)
+
+    def poll_kv(self) -> list:
+        """Prefill side: the outputs of requests whose KV write ended (blocks given back)."""
+        f = self.feature("kv_transfer")
+        return f.poll() if f is not None and f.busy() else []
+
+    def has_transfers(self) -> bool:
+        """KV writes in flight (prefill side): the transfer engine's own thread moves them."""
+        f = self.feature("kv_transfer")
+        return f is not None and f.busy()

@@ -4,7 +4,12 @@ The core's step is a fixed sequence, and it calls every registered feature, in r
 at each of these points (one rank's view; every rank of an expert-parallel job calls the same hooks
 at the same turn, so a hook may enter a collective):
 
+    admit(req, new)                     a request is being added, before it is queued: mark it from
+                                        its NewRequest, or raise ValueError to refuse it (it ends at
+                                        once, the message in stop_reason)
     on_request_added(req)               a request was queued in the scheduler (admitted)
+    on_input(field, items)              a front-end input arrived: CoreInput.<field> (a field named in
+                                        `inputs`), a non-empty list; before the turn's step
     agreement() -> Struct | None        once per turn, before the step: this rank's fields
     apply_agreement(agreed, group)      the same turn, every rank: the fields combined over ranks
     after_schedule(sched)               the step's batch is known (maybe empty)
@@ -12,6 +17,13 @@ at the same turn, so a hook may enter a collective):
     after_forward(sched, result, s)     right after it: result (None for an empty forward), s seconds
     on_outputs(outputs) -> outputs      the step's outputs are built; return them (changed or not)
     on_idle()                           a turn with no step anywhere (the burst is over)
+    take_outputs() -> [EngineCoreOutput]  outputs made outside a step's own, taken every turn, with or
+                                        without a step (a request ended by work that finished between
+                                        steps; a report on a request that is not scheduled yet)
+    claims_abort(request_id) -> bool    an abort of a request the scheduler no longer holds: True when
+                                        the feature answers it later (in take_outputs), once its own
+                                        work on the request has ended
+    busy() -> bool                      work in flight outside the step: the idle loop polls sooner
     stats() -> Struct | None            this feature's own figures (named fields), any time
     on_call(call) -> UtilityResult|None a front-end utility call of a method in `calls`
     take_results() -> [UtilityResult]   answers to calls that were due at an agreed turn
@@ -26,6 +38,11 @@ must return None (or a struct) on every rank alike: the layout is the same every
 
 Stats contract: `stats()` returns a msgspec Struct of named fields; `EngineStats` holds it under the
 feature's `name` when it declares that field (the built-in ones), else in `EngineStats.features`.
+
+Admission and outputs contract: `admit` runs for every new request, in registration order, before
+the core queues it (or waits for its grammar); a ValueError refuses the request. Whatever a feature
+returns from `take_outputs` or keeps out of `on_outputs` is its to answer: every request ends with
+exactly one finished output, from the step or from the feature.
 
 Hooks must not read another feature's private state, and the core never names a feature: a new
 one is a class plus one line in `moe_serve/engine/features/__init__.py` (`FEATURES`).
@@ -46,8 +63,15 @@ class StepFeature:
 
     name: str = ""
     calls: tuple[str, ...] = ()  # front-end utility methods it answers (UtilityCall.method)
+    inputs: tuple[str, ...] = ()  # CoreInput fields (lists) it receives (on_input)
+
+    def admit(self, req, new) -> None:
+        """req: the Request about to be queued; new: its NewRequest. Raise ValueError to refuse it."""
 
     def on_request_added(self, req) -> None:
+        pass
+
+    def on_input(self, field: str, items: list) -> None:
         pass
 
     def agreement(self) -> msgspec.Struct | None:
@@ -71,6 +95,15 @@ class StepFeature:
 
     def on_idle(self) -> bool:
         """Returns True when something changed that the front end should hear of (new stats)."""
+        return False
+
+    def take_outputs(self) -> list:
+        return []
+
+    def claims_abort(self, request_id: str) -> bool:
+        return False
+
+    def busy(self) -> bool:
         return False
 
     def stats(self) -> msgspec.Struct | None:

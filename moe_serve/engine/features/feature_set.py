@@ -1,6 +1,6 @@
 """The registered step features of one engine core, and the calls the core and its loop make on
 all of them at once: the hooks (only the features that override each), the turn's agreement, the
-front end's utility calls, the stats."""
+requests, inputs and outputs outside the step, the front end's utility calls, the stats."""
 from __future__ import annotations
 
 import msgspec
@@ -12,7 +12,8 @@ class Hooks:
     """Per hook, the bound methods of the features that override it, in registration order: the
     core calls only those (a step pays nothing for a hook no feature uses)."""
 
-    NAMES = ("on_request_added", "after_schedule", "before_forward", "after_forward", "on_outputs", "on_idle")
+    NAMES = ("admit", "on_request_added", "after_schedule", "before_forward", "after_forward", "on_outputs",
+             "on_idle", "take_outputs", "claims_abort", "busy")
 
     def __init__(self, features: list[StepFeature]):
         for n in self.NAMES:
@@ -57,6 +58,36 @@ class FeatureSet:
     def agree_alone(self) -> None:
         """One process: every feature's own fields are the agreed ones."""
         self.apply_agreement(dict(self.agreement()))
+
+    # --- requests, inputs and outputs outside the step ------------------------------------------
+    def admit(self, req, new) -> None:
+        """Every feature's admission of a new request; a ValueError refuses it."""
+        for hook in self.hooks.admit:
+            hook(req, new)
+
+    def deliver(self, msg) -> bool:
+        """Hand each feature the CoreInput fields it takes (`inputs`) that this message carries;
+        True when any was delivered (its state changed, the front end's figures may too)."""
+        delivered = False
+        for f in self._list:
+            for name in f.inputs:
+                items = getattr(msg, name, None)
+                if items:
+                    f.on_input(name, items)
+                    delivered = True
+        return delivered
+
+    def take_outputs(self) -> list:
+        """The outputs features made outside a step's own since the last call."""
+        return [o for hook in self.hooks.take_outputs for o in hook()]
+
+    def claims_abort(self, request_id: str) -> bool:
+        """Whether a feature answers this abort later (the scheduler no longer holds the request)."""
+        return any([hook(request_id) for hook in self.hooks.claims_abort])  # every feature hears it
+
+    def busy(self) -> bool:
+        """Work in flight outside the step (the idle loop polls sooner)."""
+        return any(hook() for hook in self.hooks.busy)
 
     # --- between steps --------------------------------------------------------------------------
     def idle(self) -> bool:
