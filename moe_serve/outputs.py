@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -20,6 +21,9 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None  # per token: {token id: Logprob}, chosen token included
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
+    # SamplingParams.return_routed_experts: numpy int16 [prompt + output tokens - 1, MoE layers, k],
+    # the logical experts each MoE layer routed every position to (moe_serve/routed_experts.py).
+    routed_experts: Any = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -109,6 +109,19 @@ class TokenLogprob(msgspec.Struct, array_like=True):
     rank: int | None = None  # prompt logprobs: 1 + the tokens more likely than token_id (None: not computed)
 
 
+class RoutedExpertRows(msgspec.Struct, array_like=True):
+    """Routed experts of positions start .. start + n - 1 of one request (SamplingParams.
+    return_routed_experts; moe_serve/routed_experts.py): `data` is n * num_layers * top_k
+    little-endian int16 logical expert ids, position-major, then MoE layer, then the k ids in
+    ascending order. A later chunk may start below an earlier one's end (positions recomputed
+    after a preemption): its rows replace those."""
+
+    start: int
+    num_layers: int
+    top_k: int
+    data: bytes
+
+
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     """The new token of one request in one step (none when it ends without one: an abort or a
     request the core refused). Token-level stops are decided in the core; stop strings in the
@@ -126,6 +139,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # With the request's first new token, when params.prompt_logprobs is set: the entries of prompt
     # tokens 1 .. n - 1, in order (the first prompt token has none).
     prompt_logprobs: list[TokenLogprob] | None = None
+    # params.return_routed_experts: the rows of positions computed since the request's last output.
+    routed_experts: RoutedExpertRows | None = None
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):
@@ -324,6 +339,7 @@ class EngineOutput(msgspec.Struct):
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     prompt_logprobs: list[TokenLogprob] | None = None  # see EngineCoreOutput.prompt_logprobs
+    routed_experts: RoutedExpertRows | None = None  # see EngineCoreOutput.routed_experts
 
 
 input_encoder = msgspec.msgpack.Encoder()

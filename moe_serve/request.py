@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from moe_serve.sampling_params import SamplingParams
 
@@ -66,6 +67,10 @@ class Request:
     kv_role: str | None = None
     kv_target: object | None = None
     kv_end: int = 0
+    # A step feature's bound on prefix-cache hits: given the request's chained full-block hashes,
+    # how many leading blocks it may take from the cache (routed experts: only blocks whose routing
+    # it kept). None: no bound.
+    prefix_hit_limit: Callable[[list[bytes]], int] | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

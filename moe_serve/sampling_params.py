@@ -40,6 +40,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100], added to the logits
     # Output constrained to a JSON schema / regex / choice / grammar (moe_serve/structured_output/).
     structured_outputs: StructuredOutputsParams | None = None
+    # Router replay (RL rollouts): the logical top-k experts every MoE layer chose at every prompt
+    # and output position but the last (moe_serve/engine/features/routed_experts.py).
+    return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -105,6 +108,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         number("repetition_penalty", self.repetition_penalty, 0.0, math.inf, lo_open=True)
         if math.isinf(self.repetition_penalty):
             raise ValueError(f"repetition_penalty must be finite, got {self.repetition_penalty!r}")
+        if not isinstance(self.return_routed_experts, bool):
+            raise ValueError(f"return_routed_experts must be a boolean, got {self.return_routed_experts!r}")
         if self.structured_outputs is not None and self.min_tokens > 0:
             raise ValueError("min_tokens cannot be combined with structured outputs: the grammar decides where "
                              "the output ends")

@@ -324,6 +324,8 @@ class RequestStream:
         self._cached: dict[int, int] = {}  # per prompt: its tokens served from the prefix cache
         # Per choice: its prompt's logprob entries (protocol.TokenLogprob), when params.prompt_logprobs is set.
         self.prompt_logprobs: list[list | None] = [None] * len(self.child_ids)
+        # Per choice, with params.return_routed_experts: its rows so far (moe_serve/routed_experts.py).
+        self.routed_experts: list = [None] * len(self.child_ids)
         self.t0 = time.monotonic()
         self.first: float | None = None
         self.closed = False
@@ -344,9 +346,18 @@ class RequestStream:
         self._cached[k] = max(self._cached.get(k, 0), out.num_cached_tokens)
         if out.prompt_logprobs is not None:
             self.prompt_logprobs[self._index[out.request_id]] = out.prompt_logprobs
+        if out.routed_experts is not None:
+            self._add_routed_experts(self._index[out.request_id], out.routed_experts)
         if out.finished:
             self.open_ids.discard(out.request_id)
         return self._index[out.request_id], out
+
+    def _add_routed_experts(self, choice: int, chunk) -> None:
+        from moe_serve.routed_experts import RoutedExperts
+
+        if self.routed_experts[choice] is None:
+            self.routed_experts[choice] = RoutedExperts()
+        self.routed_experts[choice].add(chunk)
 
     @property
     def num_cached_tokens(self) -> int:

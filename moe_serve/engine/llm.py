@@ -10,6 +10,7 @@ from moe_serve.engine.args import EngineArgs
 from moe_serve.engine.core import build_engine
 from moe_serve.engine.output_processor import OutputProcessor
 from moe_serve.protocol import NewRequest
+from moe_serve.routed_experts import RoutedExperts, refusal
 from moe_serve.outputs import CompletionOutput, Logprob, RequestOutput
 from moe_serve.sampling_params import SamplingParams, child_params
 
@@ -60,6 +61,8 @@ class LLM:
         parsed = [self._prompt_ids(p) for p in prompts]
         for (_, ids), sp in zip(parsed, params):
             self.engine.validate(ids, sp)
+            if sp.return_routed_experts and self.engine.feature("routed_experts") is None:
+                raise ValueError(refusal(False, False))
             if sp.structured_outputs is not None:
                 from moe_serve.structured_output.grammar import check_spec
 
@@ -81,6 +84,7 @@ class LLM:
                     raise ValueError(rejected.stop_reason)
             outputs.append(ro)
         bar = tqdm(total=len(index), desc="Generating", disable=not use_tqdm)
+        rows: dict[str, RoutedExperts] = {}  # return_routed_experts: each sequence's rows so far
         while self.engine.has_unfinished():
             outs, stopped = self.output_processor.process(self.engine.step())
             self.engine.abort_requests(stopped)  # stop strings: free their blocks before the next step
@@ -96,8 +100,12 @@ class LLM:
                         co.cumulative_logprob += lp.logprob
                 if eo.prompt_logprobs is not None and outputs[oi].prompt_logprobs is None:  # every sample has them
                     outputs[oi].prompt_logprobs = [None] + [self._logprob_dict(lp) for lp in eo.prompt_logprobs]
+                if eo.routed_experts is not None:
+                    rows.setdefault(eo.request_id, RoutedExperts()).add(eo.routed_experts)
                 if eo.finished:
                     co.finish_reason, co.stop_reason = eo.finish_reason, eo.stop_reason
+                    if eo.request_id in rows:
+                        co.routed_experts = rows.pop(eo.request_id).as_array()
                     bar.update(1)
         bar.close()
         self.engine.features.idle()  # the call's last decode steps: into the speed-of-light figures

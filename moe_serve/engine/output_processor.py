@@ -82,7 +82,7 @@ class OutputProcessor:
             start, st.emitted = st.emitted, max(st.emitted, len(text))
             results.append(EngineOutput(o.request_id, list(o.new_token_ids), text[start:], finished, reason,
                                         stop_reason, o.logprobs, st.num_prompt_tokens, o.num_cached_tokens,
-                                        st.num_output_tokens, o.prompt_logprobs))
+                                        st.num_output_tokens, o.prompt_logprobs, o.routed_experts))
             if finished:
                 self.forget(o.request_id)
         return results, stopped

@@ -59,7 +59,10 @@ class PrefixCacheAdmission:
         tokens = req.all_token_ids
         hashes = self._full_block_hashes(req, len(tokens) // self.block_size)
         lookup = not req.needs_prompt_logprobs
-        hits = self.kv.attach_prefix(req, hashes, (len(tokens) - 1) // self.block_size if lookup else 0)
+        max_blocks = (len(tokens) - 1) // self.block_size if lookup else 0
+        if max_blocks and req.prefix_hit_limit is not None:
+            max_blocks = min(max_blocks, req.prefix_hit_limit(hashes))
+        hits = self.kv.attach_prefix(req, hashes, max_blocks)
         self._registered[req.request_id] = hits
         req.num_computed_tokens = hits * self.block_size
         if req.num_preemptions == 0 and lookup:

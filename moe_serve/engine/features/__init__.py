@@ -53,12 +53,19 @@ def _kv_connector(ctx: FeatureContext):
     return build_connector(ctx)
 
 
+def _routed_experts(ctx: FeatureContext):
+    from moe_serve.engine.features.routed_experts import RoutedExperts
+
+    return RoutedExperts.build(ctx)
+
+
 Factory = Callable[[FeatureContext], "StepFeature | None"]
 
 FEATURES: list[Factory] = [
     _speed_of_light,
     _expert_load,
     _eplb,
+    _routed_experts,
     _kv_connector,  # last: its writes read the cache every other hook of the step has written
 ]
 

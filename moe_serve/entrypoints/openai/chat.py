@@ -12,7 +12,7 @@ from moe_serve.entrypoints.openai import protocol as P
 from moe_serve.entrypoints.openai import request_limits as L
 from moe_serve.entrypoints.openai.chat_template import ChatTemplate
 from moe_serve.entrypoints.openai.outputs import (StreamFailure, _continuous, _error_of, _sse, _sse_error, _usage,
-                                                  prompt_logprobs_field)
+                                                  prompt_logprobs_field, routed_experts_field)
 from moe_serve.entrypoints.openai.reasoning import REASONING_PARSERS, ReasoningParser
 from moe_serve.entrypoints.openai.request_limits import BadRequest, sampling_params
 from moe_serve.entrypoints.openai.runner import RequestRunner
@@ -117,7 +117,7 @@ class ChatServing:
         for i in range(n):
             message, finish = chat_message(texts[i], fins[i][0], tools, reasoner, req.parallel_tool_calls)
             choices.append(P.ChatChoice(i, message, self._chat_logprobs(lps[i]) if req.logprobs else None, finish,
-                                        fins[i][1]))
+                                        fins[i][1], routed_experts_field(req, stream, i)))
         return P.ChatCompletionResponse(rid, int(time.time()), run.model_name, choices, _usage(stream),
                                         prompt_logprobs=prompt_logprobs_field(self.tok, ids, stream.prompt_logprobs[0],
                                                                               params.prompt_logprobs))
@@ -179,8 +179,9 @@ class ChatServing:
                     continue
                 lp = self._chat_logprobs(out.logprobs or []) if req.logprobs else None
                 finish = _calls_finish(tools, out.finish_reason) if out.finished and called[i] else out.finish_reason
+                routed = routed_experts_field(req, stream, i) if out.finished else msgspec.UNSET
                 yield P.ChatCompletionChunk(rid, created, run.model_name, [P.ChatStreamChoice(
-                    i, delta, lp, finish, out.stop_reason if out.finished else None)],
+                    i, delta, lp, finish, out.stop_reason if out.finished else None, routed)],
                     _usage(stream) if _continuous(req) else None)
             if run.engine.dead or ended:
                 yield run._ended_failure(ended)

@@ -5,8 +5,11 @@ from __future__ import annotations
 import time
 from typing import AsyncIterator
 
+import msgspec
+
 from moe_serve.entrypoints.openai import protocol as P
-from moe_serve.entrypoints.openai.outputs import _continuous, _error_of, _sse, _sse_error, _usage, prompt_logprobs_field
+from moe_serve.entrypoints.openai.outputs import (_continuous, _error_of, _sse, _sse_error, _usage, prompt_logprobs_field,
+                                                  routed_experts_field)
 from moe_serve.entrypoints.openai.request_limits import BadRequest, sampling_params
 from moe_serve.entrypoints.openai.runner import RequestRunner
 from moe_serve.entrypoints.openai.structured import with_structured_outputs
@@ -99,7 +102,8 @@ class CompletionServing:
                                                (ids, plps) if req.echo else None)
             choices.append(P.CompletionChoice(c, text, lp, *fin, prompt_logprobs_field(
                 self.tok, ids, plps,
-                req.prompt_logprobs if req.prompt_logprobs is not None else params.prompt_logprobs)))
+                req.prompt_logprobs if req.prompt_logprobs is not None else params.prompt_logprobs),
+                routed_experts_field(req, stream, c)))
         return P.CompletionResponse(rid, int(time.time()), run.model_name, choices,
                                     _usage(stream, 0 if echo_only else None))
 
@@ -162,8 +166,9 @@ class CompletionServing:
                     continue
                 lp = self._completion_logprobs(out.logprobs or [], 0, req.logprobs) if req.logprobs is not None \
                     else None
+                routed = routed_experts_field(req, stream, c) if out.finished else msgspec.UNSET
                 yield _sse(P.CompletionResponse(rid, created, run.model_name, [P.CompletionChoice(
-                    c, out.new_text, lp, out.finish_reason, out.stop_reason)],
+                    c, out.new_text, lp, out.finish_reason, out.stop_reason, routed_experts=routed)],
                     _usage(stream) if _continuous(req) else None))
             if run.engine.dead or ended:
                 yield run._ended_event(ended)

@@ -57,3 +57,14 @@ def prompt_logprobs_field(tok, ids: list[int], entries: list | None, num_top: in
         d[e.token_id] = P.PromptLogprob(e.logprob, e.rank, tok.decode([e.token_id], False))
         out.append(d)
     return out
+
+
+def routed_experts_field(req, stream, choice: int):
+    """choices[i].routed_experts: every position the choice's rows cover (prompt + output - 1 once
+    it has finished), in the request's format; absent (UNSET) when not asked for."""
+    if not req.return_routed_experts:
+        return msgspec.UNSET
+    rows = stream.routed_experts[choice]
+    if rows is None:
+        return "" if req.routed_experts_format == "base64" else []
+    return rows.encoded(rows.num_positions, req.routed_experts_format)

@@ -68,6 +68,11 @@ class _Common(msgspec.Struct, omit_defaults=True):
     # vLLM's extra for disaggregated serving: {"prefill_url": URL} on a --disaggregation-mode decode
     # instance (set by `moe-serve router --prefill ... --decode ...`).
     kv_transfer_params: dict | None = None
+    # Router replay (RL rollouts): per choice, the logical top-k experts of every MoE layer at every
+    # prompt and output position but the last (`choices[i].routed_experts`; docs/rl_rollouts.md), as
+    # nested lists or, with routed_experts_format "base64", little-endian int16 [positions, layers, k].
+    return_routed_experts: bool = False
+    routed_experts_format: str = "list"
 
 
 class CompletionRequest(_Common):
@@ -175,6 +180,8 @@ class CompletionChoice(msgspec.Struct):
     stop_reason: int | str | None = None
     # vLLM's: None for the first prompt token, then {token id: PromptLogprob} (the token and the top ones).
     prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
+    # With return_routed_experts (absent otherwise): moe_serve/routed_experts.py's "list" or "base64" form.
+    routed_experts: Union[list[list[list[int]]], str, msgspec.UnsetType] = msgspec.UNSET
 
 
 class CompletionResponse(msgspec.Struct):
@@ -227,6 +234,8 @@ class ChatChoice(msgspec.Struct):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # With return_routed_experts (absent otherwise): moe_serve/routed_experts.py's "list" or "base64" form.
+    routed_experts: Union[list[list[list[int]]], str, msgspec.UnsetType] = msgspec.UNSET
 
 
 class ChatCompletionResponse(msgspec.Struct):
@@ -264,6 +273,8 @@ class ChatStreamChoice(msgspec.Struct):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # with finish_reason "stop": the stop string or token id (vLLM's)
+    # With return_routed_experts, in the choice's last chunk: all its positions (as ChatChoice's).
+    routed_experts: Union[list[list[list[int]]], str, msgspec.UnsetType] = msgspec.UNSET
 
 
 class ChatCompletionChunk(msgspec.Struct):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from moe_serve.routed_experts import FORMATS as ROUTED_EXPERTS_FORMATS
 from moe_serve.sampling_params import SamplingParams
 
 # Sizes of lists in a request. Beyond these a request is refused with a 400 naming the field; each
@@ -82,6 +83,9 @@ def sampling_params(req, max_tokens: int | None, logprobs: int | None, max_token
         if v is not None and not -(1 << 63) <= v < (1 << 63):
             raise BadRequest(f"{name} must fit in a signed 64-bit integer, got {v}", name)
     check_stop(req.stop)
+    if req.routed_experts_format not in ROUTED_EXPERTS_FORMATS:
+        raise BadRequest(f"routed_experts_format must be one of {', '.join(ROUTED_EXPERTS_FORMATS)}, got "
+                         f"{req.routed_experts_format!r}", "routed_experts_format")
     check_count("stop_token_ids", len(req.stop_token_ids or ()), MAX_STOP_TOKEN_IDS, "ids")
     check_count("logit_bias", len(req.logit_bias or ()), MAX_LOGIT_BIAS, "entries")
     bias = None
@@ -101,7 +105,8 @@ def sampling_params(req, max_tokens: int | None, logprobs: int | None, max_token
             include_stop_str_in_output=req.include_stop_str_in_output,
             frequency_penalty=req.frequency_penalty or 0.0, presence_penalty=req.presence_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty, logit_bias=bias,
-            prompt_logprobs=req.prompt_logprobs if prompt_logprobs is None else prompt_logprobs)
+            prompt_logprobs=req.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+            return_routed_experts=req.return_routed_experts)
     except ValueError as e:
         raise BadRequest(str(e), field_of(str(e))) from None
 

@@ -28,6 +28,7 @@ import threading
 from moe_serve.engine.async_engine import AsyncEngine, QueueFullError
 from moe_serve.entrypoints.openai.outputs import StreamFailure, _sse_error
 from moe_serve.entrypoints.openai.request_limits import BadRequest, PromptLimits, field_of
+from moe_serve.routed_experts import refusal
 from moe_serve.sampling_params import SamplingParams
 
 
@@ -148,6 +149,11 @@ class RequestRunner:
             raise BadRequest("prompt_logprobs (also asked by echo with logprobs) cannot be served with "
                              "kv_transfer_params: the prompt is computed on a prefill instance, which returns "
                              "no logprobs", "prompt_logprobs")
+        if params.return_routed_experts:
+            ranks = getattr(self.engine, "rank_info", None) or {}  # (none: an engine stub in tests)
+            why = refusal(not ranks or any(r.expert_slots for r in ranks.values()), prefill is not None)
+            if why is not None:
+                raise BadRequest(why, "return_routed_experts")
         try:
             if self.engine.dead:
                 raise RuntimeError(f"the engine has stopped: {self.engine.dead}")
