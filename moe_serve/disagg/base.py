@@ -14,8 +14,10 @@ Scheduler side (pure bookkeeping, between steps):
     loaded(done)              the front end says a peer's write into reserved blocks ended, landed or
                               not (CoreInput.kv_done; vLLM: get_finished, receiving side)
 Worker side (the cache, after the step's kernels):
-    save(reqs, outputs)       requests that finished computing and hold their blocks: post their
-                              writes; returns the outputs not held back (vLLM: request_finished + save)
+    finished_requests()       the requests that finished computing in the step and hold their blocks
+                              for a save (vLLM: request_finished)
+    save(reqs, outputs)       post those requests' writes; returns the outputs not held back (a held
+                              output goes out from poll once its write has ended; vLLM: save_kv_layer)
     wait_for_save(seconds)    the step waits briefly for the writes it posted; returns the outputs of
                               the ones that ended (vLLM: wait_for_save)
     poll() -> outputs         the writes that ended since the last call, their held outputs released
