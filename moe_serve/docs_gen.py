@@ -338,12 +338,13 @@ def server_openapi() -> dict:
     """/openapi.json of the server as the front end builds it (moe_serve/entrypoints/openai/launch.py)."""
     from moe_serve.entrypoints.openai.api_server import build_app
     from moe_serve.entrypoints.openai.launch import expert_load_routes
+    from moe_serve.entrypoints.openai.weights_routes import weights_routes
 
     class _NoEngine:  # build_app only keeps the engine; no request is served here
         tokenizer = None
 
     engine = _NoEngine()
-    app = build_app(engine, "MODEL", 128, extra_routes=[expert_load_routes(engine)])
+    app = build_app(engine, "MODEL", 128, extra_routes=[expert_load_routes(engine), weights_routes(engine, "MODEL")])
     with warnings.catch_warnings():  # FastAPI: /expert_load/dump's GET and POST share one operation id
         warnings.filterwarnings("ignore", "Duplicate Operation ID", UserWarning)
         return app.openapi()

@@ -87,6 +87,7 @@ class UtilityCall(msgspec.Struct, array_like=True):
     call_id: int
     method: str
     arg: int = 0
+    data: bytes = b""  # the call's JSON arguments, where an int is not enough (weight updates)
 
 
 class CoreInput(msgspec.Struct, tag="in", array_like=True):

@@ -65,6 +65,20 @@ def load_weights(model: nn.Module, path: str, dtype: torch.dtype, show_progress:
     loader.finish(path)
 
 
+def tensor_loader(model: nn.Module, dtype: torch.dtype, path: str, quantization: str | None = None) -> "_TensorLoader":
+    """A loader of checkpoint-named tensors into a model that was loaded already (its FP8 storage
+    made): `load(name, file, where)` one tensor, `finish(path)` after a whole checkpoint. For
+    weights replaced while serving (moe_serve/weight_sync.py)."""
+    experts = {name[: -len(".experts")]: m for name, m in model.named_modules()
+               if isinstance(m, GroupedExperts) and name.endswith(".experts")}
+    from moe_serve.quantization import fp8
+
+    fp8_cfg = _checkpoint_fp8_config(model, path, quantization)
+    if fp8_cfg is None and quantization == "fp8":  # quantized at load: the same blocks again
+        fp8_cfg = fp8.BlockFp8Config()
+    return _TensorLoader(model, dtype, experts, fp8_cfg)
+
+
 def _checkpoint_fp8_config(model: nn.Module, path: str, quantization: str | None):
     """The checkpoint's block-FP8 config (fp8.BlockFp8Config) or None; any other quantization the
     model does not load itself, or an unknown `quantization`, is an error."""

@@ -85,6 +85,7 @@ class AsyncEngine(CoreChannel, ElasticMembers, PrefillFetch):
         self._shutdown_asked = False
         self._log_interval = log_interval_s
         self.dead: str | None = None
+        self.weight_version = "0"  # names the weights served (set by weight updates: weights_routes.py)
         self.stopping: str | None = None  # set by end_all: why every open request was ended
         self.on_fatal = lambda: None  # called (from the receiver thread) if a core dies
         self._cores_done = [False] * self.world_size
@@ -158,15 +159,16 @@ class AsyncEngine(CoreChannel, ElasticMembers, PrefillFetch):
                     self._inbox.put((rank, NewRequest(cid, list(ids), cp, kv), self.generation))
         return stream
 
-    async def call(self, method: str, arg: int = 0) -> bytes:
-        """A utility call answered by rank 0's core (expert-load recording start/stop/dump, scale)."""
+    async def call(self, method: str, arg: int = 0, data: bytes = b"", timeout_s: float = 60.0) -> bytes:
+        """A utility call answered by rank 0's core (expert-load recording start/stop/dump, scale,
+        weight updates: `data` its JSON arguments); TimeoutError after timeout_s."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         cid = next(self._call_ids)
         with self._lock:
             self._calls[cid] = (loop, fut)
-        self._inbox.put((0, UtilityCall(cid, method, arg)))
-        return await asyncio.wait_for(fut, timeout=60)
+        self._inbox.put((0, UtilityCall(cid, method, arg, data)))
+        return await asyncio.wait_for(fut, timeout=timeout_s)
 
     def _abort(self, child_ids) -> None:
         for cid in child_ids:

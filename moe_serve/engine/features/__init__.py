@@ -59,6 +59,12 @@ def _routed_experts(ctx: FeatureContext):
     return RoutedExperts.build(ctx)
 
 
+def _weights_update(ctx: FeatureContext):
+    from moe_serve.engine.features.weights_update import WeightsUpdate
+
+    return WeightsUpdate.build(ctx)
+
+
 Factory = Callable[[FeatureContext], "StepFeature | None"]
 
 FEATURES: list[Factory] = [
@@ -66,6 +72,7 @@ FEATURES: list[Factory] = [
     _expert_load,
     _eplb,
     _routed_experts,
+    _weights_update,
     _kv_connector,  # last: its writes read the cache every other hook of the step has written
 ]
 

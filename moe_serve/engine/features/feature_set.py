@@ -104,6 +104,11 @@ class FeatureSet:
                 return True, f.on_call(call)
         return False, None
 
+    def holds_steps(self) -> bool:
+        """Whether a feature holds the steps this turn (its `holds_steps()`: generation paused, or
+        the engine asleep): the loop schedules nothing, and the requests wait with their KV."""
+        return any(f.holds_steps() for f in self._list if hasattr(f, "holds_steps"))
+
     def take_results(self) -> list:
         return [r for f in self._list for r in f.take_results()]
 

@@ -182,7 +182,8 @@ def _add_server_routes(app: FastAPI, engine: AsyncEngine, served_model_name: str
 
     @app.get("/v1/models")
     async def models():
-        card = P.ModelCard(served_model_name, created, root=served_model_name, max_model_len=max_model_len)
+        card = P.ModelCard(served_model_name, created, root=served_model_name, max_model_len=max_model_len,
+                           weight_version=engine.weight_version)
         return Response(msgspec.json.encode(P.ModelList([card])), media_type="application/json")
 
     @app.get("/metrics")

@@ -120,7 +120,8 @@ class ChatServing:
                                         fins[i][1], routed_experts_field(req, stream, i)))
         return P.ChatCompletionResponse(rid, int(time.time()), run.model_name, choices, _usage(stream),
                                         prompt_logprobs=prompt_logprobs_field(self.tok, ids, stream.prompt_logprobs[0],
-                                                                              params.prompt_logprobs))
+                                                                              params.prompt_logprobs),
+                                        weight_version=run.engine.weight_version)
 
     async def count_chat_tokens(self, req: P.ChatCompletionRequest, deadline: float | None = None) -> int:
         """The prompt tokens the chat request's conversation (and tools) render to."""

@@ -105,7 +105,7 @@ class CompletionServing:
                 req.prompt_logprobs if req.prompt_logprobs is not None else params.prompt_logprobs),
                 routed_experts_field(req, stream, c)))
         return P.CompletionResponse(rid, int(time.time()), run.model_name, choices,
-                                    _usage(stream, 0 if echo_only else None))
+                                    _usage(stream, 0 if echo_only else None), weight_version=run.engine.weight_version)
 
     def _completion_logprobs(self, lps, offset: int, num_top: int | None = None,
                              prompt: tuple[list[int], list | None] | None = None) -> P.CompletionLogprobs:

@@ -77,7 +77,10 @@ def run_frontend(ns: argparse.Namespace, path: str, client, check_alive) -> int:
                                                                            tokenizer.vocab_size),
                       ns.http_header_timeout, ns.http_body_timeout, ns.max_connections or None, ns.request_timeout)
     _raise_open_files(http.max_connections)
-    app = build_app(engine, name, engine.max_model_len, ns.api_key, [expert_load_routes(engine)], limits, http,
+    from moe_serve.entrypoints.openai.weights_routes import weights_routes
+
+    app = build_app(engine, name, engine.max_model_len, ns.api_key, [expert_load_routes(engine),
+                    weights_routes(engine, path)], limits, http,
                     ns.enable_auto_tool_choice, ns.tool_call_parser, ns.reasoning_parser)
     log.info("front end ready: %d engine core(s), max_model_len %d, %s KV blocks of %d tokens; request bodies up to "
              "%d bytes, at most %s connections, request timeout %s", len(ready), engine.max_model_len,

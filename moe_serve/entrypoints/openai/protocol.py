@@ -191,6 +191,7 @@ class CompletionResponse(msgspec.Struct):
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
     object: str = "text_completion"
+    weight_version: str | None = None  # the weights that generated it (set by weight updates)
 
 
 class TopLogprob(msgspec.Struct):
@@ -246,6 +247,7 @@ class ChatCompletionResponse(msgspec.Struct):
     usage: UsageInfo
     object: str = "chat.completion"
     prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None  # vLLM's, as on completions
+    weight_version: str | None = None  # the weights that generated it (set by weight updates)
 
 
 class DeltaFunctionCall(msgspec.Struct, omit_defaults=True):
@@ -293,6 +295,7 @@ class ModelCard(msgspec.Struct):
     root: str | None = None
     max_model_len: int | None = None
     object: str = "model"
+    weight_version: str | None = None  # the weights served (set by weight updates)
 
 
 class ModelList(msgspec.Struct):
