@@ -8,9 +8,10 @@ on named fields (`TurnAgreement`, and each step feature's own struct: moe_serve/
 the most tokens any rank scheduled (0: nobody has work, so nobody runs the model; otherwise every
 rank runs the step, an empty forward where it has nothing, so the MoE collectives line up), the
 step's shape, whether any rank got SIGTERM, whether the front end said shut down, and the
-features' fields: a regroup (elastic EP: a feature of the loop itself, features/regroup.py), expert-load recording starting or stopping (so every rank's
-windows cover the same steps), whether any rank's part of a pending expert-rebalancing step is
-unfinished (0 means every rank switches the layer at this turn).
+features' fields: a regroup (elastic EP: a feature of the loop itself, features/regroup.py),
+expert-load recording starting or stopping (so every rank's windows cover the same steps), whether
+any rank's part of a pending expert-rebalancing step is unfinished (0 means every rank switches the
+layer at this turn).
 
 `python -m moe_serve.engine.core_proc` is the single-process server's core (one rank, spawned by
 the front end); torchrun ranks run `CoreLoop` from launcher/worker.py.
