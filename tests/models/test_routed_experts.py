@@ -3,7 +3,8 @@ experts equal those transformers' own routers choose when it runs the same token
 its router modules record their top-k), for Qwen3-MoE (softmax top-k), DeepSeek-V3 (grouped sigmoid
 routing with a bias; its first layer dense) and GPT-OSS (biased top-k). Under chunked prefill,
 preemption by recompute and prefix-cache hits (a second round of the same prompts), with n-gram
-speculation, and with an expert placement that permutes and replicates experts (logical ids out).
+speculation, with an expert placement that permutes and replicates experts, and through online
+rebalancing (EPLB): logical ids out.
 
 A position's set of experts may differ only where transformers' own choice is a near-tie: the margin
 between its k-th and (k+1)-th selection score (DeepSeek-V3: also between its kept and dropped
@@ -141,3 +142,18 @@ def test_placement_with_replicas_returns_logical_ids(checkpoints, tmp_path):
     llm = LLM(path, dtype="float32", kv_cache_memory=1 << 21, expert_placement=str(placement), show_progress=False)
     assert any(getattr(m, "replica_map", None) is not None for m in llm.engine.runner.model.modules())
     check_generation(llm, hf_model(path), make_prompts(5)[:6])
+
+
+def test_online_rebalancing_keeps_logical_ids(checkpoints):
+    """EPLB moves experts between slots (and places replicas) while requests run: the rows stay the
+    logical experts transformers chooses, before and after each rebalance."""
+    path = checkpoints["qwen3_moe"]
+    model = hf_model(path)
+    llm = LLM(path, dtype="float32", kv_cache_memory=1 << 21, enable_eplb=True, num_redundant_experts=2,
+              eplb_window_size=4, eplb_step_interval=3, show_progress=False)
+    prompts = make_prompts(4)
+    check_generation(llm, model, prompts[:len(prompts) // 2])
+    done = llm.engine.stats().eplb.rebalances
+    assert done > 0, "no rebalance happened while the first requests ran"
+    check_generation(llm, model, prompts[len(prompts) // 2:])  # served by the rebalanced placement
+    assert llm.engine.stats().eplb.rebalances > done, "no rebalance happened while the second requests ran"
