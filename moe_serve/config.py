@@ -177,6 +177,8 @@ class EngineConfig:
     disaggregation_mode: str = "none"
     disaggregation_transfer_backend: str = "nixl"
     disaggregation_timeout_s: float = 60.0
+    # A request's tokens and logprobs bitwise the same whatever shares its steps (platform.INVARIANT)
+    batch_invariant: bool = False
 
     @property
     def activation_dtype(self) -> torch.dtype:

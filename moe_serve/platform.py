@@ -24,6 +24,9 @@ from torch import nn
 
 from attention.backends import CpuCAttention, TorchAttention, TritonAttention
 from attention.backends.compressed import TorchCompressedAttention
+from attention.backends.invariant import InvariantCpuCAttention, InvariantTorchAttention
+from moe_serve.kernels.batch_invariant import (InvariantCpuCExperts, InvariantCpuCLinear, InvariantTorchExperts,
+                                               InvariantTorchLinear)
 from moe_serve.kernels import cpu_ops
 from moe_serve.kernels.gated_delta import CpuCLinearAttention, TorchLinearAttention, TritonLinearAttention
 from moe_serve.kernels.grouped_gemm import CpuCExperts, TorchExperts, TritonExperts
@@ -47,6 +50,16 @@ OPS: dict[str, dict[str, type]] = {
 FOLLOWS = {"compressed_attention": "attention"}
 # Earlier names of the same backends, still accepted by the flags.
 ALIASES = {"reference": "torch"}
+# --batch-invariant: kind -> backend name -> the class whose ops give a token bitwise the same output
+# whatever else shares its step (moe_serve/kernels/batch_invariant.py says which ops were not and
+# why). The norms are per-row reductions in torch and in C already. A name missing here is refused
+# with the flag; a kind missing here is refused when a model's layer asks for it (bind_ops).
+INVARIANT: dict[str, dict[str, type]] = {
+    "experts": {"torch": InvariantTorchExperts, "cpu_c": InvariantCpuCExperts},
+    "attention": {"torch": InvariantTorchAttention, "cpu_c": InvariantCpuCAttention},
+    "linear": {"torch": InvariantTorchLinear, "cpu_c": InvariantCpuCLinear},
+    "norm": {"torch": TorchNorm, "cpu_c": CpuCNorm},
+}
 
 
 @dataclass(frozen=True)
@@ -59,6 +72,7 @@ class PlatformChoice:
     linear_backend: str = "torch"
     norm_backend: str = "torch"
     linear_attention_backend: str = "torch"
+    batch_invariant: bool = False
 
 
 @dataclass(frozen=True)
@@ -72,6 +86,7 @@ class Ops:
     norm: object
     linear_attention: object
     compressed_attention: object
+    batch_invariant: bool = False  # the INVARIANT classes; layers of other kinds are refused at bind
 
     @property
     def compiles_kernels(self) -> bool:
@@ -98,13 +113,15 @@ class Ops:
 
 
 def resolve_ops(device: torch.device, experts: str, attention: str, linear: str = "torch",
-                norm: str = "torch", linear_attention: str = "torch") -> Ops:
-    """The backend objects for resolved names (EngineConfig's)."""
+                norm: str = "torch", linear_attention: str = "torch", batch_invariant: bool = False) -> Ops:
+    """The backend objects for resolved names (EngineConfig's); batch_invariant: the INVARIANT
+    classes of those names (`choose` refused names without one)."""
     names = dict(experts=experts, attention=attention, linear=linear, norm=norm, linear_attention=linear_attention)
-    objs = {kind: OPS[kind][name](device) for kind, name in names.items()}
+    table = {kind: {**OPS[kind], **(INVARIANT.get(kind, {}) if batch_invariant else {})} for kind in OPS}
+    objs = {kind: table[kind][name](device) for kind, name in names.items()}
     for kind, led in FOLLOWS.items():
         objs[kind] = OPS[kind].get(names[led], OPS[kind]["torch"])(device)
-    return Ops(device, **objs)
+    return Ops(device, **objs, batch_invariant=batch_invariant)
 
 
 def bind_ops(model: nn.Module, ops: Ops) -> None:
@@ -112,6 +129,9 @@ def bind_ops(model: nn.Module, ops: Ops) -> None:
     for m in model.modules():
         kind = getattr(type(m), "op_kind", None)
         if kind is not None:
+            if ops.batch_invariant and kind not in INVARIANT:
+                raise ValueError(f"--batch-invariant: {type(m).__name__} runs {kind.replace('_', ' ')} "
+                                 f"({getattr(ops, kind).name}), which has no batch-invariant form yet")
             m.ops = getattr(ops, kind)
 
 
@@ -232,20 +252,26 @@ def fp8_activation_quant(device: torch.device) -> bool:
 def choose(device: str = "auto", moe_backend: str = "auto", attention_backend: str = "auto",
            all2all_backend: str = "auto", world_size: int = 1, hidden_size: int | None = None,
            linear_backend: str = "auto", norm_backend: str = "auto",
-           linear_attention_backend: str = "auto") -> PlatformChoice:
+           linear_attention_backend: str = "auto", batch_invariant: bool = False) -> PlatformChoice:
     dev = resolve_device(device)
     on_gpu = dev.type == "cuda"
     names = {kind: _backend_name(kind, req, on_gpu) for kind, req in
              (("experts", moe_backend), ("attention", attention_backend), ("linear", linear_backend),
               ("norm", norm_backend), ("linear_attention", linear_attention_backend))}
+    if batch_invariant:
+        for kind, table in INVARIANT.items():
+            if names[kind] not in table:
+                flag = "moe_backend" if kind == "experts" else f"{kind}_backend"
+                raise ValueError(f"--batch-invariant with {flag}={names[kind]!r}: that backend has no batch-invariant "
+                                 f"form (those with one: {', '.join(table)})")
     a2a, why = choose_all2all(all2all_backend, on_gpu, world_size, hidden_size,
                               on_gpu and world_size > 1 and all2all_backend == "auto" and deepep_available())
     choice = PlatformChoice(dev, names["experts"], names["attention"], dist_backend(dev), a2a,
-                            names["linear"], names["norm"], names["linear_attention"])
+                            names["linear"], names["norm"], names["linear_attention"], batch_invariant)
     log.info("platform: device=%s moe_backend=%s attention_backend=%s linear_backend=%s norm_backend=%s "
-             "linear_attention_backend=%s dist_backend=%s all2all_backend=%s (%s)", dev, choice.moe_backend,
-             choice.attention_backend, choice.linear_backend, choice.norm_backend, choice.linear_attention_backend,
-             choice.dist_backend, a2a, why)
+             "linear_attention_backend=%s dist_backend=%s all2all_backend=%s (%s) batch_invariant=%s", dev,
+             choice.moe_backend, choice.attention_backend, choice.linear_backend, choice.norm_backend,
+             choice.linear_attention_backend, choice.dist_backend, a2a, why, batch_invariant)
     return choice
 
 

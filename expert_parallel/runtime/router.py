@@ -80,7 +80,8 @@ class GroupLimitedSigmoidRouter(_GemmRouter):
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         T = x_TD.shape[0]
-        scores_TE = torch.sigmoid(self.scores(x_TD))
+        logits_TE = self.scores(x_TD)
+        scores_TE = torch.sigmoid(logits_TE) if self.ops is None else self.ops.sigmoid(logits_TE)
         choice_TE = scores_TE + self.e_score_correction_bias
         if self.n_group == 1:  # the one group is always kept: nothing to mask (Kimi-K2, MiniMax-M2)
             ids_TK = torch.topk(choice_TE, self.top_k, dim=-1, sorted=False)[1]

@@ -52,6 +52,7 @@ class EngineArgs:
     disaggregation_mode: str = "none"  # prefill | decode (moe_serve/disagg)
     disaggregation_transfer_backend: str = "nixl"  # nixl | mooncake
     disaggregation_timeout: float = 60.0  # seconds a prompt's KV may take to arrive
+    batch_invariant: bool = False  # outputs bitwise independent of batching (moe_serve/platform.py INVARIANT)
 
     def create_engine_config(self, rank: int = 0, world_size: int = 1) -> EngineConfig:
         mc = ModelConfig.from_path(self.model, self.dtype, self.max_model_len, self.load_format, self.seed,
@@ -99,7 +100,7 @@ class EngineArgs:
         speculative = SpeculativeConfig.parse(self.speculative_config)
         choice = platform.choose(self.device, self.moe_backend, self.attention_backend, self.all2all_backend,
                                  world_size, mc.hf.get("hidden_size"), self.linear_backend, self.norm_backend,
-                                 self.linear_attention_backend)
+                                 self.linear_attention_backend, self.batch_invariant)
         return EngineConfig(
             model=mc,
             cache=CacheConfig(self.block_size, self.num_kv_blocks or 0, self.kv_cache_memory or 0,
@@ -121,6 +122,7 @@ class EngineArgs:
             disaggregation_mode=self.disaggregation_mode,
             disaggregation_transfer_backend=self.disaggregation_transfer_backend,
             disaggregation_timeout_s=self.disaggregation_timeout,
+            batch_invariant=self.batch_invariant,
         )
 
     # --- CLI ------------------------------------------------------------------------------------
@@ -206,6 +208,10 @@ class EngineArgs:
         g.add_argument("--disaggregation-timeout", type=float, default=60.0,
                        help="seconds a prompt's KV may take to arrive from the prefill instance before this "
                             "instance computes the prompt itself")
+        g.add_argument("--batch-invariant", action="store_true",
+                       help="a request's tokens and logprobs bitwise the same whatever shares its steps (batch "
+                            "size, prefill chunking, preemption, other requests): kernels with one fixed reduction "
+                            "order per output (slower; refused with backends that have no such form)")
         g.add_argument("--speed-of-light-window", type=float, default=5.0,
                        help="seconds of decode steps over which the speed-of-light fraction is taken and logged")
 

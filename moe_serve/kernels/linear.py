@@ -11,6 +11,7 @@ by moe_serve/platform.py and bound to every Linear and the LM head.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from expert_parallel.runtime import router
 from moe_serve.kernels import cpu_ops
@@ -37,6 +38,19 @@ class TorchLinear:
         row's k largest, largest first, weighted by the softmax over those k (over_topk) or over
         the whole row."""
         return router.topk_softmax(logits_TE, k, over_topk)
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up: a dense MLP's activation (here so that a batch-invariant backend can
+        run it in its own form)."""
+        return F.silu(gate) * up
+
+    def sigmoid(self, x: torch.Tensor) -> torch.Tensor:
+        """A sigmoid router's scores from its logits (here for the same reason as silu_mul)."""
+        return torch.sigmoid(x)
+
+    def per_head(self, x_TNK: torch.Tensor, w_NOK: torch.Tensor) -> torch.Tensor:
+        """y[t, n] = w[n] @ x[t, n]: one product per head (MLA's absorbed W_UK and W_UV), (T, N, O)."""
+        return torch.einsum("tnk,nok->tno", x_TNK, w_NOK)
 
     def fp8(self, layer, x: torch.Tensor) -> torch.Tensor:
         """A block-FP8 Linear: its weight dequantized now, for this call only."""

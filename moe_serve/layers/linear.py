@@ -61,4 +61,6 @@ class DenseMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up, ops = self.gate_proj(x), self.up_proj(x), self.gate_proj.ops
+        # on the linear backend: its batch-invariant form pads rows so no element takes torch's scalar tail
+        return self.down_proj(F.silu(gate) * up if ops is None else ops.silu_mul(gate, up))

@@ -66,9 +66,10 @@ class MLASelfAttention(nn.Module):
         k_pe = self.rotary.apply(k_pe.reshape(T, 1, self.R), cos, sin).reshape(T, self.R)
         w_kv = self.kv_b_proj.weight.view(self.N, self.P + self.V, self.L)
         w_uk_NPL, w_uv_NVL = w_kv[:, : self.P], w_kv[:, self.P:]
-        q_latent_TNL = torch.einsum("tnp,npl->tnl", q_nope, w_uk_NPL)
+        # on the linear backend, which has a batch-invariant form of these per-head products
+        q_latent_TNL = self.kv_b_proj.ops.per_head(q_nope, w_uk_NPL.transpose(1, 2))
         o_TNL = self.attend(q_latent_TNL, q_pe, torch.cat([c_kv, k_pe], dim=-1), meta, x_TD, q_resid, rope)
-        o_TNV = torch.einsum("tnl,nvl->tnv", o_TNL, w_uv_NVL)
+        o_TNV = self.kv_b_proj.ops.per_head(o_TNL, w_uv_NVL)
         return self.o_proj(o_TNV.reshape(T, self.N * self.V))
 
     def attend(self, q_latent_TNL, q_pe_TNR, latent_TC, meta: AttentionMetadata, x_TD, q_resid, rope):

@@ -173,6 +173,13 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     f.restype = ctypes.c_int
     f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                   ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    f = lib.moe_experts_invariant_f32
+    f.restype = ctypes.c_int
+    f.argtypes = lib.moe_experts_f32.argtypes
+    f = lib.linear_invariant_f32
+    f.restype = ctypes.c_int
+    f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
+                  ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     f = lib.linear_f32
     f.restype = None
     f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
@@ -393,9 +400,10 @@ def panel_groups_run() -> int:
 
 
 def moe_experts(x_TD: torch.Tensor, w13_EFD: torch.Tensor, w2_EDF: torch.Tensor, topk_weights_TK: torch.Tensor,
-                topk_ids_TK: torch.Tensor) -> torch.Tensor:
+                topk_ids_TK: torch.Tensor, invariant: bool = False) -> torch.Tensor:
     """Same contract as `moe_serve.kernels.grouped_gemm.fused_experts_reference` for plain SwiGLU experts
-    (ids outside [0, E) contribute nothing); float32 out."""
+    (ids outside [0, E) contribute nothing); float32 out. invariant: batch-invariant (each token's
+    output bitwise the same whatever else the batch holds: every expert by the dot-product tiles)."""
     lib = _lib()
     assert lib is not None, "cpu_ops.moe_experts called without the kernels (check available())"
     T, D = x_TD.shape
@@ -407,7 +415,8 @@ def moe_experts(x_TD: torch.Tensor, w13_EFD: torch.Tensor, w2_EDF: torch.Tensor,
     wts = topk_weights_TK if topk_weights_TK.dtype == torch.float32 else topk_weights_TK.float()
     wts = wts.contiguous()
     out = torch.empty(T, D, dtype=torch.float32)
-    rc = lib.moe_experts_f32(x.data_ptr(), T, D, ids.data_ptr(), wts.data_ptr(), K, w13_EFD.data_ptr(),
+    run = lib.moe_experts_invariant_f32 if invariant else lib.moe_experts_f32
+    rc = run(x.data_ptr(), T, D, ids.data_ptr(), wts.data_ptr(), K, w13_EFD.data_ptr(),
                              w2_EDF.data_ptr(), int(w13_EFD.dtype == torch.bfloat16), E, F2 // 2, out.data_ptr(),
                              torch.get_num_threads())
     if rc:
@@ -541,6 +550,32 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
                           y.data_ptr(), N, torch.get_num_threads())
         if b is not None:
             y += b
+    return y.view(*x.shape[:-1], N)
+
+
+def linear_invariant_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """What `linear_invariant` takes: float32 or bf16 activations over a contiguous float32 or bf16
+    weight (any number of rows)."""
+    return (x.is_cpu and w.is_cpu and w.dim() == 2 and w.is_contiguous() and x.shape[-1] == w.shape[1]
+            and x.stride(-1) == 1 and (x.dim() == 2 or x.is_contiguous()) and x.dtype in (torch.float32, torch.bfloat16)
+            and w.dtype in (torch.float32, torch.bfloat16) and available())
+
+
+def linear_invariant(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w^T (+ b) in float32, batch-invariant: every row by the dot-product tiles, whatever the
+    number of rows, so a row's output is bitwise the same alone or in any batch. Check
+    linear_invariant_fits first."""
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K)
+    if x2.dtype != torch.float32:
+        x2 = x2.float()
+    M, N = x2.shape[0], w.shape[0]
+    y = torch.empty(M, N, dtype=torch.float32)
+    if M and _lib().linear_invariant_f32(x2.data_ptr(), x2.stride(0), M, w.data_ptr(), int(w.dtype == torch.bfloat16),
+                                         K, N, y.data_ptr(), N, torch.get_num_threads()):
+        raise MemoryError(f"cpu_ops.linear_invariant: no scratch memory for {M} rows of {K}")
+    if b is not None:
+        y += b  # an add per element: the same whatever the batch
     return y.view(*x.shape[:-1], N)
 
 

@@ -91,7 +91,7 @@ VF_INLINE vf16 load_wn(const void* w, int bf16, int64_t k, int64_t n) {
       vf_prefetch_l2(at + 128);                                                                        \
       vf_prefetch_l2(at + 192);                                                                        \
     }                                                                                                  \
-    if (MBC == 1) { /* a lone row: weight row by weight row, odd halves into the spare acc[1] */       \
+    if (MBC == 1 && !inv) { /* a lone row: weight row by weight row, odd halves into the spare acc[1] */\
       const vf16 xe = vf_load(a[0] + k), xo = vf_load(a[0] + k + 16);                                  \
       _Pragma("GCC unroll 4") for (int j = 0; j < NB; j++) {                                           \
         vf16 we, wo;                                                                                   \
@@ -114,9 +114,11 @@ VF_INLINE vf16 load_wn(const void* w, int bf16, int64_t k, int64_t n) {
   }
 
 /* One micro-tile: MBC rows of a (a compile-time count, so a lone decode row does a quarter of the
- * FMAs) against NB weight rows starting at wr[0..NB), written to y rows m0.. at columns n..n+nb. */
+ * FMAs) against NB weight rows starting at wr[0..NB), written to y rows m0.. at columns n..n+nb.
+ * inv (batch-invariant mode): a lone row takes the same FMA sequence as a row of a larger tile (no
+ * spare accumulator for its odd halves), so every row's sums are in one order whatever M is. */
 VF_INLINE void tile(const float* const* ar, const int MBC, const char* const* wr, int bf16, int split, int64_t K,
-                    float* y, int64_t ldy, int nb, const char* pf) {
+                    float* y, int64_t ldy, int nb, const char* pf, int inv) {
   /* The row pointers as locals: loads through the callers' pointer arrays could alias the
    * accumulators (vector types may alias anything), which would then be stored back on every step. */
   const float* a[MB];
@@ -129,7 +131,7 @@ VF_INLINE void tile(const float* const* ar, const int MBC, const char* const* wr
   int64_t k = 0;
   if (split) {
     for (; k + 32 <= K; k += 32) TILE_STEP_PAIRS()
-    if (MBC == 1)
+    if (MBC == 1 && !inv)
       _Pragma("GCC unroll 4") for (int j = 0; j < NB; j++) acc[0][j] = vs_add(acc[0][j], acc[1][j]);
   }
   for (; k + 16 <= K; k += 16) TILE_STEP(load_w(wp[j], bf16, k), vf_load(a[i] + k))
@@ -147,7 +149,7 @@ VF_INLINE void tile(const float* const* ar, const int MBC, const char* const* wr
 
 /* y[m, n] = sum_k a[m, k] * w[n, k] for m < M, n in [n0, n1); a rows a + m*lda, y rows y + m*ldy. */
 static void gemm_block(const float* a, int64_t lda, int M, const void* w, int bf16, int split, int64_t K, int n0,
-                       int n1, float* y, int64_t ldy) {
+                       int n1, float* y, int64_t ldy, int inv) {
   const int64_t esz = bf16 ? 2 : 4;
   for (int n = n0; n < n1; n += NB) {
     const int nb = n1 - n < NB ? n1 - n : NB;
@@ -161,18 +163,20 @@ static void gemm_block(const float* a, int64_t lda, int M, const void* w, int bf
       /* The NB rows PF_BLOCKS tiles on, prefetched while the first row tile runs. */
       const char* pf = m0 == 0 && n + (PF_BLOCKS + 1) * NB <= n1 ? wr[0] + PF_BLOCKS * NB * K * esz : 0;
       switch (mb) {
-        case 1: tile(ar, 1, wr, bf16, split, K, yt, ldy, nb, pf); break;
-        case 2: tile(ar, 2, wr, bf16, split, K, yt, ldy, nb, pf); break;
-        case 3: tile(ar, 3, wr, bf16, split, K, yt, ldy, nb, pf); break;
-        default: tile(ar, 4, wr, bf16, split, K, yt, ldy, nb, pf); break;
+        case 1: tile(ar, 1, wr, bf16, split, K, yt, ldy, nb, pf, inv); break;
+        case 2: tile(ar, 2, wr, bf16, split, K, yt, ldy, nb, pf, inv); break;
+        case 3: tile(ar, 3, wr, bf16, split, K, yt, ldy, nb, pf, inv); break;
+        default: tile(ar, 4, wr, bf16, split, K, yt, ldy, nb, pf, inv); break;
       }
     }
   }
 }
 
-/* y = a @ w^T over all N weight rows, the row blocks split over nt threads. */
-static void gemm(const float* a, int64_t lda, int M, const void* w, int bf16, int64_t K, int N, float* y, int64_t ldy,
-                 int nt) {
+/* y = a @ w^T over all N weight rows, the row blocks split over nt threads (whole outputs each: a
+ * thread never splits a reduction). inv: batch-invariant (see tile); then a missing scratch for the
+ * split rows is an error (-1), not the plain path, whose sums would be in another order. Returns 0. */
+static int gemm(const float* a, int64_t lda, int M, const void* w, int bf16, int64_t K, int N, float* y, int64_t ldy,
+                int nt, int inv) {
   /* bf16 weights: the rows of a split for TILE_STEP_PAIRS (without the scratch, the plain path) */
   int split = 0;
   if (bf16 && K >= 32) {
@@ -182,11 +186,13 @@ static void gemm(const float* a, int64_t lda, int M, const void* w, int bf16, in
       a = s;
       lda = K;
       split = 1;
+    } else if (inv) {
+      return -1;
     }
   }
   if (nt <= 1 || N < 2 * NB * nt) {
-    gemm_block(a, lda, M, w, bf16, split, K, 0, N, y, ldy);
-    return;
+    gemm_block(a, lda, M, w, bf16, split, K, 0, N, y, ldy, inv);
+    return 0;
   }
   const int blocks = (N + NB - 1) / NB;
 #pragma omp parallel num_threads(nt)
@@ -200,8 +206,9 @@ static void gemm(const float* a, int64_t lda, int M, const void* w, int bf16, in
 #endif
     const int b0 = (int)((int64_t)blocks * t / tn), b1 = (int)((int64_t)blocks * (t + 1) / tn);
     const int n0 = b0 * NB, n1 = b1 * NB < N ? b1 * NB : N;
-    if (n0 < n1) gemm_block(a, lda, M, w, bf16, split, K, n0, n1, y, ldy);
+    if (n0 < n1) gemm_block(a, lda, M, w, bf16, split, K, n0, n1, y, ldy, inv);
   }
+  return 0;
 }
 
 static inline float silu_mul(float g, float u) { return g / (1.f + expf(-g)) * u; }
@@ -483,9 +490,12 @@ static inline int panel_path(int64_t n, int64_t D, int64_t F) {
 static int64_t panel_groups_run;
 int64_t moe_panel_groups_run(void) { return panel_groups_run; }
 
-/* Returns 0, or -1 when scratch memory could not be had (out is then untouched). */
-int moe_experts_f32(const float* x, int64_t T, int64_t D, const int64_t* ids, const float* wts, int64_t K,
-                    const void* w13, const void* w2, int w_bf16, int64_t E, int64_t F, float* out, int nt) {
+/* moe_experts_f32 and its batch-invariant form (inv): every expert's rows by the dot-product tiles,
+ * whatever their number (the panel path's sums run in another order, and which path an expert takes
+ * depends on how many rows the batch routes to it). Returns 0, or -1 without scratch memory. */
+static int moe_experts(const float* x, int64_t T, int64_t D, const int64_t* ids, const float* wts, int64_t K,
+                       const void* w13, const void* w2, int w_bf16, int64_t E, int64_t F, float* out, int nt,
+                       int inv) {
   const int64_t P = T * K;
   const int64_t esz = w_bf16 ? 2 : 4;
   int64_t* start = scratch(0, (size_t)(2 * E + 1 + P) * sizeof(int64_t));
@@ -506,7 +516,7 @@ int moe_experts_f32(const float* x, int64_t T, int64_t D, const int64_t* ids, co
     if (ids[p] >= 0 && ids[p] < E) order[fill[ids[p]]++] = p;
   /* Scratch: the dot-product path's rows (at most PANEL_MIN_ROWS - 1 of them), or one panel group
    * (as many panels as keep the gate/up GEMM's packed tokens near 1 MB, for L2) of each operand. */
-  const int panels = panel_path(rows, D, F);
+  const int panels = !inv && panel_path(rows, D, F);
   const int64_t small = panels ? PANEL_MIN_ROWS - 1 : rows;
   int64_t group = ((int64_t)1 << 20) / (D * NR * (int64_t)sizeof(float));
   group = (group < 1 ? 1 : group) * NR;
@@ -529,7 +539,7 @@ int moe_experts_f32(const float* x, int64_t T, int64_t D, const int64_t* ids, co
     const int64_t n = start[e + 1] - start[e];
     if (!n) continue;
     const int64_t* pe = order + start[e];
-    if (panel_path(n, D, F)) {
+    if (panels && panel_path(n, D, F)) {
       const char* w13e = (const char*)w13 + e * 2 * F * D * esz;
       const char* w2e = (const char*)w2 + e * D * F * esz;
       for (int64_t g0 = 0; g0 < n; g0 += group, panel_groups_run++)
@@ -538,12 +548,13 @@ int moe_experts_f32(const float* x, int64_t T, int64_t D, const int64_t* ids, co
       continue;
     }
     for (int64_t i = 0; i < n; i++) memcpy(xs + i * D, x + (pe[i] / K) * D, (size_t)D * sizeof(float));
-    gemm(xs, D, (int)n, (const char*)w13 + e * 2 * F * D * esz, w_bf16, D, (int)(2 * F), h, 2 * F, nt);
+    if (gemm(xs, D, (int)n, (const char*)w13 + e * 2 * F * D * esz, w_bf16, D, (int)(2 * F), h, 2 * F, nt, inv))
+      return -1;
     for (int64_t i = 0; i < n; i++) {
       const float* g = h + i * 2 * F;
       silu_mul_row(g, g + F, act + i * F, F);
     }
-    gemm(act, F, (int)n, (const char*)w2 + e * D * F * esz, w_bf16, F, (int)D, y, D, nt);
+    if (gemm(act, F, (int)n, (const char*)w2 + e * D * F * esz, w_bf16, F, (int)D, y, D, nt, inv)) return -1;
     for (int64_t i = 0; i < n; i++) {
       const float wt = wts[pe[i]];
       float* o = out + (pe[i] / K) * D;
@@ -553,6 +564,20 @@ int moe_experts_f32(const float* x, int64_t T, int64_t D, const int64_t* ids, co
     }
   }
   return 0;
+}
+
+/* Returns 0, or -1 when scratch memory could not be had (out is then untouched). */
+int moe_experts_f32(const float* x, int64_t T, int64_t D, const int64_t* ids, const float* wts, int64_t K,
+                    const void* w13, const void* w2, int w_bf16, int64_t E, int64_t F, float* out, int nt) {
+  return moe_experts(x, T, D, ids, wts, K, w13, w2, w_bf16, E, F, out, nt, 0);
+}
+
+/* The same, batch-invariant: a token's output is bitwise the same whatever else the batch holds
+ * (each (token, expert) row's sums in one order; a token's experts added in id order). Returns 0,
+ * or -1 without scratch memory (out may then be partly written). */
+int moe_experts_invariant_f32(const float* x, int64_t T, int64_t D, const int64_t* ids, const float* wts, int64_t K,
+                              const void* w13, const void* w2, int w_bf16, int64_t E, int64_t F, float* out, int nt) {
+  return moe_experts(x, T, D, ids, wts, K, w13, w2, w_bf16, E, F, out, nt, 1);
 }
 
 /* y[M, N] = x[M, K] @ w[N, K]^T (+ b) over float32 or bf16 weights (w_bf16) with N % 8 == 0, by the
@@ -595,7 +620,14 @@ int linear_panels_f32(const float* x, int64_t ldx, int64_t M, const void* w, int
 /* y[M, N] = x[M, K] @ w[N, K]^T for a few rows (decode): the weight (float32 or bf16) streamed once. */
 void linear_f32(const float* x, int64_t ldx, int64_t M, const void* w, int w_bf16, int64_t K, int64_t N, float* y,
                 int64_t ldy, int nt) {
-  gemm(x, ldx, (int)M, w, w_bf16, K, (int)N, y, ldy, nt);
+  gemm(x, ldx, (int)M, w, w_bf16, K, (int)N, y, ldy, nt, 0);
+}
+
+/* The same for any M, batch-invariant: each output's sum over k in one order (the dot-product
+ * tiles', see tile) whatever M is and wherever the row sits. Returns 0, or -1 without scratch. */
+int linear_invariant_f32(const float* x, int64_t ldx, int64_t M, const void* w, int w_bf16, int64_t K, int64_t N,
+                         float* y, int64_t ldy, int nt) {
+  return gemm(x, ldx, (int)M, w, w_bf16, K, (int)N, y, ldy, nt, 1);
 }
 
 /* Routing from T tokens' logits (T x E, float32): each token's K largest, largest first (ties: the

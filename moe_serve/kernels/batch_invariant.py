@@ -1,0 +1,175 @@
+"""Batch-invariant forms of the linear and expert backends (`--batch-invariant`).
+
+Contract: a token's output of each op is bitwise the same whatever else shares the call: how many
+rows there are, where the token's row sits, what the other rows hold. Then a request's tokens and
+logprobs do not depend on batch size, on where chunked prefill cuts its prompt, or on whether a
+token is computed in a decode step or recomputed inside a prefill after preemption.
+
+What breaks that by default, measured op by op (float32 and bf16 activations, 2 threads):
+- torch's GEMM (oneDNN/MKL): another kernel (GEMV, small-M, blocked GEMM) per row count, each
+  summing over k in its own order; torch's grouped GEMM likewise per expert row count;
+- our C linear: dot-product tiles up to 4 rows, the panel micro-kernel above (another order); bf16
+  weights: a lone row keeps a second accumulator for odd halves (moe.c `tile`);
+- our C experts: the panel path for an expert with 17 rows or more, which a batch decides;
+- torch's elementwise silu / sigmoid / softplus / gelu: a vectorised body and a scalar tail that
+  differ in the last bit, and which elements fall in the tail depends on the tensor's size.
+Norms (per-row reductions in torch and in C), the routers' top-k softmax, log_softmax and the
+sampler's other ops are per row already (checked by tests/models/test_batch_invariance.py).
+
+The forms here fix one reduction order per output element, independent of M:
+- `linear`: torch ops, one GEMV per row on a fresh row (same shape, same alignment every time);
+- `elementwise`: a row-wise op run on rows padded to whole vectors, in serial pieces, so every
+  element takes the vectorised path whatever the tensor's size;
+- C: `cpu_ops.linear_invariant` and `cpu_ops.moe_experts(invariant=True)` (dot-product tiles for
+  every M). They are slower than the default paths at prefill sizes; the default is untouched.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moe_serve.kernels import cpu_ops
+from moe_serve.kernels.grouped_gemm import CpuCExperts, TorchExperts
+from moe_serve.kernels.linear import CpuCLinear, TorchLinear
+
+# Whole vectors of torch's widest CPU loop (2 x 16 float32 lanes, AVX-512) and, below, elements per
+# serial piece: under torch's parallel grain (32768) a piece runs on one thread in one loop, whose
+# scalar tail a padded row never reaches.
+_LANES = 64
+_PIECE = 16384
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w^T (+ b) accumulated in float32, each row by its own GEMV, returned in x's dtype."""
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K)
+    wf = w if w.dtype == torch.float32 else w.float()
+    bf = None if b is None else b.float()
+    y = torch.empty(x2.shape[0], w.shape[0], dtype=torch.float32, device=x.device)
+    for i in range(x2.shape[0]):
+        # a fresh contiguous row: the GEMV sees the same shape and alignment whatever the batch
+        y[i] = F.linear(x2[i:i + 1].to(torch.float32, copy=True), wf, bf)[0]
+    return y.to(x.dtype).view(*x.shape[:-1], w.shape[0])
+
+
+def elementwise(fn, *xs: torch.Tensor) -> torch.Tensor:
+    """fn(*xs) for an elementwise fn over tensors of one shape, every element on torch's vectorised
+    path: rows (last dim) padded to whole vectors, run a few rows at a time."""
+    shape = xs[0].shape
+    D = shape[-1] if len(shape) else 1
+    Dp = -(-D // _LANES) * _LANES
+    rows = [x.reshape(-1, D) for x in xs]
+    n = rows[0].shape[0]
+    out = torch.empty(n, D, dtype=torch.promote_types(*[x.dtype for x in xs]) if len(xs) > 1 else xs[0].dtype,
+                      device=xs[0].device)
+    step = max(1, _PIECE // Dp)
+    for r0 in range(0, n, step):
+        parts = [F.pad(r[r0:r0 + step], (0, Dp - D)) for r in rows]
+        out[r0:r0 + step] = fn(*parts)[:, :D]
+    return out.view(shape)
+
+
+def _silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return F.silu(g) * u
+
+
+class InvariantTorchLinear(TorchLinear):
+    """TorchLinear's contract, batch-invariant (see the module docstring)."""
+
+    name = "torch+bi"
+    batch_invariant = True
+
+    def capturable(self) -> "InvariantTorchLinear":
+        return InvariantTorchLinear(self.device)
+
+    def __call__(self, x, w, b=None):
+        return linear(x, w, b)
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return elementwise(_silu_mul, gate, up)
+
+    def sigmoid(self, x: torch.Tensor) -> torch.Tensor:
+        return elementwise(torch.sigmoid, x)
+
+    def per_head(self, x_TNK: torch.Tensor, w_NOK: torch.Tensor) -> torch.Tensor:
+        # head by head through this backend's row-invariant linear (torch's batched GEMM is not)
+        return torch.stack([self(x_TNK[:, n], w_NOK[n]) for n in range(w_NOK.shape[0])], dim=1)
+
+
+class InvariantCpuCLinear(CpuCLinear):
+    """CpuCLinear's contract, batch-invariant: our C dot-product tiles for every row count where
+    they take the operands, else the torch form above (which a given layer always takes)."""
+
+    name = "cpu_c+bi"
+    batch_invariant = True
+
+    def capturable(self) -> InvariantTorchLinear:
+        return InvariantTorchLinear(self.device)
+
+    def __call__(self, x, w, b=None):
+        if cpu_ops.linear_invariant_fits(x, w):
+            y = cpu_ops.linear_invariant(x, w, b)
+            return y if y.dtype == x.dtype else y.to(x.dtype)
+        return linear(x, w, b)
+
+    silu_mul = InvariantTorchLinear.silu_mul
+    sigmoid = InvariantTorchLinear.sigmoid
+    per_head = InvariantTorchLinear.per_head
+
+
+def experts_torch(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, act=_silu_mul) -> torch.Tensor:
+    """fused_experts_reference's contract (ids outside [0, E) contribute nothing), batch-invariant:
+    each (token, expert) row through rowwise GEMVs, and a token's experts added in id order into a
+    float32 sum. act(gate, up): the gated activation, on rows padded to whole vectors."""
+    T, D = x_TD.shape
+    E, F2 = w13_EFD.shape[0], w13_EFD.shape[1]
+    out = torch.zeros(T, D, dtype=torch.float32, device=x_TD.device)
+    ids = topk_ids_TK.to(torch.int64)
+    for e in torch.unique(ids[(ids >= 0) & (ids < E)]).tolist():  # ascending: one order per token
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        h = linear(x_TD.index_select(0, tok).float(), w13_EFD[e])
+        a = elementwise(act, h[:, :F2 // 2].contiguous(), h[:, F2 // 2:].contiguous())
+        y = linear(a, w2_EDF[e])
+        out.index_put_((tok,), y * topk_weights_TK[tok, slot].float()[:, None], accumulate=True)
+    return out.to(x_TD.dtype)
+
+
+class InvariantTorchExperts(TorchExperts):
+    """TorchExperts' contract for dense SwiGLU experts, batch-invariant (`experts_torch`). Biases,
+    other activations and quantized experts are refused: they have no invariant form yet."""
+
+    name = "torch+bi"
+    batch_invariant = True
+    linear_backend = InvariantTorchLinear
+
+    def capturable(self) -> "InvariantTorchExperts":
+        return InvariantTorchExperts(self.device, host_reads=False)
+
+    def plain(self, x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, all_local: bool) -> torch.Tensor:
+        return experts_torch(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK)
+
+    def variant(self, x_TD, w13, w2, topk_weights_TK, topk_ids_TK, w13_bias, w2_bias, activation):
+        raise ValueError(f"--batch-invariant: the {self.name.split('+')[0]} experts backend has no batch-invariant "
+                         f"form for experts with biases, activation {activation!r} or quantized weights")
+
+
+class InvariantCpuCExperts(CpuCExperts):
+    """CpuCExperts' contract, batch-invariant: our C kernel's dot-product tiles for every expert
+    whatever its row count (`cpu_ops.moe_experts(invariant=True)`), else `experts_torch`."""
+
+    name = "cpu_c+bi"
+    batch_invariant = True
+    linear_backend = InvariantCpuCLinear
+
+    def capturable(self) -> InvariantTorchExperts:
+        return InvariantTorchExperts(self.device, host_reads=False)
+
+    def plain(self, x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, all_local: bool) -> torch.Tensor:
+        if (x_TD.is_cpu and x_TD.dtype in (torch.float32, torch.bfloat16) and w13_EFD.is_contiguous()
+                and w2_EDF.is_contiguous() and w13_EFD.dtype in (torch.float32, torch.bfloat16)
+                and w2_EDF.dtype == w13_EFD.dtype and cpu_ops.available()):
+            out = cpu_ops.moe_experts(x_TD.float(), w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, invariant=True)
+            return out if out.dtype == x_TD.dtype else out.to(x_TD.dtype)
+        return experts_torch(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK)
+
+    variant = InvariantTorchExperts.variant
