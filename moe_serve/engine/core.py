@@ -59,7 +59,7 @@ def build_engine(cfg: EngineConfig, ep_group=None, show_progress: bool = True) -
     num_slots = expert_slots(cfg, placement)
     moe_ctx = make_moe_context(cfg, num_slots, placement, ep_group)
     ops = platform.resolve_ops(cfg.device, cfg.moe_backend, cfg.attention_backend, cfg.linear_backend,
-                               cfg.norm_backend, cfg.linear_attention_backend)
+                               cfg.norm_backend, cfg.linear_attention_backend, cfg.batch_invariant)
     started = time.perf_counter()
     model = build_model(cfg, moe_ctx, ops)
     load_model_weights(model, cfg, show_progress)
