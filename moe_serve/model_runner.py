@@ -60,19 +60,16 @@ class ModelRunner:
         self.pad_sizes = pad_sizes  # the decode padding ladder ([] when decode steps are not padded)
         self.graphs = graphs  # one captured graph per ladder size, or None (eager)
         # Speculative decoding's verify steps (every sequence its last token and K drafts): their
-        # tokens per sequence, ladder and graphs, set by runner/graphs.py (none: 0, [], None).
+        # tokens per sequence, ladder and graphs, set by spec_decode/verify.py (none: 0, [], None).
         self.verify_q, self.verify_pad_sizes, self.verify_graphs = 0, [], None
         # Expert-load hooks (moe_layer_index, logical top-k ids): the engine's recorder and the
         # online rebalancer add theirs; each step's MoEStep carries them to the MoE layers.
         self.load_hooks: list[Callable[[int, torch.Tensor], None]] = []
         self._bitmask = None  # BitmaskFiller, made on the first constrained step
-        # MTP speculative decoding: the drafter, and the last step's hidden states and inputs it reads.
-        self.drafter = None
-        if getattr(model, "mtp", None) is not None:
-            from moe_serve.spec_decode.mtp import MtpDrafter
-
-            self.drafter = MtpDrafter(model, batch, cfg.speculative.num_speculative_tokens, moe_ctx)
+        # A proposer that reads each step's hidden states and inputs (MTP's) sets keep_last_step.
+        self.keep_last_step = False
         self._last_step = None
+        self._state_snaps = {}  # speculative decoding's copies of per-sequence state (snapshot_states)
 
     def warm_up_kernels(self) -> set:
         """Compile every Triton kernel variant this model's layers can launch; their compile keys."""
@@ -149,7 +146,7 @@ class ModelRunner:
             if pad_to is not None:
                 self._log_padding(len(pieces), pad_q, pad_to)
             h = self.model(*step.batches[0], moe)
-        if self.drafter is not None:
+        if self.keep_last_step:
             self._last_step = (h, step, moe, pieces)
         return h, step
 
@@ -167,7 +164,6 @@ class ModelRunner:
         uniform_len: see `_pad_to`."""
         pieces = self.batch.update(out)
         self._copy_states(out.state_copies)
-        self._snapshot_states(out)
         h, step = self._forward(pieces, max_tokens_any_rank, uniform_len)
         prompt_lps = self._prompt_logprobs(h, step) if step.prompt_lp_indices_P is not None else {}
         if step.sampling is None:
@@ -209,23 +205,19 @@ class ModelRunner:
                 for cache in layer.caches:
                     cache[dst].copy_(cache[src])
 
-    def _snapshot_states(self, out: SchedulerOutput) -> None:
-        """Copies of the per-sequence state (linear attention) of every request that verifies
-        drafts this step, taken before the forward advances it over them: speculative decoding's
-        rollback for state that is updated in place token by token (`restore_states`)."""
+    @torch.inference_mode()
+    def snapshot_states(self, requests) -> None:
+        """Copies of these requests' per-sequence state (linear attention), in place of the last
+        step's: taken before a forward advances it (spec_decode/rollback.py decides whose)."""
         self._state_snaps = {}
-        if not self.state_layers:
-            return
-        for s in out.scheduled:
-            if s.draft_ids:
-                slot = s.request.state_slot
-                self._state_snaps[s.request.request_id] = (
-                    slot, [cache[slot].clone() for layer in self.state_layers for cache in layer.caches])
+        for req in requests:
+            slot = req.state_slot
+            self._state_snaps[req.request_id] = (
+                slot, [cache[slot].clone() for layer in self.state_layers for cache in layer.caches])
 
     def restore_states(self, request_ids) -> None:
-        """Put back the states `_snapshot_states` copied for these requests (their drafts were not
-        all accepted): the state is as before the step, and the scheduler has the piece's tokens
-        computed again."""
+        """Put back the states `snapshot_states` copied for these requests: each state is as it was
+        before the step."""
         for rid in request_ids:
             slot, saved = self._state_snaps[rid]
             caches = [cache for layer in self.state_layers for cache in layer.caches]
@@ -238,14 +230,11 @@ class ModelRunner:
                 for cache in layer.caches:
                     cache[int(slot)].zero_()
 
-    def propose_drafts(self, draft_rows: list[tuple[int, int, int]], sampled: list[int]) -> dict[int, list[int]]:
-        """MTP drafts after the last step (empty or not: with expert parallelism every rank runs the
-        drafter's passes each step). draft_rows: (batch row, packed index of the last accepted
-        token, its position) per request that decodes next; sampled: the step's sampled tokens in
-        sampling-row order. Returns {batch row: drafts}."""
-        h, step, moe, pieces = self._last_step
-        self._last_step = None
-        return self.drafter.propose(h, step, moe, self.batch.next_token_ids(pieces, sampled), draft_rows)
+    def take_last_step(self) -> tuple:
+        """The last step's (hidden states, StepInputs, MoEStep, pieces), empty step or not, kept
+        where keep_last_step is set (a proposer reads them); given once."""
+        last, self._last_step = self._last_step, None
+        return last
 
     @torch.inference_mode()
     def execute_empty(self, max_tokens_any_rank: int | None = None, uniform_len: int | bool | None = True) -> None:

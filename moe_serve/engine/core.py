@@ -26,21 +26,21 @@ from expert_parallel.runtime.layer import MoEContext, num_default_slots
 from moe_serve.config import EngineConfig
 from moe_serve.engine.features import FeatureContext, FeatureSet, build_features
 from moe_serve.engine.features.access import FeatureAccess
-from moe_serve.engine.step_parts import accept_sampled, keep_prompt_logprobs, mtp_drafts, request_output
+from moe_serve.engine.step_parts import accept_sampled, keep_prompt_logprobs, request_output
 from moe_serve.limits import check_request
 from moe_serve.model_runner import ModelRunner, make_input_batch
 from moe_serve.models.registry import num_logical_experts
 from moe_serve import platform
 from moe_serve.platform import deepep_support
-from moe_serve.protocol import (CacheEvents, EngineCoreOutput, EngineStats, NewRequest, SchedulerStats,
-                                SpecDecodeStats)
+from moe_serve.protocol import CacheEvents, EngineCoreOutput, EngineStats, NewRequest, SchedulerStats
 from moe_serve.request import Request, RequestStatus
-from moe_serve.runner.graphs import capture_decode_graphs, capture_verify_graphs, captures_graphs
+from moe_serve.runner.graphs import capture_decode_graphs, captures_graphs
 from moe_serve.runner.loading import build_model, load_model_weights, prepare_weights, warm_up_before_serving
 from moe_serve.runner.memory import KVCacheSize, attention_layers, init_kv_cache, profile_memory, size_kv_cache
 from moe_serve.sampler import Sampler
 from moe_serve.speed_of_light import DecodeMeter, device_bandwidth
 from moe_serve.spec_decode import Speculator
+from moe_serve.spec_decode.verify import attach_verify_graphs
 from moe_serve.scheduler import Scheduler, SchedulerOutput
 from moe_serve.structured_output.grammar import GrammarManager
 from moe_serve.tokenizer import Tokenizer
@@ -76,8 +76,7 @@ def build_engine(cfg: EngineConfig, ep_group=None, show_progress: bool = True) -
     batch = make_input_batch(cfg, kv)
     pad_sizes, graphs = capture_decode_graphs(model, cfg, moe_ctx, batch, kv, capture)
     runner = ModelRunner(cfg, moe_ctx, model, weight_bytes, attn_layers, kv, sampler, batch, pad_sizes, graphs)
-    runner.verify_q, runner.verify_pad_sizes, runner.verify_graphs = \
-        capture_verify_graphs(model, cfg, moe_ctx, batch, kv, capture and graphs is not None)
+    attach_verify_graphs(runner, kv, capture and graphs is not None)  # speculative decoding's verify steps
     max_model_len = serving_max_model_len(cfg, kv.token_capacity(cfg.cache.block_size))
     scheduler = make_scheduler(cfg, kv, max_model_len)
     eos = eos_token_ids(cfg)
@@ -209,7 +208,7 @@ class EngineCore(FeatureAccess):
         self.num_generation_tokens = 0
         self.num_steps = 0
         self.features = FeatureSet(features)  # the step features (moe_serve/engine/features/)
-        self.spec = Speculator(cfg.speculative, max_model_len)  # speculative decoding's drafts and counts
+        self.spec = Speculator(cfg.speculative, max_model_len, runner)  # speculative decoding (spec_decode/)
         scheduler.lookahead_tokens = self.spec.lookahead_tokens
 
     def set_max_model_len(self, n: int) -> None:
@@ -317,18 +316,18 @@ class EngineCore(FeatureAccess):
         if out.is_empty:
             if lockstep:
                 self._forward(out, max_tokens_any_rank, uniform_len)
-                if self.runner.drafter is not None:  # its passes are collective under EP
-                    self.runner.propose_drafts([], [])
+                self.spec.propose_empty()  # a proposer that runs the model enters its collectives
             return []
         self._count_step(out)
+        self.spec.before_forward(out)
         result = self._forward(out, max_tokens_any_rank, uniform_len)
         sampled, logprobs, sampled_reqs, last_accepted = accept_sampled(out, result, self.spec)
-        rollback = self._rollback(out, sampled)
+        rollback = self.spec.rollback(out, sampled)
         keep_prompt_logprobs(out, result)  # before the update: a request that ends in this step sends them now
         now = time.monotonic()
         self.scheduler.update(out, sampled, rollback)
         outputs = self._outputs(sampled_reqs, logprobs, now)
-        self._propose(out, result, last_accepted)
+        self.spec.after_step(self.scheduler.running, out, result, last_accepted)  # the next step's drafts
         for hook in self.features.hooks.on_outputs:
             outputs = hook(outputs)
         return outputs
@@ -355,16 +354,6 @@ class EngineCore(FeatureAccess):
             hook(out, result, seconds)
         return result
 
-    def _rollback(self, out: SchedulerOutput, sampled: dict) -> set[str]:
-        """Per-sequence state (linear attention) advanced over rejected drafts: restore it to before
-        the step and recompute the accepted tokens in the next one (ModelRunner.restore_states)."""
-        rollback = {s.request.request_id for s in out.scheduled
-                    if s.samples and s.draft_ids and len(sampled[s.request.request_id]) <= len(s.draft_ids)}
-        if rollback and self.runner.state_layers:
-            self.runner.restore_states(rollback)
-            return rollback
-        return set()
-
     def _outputs(self, sampled_reqs: list, logprobs: dict, now: float) -> list[EngineCoreOutput]:
         outputs = []
         for r, before in sampled_reqs:
@@ -375,28 +364,17 @@ class EngineCore(FeatureAccess):
             outputs.append(request_output(r, new, logprobs[r.request_id][:len(new)], before, now))
         return outputs
 
-    def _propose(self, out: SchedulerOutput, result, last_accepted: dict[str, int]) -> None:
-        """The next step's drafts: the MTP drafter (every step: its passes are collective under EP)
-        or the engine-side proposer."""
-        if self.runner.drafter is not None:
-            mtp_drafts(self, out, result.token_ids, last_accepted)
-        elif self.spec.proposer is not None:
-            self.spec.propose(self.scheduler.running)
-
     # --- stats ----------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
-        s, a, spec = self.scheduler, self.allocator, self.spec
+        s, a = self.scheduler, self.allocator
         sched = SchedulerStats(
             num_running=len(s.running), num_waiting=len(s.waiting) + len(self._awaiting_grammar),
             kv_cache_usage=a.usage, prefix_cache_hit_rate=a.hit_rate, num_preemptions=s.num_preemptions,
             prompt_tokens=self.num_prompt_tokens, generation_tokens=self.num_generation_tokens,
             num_steps=self.num_steps, prefix_cache_queries=a.lookup_tokens, prefix_cache_hits=a.hit_tokens,
             kv_blocks_in_use=s.kv.in_use)
-        spec_stats = SpecDecodeStats(num_drafts=spec.num_drafts, num_draft_tokens=spec.num_draft_tokens,
-                                     num_accepted_tokens=spec.num_accepted_tokens,
-                                     accepted_per_pos=list(spec.accepted_per_pos))
         parts, others = self.features.stats(FEATURE_PARTS)
-        return EngineStats(scheduler=sched, spec_decode=spec_stats, features=others, **parts)
+        return EngineStats(scheduler=sched, spec_decode=self.spec.stats(), features=others, **parts)
 
     def track_cache_events(self) -> None:
         """Keep the prefix cache's changes for take_cache_events (a data-parallel rank's reports)."""

@@ -1,6 +1,5 @@
 """The pieces of EngineCore.execute that read and write requests: which sampled tokens a step keeps
-(speculative drafts verified), prompt logprobs kept for the first output, one request's output,
-and the MTP drafter's drafts for the next step."""
+(speculative drafts verified), prompt logprobs kept for the first output, one request's output."""
 from __future__ import annotations
 
 from moe_serve.protocol import EngineCoreOutput, TokenLogprob
@@ -52,20 +51,3 @@ def request_output(r, new: list[int], lps: list, before: int, now: float) -> Eng
         [TokenLogprob(t, lp[0], lp[1]) for t, lp in zip(new, lps)] if lps and lps[0] else None,
         r.num_cached_prompt_tokens, prompt_logprobs=prompt_lps)
 
-
-def mtp_drafts(core, out, sampled: list[int], last_accepted: dict[str, int]) -> None:
-    """Run the MTP drafter after a step (every step: its passes are collective under EP) and
-    give each request that decodes next its drafts."""
-    batch = core.runner.batch
-    rows, reqs = [], []
-    for s in out.scheduled:
-        r = s.request
-        j = last_accepted.get(r.request_id)
-        if j is None or r.is_finished or r.num_computed_tokens != r.num_tokens - 1:
-            continue
-        row = batch.row_of[r.request_id]
-        rows.append((row, batch.last_logits_idx[j], r.num_computed_tokens - 1))
-        reqs.append((r, row))
-    drafts = core.runner.propose_drafts(rows, sampled)
-    for r, row in reqs:
-        core.spec.set_drafts(r, drafts.get(row, []))

@@ -1,6 +1,7 @@
 """Which decode steps are padded to the capture ladder, and the capture of one CUDA graph (on the
 CPU a recording, moe_serve/cpu_graph.py) per ladder size (moe_serve/cuda_graph.py has the ladder,
-the capture and the replay; `ModelRunner` pads and replays). Steps of `build_engine`, in its order."""
+the capture and the replay; `ModelRunner` pads and replays). Steps of `build_engine`, in its order.
+Speculative decoding's verify steps get their own ladder and graphs: moe_serve/spec_decode/verify.py."""
 from __future__ import annotations
 
 import logging
@@ -89,35 +90,3 @@ def capture_decode_graphs(model: nn.Module, cfg: EngineConfig, moe_ctx: MoEConte
                     graphs.memory_bytes / 2**20, est / 2**20)
     return pad_sizes, graphs
 
-
-def capture_verify_graphs(model: nn.Module, cfg: EngineConfig, moe_ctx: MoEContext, batch: InputBatch,
-                          kv: KVCacheSize, capture: bool) -> tuple[int, list[int], cuda_graph.DecodeGraphs | None]:
-    """Speculative decoding's verify steps (every sequence its last token and K drafts: q = 1 + K
-    tokens each) as decode steps are: padded to their own ladder where graphs are captured (or
-    pad_decode forces it), and one graph per size captured. Returns (q, ladder, graphs); (0, [],
-    None) without speculative decoding, or where a block cannot hold q tokens (the padded rows sit
-    in the scratch block). Steps with fewer drafts for some sequence, or mixed with prefill
-    chunks, run eagerly. After the decode graphs (the same pool rules, the same agreement)."""
-    gc, spec = cfg.graphs, cfg.speculative
-    if cfg.device.type == "cpu":
-        capture = False  # CPU recordings hold decode steps only (verify steps attend as prefills do)
-    pad = capture if gc.pad_decode is None else gc.pad_decode
-    if spec is None or not pad:
-        return 0, [], None
-    q = 1 + spec.num_speculative_tokens
-    if q > cfg.cache.block_size:
-        log.info("verify steps of %d tokens per sequence run eagerly: a cache block holds %d", q, cfg.cache.block_size)
-        return 0, [], None
-    sizes = cuda_graph.verify_capture_sizes(cfg.scheduler.max_num_seqs, gc.max_capture_size, q)
-    if not capture:
-        return q, sizes, None
-    graphs = cuda_graph.DecodeGraphs(model, sizes, batch.max_blocks, cfg.cache.block_size, batch.max_model_len,
-                                     kv.scratch_block, cfg.device, kv.group_scratch, kv.state_scratch, query_len=q)
-    try:
-        graphs.capture(cuda_graph.capture_agreement(moe_ctx.dispatcher))
-    except Exception as e:  # noqa: BLE001 - as for decode graphs: verify steps stay eager
-        log.warning("verify CUDA graph capture failed, running verify steps eagerly%s: %s: %s",
-                    " (still padded: pad_decode)" if gc.pad_decode else " and unpadded", type(e).__name__,
-                    str(e)[:300])
-        return (q, sizes, None) if gc.pad_decode else (0, [], None)
-    return q, sizes, graphs

@@ -262,7 +262,7 @@ def profile_graph_memory(model: nn.Module, attn_layers: list, cfg: EngineConfig,
     bs, dev = cfg.cache.block_size, cfg.device
     ladders = [(1, cuda_graph.capture_sizes(cfg.scheduler.max_num_seqs, cfg.graphs.max_capture_size))]
     spec = cfg.speculative
-    if spec is not None and 1 + spec.num_speculative_tokens <= bs:  # verify graphs (runner/graphs.py)
+    if spec is not None and 1 + spec.num_speculative_tokens <= bs:  # verify graphs (spec_decode/verify.py)
         q = 1 + spec.num_speculative_tokens
         ladders.append((q, cuda_graph.verify_capture_sizes(cfg.scheduler.max_num_seqs, cfg.graphs.max_capture_size,
                                                            q)))

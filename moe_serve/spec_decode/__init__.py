@@ -1,4 +1,4 @@
-"""Speculative decoding: draft tokens proposed on the host, verified by one target forward.
+"""Speculative decoding: draft tokens proposed after each step, verified by one target forward.
 
 A running request in decode may carry draft tokens (`Request.spec_token_ids`). The scheduler then
 schedules its last known token plus the drafts as one piece of 1 + k tokens (each a token of the
@@ -16,19 +16,24 @@ Rollback: the cache holds K/V of all 1 + k tokens after the step, but the reques
 only the tokens that were accepted (`num_computed_tokens`); the slots past it are overwritten by the
 next step before anything reads them, and blocks are registered for prefix caching only up to it.
 Models with per-sequence state (linear attention) update it in place for every token of a piece:
-the runner keeps a copy of each verifying sequence's state before the step, and where a draft was
-rejected puts it back and the scheduler counts the piece as not computed, so the accepted tokens
-are computed again (as a chunk) in the next step; when every draft is accepted nothing is undone.
+that state is copied before the step and put back where a draft was rejected (`rollback.py`).
 
-Methods: "ngram" (prompt lookup: `ngram.propose`, on the host before the step) and "mtp" (the
-checkpoint's multi-token-prediction layer, run by the model runner after each step: `mtp.py`;
-the scheduler reserves cache slots for its chained passes, `lookahead_tokens`).
+The package's parts: `base.py` the `Proposer` interface (the contract every method keeps),
+`speculator.py` the `Speculator` the engine core calls (the method's proposer, made by
+`make_proposer`; draft budgets, rollback, counts), `rollback.py` (per-sequence state), `verify.py`
+(verify steps padded to their own graph ladder, and its graphs captured). Methods: "ngram" (prompt
+lookup on the host: `ngram.py`) and "mtp" (the checkpoint's multi-token-prediction layer, run after
+every step on every EP rank: `mtp.py`; the scheduler reserves cache slots for its chained passes,
+`lookahead_tokens`).
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 
+from moe_serve.spec_decode.speculator import Speculator, make_proposer
+
+__all__ = ["METHODS", "SpeculativeConfig", "Speculator", "accept", "make_proposer"]
 METHODS = ("ngram", "mtp")
 _KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
 
@@ -88,64 +93,3 @@ def accept(sampled: list[int], drafts: list[int]) -> list[int]:
     while n < len(drafts) and sampled[n] == drafts[n]:
         n += 1
     return sampled[:n + 1]
-
-
-class Speculator:
-    """An engine core's drafts and their counts. `propose` gives each running request in decode its
-    drafts for the next step; `record` counts a verified piece (vLLM's metrics, per rank)."""
-
-    def __init__(self, cfg: SpeculativeConfig | None, max_model_len: int):
-        self.cfg, self.max_model_len = cfg, max_model_len
-        self.proposer = None
-        if cfg is not None and cfg.method == "ngram":
-            from moe_serve.spec_decode.ngram import propose
-
-            self.proposer = propose
-        k = cfg.num_speculative_tokens if cfg is not None else 0
-        self.num_drafts = 0  # pieces verified with at least one draft token
-        self.num_draft_tokens = 0
-        self.num_accepted_tokens = 0
-        self.accepted_per_pos = [0] * k  # how often the draft at position j was accepted
-
-    def record(self, k: int, accepted: int) -> None:
-        self.num_drafts += 1
-        self.num_draft_tokens += k
-        self.num_accepted_tokens += accepted
-        for j in range(accepted):
-            self.accepted_per_pos[j] += 1
-
-    @property
-    def lookahead_tokens(self) -> int:
-        """Cache slots a piece that samples reserves past its last token: MTP's chained passes
-        write positions up to K - 1 past it."""
-        cfg = self.cfg
-        return cfg.num_speculative_tokens - 1 if cfg is not None and cfg.method == "mtp" else 0
-
-    def draft_budget(self, req) -> int:
-        """How many drafts req may carry: at most num_speculative_tokens, and never more than its
-        remaining output allows (the verified step emits one token past them) nor past the
-        context limit."""
-        return min(self.cfg.num_speculative_tokens, req.max_new_tokens - req.num_output_tokens - 1,
-                   self.max_model_len - req.num_tokens)
-
-    def set_drafts(self, req, drafts: list[int]) -> None:
-        """req's drafts for its next step, cut to its budget and to what its grammar allows."""
-        drafts = drafts[:max(0, self.draft_budget(req))]
-        if drafts and req.grammar is not None:
-            drafts = req.grammar.allowed_prefix(drafts)
-        req.spec_token_ids = drafts
-
-    def propose(self, running) -> None:
-        """N-gram drafts for every running request that decodes next."""
-        cfg = self.cfg
-        for req in running:
-            if req.num_computed_tokens != req.num_tokens - 1:
-                req.spec_token_ids = []
-                continue
-            k = self.draft_budget(req)
-            drafts = self.proposer(req.all_token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max) if k > 0 else []
-            self.set_drafts(req, drafts)
-
-    def mean_acceptance_length(self) -> float:
-        """Tokens emitted per verified piece: 1 + accepted drafts per piece."""
-        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0

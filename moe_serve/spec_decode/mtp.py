@@ -20,6 +20,9 @@ same block tables). How a step drafts (`MtpDrafter.propose`):
    (`lookahead_tokens`); the next step's pass 1 rewrites them with the verified tokens before any
    read, which is also how rejected drafts roll back here.
 
+`MtpProposer` is this method's `Proposer` (spec_decode/base.py): it takes the step's hidden states
+and inputs the model runner kept (`ModelRunner.take_last_step`) and runs the drafter over them.
+
 Drafts are the argmax, one token per position, so verification by sampling and comparing
 (spec_decode.accept) keeps greedy output identical and sampled output exactly distributed. With
 expert parallelism every rank runs pass 1 and K - 1 further passes in every step (empty ones where
@@ -41,6 +44,7 @@ from expert_parallel.runtime.step import NO_STEP, MoEStep
 from moe_serve.layers.embedding import LMHead
 from moe_serve.layers.linear import Linear
 from moe_serve.layers.norm import RMSNorm
+from moe_serve.spec_decode.base import Proposer, StepView, decodes_next
 
 
 def one_mtp_layer(hf: dict) -> int:
@@ -170,3 +174,38 @@ class MtpDrafter:
             for b, tok in zip(alive, d):
                 result[rows[b]].append(int(tok))
         return result
+
+
+class MtpProposer(Proposer):
+    """MTP drafts after every step, empty or not: under expert parallelism every rank runs the
+    drafter's passes each step (its MoE block is collective). Asks the runner to keep each step's
+    hidden states and inputs, which the passes read."""
+
+    def __init__(self, runner, k: int):
+        self.runner, self.batch = runner, runner.batch
+        self.drafter = MtpDrafter(runner.model, runner.batch, k, runner.moe_ctx)
+        self.lookahead_tokens = k - 1  # the chained passes write up to K - 1 positions past a piece
+        runner.keep_last_step = True
+
+    def propose(self, view: StepView):
+        rows, reqs = [], []
+        for s in view.out.scheduled:
+            r = s.request
+            j = view.last_accepted.get(r.request_id)
+            if j is None or r.is_finished or not decodes_next(r):
+                continue
+            row = self.batch.row_of[r.request_id]
+            rows.append((row, self.batch.last_logits_idx[j], r.num_computed_tokens - 1))
+            reqs.append((r, row))
+        drafts = self._run(rows, view.result.token_ids)
+        return [(r, drafts.get(row, [])) for r, row in reqs]
+
+    def propose_empty(self) -> None:
+        self._run([], [])
+
+    def _run(self, draft_rows: list[tuple[int, int, int]], sampled: list[int]) -> dict[int, list[int]]:
+        """draft_rows: (batch row, packed index of the last accepted token, its position) per
+        request that decodes next; sampled: the step's sampled tokens in sampling-row order.
+        Returns {batch row: drafts}."""
+        h, step, moe, pieces = self.runner.take_last_step()
+        return self.drafter.propose(h, step, moe, self.batch.next_token_ids(pieces, sampled), draft_rows)

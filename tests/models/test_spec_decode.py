@@ -200,7 +200,7 @@ def test_linear_attention_state_rolls_back(extra_checkpoints, arch):
         bad = len(tokens) % (k + 2)
         return [t if j < bad else (t + 1) % VOCAB for j, t in enumerate(drafts)]
 
-    spec.engine.spec.proposer = oracle
+    spec.engine.spec.proposer.lookup = oracle
     got = [o.outputs[0].token_ids for o in spec.generate(prompts, sp, use_tqdm=False)]
     assert got == want
     s = spec.engine.spec

@@ -12,6 +12,7 @@ import torch
 from moe_serve import cuda_graph
 from moe_serve.config import GraphConfig
 from moe_serve.runner import graphs, memory
+from moe_serve.spec_decode import verify
 
 
 class CompileError(Exception):
@@ -53,7 +54,7 @@ def test_failed_verify_capture_runs_eagerly(monkeypatch, caplog, pad_decode, pad
     kv = SimpleNamespace(scratch_block=0, group_scratch={}, state_scratch=None, graph_estimate_bytes=0)
     batch = SimpleNamespace(max_blocks=4, max_model_len=64)
     cfg = _cfg(pad_decode, SpeculativeConfig("mtp", 2))
-    got = graphs.capture_verify_graphs(None, cfg, SimpleNamespace(dispatcher=None), batch, kv, True)
+    got = verify.capture_verify_graphs(None, cfg, SimpleNamespace(dispatcher=None), batch, kv, True)
     assert got == ((3, cuda_graph.verify_capture_sizes(8, None, 3), None) if padded else (0, [], None))
     assert "verify CUDA graph capture failed" in caplog.text and "CompileError" in caplog.text
 
