@@ -120,11 +120,13 @@ class BlockAllocator:
         if self.cached.setdefault(block_hash, block_id) == block_id and self.events is not None:
             self.events[block_hash] = True
 
-    def reset_prefix_cache(self) -> None:
+    def reset_prefix_cache(self, held: bool = False) -> None:
+        """Forget the cached prefixes of free blocks; held: those of referenced blocks too (their
+        contents were made by weights no longer served; they are simply freed later)."""
         for bid in range(self.num_blocks):
-            if self.ref_cnt[bid] == 0:
+            if held or self.ref_cnt[bid] == 0:
                 self.block_hash[bid] = None
-        kept = {h: b for h, b in self.cached.items() if self.ref_cnt[b] > 0}
+        kept = {} if held else {h: b for h, b in self.cached.items() if self.ref_cnt[b] > 0}
         if self.events is not None:
             self.events.update((h, False) for h in self.cached if h not in kept)
         self.cached = kept

@@ -341,6 +341,9 @@ class EngineOutput(msgspec.Struct):
     num_output_tokens: int = 0
     prompt_logprobs: list[TokenLogprob] | None = None  # see EngineCoreOutput.prompt_logprobs
     routed_experts: RoutedExpertRows | None = None  # see EngineCoreOutput.routed_experts
+    # The weights that made these tokens: the front end stamps each output as it arrives (an
+    # update's answer comes after the outputs of the steps before it and before those after it).
+    weight_version: str | None = None
 
 
 input_encoder = msgspec.msgpack.Encoder()

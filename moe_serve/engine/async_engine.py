@@ -77,7 +77,7 @@ class AsyncEngine(CoreChannel, ElasticMembers, PrefillFetch):
             load_balance_method = "least_load"
         self.router = Router(self.world_size, ready[0].block_size, load_balance_method, load_margin, cache_threshold)
         self._ids = itertools.count()
-        self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future, Callable | None]] = {}
         self._call_ids = itertools.count()
         self.rank_stats = [EngineStats() for _ in range(self.world_size)]
         self._stop = False
@@ -159,14 +159,17 @@ class AsyncEngine(CoreChannel, ElasticMembers, PrefillFetch):
                     self._inbox.put((rank, NewRequest(cid, list(ids), cp, kv), self.generation))
         return stream
 
-    async def call(self, method: str, arg: int = 0, data: bytes = b"", timeout_s: float = 60.0) -> bytes:
+    async def call(self, method: str, arg: int = 0, data: bytes = b"", timeout_s: float = 60.0,
+                   on_success: Callable[[], None] | None = None) -> bytes:
         """A utility call answered by rank 0's core (expert-load recording start/stop/dump, scale,
-        weight updates: `data` its JSON arguments); TimeoutError after timeout_s."""
+        weight updates: `data` its JSON arguments); TimeoutError after timeout_s. on_success runs
+        in the receiver thread as a successful answer arrives, before any later output is handed
+        out (a weight update's new weight_version stamps exactly the tokens made after it)."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         cid = next(self._call_ids)
         with self._lock:
-            self._calls[cid] = (loop, fut)
+            self._calls[cid] = (loop, fut, on_success)
         self._inbox.put((0, UtilityCall(cid, method, arg, data)))
         return await asyncio.wait_for(fut, timeout=timeout_s)
 
@@ -283,6 +286,7 @@ class AsyncEngine(CoreChannel, ElasticMembers, PrefillFetch):
                     elif o.new_token_ids:
                         self._owner[o.request_id] = (own[0], own[1] - len(o.new_token_ids))
                         self._rank_load[own[0]] -= len(o.new_token_ids)
+                o.weight_version = self.weight_version
                 dest = self._queues.get(o.request_id)
                 if dest is not None:
                     dest[0].call_soon_threadsafe(dest[1].put_nowait, o)
@@ -297,7 +301,9 @@ class AsyncEngine(CoreChannel, ElasticMembers, PrefillFetch):
             dest = self._calls.pop(msg.call_id, None)
         if dest is None:
             return
-        loop, fut = dest
+        loop, fut, on_success = dest
+        if on_success is not None and not msg.error:
+            on_success()
 
         def resolve():
             if fut.done():
@@ -328,6 +334,7 @@ class RequestStream:
         self.prompt_logprobs: list[list | None] = [None] * len(self.child_ids)
         # Per choice, with params.return_routed_experts: its rows so far (moe_serve/routed_experts.py).
         self.routed_experts: list = [None] * len(self.child_ids)
+        self.weight_version = engine.weight_version  # that of the latest output (every chunk carries it)
         self.t0 = time.monotonic()
         self.first: float | None = None
         self.closed = False
@@ -350,6 +357,8 @@ class RequestStream:
             self.prompt_logprobs[self._index[out.request_id]] = out.prompt_logprobs
         if out.routed_experts is not None:
             self._add_routed_experts(self._index[out.request_id], out.routed_experts)
+        if out.weight_version is not None:
+            self.weight_version = out.weight_version
         if out.finished:
             self.open_ids.discard(out.request_id)
         return self._index[out.request_id], out

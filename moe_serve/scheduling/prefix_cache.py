@@ -8,6 +8,8 @@ from __future__ import annotations
 from attention.blocks import hash_block
 from moe_serve.request import Request
 
+_NEVER = 1 << 62  # a request's count of registered blocks that no block count reaches
+
 
 class PrefixCacheAdmission:
     """Mixed into `Scheduler`, whose `kv` (the cache manager), `alloc` (group 0's allocator) and
@@ -76,6 +78,22 @@ class PrefixCacheAdmission:
         self.kv.free(req)
         req.num_computed_tokens = 0
         self._registered[req.request_id] = 0
+
+    def forget_prefixes(self, live: bool = False) -> int:
+        """Forget the cached prefixes (every block group's and the state snapshots); returns how
+        many were forgotten. live: after the weights changed, also those of blocks live requests
+        hold, and those requests register no more blocks: all their KV was written by, or attends
+        over, the old weights (a preempted one recomputes, and registers again from its new KV)."""
+        allocs = list(self.kv.allocs) + ([self.kv.state] if self.kv.state is not None else [])
+        n = 0
+        for alloc in allocs:
+            before = len(alloc.cached)
+            alloc.reset_prefix_cache(held=live)
+            n += before - len(alloc.cached)
+        if live:
+            for rid in self._registered:
+                self._registered[rid] = _NEVER
+        return n
 
     def _register_full_blocks(self, req: Request) -> None:
         """Hash and register the blocks that became full since the last call (once each)."""

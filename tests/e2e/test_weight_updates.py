@@ -1,10 +1,13 @@
 """Weights replaced while serving, from a trainer's broadcast and from disk, and sleep / wake, on a
-live single-process server; the oracle is transformers run on the same weights."""
+live single-process server; the oracle is transformers run on the same weights. Every streamed
+chunk names the weights that made its tokens, exactly where an update lands mid-stream."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import os
 import shutil
+import threading
 
 import httpx
 import pytest
@@ -53,12 +56,12 @@ def _perturbed(base: str, seed: int) -> dict[str, torch.Tensor]:
             for k, v in _tensors(base).items()}
 
 
-def _hf(path: str) -> list[list[int]]:
+def _hf(path: str, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     out = []
-    for q in PROMPTS:  # greedy, past an end-of-text token as the server's ignore_eos
+    for q in prompts:  # greedy, past an end-of-text token as the server's ignore_eos
         ids = list(q)
         with torch.no_grad():
             for _ in range(N):
@@ -86,6 +89,73 @@ def _served(s: ServerProcess) -> list[str]:
 
 def _post(s: ServerProcess, path: str, body: dict | None = None, timeout: float = 120) -> httpx.Response:
     return httpx.post(s.url + path, json=body or {}, timeout=timeout)
+
+
+class Stream(threading.Thread):
+    """One streamed completion; `tokens` grows with each chunk's tokens (their text, from logprobs),
+    `versions` with each token's chunk's weight_version."""
+
+    def __init__(self, url: str, prompt: list[int], max_tokens: int):
+        super().__init__(daemon=True)
+        self.url, self.prompt, self.max_tokens = url, prompt, max_tokens
+        self.tokens, self.versions, self.finish, self.error, self.id = [], [], None, None, None
+        self.first = threading.Event()
+
+    def run(self):
+        body = {"prompt": self.prompt, "max_tokens": self.max_tokens, "temperature": 0, "ignore_eos": True,
+                "stream": True, "logprobs": 0}
+        try:
+            with httpx.stream("POST", self.url + "/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    self.id, choice = chunk["id"], chunk["choices"][0]
+                    self.tokens += choice["logprobs"]["tokens"]
+                    self.versions += [chunk["weight_version"]] * len(choice["logprobs"]["tokens"])
+                    self.finish = choice["finish_reason"] or self.finish
+                    if len(self.tokens) >= 2:
+                        self.first.set()
+        except Exception as e:  # noqa: BLE001 - the test reports it
+            self.error = e
+        finally:
+            self.first.set()
+
+
+def greedy(model, cache, last: int, n: int) -> list[int]:
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            o = model(torch.tensor([[last]]), past_key_values=cache, use_cache=True)
+            cache, last = o.past_key_values, int(o.logits[0, -1].argmax())
+            out.append(last)
+    return out
+
+
+def switched(old, new, ids: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation of `ids` by `new` over the KV cache `old` wrote for all of
+    `ids` but the last token (what the engine holds when the update lands between two steps)."""
+    with torch.no_grad():
+        cache = old(torch.tensor([ids[:-1]]), use_cache=True).past_key_values
+    return greedy(new, cache, ids[-1], n)
+
+
+def check_switched(base: str, pushed: str, s: Stream, old_version: str, new_version: str, at_least: int) -> list[int]:
+    """The stream `s`'s token ids, once checked against transformers: while its chunks say
+    old_version, the old weights' greedy tokens; from the first chunk that says new_version (at
+    least `at_least` tokens in), the new weights' over the KV cache the old ones wrote."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    p = s.versions.index(new_version) if new_version in s.versions else len(s.versions)
+    assert s.versions == [old_version] * p + [new_version] * (len(s.versions) - p), s.versions
+    assert at_least <= p < len(s.tokens), (at_least, p, "the update did not land mid-stream")
+    tok = AutoTokenizer.from_pretrained(base)
+    old = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    new = AutoModelForCausalLM.from_pretrained(pushed, dtype=torch.float32).eval()
+    ids = switched(old, old, s.prompt, p)
+    ids += switched(old, new, s.prompt + ids, s.max_tokens - p)
+    assert [tok.decode([i], skip_special_tokens=False) for i in ids] == s.tokens
+    return ids
 
 
 def test_trainer_broadcast_between_pause_and_continue(server, base, tmp_path):
@@ -144,6 +214,39 @@ def test_update_from_disk_and_refusals_keep_the_old_weights(server, base, tmp_pa
     assert r.status_code == 400 and r.json()["error"]["param"] == "bogus"
     assert _post(server, "/update_weights_from_disk", {"model_path": base}).status_code == 200
     assert _post(server, "/flush_cache").status_code == 200
+
+
+def _chunks(s: ServerProcess, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", s.url + path, json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+
+def test_every_streamed_chunk_carries_the_weight_version(server, base, tmp_path):
+    version = httpx.get(server.url + "/get_weight_version", timeout=10).json()["weight_version"]
+    usage = {"max_tokens": 4, "stream_options": {"include_usage": True}}
+    for path, body in [("/v1/completions", {"prompt": PROMPTS[0], "echo": True, **usage}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], **usage})]:
+        chunks = _chunks(server, path, body)
+        assert len(chunks) >= 3 and chunks[-1]["usage"] is not None  # role/echo, tokens, usage
+        assert [c["weight_version"] for c in chunks] == [version] * len(chunks)
+    # An update between two of a stream's steps: the chunks say which weights made their tokens.
+    pushed = _write(base, str(tmp_path / "mid"), _perturbed(base, 3))
+    stream = Stream(server.url, PROMPTS[1], 400)  # long enough to be running when the pause lands
+    stream.start()
+    try:
+        assert stream.first.wait(120) and stream.error is None, stream.error
+        seen = len(stream.tokens)
+        assert _post(server, "/pause_generation").status_code == 200
+        r = _post(server, "/update_weights_from_disk", {"model_path": pushed, "weight_version": "mid-3"})
+        assert r.status_code == 200, r.text
+        assert stream.is_alive() and stream.finish is None
+    finally:
+        assert _post(server, "/continue_generation").status_code == 200
+        stream.join(120)
+    assert not stream.is_alive() and stream.error is None and stream.finish == "length", stream.error
+    check_switched(base, pushed, stream, version, "mid-3", seen)
+    assert _post(server, "/update_weights_from_disk", {"model_path": base}).status_code == 200
 
 
 def _rss(s: ServerProcess) -> int:

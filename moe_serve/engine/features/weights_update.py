@@ -147,7 +147,7 @@ class WeightsUpdate(StepFeature):
         writer.load_checkpoint(path)
         writer.finish()
         self.model_path = path
-        flushed = self.flush_prefix_cache() if flush else 0
+        flushed = self.flush_prefix_cache(live=True) if flush else 0
         log.info("weights loaded from %s in %.2fs", path, time.perf_counter() - t0)
         return {"model_path": path, "flushed_blocks": flushed}
 
@@ -166,20 +166,16 @@ class WeightsUpdate(StepFeature):
             writer.write(name, t.to(self.cfg.device))
             del t
         writer.finish()
-        flushed = self.flush_prefix_cache() if flush else 0
+        flushed = self.flush_prefix_cache(live=True) if flush else 0
         log.info("%d tensors received and loaded in %.2fs", len(names), time.perf_counter() - t0)
         return {"tensors": len(names), "flushed_blocks": flushed}
 
-    def flush_prefix_cache(self) -> int:
-        """Forget every cached prefix no running request holds (KV made by other weights, or lost)."""
-        if self.scheduler is None:
-            return 0
-        n = 0
-        for alloc in self.scheduler.kv.allocs:
-            before = len(alloc.cached)
-            alloc.reset_prefix_cache()
-            n += before - len(alloc.cached)
-        return n
+    def flush_prefix_cache(self, live: bool = False) -> int:
+        """Forget every cached prefix no running request holds (KV made by other weights, or lost);
+        live (after an update): those running requests hold too, which they stop registering: a
+        request paused across an update holds KV of the old weights, and its later blocks attend
+        over it, so no other request may take them as a prefix hit."""
+        return self.scheduler.forget_prefixes(live) if self.scheduler is not None else 0
 
     # --- sleep -------------------------------------------------------------------------------------
     def _kv_tensors(self) -> list[torch.Tensor]:

@@ -121,7 +121,7 @@ class ChatServing:
         return P.ChatCompletionResponse(rid, int(time.time()), run.model_name, choices, _usage(stream),
                                         prompt_logprobs=prompt_logprobs_field(self.tok, ids, stream.prompt_logprobs[0],
                                                                               params.prompt_logprobs),
-                                        weight_version=run.engine.weight_version)
+                                        weight_version=stream.weight_version)
 
     async def count_chat_tokens(self, req: P.ChatCompletionRequest, deadline: float | None = None) -> int:
         """The prompt tokens the chat request's conversation (and tools) render to."""
@@ -183,11 +183,12 @@ class ChatServing:
                 routed = routed_experts_field(req, stream, i) if out.finished else msgspec.UNSET
                 yield P.ChatCompletionChunk(rid, created, run.model_name, [P.ChatStreamChoice(
                     i, delta, lp, finish, out.stop_reason if out.finished else None, routed)],
-                    _usage(stream) if _continuous(req) else None)
+                    _usage(stream) if _continuous(req) else None, weight_version=stream.weight_version)
             if run.engine.dead or ended:
                 yield run._ended_failure(ended)
             elif req.stream_options and req.stream_options.include_usage:
-                yield P.ChatCompletionChunk(rid, created, run.model_name, [], _usage(stream))
+                yield P.ChatCompletionChunk(rid, created, run.model_name, [], _usage(stream),
+                                            weight_version=stream.weight_version)
         except BadRequest as e:  # the request timed out
             yield StreamFailure(str(e), e.status, e.type, e.code)
         finally:

@@ -105,7 +105,7 @@ class CompletionServing:
                 req.prompt_logprobs if req.prompt_logprobs is not None else params.prompt_logprobs),
                 routed_experts_field(req, stream, c)))
         return P.CompletionResponse(rid, int(time.time()), run.model_name, choices,
-                                    _usage(stream, 0 if echo_only else None), weight_version=run.engine.weight_version)
+                                    _usage(stream, 0 if echo_only else None), weight_version=stream.weight_version)
 
     def _completion_logprobs(self, lps, offset: int, num_top: int | None = None,
                              prompt: tuple[list[int], list | None] | None = None) -> P.CompletionLogprobs:
@@ -149,7 +149,8 @@ class CompletionServing:
             lp = self._completion_logprobs([], 0, req.logprobs, (ids, entries)) if req.logprobs is not None else None
             return _sse(P.CompletionResponse(rid, created, run.model_name, [P.CompletionChoice(
                 c, ptext if ptext is not None else self.tok.decode(ids), lp, finish)],
-                _usage(stream, 0 if echo_only else None) if _continuous(req) else None))
+                _usage(stream, 0 if echo_only else None) if _continuous(req) else None,
+                weight_version=stream.weight_version))
 
         try:
             if req.echo and not deferred:
@@ -169,12 +170,13 @@ class CompletionServing:
                 routed = routed_experts_field(req, stream, c) if out.finished else msgspec.UNSET
                 yield _sse(P.CompletionResponse(rid, created, run.model_name, [P.CompletionChoice(
                     c, out.new_text, lp, out.finish_reason, out.stop_reason, routed_experts=routed)],
-                    _usage(stream) if _continuous(req) else None))
+                    _usage(stream) if _continuous(req) else None, weight_version=stream.weight_version))
             if run.engine.dead or ended:
                 yield run._ended_event(ended)
             elif req.stream_options and req.stream_options.include_usage:
                 yield _sse(P.CompletionResponse(rid, created, run.model_name, [],
-                                                _usage(stream, 0 if echo_only else None)))
+                                                _usage(stream, 0 if echo_only else None),
+                                                weight_version=stream.weight_version))
         except BadRequest as e:  # the request timed out
             yield _sse_error(str(e), e.status, e.type, e.code)
         finally:

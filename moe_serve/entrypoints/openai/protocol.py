@@ -191,7 +191,9 @@ class CompletionResponse(msgspec.Struct):
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
     object: str = "text_completion"
-    weight_version: str | None = None  # the weights that generated it (set by weight updates)
+    # The weights that generated it (set by weight updates): of the last token; in a stream, of the
+    # chunk's tokens (a chunk with none: of the latest before it).
+    weight_version: str | None = None
 
 
 class TopLogprob(msgspec.Struct):
@@ -286,6 +288,7 @@ class ChatCompletionChunk(msgspec.Struct):
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
     object: str = "chat.completion.chunk"
+    weight_version: str | None = None  # the weights that made this chunk's tokens (set by weight updates)
 
 
 class ModelCard(msgspec.Struct):

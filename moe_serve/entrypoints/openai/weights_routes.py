@@ -9,8 +9,10 @@ before the engine is asked anything: a refused update answers 400 naming the ten
 trainer that waits for the check (`check_only`, or a 400 before it starts broadcasting) never
 broadcasts to a group nobody receives on, and the old weights keep serving.
 
-`weight_version` (a string) names the weights served: in GET /v1/models and every completion and
-chat response. An update sets it to its `weight_version`, or to the number of updates so far.
+`weight_version` (a string) names the weights served: in GET /v1/models, every completion and
+chat response and every streamed chunk (the version that made the chunk's tokens: it changes
+mid-stream when an update lands there). An update sets it to its `weight_version`, or to the
+number of updates so far, as its answer arrives from the engine (before any later output).
 """
 from __future__ import annotations
 
@@ -83,10 +85,18 @@ class _Job:
             raise Refused(str(e)) from None
         return json.loads(out or b"{}")
 
-    def updated(self, body: dict) -> str:
+    async def update(self, method: str, body: dict, version: str | None) -> tuple[dict, str]:
+        """A weight update; its answer's dict and the weight_version now served."""
+        version = version or str(self.updates + 1)
+
+        def served():  # in the engine's receiver thread: outputs after this one carry it
+            self.engine.weight_version = version
+        try:
+            out = await self.engine.call(method, 0, json.dumps(body).encode(), UPDATE_TIMEOUT_S, served)
+        except RuntimeError as e:
+            raise Refused(str(e)) from None
         self.updates += 1
-        self.engine.weight_version = body.get("weight_version") or str(self.updates)
-        return self.engine.weight_version
+        return json.loads(out or b"{}"), version
 
 
 def _router(app):
@@ -137,9 +147,9 @@ def _update_routes(app, route, job: _Job) -> None:
         problem = ws.check_checkpoint(await job.manifest(), body["model_path"])
         if problem is not None:
             raise Refused(problem[1], problem[0])
-        out = await job.call("weights_from_disk", {"model_path": body["model_path"],
-                                               "flush_cache": body.get("flush_cache", True)})
-        return {"message": f"weights loaded from {body['model_path']}", **out, "weight_version": job.updated(body)}
+        out, version = await job.update("weights_from_disk", {"model_path": body["model_path"],
+                                        "flush_cache": body.get("flush_cache", True)}, body.get("weight_version"))
+        return {"message": f"weights loaded from {body['model_path']}", **out, "weight_version": version}
 
     @route("/init_weights_update_group", {"master_address": (str,), "master_port": (int,), "rank_offset": (int,),
                                           "world_size": (int,), "group_name": (str,), "backend": (str,)},
@@ -177,9 +187,9 @@ def _update_routes(app, route, job: _Job) -> None:
             return {"message": f"{len(body['names'])} tensors may be sent"}
         if not job.group:
             raise Refused("no weights update group: POST /init_weights_update_group first")
-        out = await job.call("weights_from_distributed", {k: body[k] for k in ("names", "dtypes", "shapes")}
-                         | {"flush_cache": body.get("flush_cache", True)})
-        return {"message": f"{len(body['names'])} tensors received", **out, "weight_version": job.updated(body)}
+        out, version = await job.update("weights_from_distributed", {k: body[k] for k in ("names", "dtypes", "shapes")}
+                                        | {"flush_cache": body.get("flush_cache", True)}, body.get("weight_version"))
+        return {"message": f"{len(body['names'])} tensors received", **out, "weight_version": version}
 
 
 def _control_routes(app, route, job: _Job) -> None:
