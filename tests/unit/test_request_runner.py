@@ -40,7 +40,7 @@ class Out:
 
 
 class Stream:
-    num_prompt_tokens, num_output_tokens, num_cached_tokens = 3, 1, 0
+    num_prompt_tokens, num_output_tokens, num_cached_tokens, weight_version = 3, 1, 0, "0"
 
     def __init__(self, k):
         self.k, self.prompt_logprobs = k, [None] * k
