@@ -21,6 +21,9 @@ class PrefixCacheAdmission:
         self._hashes: dict[str, list[bytes]] = {}  # full-block hashes of each live request, in order
         self._registered: dict[str, int] = {}  # how many of a request's blocks are registered
         self._looked_up: set[str] = set()  # requests whose prefix lookup is counted in the hit rate
+        # How many times every cached prefix was forgotten (flush_cache, a weight update): whatever
+        # was kept beside the cache by block hash (a feature's per-block data) is stale past a change.
+        self.prefix_resets = 0
 
     def _snapshot_boundary(self, req: Request) -> int:
         """The position whose state a model with per-sequence state keeps for prefix hits: the last
@@ -85,6 +88,7 @@ class PrefixCacheAdmission:
         hold, and those requests register no more blocks: all their KV was written by, or attends
         over, the old weights (a preempted one recomputes, and registers again from its new KV)."""
         allocs = list(self.kv.allocs) + ([self.kv.state] if self.kv.state is not None else [])
+        self.prefix_resets += 1
         n = 0
         for alloc in allocs:
             before = len(alloc.cached)

@@ -157,3 +157,20 @@ def test_online_rebalancing_keeps_logical_ids(checkpoints):
     assert done > 0, "no rebalance happened while the first requests ran"
     check_generation(llm, model, prompts[len(prompts) // 2:])  # served by the rebalanced placement
     assert llm.engine.stats().eplb.rebalances > done, "no rebalance happened while the second requests ran"
+
+
+def test_rows_kept_before_the_cache_forgot_its_prefixes_are_not_served(checkpoints):
+    """After every prefix is forgotten (a weight update flushes the cache), the rows kept by block
+    hash are stale: a prompt cached again by a request that did not ask gives no hit to one that
+    asks (it computes its rows); a request live across the reset does not keep its rows."""
+    path = checkpoints["qwen3_moe"]
+    llm = LLM(path, dtype="float32", kv_cache_memory=1 << 20, show_progress=False)
+    model = hf_model(path)
+    prompt = make_prompts(1)[-1]
+    first, hit = [check_generation(llm, model, [prompt])[0] for _ in range(2)]
+    assert first.num_cached_tokens == 0 and hit.num_cached_tokens > 0  # rows were kept and served
+    llm.engine.scheduler.forget_prefixes(live=True)
+    llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=3))  # cached again, no rows
+    again = check_generation(llm, model, [prompt])[0]
+    assert again.num_cached_tokens == 0, "rows kept before the reset were served for a prefix cached after it"
+    assert check_generation(llm, model, [prompt])[0].num_cached_tokens > 0  # kept anew from its own rows

@@ -63,6 +63,9 @@ class BlockRows:
             self._rows.move_to_end(h)
         return rows
 
+    def clear(self) -> None:
+        self._rows.clear()
+
     def known_prefix(self, hashes: list[bytes]) -> int:
         """How many leading blocks have their rows here (Request.prefix_hit_limit)."""
         n = 0
@@ -77,8 +80,9 @@ class _Seq:
     the first `sent` went out; `hashes` its chained full-block hashes, `stored` how many of its
     blocks are in BlockRows."""
 
-    def __init__(self, req, L: int, K: int):
+    def __init__(self, req, L: int, K: int, resets: int = 0):
         self.req = req
+        self.resets = resets  # the prefix cache's resets when it began (its rows are stored only if none since)
         self.rows = np.full((max(16, req.num_tokens), L, K), UNKNOWN, dtype=np.int16)
         self.valid = self.sent = self.stored = 0
         self.hashes: list[bytes] = []
@@ -110,10 +114,14 @@ class RoutedExperts(StepFeature):
     name = "routed_experts"
 
     def __init__(self, runner, num_layers: int, top_k: int, block_size: int, prefix_caching: bool,
-                 world_size: int = 1):
+                 world_size: int = 1, scheduler=None):
         self.runner, self.L, self.K = runner, num_layers, top_k
         self.block_size, self.world_size = block_size, world_size
         self.store = BlockRows(runner.num_blocks) if prefix_caching else None
+        # The kept rows follow the prefix cache's resets (Scheduler.prefix_resets): once the cache
+        # forgot every prefix (the weights changed), rows routed by the old weights are dropped, and
+        # requests that began before are not kept, so no later hit returns old routing.
+        self.scheduler, self._resets = scheduler, 0
         self.active = False
         self._live: dict[str, _Seq] = {}
         self._plan: list[tuple[_Seq, int, int, int]] = []  # (seq, packed offset, start, tokens) this step
@@ -136,7 +144,7 @@ class RoutedExperts(StepFeature):
             raise ValueError(f"routed experts: the MoE layers route to different top-k {sorted(top_k)}")
         cache = ctx.cfg.cache
         return cls(ctx.runner, len(moes), top_k.pop(), cache.block_size, cache.enable_prefix_caching,
-                   ctx.cfg.parallel.world_size)
+                   ctx.cfg.parallel.world_size, ctx.scheduler)
 
     # --- requests -------------------------------------------------------------------------------
     def admit(self, req, new) -> None:
@@ -146,9 +154,22 @@ class RoutedExperts(StepFeature):
     def on_request_added(self, req) -> None:
         if not req.params.return_routed_experts:
             return
-        self._live[req.request_id] = _Seq(req, self.L, self.K)
+        self._live[req.request_id] = _Seq(req, self.L, self.K, self._current_resets())
         if self.store is not None:
-            req.prefix_hit_limit = self.store.known_prefix
+            req.prefix_hit_limit = self._known_prefix
+
+    def _current_resets(self) -> int:
+        """The prefix cache's resets so far; the kept rows are dropped when there were more."""
+        n = self.scheduler.prefix_resets if self.scheduler is not None else 0
+        if n != self._resets:
+            self._resets = n
+            if self.store is not None:
+                self.store.clear()
+        return n
+
+    def _known_prefix(self, hashes: list[bytes]) -> int:
+        self._current_resets()
+        return self.store.known_prefix(hashes)
 
     def agreement(self) -> CaptureAgreement:
         return CaptureAgreement(int(bool(self._live)))
@@ -188,6 +209,7 @@ class RoutedExperts(StepFeature):
     def _fill_from_store(self, seq: _Seq, start: int) -> None:
         """Rows of positions seq.valid .. start - 1, which prefix-cache hits served."""
         bs = self.block_size
+        self._current_resets()
         hashes = seq.block_hashes(start // bs, bs)
         seq.reserve(start)
         for b in range(seq.valid // bs, start // bs):
@@ -255,7 +277,7 @@ class RoutedExperts(StepFeature):
             return
         bs = self.block_size
         nfull = seq.valid // bs
-        if nfull <= seq.stored:
+        if nfull <= seq.stored or seq.resets != self._current_resets():  # began under other weights
             return
         hashes = seq.block_hashes(nfull, bs)
         for b in range(seq.stored, nfull):
