@@ -19,6 +19,7 @@ from torch import nn
 from expert_parallel.placement.map import ReplicaMap
 from expert_parallel.runtime.dispatch.base import Dispatcher
 from expert_parallel.runtime.step import NO_STEP, MoEStep
+from moe_serve.kernels.batch_invariant import sum_in_id_order
 from moe_serve.kernels.grouped_gemm import TorchExperts
 from moe_serve.quantization.fp8 import FP8, BlockFp8Experts, quantize_blocks, scale_shape
 
@@ -267,12 +268,20 @@ class MoE(nn.Module):
         if self.ctx.experts_hit_LS is not None:
             mark_slots_hit(self.ctx.experts_hit_LS[self.layer_index], sent, self.ops)
         trace and trace("experts", mb, self.layer_index)
-        y_RD = expert_outputs(sent, self.experts, self.ops, x_in.shape[0], all_local=d.world_size == 1)
+        # --batch-invariant over several ranks: each (token, k) pair's output travels home apart and
+        # is added there in expert id order, as one process adds them (a per-rank partial sum would
+        # make a token's sum depend on how its experts fall over the ranks; kernels/batch_invariant.py)
+        pairs = d.world_size > 1 and getattr(self.ops, "batch_invariant", False)
+        y_RD = expert_outputs(sent, self.experts, self.ops, x_in.shape[0], all_local=d.world_size == 1, pairs=pairs)
         trace and trace("combine_start", mb, self.layer_index)
         pending = d.combine_async(y_RD, sent.handle)
         yield
         y_TD = pending.wait()
         trace and trace("combine_end", mb, self.layer_index)
+        if pairs:
+            order_TK = ids_TK if x_in is x_TD else slots_TK  # logical ids, as one process orders them
+            y_TKD = y_TD.view(x_in.shape[0], slots_TK.shape[1], x_TD.shape[-1])
+            y_TD = sum_in_id_order(y_TKD, order_TK).to(x_TD.dtype)
         if x_in.shape[0] != x_TD.shape[0]:  # rows were (token, expert) pairs: sum each token's
             y_TD = y_TD.view(x_TD.shape[0], -1, y_TD.shape[-1]).sum(1)
         return y_TD if shared is None else y_TD + shared
@@ -315,11 +324,21 @@ def masked_applies(sent, experts, backend) -> bool:
     return sent.expert_major is not None and backend.has_masked and backend.masked_applies(experts)
 
 
-def expert_outputs(sent, experts, backend, num_tokens: int = 0, all_local: bool = False) -> torch.Tensor:
+def expert_outputs(sent, experts, backend, num_tokens: int = 0, all_local: bool = False,
+                   pairs: bool = False) -> torch.Tensor:
     """y_RD for a dispatch output: with an expert-major layout the masked kernel writes only each
     expert's valid rows (y in the same (E*C, D) layout, unweighted, which the backend's combine
     expects); else the generic grouped GEMM over the routed rows. num_tokens: this rank's T, which
-    picks the masked kernel's tile. backend: the layer's experts backend (moe_serve/kernels/grouped_gemm)."""
+    picks the masked kernel's tile. backend: the layer's experts backend (moe_serve/kernels/grouped_gemm).
+    pairs: a batch-invariant backend's (R, K * D) float32 rows, each (row, k) pair's weighted output
+    apart (zero for slots held elsewhere), for the caller to add in id order after combine."""
+    if pairs:
+        if sent.expert_major is not None:
+            raise ValueError("--batch-invariant: an expert-major dispatch (DeepEP low-latency) has no batch-invariant "
+                             "combine; use --all2all-backend all_to_all")
+        w13, w2 = experts.op_weights()
+        y = backend.pairs(sent.x_RD, w13, w2, sent.topk_weights_RK, sent.topk_ids_RK, **experts.op_kwargs())
+        return y.flatten(1)  # (R, K * D), R may be 0
     if masked_applies(sent, experts, backend):
         K = getattr(sent.handle, "topk_ids_TK", None)
         return backend.masked_experts(*sent.expert_major, experts, num_tokens, K.shape[1] if K is not None and K.dim() == 2 else 1)

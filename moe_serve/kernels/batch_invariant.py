@@ -20,8 +20,13 @@ The forms here fix one reduction order per output element, independent of M:
 - `linear`: torch ops, one GEMV per row on a fresh row (same shape, same alignment every time);
 - `elementwise`: a row-wise op run on rows padded to whole vectors, in serial pieces, so every
   element takes the vectorised path whatever the tensor's size;
-- C: `cpu_ops.linear_invariant` and `cpu_ops.moe_experts(invariant=True)` (dot-product tiles for
+- C: `cpu_ops.linear_invariant` and `cpu_ops.moe_experts(pairs=True)` (dot-product tiles for
   every M). They are slower than the default paths at prefill sizes; the default is untouched.
+- experts: each (token, k) pair's weighted output apart (`pairs`), then a token's pairs added into a
+  float32 zero in ascending expert id (`sum_in_id_order`). Under expert parallelism the pairs come
+  home apart and are added there the same way, so a token's output is also the same whichever rank
+  holds which of its experts, and the same as one process's (a per-rank partial sum, or a product
+  fused into a running sum as a C loop compiles it, would add in an order the other cannot repeat).
 """
 from __future__ import annotations
 
@@ -117,21 +122,41 @@ class InvariantCpuCLinear(CpuCLinear):
     per_head = InvariantTorchLinear.per_head
 
 
-def experts_torch(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, act=_silu_mul) -> torch.Tensor:
-    """fused_experts_reference's contract (ids outside [0, E) contribute nothing), batch-invariant:
-    each (token, expert) row through rowwise GEMVs, and a token's experts added in id order into a
-    float32 sum. act(gate, up): the gated activation, on rows padded to whole vectors."""
+def experts_torch_pairs(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, act=_silu_mul) -> torch.Tensor:
+    """(T, K, D) float32: each (token, k) pair's weighted expert output, zero for ids outside [0, E),
+    batch-invariant: each (token, expert) row through rowwise GEMVs. act(gate, up): the gated
+    activation, on rows padded to whole vectors."""
     T, D = x_TD.shape
     E, F2 = w13_EFD.shape[0], w13_EFD.shape[1]
-    out = torch.zeros(T, D, dtype=torch.float32, device=x_TD.device)
+    out = torch.zeros(T, topk_ids_TK.shape[1], D, dtype=torch.float32, device=x_TD.device)
     ids = topk_ids_TK.to(torch.int64)
-    for e in torch.unique(ids[(ids >= 0) & (ids < E)]).tolist():  # ascending: one order per token
+    for e in torch.unique(ids[(ids >= 0) & (ids < E)]).tolist():
         tok, slot = (ids == e).nonzero(as_tuple=True)
         h = linear(x_TD.index_select(0, tok).float(), w13_EFD[e])
         a = elementwise(act, h[:, :F2 // 2].contiguous(), h[:, F2 // 2:].contiguous())
-        y = linear(a, w2_EDF[e])
-        out.index_put_((tok,), y * topk_weights_TK[tok, slot].float()[:, None], accumulate=True)
-    return out.to(x_TD.dtype)
+        out[tok, slot] = linear(a, w2_EDF[e]) * topk_weights_TK[tok, slot].float()[:, None]
+    return out
+
+
+def sum_in_id_order(pairs_TKD: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
+    """(T, D) float32: each token's K pair outputs added one by one into a float32 zero, in ascending
+    expert id. One order per token whatever the batch, and one an expert-parallel combine repeats
+    exactly: there each pair's output comes home apart (not summed per rank) and is added here, so
+    a token's sum does not depend on which rank holds which of its experts."""
+    T, K, D = pairs_TKD.shape
+    order_TK = torch.argsort(ids_TK.to(torch.int64), dim=1, stable=True)
+    rows_T = torch.arange(T, device=pairs_TKD.device)
+    out = torch.zeros(T, D, dtype=torch.float32, device=pairs_TKD.device)
+    for j in range(K):
+        out += pairs_TKD[rows_T, order_TK[:, j]]
+    return out
+
+
+def experts_torch(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, act=_silu_mul) -> torch.Tensor:
+    """fused_experts_reference's contract (ids outside [0, E) contribute nothing), batch-invariant:
+    `experts_torch_pairs` added in id order (`sum_in_id_order`)."""
+    pairs = experts_torch_pairs(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, act)
+    return sum_in_id_order(pairs, topk_ids_TK).to(x_TD.dtype)
 
 
 class InvariantTorchExperts(TorchExperts):
@@ -146,7 +171,17 @@ class InvariantTorchExperts(TorchExperts):
         return InvariantTorchExperts(self.device, host_reads=False)
 
     def plain(self, x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, all_local: bool) -> torch.Tensor:
-        return experts_torch(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK)
+        pairs = self.pairs(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK)
+        return sum_in_id_order(pairs, topk_ids_TK).to(x_TD.dtype)
+
+    def pairs(self, x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, **variant) -> torch.Tensor:
+        """(T, K, D) float32 each (token, k) pair's weighted output, zero for ids outside [0, E): what an
+        expert-parallel MoE layer sends home for `sum_in_id_order` (expert_parallel/runtime/layer.py).
+        variant: biases / activation (refused, as by `variant`)."""
+        if variant or not isinstance(w13_EFD, torch.Tensor) or not isinstance(w2_EDF, torch.Tensor):
+            return self.variant(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, variant.get("w13_bias"),
+                                variant.get("w2_bias"), variant.get("activation", "silu"))
+        return experts_torch_pairs(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK)
 
     def variant(self, x_TD, w13, w2, topk_weights_TK, topk_ids_TK, w13_bias, w2_bias, activation):
         raise ValueError(f"--batch-invariant: the {self.name.split('+')[0]} experts backend has no batch-invariant "
@@ -155,7 +190,7 @@ class InvariantTorchExperts(TorchExperts):
 
 class InvariantCpuCExperts(CpuCExperts):
     """CpuCExperts' contract, batch-invariant: our C kernel's dot-product tiles for every expert
-    whatever its row count (`cpu_ops.moe_experts(invariant=True)`), else `experts_torch`."""
+    whatever its row count (`cpu_ops.moe_experts(pairs=True)`), else `experts_torch_pairs`."""
 
     name = "cpu_c+bi"
     batch_invariant = True
@@ -164,12 +199,15 @@ class InvariantCpuCExperts(CpuCExperts):
     def capturable(self) -> InvariantTorchExperts:
         return InvariantTorchExperts(self.device, host_reads=False)
 
-    def plain(self, x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, all_local: bool) -> torch.Tensor:
-        if (x_TD.is_cpu and x_TD.dtype in (torch.float32, torch.bfloat16) and w13_EFD.is_contiguous()
-                and w2_EDF.is_contiguous() and w13_EFD.dtype in (torch.float32, torch.bfloat16)
-                and w2_EDF.dtype == w13_EFD.dtype and cpu_ops.available()):
-            out = cpu_ops.moe_experts(x_TD.float(), w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, invariant=True)
-            return out if out.dtype == x_TD.dtype else out.to(x_TD.dtype)
-        return experts_torch(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK)
+    plain = InvariantTorchExperts.plain
+
+    def pairs(self, x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, **variant) -> torch.Tensor:
+        """InvariantTorchExperts.pairs' contract, by our C kernel where it takes the operands."""
+        if (not variant and x_TD.is_cpu and x_TD.dtype in (torch.float32, torch.bfloat16) and isinstance(w13_EFD, torch.Tensor)
+                and isinstance(w2_EDF, torch.Tensor) and w13_EFD.is_contiguous() and w2_EDF.is_contiguous()
+                and w13_EFD.dtype in (torch.float32, torch.bfloat16) and w2_EDF.dtype == w13_EFD.dtype
+                and cpu_ops.available()):
+            return cpu_ops.moe_experts(x_TD.float(), w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, pairs=True)
+        return InvariantTorchExperts.pairs(self, x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, **variant)
 
     variant = InvariantTorchExperts.variant

@@ -173,7 +173,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     f.restype = ctypes.c_int
     f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                   ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
-    f = lib.moe_experts_invariant_f32
+    f = lib.moe_experts_pairs_f32
     f.restype = ctypes.c_int
     f.argtypes = lib.moe_experts_f32.argtypes
     f = lib.linear_invariant_f32
@@ -400,10 +400,11 @@ def panel_groups_run() -> int:
 
 
 def moe_experts(x_TD: torch.Tensor, w13_EFD: torch.Tensor, w2_EDF: torch.Tensor, topk_weights_TK: torch.Tensor,
-                topk_ids_TK: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+                topk_ids_TK: torch.Tensor, pairs: bool = False) -> torch.Tensor:
     """Same contract as `moe_serve.kernels.grouped_gemm.fused_experts_reference` for plain SwiGLU experts
-    (ids outside [0, E) contribute nothing); float32 out. invariant: batch-invariant (each token's
-    output bitwise the same whatever else the batch holds: every expert by the dot-product tiles)."""
+    (ids outside [0, E) contribute nothing); float32 out. pairs: the batch-invariant form, (T, K, D)
+    each (token, k) pair's weighted output (zero for ids outside [0, E)), bitwise the same whatever
+    else the batch holds (every expert by the dot-product tiles), for the caller to sum in id order."""
     lib = _lib()
     assert lib is not None, "cpu_ops.moe_experts called without the kernels (check available())"
     T, D = x_TD.shape
@@ -414,8 +415,8 @@ def moe_experts(x_TD: torch.Tensor, w13_EFD: torch.Tensor, w2_EDF: torch.Tensor,
     ids = ids.contiguous()
     wts = topk_weights_TK if topk_weights_TK.dtype == torch.float32 else topk_weights_TK.float()
     wts = wts.contiguous()
-    out = torch.empty(T, D, dtype=torch.float32)
-    run = lib.moe_experts_invariant_f32 if invariant else lib.moe_experts_f32
+    out = torch.empty(T, K, D, dtype=torch.float32) if pairs else torch.empty(T, D, dtype=torch.float32)
+    run = lib.moe_experts_pairs_f32 if pairs else lib.moe_experts_f32
     rc = run(x.data_ptr(), T, D, ids.data_ptr(), wts.data_ptr(), K, w13_EFD.data_ptr(),
                              w2_EDF.data_ptr(), int(w13_EFD.dtype == torch.bfloat16), E, F2 // 2, out.data_ptr(),
                              torch.get_num_threads())

@@ -492,7 +492,11 @@ int64_t moe_panel_groups_run(void) { return panel_groups_run; }
 
 /* moe_experts_f32 and its batch-invariant form (inv): every expert's rows by the dot-product tiles,
  * whatever their number (the panel path's sums run in another order, and which path an expert takes
- * depends on how many rows the batch routes to it). Returns 0, or -1 without scratch memory. */
+ * depends on how many rows the batch routes to it), and out (T * K, D): each (token, k) pair's
+ * weighted output apart, w * y rounded once (added to zero), which the caller sums in expert id order
+ * (a sum kept here would fuse each product into the running sum, an order an expert-parallel combine,
+ * whose ranks each hold some of a token's experts, could not repeat). Returns 0, or -1 without
+ * scratch memory. */
 static int moe_experts(const float* x, int64_t T, int64_t D, const int64_t* ids, const float* wts, int64_t K,
                        const void* w13, const void* w2, int w_bf16, int64_t E, int64_t F, float* out, int nt,
                        int inv) {
@@ -534,7 +538,7 @@ static int moe_experts(const float* x, int64_t T, int64_t D, const int64_t* ids,
   float* h = xs + small * D;
   float* act = h + small * 2 * F;
   float* y = act + small * F;
-  memset(out, 0, (size_t)(T * D) * sizeof(float));
+  memset(out, 0, (size_t)(T * (inv ? K : 1) * D) * sizeof(float));
   for (int64_t e = 0; e < E; e++) {
     const int64_t n = start[e + 1] - start[e];
     if (!n) continue;
@@ -557,7 +561,7 @@ static int moe_experts(const float* x, int64_t T, int64_t D, const int64_t* ids,
     if (gemm(act, F, (int)n, (const char*)w2 + e * D * F * esz, w_bf16, F, (int)D, y, D, nt, inv)) return -1;
     for (int64_t i = 0; i < n; i++) {
       const float wt = wts[pe[i]];
-      float* o = out + (pe[i] / K) * D;
+      float* o = out + (inv ? pe[i] : pe[i] / K) * D;
       const float* yi = y + i * D;
 #pragma omp simd
       for (int64_t d = 0; d < D; d++) o[d] += wt * yi[d];
@@ -572,10 +576,10 @@ int moe_experts_f32(const float* x, int64_t T, int64_t D, const int64_t* ids, co
   return moe_experts(x, T, D, ids, wts, K, w13, w2, w_bf16, E, F, out, nt, 0);
 }
 
-/* The same, batch-invariant: a token's output is bitwise the same whatever else the batch holds
- * (each (token, expert) row's sums in one order; a token's experts added in id order). Returns 0,
- * or -1 without scratch memory (out may then be partly written). */
-int moe_experts_invariant_f32(const float* x, int64_t T, int64_t D, const int64_t* ids, const float* wts, int64_t K,
+/* The same, batch-invariant: each (token, k) pair's weighted output, out (T * K, D), bitwise the
+ * same whatever else the batch holds (each (token, expert) row's sums in one order). Returns 0, or
+ * -1 without scratch memory (out may then be partly written). */
+int moe_experts_pairs_f32(const float* x, int64_t T, int64_t D, const int64_t* ids, const float* wts, int64_t K,
                               const void* w13, const void* w2, int w_bf16, int64_t E, int64_t F, float* out, int nt) {
   return moe_experts(x, T, D, ids, wts, K, w13, w2, w_bf16, E, F, out, nt, 1);
 }
