@@ -7,8 +7,11 @@ as its safetensors headers state them (read without reading any tensor). A same-
 checkpoint has the same manifest; a trainer's tensors are each one of its entries. The tensors
 are then written through the loader that loaded the model (moe_serve/weights.py), into the live
 parameters with copy_: the same HF name mapping, each expert-parallel rank keeping only its
-experts' slices (and every replica of them), FP8 quantized on the way where the model keeps FP8,
-and the tensors the model runs from keep their addresses (captured decode graphs read them).
+experts' slices (and every replica of them), and the preparation the load gives each tensor (FP8
+kept or quantized on the way where the model keeps FP8, block-FP8 weights the model holds dense
+dequantized on arrival, MXFP4 experts kept packed or dequantized as at load), so that an update
+serves what a fresh load of the same checkpoint serves; the tensors the model runs from keep their
+addresses (captured decode graphs read them).
 
 Broadcast protocol (the engine ranks' side: `UpdateGroup`; the trainer's: `trainer_group` and
 `broadcast_tensors`): the trainer is rank 0 of a group of 1 + engine ranks, made over a TCPStore
@@ -63,7 +66,8 @@ def check_tensors(manifest: dict[str, TensorSpec], names: list[str], dtypes: lis
                   complete: bool = False) -> tuple[str, str] | None:
     """The first problem as (field, message naming the tensor), or None: a name the served
     checkpoint does not have, a dtype or shape other than its own, lists of different lengths, a
-    name twice; complete: every tensor of the manifest must be there (a checkpoint on disk)."""
+    name twice, a quantized tensor without its other half (FP8 values / scales, MXFP4 blocks /
+    scales: the one cannot be used without the other); complete: every tensor of the manifest must be there (a checkpoint on disk)."""
     if not (len(names) == len(dtypes) == len(shapes)):
         return "names", f"names, dtypes and shapes must have one entry per tensor (got {len(names)}, {len(dtypes)}, " \
                         f"{len(shapes)})"
@@ -79,10 +83,25 @@ def check_tensors(manifest: dict[str, TensorSpec], names: list[str], dtypes: lis
             return "dtypes", f"tensor {name!r} has dtype {dtype_name(dt)}, the served checkpoint's is {spec.dtype}"
         if list(shape) != spec.shape:
             return "shapes", f"tensor {name!r} has shape {list(shape)}, the served checkpoint's is {spec.shape}"
+    for name in names:  # a quantized weight's values and scales: each meaningless without the other
+        partner = _quantized_partner(name)
+        if partner in manifest and partner not in seen:
+            return "names", f"tensor {name!r} is quantized together with {partner!r}: send both in one update"
     if complete and len(seen) != len(manifest):
         missing = sorted(set(manifest) - seen)
         return "model_path", f"the checkpoint lacks tensor {missing[0]!r}" + \
             (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+    return None
+
+
+def _quantized_partner(name: str) -> str | None:
+    """The other half of a quantized tensor in a checkpoint's names: block FP8's `X.weight` and
+    `X.weight_scale_inv`, MXFP4's `X_blocks` and `X_scales`; None for any other name."""
+    for a, b in ((".weight", ".weight_scale_inv"), ("_blocks", "_scales")):
+        if name.endswith(b):
+            return name[: -len(b)] + a
+        if name.endswith(a):
+            return name[: -len(a)] + b
     return None
 
 
@@ -152,8 +171,10 @@ class LiveWriter:
             self.loader.finish(path)
 
     def finish(self) -> None:
-        """A head tied to the embedding but kept as a copy of its own (prepare.py widens the head
-        apart from the table) follows the new table."""
+        """After the last tensor: an error naming an FP8 weight held dense that came without its
+        scales (or they without it), and a head tied to the embedding but kept as a copy of its own
+        (prepare.py widens the head apart from the table) follows the new table."""
+        self.loader.check_pairs()
         model = self.model
         if getattr(model, "tie_word_embeddings", False):
             params = dict(model.named_parameters(remove_duplicate=False))
@@ -185,10 +206,16 @@ def trainer_group(master_address: str, master_port: int, world_size: int, group_
     return _group(master_address, master_port, 0, world_size, group_name, backend, timeout_s)
 
 
+def _as_wire(t: torch.Tensor) -> torch.Tensor:
+    """`t` as it travels: FP8 as its bytes (gloo has no FP8 type; a one-byte type's bytes are the
+    same on the wire whatever the type, so a trainer broadcasting FP8 natively matches too)."""
+    return t.view(torch.uint8) if t.dtype.is_floating_point and t.element_size() == 1 else t
+
+
 def broadcast_tensors(group, tensors) -> None:
     """The trainer's end of one update: each tensor, in the order the request names them."""
     for t in tensors:
-        group.broadcast(t.contiguous(), 0).wait()
+        group.broadcast(_as_wire(t.contiguous()), 0).wait()
 
 
 class UpdateGroup:
@@ -201,7 +228,7 @@ class UpdateGroup:
 
     def receive(self, dtype: str, shape: list[int]) -> torch.Tensor:
         t = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
-        self.pg.broadcast(t, 0).wait()
+        self.pg.broadcast(_as_wire(t), 0).wait()
         return t
 
 

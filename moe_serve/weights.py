@@ -143,6 +143,15 @@ class _TensorLoader:
         self.hook = getattr(model, "load_checkpoint_tensor", None)
         self.loaded: set[str] = set()
         self.skipped_layers: set[int] = set()
+        # Layers a block-FP8 checkpoint gives in FP8 but the model holds dense (fp8.finish_block_fp8:
+        # MLA's kv_b_proj), already dense: the model was loaded, and these are new weights for it.
+        # Their blocks and scales wait here for each other, then dequantize as the load did.
+        from moe_serve.quantization import fp8
+
+        self.dense_fp8 = {} if fp8_cfg is None else {
+            name + ".weight": m for name, m in model.named_modules()
+            if fp8.dequantized_at_load(m) and getattr(m, "weight_scale_inv", None) is None}
+        self.halves: dict[str, dict[str, torch.Tensor]] = {}
 
     def load(self, raw: str, f, fp: str) -> None:
         """Load tensor `raw` of the open safetensors file f (at path fp)."""
@@ -156,6 +165,9 @@ class _TensorLoader:
             self.loaded.update(filled)
             return
         if name.endswith(".weight_scale_inv"):
+            if name[: -len("_scale_inv")] in self.dense_fp8:
+                self._dense_fp8_half(name[: -len("_scale_inv")], "scale_inv", f.get_tensor(raw), raw)
+                return
             _load_scale(self.model, name, raw, f.get_tensor(raw), self.experts, self.scales, fp)
             self.loaded.add(name)
             return
@@ -193,6 +205,9 @@ class _TensorLoader:
             raise ValueError(f"unexpected tensor {raw!r} in {fp}: the model has no parameter {name!r}")
         t = f.get_tensor(raw)
         p = self.params[name]
+        if t.dtype == fp8.FP8 and name in self.dense_fp8:
+            self._dense_fp8_half(name, "weight", t, raw)
+            return
         if tuple(t.shape) != tuple(p.shape):
             raise ValueError(f"tensor {raw!r} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
         if p.dtype == fp8.FP8 and t.dtype != fp8.FP8:  # --quantization fp8
@@ -206,12 +221,48 @@ class _TensorLoader:
             p.data.copy_(t.to(p.dtype))
         self.loaded.add(name)
 
+    def _dense_fp8_half(self, name: str, part: str, t: torch.Tensor, raw: str) -> None:
+        """One half (`part`: "weight" FP8 values or "scale_inv") of new block-FP8 weights for a layer
+        held dense (`dense_fp8`); once both are here, dequantized into the layer's weight in place,
+        exactly as fp8.finish_block_fp8 did at load (on the weight's device, into the model's dtype)."""
+        from moe_serve.quantization import fp8
+
+        halves = self.halves.setdefault(name, {})
+        halves[part] = t
+        if len(halves) < 2:
+            return
+        del self.halves[name]
+        p = self.dense_fp8[name].weight
+        q, s = halves["weight"], halves["scale_inv"]
+        block = self.fp8_cfg.block
+        if tuple(q.shape) != tuple(p.shape):
+            raise ValueError(f"tensor {raw!r}: {name!r} has shape {tuple(q.shape)}, expected {tuple(p.shape)}")
+        if tuple(s.shape) != fp8.scale_shape(*p.shape, block):
+            raise ValueError(f"tensor {raw!r}: {name}_scale_inv has shape {tuple(s.shape)}, expected "
+                             f"{fp8.scale_shape(*p.shape, block)} (the weight's blocks for its weight_block_size)")
+        # The load's own steps: scales into float32 on the weight's device, then dequantize_blocks.
+        scale = torch.empty(s.shape, dtype=torch.float32, device=p.device)
+        scale.copy_(fp8.scale_to_float32(s))
+        p.data.copy_(fp8.dequantize_blocks(q.to(p.device), scale, block, self.dtype).to(p.dtype))
+        self.loaded.add(name)
+
+    def check_pairs(self) -> None:
+        """After the last tensor of an update: an error naming an FP8 weight held dense whose values
+        came without their scales (or scales without values): it was not written."""
+        if self.halves:
+            name, halves = next(iter(self.halves.items()))
+            got = next(iter(halves))
+            raise ValueError(f"tensor {name + ('_scale_inv' if got == 'scale_inv' else '')!r} came without "
+                             f"{name + ('' if got == 'scale_inv' else '_scale_inv')!r}: the layer is held dense, "
+                             f"dequantized from both; send both in one update")
+
     def finish(self, path: str) -> None:
         """After the last tensor: FP8 weights finished, and an error naming every parameter (and
         non-expert scale) the checkpoint did not fill."""
         from moe_serve.quantization import fp8
 
         model = self.model
+        self.check_pairs()
         if self.skipped_layers:
             log.info("skipped the checkpoint's layer(s) %s after the model's %d: multi-token-prediction layers, not "
                      "used without speculative decoding", sorted(self.skipped_layers), model.num_hidden_layers)

@@ -173,12 +173,18 @@ def to_block_fp8(model: torch.nn.Module, block: tuple[int, int], weight_names: s
     return n
 
 
+def dequantized_at_load(m: torch.nn.Module) -> bool:
+    """Whether `m` holds its weight dense though a block-FP8 checkpoint may give it in FP8 blocks
+    (`finish_block_fp8` dequantized them, or will): a layer whose weight the model reads directly."""
+    return getattr(m, "weight_used_directly", False) and hasattr(m, "dense_weight")
+
+
 def finish_block_fp8(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """After loading: a layer whose weight the model reads directly (MLA's kv_b_proj, split into
-    its absorbed halves) is dequantized once into the model's dtype (it is small)."""
+    its absorbed halves) is dequantized once into the model's dtype (it is small). Weights replaced
+    later take the same dequantization on arrival (moe_serve/weights.py, `_TensorLoader`)."""
     for m in model.modules():
-        if (getattr(m, "weight_scale_inv", None) is not None and getattr(m, "weight_used_directly", False)
-                and hasattr(m, "dense_weight")):
+        if getattr(m, "weight_scale_inv", None) is not None and dequantized_at_load(m):
             dense = m.dense_weight(dtype)
             m.weight = torch.nn.Parameter(dense, requires_grad=False)
             m.weight_scale_inv = None
