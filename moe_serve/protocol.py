@@ -77,6 +77,9 @@ class KVDone(msgspec.Struct, array_like=True):
     ok: bool
     error: str = ""
     ended: bool = True
+    # ok, for a request with params.return_routed_experts: the prefill instance's rows of the
+    # positions it computed for this side, 0 .. KVTarget.end - 1 (moe_serve/disagg/messages.py).
+    routed_experts: RoutedExpertRows | None = None
 
 
 class UtilityCall(msgspec.Struct, array_like=True):

@@ -21,13 +21,12 @@ from array import array
 FORMATS = ("list", "base64")
 
 
-def refusal(has_moe_layers: bool, prompt_elsewhere: bool) -> str | None:
-    """Why `return_routed_experts` cannot be honoured here (None: it can)."""
+def refusal(has_moe_layers: bool) -> str | None:
+    """Why `return_routed_experts` cannot be honoured here (None: it can). A disaggregated request
+    is honoured: the prefill instance sends its prompt's rows with the KV's answer
+    (moe_serve/disagg/messages.py)."""
     if not has_moe_layers:
         return "return_routed_experts: the served model has no MoE layers, so no experts are routed"
-    if prompt_elsewhere:
-        return ("return_routed_experts cannot be served with kv_transfer_params: the prompt is computed on a "
-                "prefill instance, which keeps its routing")
     return None
 
 

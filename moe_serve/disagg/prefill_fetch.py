@@ -34,7 +34,11 @@ class PrefillFetch:
             return
         asyncio.run_coroutine_threadsafe(self._prefill(rank, o.request_id, o.kv_target, *pre), dest[0])
 
-    async def _prefill(self, rank: int, cid: str, target, url: str, headers: dict, ids: list[int]) -> None:
+    async def _prefill(self, rank: int, cid: str, target, url: str, headers: dict, ids: list[int],
+                       routed: bool = False) -> None:
+        """routed: the request asked for return_routed_experts; the answer must then carry the rows
+        of positions 0 .. target.end - 1, which go to the rank with the KVDone (an answer without
+        them counts as a failed transfer: the rank computes the prompt, and its rows, itself)."""
         import httpx
         import msgspec
 
@@ -45,16 +49,18 @@ class PrefillFetch:
         # The prefill side gives up a little before this side does; it answers once no write of the
         # request is in flight (a posted write cannot be recalled), so any answer means "ended".
         budget = max(self.kv_timeout_s * 0.8, self.kv_timeout_s - 5.0)
-        body = msgspec.json.encode(PrefillRequest(cid, ids, target, budget))
+        body = msgspec.json.encode(PrefillRequest(cid, ids, target, budget, routed))
         t0 = time.monotonic()
         post = asyncio.ensure_future(self._http.post(url + "/v1/disagg/prefill", content=body, headers={
             **headers, "content-type": "application/json"}))
-        ok, ended, error = False, True, ""
+        ok, ended, error, rows = False, True, "", None
         try:
             r = await asyncio.wait_for(asyncio.shield(post), self.kv_timeout_s)
             if r.status_code == 200:
-                msgspec.json.decode(r.content, type=PrefillResponse)
-                ok = True
+                rows = msgspec.json.decode(r.content, type=PrefillResponse).routed_experts
+                ok = not routed or _rows_cover(rows, target.end)
+                if not ok:
+                    error = f"the prefill instance {url} answered without the prompt's routed experts"
             else:
                 error = f"the prefill instance {url} answered {r.status_code}: {r.text[:300]}"
         except asyncio.TimeoutError:  # its write may still be in flight
@@ -75,7 +81,7 @@ class PrefillFetch:
         else:
             log.warning("request %s: %s; computing its prompt here%s", cid, error,
                         "" if ended else " (its reserved blocks stay out of use until the prefill side's write ends)")
-        self._inbox.put((rank, KVDone(cid, ok, error, ended)))
+        self._inbox.put((rank, KVDone(cid, ok, error, ended, rows if ok and routed else None)))
         if not ended:
             why = await self._write_ended(url, post, budget)
             log.info("request %s: %s: the blocks reserved for its prompt are given back", cid, why)
@@ -105,3 +111,9 @@ class PrefillFetch:
         log.warning("the prefill instance %s neither answered nor went away within %.0fs", url,
                     budget + WRITE_END_GUARD_S)
         return "given up waiting for the prefill side"
+
+
+def _rows_cover(rows, end: int) -> bool:
+    """rows (protocol.RoutedExpertRows or None) hold exactly positions 0 .. end - 1."""
+    return (rows is not None and rows.start == 0 and rows.num_layers > 0 and rows.top_k > 0
+            and len(rows.data) == 2 * end * rows.num_layers * rows.top_k)

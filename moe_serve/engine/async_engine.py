@@ -93,7 +93,7 @@ class AsyncEngine(CoreChannel, ElasticMembers, PrefillFetch):
         # prefill instance each request's prompt goes to, until its KV has arrived.
         self.disaggregation_mode = ready[0].disaggregation_mode
         self.kv_timeout_s = kv_timeout_s
-        self._kv_prefill: dict[str, tuple[str, dict, list[int]]] = {}
+        self._kv_prefill: dict[str, tuple[str, dict, list[int], bool]] = {}  # (url, headers, ids, routed experts?)
         self._http = None  # httpx.AsyncClient for the prefill instances, made in the event loop
         # Elastic EP: the members' generation, who they are, and what each open request needs to be
         # resubmitted (its prompt and params, the tokens it has generated).
@@ -154,7 +154,7 @@ class AsyncEngine(CoreChannel, ElasticMembers, PrefillFetch):
                         log.info("request %s -> rank %d (%d prompt tokens cached there)", cid, rank,
                                  hit * self.router.block_size)
                     if prefill is not None:
-                        self._kv_prefill[cid] = (*prefill, list(ids))
+                        self._kv_prefill[cid] = (*prefill, list(ids), cp.return_routed_experts)
                         kv = KVParams("decode")
                     self._inbox.put((rank, NewRequest(cid, list(ids), cp, kv), self.generation))
         return stream

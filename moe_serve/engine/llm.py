@@ -62,7 +62,7 @@ class LLM:
         for (_, ids), sp in zip(parsed, params):
             self.engine.validate(ids, sp)
             if sp.return_routed_experts and self.engine.feature("routed_experts") is None:
-                raise ValueError(refusal(False, False))
+                raise ValueError(refusal(False))
             if sp.structured_outputs is not None:
                 from moe_serve.structured_output.grammar import check_spec
 

@@ -110,6 +110,35 @@ def test_greedy_through_a_disaggregated_pair_equals_one_instance_and_transformer
     blocks_back(p, d)
 
 
+def test_routed_experts_through_the_pair(mla):
+    """return_routed_experts through the router: the prompt's rows the prefill instance computed
+    (sent back with its answer) and the decode side's own, base64, equal one instance's and
+    transformers' routing."""
+    import base64
+
+    import numpy as np
+
+    from tests.models.test_hf_parity import hf_model
+    from tests.models.test_routed_experts import assert_same_routing
+
+    path, p, d, r = mla
+    q = [7, 300, 12, 44, 5] * 7
+    llm = LLM(path, dtype="float32", kv_cache_memory=8 << 20, show_progress=False)
+    want = llm.generate({"prompt_token_ids": q}, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                                 return_routed_experts=True))[0].outputs[0]
+    sent = p.metrics()["moe_serve:kv_transfer_sent_requests_total"]
+    c = openai.OpenAI(base_url=r.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    out = c.completions.create(model=MODEL, prompt=q, max_tokens=6, temperature=0, extra_body={
+        "return_routed_experts": True, "ignore_eos": True, "routed_experts_format": "base64"})
+    rows = np.frombuffer(base64.b64decode(out.choices[0].model_extra["routed_experts"]), "<i2").astype(np.int16)
+    rows = rows.reshape(want.routed_experts.shape)
+    assert np.array_equal(rows, want.routed_experts)
+    assert_same_routing(hf_model(path), q, list(want.token_ids), rows)
+    assert p.metrics()["moe_serve:kv_transfer_sent_requests_total"] == sent + 1  # the prompt did move
+    assert d.metrics()["moe_serve:kv_transfer_fallbacks_total"] == 0
+    blocks_back(p, d)
+
+
 def test_fields_and_modes_are_checked(mla):
     path, p, d, r = mla
     bad = httpx.post(r.url + "/v1/completions", headers=AUTH, json={"model": MODEL, "prompt": "x", "max_tokens": 1,

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 import torch
 
 from moe_serve import LLM, SamplingParams
-from moe_serve.protocol import KVDone, KVParams, NewRequest
+from moe_serve.protocol import KVDone, KVParams, NewRequest, RoutedExpertRows
+from moe_serve.routed_experts import RoutedExperts
 from tests.models.test_hf_parity import hf_greedy, make_prompts
 
 MAX_NEW = 6
@@ -43,10 +45,16 @@ def run_prefill(P, requests: list[NewRequest]) -> dict[str, object]:
     return ended
 
 
-def disagg_generate(P, D, prompts: list[list[int]], max_new: int = MAX_NEW, fail: set[int] = frozenset()):
+def disagg_generate(P, D, prompts: list[list[int]], max_new: int = MAX_NEW, fail: set[int] = frozenset(),
+                    rows: list | None = None):
     """Greedy tokens of each prompt through the pair; the prompts in `fail` get a failed transfer
-    (the decode engine computes them itself)."""
-    params = SamplingParams(temperature=0, max_tokens=max_new)
+    (the decode engine computes them itself). rows: a list that gets each prompt's routed experts
+    (return_routed_experts on both sides; the prefill side's rows of the prompt go with the KVDone,
+    as the decode front end sends them)."""
+    routed = rows is not None
+    params = SamplingParams(temperature=0, max_tokens=max_new, return_routed_experts=routed)
+    got = {f"r{i}": RoutedExperts() for i in range(len(prompts))}
+    sent_rows = {}
     for i, p in enumerate(prompts):
         assert D.add_request(NewRequest(f"r{i}", p, params, KVParams("decode"))) is None
     tokens = {f"r{i}": [] for i in range(len(prompts))}
@@ -57,19 +65,29 @@ def disagg_generate(P, D, prompts: list[list[int]], max_new: int = MAX_NEW, fail
         outs = D.step()
         targets = [o for o in outs if o.kv_target is not None]
         for o in outs:
+            if o.routed_experts is not None:
+                got[o.request_id].add(o.routed_experts)
             if o.kv_target is None:
                 tokens[o.request_id] += o.new_token_ids
                 if o.finished:
                     done.add(o.request_id)
         ok = [o for o in targets if int(o.request_id[1:]) not in fail]
         if ok:
-            ended = run_prefill(P, [NewRequest(o.request_id, prompts[int(o.request_id[1:])],
-                                               SamplingParams(temperature=0, max_tokens=1),
+            pre = SamplingParams(temperature=0, max_tokens=1, return_routed_experts=routed)
+            ended = run_prefill(P, [NewRequest(o.request_id, prompts[int(o.request_id[1:])], pre,
                                                KVParams("prefill", o.kv_target)) for o in ok])
             assert all(e.finish_reason != "abort" for e in ended.values()), ended
+            for o in ok:  # positions 0 .. end - 1, as the prefill front end answers (entrypoints/openai/prefill.py)
+                if routed:
+                    r = RoutedExperts()
+                    r.add(ended[o.request_id].routed_experts)
+                    sent_rows[o.request_id] = RoutedExpertRows(0, r.num_layers, r.top_k, r.data(o.kv_target.end))
             sent += len(ok)
-        D.kv_done([KVDone(o.request_id, int(o.request_id[1:]) not in fail, "test") for o in targets])
+        D.kv_done([KVDone(o.request_id, int(o.request_id[1:]) not in fail, "test", True,
+                          sent_rows.get(o.request_id)) for o in targets])
     assert len(done) == len(prompts)
+    if routed:
+        rows[:] = [got[f"r{i}"].as_array() for i in range(len(prompts))]
     return [tokens[f"r{i}"] for i in range(len(prompts))], sent
 
 
@@ -194,3 +212,34 @@ def test_speculative_decoding_on_the_decode_side(extra_checkpoints, method):
     if method == "mtp":  # the copy layer's drafts are mostly right
         assert rate > 0.5
     check_returned(P.engine, D.engine)
+
+
+def test_routed_experts_of_moved_and_fallback_prompts(checkpoints):
+    """return_routed_experts through the pair: the prompt rows the prefill side computed (sent with
+    the KVDone), the ones of a prompt computed on the decode side after a failed transfer, and,
+    for prompts sent again, the decode side's own cached blocks' rows plus the rest from the
+    prefill side: every prompt and output position, equal to the colocated engine's rows and to
+    transformers' routing."""
+    from tests.models.test_routed_experts import assert_same_routing
+    from tests.models.test_hf_parity import hf_model
+
+    path = checkpoints["qwen3_moe"]
+    P, D = pair(path)
+    prompts = make_prompts(507)[2:7]
+    rows: list = []
+    got, sent = disagg_generate(P, D, prompts, fail={1, 3}, rows=rows)
+    assert sent == 3 and D.stats().kv_fallbacks == 2
+    want = LLM(path, **ARGS).generate([{"prompt_token_ids": p} for p in prompts],
+                                      SamplingParams(temperature=0, max_tokens=MAX_NEW, return_routed_experts=True))
+    model = hf_model(path)
+    for p, g, r, w in zip(prompts, got, rows, want):
+        assert g == w.outputs[0].token_ids
+        assert r.shape == (len(p) + len(g) - 1, *r.shape[1:]) and (r >= 0).all()
+        assert np.array_equal(r, w.outputs[0].routed_experts)
+        assert_same_routing(model, p, g, r)
+    hits = D.allocator.hit_tokens
+    again, _ = disagg_generate(P, D, prompts[-2:], rows=rows)  # decode-side hits, the rest moved
+    assert again == got[-2:] and D.allocator.hit_tokens > hits
+    for r, w in zip(rows, want[-2:]):
+        assert np.array_equal(r, w.outputs[0].routed_experts)
+    check_returned(P, D)

@@ -32,22 +32,32 @@ def test_chunks_assemble_and_recomputed_rows_replace():
 
 def test_positions_and_refusals():
     assert positions_of(7, 3) == 9
-    assert "no MoE layers" in refusal(False, False)
-    assert "kv_transfer_params" in refusal(True, True) and "return_routed_experts" in refusal(True, True)
-    assert refusal(True, False) is None
+    assert "no MoE layers" in refusal(False) and "return_routed_experts" in refusal(False)
+    assert refusal(True) is None  # disaggregated requests too: the prefill instance sends its rows
     with pytest.raises(ValueError, match="return_routed_experts"):
         SamplingParams(return_routed_experts=1)
 
 
-def test_the_core_refuses_a_disaggregated_request_that_asks():
+def test_a_disaggregated_request_takes_its_prompt_rows_from_its_kv_done():
+    """Decode side: the prefill instance's rows come with an ok KVDone and fill the positions the
+    request did not compute, once; a failed transfer's or another model's rows are not taken."""
     from types import SimpleNamespace
 
-    from moe_serve.engine.features.routed_experts import RoutedExperts
+    from moe_serve.engine.features.routed_experts import UNKNOWN, RoutedExperts
+    from moe_serve.protocol import KVDone, RoutedExpertRows
 
     f = RoutedExperts(SimpleNamespace(num_blocks=4, load_hooks=[]), num_layers=2, top_k=3, block_size=4,
-                      prefix_caching=True)
-    asks = SimpleNamespace(params=SamplingParams(return_routed_experts=True))
-    with pytest.raises(ValueError, match="return_routed_experts"):
-        f.admit(asks, SimpleNamespace(kv=object()))
-    f.admit(asks, SimpleNamespace(kv=None))
-    f.admit(SimpleNamespace(params=SamplingParams()), SimpleNamespace(kv=object()))
+                      prefix_caching=False)
+    req = SimpleNamespace(request_id="a", num_tokens=7, params=SamplingParams(return_routed_experts=True))
+    f.on_request_added(req)
+    seq = f._live["a"]
+    a = np.arange(6 * 2 * 3, dtype=np.int16).reshape(6, 2, 3)
+    f.on_input("kv_done", [KVDone("a", False, "failed", True, RoutedExpertRows(0, 2, 3, a.tobytes())),
+                           KVDone("b", True, "", True, RoutedExpertRows(0, 2, 3, a.tobytes()))])
+    assert seq.remote is None  # not ok: the decode side computes (and records) the prompt itself
+    f.on_input("kv_done", [KVDone("a", True, "", True, RoutedExpertRows(0, 3, 2, a.tobytes()))])
+    assert seq.remote is None  # not this model's shape
+    f.on_input("kv_done", [KVDone("a", True, "", True, RoutedExpertRows(0, 2, 3, a.tobytes()))])
+    f._fill(seq, 6)
+    assert seq.valid == 6 and np.array_equal(seq.rows[:6], a) and (seq.rows[6:] == UNKNOWN).all()
+    assert seq.remote is None  # used once: a recompute after a preemption records its own rows

@@ -46,10 +46,12 @@ class FeatureAccess:
         return getattr(self.feature("kv_transfer"), "layout", None)
 
     def kv_done(self, done: list) -> None:
-        """Decode side: prefill instances wrote (or failed to write) these requests' blocks (KVDone)."""
-        f = self.feature("kv_transfer")
-        if f is not None:
-            f.on_input("kv_done", done)
+        """Decode side: prefill instances wrote (or failed to write) these requests' blocks (KVDone),
+        handed to every feature that takes them, as the core's loop does (router replay takes the
+        prompt's rows from them)."""
+        from moe_serve.protocol import CoreInput
+
+        self.features.deliver(CoreInput(kv_done=list(done)))
 
     def poll_kv(self) -> list:
         """Prefill side: the outputs of requests whose KV write ended (blocks given back)."""

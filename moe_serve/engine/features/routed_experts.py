@@ -18,6 +18,12 @@ How each case keeps the rows right:
   chained hash (`BlockRows`, as many blocks as the KV cache has, least recently used dropped first);
   such a request takes hits only for blocks whose rows are kept (`Request.prefix_hit_limit`), and
   the hit positions' rows are copied from there.
+- disaggregated prefill/decode: the prefill instance records the prompt as any request, and its
+  front end answers the decode side with the rows of positions 0 .. end - 1 (end: the last prompt
+  token, which the decode side computes; moe_serve/disagg/messages.py). The decode front end hands
+  them in with the KVDone that says the KV landed (`on_input`), and they fill those positions as
+  prefix hits' rows do, before the decode side's own are recorded. A failed transfer (KVDone not
+  ok) carries none: the decode side computes the prompt, and records its rows, itself.
 """
 from __future__ import annotations
 
@@ -30,7 +36,6 @@ import numpy as np
 from attention.blocks import hash_block
 from moe_serve.engine.features.base import StepFeature
 from moe_serve.protocol import RoutedExpertRows
-from moe_serve.routed_experts import refusal
 
 log = logging.getLogger("moe_serve.routed_experts")
 UNKNOWN = -1  # the id written where a position's routing could not be known (logged when it happens)
@@ -86,6 +91,7 @@ class _Seq:
         self.rows = np.full((max(16, req.num_tokens), L, K), UNKNOWN, dtype=np.int16)
         self.valid = self.sent = self.stored = 0
         self.hashes: list[bytes] = []
+        self.remote: np.ndarray | None = None  # rows of 0 .. n - 1 a prefill instance computed (disaggregated)
 
     def reserve(self, n: int) -> None:
         if n > len(self.rows):
@@ -112,6 +118,7 @@ class RoutedExperts(StepFeature):
     capture flag; the hook `record` sits on the runner only while there is something to capture."""
 
     name = "routed_experts"
+    inputs = ("kv_done",)  # a disaggregated request's prompt rows come with its KVDone
 
     def __init__(self, runner, num_layers: int, top_k: int, block_size: int, prefix_caching: bool,
                  world_size: int = 1, scheduler=None):
@@ -147,10 +154,6 @@ class RoutedExperts(StepFeature):
                    ctx.cfg.parallel.world_size, ctx.scheduler)
 
     # --- requests -------------------------------------------------------------------------------
-    def admit(self, req, new) -> None:
-        if req.params.return_routed_experts and new.kv is not None:
-            raise ValueError(refusal(True, True))  # its prompt's routing stays on the prefill instance
-
     def on_request_added(self, req) -> None:
         if not req.params.return_routed_experts:
             return
@@ -166,6 +169,22 @@ class RoutedExperts(StepFeature):
             if self.store is not None:
                 self.store.clear()
         return n
+
+    def on_input(self, field: str, items: list) -> None:
+        """KVDones (decode side): keep the prefill instance's rows of a request whose KV landed, for
+        its first step (after_schedule). Rows of another shape (not this model's) are dropped with
+        a warning: those positions are then unknown, as the log says."""
+        for d in items:
+            seq, rows = self._live.get(d.request_id), d.routed_experts
+            if seq is None or not d.ok or rows is None:
+                continue
+            shape = (rows.start, rows.num_layers, rows.top_k)
+            if shape != (0, self.L, self.K) or len(rows.data) % (2 * self.L * self.K):
+                log.warning("request %s: the prefill instance's routed experts (from %d, %d layers, k %d, %d bytes) "
+                            "are not this model's", d.request_id, rows.start, rows.num_layers, rows.top_k,
+                            len(rows.data))
+                continue
+            seq.remote = np.frombuffer(rows.data, dtype="<i2").astype(np.int16).reshape(-1, self.L, self.K)
 
     def _known_prefix(self, hashes: list[bytes]) -> int:
         self._current_resets()
@@ -197,7 +216,7 @@ class RoutedExperts(StepFeature):
             if seq is not None and seq.req is s.request:
                 start = s.request.num_computed_tokens
                 if start > seq.valid:
-                    self._fill_from_store(seq, start)
+                    self._fill(seq, start)
                 self._plan.append((seq, off, start, s.num_tokens))
             off += s.num_tokens
         if self._plan and not self.active:
@@ -205,6 +224,20 @@ class RoutedExperts(StepFeature):
             # padding follows at once; under EP it stays as agreed until the next turn.
             self._hook(True)
             self.active = self.active or self.world_size == 1
+
+    def _fill(self, seq: _Seq, start: int) -> None:
+        """Rows of positions seq.valid .. start - 1, which this step does not compute: a prefill
+        instance's rows where it sent them (used once: a recompute after a preemption records its
+        own), then the rows kept with the prefix cache's blocks."""
+        if seq.remote is not None:
+            n = min(start, len(seq.remote))
+            if n > seq.valid:
+                seq.reserve(n)
+                seq.rows[seq.valid:n] = seq.remote[seq.valid:n]
+                seq.valid = n
+            seq.remote = None
+        if start > seq.valid:
+            self._fill_from_store(seq, start)
 
     def _fill_from_store(self, seq: _Seq, start: int) -> None:
         """Rows of positions seq.valid .. start - 1, which prefix-cache hits served."""

@@ -28,8 +28,10 @@ class PrefillServing:
                              f"{t.end - 1}", "prompt_token_ids")
         if not req.timeout_s > 0:
             raise BadRequest(f"timeout_s must be > 0, got {req.timeout_s}", "timeout_s")
-        stream = self.runner.submit(rid, [ids], SamplingParams(max_tokens=1, temperature=0.0),
-                                    kv=KVParams("prefill", t))
+        # With return_routed_experts this side records the prompt's routing too (refused here, 400
+        # naming the field, for a model without MoE layers, as on any instance).
+        params = SamplingParams(max_tokens=1, temperature=0.0, return_routed_experts=req.return_routed_experts)
+        stream = self.runner.submit(rid, [ids], params, kv=KVParams("prefill", t))
 
         async def drain():
             last = None
@@ -57,4 +59,18 @@ class PrefillServing:
         if last is None or last.finish_reason == "abort":
             raise BadRequest(f"the prompt's KV was not written: {last.stop_reason if last else 'no output'}", None,
                              502, "kv_transfer_failed", "ServiceUnavailableError")
-        return PrefillResponse(req.request_id, len(ids), stream.num_cached_tokens, t.end - t.start)
+        return PrefillResponse(req.request_id, len(ids), stream.num_cached_tokens, t.end - t.start,
+                               self._routing(stream, t.end) if req.return_routed_experts else None)
+
+    @staticmethod
+    def _routing(stream, end: int):
+        """The rows of positions 0 .. end - 1 (the ones the decode side does not compute); the
+        positions this side computed past them (the last prompt token) are the decode side's."""
+        from moe_serve.protocol import RoutedExpertRows
+
+        rows = stream.routed_experts[0]
+        if rows is None or rows.num_positions < end:
+            raise BadRequest(f"the prompt's routed experts were not recorded ({rows.num_positions if rows else 0} of "
+                             f"{end} positions)", "return_routed_experts", 502, "kv_transfer_failed",
+                             "ServiceUnavailableError")
+        return RoutedExpertRows(0, rows.num_layers, rows.top_k, rows.data(end))

@@ -151,7 +151,7 @@ class RequestRunner:
                              "no logprobs", "prompt_logprobs")
         if params.return_routed_experts:
             ranks = getattr(self.engine, "rank_info", None) or {}  # (none: an engine stub in tests)
-            why = refusal(not ranks or any(r.expert_slots for r in ranks.values()), prefill is not None)
+            why = refusal(not ranks or any(r.expert_slots for r in ranks.values()))
             if why is not None:
                 raise BadRequest(why, "return_routed_experts")
         try:
