@@ -47,3 +47,23 @@ def test_ep2_routed_experts_equal_single_process(checkpoints):
             assert np.array_equal(g, w)
     finally:
         job.kill()
+
+
+def test_ep2_routed_experts_through_replicas_and_rebalances(checkpoints):
+    """EPLB at EP 2 with two redundant slots (replicas on both ranks) rebalancing every 4 steps: the
+    rows stay the logical experts, equal to the single-process engine's, before and after a rebalance."""
+    from tests.distributed.test_eplb_serving import EPLB_FLAGS, _metric
+
+    path = checkpoints["qwen3_moe"]
+    want = expected_rows(path)
+    job = TorchrunJob(2, ["--model", path, *ARGS, *EPLB_FLAGS, "--num-redundant-experts", "2"])
+    try:
+        for g, w in zip(asyncio.run(routed_all(job.url, PROMPTS)), want):
+            assert np.array_equal(g, w)
+        done = _metric(job.url, "moe_serve:eplb_rebalances_total")
+        assert done > 0, "no rebalance happened while the first requests ran"
+        for g, w in zip(asyncio.run(routed_all(job.url, PROMPTS)), want):  # served by the new placement
+            assert np.array_equal(g, w)
+        assert _metric(job.url, "moe_serve:eplb_rebalances_total") > done
+    finally:
+        job.kill()
