@@ -24,9 +24,9 @@ from torch import nn
 
 from attention.backends import CpuCAttention, TorchAttention, TritonAttention
 from attention.backends.compressed import TorchCompressedAttention
-from attention.backends.invariant import InvariantCpuCAttention, InvariantTorchAttention
+from attention.backends.invariant import InvariantCpuCAttention, InvariantTorchAttention, InvariantTritonAttention
 from moe_serve.kernels.batch_invariant import (InvariantCpuCExperts, InvariantCpuCLinear, InvariantTorchExperts,
-                                               InvariantTorchLinear)
+                                               InvariantTorchLinear, InvariantTritonExperts, InvariantTritonLinear)
 from moe_serve.kernels import cpu_ops
 from moe_serve.kernels.gated_delta import CpuCLinearAttention, TorchLinearAttention, TritonLinearAttention
 from moe_serve.kernels.grouped_gemm import CpuCExperts, TorchExperts, TritonExperts
@@ -55,9 +55,9 @@ ALIASES = {"reference": "torch"}
 # why). The norms are per-row reductions in torch and in C already. A name missing here is refused
 # with the flag; a kind missing here is refused when a model's layer asks for it (bind_ops).
 INVARIANT: dict[str, dict[str, type]] = {
-    "experts": {"torch": InvariantTorchExperts, "cpu_c": InvariantCpuCExperts},
-    "attention": {"torch": InvariantTorchAttention, "cpu_c": InvariantCpuCAttention},
-    "linear": {"torch": InvariantTorchLinear, "cpu_c": InvariantCpuCLinear},
+    "experts": {"torch": InvariantTorchExperts, "cpu_c": InvariantCpuCExperts, "triton": InvariantTritonExperts},
+    "attention": {"torch": InvariantTorchAttention, "cpu_c": InvariantCpuCAttention, "triton": InvariantTritonAttention},
+    "linear": {"torch": InvariantTorchLinear, "cpu_c": InvariantCpuCLinear, "triton": InvariantTritonLinear},
     "norm": {"torch": TorchNorm, "cpu_c": CpuCNorm},
 }
 

@@ -14,13 +14,15 @@ never split, and no reduction spans query tokens.
 - `InvariantCpuCAttention`: our C prefill kernel for every sequence of the step, decodes included
   (one query row per decode): its per-row sums do not depend on how many query rows share a call;
   layers it does not take (windows, sinks, other dtypes) and MLA run the torch form.
+- `InvariantTritonAttention`: the Triton kernel's decode tile for every sequence, prefill chunks
+  included (one program per query token, never split over keys: triton_paged.invariant_attention).
 DeepSeek Sparse Attention (dsa_topk, sparse MLA) has no invariant form yet and is refused.
 """
 from __future__ import annotations
 
 import torch
 
-from attention.backends import CpuCAttention, TorchAttention
+from attention.backends import CpuCAttention, TorchAttention, TritonAttention
 from attention.backends.reference import _first_key
 from moe_serve.kernels import cpu_ops
 
@@ -124,3 +126,34 @@ class InvariantCpuCAttention(CpuCAttention):
     mla_paged_attention = InvariantTorchAttention.mla_paged_attention
     dsa_topk = InvariantTorchAttention.dsa_topk
     sparse_mla_attention = InvariantTorchAttention.dsa_topk
+
+class InvariantTritonAttention(TritonAttention):
+    """TritonAttention's contract, batch-invariant: `triton_paged.invariant_attention` /
+    `invariant_mla_attention` for every step (the KV writes are copies, as by default)."""
+
+    name = "triton+bi"
+    batch_invariant = True
+
+    def capturable(self) -> "InvariantTritonAttention":
+        return self
+
+    def paged_attention(self, q_TNH, k_cache, v_cache, meta, scale: float, *, num_splits=None, sliding_window=None,
+                        sinks=None, attention_chunk=None) -> torch.Tensor:
+        return self.kernels.invariant_attention(q_TNH, k_cache, v_cache, meta, scale, sliding_window=sliding_window,
+                                                sinks=sinks, attention_chunk=attention_chunk)
+
+    def mla_paged_attention(self, q_latent_TNL, q_pe_TNR, latent_cache, meta, scale: float, *,
+                            num_splits=None) -> torch.Tensor:
+        return self.kernels.invariant_mla_attention(q_latent_TNL, q_pe_TNR, latent_cache, meta, scale)
+
+    dsa_topk = InvariantTorchAttention.dsa_topk
+    sparse_mla_attention = InvariantTorchAttention.dsa_topk
+
+    @staticmethod
+    def steps(max_len: int, split: bool) -> list[tuple[str, list[int], list[int], int]]:
+        """The kinds of step the layer launches: decode, and a chunked prefill beside a decode, both
+        in the decode tile (never split)."""
+        return [("decode", [1, 1], [1, 2], 1), ("prefill", [4, 1], [4, 9], 1)]
+
+    def __repr__(self) -> str:
+        return "InvariantTritonAttention()"

@@ -433,9 +433,12 @@ def _fp32_placeholder(device: torch.device) -> torch.Tensor:
 def _attend(q, q_r, k, k_r, v, meta: AttentionMetadata, scale: float, HV: int, shared_kv: bool,
             num_splits: int | None, out: torch.Tensor | None, window: int | None = None,
             sinks: torch.Tensor | None = None, chunk: int | None = None,
-            sel: torch.Tensor | None = None) -> torch.Tensor:
+            sel: torch.Tensor | None = None, one_tile: bool = False) -> torch.Tensor:
     """Launch the attention (and reduce) kernels; k/k_r/v are 4-D (blocks, block_size, G, dim) views;
-    sel: each token's selected positions (DSA), (T, K) int32/int64, -1 for none."""
+    sel: each token's selected positions (DSA), (T, K) int32/int64, -1 for none. one_tile
+    (--batch-invariant): every step, prefill chunks included, takes the decode tile (one query token
+    per program) and no split, so a token reads its keys in the same blocks, in the same order, in
+    one program shape, whatever its step (see `invariant_attention`)."""
     T, N, HD = q.shape
     G = k.shape[2]
     if N % G:
@@ -450,13 +453,16 @@ def _attend(q, q_r, k, k_r, v, meta: AttentionMetadata, scale: float, HV: int, s
     HR = q_r.shape[-1] if has_rope else 0
     # The tile shape does not depend on the split; choose the split count from it, then the variant.
     sparse = sel is not None
-    tile = attention_launch(meta.is_decode_only, QH, HD, HR, HV, q.dtype, has_rope, shared_kv, False, sparse=sparse)
+    decode_tile = meta.is_decode_only or one_tile
+    if one_tile:
+        num_splits = 1
+    tile = attention_launch(decode_tile, QH, HD, HR, HV, q.dtype, has_rope, shared_kv, False, sparse=sparse)
     num_q_tiles = triton.cdiv(meta.max_query_len, tile["BLOCK_Q"])
     head_programs = G * triton.cdiv(QH, tile["BLOCK_QH"])
     keys = sel.shape[1] if sparse else meta.max_seq_len
     S = num_splits or choose_num_splits(meta.is_decode_only, meta.num_seqs, keys, head_programs,
                                         _device_sms(q.device))
-    launch = attention_launch(meta.is_decode_only, QH, HD, HR, HV, q.dtype, has_rope, shared_kv, S > 1,
+    launch = attention_launch(decode_tile, QH, HD, HR, HV, q.dtype, has_rope, shared_kv, S > 1,
                               window is not None, sinks is not None, chunk is not None, sparse)
     if S > 1:
         ws = torch.empty((T, N, S, HV), dtype=torch.float32, device=q.device)
@@ -549,3 +555,31 @@ def sparse_mla_attention(q_latent_TNL: torch.Tensor, q_pe_TNR: torch.Tensor, lat
     lat = latent_cache[:, :, None, :]
     return _attend(q_latent_TNL, q_pe_TNR, lat[..., :L], lat[..., L:], lat[..., :L], meta, scale, L, True,
                    num_splits, out_TNL, sel=topk_TK)
+
+
+def invariant_attention(q_TNH: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                        scale: float, *, sliding_window: int | None = None, sinks: torch.Tensor | None = None,
+                        attention_chunk: int | None = None) -> torch.Tensor:
+    """paged_attention's contract, batch-invariant (--batch-invariant): a query token's output is
+    bitwise the same whatever else the step holds and whether it is decoded or sits in a prefill
+    chunk. Every token is one program of the decode tile (BLOCK_Q = 1, the kv head's query heads as
+    rows), never split: it reads exactly its visible keys, from the cache (this step's keys are
+    written there first), in BLOCK_N blocks from its first visible key, with an fp32 online softmax
+    and accumulator. The decode tile's variants are the ones decode steps already compile."""
+    if sinks is not None and (sinks.dtype != torch.float32 or not sinks.is_contiguous()):
+        raise ValueError(f"sinks must be a contiguous float32 (N,) tensor, got {sinks.dtype}")
+    if sliding_window is not None and attention_chunk is not None:
+        raise ValueError("sliding_window and attention_chunk exclude each other")
+    return _attend(q_TNH, None, k_cache, None, v_cache, meta, scale, v_cache.shape[-1], False, 1, None,
+                   sliding_window, sinks, attention_chunk, one_tile=True)
+
+
+def invariant_mla_attention(q_latent_TNL: torch.Tensor, q_pe_TNR: torch.Tensor, latent_cache: torch.Tensor,
+                            meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """mla_paged_attention's contract, batch-invariant as `invariant_attention` is."""
+    L = q_latent_TNL.shape[-1]
+    if latent_cache.shape[-1] != L + q_pe_TNR.shape[-1]:
+        raise ValueError(f"latent_cache row {latent_cache.shape[-1]} != L={L} + R={q_pe_TNR.shape[-1]}")
+    lat = latent_cache[:, :, None, :]
+    return _attend(q_latent_TNL, q_pe_TNR, lat[..., :L], lat[..., L:], lat[..., :L], meta, scale, L, True, 1, None,
+                   one_tile=True)

@@ -71,7 +71,7 @@ DTYPES = tuple(DTYPE_SIG)
 # Shared memory a block may use (the opt-in maximum): 227 KiB on both Hopper and Blackwell.
 MAX_SHARED = {90: 232448, 100: 232448}
 # The kernels, as "module:function".
-from moe_serve.kernels.specialization import (ATTN, FP8_LINEAR, GEMM, INDEX, LINEAR_ATTENTION, MASKED, QUANT,  # noqa: E402,F401
+from moe_serve.kernels.specialization import (ATTN, FP8_LINEAR, GEMM, INDEX, LINEAR, LINEAR_ATTENTION, MASKED, QUANT,  # noqa: E402,F401
                                     REDUCE, TOPK, WRITE)
 from moe_serve.kernels import specialization  # noqa: E402
 # Spill-store bytes per thread above which a grouped-GEMM or decode configuration fails the check
@@ -366,13 +366,13 @@ def _attention_kinds(m: ModelShape) -> list[str]:
     return [""] + ["sliding"] * m.sinks + ["chunked"] * m.chunked
 
 
-def _attention_probe(m: ModelShape, dt, step: tuple, kind: str = "") -> list:
+def _attention_probe(m: ModelShape, dt, step: tuple, kind: str = "", backend=None) -> list:
     """The KV / latent write and one attention call (plus the split reduce) for one of the steps
-    the attention backend declares (TritonAttention.steps)."""
+    the attention backend declares (TritonAttention.steps; backend: another such class)."""
     from attention.backends import TritonAttention
 
     _, q_lens, seq_lens, S = step
-    return _probe(lambda: TritonAttention("cuda").launch(_attention_layer(m, kind), m.N, dt, q_lens, seq_lens, S,
+    return _probe(lambda: (backend or TritonAttention)("cuda").launch(_attention_layer(m, kind), m.N, dt, q_lens, seq_lens, S,
                                                          ENGINE_BLOCK_SIZE))
 
 
@@ -396,6 +396,36 @@ def _fp8_linear_probe(N: int, K: int, M: int, bias: bool, act_quant: bool) -> li
         layer.to_block_fp8((128, 128))
     layer.fp8_act_quant = act_quant
     return _probe(lambda: TritonLinear("cuda").launch(layer, torch.bfloat16, M))
+
+
+def _invariant_linear_probe(N: int, K: int, dt, bias: bool) -> list:
+    """A dense linear layer through --batch-invariant's Triton linear (its one tile for every M)."""
+    from moe_serve.kernels.batch_invariant import InvariantTritonLinear
+    from moe_serve.layers.linear import Linear
+
+    with torch.device(_META):
+        layer = Linear(K, N, bias=bias, dtype=dt)
+    return _probe(lambda: InvariantTritonLinear("cuda").launch(layer, dt, 1))
+
+
+def _add_invariant_launches(models, dtypes, add_launches) -> None:
+    """--batch-invariant's Triton launches: the dense linear (one tile per dtype and bias) and the
+    attention steps of InvariantTritonAttention (the decode tile for prefill chunks too: decode's
+    variants, so they add users, not compiles). Its experts' config is among gemm_cfgs; its FP8
+    linear row tile among TritonLinear.ROW_TILES. DSA has no invariant form (refused)."""
+    from attention.backends.invariant import InvariantTritonAttention
+
+    for dt in dtypes:
+        for bias in (False, True):
+            add_launches(_invariant_linear_probe(2048, 7168, dt, bias),
+                         {LINEAR: f"batch-invariant linear (decode, prefill) bias={int(bias)} {DTYPE_SIG[dt]}"})
+    for m in models:
+        for dt in (dt for dt in dtypes if dt in m.dtypes) if m.attention and not m.dsa else ():
+            for step in InvariantTritonAttention.steps(max_len=40, split=False):
+                for kind in _attention_kinds(m):
+                    user = f"{m.name} batch-invariant {step[0]}{' ' + kind if kind else ''} {DTYPE_SIG[dt]}"
+                    add_launches(_attention_probe(m, dt, step, kind, InvariantTritonAttention),
+                                 {ATTN: user, WRITE: f"{m.name} {DTYPE_SIG[dt]}"})
 
 
 def enumerate_jobs(models=MODELS, dtypes=DTYPES, inject_broken: bool = False, quick: bool = False) -> list[Job]:
@@ -427,19 +457,25 @@ def enumerate_jobs(models=MODELS, dtypes=DTYPES, inject_broken: bool = False, qu
     default_names = ("default decode", "default middle", "default prefill")
     gemm_cfgs = [(dt, cfg, name) for dt in dtypes for cfg, name in zip(gcfg.DEFAULT_CONFIGS, default_names)]
     gemm_cfgs += [(dt, cfg, "tuned") for dt, cfg in gcfg.tuned_configs() if dt in dtypes]
+    gemm_cfgs += [(dt, gcfg.INVARIANT_CONFIG, "batch-invariant") for dt in dtypes]  # --batch-invariant's one tile
     for m in models:
         for dt, cfg, origin in gemm_cfgs:
             if dt not in m.dtypes:
                 continue
             d = DTYPE_SIG[dt]
             add_launches(_experts_probe(m, dt, cfg), {GEMM: gemm_user(origin, d)})
-            # Masked grouped GEMM (DeepEP low-latency layout): the same configs, gate/up and down.
-            add_launches(_masked_probe(m, dt, cfg, False), {MASKED: gemm_user(f"{origin} masked", d)})
+            # Masked grouped GEMM (DeepEP low-latency layout): the same configs, gate/up and down
+            # (not --batch-invariant's: its experts never take the masked GEMM).
+            masked = origin != "batch-invariant"
+            if masked:
+                add_launches(_masked_probe(m, dt, cfg, False), {MASKED: gemm_user(f"{origin} masked", d)})
             if dt == torch.bfloat16:  # block-FP8 experts with bf16 activations: weight-only and W8A8
                 add_launches(_experts_probe(m, dt, cfg, "fp8"), {GEMM: gemm_user(origin, d, " fp8-weights")})
                 add_launches(_experts_probe(m, dt, cfg, "w8a8"), {GEMM: gemm_user(origin, d, " fp8-w8a8"),
                                                                  QUANT: "fp8 activation quant bf16"})
-                add_launches(_masked_probe(m, dt, cfg, True), {MASKED: gemm_user(f"{origin} masked", d, " fp8-weights")})
+                if masked:
+                    add_launches(_masked_probe(m, dt, cfg, True),
+                                 {MASKED: gemm_user(f"{origin} masked", d, " fp8-weights")})
             # The model's expert variant (biases, another activation): dense (and block FP8 in bf16),
             # and MXFP4 where the model ships so.
             kinds = ("plain",) + ("fp8", "w8a8") * (dt == torch.bfloat16) if m.variant else ()
@@ -481,6 +517,7 @@ def enumerate_jobs(models=MODELS, dtypes=DTYPES, inject_broken: bool = False, qu
                     add_launches(_fp8_linear_probe(N, K, M, bias, aq),
                                  {FP8_LINEAR: user, QUANT: "fp8 activation quant bf16"})
 
+    _add_invariant_launches(models, dtypes, add_launches)
     for m in models:
         for dt in (dt for dt in dtypes if dt in m.dtypes):
             d = DTYPE_SIG[dt]

@@ -22,6 +22,8 @@ The forms here fix one reduction order per output element, independent of M:
   element takes the vectorised path whatever the tensor's size;
 - C: `cpu_ops.linear_invariant` and `cpu_ops.moe_experts(pairs=True)` (dot-product tiles for
   every M). They are slower than the default paths at prefill sizes; the default is untouched.
+- Triton: `triton_invariant.linear_invariant` and `experts_pairs_triton` (one fixed config, tile
+  and K step, for every row count; `InvariantTritonLinear`, `InvariantTritonExperts`);
 - experts: each (token, k) pair's weighted output apart (`pairs`), then a token's pairs added into a
   float32 zero in ascending expert id (`sum_in_id_order`). Under expert parallelism the pairs come
   home apart and are added there the same way, so a token's output is also the same whichever rank
@@ -34,8 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from moe_serve.kernels import cpu_ops
-from moe_serve.kernels.grouped_gemm import CpuCExperts, TorchExperts
-from moe_serve.kernels.linear import CpuCLinear, TorchLinear
+from moe_serve.kernels.grouped_gemm import CpuCExperts, TorchExperts, TritonExperts
+from moe_serve.kernels.linear import CpuCLinear, TorchLinear, TritonLinear
 
 # Whole vectors of torch's widest CPU loop (2 x 16 float32 lanes, AVX-512) and, below, elements per
 # serial piece: under torch's parallel grain (32768) a piece runs on one thread in one loop, whose
@@ -211,3 +213,90 @@ class InvariantCpuCExperts(CpuCExperts):
         return InvariantTorchExperts.pairs(self, x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, **variant)
 
     variant = InvariantTorchExperts.variant
+
+
+class InvariantTritonLinear(TritonLinear):
+    """TritonLinear's contract, batch-invariant: dense weights through our Triton GEMM at one config
+    (`triton_invariant.linear_invariant`, not cuBLAS), block-FP8 weights through the FP8 kernel at
+    one row tile whatever M is."""
+
+    name = "triton+bi"
+    batch_invariant = True
+    FP8_TILE_ROWS = 32  # the row tile every block-FP8 call takes (one of ROW_TILES: compiled already)
+    ROW_TILES = (FP8_TILE_ROWS,)
+
+    def capturable(self) -> "InvariantTritonLinear":
+        return self
+
+    def __call__(self, x, w, b=None):
+        from moe_serve.kernels.triton_invariant import linear_invariant  # lazy: triton is heavy
+
+        return linear_invariant(x, w, b)
+
+    def fp8(self, layer, x: torch.Tensor) -> torch.Tensor:
+        from moe_serve.kernels.fp8_linear import fp8_linear_triton  # lazy: triton is heavy
+
+        return fp8_linear_triton(x, layer.weight, layer.weight_scale_inv, layer.fp8_block, layer.bias,
+                                 layer.fp8_act_quant, tile_rows=self.FP8_TILE_ROWS)
+
+    # CUDA's elementwise kernels apply one scalar formula to every element, vectorised or not; torch's
+    # CPU loops (the interpreter's device) do not (module docstring): the padded form there.
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return elementwise(_silu_mul, gate, up) if gate.device.type == "cpu" else F.silu(gate) * up
+
+    def sigmoid(self, x: torch.Tensor) -> torch.Tensor:
+        return elementwise(torch.sigmoid, x) if x.device.type == "cpu" else torch.sigmoid(x)
+
+    per_head = InvariantTorchLinear.per_head
+
+    def launch(self, layer, dtype: torch.dtype, M: int) -> None:
+        """The layer (dense or block FP8) over M "meta" rows: compiled, not run."""
+        x = torch.empty(M, layer.in_features, dtype=dtype, device="meta")
+        if getattr(layer, "weight_scale_inv", None) is not None:
+            self.fp8(layer, x)
+        else:
+            self(x, layer.weight, layer.bias)
+
+    def warm_up(self, layer, dtype: torch.dtype) -> None:
+        """The one variant a layer launches (one tile whatever M; M is not specialised)."""
+        self.launch(layer, dtype, 1)
+
+
+class InvariantTritonExperts(TritonExperts):
+    """TritonExperts' contract, batch-invariant: every weight format and activation the grouped GEMM
+    takes (`kernel_args`), at grouped_gemm.config.INVARIANT_CONFIG for every T
+    (`triton_invariant.experts_pairs_triton`), each pair's output apart, added in expert id order
+    (`sum_in_id_order`). No masked GEMM (its tile is chosen by rows per expert): an expert-parallel
+    layer sends the pairs home instead. What the kernel does not take is refused."""
+
+    name = "triton+bi"
+    batch_invariant = True
+    has_masked = False
+    linear_backend = InvariantTritonLinear
+
+    def capturable(self) -> "InvariantTritonExperts":
+        return InvariantTritonExperts(self.device, host_reads=False)
+
+    plain = InvariantTorchExperts.plain
+
+    def variant(self, x_TD, w13, w2, topk_weights_TK, topk_ids_TK, w13_bias, w2_bias, activation):
+        pairs = self.pairs(x_TD, w13, w2, topk_weights_TK, topk_ids_TK, w13_bias=w13_bias, w2_bias=w2_bias,
+                           activation=activation)
+        return sum_in_id_order(pairs, topk_ids_TK).to(x_TD.dtype)
+
+    def pairs(self, x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, **variant) -> torch.Tensor:
+        """InvariantTorchExperts.pairs' contract, by the Triton grouped GEMM at its one config."""
+        from moe_serve.kernels.triton_invariant import experts_pairs_triton  # lazy: triton is heavy
+
+        args = self.kernel_args(w13_EFD, w2_EDF, x_TD.dtype, **variant)
+        if args is None:
+            raise ValueError(f"--batch-invariant: the triton experts backend has no batch-invariant form for "
+                             f"activation {variant.get('activation', 'silu')!r} or weights of another dtype")
+        k13, k2, kw = args
+        return experts_pairs_triton(x_TD, k13, k2, topk_weights_TK, topk_ids_TK, **kw)
+
+    def configs(self, moe, dtype: torch.dtype) -> list[dict]:
+        """The one config this backend launches (warm-up and moe_serve/kernels/aot_check.py)."""
+        from moe_serve.kernels.grouped_gemm.config import INVARIANT_CONFIG
+
+        return [dict(INVARIANT_CONFIG)]

@@ -70,8 +70,11 @@ def fp8_linear_launch(M: int, dtype: torch.dtype, block: tuple[int, int], act_qu
 
 
 def fp8_linear_triton(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
-                      bias: torch.Tensor | None = None, act_quant: bool = False) -> torch.Tensor:
-    """(..., K) activations, (N, K) FP8 weights with (ceil(N/b0), ceil(K/b1)) scales -> (..., N) in x's dtype."""
+                      bias: torch.Tensor | None = None, act_quant: bool = False,
+                      tile_rows: int | None = None) -> torch.Tensor:
+    """(..., K) activations, (N, K) FP8 weights with (ceil(N/b0), ceil(K/b1)) scales -> (..., N) in x's dtype.
+    tile_rows: pick the row tile as for that many rows whatever M is (--batch-invariant: one tile,
+    one reduction order per row); None: by M."""
     *lead, K = x.shape
     N = w.shape[0]
     if w.dtype != torch.float8_e4m3fn or w.shape[1] != K:
@@ -85,7 +88,7 @@ def fp8_linear_triton(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor,
     if M == 0:
         return y.view(*lead, N)
     check_triton_device(x2)
-    launch = fp8_linear_launch(M, x.dtype, block, act_quant)
+    launch = fp8_linear_launch(tile_rows or M, x.dtype, block, act_quant)
     xin, xs = x2, scale_inv  # the activation scales are unused unless A_SCALED
     if act_quant:
         from moe_serve.kernels.fp8_quant import quantize_per_token_group

@@ -40,7 +40,8 @@ GDN_INVERSE = "moe_serve.kernels.gated_delta.triton_kernels:_chunk_inverse_kerne
 GDN_SCAN = "moe_serve.kernels.gated_delta.triton_kernels:_chunk_scan_kernel"
 LINEAR_ATTENTION = (GDN_CONV, GDN_CONV_STATE, GDN_RECURRENT, GDN_INVERSE, GDN_SCAN)
 INDEX = "attention.backends.triton_dsa:_index_scores_kernel"
-KERNELS = (GEMM, TOPK, ATTN, REDUCE, WRITE, FP8_LINEAR, MASKED, QUANT, *LINEAR_ATTENTION, INDEX)
+LINEAR = "moe_serve.kernels.triton_invariant:_linear_kernel"  # --batch-invariant's dense linear
+KERNELS = (GEMM, TOPK, ATTN, REDUCE, WRITE, FP8_LINEAR, MASKED, QUANT, *LINEAR_ATTENTION, INDEX, LINEAR)
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
            torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5", torch.int64: "i64", torch.int32: "i32",

@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 _KERNEL_MODULES = ("moe_serve.kernels.grouped_gemm.triton_kernel", "moe_serve.kernels.grouped_gemm.masked", "attention.backends.triton_paged",
-                   "moe_serve.kernels.gated_delta.triton_kernels")
+                   "moe_serve.kernels.gated_delta.triton_kernels", "moe_serve.kernels.triton_invariant")
 
 
 def _switch_to_interpreter() -> None:

@@ -96,8 +96,19 @@ def test_chunks_and_preemption_match_alone(engines):
 
 
 def test_refused_where_no_invariant_form():
+    """Every experts, attention and linear backend has an invariant form (the Triton ones:
+    tests/kernels/test_batch_invariant_triton.py); a layer kind without one is refused at bind."""
+    from torch import nn
+
     from moe_serve import platform
 
-    with pytest.raises(ValueError, match=r"--batch-invariant with moe_backend='triton'"):
-        platform.choose("cpu", moe_backend="triton", attention_backend="torch", linear_backend="torch",
-                        norm_backend="torch", batch_invariant=True)
+    choice = platform.choose("cpu", moe_backend="triton", attention_backend="triton", linear_backend="triton",
+                             norm_backend="torch", batch_invariant=True)
+    ops = platform.resolve_ops(choice.device, "triton", "triton", "triton", "torch", "torch", batch_invariant=True)
+    assert {ops.experts.name, ops.attention.name, ops.linear.name} == {"triton+bi"}
+
+    class GatedDeltaStandIn(nn.Module):
+        op_kind = "linear_attention"
+
+    with pytest.raises(ValueError, match=r"--batch-invariant: GatedDeltaStandIn runs linear attention"):
+        platform.bind_ops(GatedDeltaStandIn(), ops)

@@ -70,6 +70,10 @@ MIDDLE_CONFIG = {"BLOCK_SIZE_M": 32, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 64, "GR
 PREFILL_CONFIG = {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 8,
                   "num_warps": 8, "num_stages": 3}
 DEFAULT_CONFIGS = (DECODE_CONFIG, MIDDLE_CONFIG, PREFILL_CONFIG)
+# --batch-invariant: the one config every batch size launches (no choice by T: the tile and its K
+# step fix each product's reduction order; moe_serve/kernels/triton_invariant.py). The middle tile:
+# decode steps waste at most half a row block, prefill keeps 4 warps busy.
+INVARIANT_CONFIG = MIDDLE_CONFIG
 
 
 def default_config(T: int, E: int, top_k: int) -> dict:

@@ -490,9 +490,11 @@ def _weight_operands(w13_EFD, w2_EDF, w13_scale, w2_scale, scale_block, placehol
 
 
 def _experts_gemms(x_TD, w13_EFD, w2_EDF, weights_P, routing, K: int, launch: dict, act: tuple, w13_scale,
-                   w2_scale, scale_block, act_quant: bool, w13_bias, w2_bias) -> torch.Tensor:
-    """y (P, D): each pair's expert output times its router weight, by the gate/up GEMM (activation
-    fused) and the down GEMM; rows of pairs whose expert is not here are left unwritten."""
+                   w2_scale, scale_block, act_quant: bool, w13_bias, w2_bias,
+                   y_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """y (P, D) in y_dtype (default x's): each pair's expert output times its router weight, by the
+    gate/up GEMM (activation fused) and the down GEMM; rows of pairs whose expert is not here are
+    left unwritten."""
     T, D = x_TD.shape
     F = w2_EDF.shape[2]
     P, S = routing.num_pairs, routing.sorted_pair_ids_S.shape[0]
@@ -508,7 +510,7 @@ def _experts_gemms(x_TD, w13_EFD, w2_EDF, weights_P, routing, K: int, launch: di
 
         a_in, xs = quantize_per_token_group(x_TD, scale_block[1])
         a_scales = (xs, xs.stride(0), xs.stride(1))
-    y_PD = _empty((P, D), x_TD.dtype, x_TD.device)
+    y_PD = _empty((P, D), y_dtype or x_TD.dtype, x_TD.device)
     if S == 0:
         return y_PD
     h_PF = _empty((P, F), x_TD.dtype, x_TD.device)
