@@ -29,6 +29,7 @@ from moe_serve.kernels.batch_invariant import (InvariantCpuCExperts, InvariantCp
                                                InvariantTorchLinear, InvariantTritonExperts, InvariantTritonLinear)
 from moe_serve.kernels import cpu_ops
 from moe_serve.kernels.gated_delta import CpuCLinearAttention, TorchLinearAttention, TritonLinearAttention
+from moe_serve.kernels.gated_delta.invariant import InvariantCpuCLinearAttention, InvariantTorchLinearAttention
 from moe_serve.kernels.grouped_gemm import CpuCExperts, TorchExperts, TritonExperts
 from moe_serve.kernels.linear import CpuCLinear, TorchLinear, TritonLinear
 from moe_serve.kernels.norm import CpuCNorm, TorchNorm
@@ -59,6 +60,7 @@ INVARIANT: dict[str, dict[str, type]] = {
     "attention": {"torch": InvariantTorchAttention, "cpu_c": InvariantCpuCAttention, "triton": InvariantTritonAttention},
     "linear": {"torch": InvariantTorchLinear, "cpu_c": InvariantCpuCLinear, "triton": InvariantTritonLinear},
     "norm": {"torch": TorchNorm, "cpu_c": CpuCNorm},
+    "linear_attention": {"torch": InvariantTorchLinearAttention, "cpu_c": InvariantCpuCLinearAttention},
 }
 
 

@@ -16,13 +16,17 @@ never split, and no reduction spans query tokens.
   layers it does not take (windows, sinks, other dtypes) and MLA run the torch form.
 - `InvariantTritonAttention`: the Triton kernel's decode tile for every sequence, prefill chunks
   included (one program per query token, never split over keys: triton_paged.invariant_attention).
-DeepSeek Sparse Attention (dsa_topk, sparse MLA) has no invariant form yet and is refused.
+DeepSeek Sparse Attention (every backend, torch ops): `dsa_topk_torch` scores each query token
+against exactly the indexer keys it sees and keeps its top-k in ascending position, and
+`sparse_mla_torch` attends each token over its own selected rows only (no padding to the step's
+widest selection), so neither depends on what else the step holds.
 """
 from __future__ import annotations
 
 import torch
 
 from attention.backends import CpuCAttention, TorchAttention, TritonAttention
+from attention.backends.dsa import index_scores
 from attention.backends.reference import _first_key
 from moe_serve.kernels import cpu_ops
 
@@ -82,6 +86,44 @@ def mla_torch(q_latent_TNL, q_pe_TNR, latent_cache, meta, scale: float) -> torch
     return out
 
 
+def dsa_topk_torch(q_TNI, w_TN, index_cache, meta, topk: int, scale: float) -> torch.Tensor:
+    """dsa.dsa_topk's contract, one query token at a time: its scores against the keys of positions
+    0 .. p (a fresh float32 copy), its top min(topk, p + 1) in ascending position, -1 after."""
+    out = torch.full((q_TNI.shape[0], min(topk, meta.max_seq_len)), -1, dtype=torch.int64, device=q_TNI.device)
+    s = 0
+    for b in range(meta.num_seqs):
+        q_len, ctx = meta.query_lens_cpu[b], meta.seq_lens_cpu[b]
+        for i in range(q_len):
+            pos = ctx - q_len + i
+            keys = _keys(index_cache, meta.block_tables[b], 0, pos + 1)
+            scores = index_scores(q_TNI[s + i:s + i + 1].clone(), w_TN[s + i:s + i + 1].clone(), keys, scale)[0]
+            k = min(topk, pos + 1)
+            out[s + i, :k] = scores.topk(k).indices.sort().values
+        s += q_len
+    return out
+
+
+def sparse_mla_torch(q_latent_TNL, q_pe_TNR, latent_cache, meta, topk_TK, scale: float) -> torch.Tensor:
+    """dsa.sparse_mla_attention's contract, one query token at a time over its selected rows only,
+    in ascending position (a GLM-5 shared layer's selection may come padded to another width)."""
+    T, N, L = q_latent_TNL.shape
+    bs = latent_cache.shape[1]
+    flat = latent_cache.view(-1, latent_cache.shape[-1])
+    out = torch.empty(T, N, L, dtype=q_latent_TNL.dtype, device=q_latent_TNL.device)
+    s = 0
+    for b in range(meta.num_seqs):
+        table = meta.block_tables[b].long()
+        for i in range(meta.query_lens_cpu[b]):
+            pos = topk_TK[s + i]
+            pos = pos[pos >= 0].sort().values
+            lat = flat.index_select(0, table[pos // bs] * bs + pos % bs).to(torch.float32, copy=True)  # (k, L + R)
+            q = torch.cat([q_latent_TNL[s + i], q_pe_TNR[s + i]], dim=-1).to(torch.float32, copy=True)
+            p = torch.softmax(torch.mm(q, lat.t().contiguous()) * scale, dim=-1)  # (N, k)
+            out[s + i] = torch.mm(p, lat[:, :L].contiguous()).to(out.dtype)
+        s += meta.query_lens_cpu[b]
+    return out
+
+
 class InvariantTorchAttention(TorchAttention):
     name = "torch+bi"
     batch_invariant = True
@@ -96,11 +138,11 @@ class InvariantTorchAttention(TorchAttention):
     def mla_paged_attention(self, q_latent_TNL, q_pe_TNR, latent_cache, meta, scale: float) -> torch.Tensor:
         return mla_torch(q_latent_TNL, q_pe_TNR, latent_cache, meta, scale)
 
-    def dsa_topk(self, *args, **kw):
-        raise ValueError(f"--batch-invariant: the {self.name.split('+')[0]} attention backend has no batch-invariant "
-                         "form of DeepSeek Sparse Attention (its indexer's top-k and sparse MLA)")
+    def dsa_topk(self, q_TNI, w_TN, index_cache, meta, topk: int, scale: float) -> torch.Tensor:
+        return dsa_topk_torch(q_TNI, w_TN, index_cache, meta, topk, scale)
 
-    sparse_mla_attention = dsa_topk
+    def sparse_mla_attention(self, q_latent_TNL, q_pe_TNR, latent_cache, meta, topk_TK, scale: float) -> torch.Tensor:
+        return sparse_mla_torch(q_latent_TNL, q_pe_TNR, latent_cache, meta, topk_TK, scale)
 
 
 class InvariantCpuCAttention(CpuCAttention):
@@ -125,7 +167,8 @@ class InvariantCpuCAttention(CpuCAttention):
 
     mla_paged_attention = InvariantTorchAttention.mla_paged_attention
     dsa_topk = InvariantTorchAttention.dsa_topk
-    sparse_mla_attention = InvariantTorchAttention.dsa_topk
+    sparse_mla_attention = InvariantTorchAttention.sparse_mla_attention
+
 
 class InvariantTritonAttention(TritonAttention):
     """TritonAttention's contract, batch-invariant: `triton_paged.invariant_attention` /
@@ -146,8 +189,9 @@ class InvariantTritonAttention(TritonAttention):
                             num_splits=None) -> torch.Tensor:
         return self.kernels.invariant_mla_attention(q_latent_TNL, q_pe_TNR, latent_cache, meta, scale)
 
+    # DSA: the torch forms (on the device), one query token at a time
     dsa_topk = InvariantTorchAttention.dsa_topk
-    sparse_mla_attention = InvariantTorchAttention.dsa_topk
+    sparse_mla_attention = InvariantTorchAttention.sparse_mla_attention
 
     @staticmethod
     def steps(max_len: int, split: bool) -> list[tuple[str, list[int], list[int], int]]:

@@ -95,4 +95,4 @@ class GatedSharedExpert(nn.Module):
         self.gate = Linear(hidden_size, 1, dtype=dtype)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(self.gate(x_TD)) * self.expert(x_TD)
+        return self.gate.ops.sigmoid(self.gate(x_TD)) * self.expert(x_TD)

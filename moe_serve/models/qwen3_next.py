@@ -87,10 +87,12 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
 
-    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, z: torch.Tensor, pointwise=None) -> torch.Tensor:
+        """pointwise(fn, t): how the gate's silu runs (the layer backend's), else torch's."""
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return ((self.weight * normed.to(x.dtype)) * F.silu(z.float())).to(x.dtype)
+        gate = F.silu(z.float()) if pointwise is None else pointwise(F.silu, z.float())
+        return ((self.weight * normed.to(x.dtype)) * gate).to(x.dtype)
 
 
 class GatedDeltaNet(nn.Module):
@@ -161,11 +163,11 @@ class GatedDeltaNet(nn.Module):
         if Hv != Hk:  # each key head serves Hv / Hk consecutive value heads
             q_THK = q_THK[:, :, None, :].expand(T, Hk, Hv // Hk, self.k_dim).reshape(T, Hv, self.k_dim)
             k_THK = k_THK[:, :, None, :].expand(T, Hk, Hv // Hk, self.k_dim).reshape(T, Hv, self.k_dim)
-        beta_TH = b_TH.sigmoid()
-        g_TH = -self.A_log.float().exp() * F.softplus(a_TH.float() + self.dt_bias)
+        beta_TH = self.ops.pointwise(torch.sigmoid, b_TH)
+        g_TH = -self.A_log.float().exp() * self.ops.pointwise(F.softplus, a_TH.float() + self.dt_bias)
         o_THV = self.ops.gated_delta_rule(q_THK, k_THK, v.reshape(T, Hv, self.v_dim), g_TH, beta_TH, state_SHKV,
                                           slots_B, query_lens, context_lens, self.k_dim ** -0.5, use_qk_l2norm=True)
-        return self.out_proj(self.norm(o_THV, z_THV).reshape(T, self.value_dim))
+        return self.out_proj(self.norm(o_THV, z_THV, self.ops.pointwise).reshape(T, self.value_dim))
 
 
 class GatedAttention(nn.Module):
@@ -200,7 +202,7 @@ class GatedAttention(nn.Module):
         v = self.v_proj(x_TD).view(T, G, Hd)
         q, k = self._rope(q, k, positions_T, rope)
         o = self.attn(q, k, v, meta).reshape(T, N * Hd)
-        return self.o_proj(o * torch.sigmoid(gate.reshape(T, N * Hd)))
+        return self.o_proj(o * self.o_proj.ops.sigmoid(gate.reshape(T, N * Hd)))
 
     def _rope(self, q_TNH, k_TGH, positions_T, rope):
         fused = self.ops.norm_rope(q_TNH, k_TGH, self.rotary, positions_T)

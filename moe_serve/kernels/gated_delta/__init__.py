@@ -198,6 +198,11 @@ class TorchLinearAttention:
         state_SHKV.index_copy_(0, slots_B, S_BHKV.to(state_SHKV.dtype))
         return o_BHV
 
+    def pointwise(self, fn, *xs: torch.Tensor) -> torch.Tensor:
+        """fn(*xs) for the layer's elementwise gates (here so that a batch-invariant backend can run
+        them in its own form)."""
+        return fn(*xs)
+
     def warm_up(self, layer, dtype: torch.dtype) -> None:
         """Compile what this backend can launch for the layer ahead of serving: nothing for torch ops."""
 
@@ -282,6 +287,8 @@ class TritonLinearAttention:
 
     def capturable(self) -> "TritonLinearAttention":
         return self
+
+    pointwise = TorchLinearAttention.pointwise
 
     def causal_conv1d(self, x_TC, weight_CK, bias_C, conv_state_SCW, slots_B, query_lens_cpu, context_lens_cpu,
                       activation: str | None = "silu") -> torch.Tensor:
