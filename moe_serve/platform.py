@@ -60,7 +60,9 @@ INVARIANT: dict[str, dict[str, type]] = {
     "attention": {"torch": InvariantTorchAttention, "cpu_c": InvariantCpuCAttention, "triton": InvariantTritonAttention},
     "linear": {"torch": InvariantTorchLinear, "cpu_c": InvariantCpuCLinear, "triton": InvariantTritonLinear},
     "norm": {"torch": TorchNorm, "cpu_c": CpuCNorm},
-    "linear_attention": {"torch": InvariantTorchLinearAttention, "cpu_c": InvariantCpuCLinearAttention},
+    # triton: the torch form on the device (one row per call), so "auto" on a GPU is not refused
+    "linear_attention": {"torch": InvariantTorchLinearAttention, "cpu_c": InvariantCpuCLinearAttention,
+                         "triton": InvariantTorchLinearAttention},
 }
 
 

@@ -118,6 +118,11 @@ def test_refused_where_no_invariant_form():
                              norm_backend="torch", batch_invariant=True)
     ops = platform.resolve_ops(choice.device, "triton", "triton", "triton", "torch", "torch", batch_invariant=True)
     assert {ops.experts.name, ops.attention.name, ops.linear.name} == {"triton+bi"}
+    # linear attention's "triton" (what "auto" picks on a GPU) runs the invariant torch form there
+    choice = platform.choose("cpu", moe_backend="triton", attention_backend="triton", linear_backend="triton",
+                             norm_backend="torch", linear_attention_backend="triton", batch_invariant=True)
+    assert platform.resolve_ops(choice.device, "triton", "triton", "triton", "torch", "triton",
+                                batch_invariant=True).linear_attention.name == "torch+bi"
 
     class CompressedStandIn(nn.Module):  # DeepSeek-V4's compressed attention has no invariant form yet
         op_kind = "compressed_attention"
