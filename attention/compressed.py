@@ -12,7 +12,8 @@ the raw rows, and owns the weights (the compressors, the indexer's projections, 
   highest sum_h w_h relu(q_h . k) / sqrt(I) among those complete at its position;
 - `CompressedAttention`: the layer (op kind "compressed_attention"): two paged caches (`PagedRows`)
   and the backend bound by moe_serve/platform.py, which pools the groups a step completes and
-  attends (attention/backends/compressed.py: torch ops, the step's rows in one batch).
+  attends (attention/backends/compressed.py: torch ops, the step's rows in one batch; under
+  --batch-invariant one entry and one query token at a time).
 
 A query at p sees entry w once its group is complete ((w + 1) m - 1 <= p). Caches: one sliding group
 keeps per token K and the compressors' raw rows for as long as a group being filled or the window

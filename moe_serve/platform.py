@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from attention.backends import CpuCAttention, TorchAttention, TritonAttention
-from attention.backends.compressed import TorchCompressedAttention
+from attention.backends.compressed import InvariantTorchCompressedAttention, TorchCompressedAttention
 from attention.backends.invariant import InvariantCpuCAttention, InvariantTorchAttention, InvariantTritonAttention
 from moe_serve.kernels.batch_invariant import (InvariantCpuCExperts, InvariantCpuCLinear, InvariantTorchExperts,
                                                InvariantTorchLinear, InvariantTritonExperts, InvariantTritonLinear)
@@ -63,6 +63,8 @@ INVARIANT: dict[str, dict[str, type]] = {
     # triton: the torch form on the device (one row per call), so "auto" on a GPU is not refused
     "linear_attention": {"torch": InvariantTorchLinearAttention, "cpu_c": InvariantCpuCLinearAttention,
                          "triton": InvariantTorchLinearAttention},
+    # a kind of FOLLOWS: its torch form whatever the attention backend's name (as without the flag)
+    "compressed_attention": {"torch": InvariantTorchCompressedAttention},
 }
 
 
@@ -124,7 +126,9 @@ def resolve_ops(device: torch.device, experts: str, attention: str, linear: str 
     table = {kind: {**OPS[kind], **(INVARIANT.get(kind, {}) if batch_invariant else {})} for kind in OPS}
     objs = {kind: table[kind][name](device) for kind, name in names.items()}
     for kind, led in FOLLOWS.items():
-        objs[kind] = OPS[kind].get(names[led], OPS[kind]["torch"])(device)
+        # under the flag only the invariant forms: a default class under the led name must not win
+        forms = INVARIANT[kind] if batch_invariant else OPS[kind]
+        objs[kind] = forms.get(names[led], forms["torch"])(device)
     return Ops(device, **objs, batch_invariant=batch_invariant)
 
 
@@ -264,7 +268,7 @@ def choose(device: str = "auto", moe_backend: str = "auto", attention_backend: s
               ("norm", norm_backend), ("linear_attention", linear_attention_backend))}
     if batch_invariant:
         for kind, table in INVARIANT.items():
-            if names[kind] not in table:
+            if kind not in FOLLOWS and names[kind] not in table:  # a FOLLOWS kind falls back to its torch form
                 flag = "moe_backend" if kind == "experts" else f"{kind}_backend"
                 raise ValueError(f"--batch-invariant with {flag}={names[kind]!r}: that backend has no batch-invariant "
                                  f"form (those with one: {', '.join(table)})")

@@ -222,3 +222,93 @@ class TorchCompressedAttention:
 
     def __repr__(self) -> str:
         return type(self).__name__ + "()"
+
+
+# --- --batch-invariant (moe_serve/kernels/batch_invariant.py): the forms above batch a step's decodes
+# into one padded gather and a prefill chunk's rows into another, and pool every group a step completes
+# in one call, so a token's sums took shapes (and torch kernels) set by what else the step held.
+
+
+def compress_invariant(layer, meta: AttentionMetadata, rope) -> None:
+    """`compress`'s contract, one entry at a time: each entry pooled from its own span's rows alone
+    (the same shapes whichever step completes its group, alone or beside others)."""
+    dev = meta.slot_mapping.device
+    ends = group_ends(meta, layer.m, dev)
+    if ends is None:
+        return
+    seq_N, end_N = ends
+    m = layer.m
+    wmeta, emeta = meta.for_group(layer.rows.cache_group), meta.for_group(layer.entries.cache_group)
+    parts = [(layer.compressor, 1)] + ([(layer.indexer.compressor, 3)] if layer.indexer is not None else [])
+    new = [[] for _ in parts]
+    for i in range(seq_N.shape[0]):
+        seq, end = seq_N[i:i + 1], end_N[i:i + 1]
+        group = (end + 1) // m - 1
+        for j, (comp, row) in enumerate(parts):
+            S = comp.span
+            pos_1S = end[:, None] - S + 1 + torch.arange(S, device=dev)[None, :]
+            slots = slots_of(wmeta, seq[:, None].expand(-1, S), pos_1S.clamp(min=0))
+            new[j].append(comp.pool(layer.rows.read(row, slots), layer.rows.read(row + 1, slots), group == 0,
+                                    group * m, rope))
+    layer.entries.write([torch.cat(e) for e in new], slots_of(emeta, seq_N, end_N))
+
+
+def _token_keys(layer, index_q, t: int, b: int, p: int, meta: AttentionMetadata) -> torch.Tensor:
+    """The keys (= values) query row t (sequence b, position p) reads, in a fresh float32 tensor:
+    its window's (positions p - W + 1 .. p), then the entries complete at p it attends to (all on
+    HCA layers; the indexer's top-k among exactly those on CSA, in position order). (K, C)."""
+    dev = layer.rows.caches[0].device
+    kpos = torch.arange(max(0, p - layer.window + 1), p + 1, device=dev)
+    seq = torch.full((), b, dtype=torch.int64, device=dev)
+    keys = layer.rows.read(0, slots_of(meta.for_group(layer.rows.cache_group), seq.expand(kpos.shape[0]), kpos))
+    ready = (p + 1) // layer.m if layer.entries is not None else 0
+    if not ready:
+        return keys.to(torch.float32, copy=True)
+    epos = (torch.arange(ready, device=dev) + 1) * layer.m - 1
+    eslots = slots_of(meta.for_group(layer.entries.cache_group), seq.expand(ready), epos)
+    if layer.indexer is not None:
+        ikeys = layer.entries.read(1, eslots).to(torch.float32, copy=True)  # (E, I)
+        q_NI, w_N = (x[t].to(torch.float32, copy=True) for x in index_q)
+        scores = torch.relu(torch.mm(q_NI, ikeys.t().contiguous())) * ikeys.shape[-1] ** -0.5  # (N, E)
+        score_E = (scores * w_N[:, None]).sum(dim=0)
+        eslots = eslots[score_E.topk(min(layer.indexer.topk, ready)).indices.sort().values]
+    return torch.cat([keys, layer.entries.read(0, eslots)]).to(torch.float32, copy=True)
+
+
+def attend_invariant(layer, q_THC: torch.Tensor, index_q, meta: AttentionMetadata, sinks_H) -> torch.Tensor:
+    """`attend`'s contract, one query token at a time, decode or prefill alike: its scores against
+    exactly the keys it reads (`_token_keys`, no padding), the sink logit per head, a float32
+    softmax, then those keys as values. No reduction spans query tokens. (T, H, C)."""
+    out = torch.empty_like(q_THC)
+    sinks = sinks_H.to(torch.float32)[:, None]
+    t = 0
+    for b in range(meta.num_seqs):
+        s, n = meta.seq_lens_cpu[b], meta.query_lens_cpu[b]
+        for p in range(s - n, s):
+            keys = _token_keys(layer, index_q, t, b, p, meta)
+            q_HC = q_THC[t].to(torch.float32, copy=True)
+            logits = torch.cat([torch.mm(q_HC, keys.t().contiguous()) * layer.scale, sinks], dim=-1)  # (H, K + 1)
+            probs = torch.softmax(logits, dim=-1)[:, :-1].contiguous()
+            out[t] = torch.mm(probs, keys).to(out.dtype)
+            t += 1
+    return out
+
+
+class InvariantTorchCompressedAttention(TorchCompressedAttention):
+    """TorchCompressedAttention's contract, batch-invariant (`compress_invariant`, `attend_invariant`):
+    what --batch-invariant binds for every backend name (torch ops; on a GPU too)."""
+
+    name = "torch+bi"
+    batch_invariant = True
+
+    def capturable(self) -> "InvariantTorchCompressedAttention":
+        return self
+
+    def compress(self, layer, meta: AttentionMetadata, rope) -> None:
+        compress_invariant(layer, meta, rope)
+
+    def attend(self, layer, q_THC, index_q, meta: AttentionMetadata, sinks_H) -> torch.Tensor:
+        if q_THC.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("compressed attention in torch ops sizes its gathers from host lengths: a CUDA "
+                               "graph cannot hold it")
+        return attend_invariant(layer, q_THC, index_q, meta, sinks_H)

@@ -80,6 +80,24 @@ def _silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return F.silu(g) * u
 
 
+def pair_activation(variant: dict):
+    """act(gate, up) of the invariant experts' pair form for an experts variant (`op_kwargs`), or
+    None where it has none: plain SwiGLU, or DeepSeek-V4's LimitedSwiGLU (known by its class name
+    and `limit`, as grouped_gemm's kernel_activation knows it) without biases. Clamps are exact, so
+    the limited form stays row-invariant on padded rows."""
+    if variant.get("w13_bias") is not None or variant.get("w2_bias") is not None:
+        return None
+    act = variant.get("activation", "silu")
+    if act == "silu":
+        return _silu_mul
+    if type(act).__name__ == "LimitedSwiGLU" and hasattr(act, "limit"):
+        limit = act.limit
+        if limit is None:
+            return _silu_mul
+        return lambda g, u: F.silu(g.clamp(max=limit)) * u.clamp(min=-limit, max=limit)
+    return None
+
+
 class InvariantTorchLinear(TorchLinear):
     """TorchLinear's contract, batch-invariant (see the module docstring)."""
 
@@ -97,6 +115,9 @@ class InvariantTorchLinear(TorchLinear):
 
     def sigmoid(self, x: torch.Tensor) -> torch.Tensor:
         return elementwise(torch.sigmoid, x)
+
+    def pointwise(self, fn, *xs: torch.Tensor) -> torch.Tensor:
+        return elementwise(fn, *xs)
 
     def per_head(self, x_TNK: torch.Tensor, w_NOK: torch.Tensor) -> torch.Tensor:
         # head by head through this backend's row-invariant linear (torch's batched GEMM is not)
@@ -121,6 +142,7 @@ class InvariantCpuCLinear(CpuCLinear):
 
     silu_mul = InvariantTorchLinear.silu_mul
     sigmoid = InvariantTorchLinear.sigmoid
+    pointwise = InvariantTorchLinear.pointwise
     per_head = InvariantTorchLinear.per_head
 
 
@@ -162,8 +184,9 @@ def experts_torch(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, act=_silu
 
 
 class InvariantTorchExperts(TorchExperts):
-    """TorchExperts' contract for dense SwiGLU experts, batch-invariant (`experts_torch`). Biases,
-    other activations and quantized experts are refused: they have no invariant form yet."""
+    """TorchExperts' contract for dense SwiGLU experts (plain or limited: `pair_activation`),
+    batch-invariant (`experts_torch`). Biases, other activations and quantized experts are refused:
+    they have no invariant form yet."""
 
     name = "torch+bi"
     batch_invariant = True
@@ -179,20 +202,28 @@ class InvariantTorchExperts(TorchExperts):
     def pairs(self, x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, **variant) -> torch.Tensor:
         """(T, K, D) float32 each (token, k) pair's weighted output, zero for ids outside [0, E): what an
         expert-parallel MoE layer sends home for `sum_in_id_order` (expert_parallel/runtime/layer.py).
-        variant: biases / activation (refused, as by `variant`)."""
-        if variant or not isinstance(w13_EFD, torch.Tensor) or not isinstance(w2_EDF, torch.Tensor):
-            return self.variant(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, variant.get("w13_bias"),
-                                variant.get("w2_bias"), variant.get("activation", "silu"))
-        return experts_torch_pairs(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK)
+        variant: the experts' op_kwargs; what `pair_activation` has no form for is refused."""
+        act = pair_activation(variant)
+        if act is None or not isinstance(w13_EFD, torch.Tensor) or not isinstance(w2_EDF, torch.Tensor):
+            self.refuse(variant.get("activation", "silu"))
+        return experts_torch_pairs(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, act)
 
     def variant(self, x_TD, w13, w2, topk_weights_TK, topk_ids_TK, w13_bias, w2_bias, activation):
+        """The pair form of a variant `pair_activation` takes (DeepSeek-V4's limited SwiGLU), added
+        in id order; others refused."""
+        pairs = InvariantTorchExperts.pairs(self, x_TD, w13, w2, topk_weights_TK, topk_ids_TK, w13_bias=w13_bias,
+                                            w2_bias=w2_bias, activation=activation)
+        return sum_in_id_order(pairs, topk_ids_TK).to(x_TD.dtype)
+
+    def refuse(self, activation):
         raise ValueError(f"--batch-invariant: the {self.name.split('+')[0]} experts backend has no batch-invariant "
                          f"form for experts with biases, activation {activation!r} or quantized weights")
 
 
 class InvariantCpuCExperts(CpuCExperts):
     """CpuCExperts' contract, batch-invariant: our C kernel's dot-product tiles for every expert
-    whatever its row count (`cpu_ops.moe_experts(pairs=True)`), else `experts_torch_pairs`."""
+    whatever its row count (`cpu_ops.moe_experts(pairs=True)`), else `experts_torch_pairs` (which
+    also runs DeepSeek-V4's limited SwiGLU: the C kernel has plain SwiGLU only)."""
 
     name = "cpu_c+bi"
     batch_invariant = True
@@ -213,6 +244,7 @@ class InvariantCpuCExperts(CpuCExperts):
         return InvariantTorchExperts.pairs(self, x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, **variant)
 
     variant = InvariantTorchExperts.variant
+    refuse = InvariantTorchExperts.refuse
 
 
 class InvariantTritonLinear(TritonLinear):
@@ -246,6 +278,9 @@ class InvariantTritonLinear(TritonLinear):
 
     def sigmoid(self, x: torch.Tensor) -> torch.Tensor:
         return elementwise(torch.sigmoid, x) if x.device.type == "cpu" else torch.sigmoid(x)
+
+    def pointwise(self, fn, *xs: torch.Tensor) -> torch.Tensor:
+        return elementwise(fn, *xs) if xs[0].device.type == "cpu" else fn(*xs)
 
     per_head = InvariantTorchLinear.per_head
 

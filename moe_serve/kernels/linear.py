@@ -52,6 +52,11 @@ class TorchLinear:
         """y[t, n] = w[n] @ x[t, n]: one product per head (MLA's absorbed W_UK and W_UV), (T, N, O)."""
         return torch.einsum("tnk,nok->tno", x_TNK, w_NOK)
 
+    def pointwise(self, fn, *xs: torch.Tensor) -> torch.Tensor:
+        """fn(*xs) for an elementwise fn over tensors of one shape (DeepSeek-V4's softplus router
+        scores, RoPE angles): here for the same reason as silu_mul."""
+        return fn(*xs)
+
     def fp8(self, layer, x: torch.Tensor) -> torch.Tensor:
         """A block-FP8 Linear: its weight dequantized now, for this call only."""
         return self(x, layer.dense_weight(layer.dequant_dtype or x.dtype), layer.bias)

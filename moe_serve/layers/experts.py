@@ -83,7 +83,14 @@ class LimitedSwiGLUExpert(nn.Module):
         self.limit = limit
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        return self.w2(limited_swiglu(self.w1(x_TD), self.w3(x_TD), self.limit))
+        gate, up, ops, limit = self.w1(x_TD), self.w3(x_TD), self.w1.ops, self.limit
+        if not getattr(ops, "batch_invariant", False):
+            return self.w2(limited_swiglu(gate, up, limit))
+        # the clamps are exact; the silu on the linear backend (its invariant form pads the rows so
+        # that no element takes torch's scalar tail)
+        if limit is not None:
+            gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+        return self.w2(ops.silu_mul(gate, up))
 
 
 class GatedSharedExpert(nn.Module):

@@ -63,8 +63,12 @@ class V4Rope:
     def __init__(self, params: dict, dim: int, max_position: int):
         self.inv_freq, self.scale = inv_freq_and_scale(params, dim, max_position)
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(self, positions: torch.Tensor, pointwise=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """pointwise(fn, t): how cos and sin run (a batch-invariant linear backend's padded rows:
+        torch's vectorised body and scalar tail differ in the last bit), else torch's."""
         f = positions.to(torch.float32)[:, None] * self.inv_freq.to(positions.device)[None, :]
+        if pointwise is not None:
+            return pointwise(torch.cos, f) * self.scale, pointwise(torch.sin, f) * self.scale
         return f.cos() * self.scale, f.sin() * self.scale
 
 
@@ -143,12 +147,13 @@ class V4DecoderLayer(nn.Module):
                        experts_kwargs=dict(activation=LimitedSwiGLU(limit), **({"bias": False} if fp4 else {})))
 
     def stages(self, h_TND, ids_T, positions_T, meta: AttentionMetadata, step: MoEStep, ropes, rope_fns):
-        post, comb, x = self.attn_hc(h_TND)
+        ops = self.attn.wq_a.ops  # the linear backend, for the hyper-connections' batch-invariant forms
+        post, comb, x = self.attn_hc(h_TND, ops)
         a = self.attn(self.attn_norm(x), positions_T, meta, ropes, rope_fns)
-        h_TND = HyperConnection.merge(h_TND, a, post, comb)
-        post, comb, x = self.ffn_hc(h_TND)
+        h_TND = HyperConnection.merge(h_TND, a, post, comb, ops)
+        post, comb, x = self.ffn_hc(h_TND, ops)
         y = yield from self.ffn.stages(self.ffn_norm(x), step, ids_T if self.hashed else None)
-        return HyperConnection.merge(h_TND, y, post, comb)
+        return HyperConnection.merge(h_TND, y, post, comb, ops)
 
 
 class V4Stack(nn.Module):
@@ -178,14 +183,24 @@ class V4Stack(nn.Module):
     def stages(self, ids_T, positions_T, meta: AttentionMetadata, step: MoEStep = NO_STEP):
         e = self.embed_tokens(ids_T)
         h = e[:, None, :].expand(-1, self.N, -1).contiguous()
-        ropes = {t: r.cos_sin(positions_T) for t, r in self.ropes.items()}
+        ropes = {t: r.cos_sin(positions_T, self.pointwise()) for t, r in self.ropes.items()}
         for layer in self.layers:
             h = yield from layer.stages(h, ids_T, positions_T, meta, step, ropes, self.ropes)
         return h.flatten(1)
 
     def final(self, h_BX: torch.Tensor) -> torch.Tensor:
         """(B, N*D) streams -> (B, D): the hyper head, then the final norm."""
-        return self.norm(self.hc_head(h_BX.view(h_BX.shape[0], self.N, -1)))
+        return self.norm(self.hc_head(h_BX.view(h_BX.shape[0], self.N, -1), self.linear_ops()))
+
+    def linear_ops(self):
+        """The linear backend bound to the model's Linears (every one has the same)."""
+        return self.layers[0].attn.wq_a.ops
+
+    def pointwise(self):
+        """The linear backend's elementwise form under --batch-invariant, else None (torch's, as
+        before): what the RoPE angles' cos and sin run on."""
+        ops = self.linear_ops()
+        return ops.pointwise if getattr(ops, "batch_invariant", False) else None
 
 
 class V4MTPLayer(nn.Module):
@@ -216,11 +231,11 @@ class V4MTPLayer(nn.Module):
         e = self.e_proj(self.enorm(embed(ids_T)))
         h = self.h_proj(self.hnorm(prev_h_TX.reshape(T * self.N, D))).view(T, self.N, D)
         x = h + e[:, None, :]
-        ropes = {t: r.cos_sin(positions_T) for t, r in stack.ropes.items()}
+        ropes = {t: r.cos_sin(positions_T, stack.pointwise()) for t, r in stack.ropes.items()}
         return run_to_end(self.block.stages(x, ids_T, positions_T, meta, step, ropes, stack.ropes)).flatten(1)
 
     def draft_ids(self, g_BX: torch.Tensor) -> torch.Tensor:
-        g = self.norm(self.hc_head(g_BX.view(g_BX.shape[0], self.N, -1)))
+        g = self.norm(self.hc_head(g_BX.view(g_BX.shape[0], self.N, -1), self.e_proj.ops))
         return self._shared[1](g).argmax(dim=-1)
 
 

@@ -22,7 +22,10 @@ CASES = [("qwen3_moe", "cpu_c", "float32"), ("deepseek_v3", "cpu_c", "float32"),
          # Gated DeltaNet (linear attention) beside gated full attention and a shared expert
          ("qwen3_next", "cpu_c", "float32"),
          # DeepSeek Sparse Attention: the indexer's top-k and MLA over the selected tokens
-         ("deepseek_v32", "cpu_c", "float32")]
+         ("deepseek_v32", "cpu_c", "float32"),
+         # DeepSeek-V4: compressed / sparse attention over a window and pooled entries, mHC, hash and
+         # sqrt-softplus routers, limited-SwiGLU experts, the grouped output projection
+         ("deepseek_v4", "cpu_c", "float32")]
 
 
 def _engine(path: str, backend: str, dtype: str, **kw) -> LLM:
@@ -65,7 +68,7 @@ def engines(request, checkpoints, extra_checkpoints):
 
 
 # Hypothesis examples per architecture (default 4): fewer where every token runs one at a time in Python
-EXAMPLES = {"qwen3_next": 2, "deepseek_v32": 2}
+EXAMPLES = {"qwen3_next": 2, "deepseek_v32": 2, "deepseek_v4": 2}
 
 
 def _checker(examples: int):
@@ -107,9 +110,11 @@ def test_chunks_and_preemption_match_alone(engines):
     assert _result(got[2]) == alone
 
 
-def test_refused_where_no_invariant_form():
-    """Every experts, attention and linear backend has an invariant form (the Triton ones:
-    tests/kernels/test_batch_invariant_triton.py); a layer kind without one is refused at bind."""
+def test_refused_where_no_invariant_form(monkeypatch):
+    """Every backend name and layer kind has an invariant form (the Triton ones:
+    tests/kernels/test_batch_invariant_triton.py; DeepSeek-V4's compressed attention its torch form
+    under every attention name); one taken out of the table is refused naming the flag: a backend
+    name by `choose`, a layer kind at bind."""
     from torch import nn
 
     from moe_serve import platform
@@ -124,7 +129,14 @@ def test_refused_where_no_invariant_form():
     assert platform.resolve_ops(choice.device, "triton", "triton", "triton", "torch", "triton",
                                 batch_invariant=True).linear_attention.name == "torch+bi"
 
-    class CompressedStandIn(nn.Module):  # DeepSeek-V4's compressed attention has no invariant form yet
+    assert ops.compressed_attention.name == "torch+bi"
+    monkeypatch.delitem(platform.INVARIANT["norm"], "cpu_c")
+    with pytest.raises(ValueError, match=r"--batch-invariant with norm_backend='cpu_c': that backend has no"):
+        platform.choose("cpu", moe_backend="torch", attention_backend="torch", linear_backend="torch",
+                        norm_backend="cpu_c", batch_invariant=True)
+    monkeypatch.delitem(platform.INVARIANT, "compressed_attention")
+
+    class CompressedStandIn(nn.Module):  # a layer kind with no invariant form
         op_kind = "compressed_attention"
 
     with pytest.raises(ValueError, match=r"--batch-invariant: CompressedStandIn runs compressed attention"):
