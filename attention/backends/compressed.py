@@ -211,14 +211,17 @@ class TorchCompressedAttention:
     def capturable(self) -> "TorchCompressedAttention":
         return self
 
+    # The module functions this backend runs (the batch-invariant subclass names its own).
+    _compress, _attend = staticmethod(compress), staticmethod(attend)
+
     def compress(self, layer, meta: AttentionMetadata, rope) -> None:
-        compress(layer, meta, rope)
+        self._compress(layer, meta, rope)
 
     def attend(self, layer, q_THC, index_q, meta: AttentionMetadata, sinks_H) -> torch.Tensor:
         if q_THC.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("compressed attention in torch ops sizes its gathers from host lengths: a CUDA "
                                "graph cannot hold it")
-        return attend(layer, q_THC, index_q, meta, sinks_H)
+        return self._attend(layer, q_THC, index_q, meta, sinks_H)
 
     def __repr__(self) -> str:
         return type(self).__name__ + "()"
@@ -301,14 +304,4 @@ class InvariantTorchCompressedAttention(TorchCompressedAttention):
     name = "torch+bi"
     batch_invariant = True
 
-    def capturable(self) -> "InvariantTorchCompressedAttention":
-        return self
-
-    def compress(self, layer, meta: AttentionMetadata, rope) -> None:
-        compress_invariant(layer, meta, rope)
-
-    def attend(self, layer, q_THC, index_q, meta: AttentionMetadata, sinks_H) -> torch.Tensor:
-        if q_THC.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("compressed attention in torch ops sizes its gathers from host lengths: a CUDA "
-                               "graph cannot hold it")
-        return attend_invariant(layer, q_THC, index_q, meta, sinks_H)
+    _compress, _attend = staticmethod(compress_invariant), staticmethod(attend_invariant)
