@@ -41,6 +41,10 @@ class BlockAllocator:
         # Net changes of `cached` since take_events (hash -> now findable), kept once track_events is
         # called: a data-parallel front end routes by them (moe_serve/engine/routing.py).
         self.events: dict[bytes, bool] | None = None
+        # Called as on_evict(block_id, hash) when a findable cached block is about to be overwritten
+        # (KV tiers: its bytes are saved before the step's forward); True when the prefix stays
+        # findable elsewhere (a tier), so routing is not told it was lost (see note_lost).
+        self.on_evict = None
         # Prefix-cache statistics, in tokens.
         self.lookup_tokens = 0
         self.hit_tokens = 0
@@ -70,7 +74,8 @@ class BlockAllocator:
             if h is not None:  # evict: the block's old contents are about to be overwritten
                 if self.cached.get(h) == bid:
                     del self.cached[h]
-                    if self.events is not None:
+                    kept = self.on_evict is not None and self.on_evict(bid, h)
+                    if self.events is not None and not kept:
                         self.events[h] = False
                 self.block_hash[bid] = None
             self.ref_cnt[bid] = 1
@@ -130,6 +135,12 @@ class BlockAllocator:
         if self.events is not None:
             self.events.update((h, False) for h in self.cached if h not in kept)
         self.cached = kept
+
+    def note_lost(self, block_hash: bytes) -> None:
+        """A prefix kept outside this pool (a KV tier) is gone there too: routing hears it is lost,
+        unless this pool holds it again."""
+        if self.events is not None and block_hash not in self.cached:
+            self.events[block_hash] = False
 
     def track_events(self) -> None:
         if self.events is None:

@@ -16,14 +16,24 @@ full block; evicted least recently used first, never counted as in use). A later
 prefix reaches that boundary restores the snapshot instead of recomputing the prefix. The copies
 are ids in the step's `state_copies`, run by the model runner before the forward, in order.
 
+KV tiers (moe_serve/kv_offload, `enable_tiers`): a findable block or snapshot about to be reused
+is saved below the device pool first, and a prefix lookup that ends on the device goes on in the
+tiers; blocks found there are allocated, registered and filled from them. Both are ops in
+`tier_ops` (("save" | "load", pool, id, hash), pool = group index, the state pool last), in the
+order they happened, which the tier feature carries out before the step's forward (a block
+evicted and refilled in one step is saved before it is loaded). attention/tier_prefix.py.
+
 Invariants (checked by the property tests): in every pool each id is either referenced or free,
 never both; a request's tables have equal lengths; nothing is referenced once every request has
 finished, been aborted or preempted.
 """
 from __future__ import annotations
 
+import functools
+
 from attention.blocks import BlockAllocator
 from attention.cache_kinds import FULL, CacheKind
+from attention.tier_prefix import attach_tiered, tier_prefix
 
 
 class KVCacheManager:
@@ -38,6 +48,13 @@ class KVCacheManager:
         self.allocs = [BlockAllocator(n, block_size, enable_prefix_caching) for _, n in groups]
         self.state = BlockAllocator(state_slots, 1, enable_prefix_caching) if state_slots else None
         self.enable_prefix_caching = enable_prefix_caching
+        self._no_tiers()
+
+    def _no_tiers(self) -> None:
+        self.tiers = None  # the tier index (enable_tiers), or None
+        self.tier_ops: list[tuple[str, int, int, bytes]] = []
+        self.tier_wait = False  # the last attach_prefix found tier blocks still being read
+        self._unfilled: set[int] = set()  # snapshot slots registered whose copy has not run yet
 
     @classmethod
     def single(cls, alloc: BlockAllocator) -> "KVCacheManager":
@@ -45,7 +62,37 @@ class KVCacheManager:
         m = cls.__new__(cls)
         m.block_size, m.kinds, m.allocs, m.state = alloc.block_size, [FULL], [alloc], None
         m.enable_prefix_caching = alloc.enable_prefix_caching
+        m._no_tiers()
         return m
+
+    @property
+    def pools(self) -> list[BlockAllocator]:
+        """Every block group's allocator, then the state pool's (the tiers' pool numbering)."""
+        return self.allocs + ([self.state] if self.state is not None else [])
+
+    # --- KV tiers -------------------------------------------------------------------------------
+    def enable_tiers(self, index) -> None:
+        """Keep evicted prefixes in tiers below the device: index.has(pool, hash) answers True (its
+        bytes are in hand), None (being read: the request waits) or False (not held)."""
+        self.tiers = index
+        for p, alloc in enumerate(self.pools):
+            alloc.on_evict = functools.partial(self._evicted, p)
+
+    def _evicted(self, pool: int, block_id: int, block_hash: bytes) -> bool:
+        if pool == len(self.allocs) and block_id in self._unfilled:  # its snapshot copy never ran
+            self._unfilled.discard(block_id)
+            return False
+        self.tier_ops.append(("save", pool, block_id, block_hash))
+        return True
+
+    def take_tier_ops(self) -> list[tuple[str, int, int, bytes]]:
+        ops, self.tier_ops = self.tier_ops, []
+        return ops
+
+    def copied(self, copies: list[tuple[int, int]]) -> None:
+        """The runner made these state copies: snapshot slots among their targets now hold their state."""
+        if self._unfilled:
+            self._unfilled.difference_update(dst for _, dst in copies)
 
     @property
     def has_state(self) -> bool:
@@ -168,6 +215,7 @@ class KVCacheManager:
         """Lend req the cached blocks (and state snapshot) of its longest cached prefix of at most
         max_blocks full blocks that every group can resume from; returns the blocks hit."""
         k = 0
+        self.tier_wait = False
         if self.enable_prefix_caching:
             cached0 = self.allocs[0].cached
             while k < min(max_blocks, len(hashes)) and hashes[k] in cached0:
@@ -175,6 +223,13 @@ class KVCacheManager:
             while k > 0 and not (all(self._hit_ok(g, hashes, k) for g in range(len(self.allocs)))
                                  and (self.state is None or hashes[k - 1] in self.state.cached)):
                 k -= 1
+            if self.tiers is not None:
+                deeper = tier_prefix(self, hashes, max_blocks, k)
+                if self.tier_wait:  # some of its blocks are being read from a tier: attach nothing yet
+                    self._set_tables(req, [[] for _ in self.allocs])
+                    return 0
+                if deeper > k and attach_tiered(self, req, hashes, deeper):
+                    return deeper
         tables = []
         for g, alloc in enumerate(self.allocs):
             lo = self.kinds[g].first_needed(k * self.block_size) // self.block_size if k else 0
@@ -200,6 +255,8 @@ class KVCacheManager:
             return None
         (slot,) = st.allocate(1)
         st.register(slot, block_hash)
+        if self.tiers is not None:
+            self._unfilled.add(slot)
         st.free([slot])  # cached and evictable from now on, like a free full block
         return req.state_slot, slot
 
@@ -213,5 +270,4 @@ class KVCacheManager:
     @property
     def in_use(self) -> int:
         """Referenced blocks and slots in all pools (0 once every request is gone)."""
-        pools = self.allocs + ([self.state] if self.state is not None else [])
-        return sum(a.num_blocks - a.num_free_blocks for a in pools)
+        return sum(a.num_blocks - a.num_free_blocks for a in self.pools)

@@ -173,7 +173,8 @@ class Scheduler(PrefixCacheAdmission, KVTransferBookkeeping):
                 and not out.num_preempted:
             req = self.waiting[0]
             if not req.block_ids:
-                self._attach_prefix(req)
+                if not self._attach_prefix(req):  # its prefix is on its way from a KV tier
+                    break
                 if req.kv_role == "decode":
                     reserved = self._reserve_for_transfer(req)
                     if reserved is False:
@@ -207,6 +208,7 @@ class Scheduler(PrefixCacheAdmission, KVTransferBookkeeping):
         per-sequence state was restored to before the step (a rejected draft in a model with
         linear attention): their piece counts as not computed, its tokens are computed again."""
         finished = []
+        self.kv.copied(out.state_copies)  # before this update's snapshots (copied next step)
         if out.restored_slots:  # the runner has copied them: the snapshots may be evicted again
             self.kv.state.free(out.restored_slots)
             out.restored_slots = []

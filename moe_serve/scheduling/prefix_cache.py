@@ -56,11 +56,12 @@ class PrefixCacheAdmission:
             hashes.append(parent)
         return hashes
 
-    def _attach_prefix(self, req: Request) -> None:
+    def _attach_prefix(self, req: Request) -> bool:
         """Reuse cached blocks for the longest cached prefix every cache group can resume from. At
         least one token is always left to compute, since the step that computes the last known
         token is the one that samples. A request that still needs prompt logprobs takes no hits:
-        every prompt position it has no logprob for is computed (vLLM does the same)."""
+        every prompt position it has no logprob for is computed (vLLM does the same). False, with
+        nothing attached, while blocks of its prefix are being read from a KV tier (it waits)."""
         tokens = req.all_token_ids
         hashes = self._full_block_hashes(req, len(tokens) // self.block_size)
         lookup = not req.needs_prompt_logprobs
@@ -68,6 +69,8 @@ class PrefixCacheAdmission:
         if max_blocks and req.prefix_hit_limit is not None:
             max_blocks = min(max_blocks, req.prefix_hit_limit(hashes))
         hits = self.kv.attach_prefix(req, hashes, max_blocks)
+        if self.kv.tier_wait:
+            return False
         self._registered[req.request_id] = hits
         req.num_computed_tokens = hits * self.block_size
         if req.num_preemptions == 0 and lookup:
@@ -75,6 +78,7 @@ class PrefixCacheAdmission:
             if req.request_id not in self._looked_up:  # the hit rate counts a prompt once, not per attempt
                 self._looked_up.add(req.request_id)
                 self.alloc.record_lookup(len(tokens), req.num_computed_tokens)
+        return True
 
     def _detach_prefix(self, req: Request) -> None:
         """Undo _attach_prefix for a request that stays waiting."""
@@ -89,6 +93,8 @@ class PrefixCacheAdmission:
         over, the old weights (a preempted one recomputes, and registers again from its new KV)."""
         allocs = list(self.kv.allocs) + ([self.kv.state] if self.kv.state is not None else [])
         self.prefix_resets += 1
+        # Blocks evicted but not yet saved to a KV tier hold what the old prefixes meant: not kept.
+        self.kv.tier_ops = [op for op in self.kv.tier_ops if op[0] == "load"]
         n = 0
         for alloc in allocs:
             before = len(alloc.cached)

@@ -53,6 +53,12 @@ def _kv_connector(ctx: FeatureContext):
     return build_connector(ctx)
 
 
+def _kv_offload(ctx: FeatureContext):
+    from moe_serve.engine.features.kv_offload import KVOffload
+
+    return KVOffload.build(ctx)
+
+
 def _routed_experts(ctx: FeatureContext):
     from moe_serve.engine.features.routed_experts import RoutedExperts
 
@@ -73,6 +79,7 @@ FEATURES: list[Factory] = [
     _eplb,
     _routed_experts,
     _weights_update,
+    _kv_offload,  # before the connector: blocks restored from a tier are filled before its writes read them
     _kv_connector,  # last: its writes read the cache every other hook of the step has written
 ]
 
