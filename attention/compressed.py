@@ -143,12 +143,12 @@ class CompressedAttention(nn.Module):
                 widths += [comp.wkv.weight.shape[0]] * 2
         elem = torch.empty((), dtype=dtype).element_size()
         # Row 0 is K of the window; the raw rows are read once per finished group.
-        self.rows = PagedRows(sliding(window_span), widths)
+        self.rows = PagedRows(sliding(window_span), widths, dtype)
         self.rows.reads = CacheRead("sliding", head_dim * elem, window)
         self.entries = None
         if compressor is not None:
             index = indexer.I if indexer is not None else 0
-            self.entries = PagedRows(FULL, [head_dim] + ([index] if indexer is not None else []))
+            self.entries = PagedRows(FULL, [head_dim] + ([index] if indexer is not None else []), dtype)
             # One entry per finished group of m: every entry (HCA), or the index keys of all and the
             # top-k entries (CSA). A step that finishes a group pools its raw rows: kv and gate, the
             # head_dim each compressor keeps of each of its span's rows.

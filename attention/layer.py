@@ -3,6 +3,13 @@
 The cache tensors are bound once by the model runner (`bind_kv_cache`), the attention backend once
 by moe_serve/platform.py (`bind_ops`: `ops`, torch ops until then); the batch's metadata is passed
 into every forward call (no hidden per-step global state).
+
+FP8 KV caches (--kv-cache-dtype fp8*): kernels store and read FP8 values as they are; the per-layer
+scales (`k_scale`, `v_scale`: plain floats, 1.0 unless the runner sets the checkpoint's, which
+weights.py leaves in `checkpoint_kv_scales`) are applied here: K is written as k / k_scale and
+the softmax scale multiplied by k_scale, V written as v / v_scale and the output multiplied by
+v_scale. MLA's latent is both K and V: written / k_scale, scores and output times k_scale. At 1.0
+(every cache but a scaled FP8 one) no op is added.
 """
 from __future__ import annotations
 
@@ -10,6 +17,7 @@ import torch
 from torch import nn
 
 from attention.backends import TorchAttention
+from attention.backends.reference import FP8_MAX, store_rows
 from attention.cache_kinds import FULL, CacheKind, chunked, sliding
 from attention.metadata import AttentionMetadata
 
@@ -45,6 +53,7 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.k_scale = self.v_scale = 1.0  # FP8 cache scales (module docstring); set by the runner
 
     @property
     def cache_kind(self) -> CacheKind:
@@ -62,14 +71,25 @@ class PagedAttention(nn.Module):
         self.k_cache, self.v_cache = caches
 
     def forward(self, q_TNH, k_TGH, v_TGH, meta: AttentionMetadata) -> torch.Tensor:
+        if self.k_scale != 1.0 or self.v_scale != 1.0:
+            return self._scaled(q_TNH, k_TGH, v_TGH, meta)
+        return self._forward(q_TNH, k_TGH, v_TGH, meta, self.scale)
+
+    def _scaled(self, q_TNH, k_TGH, v_TGH, meta: AttentionMetadata) -> torch.Tensor:
+        """An FP8 cache with the checkpoint's scales: K / k_scale and V / v_scale stored, the scores
+        times k_scale (in the softmax scale), the output times v_scale."""
+        o = self._forward(q_TNH, k_TGH / self.k_scale, v_TGH / self.v_scale, meta, self.scale * self.k_scale)
+        return o * self.v_scale if self.v_scale != 1.0 else o
+
+    def _forward(self, q_TNH, k_TGH, v_TGH, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         meta = meta.for_group(self.cache_group)
         self.ops.write_kv(k_TGH, v_TGH, self.k_cache, self.v_cache, meta.slot_mapping)
         if self.attention_chunk is not None:
-            return self.ops.paged_attention(q_TNH, self.k_cache, self.v_cache, meta, self.scale, sinks=self.sinks,
+            return self.ops.paged_attention(q_TNH, self.k_cache, self.v_cache, meta, scale, sinks=self.sinks,
                                             attention_chunk=self.attention_chunk)
         if self.sliding_window is None and self.sinks is None:
-            return self.ops.paged_attention(q_TNH, self.k_cache, self.v_cache, meta, self.scale)
-        return self.ops.paged_attention(q_TNH, self.k_cache, self.v_cache, meta, self.scale,
+            return self.ops.paged_attention(q_TNH, self.k_cache, self.v_cache, meta, scale)
+        return self.ops.paged_attention(q_TNH, self.k_cache, self.v_cache, meta, scale,
                                         sliding_window=self.sliding_window, sinks=self.sinks)
 
 
@@ -89,6 +109,17 @@ class PagedMLAAttention(nn.Module):
         super().__init__()
         self.kv_lora_rank, self.rope_dim, self.scale = kv_lora_rank, rope_dim, scale
         self.latent_cache: torch.Tensor | None = None
+        self.k_scale = self.v_scale = 1.0  # FP8 cache scales (module docstring): the latent uses k_scale
+
+    def _scales(self, latent_TC: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """The latent to store and the score scale: latent / k_scale and scale * k_scale (the
+        output is then multiplied by k_scale: `_unscale`); as they are at 1.0."""
+        if self.k_scale == 1.0:
+            return latent_TC, self.scale
+        return latent_TC / self.k_scale, self.scale * self.k_scale
+
+    def _unscale(self, o: torch.Tensor) -> torch.Tensor:
+        return o if self.k_scale == 1.0 else o * self.k_scale
 
     def cache_shape(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:
         return [(num_blocks, block_size, self.kv_lora_rank + self.rope_dim)]
@@ -98,8 +129,9 @@ class PagedMLAAttention(nn.Module):
 
     def forward(self, q_latent_TNL, q_pe_TNR, latent_TC, meta: AttentionMetadata) -> torch.Tensor:
         meta = meta.for_group(self.cache_group)
+        latent_TC, scale = self._scales(latent_TC)
         self.ops.write_latent(latent_TC, self.latent_cache, meta.slot_mapping)
-        return self.ops.mla_paged_attention(q_latent_TNL, q_pe_TNR, self.latent_cache, meta, self.scale)
+        return self._unscale(self.ops.mla_paged_attention(q_latent_TNL, q_pe_TNR, self.latent_cache, meta, scale))
 
 
 class PagedDSAAttention(PagedMLAAttention):
@@ -135,6 +167,7 @@ class PagedDSAAttention(PagedMLAAttention):
         """index: the indexer's (q (T, heads, I), head weights (T, heads), keys (T, I)) of this
         step's tokens; None on a layer without an indexer."""
         meta = meta.for_group(self.cache_group)
+        latent_TC, scale = self._scales(latent_TC)
         self.ops.write_latent(latent_TC, self.latent_cache, meta.slot_mapping)
         if self.index_head_dim:
             if index is None:
@@ -148,7 +181,8 @@ class PagedDSAAttention(PagedMLAAttention):
             if topk_TK is None:
                 raise ValueError("a DSA layer that shares the top-k of an earlier layer found none in this step "
                                  "(its model's first DSA layer must have an indexer)")
-        return self.ops.sparse_mla_attention(q_latent_TNL, q_pe_TNR, self.latent_cache, meta, topk_TK, self.scale)
+        return self._unscale(self.ops.sparse_mla_attention(q_latent_TNL, q_pe_TNR, self.latent_cache, meta, topk_TK,
+                                                           scale))
 
 
 class PagedRows(nn.Module):
@@ -160,15 +194,16 @@ class PagedRows(nn.Module):
     prefix-cached, preempted, freed and moved between instances like any other group's.
 
     reads: what a decode query reads of them per cached token, for the speed-of-light accounting
-    (`speed_of_light.CacheRead`), given by the owning layer."""
+    (`speed_of_light.CacheRead`), given by the owning layer. dtype: what `read` returns from an FP8
+    cache (the layer's compute dtype; other caches are read as they are)."""
 
     cache_group = 0
 
-    def __init__(self, kind: CacheKind, widths: list[int]):
+    def __init__(self, kind: CacheKind, widths: list[int], dtype: torch.dtype = torch.float32):
         super().__init__()
         if not widths or min(widths) < 1:
             raise ValueError(f"row widths {widths} must be positive")
-        self.cache_kind, self.widths = kind, list(widths)
+        self.cache_kind, self.widths, self.dtype = kind, list(widths), dtype
         self.caches: list[torch.Tensor | None] = [None] * len(widths)
         self.reads = None
 
@@ -181,13 +216,15 @@ class PagedRows(nn.Module):
     def write(self, rows: list[torch.Tensor], slots: torch.Tensor) -> None:
         """rows[i] (N, widths[i]) into the slots (N,) of tensor i."""
         for cache, r in zip(self.caches, rows):
-            cache.view(-1, cache.shape[-1]).index_copy_(0, slots, r.to(cache.dtype))
+            store_rows(cache.view(-1, cache.shape[-1]), slots, r)  # an FP8 cache saturates
 
     def read(self, i: int, slots: torch.Tensor) -> torch.Tensor:
-        """Tensor i's rows at slots (any shape) -> (*slots.shape, width)."""
+        """Tensor i's rows at slots (any shape) -> (*slots.shape, width); an FP8 cache's widened
+        exactly to `dtype`."""
         cache = self.caches[i]
         flat = cache.view(-1, cache.shape[-1])
-        return flat.index_select(0, slots.reshape(-1)).view(*slots.shape, cache.shape[-1])
+        rows = flat.index_select(0, slots.reshape(-1)).view(*slots.shape, cache.shape[-1])
+        return rows.to(self.dtype) if cache.dtype in FP8_MAX else rows
 
 
 def slots_of(meta: AttentionMetadata, seq_TN: torch.Tensor, pos_TN: torch.Tensor) -> torch.Tensor:

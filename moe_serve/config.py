@@ -114,6 +114,18 @@ class ModelConfig:
         return {}
 
 
+# --kv-cache-dtype (vLLM's flag): "auto" keeps K/V in the activation dtype; "fp8" is fp8_e4m3.
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                   "fp8_e5m2": torch.float8_e5m2}
+
+
+def parse_kv_cache_dtype(value: str) -> torch.dtype | None:
+    """The FP8 type --kv-cache-dtype asks for, or None for "auto" (the activation dtype)."""
+    if value not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype={value!r} (--kv-cache-dtype) is not one of {list(KV_CACHE_DTYPES)}")
+    return KV_CACHE_DTYPES[value]
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
@@ -121,6 +133,10 @@ class CacheConfig:
     kv_cache_memory: int = 0  # bytes; 0: memory_fraction of what is free
     enable_prefix_caching: bool = True
     memory_fraction: float = 0.9
+    kv_cache_dtype: str = "auto"  # auto | fp8 | fp8_e4m3 | fp8_e5m2 (KV_CACHE_DTYPES)
+
+    def __post_init__(self):
+        parse_kv_cache_dtype(self.kv_cache_dtype)  # a bad name fails here, naming the flag
 
 
 @dataclass(frozen=True)
@@ -191,3 +207,10 @@ class EngineConfig:
                 self.linear_backend == "cpu_c" and self.attention_backend == "cpu_c" and self.norm_backend == "cpu_c":
             return torch.float32
         return self.model.dtype
+
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        """What every K/V cache tensor holds (paged K and V, MLA latents, DSA index keys, DeepSeek-V4's
+        rows): the FP8 type of --kv-cache-dtype, else the activation dtype. Linear-attention state
+        keeps the activation dtype either way."""
+        return parse_kv_cache_dtype(self.cache.kv_cache_dtype) or self.activation_dtype

@@ -37,6 +37,7 @@ caches and writes little, so the ceiling is what the memory can deliver to reads
 """
 from __future__ import annotations
 
+import dataclasses
 import glob
 import logging
 import os
@@ -188,13 +189,26 @@ def _per_token(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size() // (t.shape[0] * t.shape[1])
 
 
+def _in_cache_bytes(reads: CacheRead, rows) -> CacheRead:
+    """A PagedRows' reads, which its owner counts in its compute dtype (`rows.dtype`), in the bytes
+    of the cache bound to it (an FP8 cache: one per value)."""
+    cache = rows.caches[0] if rows.caches else None
+    built = torch.empty((), dtype=rows.dtype).element_size()
+    if cache is None or cache.element_size() == built:
+        return reads
+    r = cache.element_size() / built
+    return dataclasses.replace(reads, bytes_per_token=int(reads.bytes_per_token * r),
+                               index_bytes_per_token=int(reads.index_bytes_per_token * r),
+                               pool_bytes_per_token=int(reads.pool_bytes_per_token * r))
+
+
 def cache_read_of(layer) -> CacheRead:
     from attention.state import StateCache
 
     if isinstance(layer, StateCache):
         return CacheRead("state", state_bytes=layer.slot_bytes())
     if hasattr(layer, "reads"):  # attention/layer.py PagedRows: its owner says what a query reads
-        return layer.reads or CacheRead("full")
+        return _in_cache_bytes(layer.reads, layer) if layer.reads else CacheRead("full")
     if getattr(layer, "latent_cache", None) is not None:
         index = getattr(layer, "index_cache", None)
         topk = getattr(layer, "topk", None)

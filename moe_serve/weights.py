@@ -24,6 +24,11 @@ log = logging.getLogger("moe_serve.weights")
 _PER_EXPERT = re.compile(r"^(?P<prefix>.*)\.experts\.(?P<e>\d+)\.(?P<proj>\w+)\.weight$")
 _FUSED = re.compile(r"^(?P<prefix>.*)\.experts\.(?P<proj>gate_up_proj|down_proj)$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+# FP8 KV cache scales, by the names vLLM's loaders take (per-tensor, one float each): the attention
+# module's `self_attn.k_scale` (`self_attn.attn.k_scale`), ModelOpt's `k_proj.k_scale`, a fused
+# `qkv_proj.k_scale`, compressed-tensors' `k_proj.output_scale`, and the older one `kv_scale` for both.
+_KV_SCALE = re.compile(r"(?:^|\.)layers\.(?P<layer>\d+)\.self_attn\.(?:attn\.|(?P<proj>[kv]_proj|qkv_proj)\.)?"
+                       r"(?P<which>k_scale|v_scale|kv_scale|output_scale)$")
 
 
 def checkpoint_files(path: str) -> list[str]:
@@ -152,9 +157,43 @@ class _TensorLoader:
             name + ".weight": m for name, m in model.named_modules()
             if fp8.dequantized_at_load(m) and getattr(m, "weight_scale_inv", None) is None}
         self.halves: dict[str, dict[str, torch.Tensor]] = {}
+        self.kv_scales: dict[int, dict[str, float]] = {}  # layer -> {"k": k_scale, "v": v_scale}
+
+    def _kv_scale(self, kv: tuple[int, str], raw: str, t: torch.Tensor, fp: str) -> None:
+        """A per-tensor FP8 KV cache scale (one positive float) for layer kv[0]: its K ("k"), V
+        ("v") or both ("kv")."""
+        if t.numel() != 1:
+            raise ValueError(f"tensor {raw!r} in {fp} has shape {tuple(t.shape)}: only per-tensor KV cache scales "
+                             f"(one value) are supported")
+        value = float(t.float().reshape(()))
+        if not 0 < value < float("inf"):
+            raise ValueError(f"tensor {raw!r} in {fp} is {value}: a KV cache scale must be positive and finite")
+        for which in kv[1]:
+            self.kv_scales.setdefault(kv[0], {})[which] = value
+
+    def finish_kv_scales(self) -> None:
+        """The checkpoint's KV cache scales onto each layer's attention module, as (k_scale,
+        v_scale) in `checkpoint_kv_scales` (1.0 for one it lacks); the runner applies them with an
+        FP8 cache (moe_serve/runner/memory.py `apply_kv_scales`)."""
+        if not self.kv_scales:
+            return
+        by_layer: dict[int, list] = {}
+        for name, m in self.model.named_modules():
+            if (hit := _LAYER.match(name)) and hasattr(m, "k_scale") and hasattr(m, "cache_kind"):
+                by_layer.setdefault(int(hit.group(1)), []).append(m)
+        for layer, sc in sorted(self.kv_scales.items()):
+            if not by_layer.get(layer):
+                raise ValueError(f"the checkpoint ships KV cache scales for layer {layer}, which has no paged "
+                                 f"attention in this model")
+            for m in by_layer[layer]:
+                m.checkpoint_kv_scales = (sc.get("k", 1.0), sc.get("v", 1.0))
 
     def load(self, raw: str, f, fp: str) -> None:
         """Load tensor `raw` of the open safetensors file f (at path fp)."""
+        if (kv := _kv_scale_of(raw)) is not None:
+            if kv[0] < getattr(self.model, "num_hidden_layers", 1 << 30):  # not an MTP layer's
+                self._kv_scale(kv, raw, f.get_tensor(raw), fp)
+            return
         name = self.model.checkpoint_name(raw)
         if name is None:
             mtp = _LAYER.match(raw)
@@ -263,6 +302,7 @@ class _TensorLoader:
 
         model = self.model
         self.check_pairs()
+        self.finish_kv_scales()
         if self.skipped_layers:
             log.info("skipped the checkpoint's layer(s) %s after the model's %d: multi-token-prediction layers, not "
                      "used without speculative decoding", sorted(self.skipped_layers), model.num_hidden_layers)
@@ -273,6 +313,23 @@ class _TensorLoader:
         if missing:
             raise ValueError(f"checkpoint {path!r} is missing tensor(s): {', '.join(missing[:8])}"
                              + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+
+
+def _kv_scale_of(raw: str) -> tuple[int, str] | None:
+    """(layer, which of "k", "v", "kv") for a KV cache scale tensor's name (`_KV_SCALE`), else None."""
+    m = _KV_SCALE.search(raw)
+    if m is None:
+        return None
+    proj, which = m.group("proj"), m.group("which")
+    if which == "output_scale":
+        if proj not in ("k_proj", "v_proj"):
+            return None
+        return int(m.group("layer")), proj[0]
+    if which == "kv_scale":
+        return int(m.group("layer")), "kv"
+    if proj in ("k_proj", "v_proj") and proj[0] != which[0]:
+        return None  # k_proj.v_scale: no such convention
+    return int(m.group("layer")), which[0]
 
 
 def _load_scale(model: nn.Module, name: str, raw: str, t: torch.Tensor, experts: dict, scales: dict, fp: str) -> None:

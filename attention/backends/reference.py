@@ -5,6 +5,8 @@ Cache layouts (one tensor per layer):
   - standard (MHA/GQA): k_cache, v_cache each (num_blocks, block_size, num_kv_heads, head_dim)
   - MLA (DeepSeek): latent_cache (num_blocks, block_size, kv_lora_rank + rope_dim); each token keeps
     its normalised compressed KV followed by its rotated shared key, nothing expanded.
+FP8 caches (torch.float8_e4m3fn / float8_e5m2): writes saturate (`to_fp8`), every read widens to
+float32 before any arithmetic (`_acc`); no scale here (the layer applies k_scale / v_scale).
 Shape legend: T packed query tokens, N query heads, G kv heads, H head dim, L kv_lora_rank, R rope dim.
 """
 from __future__ import annotations
@@ -15,18 +17,38 @@ import torch.nn.functional as F
 from attention.metadata import AttentionMetadata
 
 
+# FP8 caches (--kv-cache-dtype fp8*): the largest finite value of each format, which writes saturate to.
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+def to_fp8(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as the FP8 `dtype`, saturating at its finite max, rounding to nearest even: exactly
+    `x.float().clamp(-max, max).to(dtype)`, the value every backend stores."""
+    m = FP8_MAX[dtype]
+    return x.float().clamp(-m, m).to(dtype)
+
+
+def store_rows(flat_cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """flat_cache[slots] = x (rows of the cache's trailing shape), converted to the cache's dtype;
+    an FP8 cache saturates (to_fp8), its bytes copied as uint8 (torch has no float8 index_copy_)."""
+    if flat_cache.dtype in FP8_MAX:
+        flat_cache.view(torch.uint8).index_copy_(0, slots, to_fp8(x, flat_cache.dtype).view(torch.uint8))
+    else:
+        flat_cache.index_copy_(0, slots, _as(x, flat_cache.dtype))
+
+
 def write_kv(k_TGH: torch.Tensor, v_TGH: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping_T: torch.Tensor) -> None:
     """Store each new token's K and V at its slot (block_id * block_size + offset)."""
     nb, bs = k_cache.shape[:2]
-    k_cache.view(nb * bs, *k_cache.shape[2:]).index_copy_(0, slot_mapping_T, _as(k_TGH, k_cache.dtype))
-    v_cache.view(nb * bs, *v_cache.shape[2:]).index_copy_(0, slot_mapping_T, _as(v_TGH, v_cache.dtype))
+    store_rows(k_cache.view(nb * bs, *k_cache.shape[2:]), slot_mapping_T, k_TGH)
+    store_rows(v_cache.view(nb * bs, *v_cache.shape[2:]), slot_mapping_T, v_TGH)
 
 
 def write_latent(latent_TC: torch.Tensor, latent_cache: torch.Tensor, slot_mapping_T: torch.Tensor) -> None:
     """MLA: store each new token's [compressed kv | rotated k_pe] row at its slot."""
     nb, bs, c = latent_cache.shape
-    latent_cache.view(nb * bs, c).index_copy_(0, slot_mapping_T, _as(latent_TC, latent_cache.dtype))
+    store_rows(latent_cache.view(nb * bs, c), slot_mapping_T, latent_TC)
 
 
 def _gather(cache: torch.Tensor, table: torch.Tensor, n: int) -> torch.Tensor:

@@ -23,6 +23,7 @@ class EngineArgs:
     num_kv_blocks: int | None = None  # exact block count, overriding the memory budget
     memory_fraction: float = 0.9
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # auto | fp8 | fp8_e4m3 | fp8_e5m2: what the KV cache stores
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     moe_backend: str = "auto"
@@ -59,6 +60,9 @@ class EngineArgs:
                                    self.quantization)
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size={self.block_size} must be a power of two")
+        from moe_serve.config import parse_kv_cache_dtype
+
+        parse_kv_cache_dtype(self.kv_cache_dtype)
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
         if self.max_num_seqs < 1:
@@ -104,7 +108,7 @@ class EngineArgs:
         return EngineConfig(
             model=mc,
             cache=CacheConfig(self.block_size, self.num_kv_blocks or 0, self.kv_cache_memory or 0,
-                              self.enable_prefix_caching, self.memory_fraction),
+                              self.enable_prefix_caching, self.memory_fraction, self.kv_cache_dtype),
             scheduler=SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs),
             parallel=ParallelConfig(rank, world_size, choice.all2all_backend, self.expert_placement,
                                     self.enable_overlap, self.overlap_min_tokens, self.expert_load_window,
@@ -144,6 +148,9 @@ class EngineArgs:
         g.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV block count (overrides memory)")
         g.add_argument("--memory-fraction", type=float, default=0.9)
         g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+        g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                       help="what the KV cache stores: auto (the activation dtype) | fp8 (= fp8_e4m3) | fp8_e5m2: one "
+                            "byte a value (about 2x a bf16 cache's tokens), scaled by the checkpoint's k/v_scale if any")
         g.add_argument("--max-num-batched-tokens", type=int, default=2048)
         g.add_argument("--max-num-seqs", type=int, default=64)
         names = "auto (cpu_c on CPUs where our C kernels build, else torch; triton on CUDA) | torch (torch ops only)"

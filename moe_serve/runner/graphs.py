@@ -40,9 +40,17 @@ def cpu_graphs_apply(cfg: EngineConfig, moe_ctx: MoEContext, ops: platform.Ops) 
     and positions from tensors, where the torch path sizes a gather from host lengths), and one
     rank (an expert-parallel step's collectives are not ops a recording sees; an elastic job that
     shrank to one rank records like any other). Which layers the model has is checked when the model
-    is there (`cpu_graph_blocker`)."""
+    is there (`cpu_graph_blocker`). An FP8 KV cache records only once the C decode kernel reads it
+    (else the torch path would run, with its host-sized gathers)."""
     return (cfg.device.type == "cpu" and ops.attention.name == "cpu_c" and cfg.activation_dtype == torch.float32
-            and moe_ctx.dispatcher.world_size == 1 and cpu_ops.available())
+            and moe_ctx.dispatcher.world_size == 1 and cpu_ops.available() and _c_decode_reads(cfg.kv_cache_dtype))
+
+
+def _c_decode_reads(kv_dtype: torch.dtype) -> bool:
+    """Whether the C decode kernel takes a cache of this dtype (asked with a one-slot example)."""
+    q, cache = torch.zeros(1, 1, 1), torch.zeros(1, 1, 1, 1, dtype=kv_dtype)
+    return cpu_ops.decode_attention_fits(q, cache, cache, torch.zeros(1, 1, dtype=torch.int32),
+                                         torch.ones(1, dtype=torch.int32))
 
 
 def cpu_graph_blocker(model: nn.Module) -> str | None:

@@ -177,10 +177,11 @@ def group_layers(layers: list) -> tuple[list[tuple[CacheKind, list]], list]:
 
 
 def _cache_tensors(layer, n: int, cfg: EngineConfig) -> list[torch.Tensor]:
-    """Zeroed cache tensors of one layer for n blocks (state layers: n slots)."""
+    """Zeroed cache tensors of one layer for n blocks (state layers: n slots, in their own dtypes);
+    every K/V kind in cfg.kv_cache_dtype (FP8 under --kv-cache-dtype fp8*)."""
     if isinstance(layer, StateCache):
         return [torch.zeros(s, dtype=d, device=cfg.device) for s, d in layer.cache_shapes(n)]
-    return [torch.zeros(s, dtype=cfg.activation_dtype, device=cfg.device)
+    return [torch.zeros(s, dtype=cfg.kv_cache_dtype, device=cfg.device)
             for s in layer.cache_shape(n, cfg.cache.block_size)]
 
 
@@ -308,7 +309,7 @@ def size_kv_cache(attn_layers: list, cfg: EngineConfig, weight_bytes: int,
     group has room for). The full-attention groups get the rest. After the
     profile it is sized from and before any allocation that the budget would otherwise miss."""
     cc, fraction = cfg.cache, cfg.cache.memory_fraction
-    elem = torch.empty((), dtype=cfg.activation_dtype).element_size()
+    elem = torch.empty((), dtype=cfg.kv_cache_dtype).element_size()  # FP8: 1 byte a value
     groups, state_layers = group_layers(attn_layers)
     if not groups:
         raise ValueError("the model has no attention layer to keep a KV cache for")
@@ -380,9 +381,9 @@ def init_kv_cache(attn_layers: list, cfg: EngineConfig, kv: KVCacheSize) -> tupl
             bound[-1] += tensors
         per_seq = "" if group.kind == FULL else \
             f", at most {_window_blocks(group.kind, cfg) * group.block_bytes / 2**20:.2f} MiB per request between steps"
-        log.info("KV cache group %d (%s, %d layers): %d blocks x %d tokens, %.1f MiB (%d bytes per token%s)", g,
+        log.info("KV cache group %d (%s, %d layers): %d blocks x %d tokens, %.1f MiB (%s, %d bytes per token%s)", g,
                  group.kind, len(group.layers), group.num_blocks, bs, group.bytes / 2**20,
-                 group.block_bytes // bs, per_seq)
+                 str(cfg.kv_cache_dtype).removeprefix("torch."), group.block_bytes // bs, per_seq)
     if kv.state is not None:
         for layer in kv.state.layers:
             tensors = _cache_tensors(layer, kv.state.num_blocks + 1, cfg)
@@ -395,4 +396,23 @@ def init_kv_cache(attn_layers: list, cfg: EngineConfig, kv: KVCacheSize) -> tupl
                  kv.state.bytes / 2**20)
     log.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%d bytes per token)",
              kv.num_blocks, bs, kv.num_blocks * bs, kv.kv_cache_bytes / 2**20, kv.block_bytes // bs)
+    apply_kv_scales([layer for group in kv.groups for layer in group.layers], cfg)
     return bound, state_bound
+
+
+def apply_kv_scales(layers: list, cfg: EngineConfig) -> None:
+    """With an FP8 cache, give every attention layer the k_scale / v_scale its checkpoint ships
+    (weights.py leaves them in `checkpoint_kv_scales`), else 1.0; logged once. With "auto" the
+    scales stay 1.0 whatever the checkpoint ships (vLLM ignores them there too)."""
+    if cfg.cache.kv_cache_dtype == "auto":
+        return
+    name = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}[cfg.kv_cache_dtype]
+    scaled = [layer for layer in layers if hasattr(layer, "k_scale")]
+    shipped = [layer for layer in scaled if getattr(layer, "checkpoint_kv_scales", None) is not None]
+    for layer in scaled:
+        layer.k_scale, layer.v_scale = getattr(layer, "checkpoint_kv_scales", None) or (1.0, 1.0)
+    if shipped:
+        log.info("kv cache %s: k/v scales from the checkpoint for %d of %d attention layers (1.0 for the rest)",
+                 name, len(shipped), len(scaled))
+    else:
+        log.info("kv cache %s: k/v scales 1.0 (the checkpoint ships none)", name)
