@@ -23,12 +23,16 @@ int linear_panels_f32(const float* x, int64_t ldx, int64_t M, const void* w, int
                       float* y, int64_t ldy, int nt);
 void linear_f32(const float* x, int64_t ldx, int64_t M, const void* w, int w_bf16, int64_t K, int64_t N, float* y,
                 int64_t ldy, int nt);
-int decode_attention_f32(const float* q, int64_t ldq, const float* k_cache, const float* v_cache, const int32_t* bt,
+/* kv_fmt: 0 float32 caches, 1 FP8 e4m3fn, 2 FP8 e5m2 (attention.c, fp8.h) */
+int write_kv_f32(const float* k, int64_t ldk, const float* v, int64_t ldv, void* k_cache, void* v_cache,
+                 const int64_t* slots, int64_t T, int64_t dk, int64_t dv, int64_t nslots, int kv_fmt);
+int decode_attention_f32(const float* q, int64_t ldq, const void* k_cache, const void* v_cache, const int32_t* bt,
                          int64_t ldbt, const int32_t* seq_lens, float* out, int64_t B, int64_t N, int64_t G,
-                         int64_t H, int64_t Hv, int64_t bs, float scale, int nt);
-int prefill_attention_f32(const float* q, int64_t ldq, const float* k_cache, const float* v_cache, const int32_t* bt,
+                         int64_t H, int64_t Hv, int64_t bs, float scale, int nt, int kv_fmt);
+int prefill_attention_f32(const float* q, int64_t ldq, const void* k_cache, const void* v_cache, const int32_t* bt,
                           int64_t ldbt, const int32_t* seq_lens, const int32_t* qsl, int64_t b0, int64_t b1,
-                          float* out, int64_t N, int64_t G, int64_t H, int64_t Hv, int64_t bs, float scale, int nt);
+                          float* out, int64_t N, int64_t G, int64_t H, int64_t Hv, int64_t bs, float scale, int nt,
+                          int kv_fmt);
 void rms_norm_f32(const float* x, int64_t ldx, const float* r, int64_t ldr, float* h, const float* w, float* out,
                   int64_t T, int64_t D, float eps, int nt);
 int norm_rope_f32(const float* x, int64_t T, int64_t nh, int64_t ldt, int64_t hd, const float* w, float eps,
@@ -194,9 +198,47 @@ typedef struct {
   int64_t nb, bs, G, H, Hv, B, W;
   float *k, *v;
   int32_t* table;
+  uint8_t *k8, *v8; /* an FP8 cache (fmt 1 or 2): its bytes, k and v their values widened here */
 } cache_t;
-static cache_t make_cache(int64_t B, const int32_t* lens, int64_t bs, int64_t G, int64_t H, int64_t Hv) {
-  cache_t c = {0, bs, G, H, Hv, B, 1, 0, 0, 0};
+
+/* ---- FP8 (e4m3fn: fmt 1, e5m2: fmt 2), from their definitions: an independent widening, and the
+ * nearest code by search (ties to the even code) for the rounding the kernels must match ---- */
+static double fp8_value(uint8_t b, int fmt) {
+  const int mb = fmt == 1 ? 3 : 2, bias = fmt == 1 ? 7 : 15, emax = fmt == 1 ? 15 : 31;
+  const int e = (b & 0x7f) >> mb, m = b & ((1 << mb) - 1);
+  const double sgn = b & 0x80 ? -1.0 : 1.0;
+  if (fmt == 1 && e == emax && m == (1 << mb) - 1) return NAN;
+  if (fmt == 2 && e == emax) return m ? NAN : sgn * INFINITY;
+  return sgn * (e ? ldexp((double)((1 << mb) + m), e - bias - mb) : ldexp((double)m, 1 - bias - mb));
+}
+static double fp8_max(int fmt) { return fmt == 1 ? 448.0 : 57344.0; }
+static uint8_t fp8_nearest(float x, int fmt) {
+  if (isnan(x)) return 0x7f;
+  const uint8_t sign = signbit(x) ? 0x80 : 0;
+  const double a = fmin(fabs((double)x), fp8_max(fmt));
+  int best = 0;
+  for (int c = 1; c < 0x80; c++) {
+    const double v = fp8_value((uint8_t)c, fmt);
+    if (!isfinite(v)) continue;
+    const double d = fabs(v - a), db = fabs(fp8_value((uint8_t)best, fmt) - a);
+    if (d < db || (d == db && (c & 1) == 0)) best = c;
+  }
+  return sign | (uint8_t)best;
+}
+/* n random FP8 bytes of values below 8 in magnitude (subnormals included), their values in f */
+static uint8_t* fp8_rand(int64_t n, int fmt, float* f) {
+  uint8_t* p = malloc((size_t)(n > 0 ? n : 1));
+  const int mb = fmt == 1 ? 3 : 2, etop = fmt == 1 ? 10 : 18; /* exponent fields 0 .. etop - 1 */
+  for (int64_t i = 0; i < n; i++) {
+    const int e = (int)((uniform() + 1.0) * 0.5 * etop), m = (int)((uniform() + 1.0) * 0.5 * (1 << mb));
+    p[i] = (uint8_t)((uniform() < 0 ? 0x80 : 0) | (e << mb) | m);
+    f[i] = (float)fp8_value(p[i], fmt);
+  }
+  return p;
+}
+
+static cache_t make_cache(int64_t B, const int32_t* lens, int64_t bs, int64_t G, int64_t H, int64_t Hv, int fmt) {
+  cache_t c = {0, bs, G, H, Hv, B, 1, 0, 0, 0, 0, 0};
   for (int64_t b = 0; b < B; b++) {
     const int64_t w = (lens[b] + bs - 1) / bs;
     c.nb += w;
@@ -205,6 +247,10 @@ static cache_t make_cache(int64_t B, const int32_t* lens, int64_t bs, int64_t G,
   c.nb += 3;
   c.k = randf(c.nb * bs * G * H, 1.0);
   c.v = randf(c.nb * bs * G * Hv, 1.0);
+  if (fmt) {
+    c.k8 = fp8_rand(c.nb * bs * G * H, fmt, c.k);
+    c.v8 = fp8_rand(c.nb * bs * G * Hv, fmt, c.v);
+  }
   c.table = calloc((size_t)(B * c.W), sizeof(int32_t));
   int64_t next = 0;
   for (int64_t b = 0; b < B; b++) /* blocks handed out backwards, skipping some: not contiguous */
@@ -239,10 +285,65 @@ static void attend(const cache_t* c, int64_t b, int64_t g, const float* q, int64
   free(p);
 }
 
-static void decode_attention_case(int64_t N, int64_t G, int64_t H, int64_t Hv, int64_t bs, int nt) {
+#define FMT_NAME(fmt) ((fmt) == 1 ? " e4m3" : (fmt) == 2 ? " e5m2" : "")
+
+/* write_kv_f32 into FP8 caches: every FP8 value, the midpoints between neighbours (ties) and the
+ * floats just off them, float32 subnormals, saturation, infinities and random values over many
+ * binades, each stored as the nearest code (ties to even) of its value clamped to the finite max;
+ * and every byte read back exactly by the decode kernel (a context of one key: output = its value
+ * row; vector lanes and a tail). */
+static void fp8_write_read_case(int fmt) {
+  enum { H = 16 };
+  float* x = malloc(4096 * sizeof(float));
+  int64_t n = 0;
+  for (int c = 0; c < 0x7f; c++) {
+    const double v = fp8_value((uint8_t)c, fmt), w = fp8_value((uint8_t)(c + 1), fmt);
+    if (!isfinite(v)) continue;
+    x[n++] = (float)v;
+    if (!isfinite(w)) continue;
+    const float mid = (float)((v + w) / 2);
+    x[n++] = mid, x[n++] = nextafterf(mid, 0.f), x[n++] = nextafterf(mid, INFINITY);
+  }
+  const float specials[] = {0.f, 1e-45f, 1.2e-38f, 3e-30f, 1e-8f, 448.f, 464.f, 465.f, 480.f, 1e4f,
+                            57344.f, 61440.f, 61441.f, 1e30f, INFINITY};
+  for (size_t i = 0; i < sizeof specials / sizeof *specials; i++) x[n++] = specials[i];
+  while (n % H || n < 1400) x[n++] = (float)(uniform() * ldexp(1.0, (int)(uniform() * 24)));
+  for (int64_t i = 0, m = n; i < m; i++) x[n++] = -x[i];
+  const int64_t T = n / H;
+  int64_t* slots = malloc((size_t)T * sizeof(int64_t));
+  for (int64_t t = 0; t < T; t++) slots[t] = T - 1 - t;
+  uint8_t *kc = calloc((size_t)n, 1), *vc = calloc((size_t)n, 1);
+  int bad = write_kv_f32(x, H, x, H, kc, vc, slots, T, H, H, T, fmt) != 0;
+  for (int64_t t = 0; t < T; t++)
+    for (int64_t i = 0; i < H; i++)
+      bad += kc[slots[t] * H + i] != fp8_nearest(x[t * H + i], fmt) || vc[slots[t] * H + i] != kc[slots[t] * H + i];
+  char what[160];
+  snprintf(what, sizeof what, "write_kv%s: %ld values as the nearest code", FMT_NAME(fmt), (long)n);
+  check_true(what, bad == 0);
+  /* reads: a value row of all 256 codes, one key; rows of 256 and 23 (a tail) */
+  uint8_t row[256], key[H];
+  for (int i = 0; i < 256; i++) row[i] = (uint8_t)i;
+  memset(key, fmt == 1 ? 0x38 : 0x3c, H); /* 1.0 */
+  const int32_t table = 0, len = 1;
+  float q[H], out[256];
+  for (int i = 0; i < H; i++) q[i] = (float)uniform();
+  bad = 0;
+  for (int hv = 256; hv >= 23; hv -= 233) {
+    bad += decode_attention_f32(q, H, key, row, &table, 1, &len, out, 1, 1, 1, H, hv, 1, 0.25f, 1, fmt) != 0;
+    for (int i = 0; i < hv; i++) {
+      const double want = fp8_value((uint8_t)i, fmt);
+      bad += isnan(want) ? !isnan(out[i]) : (double)out[i] != want;
+    }
+  }
+  snprintf(what, sizeof what, "decode_attention%s reads all 256 bytes exactly", FMT_NAME(fmt));
+  check_true(what, bad == 0);
+  free(x), free(slots), free(kc), free(vc);
+}
+
+static void decode_attention_case(int64_t N, int64_t G, int64_t H, int64_t Hv, int64_t bs, int nt, int fmt) {
   const int32_t lens[4] = {1, 9, 3 * (int32_t)bs + 1, 37};
   const int64_t B = 4;
-  cache_t c = make_cache(B, lens, bs, G, H, Hv);
+  cache_t c = make_cache(B, lens, bs, G, H, Hv, fmt);
   const int64_t ldq = N * H + 3;
   float* q = randf(B * ldq, 1.0);
   const double scale = 1.0 / sqrt((double)H);
@@ -250,23 +351,24 @@ static void decode_attention_case(int64_t N, int64_t G, int64_t H, int64_t Hv, i
   for (int64_t b = 0; b < B; b++)
     for (int64_t n = 0; n < N; n++) attend(&c, b, n / (N / G), q + b * ldq + n * H, lens[b], scale, ref + (b * N + n) * Hv);
   float* out = malloc((size_t)(B * N * Hv) * sizeof(float));
-  const int rc = decode_attention_f32(q, ldq, c.k, c.v, c.table, c.W, lens, out, B, N, G, H, Hv, bs, (float)scale, nt);
+  const int rc = decode_attention_f32(q, ldq, fmt ? (void*)c.k8 : c.k, fmt ? (void*)c.v8 : c.v, c.table, c.W, lens,
+                                      out, B, N, G, H, Hv, bs, (float)scale, nt, fmt);
   char what[160];
-  snprintf(what, sizeof what, "decode_attention N=%ld G=%ld H=%ld Hv=%ld bs=%ld nt=%d", (long)N, (long)G, (long)H,
-           (long)Hv, (long)bs, nt);
+  snprintf(what, sizeof what, "decode_attention%s N=%ld G=%ld H=%ld Hv=%ld bs=%ld nt=%d", FMT_NAME(fmt), (long)N,
+           (long)G, (long)H, (long)Hv, (long)bs, nt);
   check_rc(what, rc);
   check(what, out, ref, B * N * Hv, TOL);
-  free(c.k), free(c.v), free(c.table), free(q), free(ref), free(out);
+  free(c.k), free(c.v), free(c.table), free(c.k8), free(c.v8), free(q), free(ref), free(out);
 }
 
-static void prefill_attention_case(int64_t N, int64_t G, int64_t H, int64_t Hv, int64_t bs, int nt) {
+static void prefill_attention_case(int64_t N, int64_t G, int64_t H, int64_t Hv, int64_t bs, int nt, int fmt) {
   /* sequence 0 is not computed (b0 = 1); sequence 2: 35 cached tokens, then a chunk of 5 */
   const int32_t qlen[5] = {1, 7, 5, 1, 70}, lens[5] = {9, 7, 40, 1, 70};
   const int64_t B = 5;
   int32_t qsl[6] = {0};
   for (int64_t b = 0; b < B; b++) qsl[b + 1] = qsl[b] + qlen[b];
   const int64_t T = qsl[B];
-  cache_t c = make_cache(B, lens, bs, G, H, Hv);
+  cache_t c = make_cache(B, lens, bs, G, H, Hv, fmt);
   const int64_t ldq = N * H + 1;
   float* q = randf(T * ldq, 1.0);
   const double scale = 1.0 / sqrt((double)H);
@@ -278,14 +380,14 @@ static void prefill_attention_case(int64_t N, int64_t G, int64_t H, int64_t Hv, 
       for (int64_t n = 0; n < N; n++)
         attend(&c, b, n / (N / G), q + (qsl[b] + i) * ldq + n * H, lens[b] - qlen[b] + i + 1, scale,
                ref + ((qsl[b] + i) * N + n) * Hv);
-  const int rc = prefill_attention_f32(q, ldq, c.k, c.v, c.table, c.W, lens, qsl, 1, B, out, N, G, H, Hv, bs,
-                                       (float)scale, nt);
+  const int rc = prefill_attention_f32(q, ldq, fmt ? (void*)c.k8 : c.k, fmt ? (void*)c.v8 : c.v, c.table, c.W, lens,
+                                       qsl, 1, B, out, N, G, H, Hv, bs, (float)scale, nt, fmt);
   char what[160];
-  snprintf(what, sizeof what, "prefill_attention N=%ld G=%ld H=%ld Hv=%ld bs=%ld nt=%d", (long)N, (long)G, (long)H,
-           (long)Hv, (long)bs, nt);
+  snprintf(what, sizeof what, "prefill_attention%s N=%ld G=%ld H=%ld Hv=%ld bs=%ld nt=%d", FMT_NAME(fmt), (long)N,
+           (long)G, (long)H, (long)Hv, (long)bs, nt);
   check_rc(what, rc);
   check(what, out, ref, T * N * Hv, TOL); /* sequence 0's rows: still 7 */
-  free(c.k), free(c.v), free(c.table), free(q), free(ref), free(out);
+  free(c.k), free(c.v), free(c.table), free(c.k8), free(c.v8), free(q), free(ref), free(out);
 }
 
 /* ---- rms_norm_f32, norm_rope_f32 ---- */
@@ -474,6 +576,8 @@ static void silu_range_case(void) {
 int main(void) {
   printf("cpu_ops driver: vec.h built for %s\n", cpu_ops_isa());
   silu_range_case();
+  fp8_write_read_case(1);
+  fp8_write_read_case(2);
   for (int nt = 1; nt <= 2; nt++) {
     /* decode tiles: every row count of a micro-tile, D, F and 2F off the vector width and the
      * 4-row tile, experts held elsewhere */
@@ -498,12 +602,14 @@ int main(void) {
     linear_case(17, 100, 200, 0, 1, nt);
     linear_case(50, 20, 16, 1, 1, nt);
     linear_case(17, 100, 200, 1, 1, nt);
-    decode_attention_case(8, 2, 64, 64, 4, nt); /* grouped: 4 heads a key, H % 16 == 0 */
-    decode_attention_case(3, 1, 40, 24, 3, nt);
-    decode_attention_case(4, 4, 17, 80, 1, nt);
-    prefill_attention_case(8, 2, 64, 64, 4, nt);
-    prefill_attention_case(3, 1, 40, 24, 3, nt);
-    prefill_attention_case(6, 2, 16, 72, 8, nt);
+    for (int fmt = 0; fmt <= 2; fmt++) { /* float32 caches, then FP8 e4m3fn and e5m2 */
+      decode_attention_case(8, 2, 64, 64, 4, nt, fmt); /* grouped: 4 heads a key, H % 16 == 0 */
+      decode_attention_case(3, 1, 40, 24, 3, nt, fmt);
+      decode_attention_case(4, 4, 17, 80, 1, nt, fmt);
+      prefill_attention_case(8, 2, 64, 64, 4, nt, fmt);
+      prefill_attention_case(3, 1, 40, 24, 3, nt, fmt);
+      prefill_attention_case(6, 2, 16, 72, 8, nt, fmt);
+    }
     rms_norm_case(3, 37, 1, nt);
     rms_norm_case(5, 64, 0, nt);
     rms_norm_case(2, 300, 1, nt);

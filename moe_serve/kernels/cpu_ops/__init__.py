@@ -163,12 +163,12 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     f = lib.decode_attention_f32
     f.restype = ctypes.c_int
     f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                  ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 6, ctypes.c_float, ctypes.c_int]
+                  ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 6, ctypes.c_float, ctypes.c_int, ctypes.c_int]
     f = lib.prefill_attention_f32
     f.restype = ctypes.c_int
     f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                   ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 2, ctypes.c_void_p, *[ctypes.c_int64] * 5,
-                  ctypes.c_float, ctypes.c_int]
+                  ctypes.c_float, ctypes.c_int, ctypes.c_int]
     f = lib.linear_panels_f32
     f.restype = ctypes.c_int
     f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
@@ -190,7 +190,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     f = lib.write_kv_f32
     f.restype = ctypes.c_int
     f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_void_p] * 3,
-                  *[ctypes.c_int64] * 4]
+                  *[ctypes.c_int64] * 4, ctypes.c_int]
     f = lib.topk_softmax_f32
     f.restype = ctypes.c_int
     f.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
@@ -425,12 +425,24 @@ def moe_experts(x_TD: torch.Tensor, w13_EFD: torch.Tensor, w2_EDF: torch.Tensor,
     return out
 
 
+# The cache element types the attention kernels read and write (attention.c's kv_fmt, fp8.h): float32,
+# and FP8 (--kv-cache-dtype fp8 / fp8_e4m3 / fp8_e5m2), whose bytes the kernels widen exactly to
+# float32 as they read them and into which write_kv rounds (nearest even, saturating to the finite
+# max) as torch's `x.clamp(-max, max).to(dtype)` does. Per-layer scales are the attention layer's.
+KV_FORMATS = {torch.float32: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+
+
+def _kv_format(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int | None:
+    """attention.c's kv_fmt for caches of one element type it reads, else None."""
+    return KV_FORMATS.get(k_cache.dtype) if k_cache.dtype == v_cache.dtype else None
+
+
 def decode_attention_fits(q_BNH: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, seq_lens: torch.Tensor) -> bool:
-    """float32 CPU queries (rows of N heads of H contiguous) over float32 contiguous paged caches,
-    int32 block tables (rows contiguous) and sequence lengths."""
-    return (q_BNH.is_cpu and q_BNH.dtype == torch.float32 and k_cache.dtype == torch.float32
-            and v_cache.dtype == torch.float32 and k_cache.is_cpu and k_cache.is_contiguous()
+    """float32 CPU queries (rows of N heads of H contiguous) over contiguous paged caches both float32,
+    both float8_e4m3fn or both float8_e5m2, int32 block tables (rows contiguous) and sequence lengths."""
+    return (q_BNH.is_cpu and q_BNH.dtype == torch.float32 and _kv_format(k_cache, v_cache) is not None
+            and k_cache.is_cpu and k_cache.is_contiguous()
             and v_cache.is_contiguous() and q_BNH.stride(2) == 1 and q_BNH.stride(1) == q_BNH.shape[2]
             and block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1
             and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
@@ -444,8 +456,10 @@ def _token_rows_of(x_TGH: torch.Tensor) -> bool:
 
 def write_kv_fits(k_TGH: torch.Tensor, v_TGH: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slot_mapping_T: torch.Tensor) -> bool:
+    """float32 CPU key and value rows into contiguous caches both float32, both float8_e4m3fn or both
+    float8_e5m2 (converted as torch's clamp-then-cast converts them), int64 slots."""
     return (k_TGH.is_cpu and k_TGH.dtype == torch.float32 and v_TGH.dtype == torch.float32
-            and k_cache.dtype == torch.float32 and v_cache.dtype == torch.float32 and k_cache.is_contiguous()
+            and _kv_format(k_cache, v_cache) is not None and k_cache.is_contiguous()
             and v_cache.is_contiguous() and _token_rows_of(k_TGH) and _token_rows_of(v_TGH)
             and k_TGH.shape[1:] == k_cache.shape[2:] and v_TGH.shape[1:] == v_cache.shape[2:]
             and k_TGH.shape[0] == v_TGH.shape[0] == slot_mapping_T.shape[0]
@@ -454,12 +468,13 @@ def write_kv_fits(k_TGH: torch.Tensor, v_TGH: torch.Tensor, k_cache: torch.Tenso
 
 def write_kv(k_TGH: torch.Tensor, v_TGH: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping_T: torch.Tensor) -> None:
-    """Each new token's key and value rows into its cache slot, as index_copy_ would. Check
-    write_kv_fits first."""
+    """Each new token's key and value rows into its cache slot, as index_copy_ would (into an FP8
+    cache: as index_copy_ of `x.clamp(-max, max).to(dtype)` would). Check write_kv_fits first."""
     nb, bs = k_cache.shape[:2]
     dk, dv = k_TGH.shape[1] * k_TGH.shape[2], v_TGH.shape[1] * v_TGH.shape[2]
     if _lib().write_kv_f32(k_TGH.data_ptr(), k_TGH.stride(0), v_TGH.data_ptr(), v_TGH.stride(0), k_cache.data_ptr(),
-                           v_cache.data_ptr(), slot_mapping_T.data_ptr(), k_TGH.shape[0], dk, dv, nb * bs):
+                           v_cache.data_ptr(), slot_mapping_T.data_ptr(), k_TGH.shape[0], dk, dv, nb * bs,
+                           KV_FORMATS[k_cache.dtype]):
         raise IndexError(f"cpu_ops.write_kv: a slot outside the cache's {nb * bs}")
 
 
@@ -472,7 +487,8 @@ def decode_attention(q_BNH: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     out = torch.empty(B, N, Hv, dtype=torch.float32)
     rc = _lib().decode_attention_f32(q_BNH.data_ptr(), q_BNH.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                                      block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
-                                     out.data_ptr(), B, N, G, H, Hv, bs, scale, torch.get_num_threads())
+                                     out.data_ptr(), B, N, G, H, Hv, bs, scale, torch.get_num_threads(),
+                                     KV_FORMATS[k_cache.dtype])
     if rc:
         raise MemoryError(f"cpu_ops.decode_attention: no scratch memory for a context of {int(seq_lens[:B].max())}")
     return out
@@ -490,7 +506,7 @@ def prefill_attention(q_TNH: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     rc = _lib().prefill_attention_f32(q_TNH.data_ptr(), q_TNH.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                                       block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
                                       query_start_loc.data_ptr(), b0, b1, out_TNH.data_ptr(), N, G, H, Hv, bs, scale,
-                                      torch.get_num_threads())
+                                      torch.get_num_threads(), KV_FORMATS[k_cache.dtype])
     if rc:
         raise MemoryError(f"cpu_ops.prefill_attention: no scratch memory for a context of {int(seq_lens[:b1].max())}")
 

@@ -2,7 +2,8 @@
  * values, read in place from the paged cache (no gather of the context into a new tensor).
  *
  * q [B, N, H] (row stride ldq per sequence); k_cache [NB, bs, G, H], v_cache [NB, bs, G, Hv], both
- * float32 and contiguous; block_tables [B, W] int32 (row stride ldbt); seq_lens [B] int32; out
+ * contiguous, of the element type kv_fmt names (fp8.h: KV_F32 float32, KV_E4M3 / KV_E5M2 FP8 bytes,
+ * widened exactly to float32 in registers as they are read; no scale); block_tables [B, W] int32 (row stride ldbt); seq_lens [B] int32; out
  * [B, N, Hv] contiguous. Heads n of group g = n / (N / G) share kv head g (grouped-query attention).
  *
  * Per (sequence, kv head): the scores of the group's query heads for every key (one pass over the
@@ -14,13 +15,30 @@
 #include <stdlib.h>
 #include <string.h>
 #include "vec.h"
+#include "fp8.h"
 
-static inline float dot(const float* a, const float* b, int64_t n) {
+/* A cache of element type fmt (KV_F32 or an FP8 format): element i of a row, 16 of them from i (the
+ * first n: the rest zero), a row's address. The kernels below take fmt as a constant (each is
+ * specialised per format by an always-inlined body), so the float32 path is the plain loads. */
+VF_INLINE vf16 kv_load(const void* row, int64_t i, int fmt) {
+  return fmt == KV_F32 ? vf_load((const float*)row + i) : vf_load_fp8((const uint8_t*)row + i, fmt);
+}
+VF_INLINE vf16 kv_loadn(const void* row, int64_t i, int64_t n, int fmt) {
+  return fmt == KV_F32 ? vf_loadn((const float*)row + i, n) : vf_load_fp8n((const uint8_t*)row + i, n, fmt);
+}
+VF_INLINE float kv_at(const void* row, int64_t i, int fmt) {
+  return fmt == KV_F32 ? ((const float*)row)[i] : fp8_to_f32(((const uint8_t*)row)[i], fmt);
+}
+VF_INLINE const void* kv_row(const void* cache, int64_t i, int fmt) {
+  return (const char*)cache + i * (fmt == KV_F32 ? (int64_t)sizeof(float) : 1);
+}
+
+VF_INLINE float dot(const float* a, const void* b, int64_t n, int fmt) {
   int64_t i = 0;
   vf16 acc = vf_zero();
-  for (; i + 16 <= n; i += 16) acc = vf_fma(vf_load(a + i), vf_load(b + i), acc);
+  for (; i + 16 <= n; i += 16) acc = vf_fma(vf_load(a + i), kv_load(b, i, fmt), acc);
   float s = vf_hsum(acc);
-  for (; i < n; i++) s += a[i] * b[i];
+  for (; i < n; i++) s += a[i] * kv_at(b, i, fmt);
   return s;
 }
 
@@ -65,10 +83,10 @@ static void scale_row(float* p, int64_t n, float f) {
 #define VT VF_ROW_VECS /* 16-lane vectors per row of a register tile (vec.h: 4 on AVX-512, else 1) */
 
 /* s[r * lds] = scale * q_r . key for the 4 query heads q_r (rows H apart), H % 16 == 0. */
-static inline void scores4(const float* q, const float* key, int64_t H, float scale, float* s, int64_t lds) {
+VF_INLINE void scores4(const float* q, const void* key, int64_t H, float scale, float* s, int64_t lds, int fmt) {
   vf16 acc[4] = {vf_zero(), vf_zero(), vf_zero(), vf_zero()};
   for (int64_t c = 0; c < H; c += 16) {
-    const vf16 kv = vf_load(key + c);
+    const vf16 kv = kv_load(key, c, fmt);
     for (int r = 0; r < 4; r++) acc[r] = vf_fma(vf_load(q + r * H + c), kv, acc[r]);
   }
   float t[4];
@@ -78,8 +96,8 @@ static inline void scores4(const float* q, const float* key, int64_t H, float sc
 
 /* o[r][0..Hv) = sum_{j < n} p[r][j] * vrow[j][..] for the QR rows (o[r] NULL: dropped), 16 VT
  * values at a time held in registers over the n keys. */
-static void values_block(const float* p, int64_t lds, const float* const* vrow, int64_t n, int64_t Hv,
-                         float* const* o) {
+VF_INLINE void values_block(const float* p, int64_t lds, const void* const* vrow, int64_t n, int64_t Hv,
+                             float* const* o, int fmt) {
   for (int64_t d = 0; d < Hv; d += 16 * VT) {
     const int64_t left = Hv - d;
     vf16 acc[QR][VT];
@@ -88,7 +106,7 @@ static void values_block(const float* p, int64_t lds, const float* const* vrow, 
     if (left >= 16 * VT) {
       for (int64_t j = 0; j < n; j++) {
         vf16 vv[VT];
-        for (int v = 0; v < VT; v++) vv[v] = vf_load(vrow[j] + d + 16 * v);
+        for (int v = 0; v < VT; v++) vv[v] = kv_load(vrow[j], d + 16 * v, fmt);
         for (int r = 0; r < QR; r++) {
           const vf16 pr = vf_set1(p[r * lds + j]);
           for (int v = 0; v < VT; v++) acc[r][v] = vf_fma(pr, vv[v], acc[r][v]);
@@ -97,7 +115,7 @@ static void values_block(const float* p, int64_t lds, const float* const* vrow, 
     } else { /* the last values: the first `left` lanes */
       for (int64_t j = 0; j < n; j++) {
         vf16 vv[VT];
-        for (int v = 0; v < VT; v++) vv[v] = vf_loadn(vrow[j] + d + 16 * v, left - 16 * v);
+        for (int v = 0; v < VT; v++) vv[v] = kv_loadn(vrow[j], d + 16 * v, left - 16 * v, fmt);
         for (int r = 0; r < QR; r++) {
           const vf16 pr = vf_set1(p[r * lds + j]);
           for (int v = 0; v < VT; v++) acc[r][v] = vf_fma(pr, vv[v], acc[r][v]);
@@ -111,23 +129,99 @@ static void values_block(const float* p, int64_t lds, const float* const* vrow, 
 }
 
 /* Each of T new tokens' key row (dk floats at k + t * ldk) and value row (dv floats at v + t * ldv)
- * into slot slots[t] of the paged caches (rows of dk / dv floats, nslots of them). Returns 0, or -1
- * (nothing written) when a slot is outside [0, nslots). */
-int write_kv_f32(const float* k, int64_t ldk, const float* v, int64_t ldv, float* k_cache, float* v_cache,
-                 const int64_t* slots, int64_t T, int64_t dk, int64_t dv, int64_t nslots) {
+ * into slot slots[t] of the paged caches (rows of dk / dv elements of kv_fmt, nslots of them):
+ * copied into a float32 cache, converted into an FP8 one (fp8.h: saturated to the format's finite
+ * max, rounded to nearest even). Returns 0; -1 (nothing written) when a slot is outside [0, nslots);
+ * -2 for an unknown kv_fmt. */
+int write_kv_f32(const float* k, int64_t ldk, const float* v, int64_t ldv, void* k_cache, void* v_cache,
+                 const int64_t* slots, int64_t T, int64_t dk, int64_t dv, int64_t nslots, int kv_fmt) {
+  if (kv_fmt != KV_F32 && kv_fmt != KV_E4M3 && kv_fmt != KV_E5M2) return -2;
   for (int64_t t = 0; t < T; t++)
     if (slots[t] < 0 || slots[t] >= nslots) return -1;
   for (int64_t t = 0; t < T; t++) {
-    memcpy(k_cache + slots[t] * dk, k + t * ldk, (size_t)dk * sizeof(float));
-    memcpy(v_cache + slots[t] * dv, v + t * ldv, (size_t)dv * sizeof(float));
+    if (kv_fmt == KV_F32) {
+      memcpy((float*)k_cache + slots[t] * dk, k + t * ldk, (size_t)dk * sizeof(float));
+      memcpy((float*)v_cache + slots[t] * dv, v + t * ldv, (size_t)dv * sizeof(float));
+      continue;
+    }
+    uint8_t *kc = (uint8_t*)k_cache + slots[t] * dk, *vc = (uint8_t*)v_cache + slots[t] * dv;
+    for (int64_t i = 0; i < dk; i++) kc[i] = f32_to_fp8(k[t * ldk + i], kv_fmt);
+    for (int64_t i = 0; i < dv; i++) vc[i] = f32_to_fp8(v[t * ldv + i], kv_fmt);
   }
   return 0;
 }
 
-/* Returns 0, or -1 without scratch memory. */
-int decode_attention_f32(const float* q, int64_t ldq, const float* k_cache, const float* v_cache, const int32_t* bt,
+/* An attention call's operands, shared by its (sequence, kv head) groups. */
+typedef struct {
+  const float* q;
+  int64_t ldq;
+  const void *k, *v;
+  const int32_t *bt, *seq_lens;
+  int64_t ldbt;
+  float* out;
+  int64_t N, G, H, Hv, bs;
+  float scale;
+} attn_args;
+
+/* Decode of sequence b's query heads of kv head g: scores, then weights, in p (rows rounded up to
+ * whole blocks of QR, the rows past R zero: the value blocks read them, their outputs dropped), the
+ * value row pointers after p's Rp * max_ctx floats, invp the R softmax normalisers. */
+VF_INLINE void decode_group(const attn_args* a, int64_t b, int64_t g, float* p, float* invp, int64_t max_ctx,
+                            int fmt) {
+  const int64_t R = a->N / a->G, Rp = (R + QR - 1) / QR * QR, G = a->G, H = a->H, Hv = a->Hv, bs = a->bs;
+  const int64_t ctx = a->seq_lens[b];
+  const float* qg = a->q + b * a->ldq + g * R * H;
+  float* og = a->out + (b * a->N + g * R) * Hv;
+  memset(og, 0, (size_t)(R * Hv) * sizeof(float));
+  if (ctx <= 0) return;
+  const int32_t* table = a->bt + b * a->ldbt;
+  const int grouped = R % 4 == 0 && H % 16 == 0; /* 4 heads per key: one reduction for 4 */
+  /* block by block (a division per key would cost more than its dot products) */
+  for (int64_t s0 = 0; s0 < ctx; s0 += bs) {
+    const void* key = kv_row(a->k, ((int64_t)table[s0 / bs] * bs * G + g) * H, fmt);
+    const int64_t n = ctx - s0 < bs ? ctx - s0 : bs;
+    for (int64_t o = 0; o < n; o++, key = kv_row(key, G * H, fmt)) {
+      if (grouped) {
+        for (int64_t r = 0; r < R; r += 4) scores4(qg + r * H, key, H, a->scale, p + r * ctx + s0 + o, ctx, fmt);
+        continue;
+      }
+      for (int64_t r = 0; r < R; r++) p[r * ctx + s0 + o] = dot(qg + r * H, key, H, fmt) * a->scale;
+    }
+  }
+  for (int64_t r = 0; r < R; r++) invp[r] = 1.f / exp_shift(p + r * ctx, ctx, max_of(p + r * ctx, ctx));
+  /* values: 4 heads' outputs, 16 VT values at a time, held in registers over the context */
+  const void** vrow = (const void**)(p + Rp * max_ctx);
+  for (int64_t s0 = 0; s0 < ctx; s0 += bs) {
+    const void* val = kv_row(a->v, ((int64_t)table[s0 / bs] * bs * G + g) * Hv, fmt);
+    const int64_t n = ctx - s0 < bs ? ctx - s0 : bs;
+    for (int64_t o = 0; o < n; o++, val = kv_row(val, G * Hv, fmt)) vrow[s0 + o] = val;
+  }
+  for (int64_t r = 0; r < R; r++) scale_row(p + r * ctx, ctx, invp[r]);
+  memset(p + R * ctx, 0, (size_t)((Rp - R) * ctx) * sizeof(float));
+  for (int64_t r0 = 0; r0 < R; r0 += QR) {
+    float* orow[QR];
+    for (int r = 0; r < QR; r++) orow[r] = r0 + r < R ? og + (r0 + r) * Hv : 0;
+    values_block(p + r0 * ctx, ctx, vrow, ctx, Hv, orow, fmt);
+  }
+}
+
+/* decode_group for each cache element type, the format a constant in each */
+static void decode_group_f32(const attn_args* a, int64_t b, int64_t g, float* p, float* invp, int64_t max_ctx) {
+  decode_group(a, b, g, p, invp, max_ctx, KV_F32);
+}
+static void decode_group_e4m3(const attn_args* a, int64_t b, int64_t g, float* p, float* invp, int64_t max_ctx) {
+  decode_group(a, b, g, p, invp, max_ctx, KV_E4M3);
+}
+static void decode_group_e5m2(const attn_args* a, int64_t b, int64_t g, float* p, float* invp, int64_t max_ctx) {
+  decode_group(a, b, g, p, invp, max_ctx, KV_E5M2);
+}
+
+/* Returns 0, -1 without scratch memory, -2 for an unknown kv_fmt. */
+int decode_attention_f32(const float* q, int64_t ldq, const void* k_cache, const void* v_cache, const int32_t* bt,
                          int64_t ldbt, const int32_t* seq_lens, float* out, int64_t B, int64_t N, int64_t G,
-                         int64_t H, int64_t Hv, int64_t bs, float scale, int nt) {
+                         int64_t H, int64_t Hv, int64_t bs, float scale, int nt, int kv_fmt) {
+  if (kv_fmt != KV_F32 && kv_fmt != KV_E4M3 && kv_fmt != KV_E5M2) return -2;
+  const attn_args a = {q, ldq, k_cache, v_cache, bt, seq_lens, ldbt, out, N, G, H, Hv, bs, scale};
   const int64_t R = N / G; /* query heads per kv head */
   int64_t max_ctx = 1;
   for (int64_t b = 0; b < B; b++)
@@ -135,10 +229,8 @@ int decode_attention_f32(const float* q, int64_t ldq, const float* k_cache, cons
   int failed = 0;
 #pragma omp parallel num_threads(nt) if (nt > 1 && B * G > 1)
   {
-    /* scores, then weights, of one group, in rows rounded up to whole blocks of QR (the rows past R
-     * zero: the value blocks read them, their outputs dropped); then the value row pointers */
     const int64_t Rp = (R + QR - 1) / QR * QR;
-    float* p = malloc((size_t)(Rp * max_ctx) * sizeof(float) + (size_t)max_ctx * sizeof(float*));
+    float* p = malloc((size_t)(Rp * max_ctx) * sizeof(float) + (size_t)max_ctx * sizeof(void*));
     float inv[64];
     float* invp = R <= 64 ? inv : malloc((size_t)R * sizeof(float));
 #pragma omp for schedule(dynamic, 1) collapse(2)
@@ -149,40 +241,12 @@ int decode_attention_f32(const float* q, int64_t ldq, const float* k_cache, cons
             failed = 1;
             continue;
           }
-          const int64_t ctx = seq_lens[b];
-          const float* qg = q + b * ldq + g * R * H;
-          float* og = out + (b * N + g * R) * Hv;
-          memset(og, 0, (size_t)(R * Hv) * sizeof(float));
-          if (ctx <= 0) continue;
-          const int32_t* table = bt + b * ldbt;
-          const int grouped = R % 4 == 0 && H % 16 == 0; /* 4 heads per key: one reduction for 4 */
-          /* block by block (a division per key would cost more than its dot products) */
-          for (int64_t s0 = 0; s0 < ctx; s0 += bs) {
-            const float* key = k_cache + ((int64_t)table[s0 / bs] * bs * G + g) * H;
-            const int64_t n = ctx - s0 < bs ? ctx - s0 : bs;
-            for (int64_t o = 0; o < n; o++, key += G * H) {
-              if (grouped) {
-                for (int64_t r = 0; r < R; r += 4) scores4(qg + r * H, key, H, scale, p + r * ctx + s0 + o, ctx);
-                continue;
-              }
-              for (int64_t r = 0; r < R; r++) p[r * ctx + s0 + o] = dot(qg + r * H, key, H) * scale;
-            }
-          }
-          for (int64_t r = 0; r < R; r++) invp[r] = 1.f / exp_shift(p + r * ctx, ctx, max_of(p + r * ctx, ctx));
-          /* values: 4 heads' outputs, 16 VT values at a time, held in registers over the context */
-          const float** vrow = (const float**)(p + Rp * max_ctx);
-          for (int64_t s0 = 0; s0 < ctx; s0 += bs) {
-            const float* val = v_cache + ((int64_t)table[s0 / bs] * bs * G + g) * Hv;
-            const int64_t n = ctx - s0 < bs ? ctx - s0 : bs;
-            for (int64_t o = 0; o < n; o++, val += G * Hv) vrow[s0 + o] = val;
-          }
-          for (int64_t r = 0; r < R; r++) scale_row(p + r * ctx, ctx, invp[r]);
-          memset(p + R * ctx, 0, (size_t)((Rp - R) * ctx) * sizeof(float));
-          for (int64_t r0 = 0; r0 < R; r0 += QR) {
-            float* orow[QR];
-            for (int r = 0; r < QR; r++) orow[r] = r0 + r < R ? og + (r0 + r) * Hv : 0;
-            values_block(p + r0 * ctx, ctx, vrow, ctx, Hv, orow);
-          }
+          if (kv_fmt == KV_E4M3)
+            decode_group_e4m3(&a, b, g, p, invp, max_ctx);
+          else if (kv_fmt == KV_E5M2)
+            decode_group_e5m2(&a, b, g, p, invp, max_ctx);
+          else
+            decode_group_f32(&a, b, g, p, invp, max_ctx);
         }
     free(p);
     if (invp != inv) free(invp);
@@ -225,11 +289,71 @@ static void scores_block(const float* const* qr, const float* kt, int64_t ldk, i
   }
 }
 
-/* Returns 0, or -1 without scratch memory. */
-int prefill_attention_f32(const float* q, int64_t ldq, const float* k_cache, const float* v_cache, const int32_t* bt,
+/* Prefill of sequence b's query rows over kv head g, its keys packed transposed into kt (H rows of
+ * S16 floats, then QR rows of scores), its value row pointers in vrow. */
+VF_INLINE void prefill_group(const attn_args* a, const int32_t* qsl, int64_t b, int64_t g, float* kt,
+                             const void** vrow, int fmt) {
+  const int64_t R = a->N / a->G, G = a->G, H = a->H, Hv = a->Hv, bs = a->bs;
+  const int64_t ctx = a->seq_lens[b], q0 = qsl[b], ql = qsl[b + 1] - qsl[b];
+  if (ql <= 0 || ctx <= 0) return;
+  const int32_t* table = a->bt + b * a->ldbt;
+  const int64_t S16 = (ctx + 15) / 16 * 16;
+  float* p = kt + H * S16;
+  for (int64_t s0 = 0; s0 < ctx; s0 += bs) { /* block by block: no division per key */
+    const int64_t slot0 = (int64_t)table[s0 / bs] * bs;
+    const int64_t n = ctx - s0 < bs ? ctx - s0 : bs;
+    for (int64_t o = 0; o < n; o++) {
+      const void* key = kv_row(a->k, ((slot0 + o) * G + g) * H, fmt);
+      for (int64_t h = 0; h < H; h++) kt[h * S16 + s0 + o] = kv_at(key, h, fmt);
+      vrow[s0 + o] = kv_row(a->v, ((slot0 + o) * G + g) * Hv, fmt);
+    }
+  }
+  for (int64_t s = ctx; s < S16; s++)
+    for (int64_t h = 0; h < H; h++) kt[h * S16 + s] = 0.f;
+  const int64_t rows = ql * R; /* (query i, head r) as row i * R + r */
+  for (int64_t r0 = 0; r0 < rows; r0 += QR) {
+    const float* qr[QR];
+    float* orow[QR];
+    int64_t vis[QR], vmax = 0;
+    for (int r = 0; r < QR; r++) {
+      const int64_t row = r0 + r < rows ? r0 + r : rows - 1, i = row / R, hh = g * R + row % R;
+      qr[r] = a->q + (q0 + i) * a->ldq + hh * H;
+      orow[r] = r0 + r < rows ? a->out + ((q0 + i) * a->N + hh) * Hv : 0;
+      vis[r] = ctx - ql + i + 1;
+      if (vis[r] > vmax) vmax = vis[r];
+    }
+    const int64_t n16 = (vmax + 15) / 16 * 16;
+    scores_block(qr, kt, S16, H, n16, a->scale, p, S16);
+    for (int r = 0; r < QR; r++) {
+      float* pr = p + r * S16;
+      scale_row(pr, vis[r], 1.f / exp_shift(pr, vis[r], max_of(pr, vis[r])));
+      for (int64_t s = vis[r]; s < vmax; s++) pr[s] = 0.f;
+    }
+    values_block(p, S16, vrow, vmax, Hv, orow, fmt);
+  }
+}
+
+/* prefill_group for each cache element type, the format a constant in each */
+static void prefill_group_f32(const attn_args* a, const int32_t* qsl, int64_t b, int64_t g, float* kt,
+                              const void** vrow) {
+  prefill_group(a, qsl, b, g, kt, vrow, KV_F32);
+}
+static void prefill_group_e4m3(const attn_args* a, const int32_t* qsl, int64_t b, int64_t g, float* kt,
+                               const void** vrow) {
+  prefill_group(a, qsl, b, g, kt, vrow, KV_E4M3);
+}
+static void prefill_group_e5m2(const attn_args* a, const int32_t* qsl, int64_t b, int64_t g, float* kt,
+                               const void** vrow) {
+  prefill_group(a, qsl, b, g, kt, vrow, KV_E5M2);
+}
+
+/* Returns 0, -1 without scratch memory, -2 for an unknown kv_fmt. */
+int prefill_attention_f32(const float* q, int64_t ldq, const void* k_cache, const void* v_cache, const int32_t* bt,
                           int64_t ldbt, const int32_t* seq_lens, const int32_t* qsl, int64_t b0, int64_t b1,
-                          float* out, int64_t N, int64_t G, int64_t H, int64_t Hv, int64_t bs, float scale, int nt) {
-  const int64_t R = N / G;
+                          float* out, int64_t N, int64_t G, int64_t H, int64_t Hv, int64_t bs, float scale, int nt,
+                          int kv_fmt) {
+  if (kv_fmt != KV_F32 && kv_fmt != KV_E4M3 && kv_fmt != KV_E5M2) return -2;
+  const attn_args a = {q, ldq, k_cache, v_cache, bt, seq_lens, ldbt, out, N, G, H, Hv, bs, scale};
   int64_t max_ctx = 1;
   for (int64_t b = b0; b < b1; b++)
     if (seq_lens[b] > max_ctx) max_ctx = seq_lens[b];
@@ -238,7 +362,7 @@ int prefill_attention_f32(const float* q, int64_t ldq, const float* k_cache, con
 #pragma omp parallel num_threads(nt) if (nt > 1 && (b1 - b0) * G > 1)
   {
     float* kt = malloc((size_t)(H * S + QR * S) * sizeof(float));
-    const float** vrow = malloc((size_t)S * sizeof(float*));
+    const void** vrow = malloc((size_t)S * sizeof(void*));
 #pragma omp for schedule(dynamic, 1) collapse(2)
     for (int64_t b = b0; b < b1; b++)
       for (int64_t g = 0; g < G; g++) {
@@ -247,43 +371,12 @@ int prefill_attention_f32(const float* q, int64_t ldq, const float* k_cache, con
           failed = 1;
           continue;
         }
-        const int64_t ctx = seq_lens[b], q0 = qsl[b], ql = qsl[b + 1] - qsl[b];
-        if (ql <= 0 || ctx <= 0) continue;
-        const int32_t* table = bt + b * ldbt;
-        const int64_t S16 = (ctx + 15) / 16 * 16;
-        float* p = kt + H * S16;
-        for (int64_t s0 = 0; s0 < ctx; s0 += bs) { /* block by block: no division per key */
-          const int64_t slot0 = (int64_t)table[s0 / bs] * bs;
-          const int64_t n = ctx - s0 < bs ? ctx - s0 : bs;
-          for (int64_t o = 0; o < n; o++) {
-            const float* key = k_cache + ((slot0 + o) * G + g) * H;
-            for (int64_t h = 0; h < H; h++) kt[h * S16 + s0 + o] = key[h];
-            vrow[s0 + o] = v_cache + ((slot0 + o) * G + g) * Hv;
-          }
-        }
-        for (int64_t s = ctx; s < S16; s++)
-          for (int64_t h = 0; h < H; h++) kt[h * S16 + s] = 0.f;
-        const int64_t rows = ql * R; /* (query i, head r) as row i * R + r */
-        for (int64_t r0 = 0; r0 < rows; r0 += QR) {
-          const float* qr[QR];
-          float* orow[QR];
-          int64_t vis[QR], vmax = 0;
-          for (int r = 0; r < QR; r++) {
-            const int64_t row = r0 + r < rows ? r0 + r : rows - 1, i = row / R, hh = g * R + row % R;
-            qr[r] = q + (q0 + i) * ldq + hh * H;
-            orow[r] = r0 + r < rows ? out + ((q0 + i) * N + hh) * Hv : 0;
-            vis[r] = ctx - ql + i + 1;
-            if (vis[r] > vmax) vmax = vis[r];
-          }
-          const int64_t n16 = (vmax + 15) / 16 * 16;
-          scores_block(qr, kt, S16, H, n16, scale, p, S16);
-          for (int r = 0; r < QR; r++) {
-            float* pr = p + r * S16;
-            scale_row(pr, vis[r], 1.f / exp_shift(pr, vis[r], max_of(pr, vis[r])));
-            for (int64_t s = vis[r]; s < vmax; s++) pr[s] = 0.f;
-          }
-          values_block(p, S16, vrow, vmax, Hv, orow);
-        }
+        if (kv_fmt == KV_E4M3)
+          prefill_group_e4m3(&a, qsl, b, g, kt, vrow);
+        else if (kv_fmt == KV_E5M2)
+          prefill_group_e5m2(&a, qsl, b, g, kt, vrow);
+        else
+          prefill_group_f32(&a, qsl, b, g, kt, vrow);
       }
     free(kt);
     free(vrow);

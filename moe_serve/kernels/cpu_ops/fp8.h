@@ -1,0 +1,118 @@
+/* FP8 key/value caches (vLLM's --kv-cache-dtype fp8_e4m3 / fp8_e5m2) for the CPU kernels: one byte
+ * per element, widened exactly to float32 in registers when read, and written from float32 the way
+ * torch's `x.clamp(-max, max).to(torch.float8_e4m3fn)` (resp. float8_e5m2) writes it: round to
+ * nearest even, saturating to the finite max (e4m3fn +-448, e5m2 +-57344), NaN kept NaN.
+ *
+ *   e4m3fn  s eeee mmm  bias 7, no infinities: 0x7f / 0xff are NaN; subnormals m * 2^-9
+ *   e5m2    s eeeee mm  bias 15, IEEE-like (the top byte of a half): inf, NaN; subnormals m * 2^-16
+ *
+ * Widening builds the float32 bits with integer operations (a normal's exponent rebiased, a
+ * subnormal's mantissa converted as an integer and scaled by a power of two: every operand a normal
+ * float, so MXCSR's denormals-are-zero mode changes nothing), vectorised for AVX-512 and AVX2 (e5m2
+ * through the half conversion), per element elsewhere. KV_F32 names a float32 cache. */
+#pragma once
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include "vec.h"
+
+enum { KV_F32 = 0, KV_E4M3 = 1, KV_E5M2 = 2 };
+
+VF_INLINE float fp8_bits_f32_(uint32_t u) {
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+/* One FP8 byte of format fmt (KV_E4M3 or KV_E5M2) as the float32 it is, exactly. */
+VF_INLINE float fp8_to_f32(uint8_t b, int fmt) {
+  const uint32_t sign = (uint32_t)(b & 0x80) << 24, em = b & 0x7f;
+  float a;
+  if (fmt == KV_E4M3) {
+    if (em == 0x7f) return NAN;
+    a = em < 8 ? (float)em * (1.f / 512) : fp8_bits_f32_((em << 20) + (120u << 23));
+  } else {
+    if (em >= 0x7c) return em == 0x7c ? (sign ? -INFINITY : INFINITY) : NAN;
+    a = em < 4 ? (float)em * (1.f / 65536) : fp8_bits_f32_((em << 21) + (112u << 23));
+  }
+  uint32_t u;
+  memcpy(&u, &a, 4);
+  return fp8_bits_f32_(u | sign);
+}
+
+/* round(m / 2^s) to nearest even, s >= 1, m < 2^24 */
+VF_INLINE uint32_t fp8_rne_shift_(uint32_t m, int s) {
+  if (s > 25) return 0;
+  const uint32_t q = m >> s, r = m & ((1u << s) - 1), h = 1u << (s - 1);
+  return q + (r > h || (r == h && (q & 1)));
+}
+
+/* x as an FP8 byte of format fmt: saturated to the finite max, rounded to nearest even (what torch
+ * gives for x.clamp(-max, max).to(float8)); NaN as 0x7f with x's sign. */
+VF_INLINE uint8_t f32_to_fp8(float x, int fmt) {
+  uint32_t u;
+  memcpy(&u, &x, 4);
+  const uint8_t sign = (uint8_t)((u >> 24) & 0x80);
+  u &= 0x7fffffffu;
+  if (u > 0x7f800000u) return sign | 0x7f;
+  /* m bits of mantissa, the format's exponent bias (7 / 15) as float32's minus `rebias` */
+  const int m = fmt == KV_E4M3 ? 3 : 2, rebias = fmt == KV_E4M3 ? 120 : 112;
+  const uint32_t maxbits = fmt == KV_E4M3 ? 0x43e00000u : 0x47600000u; /* 448, 57344 */
+  const uint8_t maxcode = fmt == KV_E4M3 ? 0x7e : 0x7b;
+  if (u >= maxbits) return sign | maxcode;
+  const int e = (int)(u >> 23);
+  if (e <= rebias) { /* below the smallest normal: a multiple of its subnormal step */
+    const uint32_t mant = (u & 0x7fffffu) | (e ? 0x800000u : 0);
+    return sign | (uint8_t)fp8_rne_shift_(mant, (rebias + 1 + 23 - m) - (e ? e : 1));
+  }
+  const int sh = 23 - m;
+  u += (1u << (sh - 1)) - 1 + ((u >> sh) & 1);
+  return sign | (uint8_t)((u >> sh) - ((uint32_t)rebias << m));
+}
+
+/* ---- 16 FP8 bytes at p widened to a vf16 ---- */
+#if defined(VF_AVX512)
+VF_INLINE vf16 vf_load_fp8(const uint8_t* p, int fmt) {
+  const __m128i raw = _mm_loadu_si128((const __m128i*)p);
+  if (fmt == KV_E5M2) return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(raw), 8));
+  const __m512i b = _mm512_cvtepu8_epi32(raw);
+  const __m512i em = _mm512_and_si512(b, _mm512_set1_epi32(0x7f));
+  const __m512 nrm = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(em, 20), _mm512_set1_epi32(120 << 23)));
+  const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(em), _mm512_set1_ps(1.f / 512));
+  __m512 r = _mm512_mask_mov_ps(nrm, _mm512_cmplt_epi32_mask(em, _mm512_set1_epi32(8)), sub);
+  r = _mm512_mask_mov_ps(r, _mm512_cmpeq_epi32_mask(em, _mm512_set1_epi32(0x7f)), _mm512_set1_ps(NAN));
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(r), _mm512_slli_epi32(_mm512_srli_epi32(b, 7), 31)));
+}
+#elif defined(VF_AVX2)
+VF_INLINE __m256 vf_e4m3_8_(__m128i raw8) {
+  const __m256i b = _mm256_cvtepu8_epi32(raw8);
+  const __m256i em = _mm256_and_si256(b, _mm256_set1_epi32(0x7f));
+  const __m256 nrm = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(em, 20), _mm256_set1_epi32(120 << 23)));
+  const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(em), _mm256_set1_ps(1.f / 512));
+  __m256 r = _mm256_blendv_ps(nrm, sub, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), em)));
+  r = _mm256_blendv_ps(r, _mm256_set1_ps(NAN), _mm256_castsi256_ps(_mm256_cmpeq_epi32(em, _mm256_set1_epi32(0x7f))));
+  return _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(r), _mm256_slli_epi32(_mm256_srli_epi32(b, 7), 31)));
+}
+VF_INLINE vf16 vf_load_fp8(const uint8_t* p, int fmt) {
+  const __m128i raw = _mm_loadu_si128((const __m128i*)p);
+  if (fmt == KV_E5M2) {
+    const __m256i h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(raw), 8);
+    return vf_mk_(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)));
+  }
+  return vf_mk_(vf_e4m3_8_(raw), vf_e4m3_8_(_mm_unpackhi_epi64(raw, raw)));
+}
+#else
+VF_INLINE vf16 vf_load_fp8(const uint8_t* p, int fmt) {
+  float t[16];
+  for (int i = 0; i < 16; i++) t[i] = fp8_to_f32(p[i], fmt);
+  return vf_load(t);
+}
+#endif
+
+/* the first n (< 16 allowed) bytes at p widened, the other lanes zero */
+VF_INLINE vf16 vf_load_fp8n(const uint8_t* p, int64_t n, int fmt) {
+  if (n >= 16) return vf_load_fp8(p, fmt);
+  uint8_t t[16] = {0};
+  if (n > 0) memcpy(t, p, (size_t)n);
+  return vf_load_fp8(t, fmt);
+}
