@@ -45,7 +45,10 @@ def _index_scores_kernel(q_ptr, w_ptr, k_ptr, block_tables_ptr, seq_lens_ptr, qu
     page = tl.load(block_tables_ptr + seq.to(tl.int64) * stride_bt + pos // block_size, mask=visible,
                    other=0).to(tl.int64)
     k = tl.load(k_ptr + (page * stride_kb + (pos % block_size).to(tl.int64) * stride_ks)[:, None]
-                + dims[None, :] * stride_kd, mask=visible[:, None] & (dims[None, :] < ID), other=0.0).to(q.dtype)
+                + dims[None, :] * stride_kd, mask=visible[:, None] & (dims[None, :] < ID), other=0.0)
+    if k.dtype.is_fp8():  # FP8 index keys: widened exactly to float32 (the cast to q's dtype is then exact)
+        k = k.to(tl.float32)
+    k = k.to(q.dtype)
     s = _dot(q, tl.trans(k), tl.zeros((BLOCK_NI, BLOCK_N), dtype=tl.float32), PREC, UPCAST)
     score = tl.sum(tl.maximum(s * scale, 0.0) * w[:, None], 0)
     score = tl.where(visible, score, float("-inf"))

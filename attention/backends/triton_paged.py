@@ -39,6 +39,42 @@ def _dot(a, b, acc, PREC: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _fp8_bits(x, MANT: tl.constexpr, BIAS: tl.constexpr, MAX: tl.constexpr):
+    """The FP8 byte (MANT mantissa bits, exponent bias BIAS, finite max MAX) of float32 x saturated to
+    +-MAX, rounded to nearest even: torch's `x.clamp(-MAX, MAX).to(float8)`. Integer arithmetic on the
+    bits, so the interpreter (whose float8 cast truncates) and every GPU give the same byte.
+
+    The significand with its implicit bit, sig (24 bits), is shifted right by s: 23 - MANT for a
+    normal result, more below the smallest normal (the FP8 subnormals: quantum 2^(1 - BIAS - MANT)).
+    Rounding carries into the exponent field (and from the largest subnormal into the smallest
+    normal) by itself, since the encoding is ((exponent - 1) << MANT) + sig-with-implicit-bit."""
+    nan = x != x
+    x = tl.minimum(tl.maximum(x, -MAX), MAX)
+    bits = x.to(tl.int32, bitcast=True)
+    mag = bits & 0x7FFFFFFF
+    e = (mag >> 23) - 127  # unbiased exponent (zero and fp32 subnormals round to 0 below)
+    sig = (mag & 0x7FFFFF) | 0x800000
+    s = tl.minimum(tl.maximum(23 - MANT, 24 - BIAS - MANT - e), 25)  # 25: every sig rounds to 0
+    half = (1 << (s - 1)) - 1 + ((sig >> s) & 1)  # ties to even
+    q = ((sig + half) >> s) + (tl.maximum(e + BIAS - 1, 0) << MANT)
+    q = tl.where(nan, 0x7F, q)  # NaN stays NaN (0x7F is NaN in both formats)
+    return (q | ((bits >> 24) & 0x80)).to(tl.uint8)
+
+
+@triton.jit
+def _to_cache(x, DST: tl.constexpr):
+    """x as the cache's element type DST: an FP8 cache (float8_e4m3fn / float8_e5m2) takes the
+    saturating round-to-nearest-even cast of x in float32, any other a plain cast."""
+    if DST == tl.float8e4nv:
+        y = _fp8_bits(x.to(tl.float32), 3, 7, 448.0).to(tl.float8e4nv, bitcast=True)
+    elif DST == tl.float8e5:
+        y = _fp8_bits(x.to(tl.float32), 2, 15, 57344.0).to(tl.float8e5, bitcast=True)
+    else:
+        y = x.to(DST)
+    return y
+
+
+@triton.jit
 def _write_rows_kernel(src_ptr, cache_ptr, slot_ptr, R, C, block_size,
                        stride_st, stride_sr, stride_sc, stride_cb, stride_cs, stride_cr, stride_cc,
                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -52,7 +88,7 @@ def _write_rows_kernel(src_ptr, cache_ptr, slot_ptr, R, C, block_size,
     mask = (r < R) & (c < C)
     row = tl.load(src_ptr + t * stride_st + r * stride_sr + c * stride_sc, mask=mask)
     dst = cache_ptr + (slot // block_size) * stride_cb + (slot % block_size) * stride_cs
-    tl.store(dst + r * stride_cr + c * stride_cc, row.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + r * stride_cr + c * stride_cc, _to_cache(row, cache_ptr.dtype.element_ty), mask=mask)
 
 
 # Launch arguments that change from step to step (batch, context and split counts, and the strides
@@ -127,9 +163,13 @@ def _block_keys(start, kv_stop, table, sel_row, block_size, BLOCK_N: tl.constexp
 
 @triton.jit
 def _load_cached(ptr, page, in_page, g, offs, width, k_mask, stride_b, stride_s, stride_g, stride_d):
-    """(BLOCK_N, BLOCK) rows of kv head g from the cache at (page, in_page), columns < width, else 0."""
-    return tl.load(ptr + (page * stride_b + in_page * stride_s + g * stride_g)[:, None] + offs[None, :] * stride_d,
-                   mask=k_mask[:, None] & (offs[None, :] < width), other=0.0)
+    """(BLOCK_N, BLOCK) rows of kv head g from the cache at (page, in_page), columns < width, else 0;
+    an FP8 cache's rows in float32."""
+    x = tl.load(ptr + (page * stride_b + in_page * stride_s + g * stride_g)[:, None] + offs[None, :] * stride_d,
+                mask=k_mask[:, None] & (offs[None, :] < width), other=0.0)
+    if x.dtype.is_fp8():  # an FP8 cache: widened exactly to float32 (the caller's cast is then exact too)
+        x = x.to(tl.float32)
+    return x
 
 
 @triton.jit

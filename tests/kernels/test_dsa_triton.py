@@ -63,3 +63,32 @@ def test_sparse_mla_matches_torch(case, splits):
     got = tp.sparse_mla_attention(x["q_lat"], x["q_pe"], x["latent"], meta, sel, 0.1, num_splits=splits)
     want = dsa.sparse_mla_attention(x["q_lat"], x["q_pe"], x["latent"], meta, sel, 0.1)
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+FP8 = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+def _fp8(x: torch.Tensor, fp8: torch.dtype) -> torch.Tensor:
+    """The FP8 cache contract's stored value of x: saturated to the finite max, cast (RTNE)."""
+    return x.float().cpu().clamp(-FP8[fp8], FP8[fp8]).to(fp8).to(DEVICE)
+
+
+@pytest.mark.parametrize("fp8", list(FP8), ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("case", CASES, ids=["decodes", "mixed"])
+def test_index_topk_and_sparse_mla_over_fp8_caches(case, fp8):
+    """FP8 index keys and an FP8 latent (--kv-cache-dtype fp8*): the indexer's scores select what
+    the torch ops select over the caches widened to float32, and the sparse MLA over the selection
+    (decodes split over it) equals the torch ops over the widened latent; the FP8 keys do change
+    the selection's inputs (not a no-op cast), and some keys past e4m3's range saturate."""
+    meta, x = _step(**case, seed=3)
+    keys = _fp8(x["keys"] * 200, fp8)  # some past 448: saturated in e4m3
+    assert fp8 != torch.float8_e4m3fn or bool((keys.float().abs() == 448).any())
+    latent = _fp8(x["latent"], fp8)
+    sel = td.dsa_topk(x["q"], x["w"], keys, meta, 8, ID ** -0.5)
+    want = dsa.dsa_topk(x["q"], x["w"], keys.float(), meta, 8, ID ** -0.5)
+    assert [sorted(r) for r in sel.tolist()] == [sorted(r) for r in want.tolist()]
+    for splits in (1, 3) if max(case["query_lens"]) == 1 else (1,):
+        got = tp.sparse_mla_attention(x["q_lat"], x["q_pe"], latent, meta, sel, 0.1, num_splits=splits)
+        expect = dsa.sparse_mla_attention(x["q_lat"], x["q_pe"], latent.float(), meta, sel, 0.1)
+        torch.testing.assert_close(got, expect, rtol=2e-5, atol=2e-5)
+    assert not torch.equal(latent.float(), x["latent"])

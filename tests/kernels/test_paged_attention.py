@@ -296,3 +296,137 @@ def test_chunked_attention_matches_dense_mask(case):
     plain = ref.paged_attention(q.double().cpu(), k_cache.double().cpu(), v_cache.double().cpu(), full, H ** -0.5,
                                 sinks=None if sinks is None else sinks.cpu())
     assert rel_err(plain, expect) > 1e-2
+
+
+# ---- FP8 caches (--kv-cache-dtype fp8_e4m3 / fp8_e5m2) ----------------------------------------------
+
+FP8 = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+FP8_IDS = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+
+
+def fp8_probe_values(fp8: torch.dtype) -> torch.Tensor:
+    """Float32 values that exercise every rounding case of a cast to fp8: each finite FP8 value,
+    each midpoint between neighbours (ties, to even) and the float32 values either side of it,
+    values past the finite max (saturated), signed zeros and magnitudes far below the smallest
+    subnormal, and random values over the whole exponent range."""
+    finite = torch.arange(256, dtype=torch.uint8).view(fp8).float()
+    finite = finite[torch.isfinite(finite)].unique()
+    mids = (finite[1:] + finite[:-1]) / 2
+    around = torch.cat([mids.nextafter(torch.tensor(1e30)), mids.nextafter(torch.tensor(-1e30))])
+    big = FP8[fp8]
+    edges = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 1e-44, big * 1.01, -big * 1.01, big * 64, -big * 64, 3e38, -3e38])
+    gen = torch.Generator().manual_seed(7)
+    scattered = torch.randn(512, generator=gen) * torch.exp2(torch.randint(-30, 20, (512,), generator=gen).float())
+    return torch.cat([finite, mids, around, edges, scattered])
+
+
+def saturating_cast(x: torch.Tensor, fp8: torch.dtype) -> torch.Tensor:
+    """The FP8 contract's stored value: the float input saturated to the finite max, cast (RTNE)."""
+    return x.float().clamp(-FP8[fp8], FP8[fp8]).to(fp8)
+
+
+def bytes_of(t: torch.Tensor) -> torch.Tensor:
+    return t.cpu().contiguous().view(torch.uint8)
+
+
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("fp8", list(FP8), ids=FP8_IDS.get)
+def test_fp8_writes_equal_torch_saturating_cast_bit_for_bit(fp8, src_dtype):
+    """write_kv and write_latent into FP8 caches store exactly torch's saturating cast of each value
+    (every FP8 value, ties, their float32 neighbours, overflow, underflow, signed zeros), leave
+    every other slot untouched, and skip padding slots."""
+    values = fp8_probe_values(fp8)
+    if src_dtype == torch.float16:
+        values = values.clamp(-65504, 65504)  # finite half-precision inputs
+    G, H, Hv, bs = 3, 37, 21, 5  # odd widths
+    T = -(-values.numel() // (G * (H + Hv)))
+    vals = torch.cat([values, values[: T * G * (H + Hv) - values.numel()]])
+    kv = vals.view(T, G, H + Hv).to(src_dtype).to(DEVICE)
+    k, v = kv[..., :H], kv[..., H:]  # views of one projection, as a model makes them
+    gen = torch.Generator().manual_seed(8)
+    slots = torch.randperm(NUM_BLOCKS * bs, generator=gen)[:T + 1]
+    slots[-1] = -1  # a padding token: written nowhere
+    poison = torch.tensor(0x7F, dtype=torch.uint8).view(fp8)  # NaN in both formats
+    k_cache, v_cache = (torch.full((NUM_BLOCKS, bs, G, d), poison.item(), dtype=fp8, device=DEVICE)
+                        for d in (H, Hv))
+    pad = torch.ones(1, G, 1, dtype=src_dtype, device=DEVICE)
+    tp.write_kv(torch.cat([k, pad.expand(1, G, H)]), torch.cat([v, pad.expand(1, G, Hv)]), k_cache, v_cache,
+                slots.to(DEVICE))
+    for cache, src in ((k_cache, k), (v_cache, v)):
+        flat = bytes_of(cache).view(NUM_BLOCKS * bs, G, -1)
+        assert torch.equal(flat[slots[:-1]], bytes_of(saturating_cast(src.cpu(), fp8)))
+        untouched = torch.ones(NUM_BLOCKS * bs, dtype=torch.bool)
+        untouched[slots[:-1]] = False
+        assert bool((flat[untouched] == 0x7F).all())
+
+    lat = vals[: 6 * 91].view(6, 91).to(src_dtype).to(DEVICE)  # a latent row of odd width
+    lat_cache = torch.full((NUM_BLOCKS, bs, 91), poison.item(), dtype=fp8, device=DEVICE)
+    tp.write_latent(lat, lat_cache, slots[:6].to(DEVICE))
+    assert torch.equal(bytes_of(lat_cache).view(NUM_BLOCKS * bs, 91)[slots[:6]],
+                       bytes_of(saturating_cast(lat.cpu(), fp8)))
+
+
+def fp8_cache(gen, fp8, *shape, spread: float = 1.0) -> torch.Tensor:
+    """An FP8 cache of random values, some past the format's range before the cast (saturated)."""
+    x = torch.randn(*shape, generator=gen) * spread
+    return saturating_cast(x, fp8).to(DEVICE)
+
+
+FP8_ATTN_CASES = {
+    # name: (query_lens, seq_lens, block_size, N, G, H, Hv, num_splits, window, chunk, sinks, q dtype)
+    "decode_gqa": ([1, 1, 1], [3, 70, 133], 8, 8, 2, 32, 32, None, None, None, False, torch.bfloat16),
+    "decode_split_k_window_sinks": ([1, 1], [150, 37], 16, 4, 1, 24, 24, 4, 40, None, True, torch.float32),
+    "chunked_prefill_mixed": ([7, 1, 12], [30, 48, 12], 5, 8, 4, 20, 12, None, None, None, False, torch.float32),
+    "prefill_window_sinks": ([19, 1], [19, 9], 4, 4, 2, 16, 16, None, 8, None, True, torch.bfloat16),
+    "chunked_attention_sinks": ([1, 5, 19], [23, 29, 40], 4, 4, 2, 16, 16, None, None, 6, True, torch.float32),
+}
+
+
+@pytest.mark.parametrize("fp8", list(FP8), ids=FP8_IDS.get)
+@pytest.mark.parametrize("case", list(FP8_ATTN_CASES))
+def test_paged_attention_over_fp8_caches_matches_float64(case, fp8):
+    """Paged attention reading FP8 K/V caches (decode, split-K, prefill, chunked prefill, sliding
+    window, sinks, chunked attention) equals the float64 reference over the caches widened exactly:
+    the kernel widens each loaded value, no scale inside."""
+    qlens, slens, bs, N, G, H, Hv, splits, window, chunk, with_sinks, dtype = FP8_ATTN_CASES[case]
+    gen = torch.Generator().manual_seed(300 + len(case))
+    meta = make_meta(qlens, slens, bs, gen)
+    # e5m2 keys up to ~2^10: scores that only a wide format holds; e4m3 saturates a few at 448.
+    k_cache = fp8_cache(gen, fp8, NUM_BLOCKS, bs, G, H, spread=200.0 if fp8 == torch.float8_e4m3fn else 1.0)
+    v_cache = fp8_cache(gen, fp8, NUM_BLOCKS, bs, G, Hv)
+    scale = (H ** -0.5) / (200.0 if fp8 == torch.float8_e4m3fn else 1.0)
+    q = rand(gen, sum(qlens), N, H, dtype=dtype)
+    sinks = (torch.randn(N, generator=gen) * 2).to(DEVICE) if with_sinks else None
+    out = torch.full((sum(qlens), N, Hv), float("nan"), dtype=dtype, device=DEVICE)
+    got = tp.paged_attention(q, k_cache, v_cache, meta, scale, num_splits=splits, out_TNH=out, sliding_window=window,
+                             sinks=sinks, attention_chunk=chunk)
+    expect = ref.paged_attention(q.double().cpu(), k_cache.cpu().double(), v_cache.cpu().double(), _cpu(meta), scale,
+                                 sliding_window=window, sinks=None if sinks is None else sinks.cpu(),
+                                 attention_chunk=chunk)
+    assert got is out and rel_err(got, expect) < RTOL[dtype]
+
+
+FP8_MLA_CASES = {
+    # name: (query_lens, seq_lens, block_size, N, L, R, num_splits, q dtype)
+    "decode_split": ([1, 1], [77, 5], 8, 40, 32, 16, 3, torch.float32),
+    "decode_128_heads": ([1, 1, 1], [21, 3, 40], 8, 128, 32, 16, None, torch.bfloat16),
+    "chunked_prefill_odd_latent": ([6, 1], [20, 35], 8, 3, 24, 8, None, torch.float32),
+}
+
+
+@pytest.mark.parametrize("fp8", list(FP8), ids=FP8_IDS.get)
+@pytest.mark.parametrize("case", list(FP8_MLA_CASES))
+def test_mla_attention_over_fp8_latent_matches_float64(case, fp8):
+    """MLA over an FP8 latent cache (its c_kv both key and value, its k_pe the rope part) equals the
+    float64 reference over the widened latent."""
+    qlens, slens, bs, N, L, R, splits, dtype = FP8_MLA_CASES[case]
+    gen = torch.Generator().manual_seed(400 + len(case))
+    meta = make_meta(qlens, slens, bs, gen)
+    cache = fp8_cache(gen, fp8, NUM_BLOCKS, bs, L + R)
+    q_lat = rand(gen, sum(qlens), N, L, dtype=dtype)
+    q_pe = rand(gen, sum(qlens), N, R, dtype=dtype)
+    scale = (L + R) ** -0.5
+    got = tp.mla_paged_attention(q_lat, q_pe, cache, meta, scale, num_splits=splits)
+    expect = ref.mla_paged_attention(q_lat.double().cpu(), q_pe.double().cpu(), cache.cpu().double(), _cpu(meta),
+                                     scale)
+    assert rel_err(got, expect) < RTOL[dtype]
