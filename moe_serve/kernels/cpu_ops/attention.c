@@ -170,6 +170,7 @@ VF_INLINE void decode_group(const attn_args* a, int64_t b, int64_t g, float* p, 
                             int fmt) {
   const int64_t R = a->N / a->G, Rp = (R + QR - 1) / QR * QR, G = a->G, H = a->H, Hv = a->Hv, bs = a->bs;
   const int64_t ctx = a->seq_lens[b];
+  const float scale = a->scale; /* in a register: the score stores below may not alias it */
   const float* qg = a->q + b * a->ldq + g * R * H;
   float* og = a->out + (b * a->N + g * R) * Hv;
   memset(og, 0, (size_t)(R * Hv) * sizeof(float));
@@ -182,10 +183,10 @@ VF_INLINE void decode_group(const attn_args* a, int64_t b, int64_t g, float* p, 
     const int64_t n = ctx - s0 < bs ? ctx - s0 : bs;
     for (int64_t o = 0; o < n; o++, key = kv_row(key, G * H, fmt)) {
       if (grouped) {
-        for (int64_t r = 0; r < R; r += 4) scores4(qg + r * H, key, H, a->scale, p + r * ctx + s0 + o, ctx, fmt);
+        for (int64_t r = 0; r < R; r += 4) scores4(qg + r * H, key, H, scale, p + r * ctx + s0 + o, ctx, fmt);
         continue;
       }
-      for (int64_t r = 0; r < R; r++) p[r * ctx + s0 + o] = dot(qg + r * H, key, H, fmt) * a->scale;
+      for (int64_t r = 0; r < R; r++) p[r * ctx + s0 + o] = dot(qg + r * H, key, H, fmt) * scale;
     }
   }
   for (int64_t r = 0; r < R; r++) invp[r] = 1.f / exp_shift(p + r * ctx, ctx, max_of(p + r * ctx, ctx));

@@ -6,10 +6,12 @@
  *   e4m3fn  s eeee mmm  bias 7, no infinities: 0x7f / 0xff are NaN; subnormals m * 2^-9
  *   e5m2    s eeeee mm  bias 15, IEEE-like (the top byte of a half): inf, NaN; subnormals m * 2^-16
  *
- * Widening builds the float32 bits with integer operations (a normal's exponent rebiased, a
- * subnormal's mantissa converted as an integer and scaled by a power of two: every operand a normal
- * float, so MXCSR's denormals-are-zero mode changes nothing), vectorised for AVX-512 and AVX2 (e5m2
- * through the half conversion), per element elsewhere. KV_F32 names a float32 cache. */
+ * Widening is vectorised for AVX-512 and AVX2 through the half conversion (F16C: e5m2 is a half's
+ * top byte, e4m3fn a half rebiased and scaled by 2^8; the conversion widens half subnormals whatever
+ * MXCSR's denormals-are-zero mode); on NEON lane-wise and in plain C per element, building the
+ * float32 bits with integer operations (a subnormal's mantissa converted as an integer and scaled by
+ * a power of two: every float operand normal, so a flush-to-zero mode changes nothing).
+ * KV_F32 names a float32 cache. */
 #pragma once
 #include <math.h>
 #include <stdint.h>
@@ -71,35 +73,53 @@ VF_INLINE uint8_t f32_to_fp8(float x, int fmt) {
 }
 
 /* ---- 16 FP8 bytes at p widened to a vf16 ---- */
+#if defined(VF_AVX512) || defined(VF_AVX2)
+/* The 16 bytes as the halves whose float32 values are the FP8 values, exactly: e5m2's byte is a
+ * half's top byte; e4m3fn's s eeee mmm becomes the half s 0eeee mmm0000000 (2^-8 times its value:
+ * normals rebiased from 7 to 15, subnormals m * 2^-17), 0x7f / 0xff a half NaN. */
+VF_INLINE __m256i vf_fp8_halves_(__m128i raw, int fmt) {
+  const __m256i x = _mm256_cvtepu8_epi16(raw);
+  if (fmt == KV_E5M2) return _mm256_slli_epi16(x, 8);
+  const __m256i h = _mm256_slli_epi16(_mm256_add_epi16(x, _mm256_and_si256(x, _mm256_set1_epi16(0x80))), 7);
+  const __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7f)), _mm256_set1_epi16(0x7f));
+  return _mm256_blendv_epi8(h, _mm256_set1_epi16(0x7e00), nan);
+}
+#endif
 #if defined(VF_AVX512)
 VF_INLINE vf16 vf_load_fp8(const uint8_t* p, int fmt) {
-  const __m128i raw = _mm_loadu_si128((const __m128i*)p);
-  if (fmt == KV_E5M2) return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(raw), 8));
-  const __m512i b = _mm512_cvtepu8_epi32(raw);
-  const __m512i em = _mm512_and_si512(b, _mm512_set1_epi32(0x7f));
-  const __m512 nrm = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(em, 20), _mm512_set1_epi32(120 << 23)));
-  const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(em), _mm512_set1_ps(1.f / 512));
-  __m512 r = _mm512_mask_mov_ps(nrm, _mm512_cmplt_epi32_mask(em, _mm512_set1_epi32(8)), sub);
-  r = _mm512_mask_mov_ps(r, _mm512_cmpeq_epi32_mask(em, _mm512_set1_epi32(0x7f)), _mm512_set1_ps(NAN));
-  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(r), _mm512_slli_epi32(_mm512_srli_epi32(b, 7), 31)));
+  const __m512 f = _mm512_cvtph_ps(vf_fp8_halves_(_mm_loadu_si128((const __m128i*)p), fmt));
+  return fmt == KV_E5M2 ? f : _mm512_mul_ps(f, _mm512_set1_ps(256.f));
 }
 #elif defined(VF_AVX2)
-VF_INLINE __m256 vf_e4m3_8_(__m128i raw8) {
-  const __m256i b = _mm256_cvtepu8_epi32(raw8);
-  const __m256i em = _mm256_and_si256(b, _mm256_set1_epi32(0x7f));
-  const __m256 nrm = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(em, 20), _mm256_set1_epi32(120 << 23)));
-  const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(em), _mm256_set1_ps(1.f / 512));
-  __m256 r = _mm256_blendv_ps(nrm, sub, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), em)));
-  r = _mm256_blendv_ps(r, _mm256_set1_ps(NAN), _mm256_castsi256_ps(_mm256_cmpeq_epi32(em, _mm256_set1_epi32(0x7f))));
-  return _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(r), _mm256_slli_epi32(_mm256_srli_epi32(b, 7), 31)));
+VF_INLINE vf16 vf_load_fp8(const uint8_t* p, int fmt) {
+  const __m256i h = vf_fp8_halves_(_mm_loadu_si128((const __m128i*)p), fmt);
+  vf16 r = vf_mk_(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)));
+  return fmt == KV_E5M2 ? r : vf_mul(r, vf_set1(256.f));
+}
+#elif defined(VF_NEON)
+/* 4 bytes (as u32 lanes) widened by integer operations: fp8_to_f32's formulas, lane-wise */
+VF_INLINE float32x4_t vf_fp8_4_(uint32x4_t b, int fmt) {
+  const uint32x4_t em = vandq_u32(b, vdupq_n_u32(0x7f));
+  const int e4 = fmt == KV_E4M3;
+  const uint32x4_t nrm = vaddq_u32(vshlq_u32(em, vdupq_n_s32(e4 ? 20 : 21)), vdupq_n_u32((e4 ? 120u : 112u) << 23));
+  const float32x4_t sub = vmulq_n_f32(vcvtq_f32_u32(em), e4 ? 1.f / 512 : 1.f / 65536);
+  uint32x4_t r = vbslq_u32(vcltq_u32(em, vdupq_n_u32(e4 ? 8 : 4)), vreinterpretq_u32_f32(sub), nrm);
+  if (e4) /* 0x7f: NaN */
+    r = vbslq_u32(vceqq_u32(em, vdupq_n_u32(0x7f)), vdupq_n_u32(0x7fc00000u), r);
+  else /* exponent field 31: inf (mantissa 0), NaN */
+    r = vbslq_u32(vcgeq_u32(em, vdupq_n_u32(0x7c)), vaddq_u32(vshlq_n_u32(vsubq_u32(em, vdupq_n_u32(0x7c)), 21),
+                                                            vdupq_n_u32(0x7f800000u)), r);
+  return vreinterpretq_f32_u32(vorrq_u32(r, vshlq_n_u32(vandq_u32(b, vdupq_n_u32(0x80)), 24)));
 }
 VF_INLINE vf16 vf_load_fp8(const uint8_t* p, int fmt) {
-  const __m128i raw = _mm_loadu_si128((const __m128i*)p);
-  if (fmt == KV_E5M2) {
-    const __m256i h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(raw), 8);
-    return vf_mk_(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)));
-  }
-  return vf_mk_(vf_e4m3_8_(raw), vf_e4m3_8_(_mm_unpackhi_epi64(raw, raw)));
+  const uint8x16_t raw = vld1q_u8(p);
+  const uint16x8_t lo = vmovl_u8(vget_low_u8(raw)), hi = vmovl_u8(vget_high_u8(raw));
+  vf16 r;
+  r.q[0] = vf_fp8_4_(vmovl_u16(vget_low_u16(lo)), fmt);
+  r.q[1] = vf_fp8_4_(vmovl_u16(vget_high_u16(lo)), fmt);
+  r.q[2] = vf_fp8_4_(vmovl_u16(vget_low_u16(hi)), fmt);
+  r.q[3] = vf_fp8_4_(vmovl_u16(vget_high_u16(hi)), fmt);
+  return r;
 }
 #else
 VF_INLINE vf16 vf_load_fp8(const uint8_t* p, int fmt) {
