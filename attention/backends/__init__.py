@@ -58,6 +58,12 @@ class TorchAttention:
     def warm_up(self, layer, num_heads: int, dtype: torch.dtype, block_size: int, max_len: int, split: bool) -> None:
         """Compile what this backend can launch for the layer ahead of serving: nothing for torch ops."""
 
+    @classmethod
+    def kv_cache_dtypes(cls) -> dict[str, str]:
+        """The --kv-cache-dtype values this backend serves, each with what runs it (`moe-serve env`)."""
+        fp8 = "torch ops: stored saturated, widened to float32 to attend"
+        return {"auto": "the activation dtype", "fp8_e4m3": fp8, "fp8_e5m2": fp8}
+
     def __repr__(self) -> str:
         return type(self).__name__ + "()"
 
@@ -71,6 +77,17 @@ class CpuCAttention(TorchAttention):
     def __init__(self, device: torch.device | str = "cpu"):
         super().__init__(device)
         self.gather_pool = {}  # a CPU's decode gathers reuse their buffers: no page faults per step
+
+    @classmethod
+    def kv_cache_dtypes(cls) -> dict[str, str]:
+        """As TorchAttention's, naming where the C decode kernel reads an FP8 cache itself."""
+        out = super().kv_cache_dtypes()
+        for name, dtype in (("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)):
+            q, cache = torch.zeros(1, 1, 1), torch.zeros(1, 1, 1, 1, dtype=dtype)
+            if cpu_ops.decode_attention_fits(q, cache, cache, torch.zeros(1, 1, dtype=torch.int32),
+                                             torch.ones(1, dtype=torch.int32)):
+                out[name] = "C kernels (float32 activations), widened in registers; torch ops otherwise"
+        return out
 
     def write_kv(self, k_TGH, v_TGH, k_cache, v_cache, slot_mapping_T) -> None:
         if cpu_ops.write_kv_fits(k_TGH, v_TGH, k_cache, v_cache, slot_mapping_T):  # one C call, not two ops

@@ -45,8 +45,8 @@ def transfer_ranges(src: CacheLayout, src_tables: list[list[int]], src_null: lis
     dst = target.layout
     if src.signature != dst.signature:
         raise LayoutMismatch(f"the decode instance's cache layout ({dst.signature}) differs from this prefill "
-                             f"instance's ({src.signature}): both must serve the same model, dtype, block size "
-                             "and speculative layers")
+                             f"instance's ({src.signature}): both must serve the same model, dtype, "
+                             "--kv-cache-dtype, block size and speculative layers")
     first = target.start // block_size
     local, remote = [], []
 

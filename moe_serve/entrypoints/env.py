@@ -6,7 +6,8 @@
 
 It reports the versions (Python, torch, Triton, transformers, CUDA, NCCL), the device and what the
 platform picks for each kind of op (moe_serve/platform.py `choose`, the same call the engine makes),
-the CPU's ISA and whether our C kernels build here (and why not), transparent huge pages, DeepEP /
+the CPU's ISA and whether our C kernels build here (and why not), which --kv-cache-dtype values each
+attention backend serves and with what, transparent huge pages, DeepEP /
 NVSHMEM and which modes the EP size allows, and for each missing piece the command that adds it.
 """
 from __future__ import annotations
@@ -79,6 +80,9 @@ def collect(world_size: int = 1, hidden_size: int | None = None) -> dict:
                        "norm_backend": choice.norm_backend, "linear_attention_backend": choice.linear_attention_backend,
                        "dist_backend": choice.dist_backend, "all2all_backend": choice.all2all_backend,
                        "world_size": world_size, "hidden_size": hidden_size}
+    env["kv_cache_dtypes"] = {name: (cls.kv_cache_dtypes() if hasattr(cls, "kv_cache_dtypes")
+                                     else {"auto": "the activation dtype", "fp8": "not declared by the backend"})
+                              for name, cls in platform.OPS["attention"].items()}
     usable, low_latency, why = platform.deepep_support(hidden_size, world_size)
     env["deepep"] = {"installed": importlib.util.find_spec("deep_ep") is not None,
                      "nvshmem": importlib.util.find_spec("nvshmem") is not None or _version("nvidia-nvshmem-cu12")
@@ -124,6 +128,8 @@ def _print(env: dict) -> None:
     print(f"platform (EP {pl['world_size']}): device {pl['device']}; experts {pl['moe_backend']}, attention "
           f"{pl['attention_backend']}, linear {pl['linear_backend']}, norm {pl['norm_backend']}, linear attention "
           f"{pl['linear_attention_backend']}; process groups {pl['dist_backend']}, dispatch {pl['all2all_backend']}")
+    for name, dtypes in env["kv_cache_dtypes"].items():
+        print(f"kv cache dtypes ({name} attention): " + "; ".join(f"{k}: {v}" for k, v in dtypes.items()))
     d = env["deepep"]
     print(f"deepep: {'installed' if d['installed'] else 'not installed'}, nvshmem "
           f"{'found' if d['nvshmem'] else 'not found'}; {d['why']}")

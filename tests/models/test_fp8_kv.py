@@ -88,15 +88,23 @@ def parity_llm(path: str, kv: str, **kw) -> LLM:
                show_progress=False, kv_cache_dtype=kv, **kw)
 
 
+# The longer prompts (17-64 tokens: past GPT-OSS's 12-token window and DSA's top-8), three of them
+# sharing a 40-token prefix: the parity of the other architectures, at half the cost of all eleven.
+LONG = [4, 5, 6, 8, 10]
+
+
 def check_fp8_parity(path: str, model, seed: int, kv: str = "fp8", scales: dict | None = None,
-                     num_prompts: int | None = None, **llm_kw) -> LLM:
-    prompts = make_prompts(seed)[:num_prompts]
+                     pick: list[int] | None = None, **llm_kw) -> LLM:
+    """Greedy parity with the FP8 oracle; with every prompt (pick None), the run must also preempt
+    and take prefix-cache hits."""
+    prompts = make_prompts(seed)
+    prompts = prompts if pick is None else [prompts[i] for i in pick]
     with fp8_transformers(FP8[kv], scales):
         expected = [hf_greedy(model, p, MAX_NEW) for p in prompts]
     llm = parity_llm(path, kv, **llm_kw)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=MAX_NEW))
     core = llm.engine
-    if num_prompts is None:
+    if pick is None:
         assert core.scheduler.num_preemptions > 0, "the test meant to exhaust the KV cache did not"
         assert core.allocator.hit_tokens > 0, "prompts sharing a prefix got no prefix-cache hit"
     with fp8_transformers(FP8[kv], scales):
@@ -128,7 +136,7 @@ def ref(refs, path: str):
 @pytest.mark.parametrize("backend", ["torch", "auto"])
 def test_qwen3_moe_greedy_matches_fp8_transformers(checkpoints, refs, backend):
     path = checkpoints["qwen3_moe"]
-    check_fp8_parity(path, ref(refs, path), 1, attention_backend=backend)
+    check_fp8_parity(path, ref(refs, path), 1, pick=None if backend == "torch" else LONG, attention_backend=backend)
 
 
 @pytest.mark.parametrize("arch, seed", [("gpt_oss", 200), ("deepseek_v32", 500)])
@@ -136,12 +144,12 @@ def test_windowed_and_sparse_greedy_match_fp8_transformers(extra_checkpoints, re
     """GPT-OSS (12-token sliding windows with sinks beside full layers) and DeepSeek-V3.2 (MLA over
     the indexer's top-8, the indexer's keys in FP8 as well)."""
     path = extra_checkpoints[arch]
-    check_fp8_parity(path, ref(refs, path), seed, attention_backend="torch")
+    check_fp8_parity(path, ref(refs, path), seed, pick=LONG, attention_backend="torch")
 
 
 def test_mla_greedy_matches_fp8_transformers(checkpoints, refs):
     path = checkpoints["deepseek_v3"]
-    check_fp8_parity(path, ref(refs, path), 2)
+    check_fp8_parity(path, ref(refs, path), 2, pick=LONG)
 
 
 def test_fp8_logprobs_follow_the_fp8_oracle(checkpoints, refs):
@@ -166,6 +174,35 @@ def test_fp8_logprobs_follow_the_fp8_oracle(checkpoints, refs):
     diff = max(abs(lp.logprob - ours["fp8_e5m2"][t].logprob) for t, lp in ours["fp8_e4m3"].items()
                if t in ours["fp8_e5m2"])
     assert diff > 1e-3, diff
+
+
+def test_deepseek_v4_rows(extra_checkpoints, monkeypatch):
+    """DeepSeek-V4's paged rows (window K, the compressors' raw rows, compressed entries, index
+    keys) in FP8: the same greedy tokens as the float32 cache holding exactly the values an FP8
+    cache keeps (every row round-tripped as it is written: transformers' V4 keeps its compressor
+    state outside its cache, so it cannot store the same thing), other tokens than the plain float32
+    cache; a decode step reads a quarter of float32's cache bytes."""
+    import attention.layer as layer_mod
+    from moe_serve.speed_of_light import DecodeBytes
+
+    path = extra_checkpoints["deepseek_v4"]
+    prompts = [{"prompt_token_ids": make_prompts(3)[i]} for i in LONG]
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_NEW)
+
+    def run(kv: str):
+        llm = LLM(path, dtype="float32", kv_cache_dtype=kv, block_size=4, kv_cache_memory=1 << 21, show_progress=False)
+        return llm, [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+
+    fp8, ours = run("fp8")
+    assert all(t.dtype == torch.float8_e4m3fn for a in fp8.engine.runner.attn_layers for t in _caches(a))
+    plain, theirs = run("auto")
+    assert ours != theirs  # the FP8 storage changes these tokens: the comparison below means something
+    store = layer_mod.store_rows
+    monkeypatch.setattr(layer_mod, "store_rows", lambda flat, slots, x: store(flat, slots, roundtrip(x, FP8["fp8"])))
+    assert run("auto")[1] == ours
+    lens = [9, 40, 64]
+    b8 = DecodeBytes.of(fp8.engine.runner.model, fp8.engine.runner.attn_layers).cache_bytes(lens)
+    assert 4 * b8 == DecodeBytes.of(plain.engine.runner.model, plain.engine.runner.attn_layers).cache_bytes(lens)
 
 
 def _with_kv_scales(src: str, dst: str, scales: dict) -> str:
@@ -196,7 +233,7 @@ def test_checkpoint_kv_scales(checkpoints, refs, tmp_path, caplog):
     path = _with_kv_scales(src, str(tmp_path / "scaled"), scales)
     model = ref(refs, src)
     with caplog.at_level("INFO", logger="moe_serve.model_runner"):
-        llm = check_fp8_parity(path, model, 4, scales=scales, attention_backend="torch")
+        llm = check_fp8_parity(path, model, 4, scales=scales, pick=LONG, attention_backend="torch")
     assert "kv cache fp8_e4m3: k/v scales from the checkpoint for 3 of 3 attention layers" in caplog.text
     got = {i: (a.k_scale, a.v_scale) for i, a in enumerate(llm.engine.runner.attn_layers)}
     assert got == {i: pytest.approx(s) for i, s in scales.items()}
