@@ -81,8 +81,12 @@ VF_INLINE __m256i vf_fp8_halves_(__m128i raw, int fmt) {
   const __m256i x = _mm256_cvtepu8_epi16(raw);
   if (fmt == KV_E5M2) return _mm256_slli_epi16(x, 8);
   const __m256i h = _mm256_slli_epi16(_mm256_add_epi16(x, _mm256_and_si256(x, _mm256_set1_epi16(0x80))), 7);
-  const __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7f)), _mm256_set1_epi16(0x7f));
-  return _mm256_blendv_epi8(h, _mm256_set1_epi16(0x7e00), nan);
+  const __m256i em = _mm256_and_si256(x, _mm256_set1_epi16(0x7f));
+#if defined(VF_AVX512)
+  return _mm256_mask_mov_epi16(h, _mm256_cmpeq_epi16_mask(em, _mm256_set1_epi16(0x7f)), _mm256_set1_epi16(0x7e00));
+#else
+  return _mm256_blendv_epi8(h, _mm256_set1_epi16(0x7e00), _mm256_cmpeq_epi16(em, _mm256_set1_epi16(0x7f)));
+#endif
 }
 #endif
 #if defined(VF_AVX512)
