@@ -203,3 +203,18 @@ def test_fits_take_fp8_caches_of_one_format_only(isa):
         assert cpu_ops.write_kv_fits(rows, rows, k, v, slots) is ok
     assert not cpu_ops.decode_attention_fits(q.bfloat16(), e4, e4, tables, lens)
     assert not cpu_ops.write_kv_fits(rows.bfloat16(), rows.bfloat16(), e4, e4, slots)
+
+
+def test_mismatched_caches_are_refused_by_name(isa):
+    """Called without the fits check, the wrappers refuse caches the kernels do not read, naming their
+    dtypes, before any C call."""
+    q, rows = torch.randn(1, 2, 16), torch.randn(1, 1, 16)
+    e4, f32 = torch.zeros(1, 4, 1, 16, dtype=torch.float8_e4m3fn), torch.zeros(1, 4, 1, 16)
+    tables, lens, qsl = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), torch.tensor(
+        [0, 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match="decode_attention: key/value caches of torch.float8_e4m3fn / torch.float32"):
+        cpu_ops.decode_attention(q, e4, f32, tables, lens, 1.0)
+    with pytest.raises(ValueError, match="prefill_attention: key/value caches of torch.bfloat16"):
+        cpu_ops.prefill_attention(q, f32.bfloat16(), f32.bfloat16(), tables, lens, qsl, 0, 1, torch.zeros(1, 2, 16), 1.0)
+    with pytest.raises(ValueError, match="write_kv: key/value caches of torch.float32 / torch.float8_e4m3fn"):
+        cpu_ops.write_kv(rows, rows, f32, e4, torch.zeros(1, dtype=torch.int64))

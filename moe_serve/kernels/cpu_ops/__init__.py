@@ -3,7 +3,8 @@
 - `moe.c`: a layer's routed experts in one call: decode-sized batches (weights streamed once), and
   prefill-sized ones over float32 weights (an outer-product micro-kernel; see its header for why);
 - `attention.c`: paged attention reading keys and values in place from the cache: decodes, and
-  the causal query chunks of prefills;
+  the causal query chunks of prefills; float32 or FP8 caches (`fp8.h`: e4m3fn / e5m2 bytes widened
+  exactly in registers, written as torch's clamp-then-cast);
 - `norm.c`: RMSNorm, optionally fused with the residual add before it; q/k per-head RMSNorm
   and RoPE in one pass;
 - `gated_delta.c`: a Gated DeltaNet layer's decode step (the short convolution and the gated
@@ -437,6 +438,15 @@ def _kv_format(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int | None:
     return KV_FORMATS.get(k_cache.dtype) if k_cache.dtype == v_cache.dtype else None
 
 
+def _kv_format_of(k_cache: torch.Tensor, v_cache: torch.Tensor, op: str) -> int:
+    """_kv_format, or a ValueError naming the caches' dtypes (a caller that skipped the fits check)."""
+    fmt = _kv_format(k_cache, v_cache)
+    if fmt is None:
+        raise ValueError(f"cpu_ops.{op}: key/value caches of {k_cache.dtype} / {v_cache.dtype}: the C kernels take "
+                         f"both float32, both float8_e4m3fn or both float8_e5m2")
+    return fmt
+
+
 def decode_attention_fits(q_BNH: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, seq_lens: torch.Tensor) -> bool:
     """float32 CPU queries (rows of N heads of H contiguous) over contiguous paged caches both float32,
@@ -472,9 +482,9 @@ def write_kv(k_TGH: torch.Tensor, v_TGH: torch.Tensor, k_cache: torch.Tensor, v_
     cache: as index_copy_ of `x.clamp(-max, max).to(dtype)` would). Check write_kv_fits first."""
     nb, bs = k_cache.shape[:2]
     dk, dv = k_TGH.shape[1] * k_TGH.shape[2], v_TGH.shape[1] * v_TGH.shape[2]
+    fmt = _kv_format_of(k_cache, v_cache, "write_kv")
     if _lib().write_kv_f32(k_TGH.data_ptr(), k_TGH.stride(0), v_TGH.data_ptr(), v_TGH.stride(0), k_cache.data_ptr(),
-                           v_cache.data_ptr(), slot_mapping_T.data_ptr(), k_TGH.shape[0], dk, dv, nb * bs,
-                           KV_FORMATS[k_cache.dtype]):
+                           v_cache.data_ptr(), slot_mapping_T.data_ptr(), k_TGH.shape[0], dk, dv, nb * bs, fmt):
         raise IndexError(f"cpu_ops.write_kv: a slot outside the cache's {nb * bs}")
 
 
@@ -484,11 +494,11 @@ def decode_attention(q_BNH: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     rows of block_tables and seq_lens are used. Check decode_attention_fits first."""
     B, N, H = q_BNH.shape
     _, bs, G, Hv = v_cache.shape
+    fmt = _kv_format_of(k_cache, v_cache, "decode_attention")
     out = torch.empty(B, N, Hv, dtype=torch.float32)
     rc = _lib().decode_attention_f32(q_BNH.data_ptr(), q_BNH.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                                      block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
-                                     out.data_ptr(), B, N, G, H, Hv, bs, scale, torch.get_num_threads(),
-                                     KV_FORMATS[k_cache.dtype])
+                                     out.data_ptr(), B, N, G, H, Hv, bs, scale, torch.get_num_threads(), fmt)
     if rc:
         raise MemoryError(f"cpu_ops.decode_attention: no scratch memory for a context of {int(seq_lens[:B].max())}")
     return out
@@ -503,10 +513,11 @@ def prefill_attention(q_TNH: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     _, N, H = q_TNH.shape
     _, bs, G, Hv = v_cache.shape
     assert 0 <= b0 <= b1 <= min(seq_lens.shape[0], query_start_loc.shape[0] - 1, block_tables.shape[0])
+    fmt = _kv_format_of(k_cache, v_cache, "prefill_attention")
     rc = _lib().prefill_attention_f32(q_TNH.data_ptr(), q_TNH.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                                       block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
                                       query_start_loc.data_ptr(), b0, b1, out_TNH.data_ptr(), N, G, H, Hv, bs, scale,
-                                      torch.get_num_threads(), KV_FORMATS[k_cache.dtype])
+                                      torch.get_num_threads(), fmt)
     if rc:
         raise MemoryError(f"cpu_ops.prefill_attention: no scratch memory for a context of {int(seq_lens[:b1].max())}")
 
