@@ -195,6 +195,7 @@ class EngineConfig:
     disaggregation_timeout_s: float = 60.0
     # A request's tokens and logprobs bitwise the same whatever shares its steps (platform.INVARIANT)
     batch_invariant: bool = False
+    kv_offload: object | None = None  # kv_offload.KVOffloadConfig: KV tiers below the device (None: off)
 
     @property
     def activation_dtype(self) -> torch.dtype:

@@ -140,6 +140,38 @@ class EngineMetrics:
         lines += [f"# HELP {name} Speculative decoding: draft tokens accepted at each draft position.",
                   f"# TYPE {name} counter"]
         lines += [f'{name}{{model_name="{model}",position="{j}"}} {v}' for j, v in enumerate(spec.accepted_per_pos)]
+        lines += kv_offload_lines(model, ranks or [s])
         for hist in (self.ttft, self.tpot, self.e2e, self.eplb_transfer, self.kv_fetch, self.elastic_recovery):
             lines += hist.render(model)
         return "\n".join(lines) + "\n"
+
+
+_KV_OFFLOAD = [  # name, type, help, the stats field per tier ({t}: host, disk) or None
+    ("moe_serve:kv_offload_hits_total", "counter", "KV tiers: prefix-cache blocks (and state snapshots) restored "
+     "from a tier instead of recomputed.", "{t}_hits"),
+    ("moe_serve:kv_offload_saved_bytes_total", "counter", "KV tiers: bytes of evicted blocks written to a tier.",
+     "{t}_saved_bytes"),
+    ("moe_serve:kv_offload_restored_bytes_total", "counter", "KV tiers: bytes copied back from a tier to the "
+     "device cache.", "{t}_restored_bytes"),
+    ("moe_serve:kv_offload_used_bytes", "gauge", "KV tiers: bytes each tier holds now.", "{t}_used_bytes"),
+    ("moe_serve:kv_offload_restore_seconds_total", "counter", "KV tiers: seconds spent restoring blocks (copies "
+     "back to the device, disk reads), summed.", "restore_seconds"),
+    ("moe_serve:kv_offload_disk_errors_total", "counter", "KV tiers: disk writes and reads that failed (a full "
+     "disk, an I/O error); the block is recomputed, never an error to the client.", "disk_errors"),
+]
+
+
+def kv_offload_lines(model: str, ranks: list) -> list[str]:
+    """The KV tiers' figures per rank (the `kv_offload` feature's stats; 0 where it is off)."""
+    lines = []
+    for name, kind, h, field in _KV_OFFLOAD:
+        lines += [f"# HELP {name} {h}", f"# TYPE {name} {kind}"]
+        for r, rs in enumerate(ranks):
+            st = (getattr(rs, "features", None) or {}).get("kv_offload") or {}
+            get = st.get if isinstance(st, dict) else lambda f, d, st=st: getattr(st, f, d)
+            if "{t}" in field:
+                lines += [f'{name}{{model_name="{model}",rank="{r}",tier="{t}"}} {get(field.format(t=t), 0)}'
+                          for t in ("host", "disk")]
+            else:
+                lines.append(f'{name}{{model_name="{model}",rank="{r}"}} {get(field, 0)}')
+    return lines

@@ -54,6 +54,9 @@ class EngineArgs:
     disaggregation_transfer_backend: str = "nixl"  # nixl | mooncake
     disaggregation_timeout: float = 60.0  # seconds a prompt's KV may take to arrive
     batch_invariant: bool = False  # outputs bitwise independent of batching (moe_serve/platform.py INVARIANT)
+    kv_offloading_size: float | None = None  # GB of host memory for evicted KV blocks (moe_serve/kv_offload)
+    kv_offloading_disk: str | None = None  # a directory for evicted KV blocks below the host tier
+    kv_offloading_disk_size: float | None = None  # GB the disk tier may take
 
     def create_engine_config(self, rank: int = 0, world_size: int = 1) -> EngineConfig:
         mc = ModelConfig.from_path(self.model, self.dtype, self.max_model_len, self.load_format, self.seed,
@@ -102,6 +105,10 @@ class EngineArgs:
         from moe_serve.spec_decode import SpeculativeConfig
 
         speculative = SpeculativeConfig.parse(self.speculative_config)
+        from moe_serve.kv_offload import resolve_kv_offload
+
+        kv_offload = resolve_kv_offload(self.kv_offloading_size, self.kv_offloading_disk,
+                                        self.kv_offloading_disk_size, self.enable_prefix_caching)
         choice = platform.choose(self.device, self.moe_backend, self.attention_backend, self.all2all_backend,
                                  world_size, mc.hf.get("hidden_size"), self.linear_backend, self.norm_backend,
                                  self.linear_attention_backend, self.batch_invariant)
@@ -127,6 +134,7 @@ class EngineArgs:
             disaggregation_transfer_backend=self.disaggregation_transfer_backend,
             disaggregation_timeout_s=self.disaggregation_timeout,
             batch_invariant=self.batch_invariant,
+            kv_offload=kv_offload,
         )
 
     # --- CLI ------------------------------------------------------------------------------------
@@ -221,6 +229,15 @@ class EngineArgs:
                             "order per output (slower; refused with backends that have no such form)")
         g.add_argument("--speed-of-light-window", type=float, default=5.0,
                        help="seconds of decode steps over which the speed-of-light fraction is taken and logged")
+        g.add_argument("--kv-offloading-size", type=float, default=None,
+                       help="GB of host memory that keeps KV blocks evicted from the prefix cache; a prompt whose "
+                            "prefix is found there has it copied back instead of recomputed (on a CPU the host "
+                            "tier is the same memory: use the disk tier)")
+        g.add_argument("--kv-offloading-disk", default=None,
+                       help="a directory for a disk tier below the host tier (needs --kv-offloading-disk-size); "
+                            "a full or failing disk only makes prompts recompute")
+        g.add_argument("--kv-offloading-disk-size", type=float, default=None,
+                       help="GB the disk tier may take under --kv-offloading-disk (least recently used out first)")
 
     @classmethod
     def from_cli(cls, ns: argparse.Namespace, model: str) -> "EngineArgs":

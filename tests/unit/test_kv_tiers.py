@@ -288,3 +288,24 @@ def test_routing_keeps_a_tiered_prefix_held_until_it_leaves_every_tier():
     third, removed = sched.alloc.take_events()
     assert len(third) == 5 and len(removed) == 5 and set(first) <= set(removed)
     assert len(set(second) - set(removed)) == 2
+
+
+def test_metrics_report_each_tier_per_rank_from_the_decoded_stats():
+    """The front end gets the feature's stats as a plain dict (msgpack): /metrics shows them per tier."""
+    import msgspec
+
+    from moe_serve.engine.features.kv_offload import KVOffloadStats
+    from moe_serve.metrics import EngineMetrics
+    from moe_serve.protocol import EngineStats
+
+    sent = EngineStats(features={"kv_offload": KVOffloadStats(host_hits=3, disk_hits=5, disk_restored_bytes=7,
+                                                              restore_seconds=0.5, disk_errors=2)})
+    got = msgspec.msgpack.decode(msgspec.msgpack.encode(sent), type=EngineStats)
+    text = EngineMetrics().render("m", got, [EngineStats(), got])
+    for line in ['moe_serve:kv_offload_hits_total{model_name="m",rank="1",tier="host"} 3',
+                 'moe_serve:kv_offload_hits_total{model_name="m",rank="1",tier="disk"} 5',
+                 'moe_serve:kv_offload_hits_total{model_name="m",rank="0",tier="disk"} 0',
+                 'moe_serve:kv_offload_restored_bytes_total{model_name="m",rank="1",tier="disk"} 7',
+                 'moe_serve:kv_offload_restore_seconds_total{model_name="m",rank="1"} 0.5',
+                 'moe_serve:kv_offload_disk_errors_total{model_name="m",rank="1"} 2']:
+        assert line in text.splitlines(), line
