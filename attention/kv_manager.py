@@ -85,6 +85,13 @@ class KVCacheManager:
         self.tier_ops.append(("save", pool, block_id, block_hash))
         return True
 
+    def forget_tiers(self) -> None:
+        """Every prefix changed meaning (new weights, a flush): the saves not yet made and whatever
+        the tiers keep are dropped; loads already lent to requests still run."""
+        self.tier_ops = [op for op in self.tier_ops if op[0] == "load"]
+        if self.tiers is not None:
+            self.tiers.clear()
+
     def take_tier_ops(self) -> list[tuple[str, int, int, bytes]]:
         ops, self.tier_ops = self.tier_ops, []
         return ops

@@ -151,7 +151,8 @@ class DiskTier:
                 f.write(memoryview(data.numpy()))
         except OSError as e:
             with self.lock:
-                self.used -= size
+                if generation == self.generation:  # (clear has reset the count already)
+                    self.used -= size
                 self.writing.pop(key, None)
                 self._failed("write", key, e)
             self._remove(key)

@@ -82,11 +82,11 @@ class TierStore:
     def reading(self) -> list:
         return self.disk.reading() if self.disk is not None else []
 
-    def clear(self) -> list[Key]:
-        """Forget every block (the prefixes changed meaning: new weights); returns their keys."""
+    def clear(self) -> None:
+        """Forget every block (the prefixes changed meaning: new weights); they are reported lost."""
         self.pinned.clear()
-        keys = self.host.clear() if self.host is not None else []
-        return keys + (self.disk.clear() if self.disk is not None else [])
+        self.lost += self.host.clear() if self.host is not None else []
+        self.lost += self.disk.clear() if self.disk is not None else []
 
     def shutdown(self) -> None:
         if self.disk is not None:

@@ -93,8 +93,7 @@ class PrefixCacheAdmission:
         over, the old weights (a preempted one recomputes, and registers again from its new KV)."""
         allocs = list(self.kv.allocs) + ([self.kv.state] if self.kv.state is not None else [])
         self.prefix_resets += 1
-        # Blocks evicted but not yet saved to a KV tier hold what the old prefixes meant: not kept.
-        self.kv.tier_ops = [op for op in self.kv.tier_ops if op[0] == "load"]
+        self.kv.forget_tiers()  # what KV tiers keep (or are about to) is as stale
         n = 0
         for alloc in allocs:
             before = len(alloc.cached)

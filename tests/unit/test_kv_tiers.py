@@ -309,3 +309,28 @@ def test_metrics_report_each_tier_per_rank_from_the_decoded_stats():
                  'moe_serve:kv_offload_restore_seconds_total{model_name="m",rank="1"} 0.5',
                  'moe_serve:kv_offload_disk_errors_total{model_name="m",rank="1"} 2']:
         assert line in text.splitlines(), line
+
+
+@pytest.mark.parametrize("tiers", ["host", "disk"])
+def test_forgetting_the_prefixes_empties_the_tiers(tmp_path, tiers):
+    """New weights (forget_prefixes): nothing the tiers kept is restored afterwards, and routing
+    hears every tiered prefix is gone."""
+    bs = 4
+    rng = random.Random(3)
+    convs = [[rng.randrange(3, 40) for _ in range(12)] for _ in range(6)]
+    store = TierStore(1 << 20 if tiers == "host" else 0, str(tmp_path) if tiers == "disk" else None, 1 << 20)
+    try:
+        sched, model, feature = make(bs, 8, "full", store, 16, 1, 40)
+        sched.alloc.track_events()
+        run_turns(sched, model, feature, [list(c) for c in convs], 1, 0, 2, 0)
+        added, _ = sched.alloc.take_events()
+        sched.forget_prefixes(live=False)
+        feature.after_schedule(sched.schedule())  # a turn with nothing to run: the losses are reported
+        _, removed = sched.alloc.take_events()
+        before = store.hits["host"] + store.hits["disk"]
+        _, computed = run_turns(sched, model, feature, [list(c) for c in convs], 1, 0, 2, 0)
+    finally:
+        store.shutdown()
+    assert set(added) == set(removed) and len(added) > 8  # more than the device held: tiers held the rest
+    assert store.hits["host"] + store.hits["disk"] == before
+    assert computed == sum(len(c) for c in convs)  # all recomputed: nothing stale came back

@@ -62,7 +62,6 @@ class KVOffload(StepFeature):
         self.pools = [_byte_views(p) for p in pools]
         self.store = store
         self.restore_seconds = 0.0
-        self._resets = scheduler.prefix_resets
         self.kv.enable_tiers(store)
 
     @classmethod
@@ -76,9 +75,6 @@ class KVOffload(StepFeature):
 
     # --- the step -------------------------------------------------------------------------------
     def after_schedule(self, sched) -> None:
-        if self.scheduler.prefix_resets != self._resets:  # new weights: every kept block is stale
-            self._resets = self.scheduler.prefix_resets
-            self._lost(self.store.clear())
         ops = self.kv.take_tier_ops()
         start = 0
         for i in range(1, len(ops) + 1):  # runs of one kind and pool, in order
