@@ -158,16 +158,26 @@ class _TensorLoader:
             if fp8.dequantized_at_load(m) and getattr(m, "weight_scale_inv", None) is None}
         self.halves: dict[str, dict[str, torch.Tensor]] = {}
         self.kv_scales: dict[int, dict[str, float]] = {}  # layer -> {"k": k_scale, "v": v_scale}
+        self.attention_by_layer: dict[int, list] | None = None  # made on the first scale
 
     def _kv_scale(self, kv: tuple[int, str], raw: str, t: torch.Tensor, fp: str) -> None:
         """A per-tensor FP8 KV cache scale (one positive float) for layer kv[0]: its K ("k"), V
-        ("v") or both ("kv")."""
+        ("v") or both ("kv"). A model already serving an FP8 cache with its scales (a weight
+        update) refuses other values: its cache holds values divided by the old ones."""
         if t.numel() != 1:
             raise ValueError(f"tensor {raw!r} in {fp} has shape {tuple(t.shape)}: only per-tensor KV cache scales "
                              f"(one value) are supported")
         value = float(t.float().reshape(()))
         if not 0 < value < float("inf"):
             raise ValueError(f"tensor {raw!r} in {fp} is {value}: a KV cache scale must be positive and finite")
+        if self.attention_by_layer is None:
+            self.attention_by_layer = _attention_of_layers(self.model)
+        for m in self.attention_by_layer.get(kv[0], []):
+            live = getattr(m, "kv_scales_live", False)
+            if live and any(value != getattr(m, f"{w}_scale") for w in kv[1]):
+                raise ValueError(f"tensor {raw!r} in {fp} is {value}, but layer {kv[0]} serves an FP8 KV cache "
+                                 f"with k_scale={m.k_scale}, v_scale={m.v_scale}: KV cache scales cannot change "
+                                 f"while serving (restart with the new checkpoint)")
         for which in kv[1]:
             self.kv_scales.setdefault(kv[0], {})[which] = value
 
@@ -177,10 +187,7 @@ class _TensorLoader:
         FP8 cache (moe_serve/runner/memory.py `apply_kv_scales`)."""
         if not self.kv_scales:
             return
-        by_layer: dict[int, list] = {}
-        for name, m in self.model.named_modules():
-            if (hit := _LAYER.match(name)) and hasattr(m, "k_scale") and hasattr(m, "cache_kind"):
-                by_layer.setdefault(int(hit.group(1)), []).append(m)
+        by_layer = self.attention_by_layer or _attention_of_layers(self.model)
         for layer, sc in sorted(self.kv_scales.items()):
             if not by_layer.get(layer):
                 raise ValueError(f"the checkpoint ships KV cache scales for layer {layer}, which has no paged "
@@ -313,6 +320,15 @@ class _TensorLoader:
         if missing:
             raise ValueError(f"checkpoint {path!r} is missing tensor(s): {', '.join(missing[:8])}"
                              + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+
+
+def _attention_of_layers(model: nn.Module) -> dict[int, list]:
+    """Each decoder layer's paged attention modules (those with KV cache scales), by layer index."""
+    by_layer: dict[int, list] = {}
+    for name, m in model.named_modules():
+        if (hit := _LAYER.match(name)) and hasattr(m, "k_scale") and hasattr(m, "cache_kind"):
+            by_layer.setdefault(int(hit.group(1)), []).append(m)
+    return by_layer
 
 
 def _kv_scale_of(raw: str) -> tuple[int, str] | None:

@@ -411,6 +411,7 @@ def apply_kv_scales(layers: list, cfg: EngineConfig) -> None:
     shipped = [layer for layer in scaled if getattr(layer, "checkpoint_kv_scales", None) is not None]
     for layer in scaled:
         layer.k_scale, layer.v_scale = getattr(layer, "checkpoint_kv_scales", None) or (1.0, 1.0)
+        layer.kv_scales_live = True  # a weight update may not change them (weights.py)
     if shipped:
         log.info("kv cache %s: k/v scales from the checkpoint for %d of %d attention layers (1.0 for the rest)",
                  name, len(shipped), len(scaled))

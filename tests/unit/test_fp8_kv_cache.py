@@ -169,3 +169,38 @@ def test_env_lists_kv_cache_dtypes():
     kv = collect()["kv_cache_dtypes"]
     assert set(kv["torch"]) == set(kv["cpu_c"]) == {"auto", "fp8_e4m3", "fp8_e5m2"}
     assert "triton" in kv
+
+
+def test_weight_update_cannot_change_live_kv_scales():
+    """Scales in a weight update: loaded where nothing serves with them yet; refused, naming the
+    tensor, where the layer serves an FP8 cache with other values (its cache holds K / old scale)."""
+    from torch import nn
+
+    from moe_serve.weights import _TensorLoader
+
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = nn.Module()
+            self.model.layers = nn.ModuleList([nn.Module()])
+            self.model.layers[0].self_attn = nn.Module()
+            self.model.layers[0].self_attn.attn = PagedAttention(2, 1, 4, 0.5)
+
+    class One:
+        def __init__(self, t):
+            self.t = t
+
+        def get_tensor(self, name):
+            return self.t
+
+    model = Tiny()
+    loader = _TensorLoader(model, torch.float32, {}, None)
+    loader.load("model.layers.0.self_attn.k_scale", One(torch.tensor(0.5)), "<update>")
+    loader.finish_kv_scales()
+    attn = model.model.layers[0].self_attn.attn
+    assert attn.checkpoint_kv_scales == (0.5, 1.0) and attn.k_scale == 1.0  # applied by the runner, not here
+    attn.k_scale, attn.kv_scales_live = 0.5, True
+    loader = _TensorLoader(model, torch.float32, {}, None)
+    loader.load("model.layers.0.self_attn.k_scale", One(torch.tensor(0.5)), "<update>")  # unchanged: fine
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.v_scale.*cannot change while serving"):
+        loader.load("model.layers.0.self_attn.v_scale", One(torch.tensor(2.0)), "<update>")
