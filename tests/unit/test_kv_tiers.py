@@ -40,14 +40,14 @@ def stamp(tokens: list[int], n: int, size: int, salt: bytes = b"") -> torch.Tens
 class FakeModel:
     """Cache tensors per group (and a state pool), written and checked like a forward would."""
 
-    def __init__(self, kv: KVCacheManager, bs: int):
+    def __init__(self, kv: KVCacheManager, bs: int, device: str = "cpu"):
         self.kv, self.bs = kv, bs
         n = [a.num_blocks + 1 for a in kv.allocs]
-        self.groups = [[torch.zeros(n[0], bs, 4, dtype=torch.float8_e4m3fn),
-                        torch.zeros(n[0], bs, 2, dtype=torch.bfloat16)]]
+        self.groups = [[torch.zeros(n[0], bs, 4, dtype=torch.float8_e4m3fn, device=device),
+                        torch.zeros(n[0], bs, 2, dtype=torch.bfloat16, device=device)]]
         if len(kv.allocs) > 1:
-            self.groups.append([torch.zeros(n[1], bs, 1, dtype=torch.float32)])
-        self.state = [torch.zeros(kv.state.num_blocks + 1, 2, dtype=torch.float32)] if kv.state else []
+            self.groups.append([torch.zeros(n[1], bs, 1, dtype=torch.float32, device=device)])
+        self.state = [torch.zeros(kv.state.num_blocks + 1, 2, dtype=torch.float32, device=device)] if kv.state else []
 
     def pools(self):
         return self.groups + ([self.state] if self.state else [])
@@ -70,22 +70,23 @@ class FakeModel:
             for j, t in enumerate(tensors):
                 u8 = self._u8(t)
                 for p in range(lo, c):  # what attention reads: restored or computed, it must be right
-                    got = u8[tables[g][p // bs], (p % bs) * 4:(p % bs + 1) * 4]
+                    got = u8[tables[g][p // bs], (p % bs) * 4:(p % bs + 1) * 4].cpu()
                     assert torch.equal(got, stamp(tokens, p + 1, 4, bytes([g, j]))), (req.request_id, g, j, p)
                 for p in range(c, c + n):
                     u8[tables[g][p // bs], (p % bs) * 4:(p % bs + 1) * 4] = stamp(tokens, p + 1, 4, bytes([g, j]))
         if self.state:
             u8 = self._u8(self.state[0])
             if c:  # the state after c tokens: restored from a snapshot (device or tier) or computed
-                assert torch.equal(u8[req.state_slot], stamp(tokens, c, 8)), (req.request_id, c)
+                assert torch.equal(u8[req.state_slot].cpu(), stamp(tokens, c, 8)), (req.request_id, c)
             u8[req.state_slot] = stamp(tokens, c + n, 8)
 
 
-def make(bs: int, blocks: int, kinds: str, store: TierStore | None, budget: int, seqs: int, max_len: int):
+def make(bs: int, blocks: int, kinds: str, store: TierStore | None, budget: int, seqs: int, max_len: int,
+         device: str = "cpu"):
     groups = [(FULL, blocks)] + ([(sliding(WINDOW), blocks)] if "sliding" in kinds else [])
     kv = KVCacheManager(bs, groups, state_slots=max(seqs + 1, 3) if "state" in kinds else 0)
     sched = Scheduler(kv, budget, seqs, max_len)
-    model = FakeModel(kv, bs)
+    model = FakeModel(kv, bs, device)
     feature = KVOffload(sched, model.pools(), store) if store is not None else None
     return sched, model, feature
 
@@ -183,11 +184,14 @@ def expected_misses(convs: list[list[int]], turns: int, new_tokens: int, max_new
     return total
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])])
 @pytest.mark.parametrize("tiers", ["host", "disk", "host+disk"])
 @pytest.mark.parametrize("kinds", ["full", "full+sliding"])
-def test_prompt_tokens_computed_fall_to_the_misses(tmp_path, tiers, kinds):
+def test_prompt_tokens_computed_fall_to_the_misses(tmp_path, tiers, kinds, device):
     """A working set ten times the device pool, one request at a time: with tiers that hold it all
-    every earlier turn's blocks come back, and only the rest is computed; without, nearly all is."""
+    every earlier turn's blocks come back, and only the rest is computed; without, nearly all is.
+    On a GPU the device -> host gathers and host -> device scatters are the CUDA ones."""
     bs, turns, new_tokens, max_new = 4, 3, 6, 4
     rng = random.Random(5)
     convs = [[rng.randrange(3, 40) for _ in range(rng.randrange(10, 20))] for _ in range(10)]
@@ -195,9 +199,9 @@ def test_prompt_tokens_computed_fall_to_the_misses(tmp_path, tiers, kinds):
     blocks = -(-max_len // bs) + 1  # one conversation's context: a tenth of the working set
     store = TierStore(1 << 20 if "host" in tiers else 0, str(tmp_path) if "disk" in tiers else None, 1 << 20)
     try:
-        plain = run_turns(*make(bs, blocks, kinds, None, 16, 1, max_len), [list(c) for c in convs], turns,
+        plain = run_turns(*make(bs, blocks, kinds, None, 16, 1, max_len, device), [list(c) for c in convs], turns,
                           new_tokens, max_new, 0)
-        sched, model, feature = make(bs, blocks, kinds, store, 16, 1, max_len)
+        sched, model, feature = make(bs, blocks, kinds, store, 16, 1, max_len, device)
         tiered = run_turns(sched, model, feature, [list(c) for c in convs], turns, new_tokens, max_new, 0)
     finally:
         store.shutdown()
