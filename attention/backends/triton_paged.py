@@ -13,6 +13,13 @@ gathered token by token through the block table, so any block size and any table
 shared prefix blocks) work. For decode with few sequences the key range is split over S programs
 whose partial results are merged by log-sum-exp in a second kernel (split-K / flash-decoding).
 MLA uses the same kernel with a rope part added to the scores and the latent tile reused as V.
+
+FP8 caches (--kv-cache-dtype fp8_e4m3 / fp8_e5m2: float8_e4m3fn / float8_e5m2 cache tensors): the
+kernels learn it from the cache pointer's element type, a compiled variant of its own. Writes store
+each float value saturated to the format's finite max and rounded to nearest even (`_fp8_bits`:
+torch's `x.float().clamp(-max, max).to(fp8)`, byte for byte); reads widen each loaded value exactly
+to float32, then compute as for any cache. No scale is applied here: per-layer k/v scales are the
+attention layer's (attention/layer.py).
 """
 from __future__ import annotations
 
@@ -418,12 +425,13 @@ def choose_num_splits(decode_only: bool, num_seqs: int, max_seq_len: int, head_p
 
 def attention_launch(decode_only: bool, QH: int, HD: int, HR: int, HV: int, dtype: torch.dtype,
                      has_rope: bool, shared_kv: bool, split_k: bool, sliding: bool = False,
-                     sinks: bool = False, chunked: bool = False, sparse: bool = False) -> dict:
+                     sinks: bool = False, chunked: bool = False, sparse: bool = False, fp8_cache: bool = False) -> dict:
     """Every constexpr and launch option of `_paged_attn_kernel` for one kind of batch: the things
     that select a compiled variant. They depend on the model's head shape, its dtype, decode versus
     prefill and whether keys are split, never on batch size or context length (moe_serve/kernels/aot_check.py
     compiles each combination ahead of time). sparse (DSA): every query token attends over its own
-    selection, so every step takes the decode tile, one token per program."""
+    selection, so every step takes the decode tile, one token per program. fp8_cache: the K/V (latent)
+    cache is FP8 (--kv-cache-dtype), which only MLA's decode tile heeds (below)."""
     big = HD + HR > 256  # MLA-sized rows: smaller tiles
     BLOCK_N, warps = (32, 8) if big else (64, 4)
     if decode_only or sparse:
@@ -437,9 +445,10 @@ def attention_launch(decode_only: bool, QH: int, HD: int, HR: int, HV: int, dtyp
         BLOCK_Q, BLOCK_QH = 1, max(16, min(triton.next_power_of_2(QH), 64))
         if big:
             BLOCK_N = 16
-        if big and sparse:
+        if big and (sparse or fp8_cache):
             # The selection's positions take registers the 64-head tile does not have to spare
             # (sm_90 spilled 420 B at 64): 32 heads per program, the latent rows shared via L2.
+            # So does an FP8 latent's load and widening (sm_90 spilled 264 B at 64, 552 B split).
             BLOCK_QH = min(BLOCK_QH, 32)
     else:
         BLOCK_QH = min(triton.next_power_of_2(QH), 16)
@@ -493,17 +502,19 @@ def _attend(q, q_r, k, k_r, v, meta: AttentionMetadata, scale: float, HV: int, s
     HR = q_r.shape[-1] if has_rope else 0
     # The tile shape does not depend on the split; choose the split count from it, then the variant.
     sparse = sel is not None
+    fp8 = k.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     decode_tile = meta.is_decode_only or one_tile
     if one_tile:
         num_splits = 1
-    tile = attention_launch(decode_tile, QH, HD, HR, HV, q.dtype, has_rope, shared_kv, False, sparse=sparse)
+    tile = attention_launch(decode_tile, QH, HD, HR, HV, q.dtype, has_rope, shared_kv, False, sparse=sparse,
+                            fp8_cache=fp8)
     num_q_tiles = triton.cdiv(meta.max_query_len, tile["BLOCK_Q"])
     head_programs = G * triton.cdiv(QH, tile["BLOCK_QH"])
     keys = sel.shape[1] if sparse else meta.max_seq_len
     S = num_splits or choose_num_splits(meta.is_decode_only, meta.num_seqs, keys, head_programs,
                                         _device_sms(q.device))
     launch = attention_launch(decode_tile, QH, HD, HR, HV, q.dtype, has_rope, shared_kv, S > 1,
-                              window is not None, sinks is not None, chunk is not None, sparse)
+                              window is not None, sinks is not None, chunk is not None, sparse, fp8)
     if S > 1:
         ws = torch.empty((T, N, S, HV), dtype=torch.float32, device=q.device)
         lse = torch.empty((T, N, S), dtype=torch.float32, device=q.device)
