@@ -215,6 +215,7 @@ def test_mismatched_caches_are_refused_by_name(isa):
     with pytest.raises(ValueError, match="decode_attention: key/value caches of torch.float8_e4m3fn / torch.float32"):
         cpu_ops.decode_attention(q, e4, f32, tables, lens, 1.0)
     with pytest.raises(ValueError, match="prefill_attention: key/value caches of torch.bfloat16"):
-        cpu_ops.prefill_attention(q, f32.bfloat16(), f32.bfloat16(), tables, lens, qsl, 0, 1, torch.zeros(1, 2, 16), 1.0)
+        cpu_ops.prefill_attention(q, f32.bfloat16(), f32.bfloat16(), tables, lens, qsl, 0, 1, torch.zeros(1, 2, 16),
+                                  1.0)
     with pytest.raises(ValueError, match="write_kv: key/value caches of torch.float32 / torch.float8_e4m3fn"):
         cpu_ops.write_kv(rows, rows, f32, e4, torch.zeros(1, dtype=torch.int64))

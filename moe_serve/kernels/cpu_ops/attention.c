@@ -3,8 +3,9 @@
  *
  * q [B, N, H] (row stride ldq per sequence); k_cache [NB, bs, G, H], v_cache [NB, bs, G, Hv], both
  * contiguous, of the element type kv_fmt names (fp8.h: KV_F32 float32, KV_E4M3 / KV_E5M2 FP8 bytes,
- * widened exactly to float32 in registers as they are read; no scale); block_tables [B, W] int32 (row stride ldbt); seq_lens [B] int32; out
- * [B, N, Hv] contiguous. Heads n of group g = n / (N / G) share kv head g (grouped-query attention).
+ * widened exactly to float32 in registers as they are read; no scale); block_tables [B, W] int32
+ * (row stride ldbt); seq_lens [B] int32; out [B, N, Hv] contiguous. Heads n of group g = n / (N / G)
+ * share kv head g (grouped-query attention).
  *
  * Per (sequence, kv head): the scores of the group's query heads for every key (one pass over the
  * keys), a float32 softmax per head, then one pass over the values. Sequences and kv heads are
@@ -31,6 +32,19 @@ VF_INLINE float kv_at(const void* row, int64_t i, int fmt) {
 }
 VF_INLINE const void* kv_row(const void* cache, int64_t i, int fmt) {
   return (const char*)cache + i * (fmt == KV_F32 ? (int64_t)sizeof(float) : 1);
+}
+
+/* FP8 rows are prefetched KV_AHEAD rows ahead (n elements from row + i): rows G * H apart in the
+ * cache leave the hardware's prefetchers little to follow, and the widening's extra instructions
+ * fill the out-of-order window that would otherwise overlap the rows' misses (measured on the Xeon,
+ * 1 thread, one sequence of 8K keys, 8 kv heads of 128, a shared machine: e4m3fn decode 1.5-2.9x
+ * faster, e5m2 1.1-2.6x; contexts in cache unchanged). The float32 path does not prefetch (its code
+ * is as it was). */
+#define KV_AHEAD 8
+VF_INLINE void kv_prefetch(const void* row, int64_t i, int64_t n, int fmt) {
+  if (fmt == KV_F32 || !row) return;
+  const char* at = (const char*)row + i;
+  for (int64_t c = 0; c < n; c += 64) __builtin_prefetch(at + c, 0, 0);
 }
 
 VF_INLINE float dot(const float* a, const void* b, int64_t n, int fmt) {
@@ -106,6 +120,7 @@ VF_INLINE void values_block(const float* p, int64_t lds, const void* const* vrow
     if (left >= 16 * VT) {
       for (int64_t j = 0; j < n; j++) {
         vf16 vv[VT];
+        kv_prefetch(j + KV_AHEAD < n ? vrow[j + KV_AHEAD] : 0, d, 16 * VT, fmt);
         for (int v = 0; v < VT; v++) vv[v] = kv_load(vrow[j], d + 16 * v, fmt);
         for (int r = 0; r < QR; r++) {
           const vf16 pr = vf_set1(p[r * lds + j]);
@@ -181,7 +196,13 @@ VF_INLINE void decode_group(const attn_args* a, int64_t b, int64_t g, float* p, 
   for (int64_t s0 = 0; s0 < ctx; s0 += bs) {
     const void* key = kv_row(a->k, ((int64_t)table[s0 / bs] * bs * G + g) * H, fmt);
     const int64_t n = ctx - s0 < bs ? ctx - s0 : bs;
+    /* the next block's first row, for the prefetches past this block's last */
+    const void* next =
+        fmt != KV_F32 && s0 + bs < ctx ? kv_row(a->k, ((int64_t)table[s0 / bs + 1] * bs * G + g) * H, fmt) : 0;
     for (int64_t o = 0; o < n; o++, key = kv_row(key, G * H, fmt)) {
+      const int64_t ahead = o + KV_AHEAD;
+      kv_prefetch(ahead < n ? kv_row(key, KV_AHEAD * G * H, fmt) : next ? kv_row(next, (ahead - n) * G * H, fmt) : 0, 0,
+                  H, fmt);
       if (grouped) {
         for (int64_t r = 0; r < R; r += 4) scores4(qg + r * H, key, H, scale, p + r * ctx + s0 + o, ctx, fmt);
         continue;
@@ -305,7 +326,14 @@ VF_INLINE void prefill_group(const attn_args* a, const int32_t* qsl, int64_t b, 
     const int64_t n = ctx - s0 < bs ? ctx - s0 : bs;
     for (int64_t o = 0; o < n; o++) {
       const void* key = kv_row(a->k, ((slot0 + o) * G + g) * H, fmt);
-      for (int64_t h = 0; h < H; h++) kt[h * S16 + s0 + o] = kv_at(key, h, fmt);
+      if (fmt == KV_F32)
+        for (int64_t h = 0; h < H; h++) kt[h * S16 + s0 + o] = kv_at(key, h, fmt);
+      else /* widened 16 at a time */
+        for (int64_t h0 = 0; h0 < H; h0 += 16) {
+          float t[16];
+          vf_store(t, kv_loadn(key, h0, H - h0, fmt));
+          for (int64_t h = h0; h < H && h < h0 + 16; h++) kt[h * S16 + s0 + o] = t[h - h0];
+        }
       vrow[s0 + o] = kv_row(a->v, ((slot0 + o) * G + g) * Hv, fmt);
     }
   }
