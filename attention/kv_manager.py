@@ -88,6 +88,9 @@ class KVCacheManager:
     def forget_tiers(self) -> None:
         """Every prefix changed meaning (new weights, a flush): the saves not yet made and whatever
         the tiers keep are dropped; loads already lent to requests still run."""
+        for kind, pool, _, h in self.tier_ops:
+            if kind == "save" and pool == 0:  # never saved: routing hears it is gone
+                self.allocs[0].note_lost(h)
         self.tier_ops = [op for op in self.tier_ops if op[0] == "load"]
         if self.tiers is not None:
             self.tiers.clear()

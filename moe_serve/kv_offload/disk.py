@@ -61,8 +61,9 @@ class DiskTier:
         return os.path.join(self.dir, f"{key[0]}-{key[1].hex()}")
 
     def __contains__(self, key: Key) -> bool:
+        """Whether a file holds key, or will (a read's staged copy is not kept: it does not count)."""
         with self.lock:
-            return key in self.index or key in self.writing or key in self.staged
+            return key in self.index or key in self.writing
 
     # --- engine thread --------------------------------------------------------------------------
     def put(self, key: Key, data: torch.Tensor) -> None:
