@@ -219,3 +219,25 @@ def test_mismatched_caches_are_refused_by_name(isa):
                                   1.0)
     with pytest.raises(ValueError, match="write_kv: key/value caches of torch.float32 / torch.float8_e4m3fn"):
         cpu_ops.write_kv(rows, rows, f32, e4, torch.zeros(1, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("fmt", sorted(FP8))
+def test_fp8_kernels_are_the_float32_kernels_on_the_widened_cache(fmt, isa):
+    """Widening is exact and the arithmetic after it the float32 path's: decode and prefill over an FP8
+    cache give bit for bit what they give over torch's float32 widening of it (grouped and ungrouped
+    heads, tails, contexts across blocks, 2 threads)."""
+    dt, mx = FP8[fmt]
+    g = torch.Generator().manual_seed(7)
+    for N, G, H, Hv, bs in ((8, 2, 64, 48, 16), (3, 1, 33, 20, 3)):
+        k8, v8 = _fp8_cache((40, bs, G, H), dt, mx, g), _fp8_cache((40, bs, G, Hv), dt, mx, g)
+        tables = torch.randperm(40, generator=g)[:36].view(3, 12).to(torch.int32)
+        lens = torch.tensor([1, 5 * bs + 2, 12 * bs], dtype=torch.int32)
+        q = torch.randn(3, N, H, generator=g) / mx * 8
+        qsl = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+        with _threads(2):
+            outs = []
+            for k, v in ((k8, v8), (k8.float(), v8.float())):
+                pre = torch.zeros(3, N, Hv)
+                cpu_ops.prefill_attention(q, k, v, tables, lens, qsl, 0, 3, pre, 0.3)
+                outs.append((cpu_ops.decode_attention(q, k, v, tables, lens, 0.3), pre))
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
