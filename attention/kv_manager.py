@@ -54,6 +54,7 @@ class KVCacheManager:
         self.tiers = None  # the tier index (enable_tiers), or None
         self.tier_ops: list[tuple[str, int, int, bytes]] = []
         self.tier_wait = False  # the last attach_prefix found tier blocks still being read
+        self.tier_waits = 0  # admissions put off for tier reads, since start
         self._unfilled: set[int] = set()  # snapshot slots registered whose copy has not run yet
 
     @classmethod
@@ -236,6 +237,7 @@ class KVCacheManager:
             if self.tiers is not None:
                 deeper = tier_prefix(self, hashes, max_blocks, k)
                 if self.tier_wait:  # some of its blocks are being read from a tier: attach nothing yet
+                    self.tier_waits += 1
                     self._set_tables(req, [[] for _ in self.allocs])
                     return 0
                 if deeper > k and attach_tiered(self, req, hashes, deeper):

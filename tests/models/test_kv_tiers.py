@@ -65,6 +65,7 @@ def test_multi_turn_outputs_same_prompt_tokens_fall_to_the_misses(checkpoints, m
     hits = stats.host_hits + stats.disk_hits
     assert hits * BS == plain_computed - computed  # every block not recomputed came from a tier
     assert (stats.disk_hits > 0) == (tiers == "disk") and (stats.host_hits > 0) == ("host" in tiers)
+    assert (stats.read_waits > 0) == (tiers == "disk")  # requests waited for their blocks' disk reads
 
 
 @pytest.mark.parametrize("failure", ["tiny", "enospc", "eio"])

@@ -210,6 +210,7 @@ def test_prompt_tokens_computed_fall_to_the_misses(tmp_path, tiers, kinds, devic
     stats = feature.stats()
     # The host tier (1 MiB) holds the whole working set: with it, the disk below is never read.
     assert (stats.host_hits > 0) == ("host" in tiers) and (stats.disk_hits > 0) == (tiers == "disk")
+    assert (stats.read_waits > 0) == (tiers == "disk")  # a disk hit is read in the background first
     if kinds == "full":  # 8 bytes a position: FP8 (4 values) and bfloat16 (2)
         assert stats.host_restored_bytes + stats.disk_restored_bytes == (stats.host_hits + stats.disk_hits) * bs * 8
 

@@ -35,6 +35,7 @@ class KVOffloadStats(msgspec.Struct):
     host_restored_bytes: int = 0
     disk_restored_bytes: int = 0
     restore_seconds: float = 0.0
+    read_waits: int = 0  # admissions put off while a prompt's blocks were read from disk
     host_used_bytes: int = 0
     disk_used_bytes: int = 0
     disk_errors: int = 0
@@ -133,7 +134,7 @@ class KVOffload(StepFeature):
             host_hits=s.hits["host"], disk_hits=s.hits["disk"], host_saved_bytes=s.host_saved_bytes,
             disk_saved_bytes=disk.saved_bytes if disk else 0, host_restored_bytes=s.restored_bytes["host"],
             disk_restored_bytes=s.restored_bytes["disk"],
-            restore_seconds=self.restore_seconds + (disk.read_seconds if disk else 0.0),
+            restore_seconds=self.restore_seconds + (disk.read_seconds if disk else 0.0), read_waits=self.kv.tier_waits,
             host_used_bytes=host.used if host else 0, disk_used_bytes=disk.used if disk else 0,
             disk_errors=sum(disk.errors.values()) if disk else 0)
 
