@@ -339,3 +339,45 @@ def test_forgetting_the_prefixes_empties_the_tiers(tmp_path, tiers):
     assert set(added) == set(removed) and len(added) > 8  # more than the device held: tiers held the rest
     assert store.hits["host"] + store.hits["disk"] == before
     assert computed == sum(len(c) for c in convs)  # all recomputed: nothing stale came back
+
+
+def test_a_decode_instance_counts_tier_blocks_as_cached():
+    """Disaggregated decode side: a prompt whose prefix was evicted to the host tier reserves
+    blocks only past it (the prefill instance writes the rest), and the restored blocks hold the
+    prefix's bytes before anything reads them."""
+    bs = 4
+    store = TierStore(1 << 20, None, 0)
+    sched, model, feature = make(bs, 8, "full", store, 16, 1, 32)
+    prompt = list(range(3, 23))  # five full blocks
+    run_turns(sched, model, feature, [list(prompt)], 1, 0, 1, 0)
+    run_turns(sched, model, feature, [list(range(100, 128))], 1, 0, 1, 0)  # seven blocks: evicts the first's
+    assert store.host.used > 0
+    r = Request("d", prompt + [50, 51], SamplingParams(max_tokens=2), 2, frozenset())
+    r.kv_role, r.kv_end = "decode", len(r.prompt_token_ids) - 1
+    sched.add_request(r)
+    feature.after_schedule(sched.schedule())
+    assert sched.take_kv_reserved() == [r] and r.num_computed_tokens == 20
+    assert store.hits["host"] >= 1
+    model._piece(r, 1)  # the prefill instance's write of position 20; checks positions 0 .. 19 first
+    assert sched.kv_done("d", True) is r and r.num_computed_tokens == r.kv_end
+    for _ in range(10):  # the last prompt token and the decode, reading everything restored or written
+        out = sched.schedule()
+        feature.after_schedule(out)
+        model.step(out)
+        if sched.update(out, {s.request.request_id: 7 for s in out.scheduled if s.samples}):
+            break
+    assert r.is_finished and len(r.output_token_ids) == 2 and sched.kv.in_use == 0
+
+
+def test_cli_flags_are_the_llm_keywords(tmp_path):
+    import argparse
+
+    from moe_serve.engine.args import EngineArgs
+
+    p = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(p)
+    ns = p.parse_args(["--kv-offloading-size", "0.5", "--kv-offloading-disk", str(tmp_path),
+                       "--kv-offloading-disk-size", "2"])
+    args = EngineArgs.from_cli(ns, "m")
+    assert (args.kv_offloading_size, args.kv_offloading_disk, args.kv_offloading_disk_size) == (0.5, str(tmp_path), 2.0)
+    assert EngineArgs("m").kv_offloading_size is None and EngineArgs("m").kv_offloading_disk is None
