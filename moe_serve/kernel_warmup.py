@@ -45,11 +45,13 @@ def _shape_key(module) -> tuple:
 
 
 def warm_up(model: torch.nn.Module, *, dtype: torch.dtype, device: torch.device, block_size: int,
-            max_model_len: int, num_heads: int, dispatcher=None) -> set:
+            max_model_len: int, num_heads: int, dispatcher=None, kv_cache_dtype: torch.dtype | None = None) -> set:
     """Compile every Triton variant the model's attention, expert, linear and linear-attention
     layers' backends can launch on `device`; returns their compile keys
     (moe_serve/kernels/specialization.Launch). Backends of torch ops or C kernels launch nothing here. A
-    variant that fails to compile is logged and left to its first launch."""
+    variant that fails to compile is logged and left to its first launch. kv_cache_dtype: the element
+    type of the attention layers' K/V caches (--kv-cache-dtype fp8*: an FP8 type; None: dtype), which
+    selects the attention kernels' variants."""
     from attention.backends import triton_paged as tp  # lazy: triton is heavy (this runs on CUDA only)
 
     t0 = time.perf_counter()
@@ -68,7 +70,8 @@ def warm_up(model: torch.nn.Module, *, dtype: torch.dtype, device: torch.device,
                 continue
             seen.add(key)
             if kind == "attention":
-                module.ops.warm_up(module, num_heads, dtype, block_size, max_model_len, split)
+                module.ops.warm_up(module, num_heads, dtype, block_size, max_model_len, split,
+                                   cache_dtype=kv_cache_dtype)
             elif kind == "experts":
                 module.ops.warm_up(module, dtype, rows)
             elif kind in ("linear", "linear_attention"):

@@ -55,7 +55,8 @@ class TorchAttention:
     def sparse_mla_attention(self, q_latent_TNL, q_pe_TNR, latent_cache, meta, topk_TK, scale: float) -> torch.Tensor:
         return dsa.sparse_mla_attention(q_latent_TNL, q_pe_TNR, latent_cache, meta, topk_TK, scale)
 
-    def warm_up(self, layer, num_heads: int, dtype: torch.dtype, block_size: int, max_len: int, split: bool) -> None:
+    def warm_up(self, layer, num_heads: int, dtype: torch.dtype, block_size: int, max_len: int, split: bool,
+                cache_dtype: torch.dtype | None = None) -> None:
         """Compile what this backend can launch for the layer ahead of serving: nothing for torch ops."""
 
     @classmethod
@@ -185,16 +186,18 @@ class TritonAttention:
         return steps
 
     def launch(self, layer, num_heads: int, dtype: torch.dtype, q_lens: list[int], seq_lens: list[int],
-               num_splits: int, block_size: int) -> None:
+               num_splits: int, block_size: int, cache_dtype: torch.dtype | None = None) -> None:
         """The layer's cache write and attention (and split reduce) for one step, as its forward
-        calls them, over "meta" tensors: compiled, not run."""
+        calls them, over "meta" tensors: compiled, not run. cache_dtype: the K/V caches' element
+        type (--kv-cache-dtype: float8_e4m3fn / float8_e5m2), by default the activations' dtype; the
+        kernels take it from the cache pointer, so an FP8 cache is a variant of its own."""
         from attention.metadata import AttentionMetadata
 
         dev = torch.device("meta")
         tables = [[0] * -(-s // block_size) for s in seq_lens]
         meta = AttentionMetadata.build(q_lens, seq_lens, tables, block_size, device=dev)
         T = sum(q_lens)
-        caches = [torch.empty(s, dtype=dtype, device=dev) for s in layer.cache_shape(1, block_size)]
+        caches = [torch.empty(s, dtype=cache_dtype or dtype, device=dev) for s in layer.cache_shape(1, block_size)]
         if layer.latent:
             L, R = layer.kv_lora_rank, layer.rope_dim
             self.write_latent(torch.empty(T, L + R, dtype=dtype, device=dev), caches[0], meta.slot_mapping)
@@ -217,10 +220,18 @@ class TritonAttention:
                                  meta, layer.scale, num_splits=num_splits, sliding_window=layer.sliding_window,
                                  sinks=layer.sinks, attention_chunk=layer.attention_chunk)
 
-    def warm_up(self, layer, num_heads: int, dtype: torch.dtype, block_size: int, max_len: int, split: bool) -> None:
-        """Every variant the layer launches: one launch per kind of step (`steps`)."""
+    def warm_up(self, layer, num_heads: int, dtype: torch.dtype, block_size: int, max_len: int, split: bool,
+                cache_dtype: torch.dtype | None = None) -> None:
+        """Every variant the layer launches: one launch per kind of step (`steps`), over caches of
+        cache_dtype (None: dtype)."""
         for _, q_lens, seq_lens, S in self.steps(max_len, split):
-            self.launch(layer, num_heads, dtype, q_lens, seq_lens, S, block_size)
+            self.launch(layer, num_heads, dtype, q_lens, seq_lens, S, block_size, cache_dtype)
+
+    @classmethod
+    def kv_cache_dtypes(cls) -> dict[str, str]:
+        """The --kv-cache-dtype values this backend serves, each with what runs it (`moe-serve env`)."""
+        fp8 = "Triton kernels: written saturated (round to nearest even), widened to float32 as loaded"
+        return {"auto": "the activation dtype", "fp8_e4m3": fp8, "fp8_e5m2": fp8}
 
     def __repr__(self) -> str:
         return "TritonAttention()"
