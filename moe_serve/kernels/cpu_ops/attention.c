@@ -160,8 +160,13 @@ int write_kv_f32(const float* k, int64_t ldk, const float* v, int64_t ldv, void*
       continue;
     }
     uint8_t *kc = (uint8_t*)k_cache + slots[t] * dk, *vc = (uint8_t*)v_cache + slots[t] * dv;
-    for (int64_t i = 0; i < dk; i++) kc[i] = f32_to_fp8(k[t * ldk + i], kv_fmt);
-    for (int64_t i = 0; i < dv; i++) vc[i] = f32_to_fp8(v[t * ldv + i], kv_fmt);
+    if (kv_fmt == KV_E4M3) { /* the format a constant in each loop: they vectorise */
+      for (int64_t i = 0; i < dk; i++) kc[i] = f32_to_fp8(k[t * ldk + i], KV_E4M3);
+      for (int64_t i = 0; i < dv; i++) vc[i] = f32_to_fp8(v[t * ldv + i], KV_E4M3);
+    } else {
+      for (int64_t i = 0; i < dk; i++) kc[i] = f32_to_fp8(k[t * ldk + i], KV_E5M2);
+      for (int64_t i = 0; i < dv; i++) vc[i] = f32_to_fp8(v[t * ldv + i], KV_E5M2);
+    }
   }
   return 0;
 }

@@ -42,34 +42,32 @@ VF_INLINE float fp8_to_f32(uint8_t b, int fmt) {
   return fp8_bits_f32_(u | sign);
 }
 
-/* round(m / 2^s) to nearest even, s >= 1, m < 2^24 */
-VF_INLINE uint32_t fp8_rne_shift_(uint32_t m, int s) {
-  if (s > 25) return 0;
-  const uint32_t q = m >> s, r = m & ((1u << s) - 1), h = 1u << (s - 1);
-  return q + (r > h || (r == h && (q & 1)));
-}
-
 /* x as an FP8 byte of format fmt: saturated to the finite max, rounded to nearest even (what torch
- * gives for x.clamp(-max, max).to(float8)); NaN as 0x7f with x's sign. */
+ * gives for x.clamp(-max, max).to(float8)); NaN as 0x7f with x's sign. Branch-free (both roundings
+ * computed, one selected), so that a loop of it vectorises. */
 VF_INLINE uint8_t f32_to_fp8(float x, int fmt) {
   uint32_t u;
   memcpy(&u, &x, 4);
-  const uint8_t sign = (uint8_t)((u >> 24) & 0x80);
+  const uint32_t sign = (u >> 24) & 0x80;
   u &= 0x7fffffffu;
-  if (u > 0x7f800000u) return sign | 0x7f;
-  /* m bits of mantissa, the format's exponent bias (7 / 15) as float32's minus `rebias` */
-  const int m = fmt == KV_E4M3 ? 3 : 2, rebias = fmt == KV_E4M3 ? 120 : 112;
-  const uint32_t maxbits = fmt == KV_E4M3 ? 0x43e00000u : 0x47600000u; /* 448, 57344 */
-  const uint8_t maxcode = fmt == KV_E4M3 ? 0x7e : 0x7b;
-  if (u >= maxbits) return sign | maxcode;
-  const int e = (int)(u >> 23);
-  if (e <= rebias) { /* below the smallest normal: a multiple of its subnormal step */
-    const uint32_t mant = (u & 0x7fffffu) | (e ? 0x800000u : 0);
-    return sign | (uint8_t)fp8_rne_shift_(mant, (rebias + 1 + 23 - m) - (e ? e : 1));
-  }
-  const int sh = 23 - m;
-  u += (1u << (sh - 1)) - 1 + ((u >> sh) & 1);
-  return sign | (uint8_t)((u >> sh) - ((uint32_t)rebias << m));
+  const uint32_t nan = u > 0x7f800000u;
+  /* m bits of mantissa, the format's exponent bias (7 / 15) as float32's minus `rebias`; the
+   * finite max (448, 57344) */
+  const uint32_t m = fmt == KV_E4M3 ? 3 : 2, rebias = fmt == KV_E4M3 ? 120 : 112;
+  const uint32_t maxbits = fmt == KV_E4M3 ? 0x43e00000u : 0x47600000u;
+  u = u < maxbits ? u : maxbits; /* inf too; NaN selected below */
+  const uint32_t e = u >> 23, sh = 23 - m;
+  /* a normal: the mantissa rounded to m bits in place (a carry moves into the exponent), rebiased */
+  const uint32_t nrm = ((u + (1u << (sh - 1)) - 1 + ((u >> sh) & 1)) >> sh) - (rebias << m);
+  /* below the smallest normal: a multiple of the subnormal step, the significand shifted right by
+   * s >= 21 (past 31 everything shifts out: clamped to 31, the significand is below 2^24) */
+  const uint32_t mant = (u & 0x7fffffu) | (e ? 0x800000u : 0);
+  uint32_t s = rebias + 1 + 23 - m - (e ? e : 1);
+  s = s < 31 ? s : 31;
+  const uint32_t q = mant >> s, r = mant & ((1u << s) - 1), h = 1u << (s - 1);
+  const uint32_t sub = q + (r > h || (r == h && (q & 1)));
+  const uint32_t code = nan ? 0x7f : e <= rebias ? sub : nrm;
+  return (uint8_t)(sign | code);
 }
 
 /* ---- 16 FP8 bytes at p widened to a vf16 ---- */
