@@ -21,7 +21,10 @@ is saved below the device pool first, and a prefix lookup that ends on the devic
 tiers; blocks found there are allocated, registered and filled from them. Both are ops in
 `tier_ops` (("save" | "load", pool, id, hash), pool = group index, the state pool last), in the
 order they happened, which the tier feature carries out before the step's forward (a block
-evicted and refilled in one step is saved before it is loaded). attention/tier_prefix.py.
+evicted and refilled in one step is saved before it is loaded). With tiers, a state snapshot's copy
+is an op in the same log (("copy", pool, live, snapshot)) rather than a runner's state copy, so
+that it lands before a later save reads the snapshot or a load reuses the live slot.
+attention/tier_prefix.py.
 
 Invariants (checked by the property tests): in every pool each id is either referenced or free,
 never both; a request's tables have equal lengths; nothing is referenced once every request has
@@ -55,7 +58,9 @@ class KVCacheManager:
         self.tier_ops: list[tuple[str, int, int, bytes]] = []
         self.tier_wait = False  # the last attach_prefix found tier blocks still being read
         self.tier_waits = 0  # admissions put off for tier reads, since start
-        self._unfilled: set[int] = set()  # snapshot slots registered whose copy has not run yet
+        # (live, snapshot) copies of snapshots taken since the last step that ran them: the next
+        # step's first state copies (take_snapshot_copies).
+        self.snapshot_copies: list[tuple[int, int]] = []
 
     @classmethod
     def single(cls, alloc: BlockAllocator) -> "KVCacheManager":
@@ -80,9 +85,6 @@ class KVCacheManager:
             alloc.on_evict = functools.partial(self._evicted, p)
 
     def _evicted(self, pool: int, block_id: int, block_hash: bytes) -> bool:
-        if pool == len(self.allocs) and block_id in self._unfilled:  # its snapshot copy never ran
-            self._unfilled.discard(block_id)
-            return False
         self.tier_ops.append(("save", pool, block_id, block_hash))
         return True
 
@@ -92,18 +94,18 @@ class KVCacheManager:
         for kind, pool, _, h in self.tier_ops:
             if kind == "save" and pool == 0:  # never saved: routing hears it is gone
                 self.allocs[0].note_lost(h)
-        self.tier_ops = [op for op in self.tier_ops if op[0] == "load"]
+        self.tier_ops = [op for op in self.tier_ops if op[0] != "save"]
         if self.tiers is not None:
             self.tiers.clear()
+
+    def take_snapshot_copies(self) -> list[tuple[int, int]]:
+        copies, self.snapshot_copies = self.snapshot_copies, []
+        return copies
 
     def take_tier_ops(self) -> list[tuple[str, int, int, bytes]]:
         ops, self.tier_ops = self.tier_ops, []
         return ops
 
-    def copied(self, copies: list[tuple[int, int]]) -> None:
-        """The runner made these state copies: snapshot slots among their targets now hold their state."""
-        if self._unfilled:
-            self._unfilled.difference_update(dst for _, dst in copies)
 
     @property
     def has_state(self) -> bool:
@@ -259,18 +261,19 @@ class KVCacheManager:
                 if table[b] != null:
                     self.allocs[g].register(table[b], hashes[b])
 
-    def snapshot(self, req, block_hash: bytes) -> tuple[int, int] | None:
+    def snapshot(self, req, block_hash: bytes) -> None:
         """Keep req's live state (now at a block boundary) under block_hash: a (live, snapshot)
-        copy for the runner, or None when it is kept already or no slot is free."""
+        copy for the runner in snapshot_copies (nothing when it is kept already or no slot is free)."""
         st = self.state
         if st is None or not st.enable_prefix_caching or block_hash in st.cached or st.num_free_blocks < 1:
-            return None
+            return
         (slot,) = st.allocate(1)
         st.register(slot, block_hash)
-        if self.tiers is not None:
-            self._unfilled.add(slot)
         st.free([slot])  # cached and evictable from now on, like a free full block
-        return req.state_slot, slot
+        if self.tiers is not None:
+            self.tier_ops.append(("copy", len(self.allocs), req.state_slot, slot))
+        else:
+            self.snapshot_copies.append((req.state_slot, slot))
 
     # --- statistics and checks ------------------------------------------------------------------
     def check_invariants(self) -> None:

@@ -81,7 +81,6 @@ class Scheduler(PrefixCacheAdmission, KVTransferBookkeeping):
         self.num_preemptions = 0
         self._finished_ids: set[str] = set()  # pending for the next non-empty SchedulerOutput
         self._preempted_ids: set[str] = set()
-        self._state_copies: list[tuple[int, int]] = []  # snapshots pending for the next non-empty output
         self._init_prefix_cache()
         self._init_kv_transfer()
 
@@ -131,7 +130,7 @@ class Scheduler(PrefixCacheAdmission, KVTransferBookkeeping):
         if out.scheduled:
             out.finished_req_ids, self._finished_ids = self._finished_ids, set()
             out.preempted_req_ids, self._preempted_ids = self._preempted_ids, set()
-            out.state_copies, self._state_copies = self._state_copies + self._restores, []
+            out.state_copies = self.kv.take_snapshot_copies() + self._restores
         self._restores = []
         return out
 
@@ -208,7 +207,6 @@ class Scheduler(PrefixCacheAdmission, KVTransferBookkeeping):
         per-sequence state was restored to before the step (a rejected draft in a model with
         linear attention): their piece counts as not computed, its tokens are computed again."""
         finished = []
-        self.kv.copied(out.state_copies)  # before this update's snapshots (copied next step)
         if out.restored_slots:  # the runner has copied them: the snapshots may be evicted again
             self.kv.state.free(out.restored_slots)
             out.restored_slots = []

@@ -15,7 +15,7 @@ class PrefixCacheAdmission:
     """Mixed into `Scheduler`, whose `kv` (the cache manager), `alloc` (group 0's allocator) and
     `block_size` it uses. It owns, per live request: `_hashes` (chained full-block hashes, in
     order), `_registered` (how many of its blocks are registered) and `_looked_up` (whether its
-    lookup is counted in the hit rate); snapshot copies go to the scheduler's `_state_copies`."""
+    lookup is counted in the hit rate); snapshot copies wait in the cache manager's `snapshot_copies`."""
 
     def _init_prefix_cache(self) -> None:
         self._hashes: dict[str, list[bytes]] = {}  # full-block hashes of each live request, in order
@@ -42,9 +42,7 @@ class PrefixCacheAdmission:
     def _snapshot_state(self, req: Request) -> None:
         b = self._snapshot_boundary(req)
         if b and req.num_computed_tokens == b:
-            copy = self.kv.snapshot(req, self._hashes[req.request_id][b // self.block_size - 1])
-            if copy is not None:
-                self._state_copies.append(copy)
+            self.kv.snapshot(req, self._hashes[req.request_id][b // self.block_size - 1])
 
     def _full_block_hashes(self, req: Request, nfull: int) -> list[bytes]:
         """req's chained block hashes, extended to its first nfull full blocks."""

@@ -15,7 +15,7 @@ import struct
 
 import pytest
 import torch
-from hypothesis import event, given, settings
+from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
 from attention.cache_kinds import FULL, STATE, sliding
@@ -142,6 +142,10 @@ tiers_st = st.sampled_from(["host", "disk", "host+disk"])
 
 
 @settings(max_examples=60, deadline=None)
+# A snapshot taken in one step and copied before the next forward, whose slot or live slot a tier
+# restore in between takes: the copy must land first.
+@example(convs=[[3, 3, 3, 3], [3, 3, 3, 3], [3, 3, 3, 3, 3]], turns=3, new_tokens=2, max_new=5, bs=4, extra=1,
+         budget=24, seqs=3, kinds="full+state", tiers="host", tier_blocks=3, flaky=0, seed=0)
 @given(convs=st.lists(st.lists(st.integers(3, 40), min_size=4, max_size=14), min_size=2, max_size=6),
        turns=st.integers(2, 3), new_tokens=st.integers(0, 6), max_new=st.integers(1, 5),
        bs=st.sampled_from([2, 4]), extra=st.integers(0, 4), budget=st.integers(2, 24), seqs=st.integers(1, 4),

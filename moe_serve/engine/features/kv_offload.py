@@ -81,8 +81,13 @@ class KVOffload(StepFeature):
         for i in range(1, len(ops) + 1):  # runs of one kind and pool, in order
             if i == len(ops) or ops[i][:2] != ops[start][:2]:
                 kind, pool = ops[start][:2]
-                run = [(bid, h) for _, _, bid, h in ops[start:i]]
-                self._save(pool, run) if kind == "save" else self._load(pool, run)
+                run = [(a, b) for _, _, a, b in ops[start:i]]
+                if kind == "copy":  # a state snapshot (attention/kv_manager.py): live -> snapshot slot
+                    for src, dst in run:
+                        for v in self.pools[pool]:
+                            v[dst] = v[src]
+                else:
+                    self._save(pool, run) if kind == "save" else self._load(pool, run)
                 start = i
         self.store.end_step()
         self._lost(self.store.take_lost())
