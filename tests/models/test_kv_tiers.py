@@ -105,3 +105,14 @@ def test_sliding_window_and_linear_attention_state_restore_from_the_tiers(extra_
     tiered = run(path, convs, seqs=3, ratio=7, kv_offloading_disk=str(tmp_path), kv_offloading_disk_size=0.01)
     assert tiered[0] == plain[0]
     assert tiered[3].disk_hits > 0 and tiered[1] < plain[1]
+
+
+def test_speculative_decoding_and_preemption_with_tiers(checkpoints, tmp_path):
+    """N-gram drafts (verify steps, rejected drafts' slots rewritten) and several requests at once
+    (preemption by recompute) over a host tier: the same tokens as without it, fewer computed."""
+    convs = conversations(12, 5)
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    plain = run(checkpoints["mixtral"], convs, seqs=3, ratio=7, speculative_config=spec)
+    tiered = run(checkpoints["mixtral"], convs, seqs=3, ratio=7, speculative_config=spec, kv_offloading_size=0.01)
+    assert tiered[0] == plain[0]
+    assert tiered[3].host_hits > 0 and tiered[1] < plain[1]
