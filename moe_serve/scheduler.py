@@ -166,14 +166,17 @@ class Scheduler(PrefixCacheAdmission, KVTransferBookkeeping):
         return budget
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
-        """Admit waiting requests in order; stop at the first that does not fit (FCFS). Returns the
-        budget left."""
+        """Admit waiting requests in order; stop at the first that does not fit (FCFS). A request
+        whose prefix is being read from a KV tier is passed over until it arrives (it keeps its
+        place at the front). Returns the budget left."""
+        reading: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) + len(self.awaiting_kv) < self.max_num_seqs \
                 and not out.num_preempted:
             req = self.waiting[0]
             if not req.block_ids:
-                if not self._attach_prefix(req):  # its prefix is on its way from a KV tier
-                    break
+                if not self._attach_prefix(req):
+                    reading.append(self.waiting.popleft())
+                    continue
                 if req.kv_role == "decode":
                     reserved = self._reserve_for_transfer(req)
                     if reserved is False:
@@ -196,6 +199,7 @@ class Scheduler(PrefixCacheAdmission, KVTransferBookkeeping):
                 out.restored_slots.append(req.restore_from)
                 self._restores.append((req.restore_from, req.state_slot))
                 req.restore_from = None
+        self.waiting.extendleft(reversed(reading))
         return budget
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int | list[int]],
