@@ -36,11 +36,17 @@ def tier_prefix(kv, hashes: list[bytes], max_blocks: int, k: int) -> int:
     while run < n and present(0, hashes[run]):
         run += 1
     state = len(kv.allocs) if kv.state is not None else None
+    # A group that reads every block (full attention) can resume from j up to its first missing
+    # block; found once, so that the candidates below cost a window each, not the whole prefix.
+    reach = {g: next((i for i in range(run) if not present(g, hashes[i])), run)
+             for g, kind in enumerate(kv.kinds) if kind.first_needed(1 << 62) == 0}
 
     def resumable(j: int) -> bool:
-        groups = all(present(g, h) for g in range(len(kv.allocs))
-                     for h in hashes[_first_needed_block(kv, g, j):j])
-        return groups and (state is None or present(state, hashes[j - 1]))
+        if state is not None and not present(state, hashes[j - 1]):  # the cheap test first
+            return False
+        return all(j <= reach[g] if g in reach else
+                   all(present(g, h) for h in hashes[_first_needed_block(kv, g, j):j])
+                   for g in range(len(kv.allocs)))
 
     while run > k and not resumable(run):
         run -= 1

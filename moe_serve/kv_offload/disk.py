@@ -123,6 +123,10 @@ class DiskTier:
         self._thread.submit(self._delete, files)
         return keys
 
+    def flush(self) -> None:
+        """Wait until the writes and reads asked for so far are done (tests; a deterministic point)."""
+        self._thread.submit(lambda: None).result()
+
     def shutdown(self) -> None:
         self._thread.shutdown(wait=True, cancel_futures=True)
         shutil.rmtree(self.dir, ignore_errors=True)

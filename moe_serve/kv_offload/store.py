@@ -88,6 +88,10 @@ class TierStore:
         self.lost += self.host.clear() if self.host is not None else []
         self.lost += self.disk.clear() if self.disk is not None else []
 
+    def flush(self) -> None:
+        if self.disk is not None:
+            self.disk.flush()
+
     def shutdown(self) -> None:
         if self.disk is not None:
             self.disk.shutdown()
