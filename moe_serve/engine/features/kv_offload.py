@@ -9,7 +9,10 @@ hit again while it is on the device, which with a working set near the pool's si
 Restore: blocks a prefix lookup found in a tier were allocated and registered by the scheduler; they
 are filled here, after that step's evictions were saved (the ops run in the order they happened),
 and before its forward. Disk reads run in the disk thread while other requests step; the request
-whose prefix is being read waits (attention/tier_prefix.py), and a failed read is a miss.
+whose prefix is being read waits, passed over by admission (attention/tier_prefix.py), and a failed
+read is a miss. State snapshots' copies (live -> snapshot slot) run here too, in the same ordered
+log, rather than in the runner: a save must see a snapshot filled, and a load may reuse a live slot
+a pending copy still reads.
 """
 from __future__ import annotations
 
