@@ -4,6 +4,7 @@
     python -m moe_serve.kernels.aot_check --only attn        # kernels or configurations whose name has "attn"
     python -m moe_serve.kernels.aot_check --list             # what would be compiled, without compiling
     python -m moe_serve.kernels.aot_check --quick --dtype bf16   # one per kernel / dtype / code path (the test suite's)
+    python -m moe_serve.kernels.aot_check --kv-cache-dtype fp8_e4m3 --only kv=   # FP8 KV caches' variants only
 
 No GPU is needed: `triton.compile` takes an `ASTSource` and a `GPUTarget`, and Triton's bundled
 ptxas turns the PTX into a cubin for the named architecture. What is compiled is what the backends
@@ -24,7 +25,10 @@ dtype it is served in (bf16 / fp16; fp32 too for the small fp32 test checkpoint 
     dense, block FP8 and W8A8 in bf16, and, where the model ships them, MXFP4 weights read packed
     (in bf16 the decode tile with every activation, with and without biases, too);
   - top-k sum, KV / latent writes, paged attention (decode with and without split-K, prefill; the
-    sparse mode of DSA models) and the split reduce; the DSA indexer's scores; FP8 linear layers and activation quantization;
+    sparse mode of DSA models) and the split reduce; the DSA indexer's scores; the writes, attention
+    and indexer each also over FP8 caches (--kv-cache-dtype: float8_e4m3fn and float8_e5m2, "kv=" in
+    the line; the quick set: one per FP8 type and attention path, DSA's sparse one apart);
+    FP8 linear layers and activation quantization;
   - linear attention (Gated DeltaNet) where the model has it: the convolution (decode and prefill
     forms), the recurrent decode kernel and the chunked prefill pair, with the recurrent state
     cached in float32 and in the model dtype.
@@ -68,6 +72,11 @@ import torch  # noqa: E402
 
 DTYPE_SIG = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 DTYPES = tuple(DTYPE_SIG)
+# --kv-cache-dtype fp8_e4m3 / fp8_e5m2: K/V, latent and index-key caches of these types, a variant of
+# each cache-reading or -writing kernel (the pointer's element type), named "kv=<type>" in its line.
+KV_FP8 = {torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
+# --kv-cache-dtype's values (vLLM's names; "auto": the caches in the activation dtype) -> cache dtype.
+KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 # Shared memory a block may use (the opt-in maximum): 227 KiB on both Hopper and Blackwell.
 MAX_SHARED = {90: 232448, 100: 232448}
 # The kernels, as "module:function".
@@ -223,6 +232,15 @@ class Job:
                 tuple(sorted(self.constexprs.items())), tuple(sorted(self.options.items())))
 
     @property
+    def kv_fp8(self) -> str | None:
+        """The FP8 type of the KV cache this attention / cache-write / indexer configuration reads or
+        writes ("fp8e4nv", "fp8e5"); None for any other cache or kernel."""
+        if self.kernel not in (ATTN, WRITE, INDEX):
+            return None
+        kv = self.types.get("k_ptr") or self.types.get("cache_ptr") or ""
+        return kv.lstrip("*") if kv.startswith("*fp8") else None
+
+    @property
     def dtype(self) -> str:
         """The activation / cache dtype of this configuration (bf16, fp16 or fp32)."""
         for arg in ("a_ptr", "q_ptr", "y_ptr", "src_ptr", "out_ptr", "k_ptr", "x_ptr"):
@@ -236,6 +254,8 @@ class Job:
                       if k not in hidden)
         if "ids_ptr" in self.types:
             cx += f" ids={self.types['ids_ptr'].lstrip('*')}"
+        if self.kv_fp8:
+            cx += f" kv={self.kv_fp8}"
         # Runtime integers that are neither 1 nor divisible by 16 (model sizes such as a 48-wide
         # expert, unaligned views): the variant differs from the aligned one of the same tiles.
         odd = [n for n, m in self.marks.items() if m == "" and self.types[n] in ("i32", "i64")
@@ -366,14 +386,15 @@ def _attention_kinds(m: ModelShape) -> list[str]:
     return [""] + ["sliding"] * m.sinks + ["chunked"] * m.chunked
 
 
-def _attention_probe(m: ModelShape, dt, step: tuple, kind: str = "", backend=None) -> list:
+def _attention_probe(m: ModelShape, dt, step: tuple, kind: str = "", backend=None, cache_dt=None) -> list:
     """The KV / latent write and one attention call (plus the split reduce) for one of the steps
-    the attention backend declares (TritonAttention.steps; backend: another such class)."""
+    the attention backend declares (TritonAttention.steps; backend: another such class), over
+    caches of cache_dt (None: dt; an FP8 type under --kv-cache-dtype fp8*)."""
     from attention.backends import TritonAttention
 
     _, q_lens, seq_lens, S = step
     return _probe(lambda: (backend or TritonAttention)("cuda").launch(_attention_layer(m, kind), m.N, dt, q_lens, seq_lens, S,
-                                                         ENGINE_BLOCK_SIZE))
+                                                         ENGINE_BLOCK_SIZE, cache_dt))
 
 
 def _linear_attention_probe(m: ModelShape, dt, state_dt, step: tuple) -> list:
@@ -408,7 +429,7 @@ def _invariant_linear_probe(N: int, K: int, dt, bias: bool) -> list:
     return _probe(lambda: InvariantTritonLinear("cuda").launch(layer, dt, 1))
 
 
-def _add_invariant_launches(models, dtypes, add_launches) -> None:
+def _add_invariant_launches(models, dtypes, add_launches, kv_cache_dtypes=(None,)) -> None:
     """--batch-invariant's Triton launches: the dense linear (one tile per dtype and bias) and the
     attention steps of InvariantTritonAttention (the decode tile for prefill chunks too: decode's
     variants, so they add users, not compiles). Its experts' config is among gemm_cfgs; its FP8
@@ -422,17 +443,20 @@ def _add_invariant_launches(models, dtypes, add_launches) -> None:
     for m in models:
         for dt in (dt for dt in dtypes if dt in m.dtypes) if m.attention and not m.dsa else ():
             for step in InvariantTritonAttention.steps(max_len=40, split=False):
-                for kind in _attention_kinds(m):
-                    user = f"{m.name} batch-invariant {step[0]}{' ' + kind if kind else ''} {DTYPE_SIG[dt]}"
-                    add_launches(_attention_probe(m, dt, step, kind, InvariantTritonAttention),
-                                 {ATTN: user, WRITE: f"{m.name} {DTYPE_SIG[dt]}"})
+                for kind, cache_dt in ((k, c) for k in _attention_kinds(m) for c in kv_cache_dtypes):
+                    kv = f" kv={KV_FP8[cache_dt]}" if cache_dt else ""
+                    user = f"{m.name} batch-invariant {step[0]}{' ' + kind if kind else ''} {DTYPE_SIG[dt]}{kv}"
+                    add_launches(_attention_probe(m, dt, step, kind, InvariantTritonAttention, cache_dt),
+                                 {ATTN: user, WRITE: f"{m.name} {DTYPE_SIG[dt]}{kv}"})
 
 
-def enumerate_jobs(models=MODELS, dtypes=DTYPES, inject_broken: bool = False, quick: bool = False) -> list[Job]:
+def enumerate_jobs(models=MODELS, dtypes=DTYPES, inject_broken: bool = False, quick: bool = False,
+                   kv_cache_dtypes=tuple(KV_CACHE_DTYPES.values())) -> list[Job]:
     """Every configuration the launchers can choose for these models and dtypes, deduplicated; with
     quick, only `quick_jobs` of them. Each is recorded from the launcher itself, run on meta tensors
     of the model's shapes, so types, Triton's integer and alignment marks, constexprs and launch
-    options are those of a real launch."""
+    options are those of a real launch. kv_cache_dtypes: the KV caches' element types the attention
+    launches are enumerated over (None: the activation dtype; by default that and both FP8 types)."""
     from attention.backends import TritonAttention
     from moe_serve.kernels.gated_delta import TritonLinearAttention
     from moe_serve.kernels.grouped_gemm import config as gcfg
@@ -517,7 +541,7 @@ def enumerate_jobs(models=MODELS, dtypes=DTYPES, inject_broken: bool = False, qu
                     add_launches(_fp8_linear_probe(N, K, M, bias, aq),
                                  {FP8_LINEAR: user, QUANT: "fp8 activation quant bf16"})
 
-    _add_invariant_launches(models, dtypes, add_launches)
+    _add_invariant_launches(models, dtypes, add_launches, kv_cache_dtypes)
     for m in models:
         for dt in (dt for dt in dtypes if dt in m.dtypes):
             d = DTYPE_SIG[dt]
@@ -525,10 +549,12 @@ def enumerate_jobs(models=MODELS, dtypes=DTYPES, inject_broken: bool = False, qu
                 add_launches(_experts_probe(m, dt, None, ids=ids), {TOPK: f"{m.name} {d}"})
             for step in TritonAttention.steps(max_len=40, split=True) if m.attention else ():
                 for kind in _attention_kinds(m):
-                    user = f"{m.name} {step[0]}{' ' + kind if kind else ''} {d}"
-                    add_launches(_attention_probe(m, dt, step, kind),
-                                 {ATTN: user, REDUCE: f"{m.name} {d}", WRITE: f"{m.name} {d}",
-                                  INDEX: f"{m.name} indexer {step[0]} {d}"})
+                    for cache_dt in kv_cache_dtypes:  # the model dtype's cache, FP8 caches
+                        kv = f" kv={KV_FP8[cache_dt]}" if cache_dt else ""
+                        user = f"{m.name} {step[0]}{' ' + kind if kind else ''} {d}{kv}"
+                        add_launches(_attention_probe(m, dt, step, kind, cache_dt=cache_dt),
+                                     {ATTN: user, REDUCE: f"{m.name} {d}", WRITE: f"{m.name} {d}{kv}",
+                                      INDEX: f"{m.name} indexer {step[0]} {d}{kv}"})
             if not m.linear_attention:
                 continue
             for state_dt in dict.fromkeys((torch.float32, dt)):
@@ -562,6 +588,12 @@ def quick_jobs(jobs: list[Job]) -> list[Job]:
         c = j.constexprs
         path = (j.kernel, j.dtype, j.types.get("a_ptr") or j.types.get("x_ptr"), j.types.get("b_ptr"), c.get("GATED"),
                 c.get("SPLIT_K"), c.get("HAS_ROPE"), c.get("DECODE"), c.get("ACT"), c.get("HAS_BIAS"))
+        if j.kv_fp8:
+            # FP8 caches: one per cache type and attention path (DSA's sparse tile apart from MLA's),
+            # whatever the activation dtype (the first enumerated: bf16 where the model serves it):
+            # the FP8 variant differs only in its cache loads and stores, and the activation dtypes'
+            # code is the quick set's over their own caches.
+            path = (j.kernel, j.kv_fp8, c.get("SPLIT_K"), c.get("HAS_ROPE"), c.get("SPARSE"))
         if j.kernel in (GEMM, MASKED) and any(u.startswith("tuned") for u in j.users):
             path += (j.key(),)  # every tuned entry
         by_path.setdefault(path, j)
@@ -686,6 +718,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="leave out configurations whose kernel, description or user contains one of these")
     p.add_argument("--model", action="append", default=[], help="also a model's config.json (repeatable)")
     p.add_argument("--dtype", nargs="+", choices=[DTYPE_SIG[d] for d in DTYPES], default=None)
+    p.add_argument("--kv-cache-dtype", nargs="+", choices=list(KV_CACHE_DTYPES), default=list(KV_CACHE_DTYPES),
+                   help="the KV caches' element types to compile the attention kernels for (default: all; "
+                        "'auto': the activation dtype)")
     p.add_argument("--inject-broken", action="store_true",
                    help="add a grouped-GEMM config that cannot compile and one that spills (tests that both "
                         "are caught)")
@@ -700,7 +735,8 @@ def main(argv: list[str] | None = None) -> int:
 
     models = MODELS + tuple(model_from_hf_config(m) for m in args.model)
     dtypes = tuple(d for d in DTYPES if args.dtype is None or DTYPE_SIG[d] in args.dtype)
-    jobs = enumerate_jobs(models, dtypes, args.inject_broken, args.quick)
+    kv_dtypes = tuple(KV_CACHE_DTYPES[k] for k in dict.fromkeys(args.kv_cache_dtype))
+    jobs = enumerate_jobs(models, dtypes, args.inject_broken, args.quick, kv_dtypes)
     if args.only:
         jobs = [j for j in jobs if _names_any(j, args.only)]
     if args.skip:

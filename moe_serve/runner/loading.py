@@ -99,7 +99,7 @@ def warm_up_kernels(model: nn.Module, cfg: EngineConfig, dispatcher: Dispatcher)
     mc = cfg.model
     return kernel_warmup.warm_up(model, dtype=cfg.activation_dtype, device=cfg.device, block_size=cfg.cache.block_size,
                                  max_model_len=mc.max_model_len, num_heads=mc.hf["num_attention_heads"],
-                                 dispatcher=dispatcher)
+                                 dispatcher=dispatcher, kv_cache_dtype=cfg.kv_cache_dtype)
 
 
 def warm_up_before_serving(model: nn.Module, cfg: EngineConfig, moe_ctx: MoEContext, ops: platform.Ops) -> None:

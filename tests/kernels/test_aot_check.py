@@ -6,6 +6,7 @@ The compile runs use Triton's bundled ptxas in a subprocess (no TRITON_INTERPRET
 engine run uses the interpreter in a subprocess; the variant-count tests record the launchers'
 compile keys without running the kernels.
 """
+import functools
 import json
 import os
 import random
@@ -38,8 +39,8 @@ def test_a_broken_config_is_reported_as_failed():
     """The check can fail: a config tl.dot cannot compile is counted, named, and exits 1, and so is
     a gate/up tile too large for its warps' registers (it compiles, spilling ~2.2 KB per thread),
     while the working configurations compiled in the same run still count as compiled."""
-    rc, lines = run_aot("--arch", "90", "--dtype", "bf16", "--only", "broken", "moe-tiny decode",
-                        "--inject-broken", timeout=600)
+    rc, lines = run_aot("--arch", "90", "--dtype", "bf16", "--kv-cache-dtype", "auto", "--only", "broken",
+                        "moe-tiny decode", "--inject-broken", timeout=600)
     m = LAST_LINE.match(lines[-1])
     assert m, lines[-5:]
     # w13 and w2 variants of the K tile 8, and the spilling one
@@ -68,10 +69,16 @@ def test_every_configuration_compiles_for_sm90_and_sm100_without_spills():
     sets: bf16, fp32 and fp16 (the bf16 variants' code over another element type) for sm_90
     (H100/H200), bf16 for sm_100; `python -m moe_serve.kernels.aot_check --arch 90 100 --dtype bf16
     fp32 fp16` compiles the whole sweep (bench/results/aot_sm90_sm100.txt: the suite's 2-core budget
-    does not hold it)."""
-    dtypes = (torch.bfloat16, torch.float32)
-    jobs = aot_check.enumerate_jobs(dtypes=dtypes)
-    quick = aot_check.enumerate_jobs(dtypes=(torch.bfloat16,), quick=True)
+    does not hold it). FP8 KV caches (--kv-cache-dtype): the quick set over float8_e4m3fn caches for
+    sm_90 and float8_e5m2 for sm_100 (the two differ only in the cache's load and store instructions;
+    `aot_check --kv-cache-dtype fp8_e4m3 fp8_e5m2 --only kv=` compiles every pair): the decode tiles
+    of GQA, MLA and DSA's sparse attention with and without split-K, the indexer and the cache
+    write, in bf16, none spilling past --max-spill; MLA's decode over an FP8 latent runs 32 heads
+    a program."""
+    e5m2 = torch.float8_e5m2
+    jobs = _bf16_jobs()  # the bf16 sweep, over bf16 and FP8 caches (shared with other tests: one enumeration)
+    # = enumerate_jobs(dtypes=(bf16,), quick=True, kv_cache_dtypes=(None, e5m2)): quick_jobs keeps the order
+    quick = aot_check.quick_jobs([j for j in jobs if j.kv_fp8 in (None, aot_check.KV_FP8[e5m2])])
     assert {j.key() for j in quick} <= {j.key() for j in jobs}
     short = {(j.short, j.constexprs.get("GATED"), j.constexprs.get("SPLIT_K"), j.constexprs.get("HAS_ROPE"))
              for j in quick}
@@ -81,10 +88,23 @@ def test_every_configuration_compiles_for_sm90_and_sm100_without_spills():
         assert path in short, path
     assert all(aot_check.is_decode(j) for j in quick if j.kernel in (aot_check.GEMM, aot_check.MASKED, aot_check.ATTN))
     # (MXFP4's configurations left to test_mxfp4_launches_compile_for_sm90_and_sm100, which compiles them all)
-    for arch, names, dts in (("90", ("bf16", "fp32", "fp16"), (torch.bfloat16, torch.float32, torch.float16)),
-                             ("100", ("bf16",), (torch.bfloat16,))):
-        quick_set = [j for j in aot_check.enumerate_jobs(dtypes=dts, quick=True) if not j.constexprs.get("B_FP4")]
-        rc, lines = run_aot("--arch", arch, "--dtype", *names, "--quick", "--skip", "mxfp4", timeout=600)
+    fp8_paths = {(aot_check.ATTN, sk, rope, sp) for sk in (False, True) for rope, sp in
+                 ((False, False), (True, False), (True, True))} | {(aot_check.INDEX,) * 4, (aot_check.WRITE,) * 4}
+    for arch, names, dts, kv in (("90", ("bf16", "fp32", "fp16"), (torch.bfloat16, torch.float32, torch.float16),
+                                  "fp8_e4m3"), ("100", ("bf16",), (torch.bfloat16,), "fp8_e5m2")):
+        kv_dt = aot_check.KV_CACHE_DTYPES[kv]
+        # bf16's from the shared sweep, then the other dtypes' (over their own caches: the FP8 quick
+        # set is bf16's): the paths of enumerate_jobs(dtypes=dts, quick=True, kv_cache_dtypes=(None, kv_dt))
+        quick_set = quick if kv_dt == e5m2 else aot_check.quick_jobs(
+            [j for j in jobs if j.kv_fp8 in (None, aot_check.KV_FP8[kv_dt])]
+            + aot_check.enumerate_jobs(dtypes=dts[1:], kv_cache_dtypes=(None,)))
+        quick_set = [j for j in quick_set if not j.constexprs.get("B_FP4")]
+        fp8 = [j for j in quick_set if j.kv_fp8]
+        assert {(j.kernel, *((j.constexprs[k] for k in ("SPLIT_K", "HAS_ROPE", "SPARSE")) if j.kernel == aot_check.ATTN
+                             else (j.kernel,) * 3)) for j in fp8} == fp8_paths and len(fp8) == len(fp8_paths)
+        assert all(j.kv_fp8 == aot_check.KV_FP8[kv_dt] and j.dtype == "bf16" for j in fp8)
+        rc, lines = run_aot("--arch", arch, "--dtype", *names, "--quick", "--kv-cache-dtype", "auto", kv,
+                            "--skip", "mxfp4", timeout=600)
         m = LAST_LINE.match(lines[-1])
         assert m, lines[-10:]
         assert rc == 0, [line for line in lines if "FAIL" in line or "SPILL" in line]
@@ -95,13 +115,23 @@ def test_every_configuration_compiles_for_sm90_and_sm100_without_spills():
         mla = [line for line in lines if line.lstrip().startswith("ok") and "BLOCK_HD=512" in line
                and "BLOCK_Q=1 " in line and "BLOCK_QH=64" in line]
         assert {line.split()[1] for line in mla} == {f"sm_{arch}"}, mla
+        fp8_oks = [line for line in lines if line.lstrip().startswith("ok") and " kv=" in line]
+        assert len(fp8_oks) == len(fp8_paths) and all(f" kv={aot_check.KV_FP8[kv_dt]} " in x for x in fp8_oks), fp8_oks
+        fp8_mla = [line for line in fp8_oks if "BLOCK_HD=512" in line and "SPARSE=0" in line]
+        assert len(fp8_mla) == 2 and all("BLOCK_QH=32" in line for line in fp8_mla), fp8_mla
 
 
 # ---- no JIT recompiles during serving ----------------------------------------------------------------
 
+@functools.lru_cache(maxsize=None)
+def _bf16_jobs() -> tuple:
+    """Every bf16 configuration of aot_check's sweep, over bf16 and FP8 caches (enumerated once)."""
+    return tuple(aot_check.enumerate_jobs(dtypes=(torch.bfloat16,)))
+
+
 def _compiled_variants() -> set:
-    return {(j.kernel, tuple(sorted(j.constexprs.items())), tuple(sorted(j.options.items())))
-            for j in aot_check.enumerate_jobs(dtypes=(torch.bfloat16,))}
+    """(kernel, constexprs, options) of every bf16 configuration, over bf16 and FP8 caches."""
+    return {(j.kernel, tuple(sorted(j.constexprs.items())), tuple(sorted(j.options.items()))) for j in _bf16_jobs()}
 
 
 def _variant(kernel: str, launch: dict) -> tuple:
@@ -115,16 +145,17 @@ MAX_DECODE_VARIANTS = 2
 
 def test_decode_launch_choice_has_few_variants_all_compiled_ahead():
     """Over mixed context lengths 1..32k and batch sizes 1..256, on H200 and B200 SM counts, the split
-    count varies widely but stays a runtime argument: per model the attention kernel has at most
-    MAX_DECODE_VARIANTS constexpr combinations, the reduce kernel one, and aot_check compiles each."""
+    count varies widely but stays a runtime argument: per model and cache type (the activation
+    dtype's, FP8) the attention kernel has at most MAX_DECODE_VARIANTS constexpr combinations, the
+    reduce kernel one, and aot_check compiles each."""
     from attention.backends import triton_paged as tp
 
     compiled = _compiled_variants()
     rng = random.Random(0)
     batches = [1, 2, 3, 4, 7, 8, 16, 31, 32, 64, 100, 128, 200, 256]
-    for m in (m for m in aot_check.MODELS if m.attention):  # DeepSeek-V4's experts only
+    for m, fp8 in ((m, fp8) for m in aot_check.MODELS if m.attention for fp8 in (False, True)):  # V4: experts only
         QH, HD, HR, HV = (m.N, m.L, m.R, m.L) if m.mla else (m.N // m.G, m.H, 0, m.Hv)
-        tile = tp.attention_launch(True, QH, HD, HR, HV, torch.bfloat16, m.mla, m.mla, False)
+        tile = tp.attention_launch(True, QH, HD, HR, HV, torch.bfloat16, m.mla, m.mla, False, fp8_cache=fp8)
         head_programs = m.G * -(-QH // tile["BLOCK_QH"])
         attn_variants, reduce_variants, splits = set(), set(), set()
         for num_sms in (132, 148):
@@ -136,14 +167,14 @@ def test_decode_launch_choice_has_few_variants_all_compiled_ahead():
                     assert 1 <= S <= tp.MAX_SPLITS
                     splits.add(S)
                     launch = tp.attention_launch(True, QH, HD, HR, HV, torch.bfloat16, m.mla, m.mla, S > 1,
-                                                 False, m.sinks)
+                                                 False, m.sinks, fp8_cache=fp8)
                     attn_variants.add(_variant(aot_check.ATTN, launch))
                     if S > 1:
                         reduce_variants.add(_variant(aot_check.REDUCE, tp.reduce_launch(HV, m.sinks)))
         prefill = _variant(aot_check.ATTN, tp.attention_launch(False, QH, HD, HR, HV, torch.bfloat16, m.mla, m.mla,
-                                                               False, False, m.sinks))
+                                                               False, False, m.sinks, fp8_cache=fp8))
         assert len(attn_variants) <= MAX_DECODE_VARIANTS and len(reduce_variants) <= 1, m.name
-        assert attn_variants | reduce_variants | {prefill} <= compiled, m.name
+        assert attn_variants | reduce_variants | {prefill} <= compiled, (m.name, fp8)
         if m.name == "qwen3-30b-a3b":
             assert len(splits) >= 8  # the split count does vary: it is the runtime argument now
 
@@ -270,7 +301,7 @@ def test_what_an_engine_run_launches_is_compiled_ahead_and_warmed_up(checkpoints
         assert {j.constexprs["SPARSE"] for j in launched if j.kernel == sp.ATTN} == {True}
         assert sp.INDEX in {j.kernel for j in launched}
     model = aot_check.model_from_hf_config(os.path.join(path, "config.json"))
-    jobs = {j.key(): j for j in aot_check.enumerate_jobs((model,), (torch.float32,))}
+    jobs = {j.key(): j for j in aot_check.enumerate_jobs((model,), (torch.float32,), kv_cache_dtypes=(None,))}
     missing = [j for j in launched if j.key() not in jobs]
     assert not missing, [(j.describe(), j.marks) for j in missing]
     warmed_keys = {j.key() for j in warmed}
@@ -289,7 +320,7 @@ def test_mxfp4_launches_compile_for_sm90_and_sm100():
     and biases, down), and at the decode tile every activation with and without biases: all compile
     for sm_90 and sm_100 within --max-spill. The checkpoints' config.json say which models ship
     MXFP4 experts (aot_check --model)."""
-    jobs = [j for j in aot_check.enumerate_jobs(dtypes=(torch.bfloat16,)) if j.constexprs.get("B_FP4")]
+    jobs = [j for j in _bf16_jobs() if j.constexprs.get("B_FP4")]
     decode = {(j.constexprs["GATED"], j.constexprs["ACT"], j.constexprs["HAS_BIAS"]) for j in jobs
               if aot_check.is_decode(j)}
     assert decode == {(True, a, b) for a in (0, 1, 2) for b in (False, True)} | {(False, 0, False), (False, 0, True)}
@@ -297,7 +328,8 @@ def test_mxfp4_launches_compile_for_sm90_and_sm100():
         mine = [j for j in jobs if any(u.startswith("default") and ("clamped" if act == 2 else "limited") in u
                                        and ("bias" in u) == bias for u in j.users)]
         assert {j.constexprs["BLOCK_SIZE_M"] for j in mine} == {16, 32, 64}, name  # decode, middle, prefill
-    rc, lines = run_aot("--arch", "90", "100", "--dtype", "bf16", "--only", "mxfp4", timeout=600)
+    rc, lines = run_aot("--arch", "90", "100", "--dtype", "bf16", "--kv-cache-dtype", "auto", "--only", "mxfp4",
+                        timeout=600)
     m = LAST_LINE.match(lines[-1])
     assert m and rc == 0, [line for line in lines if "FAIL" in line or "SPILL" in line] or lines[-5:]
     assert (int(m.group(1)), m.group(2), m.group(3)) == (len(jobs), "sm_90, sm_100", "0"), lines[-5:]
@@ -306,3 +338,30 @@ def test_mxfp4_launches_compile_for_sm90_and_sm100():
     oks = [line for line in lines if line.lstrip().startswith("ok")]
     assert len(oks) == 2 * len(jobs) and all("B_FP4=1" in line for line in oks), oks
     assert {line.split()[1] for line in oks} == {"sm_90", "sm_100"}
+
+
+def test_fp8_kv_caches_enumerated_and_warmed_up():
+    """--kv-cache-dtype fp8_e4m3 / fp8_e5m2: aot_check enumerates every attention, cache-write and
+    indexer launch over both FP8 cache types too (each user of a launch over the activation dtype's
+    cache has its two FP8 twins; test_every_configuration... compiles the FP8 quick sets), and
+    TritonAttention.warm_up with cache_dtype (what moe_serve/kernel_warmup.py passes) launches each
+    of those kernels over FP8 caches of that type, every launch among the enumerated (GQA with sinks
+    and a sliding window, DSA's latent and index keys)."""
+    from attention.backends import TritonAttention
+    from moe_serve.kernels import specialization as sp
+
+    jobs = _bf16_jobs()
+    users = {(j.kv_fp8, u) for j in jobs if j.kernel in (sp.ATTN, sp.INDEX, sp.WRITE) for u in j.users}
+    plain = {u for kv, u in users if kv is None}
+    assert plain and all((kv, f"{u} kv={kv}") in users for u in plain for kv in aot_check.KV_FP8.values())
+    keys = {j.key() for j in jobs}
+    for m in (m for m in aot_check.MODELS if m.name in ("gpt-oss-120b", "deepseek-v3.2")):
+        for kind in aot_check._attention_kinds(m):
+            for fp8, kv in aot_check.KV_FP8.items():
+                with sp.record() as launches:
+                    TritonAttention("cuda").warm_up(aot_check._attention_layer(m, kind), m.N, torch.bfloat16,
+                                                    aot_check.ENGINE_BLOCK_SIZE, 40, True, cache_dtype=fp8)
+                cached = [aot_check.job_from_launch(x) for x in launches if x.kernel in (sp.ATTN, sp.WRITE, sp.INDEX)]
+                assert {j.kernel for j in cached} == {sp.ATTN, sp.WRITE} | ({sp.INDEX} if m.dsa else set())
+                assert all(j.kv_fp8 == kv for j in cached), [(j.describe(), j.types) for j in cached]
+                assert all(j.key() in keys for j in cached)
