@@ -1,0 +1,143 @@
+"""The packed integer weight every int4/int8 format is converted into at load (the contract between
+the format loaders and the int4/int8 kernels).
+
+A quantized weight W of logical shape (N out, K in) (experts: (E, N, K)) with group size G (G divides
+K; G = K is per channel) is held as:
+
+- `bits`: 4 or 8;
+- `qweight`: uint8; bits=8: shape (..., N, K), the unsigned code q in 0..255; bits=4: shape
+  (..., N, K // 2), element k in the low nibble of byte k // 2 when k is even, in the high nibble
+  when k is odd (codes 0..15);
+- `scales`: float32 (..., N, K // G);
+- `offsets`: float32 (..., N, K // G) or None (0);
+- W[n, k] = scales[n, k // G] * q[n, k] + offsets[n, k // G].
+
+Signed symmetric formats store q + 128 (bits 8) or q + 8 (bits 4) with offsets = -128 * scale
+(resp. -8 * scale); a GPTQ/AWQ zero point z gives offsets = -z * scale; GGUF Q4_K's min gives
+offsets = -min. `dequantize()` is the pure-torch float32 reference the kernels are tested against.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """Codes 0..15 (..., K) with K even -> uint8 (..., K // 2): even k low nibble, odd k high."""
+    if q.shape[-1] % 2:
+        raise ValueError(f"pack_nibbles: last dimension {q.shape[-1]} is odd")
+    q = q.to(torch.uint8)
+    if q.numel() and int(q.max()) > 15:
+        raise ValueError("pack_nibbles: codes must be in 0..15")
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).contiguous()
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 (..., K // 2) -> codes uint8 (..., K) (inverse of pack_nibbles)."""
+    lo = packed & 0x0F
+    hi = packed >> 4
+    return torch.stack((lo, hi), dim=-1).flatten(-2)
+
+
+@dataclass
+class PackedWeight:
+    bits: int
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor | None
+    group_size: int
+    shape: tuple[int, ...]
+
+    def __post_init__(self):
+        self.shape = tuple(int(s) for s in self.shape)
+        if self.bits not in (4, 8):
+            raise ValueError(f"PackedWeight.bits={self.bits}: only 4 and 8 are supported")
+        if len(self.shape) < 2:
+            raise ValueError(f"PackedWeight.shape={self.shape}: needs (..., N, K)")
+        k = self.shape[-1]
+        g = self.group_size
+        if not isinstance(g, int) or g <= 0 or k % g:
+            raise ValueError(f"PackedWeight.group_size={g} must be a positive divisor of K={k}")
+        if self.bits == 4 and k % 2:
+            raise ValueError(f"PackedWeight: 4-bit weights need an even K, got K={k}")
+        if self.qweight.dtype != torch.uint8:
+            raise ValueError(f"PackedWeight.qweight dtype {self.qweight.dtype}: must be uint8")
+        qshape = self.shape[:-1] + (k // 2 if self.bits == 4 else k,)
+        if tuple(self.qweight.shape) != qshape:
+            raise ValueError(f"PackedWeight.qweight shape {tuple(self.qweight.shape)} != {qshape} "
+                             f"for {self.bits}-bit weight of shape {self.shape}")
+        sshape = self.shape[:-1] + (k // g,)
+        if self.scales.dtype != torch.float32 or tuple(self.scales.shape) != sshape:
+            raise ValueError(f"PackedWeight.scales {self.scales.dtype} {tuple(self.scales.shape)}: "
+                             f"must be float32 {sshape}")
+        if self.offsets is not None and (self.offsets.dtype != torch.float32
+                                         or tuple(self.offsets.shape) != sshape):
+            raise ValueError(f"PackedWeight.offsets {self.offsets.dtype} {tuple(self.offsets.shape)}: "
+                             f"must be float32 {sshape} or None")
+
+    @property
+    def nbytes(self) -> int:
+        """Resident bytes: codes, scales and offsets."""
+        n = self.qweight.numel() * self.qweight.element_size()
+        n += self.scales.numel() * self.scales.element_size()
+        if self.offsets is not None:
+            n += self.offsets.numel() * self.offsets.element_size()
+        return n
+
+    @property
+    def device(self) -> torch.device:
+        return self.qweight.device
+
+    def codes(self) -> torch.Tensor:
+        """The unsigned codes q as uint8 of the logical shape."""
+        return unpack_nibbles(self.qweight) if self.bits == 4 else self.qweight
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """W = scales * q + offsets per group, computed in float32 (the reference), cast to dtype."""
+        k, g = self.shape[-1], self.group_size
+        q = self.codes().to(torch.float32).reshape(*self.shape[:-1], k // g, g)
+        w = q * self.scales.unsqueeze(-1)
+        if self.offsets is not None:
+            w = w + self.offsets.unsqueeze(-1)
+        return w.reshape(self.shape).to(dtype)
+
+    def select(self, index) -> "PackedWeight":
+        """Index the leading (expert) dimensions: e.g. w.select(e) is expert e's (N, K) weight."""
+        q = self.qweight[index]
+        s = self.scales[index]
+        o = None if self.offsets is None else self.offsets[index]
+        lead = tuple(q.shape[:-1])
+        return PackedWeight(self.bits, q, s, o, self.group_size, lead + (self.shape[-1],))
+
+    def to(self, device) -> "PackedWeight":
+        return PackedWeight(self.bits, self.qweight.to(device), self.scales.to(device),
+                            None if self.offsets is None else self.offsets.to(device),
+                            self.group_size, self.shape)
+
+
+def quantize_reference(w: torch.Tensor, bits: int, group_size: int, symmetric: bool = True
+                       ) -> PackedWeight:
+    """A float weight (..., N, K) rounded to a PackedWeight (for tests and tools): symmetric stores the
+    signed code plus 2 ** (bits - 1) with offsets = -2 ** (bits - 1) * scale; asymmetric uses a min/max
+    zero point."""
+    shape = tuple(w.shape)
+    k = shape[-1]
+    if group_size <= 0 or k % group_size:
+        raise ValueError(f"group_size={group_size} must divide K={k}")
+    wf = w.to(torch.float32).reshape(*shape[:-1], k // group_size, group_size)
+    qmax = 2 ** bits - 1
+    if symmetric:
+        half = 2 ** (bits - 1)
+        scale = wf.abs().amax(-1).clamp(min=1e-12) / (half - 1)
+        q = torch.clamp(torch.round(wf / scale.unsqueeze(-1)) + half, 0, qmax)
+        offsets = -half * scale
+    else:
+        lo, hi = wf.amin(-1).clamp(max=0), wf.amax(-1).clamp(min=0)
+        scale = ((hi - lo) / qmax).clamp(min=1e-12)
+        z = torch.clamp(torch.round(-lo / scale), 0, qmax)
+        q = torch.clamp(torch.round(wf / scale.unsqueeze(-1)) + z.unsqueeze(-1), 0, qmax)
+        offsets = -z * scale
+    q = q.to(torch.uint8).reshape(shape)
+    qweight = pack_nibbles(q) if bits == 4 else q.contiguous()
+    return PackedWeight(bits, qweight, scale.contiguous(), offsets.contiguous(), group_size, shape)
