@@ -61,8 +61,8 @@ def prepare_gemm_weights(model: nn.Module, model_dtype: torch.dtype, device: tor
     done: dict[int, nn.Parameter] = {}  # a parameter converted once, wherever it is shared (a tied head)
     narrowing = params_dtype != model_dtype  # float32 activations over the model's bfloat16 weights
     for m, name in gemm_params(model, narrowing):
-        if isinstance(m, Linear) and name == "weight" and m.weight_scale_inv is not None:
-            m.dequant_dtype = target  # its FP8 blocks dequantize straight to the GEMM dtype
+        if isinstance(m, Linear) and name == "weight" and (m.weight_scale_inv is not None or m.qweight is not None):
+            m.dequant_dtype = target  # its FP8 blocks (or packed int4 / int8) dequantize straight to the GEMM dtype
         p = getattr(m, name)
         if p is None or p.dtype == target or p.dtype == torch.float8_e4m3fn:  # FP8 stays FP8
             continue
@@ -142,7 +142,7 @@ def fuse_projections(model: nn.Module, device: torch.device) -> int:
         groups = m.fusable_projections() if hasattr(m, "fusable_projections") else []
         for names in groups:
             layers = [getattr(m, n, None) for n in names]
-            if not all(type(lin) is Linear and lin.weight_scale_inv is None
+            if not all(type(lin) is Linear and lin.weight_scale_inv is None and lin.qweight is None
                        and not getattr(lin, "weight_used_directly", False) for lin in layers):
                 continue
             ws = [lin.weight for lin in layers]

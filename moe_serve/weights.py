@@ -58,7 +58,8 @@ def load_weights(model: nn.Module, path: str, dtype: torch.dtype, show_progress:
         with safe_open(fp, framework="pt") as f:
             names_by_file.append((fp, list(f.keys())))
     fp8_cfg = _make_fp8_storage(model, fp8_cfg, quantization, names_by_file, experts)
-    loader = _TensorLoader(model, dtype, experts, fp8_cfg)
+    packed = _make_packed_storage(model, names_by_file, experts)
+    loader = _TensorLoader(model, dtype, experts, fp8_cfg, packed)
     bar = tqdm(total=sum(len(n) for _, n in names_by_file), desc="Loading weights", unit="tensor",
                disable=not show_progress)
     for fp, names in names_by_file:
@@ -79,6 +80,9 @@ def tensor_loader(model: nn.Module, dtype: torch.dtype, path: str, quantization:
     from moe_serve.quantization import fp8
 
     fp8_cfg = _checkpoint_fp8_config(model, path, quantization)
+    quant = (getattr(model, "hf", None) or {}).get("quantization_config") or {}
+    if quant.get("quant_method") == "compressed-tensors":
+        raise ValueError("weight updates of a compressed-tensors (packed int4/int8) model are not supported yet")
     if fp8_cfg is None and quantization == "fp8":  # quantized at load: the same blocks again
         fp8_cfg = fp8.BlockFp8Config()
     return _TensorLoader(model, dtype, experts, fp8_cfg)
@@ -93,9 +97,14 @@ def _checkpoint_fp8_config(model: nn.Module, path: str, quantization: str | None
     fp8_cfg = None
     if quant and quant.get("quant_method") == "fp8":
         fp8_cfg = fp8.BlockFp8Config.from_hf(quant)
+    elif quant and quant.get("quant_method") == "compressed-tensors":
+        from moe_serve.quantization import compressed_tensors
+
+        compressed_tensors.CompressedTensorsConfig.from_hf(quant)  # errors name the field
     elif quant and quant.get("quant_method") not in getattr(model, "quant_methods", ()):  # GPT-OSS: "mxfp4"
         raise ValueError(f"checkpoint {path!r} is quantized with quant_method={quant.get('quant_method')!r}; the "
-                         f"supported quantized formats are block FP8 (quant_method 'fp8') and, for GPT-OSS, MXFP4 "
+                         f"supported quantized formats are block FP8 (quant_method 'fp8'), compressed-tensors' "
+                         f"pack-quantized int4/int8 weights ('compressed-tensors') and, for GPT-OSS, MXFP4 "
                          f"('mxfp4'); otherwise use an "
                          f"unquantized (bf16/fp16/fp32) checkpoint, or load_format='dummy' for its sizes")
     if quantization not in (None, "fp8"):
@@ -133,13 +142,71 @@ def _make_fp8_storage(model: nn.Module, fp8_cfg, quantization: str | None, names
     return fp8_cfg
 
 
+def _make_packed_storage(model: nn.Module, names_by_file: list, experts: dict):
+    """compressed-tensors checkpoints: give packed storage (moe_serve/quantization/packed.py) to the
+    modules whose weights come packed (a `weight_packed` tensor), before any tensor loads: linear
+    layers in place, a MoE layer's experts replaced by PackedExperts (`experts` updated). Returns
+    the collector the loading feeds (None: not such a checkpoint)."""
+    from moe_serve.layers.experts import packed_experts
+    from moe_serve.layers.linear import Linear
+    from moe_serve.quantization import compressed_tensors as ct
+
+    cfg = ct.checkpoint_config(getattr(model, "hf", None) or {})
+    if cfg is None:
+        return None
+    collector = ct.PackedTensors(cfg)
+    modules = dict(model.named_modules())
+    expert_groups: dict[str, dict[str, tuple[int, int]]] = {}  # prefix -> {"w13"/"w2": (bits, group)}
+    linears = 0
+    for _, names in names_by_file:
+        for raw in names:
+            mapped = model.checkpoint_name(raw)
+            split = ct.split_name(mapped) if mapped else None
+            if split is None or split[1] != "weight_packed":
+                continue
+            module = split[0]
+            scheme = collector.scheme(module, raw)
+            m = _PER_EXPERT.match(module + ".weight")
+            if m and m.group("prefix") in experts:
+                ex = experts[m.group("prefix")]
+                kind = model.expert_names.get(m.group("proj"))
+                if kind is None:
+                    raise ValueError(f"unexpected expert tensor {raw!r} ({ct.METHOD})")
+                which = "w2" if kind == "down" else "w13"
+                got = (scheme.bits, scheme.group_size or (ex.w13.shape[2] if which == "w13" else ex.F))
+                seen = expert_groups.setdefault(m.group("prefix"), {}).setdefault(which, got)
+                if seen != got:
+                    raise ValueError(f"tensor {raw!r} ({ct.METHOD}): {got[0]}-bit group {got[1]}, but the layer's "
+                                     f"other {which} experts are {seen[0]}-bit group {seen[1]}: not supported")
+                continue
+            lin = modules.get(module)
+            if not isinstance(lin, Linear):
+                raise ValueError(f"tensor {raw!r} is quantized ({ct.METHOD}, {ct.FORMAT}, {scheme.bits}-bit), but "
+                                 f"{module!r} is not a linear layer or expert projection this engine keeps packed")
+            if lin.qweight is None:
+                lin.to_packed(scheme.bits, scheme.group_size or lin.in_features)
+                linears += 1
+    for prefix, groups in expert_groups.items():
+        if len(groups) != 2 or groups["w13"][0] != groups["w2"][0]:
+            raise ValueError(f"{prefix}.experts ({ct.METHOD}): gate/up and down must all be packed with one bit width, "
+                             f"got {groups}")
+        new = packed_experts(experts[prefix], groups["w13"][0], (groups["w13"][1], groups["w2"][1]))
+        owner = modules[prefix]
+        owner.experts = new
+        experts[prefix] = new
+    log.info("%s checkpoint (%s): %d linear layers and %d MoE layers' experts kept packed", ct.METHOD, ct.FORMAT,
+             linears, len(expert_groups))
+    return collector
+
+
 class _TensorLoader:
     """Puts checkpoint tensors, one at a time, where they belong (the model's own hook, an FP8
     scale, an expert slot, a parameter) and remembers what was filled, so `finish` can name what
     the checkpoint lacked."""
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype, experts: dict, fp8_cfg):
+    def __init__(self, model: nn.Module, dtype: torch.dtype, experts: dict, fp8_cfg, packed=None):
         self.model, self.dtype, self.experts, self.fp8_cfg = model, dtype, experts, fp8_cfg
+        self.packed = packed  # compressed_tensors.PackedTensors: packed weights' parts, collected
         # After the FP8 storage is made: the parameters as they will be filled.
         self.params = dict(model.named_parameters(remove_duplicate=True))
         self.scales = {name: b for name, b in model.named_buffers() if name.endswith("weight_scale_inv")}
@@ -207,6 +274,8 @@ class _TensorLoader:
             if mtp and int(mtp.group(1)) >= getattr(self.model, "num_hidden_layers", 1 << 30):
                 self.skipped_layers.add(int(mtp.group(1)))
             return
+        if self.packed is not None and self._load_packed(name, raw, f):
+            return
         if self.hook is not None and (filled := self.hook(name, raw, f)):  # tensors the model loads itself
             self.loaded.update(filled)
             return
@@ -219,6 +288,33 @@ class _TensorLoader:
             return
         if not self._load_expert(name, raw, f, fp):
             self._load_param(name, raw, f, fp)
+
+    def _load_packed(self, name: str, raw: str, f) -> bool:
+        """A part of a packed weight (compressed-tensors: weight_packed, weight_scale, ...): collected
+        until its module has all of them, then converted and placed; False if `name` is none."""
+        from moe_serve.quantization import compressed_tensors as ct
+
+        split = ct.split_name(name)
+        if split is None:
+            return False
+        module, suffix = split
+        m = _PER_EXPERT.match(module + ".weight")
+        expert = m is not None and m.group("prefix") in self.experts
+        if expert and not self.experts[m.group("prefix")].holds(int(m.group("e"))):
+            return True  # other ranks' experts are never read
+        done = self.packed.take(module, suffix, f.get_tensor(raw), raw)
+        if done is None:
+            return True
+        _, w = done
+        if expert:
+            kind = self.model.expert_names[m.group("proj")]
+            self.experts[m.group("prefix")].load(int(m.group("e")), kind, w)
+            which = "w2" if kind == "down" else "w13"
+            self.loaded.update(f"{m.group('prefix')}.experts.{which}_{p}" for p in ("qweight", "scales", "offsets"))
+        else:
+            self.model.get_submodule(module).load_packed(w)
+            self.loaded.update(f"{module}.{p}" for p in ("qweight", "qscales", "qoffsets"))
+        return True
 
     def _load_expert(self, name: str, raw: str, f, fp: str) -> bool:
         """An expert tensor, per expert or fused, into its MoE layer's stacked weights; False if
@@ -315,6 +411,8 @@ class _TensorLoader:
                      "used without speculative decoding", sorted(self.skipped_layers), model.num_hidden_layers)
         if self.fp8_cfg is not None:
             fp8.finish_block_fp8(model, self.dtype)
+        if self.packed is not None:
+            self.packed.finish(path)
         missing = sorted(n for n in self.params if n not in self.loaded and not _tied(model, n))
         missing += sorted(n for n in self.scales if n not in self.loaded and "experts" not in n)
         if missing:

@@ -2,6 +2,8 @@
 
 - `Mxfp4Experts`: routed experts kept packed in MXFP4 (GPT-OSS as released; DeepSeek-V4's FP4
   experts): the MoE layer's `experts_cls` where the checkpoint ships them so;
+- `PackedExperts`: routed experts kept packed in int4 / int8 (moe_serve/quantization/packed.py:
+  compressed-tensors checkpoints), made from a layer's dense experts before loading (`packed_experts`);
 - `limited_swiglu`, `LimitedSwiGLU`, `LimitedSwiGLUExpert`: SwiGLU with the gate clamped from above
   and up clamped both ways (DeepSeek-V4's `swiglu_limit`): the function, the routed experts'
   activation (grouped_gemm's `activation` callable) and the dense shared expert (w1 gate, w3 up,
@@ -20,6 +22,7 @@ from torch import nn
 from expert_parallel.runtime.layer import GroupedExperts
 from moe_serve.kernels.grouped_gemm.mxfp4 import Mxfp4Weight
 from moe_serve.layers.linear import DenseMLP, Linear
+from moe_serve.quantization.packed import PackedWeight
 
 
 class Mxfp4Experts(GroupedExperts):
@@ -52,6 +55,79 @@ class Mxfp4Experts(GroupedExperts):
 
     def op_kwargs(self) -> dict:
         return dict(w13_bias=self.w13_bias, w2_bias=self.w2_bias, activation=self.activation)
+
+
+class PackedExperts(GroupedExperts):
+    """This rank's expert slots kept packed (PackedWeight's layout, stacked per slot): w13 as
+    (E, 2F, D) codes with (E, 2F, D / G13) float32 scales and offsets ([gate; up] rows), w2 as
+    (E, D, F) codes with (E, D, F / G2); codes one a byte (8 bits) or two (4 bits). The expert op
+    dequantizes the routed experts per step (the torch ops' path for quantized weights)."""
+
+    def __init__(self, num_local: int, hidden_size: int, intermediate_size: int, local_logical: list[int], dtype,
+                 bits: int, group_sizes: tuple[int, int], activation="silu"):
+        nn.Module.__init__(self)
+        D, F = hidden_size, intermediate_size
+        self.F, self.D, self.bits, self.group_sizes = F, D, bits, tuple(group_sizes)
+        self.w13 = self.w2 = None  # no dense copy
+        self.w13_bias = self.w2_bias = None
+        g13, g2 = self.group_sizes
+        for K, G, what in ((D, g13, "hidden_size"), (F, g2, "intermediate_size")):
+            if G <= 0 or K % G or (bits == 4 and K % 2):
+                raise ValueError(f"packed {bits}-bit experts: group size {G} must divide {what} {K} (and it must be "
+                                 f"even for 4 bits)")
+
+        def param(*shape, dtype=torch.float32):
+            return nn.Parameter(torch.zeros(num_local, *shape, dtype=dtype), requires_grad=False)
+
+        per = 2 if bits == 4 else 1
+        self.w13_qweight, self.w2_qweight = param(2 * F, D // per, dtype=torch.uint8), param(D, F // per, dtype=torch.uint8)
+        self.w13_scales, self.w13_offsets = param(2 * F, D // g13), param(2 * F, D // g13)
+        self.w2_scales, self.w2_offsets = param(D, F // g2), param(D, F // g2)
+        self.activation = activation
+        self.set_local_logical(local_logical)
+
+    def op_weights(self):
+        E = self.w13_qweight.shape[0]
+        return (PackedWeight(self.bits, self.w13_qweight, self.w13_scales, self.w13_offsets, self.group_sizes[0],
+                             (E, 2 * self.F, self.D)),
+                PackedWeight(self.bits, self.w2_qweight, self.w2_scales, self.w2_offsets, self.group_sizes[1],
+                             (E, self.D, self.F)))
+
+    def op_kwargs(self) -> dict:
+        return {} if self.activation == "silu" else dict(activation=self.activation)
+
+    def load(self, logical_id: int, kind: str, w, scale_inv=None) -> None:
+        """kind "gate" / "up" (F, D) or "down" (D, F), as a PackedWeight of these experts' bits and
+        group size; copied to every replica."""
+        if not isinstance(w, PackedWeight):
+            raise ValueError(f"expert {logical_id} {kind}: the checkpoint gives a dense tensor, but this layer's "
+                             f"experts are packed ({self.bits}-bit): every expert projection must be quantized alike")
+        rows = {"gate": slice(0, self.F), "up": slice(self.F, 2 * self.F), "down": slice(None)}.get(kind)
+        want = (self.D, self.F) if kind == "down" else (self.F, self.D)
+        if rows is None:
+            raise ValueError(f"expert weight kind {kind!r} is not supported with packed experts (per-expert gate, up "
+                             f"and down tensors are)")
+        g = self.group_sizes[1 if kind == "down" else 0]
+        if (w.bits, w.group_size, w.shape) != (self.bits, g, want):
+            raise ValueError(f"expert {logical_id} {kind}: {w.bits}-bit group {w.group_size} {w.shape}, expected "
+                             f"{self.bits}-bit group {g} {want}: every expert projection must be quantized alike")
+        pre = "w2" if kind == "down" else "w13"
+        offsets = w.offsets if w.offsets is not None else torch.zeros_like(w.scales)
+        for s in self.slots_of.get(logical_id, ()):
+            for part, t in (("qweight", w.qweight), ("scales", w.scales), ("offsets", offsets)):
+                getattr(self, f"{pre}_{part}").data[s, rows].copy_(t)
+
+
+def packed_experts(dense: GroupedExperts, bits: int, group_sizes: tuple[int, int]) -> PackedExperts:
+    """Packed experts in place of a layer's dense ones (before loading: the dense tensors were never
+    filled), the same slots, sizes and activation."""
+    if type(dense) is not GroupedExperts or dense.w13_bias is not None:
+        raise ValueError(f"packed int{bits} experts replace plain SwiGLU experts without biases, not "
+                         f"{type(dense).__name__}{' with biases' if dense.w13_bias is not None else ''}")
+    E, twoF, D = dense.w13.shape
+    with torch.device(dense.w13.device):
+        return PackedExperts(E, D, twoF // 2, dense.local_logical, dense.w13.dtype, bits, group_sizes,
+                             dense.activation)
 
 
 def limited_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:

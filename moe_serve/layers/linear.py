@@ -7,6 +7,7 @@ from torch import nn
 
 from moe_serve.kernels.linear import TorchLinear
 from moe_serve.quantization.fp8 import FP8, dequantize_blocks, scale_shape
+from moe_serve.quantization.packed import PackedWeight
 
 
 class Linear(nn.Module):
@@ -22,6 +23,8 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
         self.register_buffer("weight_scale_inv", None)  # block FP8's scales (to_block_fp8)
+        for name in ("qweight", "qscales", "qoffsets"):  # a packed int4 / int8 weight (to_packed)
+            self.register_parameter(name, None)
 
     # Block FP8 (moe_serve/quantization/fp8.py): set by `to_block_fp8` before loading.
     fp8_block: tuple[int, int] | None = None
@@ -39,8 +42,50 @@ class Linear(nn.Module):
                                            dtype=torch.float32, device=self.weight.device)
         self.fp8_block = block
 
+    # Packed int4 / int8 (moe_serve/quantization/packed.py): set by `to_packed` before loading.
+    packed_group: int | None = None
+    packed_bits: int | None = None
+
+    def to_packed(self, bits: int, group_size: int) -> None:
+        """Keep this weight packed (PackedWeight's codes, float32 scales and offsets as parameters,
+        filled by `load_packed`): the dense weight is dropped before the load, never filled.
+        Dequantized per call in forward."""
+        if getattr(self, "weight_used_directly", False):
+            raise ValueError(f"a {bits}-bit packed weight for a layer whose weight the model reads directly "
+                             f"({self.out_features}x{self.in_features}) is not supported")
+        N, K, dev = self.out_features, self.in_features, self.weight.device
+        # the shapes are valid (group size divides K, K even for 4 bits), or the error names them
+        PackedWeight(bits, torch.empty(N, K // 2 if bits == 4 else K, dtype=torch.uint8, device="meta"),
+                     torch.empty(N, K // group_size, device="meta"), None, group_size, (N, K))
+
+        def param(*shape, dtype=torch.float32):
+            return nn.Parameter(torch.empty(*shape, dtype=dtype, device=dev), requires_grad=False)
+
+        self.weight = None
+        self.qweight = param(N, K // 2 if bits == 4 else K, dtype=torch.uint8)
+        self.qscales, self.qoffsets = param(N, K // group_size), param(N, K // group_size)
+        self.packed_bits, self.packed_group = bits, group_size
+
+    def packed(self) -> PackedWeight:
+        """The packed weight (views of this layer's parameters)."""
+        return PackedWeight(self.packed_bits, self.qweight, self.qscales, self.qoffsets, self.packed_group,
+                            (self.out_features, self.in_features))
+
+    def load_packed(self, w: PackedWeight) -> None:
+        if (w.bits, w.group_size, w.shape) != (self.packed_bits, self.packed_group, (self.out_features, self.in_features)):
+            raise ValueError(f"packed weight {w.bits}-bit group {w.group_size} {w.shape} does not match the layer's "
+                             f"{self.packed_bits}-bit group {self.packed_group} {(self.out_features, self.in_features)}")
+        self.qweight.data.copy_(w.qweight)
+        self.qscales.data.copy_(w.scales)
+        if w.offsets is None:
+            self.qoffsets.data.zero_()
+        else:
+            self.qoffsets.data.copy_(w.offsets)
+
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight as a dense tensor (dequantized when it is FP8)."""
+        """The weight as a dense tensor (dequantized when it is FP8 or packed)."""
+        if self.qweight is not None:
+            return self.packed().dequantize(dtype)
         if self.weight_scale_inv is None:
             return self.weight
         return dequantize_blocks(self.weight, self.weight_scale_inv, self.fp8_block, dtype)
@@ -48,6 +93,8 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_scale_inv is not None:  # block FP8
             return self.ops.fp8(self, x)
+        if self.qweight is not None:  # packed int4 / int8: dequantized for this call only (torch ops)
+            return self.ops(x, self.dense_weight(self.dequant_dtype or x.dtype), self.bias)
         return self.ops(x, self.weight, self.bias)
 
 

@@ -93,14 +93,20 @@ class PackedWeight:
         """The unsigned codes q as uint8 of the logical shape."""
         return unpack_nibbles(self.qweight) if self.bits == 4 else self.qweight
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """W = scales * q + offsets per group, computed in float32 (the reference), cast to dtype."""
-        k, g = self.shape[-1], self.group_size
-        q = self.codes().to(torch.float32).reshape(*self.shape[:-1], k // g, g)
-        w = q * self.scales.unsqueeze(-1)
-        if self.offsets is not None:
-            w = w + self.offsets.unsqueeze(-1)
-        return w.reshape(self.shape).to(dtype)
+    def dequantize(self, dtype: torch.dtype = torch.float32, experts: torch.Tensor | None = None,
+                   workspace: str | None = None) -> torch.Tensor:
+        """W = scales * q + offsets per group, computed in float32 (the reference), cast to dtype.
+        experts: for stacked (E, N, K) weights, the expert indices to dequantize (all when None), as
+        the expert op asks (moe_serve/kernels/grouped_gemm: `shape` and `dequantize(dtype, experts)`);
+        workspace: that interface's buffer name, unused (a fresh tensor each call)."""
+        del workspace
+        w = self if experts is None else self.select(experts)
+        k, g = w.shape[-1], w.group_size
+        q = w.codes().to(torch.float32).reshape(*w.shape[:-1], k // g, g)
+        out = q * w.scales.unsqueeze(-1)
+        if w.offsets is not None:
+            out = out + w.offsets.unsqueeze(-1)
+        return out.reshape(w.shape).to(dtype)
 
     def select(self, index) -> "PackedWeight":
         """Index the leading (expert) dimensions: e.g. w.select(e) is expert e's (N, K) weight."""

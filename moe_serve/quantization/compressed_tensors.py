@@ -1,0 +1,257 @@
+"""compressed-tensors checkpoints (quant_method "compressed-tensors", as llm-compressor writes them),
+format "pack-quantized": int4 / int8 weights, kept packed (moe_serve/quantization/packed.py).
+
+What is served: weight-only integer schemes (W4A16 and W8A16), symmetric or asymmetric (a zero
+point), per group (`strategy: "group"`, a group size dividing the input dimension) or per channel
+(`strategy: "channel"`); no activation quantization. Anything else in the config (another format,
+a float or activation scheme, a group activation order that needs g_idx, a KV cache scheme, a
+sparsity or transform config) is refused at start-up, naming the field and the format.
+
+On disk, for each quantized module <m> (a linear layer, or one expert's gate_proj / up_proj /
+down_proj):
+  <m>.weight_packed      int32 (N, ceil(K * bits / 32)): code i at bits [i * bits, (i + 1) * bits)
+                         of the little-endian words, the signed value plus 2 ** (bits - 1);
+  <m>.weight_scale       (N, K / G) in the model's dtype (per channel: (N, 1));
+  <m>.weight_zero_point  int32, asymmetric only: the signed zero points (N, K / G) packed the same
+                         way along N (ceil(N * bits / 32), K / G);
+  <m>.weight_shape       int64 (2,): (N, K).
+The value is (signed q - zero point) * scale, so in PackedWeight's terms the code is the stored
+unsigned code u = q + 2 ** (bits - 1), the scale as given, and offsets = -(2 ** (bits - 1) + z) *
+scale (symmetric: z = 0). Which modules are quantized is read from the tensors (a module with a
+`weight_packed`) and checked against the config's config_groups targets and `ignore` list: a packed
+module that no group targets, or that the config ignores, is an error naming it.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from moe_serve.quantization.packed import PackedWeight
+
+log = logging.getLogger("moe_serve.quantization")
+
+METHOD = "compressed-tensors"
+FORMAT = "pack-quantized"
+SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
+_IGNORED_WEIGHT_FIELDS = ("observer", "observer_kwargs", "block_structure")
+
+
+@dataclass(frozen=True)
+class WeightScheme:
+    """One config group's weight quantization, as served."""
+    bits: int
+    symmetric: bool
+    strategy: str  # "group" | "channel"
+    group_size: int | None  # strategy "group" only
+
+
+@dataclass(frozen=True)
+class CompressedTensorsConfig:
+    groups: tuple[tuple[str, tuple[str, ...], WeightScheme], ...]  # (group name, targets, scheme)
+    ignore: tuple[str, ...]
+
+    @staticmethod
+    def from_hf(q: dict) -> "CompressedTensorsConfig":
+        """Validate a checkpoint's quantization_config; errors name the field and the format."""
+        top = q.get("format")
+        if top not in (FORMAT, "mixed-precision", None):
+            raise ValueError(f"quantization_config.format={top!r} (compressed-tensors): only {FORMAT!r} is "
+                             f"supported (int4 / int8 weights packed in int32 words)")
+        status = q.get("quantization_status", "compressed")
+        if status != "compressed":
+            raise ValueError(f"quantization_config.quantization_status={status!r} (compressed-tensors): only "
+                             f"'compressed' checkpoints are supported")
+        for field in ("kv_cache_scheme", "sparsity_config", "transform_config"):
+            if q.get(field):
+                raise ValueError(f"quantization_config.{field}={q[field]!r} (compressed-tensors): not supported yet")
+        groups = q.get("config_groups")
+        if not isinstance(groups, dict) or not groups:
+            raise ValueError("quantization_config.config_groups (compressed-tensors) is missing or empty")
+        parsed = []
+        for name, scheme in groups.items():
+            where = f"quantization_config.config_groups.{name}"
+            if not isinstance(scheme, dict):
+                raise ValueError(f"{where}={scheme!r} (compressed-tensors): only explicit schemes (targets, weights) "
+                                 f"are supported, not preset names")
+            parsed.append((name, _targets(scheme, where), _weight_scheme(scheme, where, top)))
+        ignore = q.get("ignore") or []
+        if not isinstance(ignore, list) or not all(isinstance(t, str) for t in ignore):
+            raise ValueError(f"quantization_config.ignore={ignore!r} (compressed-tensors) must be a list of names")
+        return CompressedTensorsConfig(tuple(parsed), tuple(ignore))
+
+    def scheme_for(self, module: str) -> WeightScheme | None:
+        """The scheme of the first group that targets `module` (our checkpoint-named module), or None
+        when none does or the config ignores it."""
+        if any(_matches(t, module) for t in self.ignore):
+            return None
+        for _, targets, scheme in self.groups:
+            if any(_matches(t, module) for t in targets):
+                return scheme
+        return None
+
+
+def _targets(scheme: dict, where: str) -> tuple[str, ...]:
+    targets = scheme.get("targets")
+    if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
+        raise ValueError(f"{where}.targets={targets!r} (compressed-tensors) must be a non-empty list of names")
+    for t in targets:
+        if not (t == "Linear" or t.startswith("re:") or "." in t or t == "lm_head"):
+            raise ValueError(f"{where}.targets contains {t!r} (compressed-tensors): only 'Linear', 're:<regex>' "
+                             f"and module names are supported as targets")
+    return tuple(targets)
+
+
+def _weight_scheme(scheme: dict, where: str, top_format) -> WeightScheme:
+    fmt = scheme.get("format") or top_format
+    if fmt != FORMAT:
+        raise ValueError(f"{where}.format={fmt!r} (compressed-tensors): only {FORMAT!r} is supported")
+    for act in ("input_activations", "output_activations"):
+        if scheme.get(act) is not None:
+            raise ValueError(f"{where}.{act}={scheme[act]!r} (compressed-tensors, {FORMAT}): activation "
+                             f"quantization (e.g. W8A8) is not supported yet; weight-only schemes (W4A16, W8A16) are")
+    w = scheme.get("weights")
+    if not isinstance(w, dict):
+        raise ValueError(f"{where}.weights={w!r} (compressed-tensors): a weight scheme is required")
+    w_where = f"{where}.weights"
+    checks = [("type", w.get("type", "int") == "int", "only 'int'"),
+              ("num_bits", w.get("num_bits") in (4, 8), "only 4 and 8"),
+              ("strategy", w.get("strategy") in ("group", "channel"), "only 'group' and 'channel'"),
+              ("dynamic", not w.get("dynamic", False), "only static (false)"),
+              ("actorder", w.get("actorder") in (None, "static", "weight"),
+               "only none, 'static' or 'weight' (a 'group' order needs g_idx, not supported yet)"),
+              ("scale_dtype", w.get("scale_dtype") is None, "only the default"),
+              ("zp_dtype", w.get("zp_dtype") is None, "only the default")]
+    for field, ok, allowed in checks:
+        if not ok:
+            raise ValueError(f"{w_where}.{field}={w.get(field)!r} (compressed-tensors, {FORMAT}): {allowed} "
+                             f"supported")
+    gs = w.get("group_size")
+    if w["strategy"] == "group" and (not isinstance(gs, int) or gs <= 0):
+        raise ValueError(f"{w_where}.group_size={gs!r} (compressed-tensors): strategy 'group' needs a positive int")
+    return WeightScheme(int(w["num_bits"]), bool(w.get("symmetric", True)), w["strategy"],
+                        int(gs) if w["strategy"] == "group" else None)
+
+
+def _matches(target: str, module: str) -> bool:
+    """compressed-tensors' target rule on a module name: 're:<regex>' matched from the start, a
+    name equal to the module's or to its last component(s), 'Linear' any module given to us."""
+    if target == "Linear":
+        return True
+    if target.startswith("re:"):
+        return re.match(target[3:], module) is not None
+    return module == target or module.endswith("." + target)
+
+
+def split_name(name: str) -> tuple[str, str] | None:
+    """(module, suffix) of a compressed-tensors weight tensor's name, else None."""
+    module, _, suffix = name.rpartition(".")
+    return (module, suffix) if suffix in SUFFIXES and module else None
+
+
+def unpack_codes(t: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """int32 words (..., W), codes packed along the last dimension from bit 0 of the little-endian
+    words -> the bytes holding the first n codes, uint8 (..., ceil(n * bits / 8)): bits 8 one code
+    a byte, bits 4 two (the even element in the low nibble: PackedWeight's layout)."""
+    if t.dtype != torch.int32:
+        raise ValueError(f"packed tensor has dtype {t.dtype}, expected torch.int32")
+    b = t.contiguous().view(torch.uint8)
+    if sys.byteorder == "big":  # the words' bytes in little-endian order
+        b = b.view(*t.shape, 4).flip(-1).reshape(*t.shape[:-1], -1)
+    per_byte = 8 // bits
+    need = (n + per_byte - 1) // per_byte
+    if b.shape[-1] < need:
+        raise ValueError(f"packed tensor has {b.shape[-1]} bytes a row, fewer than {need} for {n} {bits}-bit codes")
+    return b[..., :need]
+
+
+def signed_codes(t: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """int32 words -> the signed values they pack (int32, (..., n))."""
+    from moe_serve.quantization.packed import unpack_nibbles
+
+    b = unpack_codes(t, bits, n)
+    u = unpack_nibbles(b)[..., :n] if bits == 4 else b
+    return u.to(torch.int32) - (1 << (bits - 1))
+
+
+def to_packed(parts: dict[str, torch.Tensor], scheme: WeightScheme, module: str) -> PackedWeight:
+    """One module's compressed-tensors tensors (by suffix) as a PackedWeight; errors name the module."""
+    bits = scheme.bits
+    shape = parts["weight_shape"].reshape(-1).tolist()
+    if len(shape) != 2:
+        raise ValueError(f"tensor {module}.weight_shape={shape}: expected (out, in)")
+    N, K = int(shape[0]), int(shape[1])
+    G = scheme.group_size if scheme.strategy == "group" else K
+    if K % G:
+        raise ValueError(f"{module}: group_size {G} does not divide the input dimension {K} (compressed-tensors "
+                         f"{FORMAT}); only group sizes that divide it are supported")
+    if bits == 4 and K % 2:
+        raise ValueError(f"{module}: 4-bit weights need an even input dimension, got {K}")
+    packed = parts["weight_packed"]
+    words = -(-K * bits // 32)
+    if tuple(packed.shape) != (N, words):
+        raise ValueError(f"tensor {module}.weight_packed has shape {tuple(packed.shape)}, expected {(N, words)} for "
+                         f"a {bits}-bit weight of shape {(N, K)}")
+    qweight = unpack_codes(packed, bits, K).contiguous().clone()  # its own storage: the int32 words go
+    scale = parts["weight_scale"]
+    if tuple(scale.shape) != (N, K // G):
+        raise ValueError(f"tensor {module}.weight_scale has shape {tuple(scale.shape)}, expected {(N, K // G)}")
+    scale = scale.to(torch.float32).contiguous()
+    z = parts.get("weight_zero_point")
+    if scheme.symmetric and z is not None:
+        raise ValueError(f"tensor {module}.weight_zero_point: the scheme is symmetric, no zero point expected")
+    if not scheme.symmetric:
+        if z is None:
+            raise ValueError(f"{module}: asymmetric scheme without weight_zero_point")
+        zw = -(-N * bits // 32)
+        if tuple(z.shape) != (zw, K // G):
+            raise ValueError(f"tensor {module}.weight_zero_point has shape {tuple(z.shape)}, expected {(zw, K // G)}")
+        zero = signed_codes(z.t(), bits, N).t().to(torch.float32)  # packed along N
+    else:
+        zero = torch.zeros_like(scale)
+    offsets = (-(float(1 << (bits - 1)) + zero) * scale).contiguous()
+    return PackedWeight(bits, qweight, scale, offsets, G, (N, K))
+
+
+class PackedTensors:
+    """Collects each quantized module's tensors as the checkpoint's files give them, in any order;
+    `take` returns (module, PackedWeight) once a module has all of its parts, None before."""
+
+    def __init__(self, cfg: CompressedTensorsConfig):
+        self.cfg = cfg
+        self.pending: dict[str, dict[str, torch.Tensor]] = {}
+
+    def scheme(self, module: str, raw: str) -> WeightScheme:
+        scheme = self.cfg.scheme_for(module)
+        if scheme is None:
+            raise ValueError(f"tensor {raw!r} is quantized ({METHOD}, {FORMAT}), but quantization_config's "
+                             f"config_groups do not target module {module!r} or its `ignore` list names it")
+        return scheme
+
+    def take(self, module: str, suffix: str, t: torch.Tensor, raw: str) -> tuple[str, PackedWeight] | None:
+        if suffix == "weight_g_idx":
+            raise ValueError(f"tensor {raw!r}: activation-ordered groups (g_idx, {METHOD} {FORMAT}) are not "
+                             f"supported yet")
+        scheme = self.scheme(module, raw)
+        parts = self.pending.setdefault(module, {})
+        parts[suffix] = t
+        need = {"weight_packed", "weight_scale", "weight_shape"} | (set() if scheme.symmetric else {"weight_zero_point"})
+        if not need <= set(parts):
+            return None
+        del self.pending[module]
+        return module, to_packed(parts, scheme, module)
+
+    def finish(self, path: str) -> None:
+        if self.pending:
+            module, parts = next(iter(self.pending.items()))
+            raise ValueError(f"checkpoint {path!r}: quantized module {module!r} ({METHOD}) has only "
+                             f"{sorted(parts)}; weight_packed, weight_scale and weight_shape (and weight_zero_point "
+                             f"for an asymmetric scheme) are needed")
+
+
+def checkpoint_config(hf: dict) -> CompressedTensorsConfig | None:
+    q = hf.get("quantization_config") or {}
+    return CompressedTensorsConfig.from_hf(q) if q.get("quant_method") == METHOD else None

@@ -1,0 +1,237 @@
+"""compressed-tensors pack-quantized checkpoints (int4 / int8 weights, kept packed): greedy tokens
+equal transformers running the weights as the compressed-tensors package itself decompresses them;
+the packed weights take a quarter (int4) / half (int8) of bf16's bytes; schemes we do not serve are
+refused at start-up, naming them.
+
+The checkpoints are written by the compressed-tensors package: a tree of nn.Linear modules named as
+the checkpoint's tensors (experts per expert, as llm-compressor saves them), the package's
+`apply_quantization_config` with a QuantizationConfig, scales and zero points from its own
+`calculate_qparams` over each group's min and max (its min-max observer's rule), then
+`ModelCompressor.compress_model` and `update_config`. The oracle's weights are the same modules after
+`ModelCompressor.decompress_model`, copied into transformers' model of the unquantized checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("compressed_tensors", reason="compressed-tensors writes these checkpoints (the test extras)")
+
+from moe_serve import LLM  # noqa: E402
+from moe_serve.config import ModelConfig  # noqa: E402
+from moe_serve.quantization.compressed_tensors import CompressedTensorsConfig, to_packed, WeightScheme  # noqa: E402
+from tests.models.test_fp8 import oracle  # noqa: E402
+from tests.models.test_hf_parity import check_greedy_parity  # noqa: E402
+
+IGNORE = ["lm_head", "re:.*mlp\\.gate$"]  # the router stays float, as llm-compressor's recipes leave it
+
+
+def build_qwen3_moe_128(path: str) -> str:
+    """A tiny Qwen3-MoE whose every linear input dimension is a multiple of 128 (so group 128
+    applies), per-expert tensors as the Hub has them."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from tests.checkpoints import VOCAB, _tokenizer, widen_
+
+    special = _tokenizer(path)
+    cfg = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                         num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
+                         max_position_embeddings=1024, eos_token_id=special["<|im_end|>"],
+                         pad_token_id=special["<|endoftext|>"], tie_word_embeddings=False)
+    torch.manual_seed(0)
+    m = Qwen3MoeForCausalLM(cfg).eval()
+    widen_(m, 3)
+    m.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    return build_qwen3_moe_128(str(tmp_path_factory.mktemp("qwen3_moe_128")))
+
+
+def _linear_tree(sd: dict[str, torch.Tensor]) -> nn.Module:
+    """nn.Linear modules named as the checkpoint's 2-D weights (not embeddings or norms)."""
+    root = nn.Module()
+    for name, w in sd.items():
+        if w.dim() != 2 or not name.endswith(".weight") or "embed_tokens" in name or "norm" in name:
+            continue
+        *path, leaf, _ = name.split(".")
+        m = root
+        for p in path:
+            if not hasattr(m, p):
+                m.add_module(p, nn.Module())
+            m = getattr(m, p)
+        lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
+        lin.weight.data.copy_(w)
+        m.add_module(leaf, lin)
+    return root
+
+
+def write_checkpoint(src: str, dst: str, weights: dict, ignore=IGNORE) -> dict[str, torch.Tensor]:
+    """A compressed-tensors pack-quantized copy of `src` at `dst` (weights: the QuantizationArgs'
+    fields); returns the package's decompressed weights by tensor name (the oracle's)."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
+                                                 apply_quantization_config)
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    sd = load_file(os.path.join(src, "model.safetensors"))
+    root = _linear_tree(sd)
+    args = QuantizationArgs(type="int", **weights)
+    qc = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
+                            ignore=list(ignore), format="pack-quantized")
+    apply_quantization_config(root, qc)
+    for _, m in root.named_modules():
+        if getattr(m, "quantization_scheme", None) is None:
+            continue
+        w = m.weight.detach()
+        G = args.group_size if args.strategy == "group" else w.shape[1]
+        g = w.reshape(w.shape[0], w.shape[1] // G, G)
+        scale, zero = calculate_qparams(g.amin(-1), g.amax(-1), args)
+        m.weight_scale.data.copy_(scale.reshape(m.weight_scale.shape))
+        if hasattr(m, "weight_zero_point"):
+            m.weight_zero_point.data.copy_(zero.reshape(m.weight_zero_point.shape))
+    compressor = ModelCompressor.from_pretrained_model(root, "pack-quantized")
+    compressor.compress_model(root)
+    out = {k: v for k, v in sd.items() if not (k in dict(root.named_parameters()) or
+                                                k[: -len(".weight")] in dict(root.named_modules()))}
+    out.update({k: v.contiguous() for k, v in root.state_dict().items()})
+    save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    compressor.update_config(dst)
+    compressor.decompress_model(root)
+    return {k: v.detach().float() for k, v in root.state_dict().items() if k.endswith(".weight")}
+
+
+CASES = {"w4a16-group128-sym": dict(num_bits=4, symmetric=True, strategy="group", group_size=128),
+         "w8a16-channel-asym": dict(num_bits=8, symmetric=False, strategy="channel")}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_matches_transformers_on_package_decompressed_weights(qwen3, tmp_path, case):
+    dst = str(tmp_path / case)
+    dequant = write_checkpoint(qwen3, dst, CASES[case])
+    with open(os.path.join(dst, "config.json")) as f:
+        assert json.load(f)["quantization_config"]["quant_method"] == "compressed-tensors"
+    model = oracle(qwen3, dequant)
+    from tests.models.test_hf_parity import hf_model
+
+    plain = dict(hf_model(qwen3).named_parameters())  # the oracle really holds the quantized weights
+    assert any(not torch.equal(p, plain[n]) for n, p in model.named_parameters())
+    check_greedy_parity(dst, model, 60 + list(CASES).index(case))
+
+
+@pytest.mark.parametrize("weights", [dict(num_bits=4, symmetric=False, strategy="group", group_size=32),
+                                     dict(num_bits=8, symmetric=True, strategy="group", group_size=64),
+                                     dict(num_bits=4, symmetric=True, strategy="channel")],
+                         ids=["w4-asym-g32", "w8-sym-g64", "w4-sym-channel"])
+def test_packed_weight_equals_package_decompression(qwen3, tmp_path, weights):
+    """Each module's tensors, converted to PackedWeight, dequantize to the package's own weights."""
+    from safetensors.torch import load_file
+
+    dst = str(tmp_path / "ct")
+    dequant = write_checkpoint(qwen3, dst, weights)
+    sd = load_file(os.path.join(dst, "model.safetensors"))
+    scheme = WeightScheme(weights["num_bits"], weights["symmetric"], weights["strategy"], weights.get("group_size"))
+    modules = sorted(k[: -len(".weight_packed")] for k in sd if k.endswith(".weight_packed"))
+    assert any(".experts.3.down_proj" in m for m in modules) and any("self_attn.o_proj" in m for m in modules)
+    assert not any(m.endswith("mlp.gate") or m == "lm_head" for m in modules)  # the ignore list
+    for m in modules:
+        parts = {k.rsplit(".", 1)[1]: v for k, v in sd.items() if k.rsplit(".", 1)[0] == m}
+        pw = to_packed(parts, scheme, m)
+        assert pw.qweight.dtype == torch.uint8 and pw.bits == weights["num_bits"]
+        torch.testing.assert_close(pw.dequantize(), dequant[m + ".weight"], rtol=1e-6, atol=1e-6)
+
+
+def test_packed_weights_stay_packed_in_memory(qwen3, tmp_path):
+    """Quantized layers keep their codes (a byte per two int4 / per int8 weight) and float32 scales
+    and offsets: about a quarter (int4, group 128) / half (int8, per channel) of bf16's bytes."""
+    bf16 = LLM(qwen3, dtype="bfloat16", kv_cache_memory=1 << 20, show_progress=False)
+    bf16_params = dict(bf16.engine.runner.model.named_parameters())
+    for case, ratio in (("w4a16-group128-sym", 0.25), ("w8a16-channel-asym", 0.5)):
+        dst = str(tmp_path / case)
+        write_checkpoint(qwen3, dst, CASES[case])
+        model = LLM(dst, dtype="bfloat16", kv_cache_memory=1 << 20, show_progress=False).engine.runner.model
+        packed = {n: p for n, p in model.named_parameters() if n.endswith(("qweight", "qscales", "qoffsets",
+                                                                           "_scales", "_offsets"))}
+        assert any("experts.w13_qweight" in n for n in packed) and any("o_proj.qweight" in n for n in packed)
+        assert all(p.dtype == torch.uint8 for n, p in packed.items() if "qweight" in n)
+        dense_names = {n.replace("qweight", "weight").replace("experts.w13_weight", "experts.w13")
+                       .replace("experts.w2_weight", "experts.w2") for n in packed if "qweight" in n}
+        assert dense_names <= set(bf16_params)
+        bf16_bytes = sum(bf16_params[n].numel() * 2 for n in dense_names)
+        packed_bytes = sum(p.numel() * p.element_size() for p in packed.values())
+        assert ratio <= packed_bytes / bf16_bytes <= ratio * 1.15, (case, packed_bytes / bf16_bytes)
+        # no dense copy of a quantized weight anywhere in the model
+        assert not any(n in dict(model.named_parameters()) for n in dense_names)
+        assert model.model.layers[0].self_attn.q_proj.weight is None
+
+
+BASE = {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+        "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"], "format": "pack-quantized", "input_activations": None,
+                                      "weights": {"num_bits": 4, "type": "int", "symmetric": True,
+                                                  "strategy": "group", "group_size": 128}}}}
+
+
+def _with(path: list, value) -> dict:
+    cfg = json.loads(json.dumps(BASE))
+    d = cfg
+    for p in path[:-1]:
+        d = d[p]
+    d[path[-1]] = value
+    return cfg
+
+
+W8A8_ACT = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
+
+
+@pytest.mark.parametrize("path,value,words", [
+    (["config_groups", "group_0", "input_activations"], W8A8_ACT, ["input_activations", "activation quantization"]),
+    (["format"], "float-quantized", ["format", "float-quantized"]),
+    (["config_groups", "group_0", "format"], "naive-quantized", ["group_0.format", "naive-quantized"]),
+    (["config_groups", "group_0", "weights", "actorder"], "group", ["actorder", "g_idx"]),
+    (["config_groups", "group_0", "weights", "num_bits"], 2, ["num_bits=2"]),
+    (["config_groups", "group_0", "weights", "type"], "float", ["type='float'"]),
+    (["config_groups", "group_0", "weights", "strategy"], "tensor", ["strategy='tensor'"]),
+    (["kv_cache_scheme"], {"num_bits": 8, "type": "float"}, ["kv_cache_scheme"]),
+])
+def test_unsupported_schemes_refused_naming_them(path, value, words):
+    with pytest.raises(ValueError) as e:
+        CompressedTensorsConfig.from_hf(_with(path, value))
+    assert all(w in str(e.value) for w in words), str(e.value)
+    assert "compressed-tensors" in str(e.value)
+
+
+def test_w8a8_checkpoint_refused_at_start(qwen3, tmp_path):
+    """A W8A8 config fails when the engine's config is read, before any weight is."""
+    dst = str(tmp_path / "w8a8")
+    write_checkpoint(qwen3, dst, CASES["w8a16-channel-asym"])
+    with open(os.path.join(dst, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"]["config_groups"]["group_0"]["input_activations"] = W8A8_ACT
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ValueError, match="group_0.input_activations.*activation quantization"):
+        ModelConfig.from_path(dst)
+
+
+def test_packed_module_the_config_ignores_is_refused(qwen3, tmp_path):
+    """`ignore` is honoured: a packed tensor for a module the config ignores is an error naming it."""
+    dst = str(tmp_path / "ignored")
+    write_checkpoint(qwen3, dst, CASES["w4a16-group128-sym"])
+    with open(os.path.join(dst, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"]["ignore"].append("model.layers.0.self_attn.o_proj")
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ValueError, match="model.layers.0.self_attn.o_proj.weight_packed.*ignore"):
+        LLM(dst, dtype="float32", kv_cache_memory=1 << 20, show_progress=False)
