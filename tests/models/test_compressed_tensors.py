@@ -20,13 +20,11 @@ import pytest
 import torch
 from torch import nn
 
-pytest.importorskip("compressed_tensors", reason="compressed-tensors writes these checkpoints (the test extras)")
-
-from moe_serve import LLM  # noqa: E402
-from moe_serve.config import ModelConfig  # noqa: E402
-from moe_serve.quantization.compressed_tensors import CompressedTensorsConfig, to_packed, WeightScheme  # noqa: E402
-from tests.models.test_fp8 import oracle  # noqa: E402
-from tests.models.test_hf_parity import check_greedy_parity  # noqa: E402
+from moe_serve import LLM
+from moe_serve.config import ModelConfig
+from moe_serve.quantization.compressed_tensors import CompressedTensorsConfig, WeightScheme, to_packed
+from tests.models.test_fp8 import oracle
+from tests.models.test_hf_parity import check_greedy_parity
 
 IGNORE = ["lm_head", "re:.*mlp\\.gate$"]  # the router stays float, as llm-compressor's recipes leave it
 
