@@ -18,16 +18,12 @@ DOCS = [
     ("What is the capital of France?", ["Paris", "London", "Rome", "Berlin"]),
     ("How many legs does a dog have?", ["four", "two", "six", "eight"]),
     ("What color is the sky on a clear day?", ["blue", "green", "red", "black"]),
-    ("What is the opposite of hot?", ["cold", "warm", "big", "fast"]),
     ("Which animal says moo?", ["a cow", "a cat", "a dog", "a bird"]),
-    ("What is 2 plus 2?", ["4", "5", "3", "22"]),
     ("Who wrote Romeo and Juliet?", ["William Shakespeare", "Charles Dickens", "Mark Twain", "Jane Austen"]),
     ("Which planet do we live on?", ["Earth", "Mars", "Jupiter", "Venus"]),
     ("What is the largest ocean on Earth?", ["the Pacific Ocean", "the Atlantic Ocean", "the Indian Ocean",
                                              "the Arctic Ocean"]),
     ("How many days are in a week?", ["seven", "five", "ten", "twelve"]),
-    ("What is the capital of Japan?", ["Tokyo", "Beijing", "Seoul", "Bangkok"]),
-    ("Which of these is a fruit?", ["an apple", "a carrot", "a potato", "an onion"]),
 ]
 
 

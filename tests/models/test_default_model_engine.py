@@ -51,8 +51,8 @@ def test_noise0_moe_equals_dense_llama(moe_noise0_dir, dense_dir):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(moe_noise0_dir)
-    prompts = [chat_ids(tok, q) for q in QUESTIONS]
-    assert len({len(p) for p in prompts}) > 3
+    prompts = [chat_ids(tok, q) for q in QUESTIONS[2:]]  # the Mixtral test below runs the first two
+    assert len({len(p) for p in prompts}) == 3
     dense, expected = hf_greedy_all("LlamaForCausalLM", dense_dir, prompts)
     _, got = ours(moe_noise0_dir, prompts)
     for p, g, e in zip(prompts, got, expected):
@@ -64,7 +64,7 @@ def test_default_model_equals_transformers_mixtral_and_uses_every_expert(default
 
     path = default_build["path"]
     tok = AutoTokenizer.from_pretrained(path)
-    prompts = [chat_ids(tok, q) for q in QUESTIONS[:3]]  # the noise-0 test above runs all five
+    prompts = [chat_ids(tok, q) for q in QUESTIONS[:2]]  # the noise-0 test above runs the other three
     mixtral, expected = hf_greedy_all("MixtralForCausalLM", path, prompts)
     llm, got = ours(path, prompts)
     for p, g, e in zip(prompts, got, expected):
