@@ -1,0 +1,413 @@
+/* Linear layers and MoE experts over packed int8 / int4 weights (moe_serve/quantization/packed.py's
+ * PackedWeight), for decode-sized batches: the packed bytes streamed from memory once, widened to
+ * float32 in registers.
+ *
+ * The packed format: a weight W (N, K) with group size G (G divides K) is
+ *   q       uint8 codes: bits 8, (N, K), one code 0..255 a byte; bits 4, (N, K / 2), element k in the
+ *           low nibble of byte k / 2 when k is even, in the high nibble when k is odd (codes 0..15);
+ *   scales  float32 (N, K / G);   offsets  float32 (N, K / G) or NULL (zero);
+ *   W[n, k] = scales[n, k / G] * q[n, k] + offsets[n, k / G].
+ * (Experts: E such weights back to back.)
+ *
+ * How: y[m, n] = sum_g scales[n, g] * sum_{k in g} q[n, k] x[m, k] + sum_g offsets[n, g] * xsum[m, g],
+ * xsum[m, g] = the sum of x[m, k] over group g, computed once per call. The inner loop widens a
+ * vector of codes (int8: a zero-extension and a convert; int4: the low and high nibbles of 16
+ * bytes, a mask and a shift: no cross-lane shuffles), multiplies it by its row's group scale (one
+ * multiply shared by every activation row) and accumulates it against the activations; the offsets
+ * never enter it. For int4 the activations are first laid out to match the nibbles: within each
+ * group, each chunk of up to 32 elements as its even elements then its odd ones (split4).
+ *
+ * Tiles as moe.c's decode path: a block of QNB weight rows stays in L1 while every activation row
+ * passes it (up to QMB at a time, a compile-time count), so the weights are read once whatever M is;
+ * the row blocks are split over OpenMP threads (whole outputs each: a thread never splits a sum).
+ * Written over vec.h's 16-lane vectors; the code widening is this file's (q8_load / q4_load below)
+ * for AVX-512, AVX2, NEON and plain C.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include "vec.h"
+
+#define QMB 4 /* activation rows per tile */
+#define QNB 4 /* weight rows per tile */
+
+/* Scratch kept between calls, grow-only, per calling thread and slot (as moe.c's). */
+static void* qscratch(int slot, size_t bytes) {
+  static __thread void* buf[4];
+  static __thread size_t cap[4];
+  if (bytes > cap[slot]) {
+    free(buf[slot]);
+    const size_t want = (bytes + bytes / 4 + 63) & ~(size_t)63;
+    buf[slot] = aligned_alloc(64, want);
+    cap[slot] = buf[slot] ? want : 0;
+  }
+  return buf[slot];
+}
+
+/* ---- widening codes to float32: q8_load (16 bytes), q4_load (16 bytes: the 16 low nibbles, the
+ * 16 high ones); the *n forms read only the first n bytes (the other lanes zero). ---- */
+#if defined(VF_AVX512)
+VF_INLINE vf16 q8_widen_(__m128i b) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)); }
+VF_INLINE vf16 q8_load(const uint8_t* p) { return q8_widen_(_mm_loadu_si128((const __m128i*)p)); }
+VF_INLINE vf16 q8_loadn(const uint8_t* p, int64_t n) { return q8_widen_(_mm_maskz_loadu_epi8(vf_mask_(n), p)); }
+VF_INLINE void q4_widen_(__m128i b, vf16* lo, vf16* hi) {
+  const __m512i v = _mm512_cvtepu8_epi32(b);
+  *lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
+  *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+}
+VF_INLINE void q4_load(const uint8_t* p, vf16* lo, vf16* hi) { q4_widen_(_mm_loadu_si128((const __m128i*)p), lo, hi); }
+VF_INLINE void q4_loadn(const uint8_t* p, int64_t n, vf16* lo, vf16* hi) {
+  q4_widen_(_mm_maskz_loadu_epi8(vf_mask_(n), p), lo, hi);
+}
+#elif defined(VF_AVX2)
+VF_INLINE __m256 q8_cvt_(__m128i b8) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b8)); }
+VF_INLINE vf16 q8_widen_(__m128i b) {
+  vf16 r;
+  r.lo = q8_cvt_(b);
+  r.hi = q8_cvt_(_mm_srli_si128(b, 8));
+  return r;
+}
+VF_INLINE vf16 q8_load(const uint8_t* p) { return q8_widen_(_mm_loadu_si128((const __m128i*)p)); }
+VF_INLINE void q4_widen_(__m128i b, vf16* lo, vf16* hi) {
+  const __m256i a = _mm256_cvtepu8_epi32(b), c = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
+  const __m256i m = _mm256_set1_epi32(15);
+  lo->lo = _mm256_cvtepi32_ps(_mm256_and_si256(a, m));
+  lo->hi = _mm256_cvtepi32_ps(_mm256_and_si256(c, m));
+  hi->lo = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));
+  hi->hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4));
+}
+VF_INLINE void q4_load(const uint8_t* p, vf16* lo, vf16* hi) { q4_widen_(_mm_loadu_si128((const __m128i*)p), lo, hi); }
+VF_INLINE __m128i q_loadn_(const uint8_t* p, int64_t n) {
+  uint8_t t[16] = {0};
+  memcpy(t, p, (size_t)(n < 16 ? n : 16));
+  return _mm_loadu_si128((const __m128i*)t);
+}
+VF_INLINE vf16 q8_loadn(const uint8_t* p, int64_t n) { return q8_widen_(q_loadn_(p, n)); }
+VF_INLINE void q4_loadn(const uint8_t* p, int64_t n, vf16* lo, vf16* hi) { q4_widen_(q_loadn_(p, n), lo, hi); }
+#elif defined(VF_NEON)
+VF_INLINE vf16 q8_widen_(uint8x16_t v) {
+  const uint16x8_t a = vmovl_u8(vget_low_u8(v)), b = vmovl_u8(vget_high_u8(v));
+  vf16 r;
+  r.q[0] = vcvtq_f32_u32(vmovl_u16(vget_low_u16(a)));
+  r.q[1] = vcvtq_f32_u32(vmovl_u16(vget_high_u16(a)));
+  r.q[2] = vcvtq_f32_u32(vmovl_u16(vget_low_u16(b)));
+  r.q[3] = vcvtq_f32_u32(vmovl_u16(vget_high_u16(b)));
+  return r;
+}
+VF_INLINE vf16 q8_load(const uint8_t* p) { return q8_widen_(vld1q_u8(p)); }
+VF_INLINE void q4_widen_(uint8x16_t v, vf16* lo, vf16* hi) {
+  *lo = q8_widen_(vandq_u8(v, vdupq_n_u8(15)));
+  *hi = q8_widen_(vshrq_n_u8(v, 4));
+}
+VF_INLINE void q4_load(const uint8_t* p, vf16* lo, vf16* hi) { q4_widen_(vld1q_u8(p), lo, hi); }
+VF_INLINE uint8x16_t q_loadn_(const uint8_t* p, int64_t n) {
+  uint8_t t[16] = {0};
+  memcpy(t, p, (size_t)(n < 16 ? n : 16));
+  return vld1q_u8(t);
+}
+VF_INLINE vf16 q8_loadn(const uint8_t* p, int64_t n) { return q8_widen_(q_loadn_(p, n)); }
+VF_INLINE void q4_loadn(const uint8_t* p, int64_t n, vf16* lo, vf16* hi) { q4_widen_(q_loadn_(p, n), lo, hi); }
+#else
+VF_INLINE vf16 q8_loadn(const uint8_t* p, int64_t n) {
+  vf16 r;
+  for (int i = 0; i < 16; i++) r.v[i] = i < n ? (float)p[i] : 0.f;
+  return r;
+}
+VF_INLINE vf16 q8_load(const uint8_t* p) {
+  vf16 r;
+  for (int i = 0; i < 16; i++) r.v[i] = (float)p[i];
+  return r;
+}
+VF_INLINE void q4_loadn(const uint8_t* p, int64_t n, vf16* lo, vf16* hi) {
+  for (int i = 0; i < 16; i++) {
+    const int b = i < n ? p[i] : 0;
+    lo->v[i] = (float)(b & 15);
+    hi->v[i] = (float)(b >> 4);
+  }
+}
+VF_INLINE void q4_load(const uint8_t* p, vf16* lo, vf16* hi) { q4_loadn(p, 16, lo, hi); }
+#endif
+
+/* A packed weight as the kernels read it (see the header). */
+typedef struct {
+  const uint8_t* q;
+  const float* scales;
+  const float* offsets; /* NULL: none */
+  int64_t G;
+  int bits;
+} qweight_t;
+
+/* Each row of x (M rows of K, ldx apart) into dst (M x K, contiguous) laid out for int4 codes:
+ * within each group of G, each chunk of up to 32 elements (c of them) as its c/2 even elements,
+ * then its c/2 odd ones (the low and high nibbles of its c/2 bytes). */
+static void split4(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t G, float* dst) {
+  for (int64_t m = 0; m < M; m++) {
+    const float* xr = x + m * ldx;
+    float* d = dst + m * K;
+    for (int64_t k0 = 0; k0 < K; k0 += G)
+      for (int64_t c0 = k0; c0 < k0 + G; c0 += 32) {
+        const int64_t h = (k0 + G - c0 < 32 ? k0 + G - c0 : 32) / 2;
+        for (int64_t i = 0; i < h; i++) {
+          d[c0 + i] = xr[c0 + 2 * i];
+          d[c0 + h + i] = xr[c0 + 2 * i + 1];
+        }
+      }
+  }
+}
+
+/* xsum[m, g] = the sum of row m's elements in group g (M x K/G). */
+static void group_sums(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t G, float* xsum) {
+  const int64_t ng = K / G;
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t g = 0; g < ng; g++) {
+      const float* xr = x + m * ldx + g * G;
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t k = 0; k < G; k++) s += xr[k];
+      xsum[m * ng + g] = s;
+    }
+}
+
+/* One tile: MBC activation rows a[0..MBC) (K floats each; split4's layout for int4) against weight
+ * rows n..n+nb (nb <= QNB), y rows ldy apart at column n. xs: the rows' group sums (K/G each). */
+VF_INLINE void qtile(const float* const* ar, const float* const* xsr, const int MBC, const int BITS,
+                     const qweight_t* w, int64_t n, int nb, int64_t K, float* y, int64_t ldy) {
+  const float* a[QMB];
+  const uint8_t* qp[QNB];
+  const float* sp[QNB];
+  const int64_t G = w->G, ng = K / G, rowbytes = BITS == 8 ? K : K / 2;
+  _Pragma("GCC unroll 4") for (int i = 0; i < QMB; i++) a[i] = ar[i];
+  _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) {
+    const int64_t r = n + (j < nb ? j : 0);
+    qp[j] = w->q + r * rowbytes;
+    sp[j] = w->scales + r * ng;
+  }
+  vsum acc[QMB][QNB];
+  _Pragma("GCC unroll 4") for (int i = 0; i < MBC; i++)
+    _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) acc[i][j] = vs_zero();
+  for (int64_t g = 0; g < ng; g++) {
+    const int64_t k0 = g * G, k1 = k0 + G;
+    int64_t k = k0;
+    if (BITS == 8) {
+      for (; k + 16 <= k1; k += 16)
+        _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) {
+          const vf16 wv = vf_mul(q8_load(qp[j] + k), vf_set1(sp[j][g]));
+          _Pragma("GCC unroll 4") for (int i = 0; i < MBC; i++) acc[i][j] = vs_fma(vf_load(a[i] + k), wv, acc[i][j]);
+        }
+      if (k < k1)
+        _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) {
+          const vf16 wv = vf_mul(q8_loadn(qp[j] + k, k1 - k), vf_set1(sp[j][g]));
+          _Pragma("GCC unroll 4") for (int i = 0; i < MBC; i++)
+            acc[i][j] = vs_fma(vf_loadn(a[i] + k, k1 - k), wv, acc[i][j]);
+        }
+    } else {
+      for (; k + 32 <= k1; k += 32)
+        _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) {
+          vf16 we, wo;
+          q4_load(qp[j] + k / 2, &we, &wo);
+          const vf16 s = vf_set1(sp[j][g]);
+          we = vf_mul(we, s);
+          wo = vf_mul(wo, s);
+          _Pragma("GCC unroll 4") for (int i = 0; i < MBC; i++) {
+            acc[i][j] = vs_fma(vf_load(a[i] + k), we, acc[i][j]);
+            acc[i][j] = vs_fma(vf_load(a[i] + k + 16), wo, acc[i][j]);
+          }
+        }
+      if (k < k1) {
+        const int64_t h = (k1 - k) / 2;
+        _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) {
+          vf16 we, wo;
+          q4_loadn(qp[j] + k / 2, h, &we, &wo);
+          const vf16 s = vf_set1(sp[j][g]);
+          we = vf_mul(we, s);
+          wo = vf_mul(wo, s);
+          _Pragma("GCC unroll 4") for (int i = 0; i < MBC; i++) {
+            acc[i][j] = vs_fma(vf_loadn(a[i] + k, h), we, acc[i][j]);
+            acc[i][j] = vs_fma(vf_loadn(a[i] + k + h, h), wo, acc[i][j]);
+          }
+        }
+      }
+    }
+  }
+  _Pragma("GCC unroll 4") for (int i = 0; i < MBC; i++) {
+    float sums[QNB];
+    vs_hsum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3], sums);
+    for (int j = 0; j < nb; j++) {
+      float s = sums[j];
+      if (w->offsets) {
+        const float* o = w->offsets + (n + j) * ng;
+        const float* xs = xsr[i];
+        float t = 0.f;
+#pragma omp simd reduction(+ : t)
+        for (int64_t gg = 0; gg < ng; gg++) t += o[gg] * xs[gg];
+        s += t;
+      }
+      y[i * ldy + j] = s;
+    }
+  }
+}
+
+/* Rows [n0, n1) of y = a @ W^T for M rows of a (K floats each, contiguous; split4's layout for int4). */
+static void qgemm_block(const float* a, const float* xsum, int64_t M, const qweight_t* w, int64_t K, int64_t n0,
+                        int64_t n1, float* y, int64_t ldy) {
+  const int64_t ng = K / w->G;
+  for (int64_t n = n0; n < n1; n += QNB) {
+    const int nb = n1 - n < QNB ? (int)(n1 - n) : QNB;
+    for (int64_t m0 = 0; m0 < M; m0 += QMB) {
+      const int mb = M - m0 < QMB ? (int)(M - m0) : QMB;
+      const float* ar[QMB];
+      const float* xs[QMB];
+      for (int i = 0; i < QMB; i++) {
+        const int64_t m = m0 + (i < mb ? i : 0);
+        ar[i] = a + m * K;
+        xs[i] = xsum + m * ng;
+      }
+      float* yt = y + m0 * ldy + n;
+#define QTILE_(MBC)                                                                                     \
+  case MBC:                                                                                             \
+    if (w->bits == 8)                                                                                   \
+      qtile(ar, xs, MBC, 8, w, n, nb, K, yt, ldy);                                                      \
+    else                                                                                                \
+      qtile(ar, xs, MBC, 4, w, n, nb, K, yt, ldy);                                                      \
+    break;
+      switch (mb) {
+        QTILE_(1)
+        QTILE_(2)
+        QTILE_(3)
+        QTILE_(4)
+      }
+#undef QTILE_
+    }
+  }
+}
+
+static int qweight_ok(const qweight_t* w, int64_t K) {
+  return (w->bits == 8 || (w->bits == 4 && w->G % 2 == 0)) && w->G > 0 && K % w->G == 0 && w->q && w->scales;
+}
+
+/* y (M x N, rows ldy apart) = x (M x K, rows ldx apart) @ W^T, W packed (N, K). Scratch slots 2, 3.
+ * Returns 0, -1 without scratch memory, -2 for a weight the kernels do not take (bits other than
+ * 4 or 8, G not dividing K, an odd G for int4). */
+static int qgemm(const float* x, int64_t ldx, int64_t M, const qweight_t* w, int64_t K, int64_t N, float* y,
+                 int64_t ldy, int nt) {
+  if (!qweight_ok(w, K)) return -2;
+  if (M <= 0 || N <= 0) return 0;
+  const int64_t ng = K / w->G;
+  float* xsum = qscratch(3, (size_t)(M * ng) * sizeof(float));
+  if (!xsum) return -1;
+  group_sums(x, ldx, M, K, w->G, xsum);
+  const float* a = x;
+  if (w->bits == 4 || ldx != K) {
+    float* s = qscratch(2, (size_t)(M * K) * sizeof(float));
+    if (!s) return -1;
+    if (w->bits == 4)
+      split4(x, ldx, M, K, w->G, s);
+    else
+      for (int64_t m = 0; m < M; m++) memcpy(s + m * K, x + m * ldx, (size_t)K * sizeof(float));
+    a = s;
+  }
+  if (nt <= 1 || N < 2 * QNB * nt) {
+    qgemm_block(a, xsum, M, w, K, 0, N, y, ldy);
+    return 0;
+  }
+  const int64_t blocks = (N + QNB - 1) / QNB;
+#pragma omp parallel num_threads(nt)
+  {
+#ifdef _OPENMP
+    extern int omp_get_thread_num(void);
+    extern int omp_get_num_threads(void);
+    const int t = omp_get_thread_num(), tn = omp_get_num_threads();
+#else
+    const int t = 0, tn = 1;
+#endif
+    const int64_t n0 = blocks * t / tn * QNB, n1e = blocks * (t + 1) / tn * QNB;
+    const int64_t n1 = n1e < N ? n1e : N;
+    if (n0 < n1) qgemm_block(a, xsum, M, w, K, n0, n1, y, ldy);
+  }
+  return 0;
+}
+
+/* y[M, N] = x[M, K] @ W^T, W packed (q, bits, scales, offsets or NULL, group size G): decode and
+ * small batches, the packed weight streamed once. Returns 0, -1 without scratch memory, -2 for a
+ * weight it does not take (see qgemm). */
+int quant_linear_f32(const float* x, int64_t ldx, int64_t M, const uint8_t* q, int bits, const float* scales,
+                     const float* offsets, int64_t G, int64_t K, int64_t N, float* y, int64_t ldy, int nt) {
+  const qweight_t w = {q, scales, offsets, G, bits};
+  return qgemm(x, ldx, M, &w, K, N, y, ldy, nt);
+}
+
+/* a[f] = silu(g[f]) * u[f] for f < F */
+static void qsilu_mul(const float* g, const float* u, float* a, int64_t F) {
+  int64_t f = 0;
+  for (; f + 16 <= F; f += 16) {
+    const vf16 gv = vf_load(g + f);
+    const vf16 s = vf_div(gv, vf_add(vf_set1(1.f), vf_exp(vf_sub(vf_zero(), gv))));
+    vf_store(a + f, vf_mul(s, vf_load(u + f)));
+  }
+  for (; f < F; f++) a[f] = g[f] / (1.f + expf(-g[f])) * u[f];
+}
+
+/* The expert e of E packed weights of (N, K) each, back to back. */
+static qweight_t expert_of(const qweight_t* w, int64_t e, int64_t N, int64_t K) {
+  qweight_t r = *w;
+  r.q += e * N * (w->bits == 8 ? K : K / 2);
+  r.scales += e * N * (K / w->G);
+  if (r.offsets) r.offsets += e * N * (K / w->G);
+  return r;
+}
+
+/* moe.c's moe_experts_f32 (its decode path) over packed experts: x [T, D]; ids [T, K] int64 (an id
+ * outside [0, E) contributes nothing); wts [T, K] float32; gate_up (E, 2F, D) packed (gate rows then
+ * up rows) and down (E, D, F) packed, each with its own bits, scales, offsets (or NULL) and group
+ * size; out [T, D] = sum_k wts * down(silu(gate) * up), overwritten. Each routed expert's weights
+ * are streamed once, whatever its number of rows. Returns 0, -1 without scratch memory, -2 for
+ * weights the kernels do not take (checked first: out is then untouched). */
+int quant_experts_f32(const float* x, int64_t T, int64_t D, const int64_t* ids, const float* wts, int64_t K,
+                      const uint8_t* q13, int bits13, const float* s13, const float* o13, int64_t G13,
+                      const uint8_t* q2, int bits2, const float* s2, const float* o2, int64_t G2, int64_t E,
+                      int64_t F, float* out, int nt) {
+  const qweight_t w13 = {q13, s13, o13, G13, bits13}, w2 = {q2, s2, o2, G2, bits2};
+  if (!qweight_ok(&w13, D) || !qweight_ok(&w2, F)) return -2;
+  const int64_t P = T * K;
+  int64_t* start = qscratch(0, (size_t)(2 * E + 1 + P) * sizeof(int64_t));
+  if (!start) return -1;
+  int64_t* fill = start + E + 1;
+  int64_t* order = fill + E;
+  memset(start, 0, (size_t)(E + 1) * sizeof(int64_t));
+  for (int64_t p = 0; p < P; p++) /* counting sort of the (token, k) pairs by expert */
+    if (ids[p] >= 0 && ids[p] < E) start[ids[p] + 1]++;
+  int64_t rows = 1;
+  for (int64_t e = 0; e < E; e++) {
+    if (start[e + 1] > rows) rows = start[e + 1];
+    start[e + 1] += start[e];
+  }
+  memcpy(fill, start, (size_t)E * sizeof(int64_t));
+  for (int64_t p = 0; p < P; p++)
+    if (ids[p] >= 0 && ids[p] < E) order[fill[ids[p]]++] = p;
+  float* xs = qscratch(1, (size_t)(rows * (D + 2 * F + F + D)) * sizeof(float));
+  if (!xs) return -1;
+  float* h = xs + rows * D;
+  float* act = h + rows * 2 * F;
+  float* y = act + rows * F;
+  memset(out, 0, (size_t)(T * D) * sizeof(float));
+  for (int64_t e = 0; e < E; e++) {
+    const int64_t n = start[e + 1] - start[e];
+    if (!n) continue;
+    const int64_t* pe = order + start[e];
+    for (int64_t i = 0; i < n; i++) memcpy(xs + i * D, x + (pe[i] / K) * D, (size_t)D * sizeof(float));
+    const qweight_t gu = expert_of(&w13, e, 2 * F, D), dn = expert_of(&w2, e, D, F);
+    int rc = qgemm(xs, D, n, &gu, D, 2 * F, h, 2 * F, nt);
+    if (rc) return rc;
+    for (int64_t i = 0; i < n; i++) qsilu_mul(h + i * 2 * F, h + i * 2 * F + F, act + i * F, F);
+    rc = qgemm(act, F, n, &dn, F, D, y, D, nt);
+    if (rc) return rc;
+    for (int64_t i = 0; i < n; i++) {
+      const float wt = wts[pe[i]];
+      float* o = out + (pe[i] / K) * D;
+      const float* yi = y + i * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; d++) o[d] += wt * yi[d];
+    }
+  }
+  return 0;
+}

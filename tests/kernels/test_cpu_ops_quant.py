@@ -1,0 +1,162 @@
+"""int8 / int4 packed weights (PackedWeight) through quant.c's kernels (cpu_ops.quant) against float64
+references built from PackedWeight.dequantize(), on every ISA of vec.h this CPU executes (the `isa`
+fixture, as in test_cpu_ops.py): bits 4 and 8, with and without offsets, odd N, group sizes of 32, 64,
+128, K and ones that leave a tail inside each group, 1, 3 and 17 activation rows (the tiles' 1..4
+rows and their remainders), one and two threads; and the refusals, each naming what it refuses."""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from moe_serve.kernels import cpu_ops
+from moe_serve.kernels.cpu_ops import quant
+from moe_serve.quantization.packed import PackedWeight, pack_nibbles
+
+pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the C kernels did not build here (no C compiler)")
+
+
+@pytest.fixture(params=cpu_ops.runnable_isas())
+def isa(request, monkeypatch):
+    lib = cpu_ops.load_variant(request.param)
+    assert lib.cpu_ops_isa().decode() == request.param
+    monkeypatch.setattr(cpu_ops, "_lib", lambda: lib)
+    return request.param
+
+
+@contextlib.contextmanager
+def _threads(n: int):
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def _packed(shape, bits, G, offsets, g):
+    """Random codes, positive scales and (offsets) the signed formats' -2^(bits-1) * scale plus noise,
+    so that the kernels' scale * sum(q x) + offset * sum(x) cancels as it does on real checkpoints."""
+    K = shape[-1]
+    q = torch.randint(0, 2 ** bits, shape, generator=g, dtype=torch.int64).to(torch.uint8)
+    scales = torch.rand(*shape[:-1], K // G, generator=g) * 0.02 + 0.001
+    off = None
+    if offsets:
+        off = -(2 ** (bits - 1)) * scales + 0.01 * torch.randn(*shape[:-1], K // G, generator=g)
+    qw = pack_nibbles(q) if bits == 4 else q
+    return PackedWeight(bits, qw, scales, off, G, shape)
+
+
+def _bound(w: PackedWeight) -> torch.Tensor:
+    """|W| elementwise by its two terms (|scale q| + |offset|), float64: the size of the sums."""
+    k, G = w.shape[-1], w.group_size
+    q = w.codes().double().reshape(*w.shape[:-1], k // G, G)
+    b = (q * w.scales.double().unsqueeze(-1)).abs()
+    if w.offsets is not None:
+        b = b + w.offsets.double().abs().unsqueeze(-1)
+    return b.reshape(w.shape)
+
+
+LINEAR_CASES = [(37, 128, 32), (37, 128, 64), (5, 256, 128), (19, 96, 96), (7, 80, 40), (3, 6, 6)]
+
+
+@pytest.mark.parametrize("N,K,G", LINEAR_CASES)
+@pytest.mark.parametrize("bits,offsets", [(8, True), (8, False), (4, True), (4, False)])
+def test_quant_linear_matches_float64(N, K, G, bits, offsets, isa):
+    g = torch.Generator().manual_seed(N * 1000 + K + G + bits)
+    w = _packed((N, K), bits, G, offsets, g)
+    W = w.dequantize().double()
+    for M, threads in ((1, 1), (3, 2), (17, 1), (17, 2)):
+        x = torch.randn(M, K, generator=g)
+        with _threads(threads):
+            y = quant.quant_linear(x, w)
+        ref = x.double() @ W.T
+        tol = 1e-5 * (x.double().abs() @ _bound(w).T) + 1e-6
+        assert y.shape == (M, N) and y.dtype == torch.float32
+        err = (y.double() - ref).abs()
+        assert (err <= tol).all(), f"M={M} threads={threads}: max err {err.max():.3g} (tol {tol.min():.3g}..)"
+
+
+def test_quant_linear_rows_apart_bias_and_half_activations(isa):
+    """Activation rows with a stride (a view), a bias, leading dims kept, bf16 activations widened."""
+    g = torch.Generator().manual_seed(1)
+    w = _packed((21, 64), 4, 32, True, g)
+    W = w.dequantize().double()
+    big = torch.randn(3, 100, generator=g)
+    x = big[:, 10:74]
+    b = torch.randn(21, generator=g)
+    y = quant.quant_linear(x, w, b)
+    ref = x.double() @ W.T + b.double()
+    assert torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-5)
+    xb = torch.randn(2, 2, 64, generator=g).to(torch.bfloat16)
+    y = quant.quant_linear(xb, w)
+    assert y.shape == (2, 2, 21)
+    assert torch.allclose(y.double(), xb.double() @ W.T, rtol=1e-5, atol=1e-5)
+
+
+def _experts_ref(x, w13, w2, wts, ids):
+    W13, W2 = w13.dequantize().double(), w2.dequantize().double()
+    E, F = W13.shape[0], W13.shape[1] // 2
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            if not 0 <= e < E:
+                continue
+            h = W13[e] @ x[t].double()
+            a = torch.nn.functional.silu(h[:F]) * h[F:]
+            out[t] += float(wts[t, k]) * (W2[e] @ a)
+    return out
+
+
+@pytest.mark.parametrize("bits13,bits2,offsets,G", [(8, 8, True, 32), (4, 4, True, 48), (4, 8, False, 32),
+                                                    (8, 4, True, 96)])
+def test_quant_experts_match_float64(bits13, bits2, offsets, G, isa):
+    """Routing of 1, 3 and 17 tokens over 5 experts, top 3, some ids held elsewhere (-1), one and two
+    threads: the weighted SwiGLU expert sum against float64 over the dequantized weights."""
+    E, D, F = 5, 96, 48
+    g = torch.Generator().manual_seed(bits13 * 10 + bits2 + G)
+    w13 = _packed((E, 2 * F, D), bits13, G, offsets, g)
+    w2 = _packed((E, D, F), bits2, G if F % G == 0 else F, offsets, g)
+    for T, threads in ((1, 1), (3, 2), (17, 2)):
+        x = torch.randn(T, D, generator=g)
+        ids = torch.stack([torch.randperm(E, generator=g)[:3] for _ in range(T)])
+        ids = torch.where(torch.rand(T, 3, generator=g) < 0.2, -1, ids)
+        wts = torch.rand(T, 3, generator=g)
+        with _threads(threads):
+            out = quant.quant_experts(x, w13, w2, wts, ids)
+        ref = _experts_ref(x, w13, w2, wts, ids)
+        assert out.shape == (T, D) and out.dtype == torch.float32
+        scale = ref.abs().max().item()
+        assert torch.allclose(out.double(), ref, rtol=1e-4, atol=1e-4 * scale), \
+            f"T={T}: max err {(out.double() - ref).abs().max():.3g} of {scale:.3g}"
+
+
+def test_refusals_name_what_they_refuse():
+    g = torch.Generator().manual_seed(2)
+    w = _packed((4, 6), 4, 3, True, g)  # a valid PackedWeight, but int4 with an odd group size
+    assert not quant.quant_linear_fits(torch.randn(1, 6), w)
+    with pytest.raises(ValueError, match="odd group_size=3"):
+        quant.quant_linear(torch.randn(1, 6), w)
+    w = _packed((4, 64), 8, 32, True, g)
+    with pytest.raises(ValueError, match="last dim 64"):
+        quant.quant_linear(torch.randn(1, 32), w)
+    with pytest.raises(ValueError, match="activations must be"):
+        quant.quant_linear(torch.randn(1, 64, dtype=torch.float64), w)
+    w.scales = torch.rand(2, 4).T  # right shape, not contiguous
+    with pytest.raises(ValueError, match="scales must be a contiguous"):
+        quant.quant_linear(torch.randn(1, 64), w)
+    with pytest.raises(ValueError, match="not a PackedWeight"):
+        quant.quant_linear(torch.randn(1, 64), torch.randn(4, 64))
+    w13, w2 = _packed((2, 8, 32), 8, 32, False, g), _packed((2, 32, 4), 8, 4, False, g)
+    x, ids, wts = torch.randn(1, 32), torch.tensor([[0, 1]]), torch.rand(1, 2)
+    with pytest.raises(ValueError, match="gate_up: a PackedWeight of shape"):
+        quant.quant_experts(x, w13.select(0), w2, wts, ids)
+    with pytest.raises(ValueError, match=r"\(E, 2F, D\) and \(E, D, F\)"):
+        quant.quant_experts(x, w13, _packed((2, 32, 16), 8, 16, False, g), wts, ids)
+    with pytest.raises(ValueError, match="topk ids"):
+        quant.quant_experts(x, w13, w2, wts, ids[:, :1])
+    with pytest.raises(ValueError, match="integer dtype"):
+        quant.quant_experts(x, w13, w2, wts, ids.float())
+    assert quant.quant_experts_fits(x, w13, w2, wts, ids)
