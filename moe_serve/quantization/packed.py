@@ -100,7 +100,7 @@ class PackedWeight:
         the expert op asks (moe_serve/kernels/grouped_gemm: `shape` and `dequantize(dtype, experts)`);
         workspace: that interface's buffer name, unused (a fresh tensor each call)."""
         del workspace
-        w = self if experts is None else self.select(experts)
+        w = self if experts is None else self.index_select(experts)
         k, g = w.shape[-1], w.group_size
         q = w.codes().to(torch.float32).reshape(*w.shape[:-1], k // g, g)
         out = q * w.scales.unsqueeze(-1)
@@ -115,6 +115,13 @@ class PackedWeight:
         o = None if self.offsets is None else self.offsets[index]
         lead = tuple(q.shape[:-1])
         return PackedWeight(self.bits, q, s, o, self.group_size, lead + (self.shape[-1],))
+
+    def index_select(self, experts: torch.Tensor) -> "PackedWeight":
+        """The given experts (indices into the leading dimension) of a stacked (E, N, K) weight, as
+        index_select gathers them (a shape that does not depend on the values: CPU graphs record it)."""
+        o = None if self.offsets is None else self.offsets.index_select(0, experts)
+        return PackedWeight(self.bits, self.qweight.index_select(0, experts), self.scales.index_select(0, experts), o,
+                            self.group_size, (experts.numel(),) + self.shape[1:])
 
     def to(self, device) -> "PackedWeight":
         return PackedWeight(self.bits, self.qweight.to(device), self.scales.to(device),
