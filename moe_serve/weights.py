@@ -165,7 +165,7 @@ def _make_packed_storage(model: nn.Module, names_by_file: list, experts: dict):
             if split is None or split[1] != "weight_packed":
                 continue
             module = split[0]
-            scheme = collector.scheme(module, raw)
+            scheme = collector.scheme(raw)
             m = _PER_EXPERT.match(module + ".weight")
             if m and m.group("prefix") in experts:
                 ex = experts[m.group("prefix")]

@@ -218,13 +218,17 @@ def to_packed(parts: dict[str, torch.Tensor], scheme: WeightScheme, module: str)
 
 class PackedTensors:
     """Collects each quantized module's tensors as the checkpoint's files give them, in any order;
-    `take` returns (module, PackedWeight) once a module has all of its parts, None before."""
+    `take` returns (module, PackedWeight) once a module has all of its parts, None before (module:
+    our name of it)."""
 
     def __init__(self, cfg: CompressedTensorsConfig):
         self.cfg = cfg
         self.pending: dict[str, dict[str, torch.Tensor]] = {}
 
-    def scheme(self, module: str, raw: str) -> WeightScheme:
+    def scheme(self, raw: str) -> WeightScheme:
+        """The scheme of tensor `raw`'s module, matched by its name in the checkpoint (the config's
+        targets and ignore list name the checkpoint's modules)."""
+        module = raw.rpartition(".")[0]
         scheme = self.cfg.scheme_for(module)
         if scheme is None:
             raise ValueError(f"tensor {raw!r} is quantized ({METHOD}, {FORMAT}), but quantization_config's "
@@ -235,7 +239,7 @@ class PackedTensors:
         if suffix == "weight_g_idx":
             raise ValueError(f"tensor {raw!r}: activation-ordered groups (g_idx, {METHOD} {FORMAT}) are not "
                              f"supported yet")
-        scheme = self.scheme(module, raw)
+        scheme = self.scheme(raw)
         parts = self.pending.setdefault(module, {})
         parts[suffix] = t
         need = {"weight_packed", "weight_scale", "weight_shape"} | (set() if scheme.symmetric else {"weight_zero_point"})

@@ -8,7 +8,8 @@ the checkpoint's tensors (experts per expert, as llm-compressor saves them), the
 `apply_quantization_config` with a QuantizationConfig, scales and zero points from its own
 `calculate_qparams` over each group's min and max (its min-max observer's rule), then
 `ModelCompressor.compress_model` and `update_config`. The oracle's weights are the same modules after
-`ModelCompressor.decompress_model`, copied into transformers' model of the unquantized checkpoint.
+`ModelCompressor.decompress_model`, written as an unquantized checkpoint beside the rest of the
+source's tensors and loaded by transformers.
 """
 from __future__ import annotations
 
@@ -23,10 +24,9 @@ from torch import nn
 from moe_serve import LLM
 from moe_serve.config import ModelConfig
 from moe_serve.quantization.compressed_tensors import CompressedTensorsConfig, WeightScheme, to_packed
-from tests.models.test_fp8 import oracle
-from tests.models.test_hf_parity import check_greedy_parity
+from tests.models.test_hf_parity import check_greedy_parity, hf_model
 
-IGNORE = ["lm_head", "re:.*mlp\\.gate$"]  # the router stays float, as llm-compressor's recipes leave it
+IGNORE = ["lm_head", "re:.*\\.gate$"]  # the routers stay float, as llm-compressor's recipes leave them
 
 
 def build_qwen3_moe_128(path: str) -> str:
@@ -74,7 +74,7 @@ def _linear_tree(sd: dict[str, torch.Tensor]) -> nn.Module:
 
 def write_checkpoint(src: str, dst: str, weights: dict, ignore=IGNORE) -> dict[str, torch.Tensor]:
     """A compressed-tensors pack-quantized copy of `src` at `dst` (weights: the QuantizationArgs'
-    fields); returns the package's decompressed weights by tensor name (the oracle's)."""
+    fields); returns the package's decompressed weights by tensor name."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
                                                  apply_quantization_config)
@@ -82,7 +82,12 @@ def write_checkpoint(src: str, dst: str, weights: dict, ignore=IGNORE) -> dict[s
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(src, dst)
-    sd = load_file(os.path.join(src, "model.safetensors"))
+    sd = {}
+    for f in sorted(os.listdir(dst)):  # a sharded source is written back as one file
+        if f.endswith(".safetensors") or f == "model.safetensors.index.json":
+            if f.endswith(".safetensors"):
+                sd.update(load_file(os.path.join(dst, f)))
+            os.remove(os.path.join(dst, f))
     root = _linear_tree(sd)
     args = QuantizationArgs(type="int", **weights)
     qc = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
@@ -113,15 +118,32 @@ CASES = {"w4a16-group128-sym": dict(num_bits=4, symmetric=True, strategy="group"
          "w8a16-channel-asym": dict(num_bits=8, symmetric=False, strategy="channel")}
 
 
+def oracle(src: str, dequant: dict[str, torch.Tensor], dst: str):
+    """transformers' model of `src` with the package's decompressed weights: `src` with those tensors
+    replaced, written at `dst` and loaded by transformers (which maps the checkpoint's names)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    sd = {}
+    for f in sorted(os.listdir(dst)):
+        if f.endswith(".safetensors") or f == "model.safetensors.index.json":
+            if f.endswith(".safetensors"):
+                sd.update(load_file(os.path.join(dst, f)))
+            os.remove(os.path.join(dst, f))
+    assert set(dequant) <= set(sd)
+    sd.update(dequant)
+    save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(dst, "model.safetensors"),
+              metadata={"format": "pt"})
+    return hf_model(dst)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_matches_transformers_on_package_decompressed_weights(qwen3, tmp_path, case):
     dst = str(tmp_path / case)
     dequant = write_checkpoint(qwen3, dst, CASES[case])
     with open(os.path.join(dst, "config.json")) as f:
         assert json.load(f)["quantization_config"]["quant_method"] == "compressed-tensors"
-    model = oracle(qwen3, dequant)
-    from tests.models.test_hf_parity import hf_model
-
+    model = oracle(qwen3, dequant, str(tmp_path / "oracle"))
     plain = dict(hf_model(qwen3).named_parameters())  # the oracle really holds the quantized weights
     assert any(not torch.equal(p, plain[n]) for n, p in model.named_parameters())
     check_greedy_parity(dst, model, 60 + list(CASES).index(case))
@@ -147,6 +169,35 @@ def test_packed_weight_equals_package_decompression(qwen3, tmp_path, weights):
         pw = to_packed(parts, scheme, m)
         assert pw.qweight.dtype == torch.uint8 and pw.bits == weights["num_bits"]
         torch.testing.assert_close(pw.dequantize(), dequant[m + ".weight"], rtol=1e-6, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    from tests.checkpoints import build_mixtral
+
+    return build_mixtral(str(tmp_path_factory.mktemp("mixtral")))
+
+
+def test_mixtral_greedy_matches_transformers(mixtral, tmp_path):
+    """Mixtral's names (block_sparse_moe, experts' w1 / w3 / w2, a sharded source): W4A16 with zero
+    points, group 32 (the expert down projection's K = 96 takes three groups)."""
+    from moe_serve import SamplingParams
+    from tests.models.test_hf_parity import assert_same_greedy, hf_greedy, make_prompts
+
+    dst = str(tmp_path / "mixtral_w4")
+    dequant = write_checkpoint(mixtral, dst, dict(num_bits=4, symmetric=False, strategy="group", group_size=32))
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(dst, "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+    assert "model.layers.1.block_sparse_moe.experts.5.w2.weight_zero_point" in names
+    assert "model.layers.1.block_sparse_moe.gate.weight" in names  # the ignored router stays float
+    model = oracle(mixtral, dequant, str(tmp_path / "oracle"))
+    prompts = make_prompts(70)[:4]
+    llm = LLM(dst, dtype="float32", kv_cache_memory=1 << 22, show_progress=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=8))
+    for p, o in zip(prompts, outs):
+        assert_same_greedy(model, p, o.outputs[0].token_ids, hf_greedy(model, p, 8))
 
 
 def test_packed_weights_stay_packed_in_memory(qwen3, tmp_path):
