@@ -6,7 +6,7 @@
  * OpenMP threads), and compares each output with a plain double-precision reference written here.
  *
  *   cc -O2 [target flags] -fopenmp -o driver tests/kernels/cpu_ops_driver.c
- *      moe_serve/kernels/cpu_ops/{attention,gated_delta,moe,norm}.c -lm && ./driver
+ *      moe_serve/kernels/cpu_ops/{attention,gated_delta,moe,norm,quant}.c -lm && ./driver
  *
  * Prints one line per check (its max error: |got - ref| / (1 + |ref|)) and exits 1 if any fails. */
 #include <math.h>
@@ -44,6 +44,13 @@ int gated_delta_step_f32(const float* q, const float* k, int64_t ldqk, const flo
 void conv_step_f32(const float* x, int64_t ldx, const float* w, const float* bias, float* conv_state,
                    const int64_t* slots, const uint8_t* keep, float* y, int64_t B, int64_t C, int64_t W, int silu_act,
                    int nt);
+/* quant.c: packed int8 / int4 weights (codes, per-group scales and offsets or NULL) */
+int quant_linear_f32(const float* x, int64_t ldx, int64_t M, const uint8_t* q, int bits, const float* scales,
+                     const float* offsets, int64_t G, int64_t K, int64_t N, float* y, int64_t ldy, int nt);
+int quant_experts_f32(const float* x, int64_t T, int64_t D, const int64_t* ids, const float* wts, int64_t K,
+                      const uint8_t* q13, int bits13, const float* s13, const float* o13, int64_t G13,
+                      const uint8_t* q2, int bits2, const float* s2, const float* o2, int64_t G2, int64_t E,
+                      int64_t F, float* out, int nt);
 const char* cpu_ops_isa(void);
 
 /* ---- inputs ---- */
@@ -190,6 +197,89 @@ static void linear_case(int64_t M, int64_t K, int64_t N, int bf16, int panels, i
   }
   check(what, y, ref, M * N, TOL);
   free(x), free(w), free(b), free(wh), free(ref), free(y);
+}
+
+/* ---- quant_linear_f32, quant_experts_f32: a packed weight of R rows of K (codes random, scales
+ * positive, offsets -2^(bits-1) * scale plus noise or none) and its values in double ---- */
+typedef struct {
+  uint8_t* q;
+  float *s, *o;
+  double* w;
+} packed_t;
+static packed_t packed_rand(int64_t R, int64_t K, int64_t G, int bits, int offsets) {
+  packed_t p;
+  const int64_t ng = K / G;
+  p.q = calloc((size_t)(R * K), 1);
+  p.s = randf(R * ng, 0.01);
+  p.o = offsets ? malloc((size_t)(R * ng) * sizeof(float)) : 0;
+  p.w = zeros(R * K);
+  for (int64_t i = 0; i < R * ng; i++) {
+    p.s[i] = fabsf(p.s[i]) + 0.001f;
+    if (offsets) p.o[i] = (float)(-(1 << (bits - 1)) * p.s[i] + 0.01 * uniform());
+  }
+  for (int64_t r = 0; r < R; r++)
+    for (int64_t k = 0; k < K; k++) {
+      const int c = (int)((uniform() + 1.0) * 0.5 * (1 << bits)) & ((1 << bits) - 1);
+      if (bits == 8)
+        p.q[r * K + k] = (uint8_t)c;
+      else
+        p.q[r * (K / 2) + k / 2] |= (uint8_t)(k % 2 ? c << 4 : c);
+      const int64_t g = r * ng + k / G;
+      p.w[r * K + k] = (double)p.s[g] * c + (offsets ? (double)p.o[g] : 0.0);
+    }
+  return p;
+}
+static void packed_free(packed_t p) { free(p.q), free(p.s), free(p.o), free(p.w); }
+
+static void quant_linear_case(int64_t M, int64_t K, int64_t N, int64_t G, int bits, int offsets, int nt) {
+  const int64_t ldx = K + 3;
+  float* x = randf(M * ldx, 1.0);
+  packed_t w = packed_rand(N, K, G, bits, offsets);
+  double* ref = zeros(M * N);
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t n = 0; n < N; n++)
+      for (int64_t k = 0; k < K; k++) ref[m * N + n] += w.w[n * K + k] * x[m * ldx + k];
+  float* y = malloc((size_t)(M * N) * sizeof(float));
+  char what[160];
+  snprintf(what, sizeof what, "quant_linear int%d%s M=%ld K=%ld N=%ld G=%ld nt=%d", bits, offsets ? "+off" : "",
+           (long)M, (long)K, (long)N, (long)G, nt);
+  check_rc(what, quant_linear_f32(x, ldx, M, w.q, bits, w.s, w.o, G, K, N, y, N, nt));
+  check(what, y, ref, M * N, TOL);
+  free(x), free(ref), free(y), packed_free(w);
+}
+
+static void quant_experts_case(int64_t T, int64_t D, int64_t F, int64_t E, int64_t K, int64_t G, int bits, int nt) {
+  float* x = randf(T * D, 1.0);
+  packed_t w13 = packed_rand(E * 2 * F, D, G, bits, 1), w2 = packed_rand(E * D, F, F, 12 - bits, 1);
+  float* wts = randf(T * K, 1.0);
+  int64_t* ids = malloc((size_t)(T * K) * sizeof(int64_t));
+  for (int64_t i = 0; i < T * K; i++) ids[i] = uniform() < -0.6 ? -1 : (i * 3 + i / K) % E;
+  double* ref = zeros(T * D);
+  double* h = zeros(2 * F);
+  double* a = zeros(F);
+  for (int64_t t = 0; t < T; t++)
+    for (int64_t k = 0; k < K; k++) {
+      const int64_t e = ids[t * K + k];
+      if (e < 0) continue;
+      for (int64_t f = 0; f < 2 * F; f++) {
+        h[f] = 0;
+        for (int64_t d = 0; d < D; d++) h[f] += w13.w[(e * 2 * F + f) * D + d] * x[t * D + d];
+      }
+      for (int64_t f = 0; f < F; f++) a[f] = silu(h[f]) * h[F + f];
+      for (int64_t d = 0; d < D; d++) {
+        double s = 0;
+        for (int64_t f = 0; f < F; f++) s += w2.w[(e * D + d) * F + f] * a[f];
+        ref[t * D + d] += wts[t * K + k] * s;
+      }
+    }
+  float* out = malloc((size_t)(T * D) * sizeof(float));
+  char what[160];
+  snprintf(what, sizeof what, "quant_experts int%d/int%d T=%ld D=%ld F=%ld E=%ld K=%ld G=%ld nt=%d", bits, 12 - bits,
+           (long)T, (long)D, (long)F, (long)E, (long)K, (long)G, nt);
+  check_rc(what, quant_experts_f32(x, T, D, ids, wts, K, w13.q, bits, w13.s, w13.o, G, w2.q, 12 - bits, w2.s, w2.o,
+                                   F, E, F, out, nt));
+  check(what, out, ref, T * D, TOL);
+  free(x), free(wts), free(ids), free(ref), free(h), free(a), free(out), packed_free(w13), packed_free(w2);
 }
 
 /* ---- paged attention: a cache of nb blocks of bs slots, G kv heads; each sequence's blocks
@@ -620,6 +710,13 @@ int main(void) {
     gated_delta_case(2, 3, 64, 16, 0, nt);
     conv_case(3, 40, 4, 1, nt);
     conv_case(2, 600, 4, 0, nt);
+    for (int bits = 4; bits <= 8; bits += 4) { /* groups of 32, 64, K, and with a tail (40) */
+      quant_linear_case(1, 128, 37, 32, bits, 1, nt);
+      quant_linear_case(3, 128, 19, 64, bits, 0, nt);
+      quant_linear_case(5, 80, 23, 40, bits, 1, nt);
+      quant_linear_case(17, 96, 9, 96, bits, 1, nt);
+      quant_experts_case(5, 64, 24, 4, 2, 32, bits, nt);
+    }
   }
   printf("cpu_ops driver (%s): %d of %d checks passed\n", cpu_ops_isa(), checks - failures, checks);
   return failures ? 1 : 0;
