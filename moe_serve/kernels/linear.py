@@ -17,6 +17,7 @@ from expert_parallel.runtime import router
 from moe_serve.kernels import cpu_ops
 from moe_serve.kernels import cpu_gemm
 from moe_serve.kernels.cpu_gemm import linear as torch_linear
+from moe_serve.kernels.cpu_ops import quant as cpu_quant
 
 
 class TorchLinear:
@@ -61,6 +62,11 @@ class TorchLinear:
         """A block-FP8 Linear: its weight dequantized now, for this call only."""
         return self(x, layer.dense_weight(layer.dequant_dtype or x.dtype), layer.bias)
 
+    def packed(self, layer, x: torch.Tensor) -> torch.Tensor:
+        """A Linear with a packed int4 / int8 weight (moe_serve/quantization/packed.py): dequantized
+        now, for this call only (the reference the kernels are tested against)."""
+        return self(x, layer.dense_weight(layer.dequant_dtype or x.dtype), layer.bias)
+
     def warm_up(self, layer, dtype: torch.dtype) -> None:
         """Compile what this backend can launch for the layer ahead of serving: nothing for torch ops."""
 
@@ -79,6 +85,16 @@ class CpuCLinear(TorchLinear):
             y = cpu_ops.linear(x, w, b)
             return y if y.dtype == x.dtype else y.to(x.dtype)
         return torch_linear(x, w, b, self.upcast_half)
+
+    def packed(self, layer, x: torch.Tensor) -> torch.Tensor:
+        """Decode-sized calls over a packed weight in our C kernel (cpu_ops/quant.c: the packed bytes
+        streamed once); prefill-sized ones dequantize (torch ops)."""
+        w = layer.packed()
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if 0 < rows <= cpu_ops.LINEAR_MAX_ROWS and cpu_quant.quant_linear_fits(x, w):
+            y = cpu_quant.quant_linear(x, w, layer.bias)
+            return y if y.dtype == x.dtype else y.to(x.dtype)
+        return super().packed(layer, x)
 
     def topk_softmax(self, logits_TE, k, over_topk):
         if cpu_ops.topk_softmax_fits(logits_TE, k):  # one C call for the top-k and the softmax

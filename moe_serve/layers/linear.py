@@ -93,8 +93,8 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_scale_inv is not None:  # block FP8
             return self.ops.fp8(self, x)
-        if self.qweight is not None:  # packed int4 / int8: dequantized for this call only (torch ops)
-            return self.ops(x, self.dense_weight(self.dequant_dtype or x.dtype), self.bias)
+        if self.qweight is not None:  # packed int4 / int8: the backend's kernel, or dequantized per call
+            return self.ops.packed(self, x)
         return self.ops(x, self.weight, self.bias)
 
 

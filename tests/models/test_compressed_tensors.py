@@ -200,6 +200,44 @@ def test_mixtral_greedy_matches_transformers(mixtral, tmp_path):
         assert_same_greedy(model, p, o.outputs[0].token_ids, hf_greedy(model, p, 8))
 
 
+def test_c_kernels_serve_packed_decode_as_the_torch_path_does(qwen3, tmp_path, monkeypatch):
+    """With our C backends (cpu_c), decode-sized linear and expert calls over packed weights run in
+    cpu_ops/quant.c; greedy tokens equal the torch backends' (which dequantize per call), and the
+    C path's per-step logits stay within float32 accumulation-order noise of them."""
+    from moe_serve import SamplingParams
+    from moe_serve.kernels.cpu_ops import quant
+    from tests.models.test_hf_parity import make_prompts
+
+    if not quant.cpu_ops.available():
+        pytest.fail("the C kernels did not build here (cpu_ops.status())")
+    calls = {"quant_linear": 0, "quant_experts": 0}
+    for name in calls:
+        real = getattr(quant, name)
+
+        def spy(*a, _real=real, _name=name, **k):
+            calls[_name] += 1
+            return _real(*a, **k)
+        monkeypatch.setattr(quant, name, spy)
+    dst = str(tmp_path / "w4asym")
+    write_checkpoint(qwen3, dst, dict(num_bits=4, symmetric=False, strategy="group", group_size=64))
+    prompts = make_prompts(80)[:4]
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=1)
+    toks, lps = {}, {}
+    for backend in ("cpu_c", "torch"):
+        llm = LLM(dst, dtype="float32", kv_cache_memory=1 << 22, show_progress=False, moe_backend=backend,
+                  linear_backend=backend, attention_backend=backend, norm_backend=backend)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        toks[backend] = [o.outputs[0].token_ids for o in outs]
+        lps[backend] = [o.outputs[0].cumulative_logprob for o in outs]
+        if backend == "cpu_c":
+            assert calls["quant_linear"] > 0 and calls["quant_experts"] > 0, calls
+            seen = dict(calls)
+    assert calls == seen  # the torch backends never call the C kernels
+    assert toks["cpu_c"] == toks["torch"]
+    for a, b in zip(lps["cpu_c"], lps["torch"]):
+        assert abs(a - b) < 1e-3
+
+
 def test_packed_weights_stay_packed_in_memory(qwen3, tmp_path):
     """Quantized layers keep their codes (a byte per two int4 / per int8 weight) and float32 scales
     and offsets: about a quarter (int4, group 128) / half (int8, per channel) of bf16's bytes."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from moe_serve.kernels import cpu_ops
+from moe_serve.kernels.cpu_ops import quant as cpu_quant
 from moe_serve.kernels.grouped_gemm.grouped_mm import (fused_experts_grouped, fused_experts_single_token, grouped_mm_available,
                                              grouped_mm_fits)
 from moe_serve.kernels.grouped_gemm.mxfp4 import Mxfp4Weight, fused_experts_mxfp4
@@ -124,6 +125,17 @@ class CpuCExperts(TorchExperts):
             out = cpu_ops.moe_experts(_as_f32(x_TD), w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK)
             return out if out.dtype == x_TD.dtype else out.to(x_TD.dtype)
         return super().plain(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, all_local)
+
+    def variant(self, x_TD, w13, w2, topk_weights_TK, topk_ids_TK, w13_bias, w2_bias, activation) -> torch.Tensor:
+        """Packed int4 / int8 SwiGLU experts (moe_serve/quantization/packed.py) in a decode-sized
+        batch: our C kernel (cpu_ops/quant.c), each routed expert's packed bytes streamed once."""
+        T, K = topk_ids_TK.shape
+        if (w13_bias is None and w2_bias is None and activation == "silu" and isinstance(w13, cpu_quant.PackedWeight)
+                and T * K <= cpu_ops.MAX_ROWS_PER_EXPERT * w13.shape[0]
+                and cpu_quant.quant_experts_fits(x_TD, w13, w2, topk_weights_TK, topk_ids_TK)):
+            out = cpu_quant.quant_experts(x_TD, w13, w2, topk_weights_TK, topk_ids_TK)
+            return out if out.dtype == x_TD.dtype else out.to(x_TD.dtype)
+        return super().variant(x_TD, w13, w2, topk_weights_TK, topk_ids_TK, w13_bias, w2_bias, activation)
 
 
 class TritonExperts(TorchExperts):
