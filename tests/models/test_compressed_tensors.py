@@ -322,3 +322,24 @@ def test_packed_module_the_config_ignores_is_refused(qwen3, tmp_path):
         json.dump(cfg, f)
     with pytest.raises(ValueError, match="model.layers.0.self_attn.o_proj.weight_packed.*ignore"):
         LLM(dst, dtype="float32", kv_cache_memory=1 << 20, show_progress=False)
+
+
+def test_packed_module_we_cannot_keep_packed_is_refused(qwen3, tmp_path):
+    """A packed LM head (the config does not ignore it) is refused at load, naming the tensor, its
+    bits and the format."""
+    dst = str(tmp_path / "head")
+    write_checkpoint(qwen3, dst, CASES["w8a16-channel-asym"], ignore=["re:.*\\.gate$"])
+    with pytest.raises(ValueError, match=r"'lm_head.weight_packed' is quantized \(compressed-tensors, "
+                                         r"pack-quantized, 8-bit\).*not a linear layer"):
+        LLM(dst, dtype="float32", kv_cache_memory=1 << 20, show_progress=False)
+
+
+def test_group_size_not_dividing_the_input_is_refused():
+    """compressed-tensors pads a last partial group; PackedWeight's groups divide K: refused, naming
+    the module and the sizes."""
+    K, N, G = 96, 4, 64
+    parts = {"weight_packed": torch.zeros(N, K * 4 // 32, dtype=torch.int32),
+             "weight_scale": torch.ones(N, 2), "weight_shape": torch.tensor([N, K])}
+    with pytest.raises(ValueError, match="model.layers.0.mlp.down_proj: group_size 64 does not divide the input "
+                                         "dimension 96"):
+        to_packed(parts, WeightScheme(4, True, "group", G), "model.layers.0.mlp.down_proj")
