@@ -83,10 +83,10 @@ class ModelConfig:
             from moe_serve.quantization.fp8 import BlockFp8Config
 
             BlockFp8Config.from_hf(q)  # a malformed config fails here, naming the field
-        elif q.get("quant_method") == "compressed-tensors":
-            from moe_serve.quantization.compressed_tensors import CompressedTensorsConfig
+        elif q.get("quant_method") in ("compressed-tensors", "awq", "gptq"):
+            from moe_serve.quantization import formats
 
-            CompressedTensorsConfig.from_hf(q)  # a scheme we do not serve fails here, naming it
+            formats.validate(q)  # a packed int4/int8 scheme we do not serve fails here, naming it
         if q and quantization and q.get("quant_method") != quantization:
             raise ValueError(f"quantization={quantization!r}, but the checkpoint is already quantized "
                              f"(quant_method={q.get('quant_method')!r})")

@@ -81,8 +81,8 @@ def tensor_loader(model: nn.Module, dtype: torch.dtype, path: str, quantization:
 
     fp8_cfg = _checkpoint_fp8_config(model, path, quantization)
     quant = (getattr(model, "hf", None) or {}).get("quantization_config") or {}
-    if quant.get("quant_method") == "compressed-tensors":
-        raise ValueError("weight updates of a compressed-tensors (packed int4/int8) model are not supported yet")
+    if quant.get("quant_method") in ("compressed-tensors", "awq"):
+        raise ValueError(f"weight updates of a {quant['quant_method']} (packed int4/int8) model are not supported yet")
     if fp8_cfg is None and quantization == "fp8":  # quantized at load: the same blocks again
         fp8_cfg = fp8.BlockFp8Config()
     return _TensorLoader(model, dtype, experts, fp8_cfg)
@@ -97,14 +97,15 @@ def _checkpoint_fp8_config(model: nn.Module, path: str, quantization: str | None
     fp8_cfg = None
     if quant and quant.get("quant_method") == "fp8":
         fp8_cfg = fp8.BlockFp8Config.from_hf(quant)
-    elif quant and quant.get("quant_method") == "compressed-tensors":
-        from moe_serve.quantization import compressed_tensors
+    elif quant and quant.get("quant_method") in ("compressed-tensors", "awq", "gptq"):
+        from moe_serve.quantization import formats
 
-        compressed_tensors.CompressedTensorsConfig.from_hf(quant)  # errors name the field
+        formats.validate(quant)  # errors name the field (GPTQ: not yet)
     elif quant and quant.get("quant_method") not in getattr(model, "quant_methods", ()):  # GPT-OSS: "mxfp4"
         raise ValueError(f"checkpoint {path!r} is quantized with quant_method={quant.get('quant_method')!r}; the "
                          f"supported quantized formats are block FP8 (quant_method 'fp8'), compressed-tensors' "
-                         f"pack-quantized int4/int8 weights ('compressed-tensors') and, for GPT-OSS, MXFP4 "
+                         f"pack-quantized int4/int8 weights ('compressed-tensors'), AutoAWQ's int4 'gemm' ('awq') "
+                         f"and, for GPT-OSS, MXFP4 "
                          f"('mxfp4'); otherwise use an "
                          f"unquantized (bf16/fp16/fp32) checkpoint, or load_format='dummy' for its sizes")
     if quantization not in (None, "fp8"):
@@ -143,18 +144,19 @@ def _make_fp8_storage(model: nn.Module, fp8_cfg, quantization: str | None, names
 
 
 def _make_packed_storage(model: nn.Module, names_by_file: list, experts: dict):
-    """compressed-tensors checkpoints: give packed storage (moe_serve/quantization/packed.py) to the
-    modules whose weights come packed (a `weight_packed` tensor), before any tensor loads: linear
+    """Packed int4 / int8 checkpoints (compressed-tensors, AWQ: moe_serve/quantization/formats.py): give
+    packed storage (moe_serve/quantization/packed.py) to the modules whose weights come packed (a
+    `weight_packed` / `qweight` tensor), before any tensor loads: linear
     layers in place, a MoE layer's experts replaced by PackedExperts (`experts` updated). Returns
     the collector the loading feeds (None: not such a checkpoint)."""
     from moe_serve.layers.experts import packed_experts
     from moe_serve.layers.linear import Linear
-    from moe_serve.quantization import compressed_tensors as ct
+    from moe_serve.quantization.formats import packed_collector
 
-    cfg = ct.checkpoint_config(getattr(model, "hf", None) or {})
-    if cfg is None:
+    collector = packed_collector(getattr(model, "hf", None) or {})
+    if collector is None:
         return None
-    collector = ct.PackedTensors(cfg)
+    ct = collector
     modules = dict(model.named_modules())
     expert_groups: dict[str, dict[str, tuple[int, int]]] = {}  # prefix -> {"w13"/"w2": (bits, group)}
     linears = 0
@@ -162,7 +164,7 @@ def _make_packed_storage(model: nn.Module, names_by_file: list, experts: dict):
         for raw in names:
             mapped = model.checkpoint_name(raw)
             split = ct.split_name(mapped) if mapped else None
-            if split is None or split[1] != "weight_packed":
+            if split is None or not ct.is_weight(split[1]):
                 continue
             module = split[0]
             scheme = collector.scheme(raw)
@@ -171,30 +173,30 @@ def _make_packed_storage(model: nn.Module, names_by_file: list, experts: dict):
                 ex = experts[m.group("prefix")]
                 kind = model.expert_names.get(m.group("proj"))
                 if kind is None:
-                    raise ValueError(f"unexpected expert tensor {raw!r} ({ct.METHOD})")
+                    raise ValueError(f"unexpected expert tensor {raw!r} ({ct.method})")
                 which = "w2" if kind == "down" else "w13"
                 got = (scheme.bits, scheme.group_size or (ex.w13.shape[2] if which == "w13" else ex.F))
                 seen = expert_groups.setdefault(m.group("prefix"), {}).setdefault(which, got)
                 if seen != got:
-                    raise ValueError(f"tensor {raw!r} ({ct.METHOD}): {got[0]}-bit group {got[1]}, but the layer's "
+                    raise ValueError(f"tensor {raw!r} ({ct.method}): {got[0]}-bit group {got[1]}, but the layer's "
                                      f"other {which} experts are {seen[0]}-bit group {seen[1]}: not supported")
                 continue
             lin = modules.get(module)
             if not isinstance(lin, Linear):
-                raise ValueError(f"tensor {raw!r} is quantized ({ct.METHOD}, {ct.FORMAT}, {scheme.bits}-bit), but "
+                raise ValueError(f"tensor {raw!r} is quantized ({ct.method}, {ct.format}, {scheme.bits}-bit), but "
                                  f"{module!r} is not a linear layer or expert projection this engine keeps packed")
             if lin.qweight is None:
                 lin.to_packed(scheme.bits, scheme.group_size or lin.in_features)
                 linears += 1
     for prefix, groups in expert_groups.items():
         if len(groups) != 2 or groups["w13"][0] != groups["w2"][0]:
-            raise ValueError(f"{prefix}.experts ({ct.METHOD}): gate/up and down must all be packed with one bit width, "
+            raise ValueError(f"{prefix}.experts ({ct.method}): gate/up and down must all be packed with one bit width, "
                              f"got {groups}")
         new = packed_experts(experts[prefix], groups["w13"][0], (groups["w13"][1], groups["w2"][1]))
         owner = modules[prefix]
         owner.experts = new
         experts[prefix] = new
-    log.info("%s checkpoint (%s): %d linear layers and %d MoE layers' experts kept packed", ct.METHOD, ct.FORMAT,
+    log.info("%s checkpoint (%s): %d linear layers and %d MoE layers' experts kept packed", ct.method, ct.format,
              linears, len(expert_groups))
     return collector
 
@@ -206,7 +208,7 @@ class _TensorLoader:
 
     def __init__(self, model: nn.Module, dtype: torch.dtype, experts: dict, fp8_cfg, packed=None):
         self.model, self.dtype, self.experts, self.fp8_cfg = model, dtype, experts, fp8_cfg
-        self.packed = packed  # compressed_tensors.PackedTensors: packed weights' parts, collected
+        self.packed = packed  # formats.packed_collector's: packed weights' parts, collected
         # After the FP8 storage is made: the parameters as they will be filled.
         self.params = dict(model.named_parameters(remove_duplicate=True))
         self.scales = {name: b for name, b in model.named_buffers() if name.endswith("weight_scale_inv")}
@@ -290,11 +292,10 @@ class _TensorLoader:
             self._load_param(name, raw, f, fp)
 
     def _load_packed(self, name: str, raw: str, f) -> bool:
-        """A part of a packed weight (compressed-tensors: weight_packed, weight_scale, ...): collected
+        """A part of a packed weight (compressed-tensors' weight_packed, weight_scale, ...; AWQ's qweight,
+        qzeros, scales): collected
         until its module has all of them, then converted and placed; False if `name` is none."""
-        from moe_serve.quantization import compressed_tensors as ct
-
-        split = ct.split_name(name)
+        split = self.packed.split_name(name)
         if split is None:
             return False
         module, suffix = split

@@ -221,9 +221,20 @@ class PackedTensors:
     `take` returns (module, PackedWeight) once a module has all of its parts, None before (module:
     our name of it)."""
 
+    method, format = METHOD, FORMAT
+
     def __init__(self, cfg: CompressedTensorsConfig):
         self.cfg = cfg
         self.pending: dict[str, dict[str, torch.Tensor]] = {}
+
+    @staticmethod
+    def split_name(name: str) -> tuple[str, str] | None:
+        return split_name(name)
+
+    @staticmethod
+    def is_weight(suffix: str) -> bool:
+        """Whether this part names a packed module (one a module)."""
+        return suffix == "weight_packed"
 
     def scheme(self, raw: str) -> WeightScheme:
         """The scheme of tensor `raw`'s module, matched by its name in the checkpoint (the config's

@@ -1,0 +1,131 @@
+"""AutoAWQ checkpoints (quant_method "awq", version "gemm"), kept packed (moe_serve/quantization/packed.py).
+GPTQ checkpoints (quant_method "gptq") are not served yet: refused at start-up.
+
+quantization_config = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": true,
+"version": "gemm", "modules_to_not_convert": [...]}. Each quantized linear module <m> (attention
+projections, per-expert gate/up/down) has, for a weight of logical shape (N out, K in):
+  <m>.qweight  int32 (K, N / 8): eight 4-bit codes a word along N, in AutoAWQ's interleaved order:
+               the code at bits [4p, 4p + 4) of word c is column 8c + ORDER[p], ORDER = 0 2 4 6 1 3 5 7;
+  <m>.qzeros   int32 (K / G, N / 8): the unsigned zero points, packed the same way;
+  <m>.scales   (K / G, N) float16.
+The value is (q - z) * scale (zero_point false: (q - 8) * scale), so in PackedWeight's terms the
+code is q, offsets = -z * scale. Anything else in the config (another version, bits, a group size
+that does not divide K) is refused, naming the field and the format.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from moe_serve.quantization.packed import PackedWeight, pack_nibbles, unpack_nibbles
+
+METHOD = "awq"
+FORMAT = "gemm"
+ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+REVERSE = tuple(ORDER.index(j) for j in range(8))  # column j of a word sits at position REVERSE[j]
+SUFFIXES = ("qweight", "qzeros", "scales")
+
+
+@dataclass(frozen=True)
+class AwqScheme:
+    bits: int
+    group_size: int  # -1 (per channel) is resolved per module
+    zero_point: bool
+    not_converted: tuple[str, ...]
+
+    @staticmethod
+    def from_hf(q: dict) -> "AwqScheme":
+        version = str(q.get("version", "gemm")).lower()
+        if version != FORMAT:
+            raise ValueError(f"quantization_config.version={q.get('version')!r} (awq): only 'gemm' is supported")
+        bits = q.get("bits", q.get("w_bit", 4))
+        if bits != 4:
+            raise ValueError(f"quantization_config.bits={bits!r} (awq, gemm): only 4 is supported")
+        gs = q.get("group_size", q.get("q_group_size", 128))
+        if not isinstance(gs, int) or (gs <= 0 and gs != -1):
+            raise ValueError(f"quantization_config.group_size={gs!r} (awq, gemm): a positive int or -1 is needed")
+        skip = q.get("modules_to_not_convert") or []
+        if not isinstance(skip, list) or not all(isinstance(s, str) for s in skip):
+            raise ValueError(f"quantization_config.modules_to_not_convert={skip!r} (awq) must be a list of names")
+        return AwqScheme(4, gs, bool(q.get("zero_point", True)), tuple(skip))
+
+
+def _unpack_columns(t: torch.Tensor, what: str) -> torch.Tensor:
+    """int32 (R, C / 8) in AWQ's order -> unsigned codes uint8 (R, C) in column order."""
+    if t.dtype != torch.int32:
+        raise ValueError(f"tensor {what} has dtype {t.dtype}, expected torch.int32")
+    nib = unpack_nibbles(t.contiguous().view(torch.uint8))  # (R, 8 * words): position order
+    if __import__("sys").byteorder == "big":
+        nib = nib.view(t.shape[0], -1, 4, 2).flip(-2).reshape(t.shape[0], -1)
+    R, C = nib.shape
+    return nib.view(R, C // 8, 8)[..., list(REVERSE)].reshape(R, C)
+
+
+def to_packed(parts: dict[str, torch.Tensor], scheme: AwqScheme, module: str) -> PackedWeight:
+    qweight, scales = parts["qweight"], parts["scales"]
+    if qweight.dim() != 2 or scales.dim() != 2:
+        raise ValueError(f"{module}: qweight {tuple(qweight.shape)} and scales {tuple(scales.shape)} must be 2-D (awq)")
+    K, N = qweight.shape[0], qweight.shape[1] * 8
+    groups = scales.shape[0]
+    if tuple(scales.shape) != (groups, N) or groups == 0 or K % groups:
+        raise ValueError(f"tensor {module}.scales has shape {tuple(scales.shape)}: (K / group, {N}) with K = {K} "
+                         f"expected (awq)")
+    G = K // groups
+    if scheme.group_size not in (-1, G):
+        raise ValueError(f"{module}: scales give group size {G}, quantization_config.group_size is "
+                         f"{scheme.group_size} (awq)")
+    q = _unpack_columns(qweight, f"{module}.qweight")  # (K, N)
+    codes = pack_nibbles(q.t().contiguous())  # (N, K / 2)
+    s = scales.t().to(torch.float32).contiguous()  # (N, K / G)
+    if scheme.zero_point:
+        z = parts["qzeros"]
+        if tuple(z.shape) != (groups, N // 8):
+            raise ValueError(f"tensor {module}.qzeros has shape {tuple(z.shape)}, expected {(groups, N // 8)} (awq)")
+        zero = _unpack_columns(z, f"{module}.qzeros").t().to(torch.float32)
+    else:
+        zero = torch.full_like(s, 8.0)
+    return PackedWeight(4, codes, s, (-zero * s).contiguous(), G, (N, K))
+
+
+class AwqTensors:
+    """Collects each AWQ module's tensors (the collector interface of compressed_tensors.PackedTensors)."""
+
+    method, format = METHOD, FORMAT
+
+    def __init__(self, scheme: AwqScheme):
+        self.cfg = scheme
+        self.pending: dict[str, dict[str, torch.Tensor]] = {}
+
+    @staticmethod
+    def split_name(name: str) -> tuple[str, str] | None:
+        module, _, suffix = name.rpartition(".")
+        return (module, suffix) if suffix in SUFFIXES and module else None
+
+    @staticmethod
+    def is_weight(suffix: str) -> bool:
+        return suffix == "qweight"
+
+    def scheme(self, raw: str) -> AwqScheme:
+        module = raw.rpartition(".")[0]
+        if any(re.search(rf"(^|\.){re.escape(s)}(\.|$)", module) for s in self.cfg.not_converted):
+            raise ValueError(f"tensor {raw!r} is quantized (awq, gemm), but quantization_config.modules_to_not_convert "
+                             f"names module {module!r}")
+        return self.cfg
+
+    def take(self, module: str, suffix: str, t: torch.Tensor, raw: str) -> tuple[str, PackedWeight] | None:
+        scheme = self.scheme(raw)
+        parts = self.pending.setdefault(module, {})
+        parts[suffix] = t
+        need = {"qweight", "scales"} | ({"qzeros"} if scheme.zero_point else set())
+        if not need <= set(parts):
+            return None
+        del self.pending[module]
+        return module, to_packed(parts, scheme, module)
+
+    def finish(self, path: str) -> None:
+        if self.pending:
+            module, parts = next(iter(self.pending.items()))
+            raise ValueError(f"checkpoint {path!r}: quantized module {module!r} (awq) has only {sorted(parts)}; "
+                             f"qweight, scales (and qzeros with zero_point) are needed")

@@ -1,0 +1,127 @@
+"""AutoAWQ int4 'gemm' checkpoints, kept packed: greedy tokens equal transformers running the weights
+as compressed-tensors' own AutoAWQ converter decodes them (its unpacking and reordering, then the
+package's pack-quantized decompression), and AWQ configs we do not serve are refused naming the field.
+
+The checkpoint is written with AutoAWQ's reference quantization and packing (pseudo_quantize_tensor's
+min/max zero point per group, WQLinear_GEMM.from_linear's interleaved column order), reproduced here.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from moe_serve import LLM
+from moe_serve.quantization.formats import validate
+from tests.models.test_compressed_tensors import build_qwen3_moe_128, oracle
+from tests.models.test_hf_parity import check_greedy_parity, hf_model
+
+ORDER_MAP = [0, 2, 4, 6, 1, 3, 5, 7]  # WQLinear_GEMM.from_linear's order within an int32
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    return build_qwen3_moe_128(str(tmp_path_factory.mktemp("qwen3_moe_128")))
+
+
+def _awq_quantize(w: torch.Tensor, G: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """AutoAWQ's pseudo_quantize_tensor (zero point, 4 bits): scales and zeros (N, K / G), codes (N, K)."""
+    N, K = w.shape
+    g = w.reshape(-1, G)
+    max_val, min_val = g.amax(dim=1, keepdim=True), g.amin(dim=1, keepdim=True)
+    scales = (max_val - min_val).clamp(min=1e-5) / 15
+    zeros = (-torch.round(min_val / scales)).clamp_(0, 15)
+    scales, zeros = scales.reshape(N, K // G), zeros.reshape(N, K // G)
+    # from_linear: round((w + zeros * scales) / scales), per input column's group
+    sz = (zeros * scales).repeat_interleave(G, dim=1)
+    q = torch.round((w + sz) / scales.repeat_interleave(G, dim=1)).to(torch.int32)
+    return q, scales, zeros.to(torch.int32)
+
+
+def _awq_pack(intweight_KN: torch.Tensor) -> torch.Tensor:
+    """from_linear's packing: (R, C) int -> (R, C / 8) int32, column col * 8 + ORDER_MAP[i] at bits 4i."""
+    R, C = intweight_KN.shape
+    out = torch.zeros(R, C // 8, dtype=torch.int32)
+    for col in range(C // 8):
+        for i in range(8):
+            out[:, col] |= intweight_KN[:, col * 8 + ORDER_MAP[i]].to(torch.int32) << (i * 4)
+    return out
+
+
+def _is_quantized(name: str, t: torch.Tensor) -> bool:
+    return (t.dim() == 2 and name.endswith(".weight") and "norm" not in name and "embed_tokens" not in name
+            and name != "lm_head.weight" and not name.endswith("mlp.gate.weight"))
+
+
+def write_awq(src: str, dst: str, G: int) -> dict[str, torch.Tensor]:
+    """An AutoAWQ gemm copy of `src` at `dst`; returns the weights compressed-tensors' AutoAWQ converter
+    and pack-quantized decompression give for it, by tensor name."""
+    from compressed_tensors.compressors.pack_quantized import PackedQuantizationCompressor
+    from compressed_tensors.entrypoints.convert.converters.autoawq import AutoAWQConverter
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    sd = load_file(os.path.join(src, "model.safetensors"))
+    out = {}
+    for k, v in sd.items():
+        if not _is_quantized(k, v):
+            out[k] = v
+            continue
+        m = k[: -len(".weight")]
+        q, scales, zeros = _awq_quantize(v.float(), G)
+        out[m + ".qweight"] = _awq_pack(q.t().contiguous())
+        out[m + ".qzeros"] = _awq_pack(zeros.t().contiguous())
+        out[m + ".scales"] = scales.t().contiguous().half()
+    save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(dst, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": G, "zero_point": True,
+                                  "version": "gemm", "modules_to_not_convert": ["mlp.gate"]}
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    converter = AutoAWQConverter(bits=4, group_size=G, zero_point=True, ignore=["lm_head", "re:.*mlp\\.gate$"])
+    ct = converter.process(dict(out))
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(num_bits=4, type="int", symmetric=False,
+                                                                           strategy="group", group_size=G))
+    dequant = {}
+    for k in ct:
+        if k.endswith(".weight_packed"):
+            m = k[: -len(".weight_packed")]
+            parts = {s: ct[f"{m}.{s}"] for s in ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")}
+            dequant[m + ".weight"] = PackedQuantizationCompressor.decompress(parts, scheme)["weight"].float()
+    assert len(dequant) == sum(_is_quantized(k, v) for k, v in sd.items())
+    return dequant
+
+
+def test_awq_greedy_matches_transformers_on_converter_decoded_weights(qwen3, tmp_path):
+    dequant = write_awq(qwen3, str(tmp_path / "awq"), 64)
+    model = oracle(qwen3, dequant, str(tmp_path / "oracle"))
+    plain = dict(hf_model(qwen3).named_parameters())
+    assert any(not torch.equal(p, plain[n]) for n, p in model.named_parameters())
+    check_greedy_parity(str(tmp_path / "awq"), model, 90)
+    llm = LLM(str(tmp_path / "awq"), dtype="float32", kv_cache_memory=1 << 20, show_progress=False)
+    m = llm.engine.runner.model
+    assert m.model.layers[0].self_attn.q_proj.qweight.dtype == torch.uint8
+    assert m.model.layers[0].mlp.experts.w13_qweight.dtype == torch.uint8
+    # our conversion, module by module, against the converter's (its fp16 arithmetic: within fp16 rounding)
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
+        ours = m.get_submodule(name).packed().dequantize()
+        torch.testing.assert_close(ours, dequant[name + ".weight"], rtol=2e-3, atol=2e-3)
+    w13, w2 = m.model.layers[0].mlp.experts.op_weights()
+    torch.testing.assert_close(w2.dequantize()[3], dequant["model.layers.0.mlp.experts.3.down_proj.weight"],
+                               rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(w13.dequantize()[2, 128:], dequant["model.layers.0.mlp.experts.2.up_proj.weight"],
+                               rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("field,value,words", [("version", "gemv", "version='gemv'"), ("bits", 8, "bits=8"),
+                                                ("quant_method", "gptq", "GPTQ")])
+def test_unsupported_awq_configs_refused_naming_them(field, value, words):
+    q = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
+    q[field] = value
+    with pytest.raises(ValueError, match=words):
+        validate(q)
