@@ -137,8 +137,23 @@ def oracle(src: str, dequant: dict[str, torch.Tensor], dst: str):
     return hf_model(dst)
 
 
+def light_parity(path: str, model, seed: int) -> None:
+    """Greedy tokens of four prompts equal transformers' (check_greedy_parity's engine stress, once
+    per file, is left to the first case)."""
+    from moe_serve import SamplingParams
+    from tests.models.test_hf_parity import assert_same_greedy, hf_greedy, make_prompts
+
+    prompts = make_prompts(seed)[:4]
+    llm = LLM(path, dtype="float32", kv_cache_memory=1 << 22, show_progress=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=8))
+    for p, o in zip(prompts, outs):
+        assert_same_greedy(model, p, o.outputs[0].token_ids, hf_greedy(model, p, 8))
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_matches_transformers_on_package_decompressed_weights(qwen3, tmp_path, case):
+    """W4A16 under chunked prefill, preemption and prefix hits (check_greedy_parity); W8A16 on four
+    prompts."""
     dst = str(tmp_path / case)
     dequant = write_checkpoint(qwen3, dst, CASES[case])
     with open(os.path.join(dst, "config.json")) as f:
@@ -146,7 +161,10 @@ def test_greedy_matches_transformers_on_package_decompressed_weights(qwen3, tmp_
     model = oracle(qwen3, dequant, str(tmp_path / "oracle"))
     plain = dict(hf_model(qwen3).named_parameters())  # the oracle really holds the quantized weights
     assert any(not torch.equal(p, plain[n]) for n, p in model.named_parameters())
-    check_greedy_parity(dst, model, 60 + list(CASES).index(case))
+    if case == "w4a16-group128-sym":
+        check_greedy_parity(dst, model, 60)
+    else:
+        light_parity(dst, model, 61)
 
 
 @pytest.mark.parametrize("weights", [dict(num_bits=4, symmetric=False, strategy="group", group_size=32),
@@ -181,9 +199,6 @@ def mixtral(tmp_path_factory):
 def test_mixtral_greedy_matches_transformers(mixtral, tmp_path):
     """Mixtral's names (block_sparse_moe, experts' w1 / w3 / w2, a sharded source): W4A16 with zero
     points, group 32 (the expert down projection's K = 96 takes three groups)."""
-    from moe_serve import SamplingParams
-    from tests.models.test_hf_parity import assert_same_greedy, hf_greedy, make_prompts
-
     dst = str(tmp_path / "mixtral_w4")
     dequant = write_checkpoint(mixtral, dst, dict(num_bits=4, symmetric=False, strategy="group", group_size=32))
     from safetensors import safe_open
@@ -193,11 +208,7 @@ def test_mixtral_greedy_matches_transformers(mixtral, tmp_path):
     assert "model.layers.1.block_sparse_moe.experts.5.w2.weight_zero_point" in names
     assert "model.layers.1.block_sparse_moe.gate.weight" in names  # the ignored router stays float
     model = oracle(mixtral, dequant, str(tmp_path / "oracle"))
-    prompts = make_prompts(70)[:4]
-    llm = LLM(dst, dtype="float32", kv_cache_memory=1 << 22, show_progress=False)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=8))
-    for p, o in zip(prompts, outs):
-        assert_same_greedy(model, p, o.outputs[0].token_ids, hf_greedy(model, p, 8))
+    light_parity(dst, model, 70)
 
 
 def test_c_kernels_serve_packed_decode_as_the_torch_path_does(qwen3, tmp_path, monkeypatch):
