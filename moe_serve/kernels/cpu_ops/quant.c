@@ -16,6 +16,11 @@
  * multiply shared by every activation row) and accumulates it against the activations; the offsets
  * never enter it. For int4 the activations are first laid out to match the nibbles: within each
  * group, each chunk of up to 32 elements as its even elements then its odd ones (split4).
+ * Two shortcuts where they pay: a lone activation row (decode) over int8 codes accumulates each
+ * group's sums of q x and scales them once per group (no multiply per vector); on AVX-512 int4 codes
+ * become weights by a lookup, the group's 16 values scale * c + offset in one register indexed by
+ * the nibble (vpermps: no convert, no multiply, no mask; the offsets are then in the weights, not in
+ * offset * xsum).
  *
  * Tiles as moe.c's decode path: a block of QNB weight rows stays in L1 while every activation row
  * passes it (up to QMB at a time, a compile-time count), so the weights are read once whatever M is;
@@ -128,6 +133,32 @@ VF_INLINE void q4_loadn(const uint8_t* p, int64_t n, vf16* lo, vf16* hi) {
 VF_INLINE void q4_load(const uint8_t* p, vf16* lo, vf16* hi) { q4_loadn(p, 16, lo, hi); }
 #endif
 
+/* acc + s * p over a dot product's accumulators (vsum, vec.h): a group's partial sums scaled. */
+#if defined(VF_AVX512)
+VF_INLINE vsum qs_fma1(float s, vsum p, vsum acc) { return _mm512_fmadd_ps(_mm512_set1_ps(s), p, acc); }
+/* int4 codes to weights by a lookup: the 16 values scale * c + offset of a row's group in one register,
+ * indexed by the code (vpermps reads an index's low 4 bits: the low nibble needs no mask). */
+#define Q4_LUT 1
+VF_INLINE vf16 q4_lut(float s, float o) {
+  return _mm512_fmadd_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_ps(s),
+                         _mm512_set1_ps(o));
+}
+VF_INLINE void q4_lookup_(__m128i b, vf16 lut, vf16* lo, vf16* hi) {
+  const __m512i v = _mm512_cvtepu8_epi32(b);
+  *lo = _mm512_permutexvar_ps(v, lut);
+  *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut);
+}
+#elif defined(VF_AVX2)
+VF_INLINE vsum qs_fma1(float s, vsum p, vsum acc) { return _mm256_fmadd_ps(_mm256_set1_ps(s), p, acc); }
+#elif defined(VF_NEON)
+VF_INLINE vsum qs_fma1(float s, vsum p, vsum acc) { return vfmaq_n_f32(acc, p, s); }
+#else
+VF_INLINE vsum qs_fma1(float s, vsum p, vsum acc) { return vf_fma(vf_set1(s), p, acc); }
+#endif
+#ifndef Q4_LUT
+#define Q4_LUT 0
+#endif
+
 /* A packed weight as the kernels read it (see the header). */
 typedef struct {
   const uint8_t* q;
@@ -175,12 +206,15 @@ VF_INLINE void qtile(const float* const* ar, const float* const* xsr, const int 
   const float* a[QMB];
   const uint8_t* qp[QNB];
   const float* sp[QNB];
+  const float* op[QNB]; /* offsets' rows (NULL: none) */
   const int64_t G = w->G, ng = K / G, rowbytes = BITS == 8 ? K : K / 2;
   _Pragma("GCC unroll 4") for (int i = 0; i < QMB; i++) a[i] = ar[i];
   _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) {
     const int64_t r = n + (j < nb ? j : 0);
     qp[j] = w->q + r * rowbytes;
     sp[j] = w->scales + r * ng;
+    op[j] = w->offsets ? w->offsets + r * ng : 0;
+    (void)op[j];
   }
   vsum acc[QMB][QNB];
   _Pragma("GCC unroll 4") for (int i = 0; i < MBC; i++)
@@ -188,7 +222,19 @@ VF_INLINE void qtile(const float* const* ar, const float* const* xsr, const int 
   for (int64_t g = 0; g < ng; g++) {
     const int64_t k0 = g * G, k1 = k0 + G;
     int64_t k = k0;
-    if (BITS == 8) {
+    if (BITS == 8 && MBC == 1) { /* a lone row: the group's sums of q x, then scaled once */
+      vsum p[QNB];
+      _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) p[j] = vs_zero();
+      for (; k + 16 <= k1; k += 16) {
+        const vf16 xv = vf_load(a[0] + k);
+        _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) p[j] = vs_fma(xv, q8_load(qp[j] + k), p[j]);
+      }
+      if (k < k1) {
+        const vf16 xv = vf_loadn(a[0] + k, k1 - k);
+        _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) p[j] = vs_fma(xv, q8_loadn(qp[j] + k, k1 - k), p[j]);
+      }
+      _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) acc[0][j] = qs_fma1(sp[j][g], p[j], acc[0][j]);
+    } else if (BITS == 8) {
       for (; k + 16 <= k1; k += 16)
         _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) {
           const vf16 wv = vf_mul(q8_load(qp[j] + k), vf_set1(sp[j][g]));
@@ -200,6 +246,32 @@ VF_INLINE void qtile(const float* const* ar, const float* const* xsr, const int 
           _Pragma("GCC unroll 4") for (int i = 0; i < MBC; i++)
             acc[i][j] = vs_fma(vf_loadn(a[i] + k, k1 - k), wv, acc[i][j]);
         }
+    } else if (Q4_LUT) {
+#if Q4_LUT
+      vf16 lut[QNB];
+      _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) lut[j] = q4_lut(sp[j][g], op[j] ? op[j][g] : 0.f);
+      for (; k + 32 <= k1; k += 32)
+        _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) {
+          vf16 we, wo;
+          q4_lookup_(_mm_loadu_si128((const __m128i*)(qp[j] + k / 2)), lut[j], &we, &wo);
+          _Pragma("GCC unroll 4") for (int i = 0; i < MBC; i++) {
+            acc[i][j] = vs_fma(vf_load(a[i] + k), we, acc[i][j]);
+            acc[i][j] = vs_fma(vf_load(a[i] + k + 16), wo, acc[i][j]);
+          }
+        }
+      if (k < k1) {
+        const int64_t h = (k1 - k) / 2;
+        const __mmask16 mh = vf_mask_(h);
+        _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) {
+          vf16 we, wo;
+          q4_lookup_(_mm_maskz_loadu_epi8(mh, qp[j] + k / 2), lut[j], &we, &wo);
+          _Pragma("GCC unroll 4") for (int i = 0; i < MBC; i++) {
+            acc[i][j] = vs_fma(vf_loadn(a[i] + k, h), we, acc[i][j]);
+            acc[i][j] = vs_fma(vf_loadn(a[i] + k + h, h), wo, acc[i][j]);
+          }
+        }
+      }
+#endif
     } else {
       for (; k + 32 <= k1; k += 32)
         _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) {
@@ -234,7 +306,7 @@ VF_INLINE void qtile(const float* const* ar, const float* const* xsr, const int 
     vs_hsum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3], sums);
     for (int j = 0; j < nb; j++) {
       float s = sums[j];
-      if (w->offsets) {
+      if (w->offsets && !(BITS == 4 && Q4_LUT)) { /* (the int4 lookup holds its offsets) */
         const float* o = w->offsets + (n + j) * ng;
         const float* xs = xsr[i];
         float t = 0.f;
