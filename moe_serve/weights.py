@@ -81,7 +81,7 @@ def tensor_loader(model: nn.Module, dtype: torch.dtype, path: str, quantization:
 
     fp8_cfg = _checkpoint_fp8_config(model, path, quantization)
     quant = (getattr(model, "hf", None) or {}).get("quantization_config") or {}
-    if quant.get("quant_method") in ("compressed-tensors", "awq"):
+    if quant.get("quant_method") in ("compressed-tensors", "awq", "gptq"):
         raise ValueError(f"weight updates of a {quant['quant_method']} (packed int4/int8) model are not supported yet")
     if fp8_cfg is None and quantization == "fp8":  # quantized at load: the same blocks again
         fp8_cfg = fp8.BlockFp8Config()
@@ -100,11 +100,12 @@ def _checkpoint_fp8_config(model: nn.Module, path: str, quantization: str | None
     elif quant and quant.get("quant_method") in ("compressed-tensors", "awq", "gptq"):
         from moe_serve.quantization import formats
 
-        formats.validate(quant)  # errors name the field (GPTQ: not yet)
+        formats.validate(quant)  # errors name the field
     elif quant and quant.get("quant_method") not in getattr(model, "quant_methods", ()):  # GPT-OSS: "mxfp4"
         raise ValueError(f"checkpoint {path!r} is quantized with quant_method={quant.get('quant_method')!r}; the "
                          f"supported quantized formats are block FP8 (quant_method 'fp8'), compressed-tensors' "
-                         f"pack-quantized int4/int8 weights ('compressed-tensors'), AutoAWQ's int4 'gemm' ('awq') "
+                         f"pack-quantized int4/int8 weights ('compressed-tensors'), AutoAWQ's int4 'gemm' ('awq'), GPTQ "
+                         f"('gptq') "
                          f"and, for GPT-OSS, MXFP4 "
                          f"('mxfp4'); otherwise use an "
                          f"unquantized (bf16/fp16/fp32) checkpoint, or load_format='dummy' for its sizes")

@@ -3,7 +3,7 @@
 tensors to (moe_serve/weights.py), converting them into PackedWeight."""
 from __future__ import annotations
 
-PACKED_METHODS = ("compressed-tensors", "awq")
+PACKED_METHODS = ("compressed-tensors", "awq", "gptq")
 
 
 def validate(q: dict) -> None:
@@ -18,8 +18,9 @@ def validate(q: dict) -> None:
 
         AwqScheme.from_hf(q)
     elif method == "gptq":
-        raise ValueError("quantization_config.quant_method='gptq': GPTQ checkpoints are not supported yet (AWQ "
-                         "'gemm' and compressed-tensors 'pack-quantized' int4/int8 checkpoints are)")
+        from moe_serve.quantization.gptq_awq import GptqScheme
+
+        GptqScheme.from_hf(q)
 
 
 def packed_collector(hf: dict):
@@ -34,4 +35,8 @@ def packed_collector(hf: dict):
         from moe_serve.quantization.gptq_awq import AwqScheme, AwqTensors
 
         return AwqTensors(AwqScheme.from_hf(q))
+    if method == "gptq":
+        from moe_serve.quantization.gptq_awq import GptqScheme, GptqTensors
+
+        return GptqTensors(GptqScheme.from_hf(q))
     return None

@@ -1,5 +1,5 @@
-"""AutoAWQ checkpoints (quant_method "awq", version "gemm"), kept packed (moe_serve/quantization/packed.py).
-GPTQ checkpoints (quant_method "gptq") are not served yet: refused at start-up.
+"""AutoAWQ checkpoints (quant_method "awq", version "gemm") and GPTQ checkpoints (quant_method "gptq",
+without activation order: `GptqScheme`), kept packed (moe_serve/quantization/packed.py).
 
 quantization_config = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": true,
 "version": "gemm", "modules_to_not_convert": [...]}. Each quantized linear module <m> (attention
@@ -129,3 +129,108 @@ class AwqTensors:
             module, parts = next(iter(self.pending.items()))
             raise ValueError(f"checkpoint {path!r}: quantized module {module!r} (awq) has only {sorted(parts)}; "
                              f"qweight, scales (and qzeros with zero_point) are needed")
+
+
+# --- GPTQ (AutoGPTQ / GPTQModel) ---------------------------------------------------------------------
+GPTQ_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
+
+
+@dataclass(frozen=True)
+class GptqScheme:
+    """quantization_config = {"quant_method": "gptq", "bits": 4 | 8, "group_size": G | -1, "sym": ...,
+    "desc_act": ..., "checkpoint_format": "gptq" | "gptq_v2"}. Per module <m>, weight (N out, K in):
+      <m>.qweight  int32 (K * bits / 32, N): codes packed along K, row k of word column n at bits
+                   bits * (k % (32 / bits)) of word k // (32 / bits);
+      <m>.qzeros   int32 (K / G, N * bits / 32): zero points packed along N the same way, stored minus
+                   one ("gptq", v1: read back as (stored + 1) mod 2 ** bits) or as they are ("gptq_v2");
+      <m>.scales   (K / G, N) float16;  <m>.g_idx  int32 (K,): each input's group.
+    The value is scale * (q - z): code q, offsets = -z * scale. An activation order (g_idx other
+    than k // G) is refused, naming the module."""
+    bits: int
+    group_size: int  # -1: per channel
+    v2: bool
+
+    @staticmethod
+    def from_hf(q: dict) -> "GptqScheme":
+        bits = q.get("bits")
+        if bits not in (4, 8):
+            raise ValueError(f"quantization_config.bits={bits!r} (gptq): only 4 and 8 are supported")
+        gs = q.get("group_size", 128)
+        if not isinstance(gs, int) or (gs <= 0 and gs != -1):
+            raise ValueError(f"quantization_config.group_size={gs!r} (gptq): a positive int or -1 is needed")
+        fmt = q.get("checkpoint_format", "gptq")
+        if fmt not in ("gptq", "gptq_v2"):
+            raise ValueError(f"quantization_config.checkpoint_format={fmt!r} (gptq): only 'gptq' and 'gptq_v2' "
+                             f"are supported")
+        for field in ("modules_in_block_to_quantize", "dynamic"):
+            if q.get(field):
+                raise ValueError(f"quantization_config.{field}={q[field]!r} (gptq): not supported yet")
+        return GptqScheme(int(bits), gs, fmt == "gptq_v2")
+
+
+def _unpack_rows(t: torch.Tensor, bits: int, what: str) -> torch.Tensor:
+    """int32 (R, C) holding 32 / bits codes a word along R -> uint8 (R * 32 / bits, C) in order."""
+    if t.dtype != torch.int32:
+        raise ValueError(f"tensor {what} has dtype {t.dtype}, expected torch.int32")
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    codes = (t.unsqueeze(1) >> shifts.view(1, -1, 1)) & ((1 << bits) - 1)  # (R, 32 / bits, C)
+    return codes.reshape(-1, t.shape[1]).to(torch.uint8)
+
+
+def gptq_to_packed(parts: dict[str, torch.Tensor], scheme: GptqScheme, module: str) -> PackedWeight:
+    bits, per = scheme.bits, 32 // scheme.bits
+    qweight, scales = parts["qweight"], parts["scales"]
+    if qweight.dim() != 2 or scales.dim() != 2:
+        raise ValueError(f"{module}: qweight {tuple(qweight.shape)} and scales {tuple(scales.shape)} must be 2-D "
+                         f"(gptq)")
+    K, N = qweight.shape[0] * per, qweight.shape[1]
+    groups = scales.shape[0]
+    if tuple(scales.shape) != (groups, N) or groups == 0 or K % groups:
+        raise ValueError(f"tensor {module}.scales has shape {tuple(scales.shape)}: (K / group, {N}) with K = {K} "
+                         f"expected (gptq)")
+    G = K // groups
+    if scheme.group_size not in (-1, G):
+        raise ValueError(f"{module}: scales give group size {G}, quantization_config.group_size is "
+                         f"{scheme.group_size} (gptq)")
+    g_idx = parts.get("g_idx")
+    if g_idx is not None and not torch.equal(g_idx.to(torch.int64), torch.arange(K) // G):
+        raise ValueError(f"tensor {module}.g_idx is not k // group_size: activation-ordered GPTQ (desc_act with "
+                         f"permuted groups) is not supported yet")
+    z = parts["qzeros"]
+    if tuple(z.shape) != (groups, N // per):
+        raise ValueError(f"tensor {module}.qzeros has shape {tuple(z.shape)}, expected {(groups, N // per)} (gptq)")
+    zero = _unpack_rows(z.t().contiguous(), bits, f"{module}.qzeros").t().to(torch.int32)  # (groups, N)
+    if not scheme.v2:
+        zero = (zero + 1) & ((1 << bits) - 1)
+    q = _unpack_rows(qweight, bits, f"{module}.qweight").t().contiguous()  # (N, K)
+    s = scales.t().to(torch.float32).contiguous()
+    codes = pack_nibbles(q) if bits == 4 else q
+    return PackedWeight(bits, codes, s, (-zero.t().to(torch.float32) * s).contiguous(), G, (N, K))
+
+
+class GptqTensors(AwqTensors):
+    """Collects each GPTQ module's tensors (the collector interface of compressed_tensors.PackedTensors)."""
+
+    method, format = "gptq", "gptq"
+
+    @staticmethod
+    def split_name(name: str) -> tuple[str, str] | None:
+        module, _, suffix = name.rpartition(".")
+        return (module, suffix) if suffix in GPTQ_SUFFIXES and module else None
+
+    def scheme(self, raw: str) -> GptqScheme:
+        return self.cfg
+
+    def take(self, module: str, suffix: str, t: torch.Tensor, raw: str) -> tuple[str, PackedWeight] | None:
+        parts = self.pending.setdefault(module, {})
+        parts[suffix] = t
+        if not {"qweight", "scales", "qzeros", "g_idx"} <= set(parts):
+            return None
+        del self.pending[module]
+        return module, gptq_to_packed(parts, self.cfg, module)
+
+    def finish(self, path: str) -> None:
+        if self.pending:
+            module, parts = next(iter(self.pending.items()))
+            raise ValueError(f"checkpoint {path!r}: quantized module {module!r} (gptq) has only {sorted(parts)}; "
+                             f"qweight, qzeros, scales and g_idx are needed")
