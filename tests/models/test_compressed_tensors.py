@@ -354,3 +354,14 @@ def test_group_size_not_dividing_the_input_is_refused():
     with pytest.raises(ValueError, match="model.layers.0.mlp.down_proj: group_size 64 does not divide the input "
                                          "dimension 96"):
         to_packed(parts, WeightScheme(4, True, "group", G), "model.layers.0.mlp.down_proj")
+
+
+def test_weight_updates_of_a_packed_model_are_refused(qwen3, tmp_path):
+    """Updating a packed model's weights while serving is not supported yet: refused, naming the format."""
+    from moe_serve.weight_sync import LiveWriter
+
+    dst = str(tmp_path / "w8")
+    write_checkpoint(qwen3, dst, CASES["w8a16-channel-asym"])
+    llm = LLM(dst, dtype="float32", kv_cache_memory=1 << 20, show_progress=False)
+    with pytest.raises(ValueError, match="weight updates of a compressed-tensors .*not supported yet"):
+        LiveWriter(llm.engine.runner.model, llm.engine.cfg, dst)
