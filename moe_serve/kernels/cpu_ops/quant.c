@@ -35,6 +35,7 @@
 
 #define QMB 4 /* activation rows per tile */
 #define QNB 4 /* weight rows per tile */
+#define QPF 2 /* how many tiles ahead the first activation tile prefetches weight rows (into L2) */
 
 /* Scratch kept between calls, grow-only, per calling thread and slot (as moe.c's). */
 static void* qscratch(int slot, size_t bytes) {
@@ -202,7 +203,7 @@ static void group_sums(const float* x, int64_t ldx, int64_t M, int64_t K, int64_
 /* One tile: MBC activation rows a[0..MBC) (K floats each; split4's layout for int4) against weight
  * rows n..n+nb (nb <= QNB), y rows ldy apart at column n. xs: the rows' group sums (K/G each). */
 VF_INLINE void qtile(const float* const* ar, const float* const* xsr, const int MBC, const int BITS,
-                     const qweight_t* w, int64_t n, int nb, int64_t K, float* y, int64_t ldy) {
+                     const qweight_t* w, int64_t n, int nb, int64_t K, float* y, int64_t ldy, const uint8_t* pf) {
   const float* a[QMB];
   const uint8_t* qp[QNB];
   const float* sp[QNB];
@@ -226,6 +227,7 @@ VF_INLINE void qtile(const float* const* ar, const float* const* xsr, const int 
       vsum p[QNB];
       _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) p[j] = vs_zero();
       for (; k + 16 <= k1; k += 16) {
+        if (pf) vf_prefetch_l2(pf + (k >> 4) * 64);
         const vf16 xv = vf_load(a[0] + k);
         _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) p[j] = vs_fma(xv, q8_load(qp[j] + k), p[j]);
       }
@@ -235,11 +237,13 @@ VF_INLINE void qtile(const float* const* ar, const float* const* xsr, const int 
       }
       _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) acc[0][j] = qs_fma1(sp[j][g], p[j], acc[0][j]);
     } else if (BITS == 8) {
-      for (; k + 16 <= k1; k += 16)
+      for (; k + 16 <= k1; k += 16) {
+        if (pf) vf_prefetch_l2(pf + (k >> 4) * 64);
         _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) {
           const vf16 wv = vf_mul(q8_load(qp[j] + k), vf_set1(sp[j][g]));
           _Pragma("GCC unroll 4") for (int i = 0; i < MBC; i++) acc[i][j] = vs_fma(vf_load(a[i] + k), wv, acc[i][j]);
         }
+      }
       if (k < k1)
         _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) {
           const vf16 wv = vf_mul(q8_loadn(qp[j] + k, k1 - k), vf_set1(sp[j][g]));
@@ -250,7 +254,8 @@ VF_INLINE void qtile(const float* const* ar, const float* const* xsr, const int 
 #if Q4_LUT
       vf16 lut[QNB];
       _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) lut[j] = q4_lut(sp[j][g], op[j] ? op[j][g] : 0.f);
-      for (; k + 32 <= k1; k += 32)
+      for (; k + 32 <= k1; k += 32) {
+        if (pf) vf_prefetch_l2(pf + (k >> 5) * 64);
         _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) {
           vf16 we, wo;
           q4_lookup_(_mm_loadu_si128((const __m128i*)(qp[j] + k / 2)), lut[j], &we, &wo);
@@ -259,6 +264,7 @@ VF_INLINE void qtile(const float* const* ar, const float* const* xsr, const int 
             acc[i][j] = vs_fma(vf_load(a[i] + k + 16), wo, acc[i][j]);
           }
         }
+      }
       if (k < k1) {
         const int64_t h = (k1 - k) / 2;
         const __mmask16 mh = vf_mask_(h);
@@ -273,7 +279,8 @@ VF_INLINE void qtile(const float* const* ar, const float* const* xsr, const int 
       }
 #endif
     } else {
-      for (; k + 32 <= k1; k += 32)
+      for (; k + 32 <= k1; k += 32) {
+        if (pf) vf_prefetch_l2(pf + (k >> 5) * 64);
         _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) {
           vf16 we, wo;
           q4_load(qp[j] + k / 2, &we, &wo);
@@ -285,6 +292,7 @@ VF_INLINE void qtile(const float* const* ar, const float* const* xsr, const int 
             acc[i][j] = vs_fma(vf_load(a[i] + k + 16), wo, acc[i][j]);
           }
         }
+      }
       if (k < k1) {
         const int64_t h = (k1 - k) / 2;
         _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) {
@@ -322,7 +330,7 @@ VF_INLINE void qtile(const float* const* ar, const float* const* xsr, const int 
 /* Rows [n0, n1) of y = a @ W^T for M rows of a (K floats each, contiguous; split4's layout for int4). */
 static void qgemm_block(const float* a, const float* xsum, int64_t M, const qweight_t* w, int64_t K, int64_t n0,
                         int64_t n1, float* y, int64_t ldy) {
-  const int64_t ng = K / w->G;
+  const int64_t ng = K / w->G, rowbytes = w->bits == 8 ? K : K / 2;
   for (int64_t n = n0; n < n1; n += QNB) {
     const int nb = n1 - n < QNB ? (int)(n1 - n) : QNB;
     for (int64_t m0 = 0; m0 < M; m0 += QMB) {
@@ -335,12 +343,15 @@ static void qgemm_block(const float* a, const float* xsum, int64_t M, const qwei
         xs[i] = xsum + m * ng;
       }
       float* yt = y + m0 * ldy + n;
+      /* the rows QPF tiles on, into L2 while the first activation tile runs (a line a step: a step
+       * reads QNB rows' 16 bytes; short rows are too short for the hardware prefetcher) */
+      const uint8_t* pf = m0 == 0 && n + (QPF + 1) * QNB <= n1 ? w->q + (n + QPF * QNB) * rowbytes : 0;
 #define QTILE_(MBC)                                                                                     \
   case MBC:                                                                                             \
     if (w->bits == 8)                                                                                   \
-      qtile(ar, xs, MBC, 8, w, n, nb, K, yt, ldy);                                                      \
+      qtile(ar, xs, MBC, 8, w, n, nb, K, yt, ldy, pf);                                                      \
     else                                                                                                \
-      qtile(ar, xs, MBC, 4, w, n, nb, K, yt, ldy);                                                      \
+      qtile(ar, xs, MBC, 4, w, n, nb, K, yt, ldy, pf);                                                      \
     break;
       switch (mb) {
         QTILE_(1)
