@@ -37,7 +37,8 @@ log = logging.getLogger("moe_serve.quantization")
 METHOD = "compressed-tensors"
 FORMAT = "pack-quantized"
 SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
-_IGNORED_WEIGHT_FIELDS = ("observer", "observer_kwargs", "block_structure")
+# scales rounded to one of these before saving are read as stored (the default: the model's dtype)
+_FLOAT_DTYPES = (None, "torch.float32", "torch.bfloat16", "torch.float16", "float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -123,8 +124,8 @@ def _weight_scheme(scheme: dict, where: str, top_format) -> WeightScheme:
               ("dynamic", not w.get("dynamic", False), "only static (false)"),
               ("actorder", w.get("actorder") in (None, "static", "weight"),
                "only none, 'static' or 'weight' (a 'group' order needs g_idx, not supported yet)"),
-              ("scale_dtype", w.get("scale_dtype") is None, "only the default"),
-              ("zp_dtype", w.get("zp_dtype") is None, "only the default")]
+              ("scale_dtype", w.get("scale_dtype") in _FLOAT_DTYPES, "only float scales (or the default) are"),
+              ("zp_dtype", w.get("zp_dtype") in (None, "torch.int8", "int8"), "only int8 zero points (the default)")]
     for field, ok, allowed in checks:
         if not ok:
             raise ValueError(f"{w_where}.{field}={w.get(field)!r} (compressed-tensors, {FORMAT}): {allowed} "

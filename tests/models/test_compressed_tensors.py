@@ -300,6 +300,8 @@ W8A8_ACT = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token"
     (["config_groups", "group_0", "weights", "num_bits"], 2, ["num_bits=2"]),
     (["config_groups", "group_0", "weights", "type"], "float", ["type='float'"]),
     (["config_groups", "group_0", "weights", "strategy"], "tensor", ["strategy='tensor'"]),
+    (["config_groups", "group_0", "weights", "zp_dtype"], "torch.float8_e4m3fn", ["zp_dtype='torch.float8_e4m3fn'"]),
+    (["config_groups", "group_0", "weights", "scale_dtype"], "torch.float8_e4m3fn", ["scale_dtype"]),
     (["kv_cache_scheme"], {"num_bits": 8, "type": "float"}, ["kv_cache_scheme"]),
 ])
 def test_unsupported_schemes_refused_naming_them(path, value, words):
@@ -365,3 +367,16 @@ def test_weight_updates_of_a_packed_model_are_refused(qwen3, tmp_path):
     llm = LLM(dst, dtype="float32", kv_cache_memory=1 << 20, show_progress=False)
     with pytest.raises(ValueError, match="weight updates of a compressed-tensors .*not supported yet"):
         LiveWriter(llm.engine.runner.model, llm.engine.cfg, dst)
+
+
+def test_llm_compressor_config_fields_accepted():
+    """Fields llm-compressor writes that change nothing we read: observers, an explicit int8 zero-point
+    dtype, bf16 scale rounding, an empty sparsity / transform config, a version."""
+    cfg = _with(["config_groups", "group_0", "weights"],
+                {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 128,
+                 "dynamic": False, "actorder": None, "observer": "minmax", "observer_kwargs": {},
+                 "zp_dtype": "torch.int8", "scale_dtype": "torch.bfloat16"})
+    cfg.update(sparsity_config={}, transform_config={}, version="0.20.1", global_compression_ratio=None)
+    parsed = CompressedTensorsConfig.from_hf(cfg)
+    assert parsed.scheme_for("model.layers.0.self_attn.q_proj") == WeightScheme(4, False, "group", 128)
+    assert parsed.scheme_for("lm_head") is None
