@@ -37,7 +37,8 @@ def _shape_key(module) -> tuple:
         w13 = module.experts.op_weights()[0]
         return (tuple(w13.shape), str(getattr(w13, "dtype", type(w13))), module.experts.op_kwargs() != {})
     if kind == "linear":
-        return (type(module), tuple(module.weight.shape), module.weight.dtype, getattr(module, "bias", None) is not None,
+        w = module.weight if getattr(module, "qweight", None) is None else module.qweight  # packed: Linear.to_packed
+        return (type(module), tuple(w.shape), w.dtype, getattr(module, "bias", None) is not None,
                 getattr(module, "weight_scale_inv", None) is not None, getattr(module, "fp8_act_quant", False))
     if kind == "linear_attention":
         return (type(module), getattr(module, "linear_attention_shape", None))

@@ -380,3 +380,15 @@ def test_llm_compressor_config_fields_accepted():
     parsed = CompressedTensorsConfig.from_hf(cfg)
     assert parsed.scheme_for("model.layers.0.self_attn.q_proj") == WeightScheme(4, False, "group", 128)
     assert parsed.scheme_for("lm_head") is None
+
+
+def test_packed_linear_has_a_warm_up_key():
+    """The CUDA warm-up groups linear layers by weight shape and dtype: a packed layer (no dense
+    weight) gets its own key from its codes instead of failing the whole warm-up."""
+    from moe_serve.kernel_warmup import _shape_key
+    from moe_serve.layers.linear import Linear
+
+    dense, packed = Linear(64, 8), Linear(64, 8)
+    packed.to_packed(4, 32)
+    assert packed.weight is None and _shape_key(packed)[1:3] == ((8, 32), torch.uint8)
+    assert _shape_key(packed) != _shape_key(dense)
