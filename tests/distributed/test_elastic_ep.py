@@ -151,7 +151,11 @@ def test_lost_rank_recovers_then_a_replacement_joins(checkpoints, want, tmp_path
 
         # Another loss: the replacement, which took a dead rank's id, is not taken for it.
         assert asyncio.run(stream_all(job.url, [(0.0, lambda: kill_core(job.url, 1))], [])) == want
-        assert [x["rank"] for x in ranks(job.url)["ranks"]] == [0, 2, 3]
+        # (on a busy machine the streams can end before the survivors' next collective finds the loss)
+        deadline = time.monotonic() + 90
+        while [x["rank"] for x in ranks(job.url)["ranks"]] != [0, 2, 3]:
+            assert time.monotonic() < deadline, ranks(job.url)
+            time.sleep(0.2)
 
         # A planned scale-down (vLLM's shape): the highest ids leave at a step boundary.
         resp = httpx.post(job.url + "/scale_elastic_ep", json={"new_data_parallel_size": 2}, timeout=60)

@@ -232,7 +232,7 @@ def test_64_concurrent_streams_then_32_dropped_leave_no_kv(server):
     async def drop(i):
         async with httpx.AsyncClient(timeout=60) as h:
             async with h.stream("POST", f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
-                                json={"prompt": [7, 8, 9 + i], "max_tokens": 200, "stream": True,
+                                json={"prompt": [7, 8, 9 + i], "max_tokens": 1000, "stream": True,
                                       "extra_body": None, "ignore_eos": True}) as r:
                 async for line in r.aiter_lines():
                     if line.startswith("data:"):
