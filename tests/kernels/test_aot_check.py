@@ -1,5 +1,5 @@
-"""moe_serve/kernels/aot_check.py compiles kernel configurations for sm_90 / sm_100 without a GPU (here the
-every decode configuration and the quick set for sm_90, quick sets for sm_100 and fp16, as the launches specialise them: under 2 minutes on 2 cores); an engine run launches nothing
+"""moe_serve/kernels/aot_check.py compiles kernel configurations for sm_90 / sm_100 without a GPU (here
+the quick sets for sm_90 (bf16, fp32) and sm_100 (bf16), over plain and FP8 KV caches, as the launches specialise them: under 2 minutes on 2 cores); an engine run launches nothing
 it does not compile; and the launches select only a few compiled variants whatever the batch.
 
 The compile runs use Triton's bundled ptxas in a subprocess (no TRITON_INTERPRET there); the
@@ -66,9 +66,9 @@ def test_every_configuration_compiles_for_sm90_and_sm100_without_spills():
     attention, for every model shape. Every one compiles for both archs, and no grouped-GEMM or
     decode configuration spills more than --max-spill; the quick set (one per kernel, dtype and path)
     is a subset that covers each path (every decode path among them). The suite compiles the quick
-    sets: bf16, fp32 and fp16 (the bf16 variants' code over another element type) for sm_90
-    (H100/H200), bf16 for sm_100; `python -m moe_serve.kernels.aot_check --arch 90 100 --dtype bf16
-    fp32 fp16` compiles the whole sweep (bench/results/aot_sm90_sm100.txt: the suite's 2-core budget
+    sets: bf16 and fp32 (twice the bytes a tile holds) for sm_90 (H100/H200), bf16 for sm_100 (fp16
+    is bf16's code over an element of the same size: the full sweep compiles it); `python -m
+    moe_serve.kernels.aot_check --arch 90 100 --dtype bf16 fp32 fp16` compiles the whole sweep (bench/results/aot_sm90_sm100.txt: the suite's 2-core budget
     does not hold it). FP8 KV caches (--kv-cache-dtype): the quick set over float8_e4m3fn caches for
     sm_90 and float8_e5m2 for sm_100 (the two differ only in the cache's load and store instructions;
     `aot_check --kv-cache-dtype fp8_e4m3 fp8_e5m2 --only kv=` compiles every pair): the decode tiles
@@ -90,8 +90,8 @@ def test_every_configuration_compiles_for_sm90_and_sm100_without_spills():
     # (MXFP4's configurations left to test_mxfp4_launches_compile_for_sm90_and_sm100, which compiles them all)
     fp8_paths = {(aot_check.ATTN, sk, rope, sp) for sk in (False, True) for rope, sp in
                  ((False, False), (True, False), (True, True))} | {(aot_check.INDEX,) * 4, (aot_check.WRITE,) * 4}
-    for arch, names, dts, kv in (("90", ("bf16", "fp32", "fp16"), (torch.bfloat16, torch.float32, torch.float16),
-                                  "fp8_e4m3"), ("100", ("bf16",), (torch.bfloat16,), "fp8_e5m2")):
+    for arch, names, dts, kv in (("90", ("bf16", "fp32"), (torch.bfloat16, torch.float32), "fp8_e4m3"),
+                                 ("100", ("bf16",), (torch.bfloat16,), "fp8_e5m2")):
         kv_dt = aot_check.KV_CACHE_DTYPES[kv]
         # bf16's from the shared sweep, then the other dtypes' (over their own caches: the FP8 quick
         # set is bf16's): the paths of enumerate_jobs(dtypes=dts, quick=True, kv_cache_dtypes=(None, kv_dt))
