@@ -16,8 +16,8 @@
  * multiply shared by every activation row) and accumulates it against the activations; the offsets
  * never enter it. For int4 the activations are first laid out to match the nibbles: within each
  * group, each chunk of up to 32 elements as its even elements then its odd ones (split4).
- * Two shortcuts where they pay: a lone activation row (decode) over int8 codes accumulates each
- * group's sums of q x and scales them once per group (no multiply per vector); on AVX-512 int4 codes
+ * Two shortcuts where they pay: a lone activation row (decode) accumulates each group's sums of
+ * q x and scales them once per group (no multiply per vector); on AVX-512 int4 codes
  * become weights by a lookup, the group's 16 values scale * c + offset in one register indexed by
  * the nibble (vpermps: no convert, no multiply, no mask; the offsets are then in the weights, not in
  * offset * xsum).
@@ -278,6 +278,28 @@ VF_INLINE void qtile(const float* const* ar, const float* const* xsr, const int 
         }
       }
 #endif
+    } else if (MBC == 1) { /* a lone row: the group's sums of q x, then scaled once */
+      vsum p[QNB];
+      _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) p[j] = vs_zero();
+      for (; k + 32 <= k1; k += 32) {
+        if (pf) vf_prefetch_l2(pf + (k >> 5) * 64);
+        const vf16 xe = vf_load(a[0] + k), xo = vf_load(a[0] + k + 16);
+        _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) {
+          vf16 we, wo;
+          q4_load(qp[j] + k / 2, &we, &wo);
+          p[j] = vs_fma(xo, wo, vs_fma(xe, we, p[j]));
+        }
+      }
+      if (k < k1) {
+        const int64_t h = (k1 - k) / 2;
+        const vf16 xe = vf_loadn(a[0] + k, h), xo = vf_loadn(a[0] + k + h, h);
+        _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) {
+          vf16 we, wo;
+          q4_loadn(qp[j] + k / 2, h, &we, &wo);
+          p[j] = vs_fma(xo, wo, vs_fma(xe, we, p[j]));
+        }
+      }
+      _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) acc[0][j] = qs_fma1(sp[j][g], p[j], acc[0][j]);
     } else {
       for (; k + 32 <= k1; k += 32) {
         if (pf) vf_prefetch_l2(pf + (k >> 5) * 64);
