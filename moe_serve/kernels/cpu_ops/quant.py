@@ -6,8 +6,11 @@ C). Activations float32 (bf16 / float16 are widened first); outputs float32.
 Each weight is checked before a call: `weight_problem` names what the kernels do not take (a field
 of the wrong dtype, shape or layout, an odd group size for int4), `*_fits` says whether a call
 runs here, and the wrappers raise ValueError naming the problem for anything else. Not yet here:
-an int8-activation VNNI path, and a prefill (panel) path: many rows per weight run through the same
-dot-product tiles (correct, the weight still read once, but compute-bound).
+an int8-activation VNNI path; a prefill (panel) path: many rows per weight run through the same
+dot-product tiles (correct, the weight still read once, but compute-bound); moe_experts' batch-
+invariant `pairs` form; and the engine does not call these yet. Measured (bench/cpu_quant_gemv.py,
+bench/results/cpu_quant_gemv_*.json): a single-row GEMV reads its packed bytes at 81-102% of the
+machine's read bandwidth on AVX-512 (1 and 2 threads); on the AVX2 build int8 84-90%, int4 68-73%.
 """
 from __future__ import annotations
 
