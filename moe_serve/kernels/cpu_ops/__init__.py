@@ -9,6 +9,9 @@
   and RoPE in one pass;
 - `gated_delta.c`: a Gated DeltaNet layer's decode step (the short convolution and the gated
   delta rule), every state read and written once in place in its slot.
+- `quant.c`: linear layers and decode-sized expert panels over int4/int8 packed weights
+  (`moe_serve.quantization.packed.PackedWeight`: per-group scales and offsets), codes widened in
+  registers; its wrappers are `cpu_ops/quant.py`.
 
 They are written once over vec.h's 16-lane vectors, whose implementation the build picks for the
 target: AVX-512, AVX2 + FMA, NEON (aarch64), or plain C anywhere else; bf16 weights stay bf16 in
@@ -48,7 +51,7 @@ from moe_serve.kernels import cpu_gemm
 
 log = logging.getLogger("moe_serve.cpu_ops")
 
-_SRCS = sorted(Path(__file__).parent.glob("*.c"))  # attention.c, gated_delta.c, moe.c, norm.c: one library
+_SRCS = sorted(Path(__file__).parent.glob("*.c"))  # attention.c, gated_delta.c, moe.c, norm.c, quant.c: one library
 _HDRS = sorted(Path(__file__).parent.glob("*.h"))
 _FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")  # and the target's (`target_flags`)
 
