@@ -14,7 +14,7 @@ if ! $V -c "import torch" 2>/dev/null; then
   $V -m pip install -q --upgrade pip
   $V -m pip install -q "torch==2.13.0"
 fi
-if ! $V -c "import moe_serve, zmq, psutil, transformers, openai, anthropic, agents, hypothesis, gguf, triton, xgrammar, jsonschema, matplotlib, nixl_cu12, lm_eval, accelerate, mkdocs, material, kubernetes_validate, compressed_tensors, xdist" 2>/dev/null; then
+if ! $V -c "import moe_serve, zmq, psutil, transformers, openai, anthropic, agents, hypothesis, gguf, triton, xgrammar, jsonschema, matplotlib, nixl_cu12, lm_eval, accelerate, mkdocs, material, kubernetes_validate, compressed_tensors" 2>/dev/null; then
   echo "setup: installing moe-serve and its test dependencies"
   $V -m pip install -q -e ".[test]"
 fi

@@ -4,8 +4,7 @@ import time
 
 import pytest
 
-# One thread per process under pytest-xdist's workers (the README runs two on two cores), two alone.
-os.environ.setdefault("OMP_NUM_THREADS", "1" if os.environ.get("PYTEST_XDIST_WORKER") else "2")
+os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 
 @pytest.fixture(scope="session")

@@ -217,7 +217,7 @@ def test_online_fp8_quantization_is_faithful(checkpoints):
 
 
 @pytest.mark.parametrize("change,field", [
-    ({"quant_method": "gptq"}, "quant_method"),
+    ({"quant_method": "bitsandbytes"}, "quant_method"),
     ({"weight_block_size": None}, "weight_block_size"),
     ({"activation_scheme": "static"}, "activation_scheme"),
     ({"fmt": "e5m2"}, "fmt"),

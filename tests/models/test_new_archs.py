@@ -110,7 +110,7 @@ def test_overlap_gives_identical_tokens(extra_checkpoints, arch):
 
 
 def test_quantized_checkpoint_is_refused_by_name(extra_checkpoints, tmp_path, caplog):
-    """A checkpoint in a quantized format the engine does not load (GPTQ here) is refused naming its
+    """A checkpoint in a quantized format the engine does not load (bitsandbytes here) is refused naming its
     quant_method, not loaded with its scales ignored; load_format='dummy' still builds its sizes.
     A config that says block FP8 over tensors with no scales loads them as stored, with a warning."""
     import json
@@ -123,10 +123,10 @@ def test_quantized_checkpoint_is_refused_by_name(extra_checkpoints, tmp_path, ca
             os.symlink(os.path.join(src, name), tmp_path / name)
     with open(os.path.join(src, "config.json")) as f:
         c = json.load(f)
-    c["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    c["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     with open(tmp_path / "config.json", "w") as f:
         json.dump(c, f)
-    with pytest.raises(ValueError, match=r"quantized with quant_method='gptq'"):
+    with pytest.raises(ValueError, match=r"quantized with quant_method='bitsandbytes'"):
         LLM(str(tmp_path), dtype="float32", kv_cache_memory=1 << 20, show_progress=False)
     LLM(str(tmp_path), dtype="float32", kv_cache_memory=1 << 20, load_format="dummy", show_progress=False)
     c["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
