@@ -6,7 +6,6 @@ each variant a library of its own (`cpu_ops.load_variant`) that the module's fun
 backends call within the test. tests/kernels/test_cpu_ops_driver.py runs aarch64's paths under qemu."""
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
@@ -20,29 +19,10 @@ from moe_serve.kernels import cpu_ops
 from attention.backends import CpuCAttention
 from moe_serve.kernels.grouped_gemm import CpuCExperts, fused_experts
 from moe_serve.kernels.grouped_gemm.reference import fused_experts_reference
+from tests.kernels.cpu_isa import isa  # noqa: F401  (a fixture: each test once per ISA build)
+from tests.kernels.cpu_isa import threads as _threads
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the C kernels did not build here (no C compiler)")
-
-
-@pytest.fixture(params=cpu_ops.runnable_isas())
-def isa(request, monkeypatch):
-    """The test runs on vec.h's `request.param` build: its own library, swapped in for the process's
-    default within the test (cpu_ops's functions and the cpu_c backends all call `_lib()`)."""
-    lib = cpu_ops.load_variant(request.param)
-    assert lib.cpu_ops_isa().decode() == request.param
-    monkeypatch.setattr(cpu_ops, "_lib", lambda: lib)
-    return request.param
-
-
-@contextlib.contextmanager
-def _threads(n: int):
-    """torch's (and so the kernels') thread count set to n within."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 def _case(T, D, F, E, K, dtype, seed=0, held_elsewhere=False):
@@ -574,7 +554,6 @@ def test_models_forward_runs_the_kernels(checkpoints):
             setattr(cpu_ops, n, origs[n])
     assert cpu_ops.panel_groups_run() > ran  # 150 tokens x top-3 over 8 experts: panels
     assert all(calls.get(n, 0) > 0 for n in names), calls
-
 
 
 def test_bf16_model_prefill_through_the_bf16_panels_matches_transformers(checkpoints, tmp_path, monkeypatch):

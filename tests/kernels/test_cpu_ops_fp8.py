@@ -6,35 +6,17 @@ the torch-widened cache. tests/kernels/test_cpu_ops_driver.py checks the same pe
 under qemu included)."""
 from __future__ import annotations
 
-import contextlib
 
 import pytest
 import torch
 
 from moe_serve.kernels import cpu_ops
+from tests.kernels.cpu_isa import isa  # noqa: F401  (a fixture: each test once per ISA build)
+from tests.kernels.cpu_isa import threads as _threads
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the C kernels did not build here (no C compiler)")
 
 FP8 = {"e4m3": (torch.float8_e4m3fn, 448.0), "e5m2": (torch.float8_e5m2, 57344.0)}
-
-
-@pytest.fixture(params=cpu_ops.runnable_isas())
-def isa(request, monkeypatch):
-    """The test runs on vec.h's `request.param` build, swapped in for the process's default."""
-    lib = cpu_ops.load_variant(request.param)
-    assert lib.cpu_ops_isa().decode() == request.param
-    monkeypatch.setattr(cpu_ops, "_lib", lambda: lib)
-    return request.param
-
-
-@contextlib.contextmanager
-def _threads(n: int):
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 def _rounding_cases() -> torch.Tensor:

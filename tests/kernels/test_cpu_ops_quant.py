@@ -5,7 +5,6 @@ fixture, as in test_cpu_ops.py): bits 4 and 8, with and without offsets, odd N, 
 rows and their remainders), one and two threads; and the refusals, each naming what it refuses."""
 from __future__ import annotations
 
-import contextlib
 
 import pytest
 import torch
@@ -13,26 +12,10 @@ import torch
 from moe_serve.kernels import cpu_ops
 from moe_serve.kernels.cpu_ops import quant
 from moe_serve.quantization.packed import PackedWeight, pack_nibbles
+from tests.kernels.cpu_isa import isa  # noqa: F401  (a fixture: each test once per ISA build)
+from tests.kernels.cpu_isa import threads as _threads
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the C kernels did not build here (no C compiler)")
-
-
-@pytest.fixture(params=cpu_ops.runnable_isas())
-def isa(request, monkeypatch):
-    lib = cpu_ops.load_variant(request.param)
-    assert lib.cpu_ops_isa().decode() == request.param
-    monkeypatch.setattr(cpu_ops, "_lib", lambda: lib)
-    return request.param
-
-
-@contextlib.contextmanager
-def _threads(n: int):
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 def _packed(shape, bits, G, offsets, g):
