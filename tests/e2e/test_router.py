@@ -5,7 +5,9 @@ router, and workers that die before or during a request."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import signal
 import time
 
@@ -21,8 +23,22 @@ MODEL = "tiny-qwen"
 
 
 @pytest.fixture(scope="module")
-def workers(checkpoints):
-    args = ["--model", checkpoints["qwen3_moe"], "--dtype", "float32", "--api-key", KEY, "--served-model-name", MODEL,
+def long_qwen(checkpoints, tmp_path_factory) -> str:
+    """The tiny Qwen3-MoE with 8192 positions, so that a stream of max_model_len tokens outlasts any
+    client's disconnect on a busy machine (at 1024 it could run to its end first)."""
+    path = str(tmp_path_factory.mktemp("router") / "qwen3_moe_8k")
+    shutil.copytree(checkpoints["qwen3_moe"], path)
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["max_position_embeddings"] = 8192
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return path
+
+
+@pytest.fixture(scope="module")
+def workers(long_qwen):
+    args = ["--model", long_qwen, "--dtype", "float32", "--api-key", KEY, "--served-model-name", MODEL,
             "--kv-cache-memory", str(8 << 20)]
     ws = [ServerProcess(args), ServerProcess(args)]
     yield ws
@@ -57,8 +73,8 @@ def prefix_hits(workers) -> float:
     return sum(w.metrics().get("moe_serve:prefix_cache_hits_total", 0.0) for w in workers)
 
 
-def test_greedy_through_the_router_equals_one_instance(checkpoints, cache_aware):
-    llm = LLM(checkpoints["qwen3_moe"], dtype="float32", kv_cache_memory=8 << 20, show_progress=False)
+def test_greedy_through_the_router_equals_one_instance(long_qwen, cache_aware):
+    llm = LLM(long_qwen, dtype="float32", kv_cache_memory=8 << 20, show_progress=False)
     prompts = [[5, 77, 301, 42], [9, 8, 7, 6, 5, 4, 3, 200, 100], [450, 12]]
     want = [o.outputs[0].text for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
                                                     SamplingParams(temperature=0, max_tokens=8))]
@@ -147,7 +163,7 @@ def test_client_leaving_mid_stream_frees_the_worker(workers, cache_aware):
         return (all(w.metrics()["moe_serve:num_requests_running"] == 0 for w in workers)
                 and all(w["in_flight"] == 0 for w in httpx.get(cache_aware.url + "/workers").json()))
 
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not idle():
         time.sleep(0.2)
     assert all(w.metrics()["moe_serve:num_requests_running"] == 0 for w in workers)
