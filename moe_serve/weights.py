@@ -315,7 +315,7 @@ class _TensorLoader:
             self.loaded.update(f"{m.group('prefix')}.experts.{which}_{p}" for p in ("qweight", "scales", "offsets"))
         else:
             self.model.get_submodule(module).load_packed(w)
-            self.loaded.update(f"{module}.{p}" for p in ("qweight", "qscales", "qoffsets"))
+            self.loaded.update(f"{module}.{p}" for p in ("qweight", "qscales", "qoffsets", "weight"))  # weight: held dense
         return True
 
     def _load_expert(self, name: str, raw: str, f, fp: str) -> bool:

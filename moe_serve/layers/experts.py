@@ -3,7 +3,8 @@
 - `Mxfp4Experts`: routed experts kept packed in MXFP4 (GPT-OSS as released; DeepSeek-V4's FP4
   experts): the MoE layer's `experts_cls` where the checkpoint ships them so;
 - `PackedExperts`: routed experts kept packed in int4 / int8 (moe_serve/quantization/packed.py:
-  compressed-tensors checkpoints), made from a layer's dense experts before loading (`packed_experts`);
+  compressed-tensors, GPTQ and AWQ checkpoints), with per-expert biases where the model has them
+  (GPT-OSS), made from a layer's dense experts before loading (`packed_experts`);
 - `limited_swiglu`, `LimitedSwiGLU`, `LimitedSwiGLUExpert`: SwiGLU with the gate clamped from above
   and up clamped both ways (DeepSeek-V4's `swiglu_limit`): the function, the routed experts'
   activation (grouped_gemm's `activation` callable) and the dense shared expert (w1 gate, w3 up,
@@ -60,16 +61,20 @@ class Mxfp4Experts(GroupedExperts):
 class PackedExperts(GroupedExperts):
     """This rank's expert slots kept packed (PackedWeight's layout, stacked per slot): w13 as
     (E, 2F, D) codes with (E, 2F, D / G13) float32 scales and offsets ([gate; up] rows), w2 as
-    (E, D, F) codes with (E, D, F / G2); codes one a byte (8 bits) or two (4 bits). The expert op
-    dequantizes the routed experts per step (the torch ops' path for quantized weights)."""
+    (E, D, F) codes with (E, D, F / G2); codes one a byte (8 bits) or two (4 bits); with `bias`,
+    w13_bias (E, 2F) and w2_bias (E, D) in the model's dtype, unquantized (GPT-OSS's experts as
+    llm-compressor writes them: per-expert gate / up / down linear layers with biases). Plain SwiGLU
+    experts without biases take our C kernel in decode-sized batches (cpu_ops/quant.c); the torch ops
+    dequantize the routed experts per step otherwise (biases, another activation, prefill)."""
 
     def __init__(self, num_local: int, hidden_size: int, intermediate_size: int, local_logical: list[int], dtype,
-                 bits: int, group_sizes: tuple[int, int], activation="silu"):
+                 bits: int, group_sizes: tuple[int, int], activation="silu", bias: bool = False):
         nn.Module.__init__(self)
         D, F = hidden_size, intermediate_size
         self.F, self.D, self.bits, self.group_sizes = F, D, bits, tuple(group_sizes)
         self.w13 = self.w2 = None  # no dense copy
-        self.w13_bias = self.w2_bias = None
+        self.w13_bias = nn.Parameter(torch.zeros(num_local, 2 * F, dtype=dtype)) if bias else None
+        self.w2_bias = nn.Parameter(torch.zeros(num_local, D, dtype=dtype)) if bias else None
         g13, g2 = self.group_sizes
         for K, G, what in ((D, g13, "hidden_size"), (F, g2, "intermediate_size")):
             if G <= 0 or K % G or (bits == 4 and K % 2):
@@ -93,8 +98,18 @@ class PackedExperts(GroupedExperts):
                 PackedWeight(self.bits, self.w2_qweight, self.w2_scales, self.w2_offsets, self.group_sizes[1],
                              (E, self.D, self.F)))
 
-    def op_kwargs(self) -> dict:
-        return {} if self.activation == "silu" else dict(activation=self.activation)
+    def load_bias(self, logical_id: int, kind: str, b: torch.Tensor, raw: str) -> None:
+        """One expert's bias of projection `kind` ("gate" / "up" (F,), "down" (D,)), copied to every
+        replica; tensor `raw` is named in errors."""
+        if self.w13_bias is None:
+            raise ValueError(f"tensor {raw!r}: these packed experts have no biases")
+        rows = {"gate": slice(0, self.F), "up": slice(self.F, 2 * self.F), "down": slice(None)}[kind]
+        want = (self.D,) if kind == "down" else (self.F,)
+        if tuple(b.shape) != want:
+            raise ValueError(f"tensor {raw!r} has shape {tuple(b.shape)}, expected {want}")
+        target = self.w2_bias if kind == "down" else self.w13_bias
+        for s in self.slots_of.get(logical_id, ()):
+            target.data[s, rows].copy_(b.to(target.dtype))
 
     def load(self, logical_id: int, kind: str, w, scale_inv=None) -> None:
         """kind "gate" / "up" (F, D) or "down" (D, F), as a PackedWeight of these experts' bits and
@@ -120,14 +135,13 @@ class PackedExperts(GroupedExperts):
 
 def packed_experts(dense: GroupedExperts, bits: int, group_sizes: tuple[int, int]) -> PackedExperts:
     """Packed experts in place of a layer's dense ones (before loading: the dense tensors were never
-    filled), the same slots, sizes and activation."""
-    if type(dense) is not GroupedExperts or dense.w13_bias is not None:
-        raise ValueError(f"packed int{bits} experts replace plain SwiGLU experts without biases, not "
-                         f"{type(dense).__name__}{' with biases' if dense.w13_bias is not None else ''}")
+    filled), the same slots, sizes, activation and biases."""
+    if type(dense) is not GroupedExperts:
+        raise ValueError(f"packed int{bits} experts replace a layer's dense experts, not {type(dense).__name__}")
     E, twoF, D = dense.w13.shape
     with torch.device(dense.w13.device):
         return PackedExperts(E, D, twoF // 2, dense.local_logical, dense.w13.dtype, bits, group_sizes,
-                             dense.activation)
+                             dense.activation, bias=dense.w13_bias is not None)
 
 
 def limited_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:

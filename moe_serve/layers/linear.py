@@ -45,18 +45,22 @@ class Linear(nn.Module):
     # Packed int4 / int8 (moe_serve/quantization/packed.py): set by `to_packed` before loading.
     packed_group: int | None = None
     packed_bits: int | None = None
+    dequantized_at_load = False  # a packed checkpoint's weight held dense (weight_used_directly)
 
     def to_packed(self, bits: int, group_size: int) -> None:
         """Keep this weight packed (PackedWeight's codes, float32 scales and offsets as parameters,
         filled by `load_packed`): the dense weight is dropped before the load, never filled.
-        Dequantized per call in forward."""
-        if getattr(self, "weight_used_directly", False):
-            raise ValueError(f"a {bits}-bit packed weight for a layer whose weight the model reads directly "
-                             f"({self.out_features}x{self.in_features}) is not supported")
-        N, K, dev = self.out_features, self.in_features, self.weight.device
+        Dequantized per call in forward. A layer whose weight the model reads directly
+        (`weight_used_directly`: MLA's kv_b_proj, read per head as W_UK / W_UV) keeps its dense
+        weight instead, and `load_packed` dequantizes into it once (as block FP8 does for it)."""
+        N, K = self.out_features, self.in_features
         # the shapes are valid (group size divides K, K even for 4 bits), or the error names them
         PackedWeight(bits, torch.empty(N, K // 2 if bits == 4 else K, dtype=torch.uint8, device="meta"),
                      torch.empty(N, K // group_size, device="meta"), None, group_size, (N, K))
+        if getattr(self, "weight_used_directly", False):
+            self.packed_bits, self.packed_group, self.dequantized_at_load = bits, group_size, True
+            return
+        dev = self.weight.device
 
         def param(*shape, dtype=torch.float32):
             return nn.Parameter(torch.empty(*shape, dtype=dtype, device=dev), requires_grad=False)
@@ -75,6 +79,9 @@ class Linear(nn.Module):
         if (w.bits, w.group_size, w.shape) != (self.packed_bits, self.packed_group, (self.out_features, self.in_features)):
             raise ValueError(f"packed weight {w.bits}-bit group {w.group_size} {w.shape} does not match the layer's "
                              f"{self.packed_bits}-bit group {self.packed_group} {(self.out_features, self.in_features)}")
+        if self.dequantized_at_load:
+            self.weight.data.copy_(w.dequantize(torch.float32).to(self.weight.dtype))
+            return
         self.qweight.data.copy_(w.qweight)
         self.qscales.data.copy_(w.scales)
         if w.offsets is None:

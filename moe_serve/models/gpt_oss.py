@@ -10,6 +10,11 @@ projections and the clamped SwiGLU ((up + 1) * gate * sigmoid(1.702 gate), gate 
 Checkpoints interleave gate and up (`gate_up_proj[..., 2i]` is gate i, `2i + 1` up i); they are
 de-interleaved at load so w13 keeps the [gate; up] layout every expert op uses.
 
+Packed int4 / int8 checkpoints (compressed-tensors, GPTQ, AWQ: moe_serve/quantization/formats.py)
+come with the experts as llm-compressor linearizes them to quantize: per-expert `gate_proj`,
+`up_proj`, `down_proj` (under `mlp.experts.{e}.` or `mlp.experts.experts.{e}.`), each packed,
+each with its float bias; they load into PackedExperts with biases.
+
 MXFP4 (quantization_config quant_method "mxfp4", how GPT-OSS ships): the experts come as
 `*_blocks` (uint8, two e2m1 values per byte) and `*_scales` (uint8 e8m0 per 32 values), biases
 unquantized. On the CPU and on CUDA they stay compressed in memory: the Triton grouped GEMM (CUDA's
@@ -40,6 +45,8 @@ log = logging.getLogger("moe_serve.models.gpt_oss")
 
 _EXPERT_TENSOR = re.compile(r"^(?P<prefix>.*\.mlp)\.experts\.(?P<proj>gate_up_proj|down_proj)"
                             r"(?P<part>_bias|_blocks|_scales|)$")
+# a linearized expert's bias (packed checkpoints: its weight loads as any per-expert weight)
+_EXPERT_BIAS = re.compile(r"^(?P<prefix>.*\.mlp)\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.bias$")
 
 
 def _deinterleave(t: torch.Tensor) -> torch.Tensor:
@@ -48,9 +55,11 @@ def _deinterleave(t: torch.Tensor) -> torch.Tensor:
 
 
 class GptOssForCausalLM(CausalLM):
-    expert_names: dict = {}  # experts only as fused 3-D tensors, loaded by load_checkpoint_tensor
+    # fused 3-D expert tensors load by load_checkpoint_tensor; per-expert ones (packed checkpoints) by name
+    expert_names = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
     quant_methods = ("mxfp4",)
-    name_rewrites = ((r"\.self_attn\.sinks$", ".self_attn.attn.sinks"), (r"\.mlp\.router\.", ".mlp.gate."))
+    name_rewrites = ((r"\.self_attn\.sinks$", ".self_attn.attn.sinks"), (r"\.mlp\.router\.", ".mlp.gate."),
+                     (r"\.mlp\.experts\.experts\.(\d+)\.", r".mlp.experts.\1."))
     # MXFP4 experts kept compressed: None decides by device (the CPU and CUDA: yes; elsewhere dequantized
     # at load).
     mxfp4_compressed: bool | None = None
@@ -88,7 +97,7 @@ class GptOssForCausalLM(CausalLM):
                       experts_kwargs=dict(bias=True, activation=act), layer_index=i)
             layers.append(DecoderLayer(D, eps, attn, ffn, "mlp", dtype))
         super().__init__(hf, DecoderStack(hf["vocab_size"], D, layers, eps, dtype, rotary), dtype)
-        self._experts = {f"model.layers.{i}.mlp": layer.mlp.experts for i, layer in enumerate(self.model.layers)}
+        self._experts = _ExpertsOf(self, [f"model.layers.{i}.mlp" for i in range(n)])
         self._pending: dict[str, torch.Tensor] = {}  # MXFP4 blocks waiting for their scales (dequantize at load)
         if self.mxfp4:
             ex = self._experts["model.layers.0.mlp"]
@@ -113,7 +122,16 @@ class GptOssForCausalLM(CausalLM):
         this rank holds and de-interleaved; everything else loads by name (None)."""
         m = _EXPERT_TENSOR.match(name)
         if m is None or m.group("prefix") not in self._experts:
-            return None
+            b = _EXPERT_BIAS.match(name)
+            if b is None or b.group("prefix") not in self._experts:
+                return None
+            ex, e, kind = self._experts[b.group("prefix")], int(b.group("e")), self.expert_names[b.group("proj")]
+            if not hasattr(ex, "load_bias"):
+                raise ValueError(f"tensor {raw!r}: per-expert biases load into packed experts only (a packed "
+                                 f"checkpoint's linearized experts); these experts are {type(ex).__name__}")
+            if ex.holds(e):  # other ranks' experts are never read
+                ex.load_bias(e, kind, f.get_tensor(raw), raw)
+            return [f"{b.group('prefix')}.experts.{'w2' if kind == 'down' else 'w13'}_bias"]
         ex = self._experts[m.group("prefix")]
         proj, part = m.group("proj"), m.group("part")
         w13 = proj == "gate_up_proj"
@@ -155,6 +173,20 @@ class GptOssForCausalLM(CausalLM):
                 target.data[s].copy_(t.to(target.dtype))
             filled = [f"{m.group('prefix')}.experts.{target_name(ex, target)}"]
         return filled or ["(pending MXFP4 half)"]
+
+
+class _ExpertsOf(dict):
+    """Each MoE layer's experts by prefix, looked up when asked: a packed checkpoint's loader puts
+    PackedExperts in place of the dense ones before loading."""
+
+    def __init__(self, model: nn.Module, prefixes: list[str]):
+        super().__init__((p, None) for p in prefixes)
+        self.model = model
+
+    def __getitem__(self, prefix: str) -> nn.Module:
+        if prefix not in self:
+            raise KeyError(prefix)
+        return self.model.get_submodule(prefix).experts
 
 
 def target_name(ex: nn.Module, target: torch.Tensor) -> str:
