@@ -256,6 +256,7 @@ class InvariantTritonLinear(TritonLinear):
     batch_invariant = True
     FP8_TILE_ROWS = 32  # the row tile every block-FP8 call takes (one of ROW_TILES: compiled already)
     ROW_TILES = (FP8_TILE_ROWS,)
+    packed_tile_rows = FP8_TILE_ROWS  # packed int4 / int8 weights: one row tile whatever M is, likewise
 
     def capturable(self) -> "InvariantTritonLinear":
         return self
@@ -307,6 +308,7 @@ class InvariantTritonExperts(TritonExperts):
     name = "triton+bi"
     batch_invariant = True
     has_masked = False
+    takes_packed = False  # the packed grouped GEMM has no one-config pairs form yet: refused, named
     linear_backend = InvariantTritonLinear
 
     def capturable(self) -> "InvariantTritonExperts":

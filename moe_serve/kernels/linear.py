@@ -6,7 +6,9 @@ by moe_serve/platform.py and bound to every Linear and the LM head.
 - `CpuCLinear` ("cpu_c"): our C GEMMs (moe_serve/kernels/cpu_ops/moe.c) for the decode-sized float32 calls
   they take, torch ops otherwise; the routers' top-k and softmax in one C call;
 - `TritonLinear` ("triton"): block-FP8 weights through the Triton W8A16/W8A8 kernel
-  (moe_serve/kernels/fp8_linear.py, tiles dequantized as they load); dense weights through torch (cuBLAS).
+  (moe_serve/kernels/fp8_linear.py, tiles dequantized as they load), packed int4 / int8 weights through
+  the packed kernel (moe_serve/kernels/packed_linear.py: W4A16 / W8A16, codes decoded in registers);
+  dense weights through torch (cuBLAS).
 """
 from __future__ import annotations
 
@@ -105,6 +107,7 @@ class CpuCLinear(TorchLinear):
 class TritonLinear(TorchLinear):
     name = "triton"
     ROW_TILES = (1, 32, 4096)  # rows that pick each of the FP8 kernel's row tiles (moe_serve/kernels/fp8_linear.py)
+    packed_tile_rows: int | None = None  # the packed kernel's row tile as for this many rows (None: by M)
 
     def capturable(self) -> "TritonLinear":
         return self
@@ -115,13 +118,24 @@ class TritonLinear(TorchLinear):
         return fp8_linear_triton(x, layer.weight, layer.weight_scale_inv, layer.fp8_block, layer.bias,
                                  layer.fp8_act_quant)
 
+    def packed(self, layer, x: torch.Tensor) -> torch.Tensor:
+        """A packed int4 / int8 layer: its codes read as they are, decoded tile by tile in registers."""
+        from moe_serve.kernels.packed_linear import packed_linear_triton  # lazy: triton is heavy
+
+        return packed_linear_triton(x, layer.packed(), layer.bias, tile_rows=self.packed_tile_rows)
+
     def launch(self, layer, dtype: torch.dtype, M: int) -> None:
-        """The block-FP8 layer over M "meta" rows: compiled, not run."""
-        self.fp8(layer, torch.empty(M, layer.in_features, dtype=dtype, device="meta"))
+        """The block-FP8 or packed layer over M "meta" rows: compiled, not run."""
+        x = torch.empty(M, layer.in_features, dtype=dtype, device="meta")
+        if getattr(layer, "weight_scale_inv", None) is not None:
+            self.fp8(layer, x)
+        else:
+            self.packed(layer, x)
 
     def warm_up(self, layer, dtype: torch.dtype) -> None:
-        """Every variant a block-FP8 layer launches: one per row tile (dense layers run in torch)."""
-        if getattr(layer, "weight_scale_inv", None) is None:
+        """Every variant a block-FP8 or packed layer launches: one per row tile (its ROW_TILES; dense
+        layers run in torch). The packed kernel's row tiles are the FP8 kernel's."""
+        if getattr(layer, "weight_scale_inv", None) is None and getattr(layer, "qweight", None) is None:
             return
         for M in self.ROW_TILES:
             self.launch(layer, dtype, M)

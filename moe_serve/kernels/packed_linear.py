@@ -52,12 +52,12 @@ def _packed_linear_kernel(x_ptr, q_ptr, s_ptr, o_ptr, b_ptr, y_ptr, xs_ptr, M, N
 
 
 INTERPRETED = type(_packed_linear_kernel).__name__ == "InterpretedFunction"
-ROW_TILES = (1, 32, 4096)  # rows that pick each row tile of `packed_linear_launch` (the warm-up's and aot_check's)
 
 
 def packed_linear_launch(M: int, dtype: torch.dtype, bits: int, group_size: int, K: int, has_offset: bool,
                          act_quant: bool = False, where: str = "packed linear") -> dict:
-    """Constexprs and launch options for M rows: decode-sized M keeps BLOCK_M at 16 (tl.dot's least);
+    """Constexprs and launch options for M rows: decode-sized M keeps BLOCK_M at 16 (tl.dot's least;
+    the row tiles are fp8_linear's, so TritonLinear.ROW_TILES picks each);
     the K tile is 128 (64 for W8A8's wider integer tile) narrowed to divide the weight's group."""
     bm = 16 if M <= 16 else (32 if M <= 64 else 64)
     bk, per_tile = packed_k_tile(64 if act_quant else 128, group_size, K, act_quant, where)
@@ -88,7 +88,8 @@ def packed_linear_triton(x: torch.Tensor, w, bias: torch.Tensor | None = None, a
         return y.view(*lead, N)
     check_triton_device(x2)
     q, s, o, has_offset = packed_operands(w, "packed linear weight")
-    launch = packed_linear_launch(tile_rows or M, x.dtype, w.bits, w.group_size, K, has_offset, act_quant)
+    launch = packed_linear_launch(tile_rows or M, x.dtype, w.bits, w.group_size, K, has_offset, act_quant,
+                                  "packed linear weight")
     xin, xs = x2, s  # the activation scales are unused unless A_INT8
     if act_quant:
         from moe_serve.kernels.int8_quant import quantize_int8_per_token

@@ -15,6 +15,7 @@ from moe_serve.kernels.grouped_gemm.grouped_mm import (fused_experts_grouped, fu
 from moe_serve.kernels.grouped_gemm.mxfp4 import Mxfp4Weight, fused_experts_mxfp4
 from moe_serve.kernels.grouped_gemm.reference import fused_experts_reference, kernel_activation
 from moe_serve.kernels.linear import CpuCLinear, TorchLinear
+from moe_serve.quantization.packed import PackedWeight
 
 
 def _as_f32(t: torch.Tensor) -> torch.Tensor:
@@ -142,9 +143,11 @@ class TritonExperts(TorchExperts):
     """The Triton grouped GEMM (moe_serve/kernels/grouped_gemm/triton_kernel.py) for experts in the
     activations' dtype, block FP8 or MXFP4 (quantized tiles decoded in registers as they load; MXFP4
     stays packed), with or without per-expert biases, SwiGLU or the clamped / limited variants
-    (GPT-OSS, DeepSeek-V4); the masked GEMM over DeepEP's expert-major layout for plain SwiGLU
-    experts in the activations' dtype or block FP8. What the kernel has no form for (another
-    activation) runs torch ops."""
+    (GPT-OSS, DeepSeek-V4); packed int4 / int8 experts (PackedWeight) in the packed form of the
+    same launches (triton_packed.py: W4A16 / W8A16, codes decoded in registers, biases and
+    activations alike); the masked GEMM over DeepEP's expert-major layout for plain SwiGLU experts in
+    the activations' dtype or block FP8. What the kernel has no form for (another activation) runs
+    torch ops."""
 
     name = "triton"
     has_masked = True
@@ -153,12 +156,24 @@ class TritonExperts(TorchExperts):
         return TritonExperts(self.device, host_reads=False)
 
     def plain(self, x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, all_local: bool) -> torch.Tensor:
-        from moe_serve.kernels.grouped_gemm.triton_kernel import fused_experts_triton  # lazy: triton is heavy
-
-        return fused_experts_triton(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK)
+        return self._kernel(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK)
 
     @staticmethod
-    def kernel_args(w13, w2, dtype: torch.dtype, w13_bias=None, w2_bias=None, activation="silu") -> tuple | None:
+    def _kernel(x_TD, w13, w2, topk_weights_TK, topk_ids_TK, config=None, **kw) -> torch.Tensor:
+        """The grouped GEMM for these weights' format: the packed int4 / int8 kernel for PackedWeight,
+        triton_kernel.py's for the others (arguments as `kernel_args` gives them)."""
+        if isinstance(w13, PackedWeight):  # lazy imports: triton is heavy
+            from moe_serve.kernels.grouped_gemm.triton_packed import fused_experts_packed_triton
+
+            return fused_experts_packed_triton(x_TD, w13, w2, topk_weights_TK, topk_ids_TK, config, **kw)
+        from moe_serve.kernels.grouped_gemm.triton_kernel import fused_experts_triton
+
+        return fused_experts_triton(x_TD, w13, w2, topk_weights_TK, topk_ids_TK, config, **kw)
+
+    takes_packed = True  # packed int4 / int8 experts (PackedWeight) run in triton_packed.py's kernel
+
+    @classmethod
+    def kernel_args(cls, w13, w2, dtype: torch.dtype, w13_bias=None, w2_bias=None, activation="silu") -> tuple | None:
         """(w13, w2, keyword arguments) of `fused_experts_triton` for these experts with activations
         of `dtype`, or None when the kernel cannot run them (an activation it has no form for,
         dense weights of another dtype)."""
@@ -168,6 +183,8 @@ class TritonExperts(TorchExperts):
             w13_bias=w13_bias, w2_bias=w2_bias, activation=activation)
         if isinstance(w13, Mxfp4Weight) and isinstance(w2, Mxfp4Weight):
             return w13, w2, variant  # packed: the kernel decodes each tile as it loads it
+        if isinstance(w13, PackedWeight) and isinstance(w2, PackedWeight) and cls.takes_packed:
+            return w13, w2, variant  # int4 / int8 codes, decoded in registers likewise (triton_packed.py)
         if hasattr(w13, "scale_inv"):  # block FP8: each tile dequantized as it loads
             return w13.q, w2.q, dict(w13_scale=w13.scale_inv, w2_scale=w2.scale_inv, scale_block=w13.block,
                                      act_quant=getattr(w13, "act_quant", False), **variant)
@@ -178,10 +195,8 @@ class TritonExperts(TorchExperts):
     def variant(self, x_TD, w13, w2, topk_weights_TK, topk_ids_TK, w13_bias, w2_bias, activation) -> torch.Tensor:
         args = self.kernel_args(w13, w2, x_TD.dtype, w13_bias, w2_bias, activation)
         if args is not None:
-            from moe_serve.kernels.grouped_gemm.triton_kernel import fused_experts_triton  # lazy: triton is heavy
-
             k13, k2, kw = args
-            return fused_experts_triton(x_TD, k13, k2, topk_weights_TK, topk_ids_TK, **kw)
+            return self._kernel(x_TD, k13, k2, topk_weights_TK, topk_ids_TK, **kw)
         return super().variant(x_TD, w13, w2, topk_weights_TK, topk_ids_TK, w13_bias, w2_bias, activation)
 
     def masked_applies(self, experts) -> bool:
@@ -241,12 +256,10 @@ class TritonExperts(TorchExperts):
         """One grouped-GEMM launch of the layer's experts with config `cfg` (None: the kernel's own
         choice) over "meta" activations of T tokens: compiled, not run. Router ids are int64;
         remapped placements give int32."""
-        from moe_serve.kernels.grouped_gemm.triton_kernel import fused_experts_triton  # lazy: triton is heavy
-
         w13, w2, extra = self._kernel_weights(moe, dtype)
         meta, K, D = torch.device("meta"), moe.gate.top_k, w13.shape[2]
-        fused_experts_triton(torch.empty(T, D, dtype=dtype, device=meta), w13, w2, torch.empty(T, K, device=meta),
-                             torch.empty(T, K, dtype=ids, device=meta), cfg, **extra)
+        self._kernel(torch.empty(T, D, dtype=dtype, device=meta), w13, w2, torch.empty(T, K, device=meta),
+                     torch.empty(T, K, dtype=ids, device=meta), cfg, **extra)
 
     def launch_masked(self, moe, dtype: torch.dtype, cfg: dict, rows: int) -> None:
         """One masked-GEMM launch over DeepEP's expert-major layout, `rows` per expert ("meta")."""

@@ -21,24 +21,24 @@ from moe_serve.kernels.grouped_gemm import triton_kernel as tk
 from moe_serve.kernels.grouped_gemm.align import align_block_size
 from moe_serve.kernels.grouped_gemm.config import get_config, validate_config
 from moe_serve.kernels.grouped_gemm.reference import kernel_activation
-from moe_serve.kernels.grouped_gemm.triton_kernel import _activation, _grouped_tile
+from moe_serve.kernels.grouped_gemm.triton_kernel import _activation, _bias_row, _grouped_tile
 from moe_serve.kernels.packed_tiles import _packed_k_step, packed_k_tile, packed_operands
 
 
 # As in triton_kernel.py: num_pairs changes every step, and the scales' strides (sizes / G) and the
 # group size are read once per tile: unspecialised, so they add no variant per step or per model.
-@triton.jit(do_not_specialize=("num_pairs", "stride_se", "stride_sn", "group_size"))
+@triton.jit(do_not_specialize=("num_pairs", "stride_se", "stride_sn", "group_size", "stride_bias_e"))
 def _packed_grouped_gemm_kernel(
     a_ptr, q_ptr, c_ptr, weights_ptr,
     sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
     N, Kdim, num_slots, num_pairs, a_row_div,
     stride_am, stride_ak, stride_qe, stride_qn, stride_qk, stride_cm, stride_cn,
-    s_ptr, o_ptr, stride_se, stride_sn, group_size, as_ptr, alpha, limit,
+    s_ptr, o_ptr, stride_se, stride_sn, group_size, as_ptr, bias_ptr, stride_bias_e, alpha, limit,
     GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
     BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
     BITS: tl.constexpr, HAS_OFFSET: tl.constexpr, PER_TILE: tl.constexpr, A_INT8: tl.constexpr,
-    ACT: tl.constexpr,
+    ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     """c[p, n] = sum_k a[p // a_row_div, k] * W_e[n, k] for the pairs p of each row block, W_e expert
     e's packed weight: codes q[e] (stride_qk the byte stride along k), scales s[e] and offsets o[e]
@@ -47,6 +47,8 @@ def _packed_grouped_gemm_kernel(
     GATED: W_e holds 2N rows [gate | up]; c[p, n] = act(gate . a, up . a) (ACT as in triton_kernel).
     MUL_WEIGHT: c[p, :] *= weights[p] before the cast to c's dtype.
     A_INT8: a is int8 with a float32 scale per row of a (as_ptr); 8-bit codes only.
+    HAS_BIAS: bias[e, n] (rows of stride_bias_e; gate then up for GATED) is added to the fp32
+    product: before the activation, and before the router weight.
     """
     pid_m, pid_n = _grouped_tile(num_slots, N, BLOCK_SIZE_M, BLOCK_SIZE_N, GROUP_SIZE_M)
     if pid_m * BLOCK_SIZE_M >= tl.load(num_padded_ptr):
@@ -86,6 +88,10 @@ def _packed_grouped_gemm_kernel(
                                     BLOCK_SIZE_N, BLOCK_SIZE_K)
         a_ptrs += BLOCK_SIZE_K * stride_ak
 
+    if HAS_BIAS:
+        acc += _bias_row(bias_ptr + expert * stride_bias_e, offs_n, n_mask)
+        if GATED:
+            acc_up += _bias_row(bias_ptr + expert * stride_bias_e + N, offs_n, n_mask)
     if GATED:  # in fp32 before the one rounding
         acc = _activation(acc, acc_up, alpha, limit, ACT)
     if MUL_WEIGHT:
@@ -136,6 +142,7 @@ def _check_packed_experts(x_TD, w13, w2, topk_weights_TK, topk_ids_TK, act_quant
 def fused_experts_packed_triton(x_TD: torch.Tensor, w13, w2, topk_weights_TK: torch.Tensor,
                                 topk_ids_TK: torch.Tensor, config: dict | None = None, *,
                                 out_TD: torch.Tensor | None = None, act_quant: bool = False,
+                                w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
                                 activation="silu") -> torch.Tensor:
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) over packed experts, in one launch per GEMM.
 
@@ -149,16 +156,21 @@ def fused_experts_packed_triton(x_TD: torch.Tensor, w13, w2, topk_weights_TK: to
         config: launch config (config.py); None picks the tuned entry or the default.
         out_TD: optional (T, D) output buffer of x's dtype; every element is overwritten.
         act_quant: W8A8 (8-bit experts): x and h quantized to int8 per row, integer tile products.
+        w13_bias, w2_bias: optional (E, 2F) / (E, D) per-expert biases (any float dtype), added in
+            fp32 before the activation and before the router weight, as reference.py does.
         activation: "silu" or an activation with a kernel form (reference.kernel_activation).
     Returns:
         (T, D) in x's dtype; products accumulate in fp32 (int32 within a tile for W8A8).
     """
     _check_packed_experts(x_TD, w13, w2, topk_weights_TK, topk_ids_TK, act_quant)
+    E, F2, D = w13.shape
+    for name, b, shape in (("w13_bias", w13_bias, (E, F2)), ("w2_bias", w2_bias, (E, D))):
+        if b is not None and tuple(b.shape) != shape:
+            raise ValueError(f"packed experts: {name} of shape {tuple(b.shape)} must be {shape}")
     act = kernel_activation(activation)
     if act is None:
         raise ValueError(f"packed experts: activation {activation!r} has no form in the Triton grouped GEMM")
-    T, D = x_TD.shape
-    E, F2, _ = w13.shape
+    T = x_TD.shape[0]
     F = F2 // 2
     K = topk_ids_TK.shape[1] if topk_ids_TK.dim() == 2 else 0
     out = out_TD if out_TD is not None else torch.empty((T, D), dtype=x_TD.dtype, device=x_TD.device)
@@ -178,6 +190,8 @@ def fused_experts_packed_triton(x_TD: torch.Tensor, w13, w2, topk_weights_TK: to
     P, S = routing.num_pairs, routing.sorted_pair_ids_S.shape[0]
     BM = cfg["BLOCK_SIZE_M"]
     code, alpha, limit = act
+    # the bias rows (unit stride along n), or a stand-in never read
+    b13, b2 = ((b.contiguous(), b.shape[1]) if b is not None else (weights_P, 0) for b in (w13_bias, w2_bias))
     y_PD = tk._empty((P, D), x_TD.dtype, x_TD.device)
     if S:
         a_in, a_sc = x_TD, weights_P  # the activation scales are unused unless A_INT8
@@ -190,7 +204,7 @@ def fused_experts_packed_triton(x_TD: torch.Tensor, w13, w2, topk_weights_TK: to
             a_in, q13, h_PF, weights_P, routing.sorted_pair_ids_S, routing.expert_ids_B, routing.num_padded,
             F, D, S, P, K, a_in.stride(0), a_in.stride(1), q13.stride(0), q13.stride(1), q13.stride(2),
             h_PF.stride(0), h_PF.stride(1), s13, o13, s13.stride(0), s13.stride(1), w13.group_size, a_sc,
-            alpha, limit, GATED=True, MUL_WEIGHT=False, ACT=code, **l13)
+            *b13, alpha, limit, GATED=True, MUL_WEIGHT=False, ACT=code, HAS_BIAS=w13_bias is not None, **l13)
         h_in, h_sc = h_PF, weights_P
         if act_quant:
             h_in, h_sc = quantize_int8_per_token(h_PF)
@@ -198,7 +212,7 @@ def fused_experts_packed_triton(x_TD: torch.Tensor, w13, w2, topk_weights_TK: to
             h_in, q2, y_PD, weights_P, routing.sorted_pair_ids_S, routing.expert_ids_B, routing.num_padded,
             D, F, S, P, 1, h_in.stride(0), h_in.stride(1), q2.stride(0), q2.stride(1), q2.stride(2),
             y_PD.stride(0), y_PD.stride(1), s2, o2, s2.stride(0), s2.stride(1), w2.group_size, h_sc,
-            0.0, 0.0, GATED=False, MUL_WEIGHT=True, ACT=0, **l2)
+            *b2, 0.0, 0.0, GATED=False, MUL_WEIGHT=True, ACT=0, HAS_BIAS=w2_bias is not None, **l2)
     topk = tk.topk_sum_launch(K, D)
     tk._topk_sum_kernel[(T, triton.cdiv(D, topk["BLOCK_D"]))](
         y_PD, ids_TK, out, D, y_PD.stride(0), out.stride(0), out.stride(1), **topk)
