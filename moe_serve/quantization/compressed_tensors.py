@@ -1,25 +1,39 @@
-"""compressed-tensors checkpoints (quant_method "compressed-tensors", as llm-compressor writes them),
-format "pack-quantized": int4 / int8 weights, kept packed (moe_serve/quantization/packed.py).
+"""compressed-tensors checkpoints (quant_method "compressed-tensors", as llm-compressor writes them):
+int4 / int8 weights kept packed (moe_serve/quantization/packed.py).
 
-What is served: weight-only integer schemes (W4A16 and W8A16), symmetric or asymmetric (a zero
-point), per group (`strategy: "group"`, a group size dividing the input dimension) or per channel
-(`strategy: "channel"`); no activation quantization. Anything else in the config (another format,
-a float or activation scheme, a group activation order that needs g_idx, a KV cache scheme, a
-sparsity or transform config) is refused at start-up, naming the field and the format.
+What is served:
+- format "pack-quantized", weight-only integer schemes (W4A16 and W8A16), symmetric or asymmetric
+  (a zero point), per group (`strategy: "group"`, a group size dividing the input dimension) or per
+  channel (`strategy: "channel"`);
+- format "int-quantized", 8-bit integer weights per channel or group (W8A8 int8, llm-compressor's
+  INT8 schemes), with activations int8 per token, dynamic, symmetric or none. The weights are kept
+  int8; the activations stay float in our kernels (torch ops and cpu_ops/quant.c dequantize the
+  weights and multiply float activations), which is the package's own decompression: what
+  transformers computes from the decompressed checkpoint.
+Anything else in the config (another format, e.g. float-quantized FP8; a float scheme; static or
+per-group activation quantization; an activation order that needs g_idx; a KV cache scheme; a
+sparsity or transform config; formats mixed across groups) is refused at start-up, naming the field
+and the format.
 
 On disk, for each quantized module <m> (a linear layer, or one expert's gate_proj / up_proj /
 down_proj):
+- pack-quantized:
   <m>.weight_packed      int32 (N, ceil(K * bits / 32)): code i at bits [i * bits, (i + 1) * bits)
                          of the little-endian words, the signed value plus 2 ** (bits - 1);
   <m>.weight_scale       (N, K / G) in the model's dtype (per channel: (N, 1));
   <m>.weight_zero_point  int32, asymmetric only: the signed zero points (N, K / G) packed the same
                          way along N (ceil(N * bits / 32), K / G);
   <m>.weight_shape       int64 (2,): (N, K).
+- int-quantized:
+  <m>.weight             int8 (N, K), the signed values;
+  <m>.weight_scale       (N, K / G) float;
+  <m>.weight_zero_point  int8 (N, K / G), asymmetric only.
 The value is (signed q - zero point) * scale, so in PackedWeight's terms the code is the stored
 unsigned code u = q + 2 ** (bits - 1), the scale as given, and offsets = -(2 ** (bits - 1) + z) *
 scale (symmetric: z = 0). Which modules are quantized is read from the tensors (a module with a
-`weight_packed`) and checked against the config's config_groups targets and `ignore` list: a packed
-module that no group targets, or that the config ignores, is an error naming it.
+`weight_packed`, or for int-quantized a `weight_scale`) and checked against the config's
+config_groups targets and `ignore` list: a packed module that no group targets, or that the config
+ignores, is an error naming it.
 """
 from __future__ import annotations
 
@@ -36,6 +50,8 @@ log = logging.getLogger("moe_serve.quantization")
 
 METHOD = "compressed-tensors"
 FORMAT = "pack-quantized"
+INT_FORMAT = "int-quantized"
+FORMATS = (FORMAT, INT_FORMAT)
 SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
 # scales rounded to one of these before saving are read as stored (the default: the model's dtype)
 _FLOAT_DTYPES = (None, "torch.float32", "torch.bfloat16", "torch.float16", "float32", "bfloat16", "float16")
@@ -48,6 +64,8 @@ class WeightScheme:
     symmetric: bool
     strategy: str  # "group" | "channel"
     group_size: int | None  # strategy "group" only
+    format: str = FORMAT  # how the weight is stored: FORMAT or INT_FORMAT
+    activations: str | None = None  # "int8 per token, dynamic" (W8A8: computed on float activations here)
 
 
 @dataclass(frozen=True)
@@ -59,9 +77,9 @@ class CompressedTensorsConfig:
     def from_hf(q: dict) -> "CompressedTensorsConfig":
         """Validate a checkpoint's quantization_config; errors name the field and the format."""
         top = q.get("format")
-        if top not in (FORMAT, "mixed-precision", None):
-            raise ValueError(f"quantization_config.format={top!r} (compressed-tensors): only {FORMAT!r} is "
-                             f"supported (int4 / int8 weights packed in int32 words)")
+        if top not in FORMATS + ("mixed-precision", None):
+            raise ValueError(f"quantization_config.format={top!r} (compressed-tensors): only {FORMAT!r} (int4 / "
+                             f"int8 weights packed in int32 words) and {INT_FORMAT!r} (int8 weights) are supported")
         status = q.get("quantization_status", "compressed")
         if status != "compressed":
             raise ValueError(f"quantization_config.quantization_status={status!r} (compressed-tensors): only "
@@ -79,10 +97,18 @@ class CompressedTensorsConfig:
                 raise ValueError(f"{where}={scheme!r} (compressed-tensors): only explicit schemes (targets, weights) "
                                  f"are supported, not preset names")
             parsed.append((name, _targets(scheme, where), _weight_scheme(scheme, where, top)))
+        formats = {scheme.format for _, _, scheme in parsed}
+        if len(formats) > 1:
+            raise ValueError(f"quantization_config.config_groups (compressed-tensors) mix the formats "
+                             f"{sorted(formats)}: one format a checkpoint is supported")
         ignore = q.get("ignore") or []
         if not isinstance(ignore, list) or not all(isinstance(t, str) for t in ignore):
             raise ValueError(f"quantization_config.ignore={ignore!r} (compressed-tensors) must be a list of names")
         return CompressedTensorsConfig(tuple(parsed), tuple(ignore))
+
+    @property
+    def format(self) -> str:
+        return self.groups[0][2].format
 
     def scheme_for(self, module: str) -> WeightScheme | None:
         """The scheme of the first group that targets `module` (our checkpoint-named module), or None
@@ -108,18 +134,20 @@ def _targets(scheme: dict, where: str) -> tuple[str, ...]:
 
 def _weight_scheme(scheme: dict, where: str, top_format) -> WeightScheme:
     fmt = scheme.get("format") or top_format
-    if fmt != FORMAT:
-        raise ValueError(f"{where}.format={fmt!r} (compressed-tensors): only {FORMAT!r} is supported")
-    for act in ("input_activations", "output_activations"):
-        if scheme.get(act) is not None:
-            raise ValueError(f"{where}.{act}={scheme[act]!r} (compressed-tensors, {FORMAT}): activation "
-                             f"quantization (e.g. W8A8) is not supported yet; weight-only schemes (W4A16, W8A16) are")
+    if fmt not in FORMATS:
+        raise ValueError(f"{where}.format={fmt!r} (compressed-tensors): only {FORMAT!r} and {INT_FORMAT!r} are "
+                         f"supported")
+    if scheme.get("output_activations") is not None:
+        raise ValueError(f"{where}.output_activations={scheme['output_activations']!r} (compressed-tensors, {fmt}): "
+                         f"output activation quantization is not supported")
+    activations = _activations(scheme.get("input_activations"), f"{where}.input_activations", fmt)
     w = scheme.get("weights")
     if not isinstance(w, dict):
         raise ValueError(f"{where}.weights={w!r} (compressed-tensors): a weight scheme is required")
     w_where = f"{where}.weights"
+    bits = (4, 8) if fmt == FORMAT else (8,)
     checks = [("type", w.get("type", "int") == "int", "only 'int'"),
-              ("num_bits", w.get("num_bits") in (4, 8), "only 4 and 8"),
+              ("num_bits", w.get("num_bits") in bits, f"only {' and '.join(map(str, bits))}"),
               ("strategy", w.get("strategy") in ("group", "channel"), "only 'group' and 'channel'"),
               ("dynamic", not w.get("dynamic", False), "only static (false)"),
               ("actorder", w.get("actorder") in (None, "static", "weight"),
@@ -128,13 +156,34 @@ def _weight_scheme(scheme: dict, where: str, top_format) -> WeightScheme:
               ("zp_dtype", w.get("zp_dtype") in (None, "torch.int8", "int8"), "only int8 zero points (the default)")]
     for field, ok, allowed in checks:
         if not ok:
-            raise ValueError(f"{w_where}.{field}={w.get(field)!r} (compressed-tensors, {FORMAT}): {allowed} "
-                             f"supported")
+            raise ValueError(f"{w_where}.{field}={w.get(field)!r} (compressed-tensors, {fmt}): {allowed} supported")
     gs = w.get("group_size")
     if w["strategy"] == "group" and (not isinstance(gs, int) or gs <= 0):
         raise ValueError(f"{w_where}.group_size={gs!r} (compressed-tensors): strategy 'group' needs a positive int")
     return WeightScheme(int(w["num_bits"]), bool(w.get("symmetric", True)), w["strategy"],
-                        int(gs) if w["strategy"] == "group" else None)
+                        int(gs) if w["strategy"] == "group" else None, fmt, activations)
+
+
+def _activations(a, where: str, fmt: str) -> str | None:
+    """The input activations' scheme as served: none, or (int-quantized weights only) int8 per token,
+    dynamic and symmetric, which our kernels compute on float activations (module docstring)."""
+    if a is None:
+        return None
+    if fmt != INT_FORMAT:
+        raise ValueError(f"{where}={a!r} (compressed-tensors, {fmt}): activation quantization over {fmt} weights "
+                         f"(e.g. W4A8) is not supported; weight-only schemes (W4A16, W8A16) and {INT_FORMAT!r} W8A8 "
+                         f"are")
+    if not isinstance(a, dict):
+        raise ValueError(f"{where}={a!r} (compressed-tensors): an activation scheme (a dict) is expected")
+    checks = [("type", a.get("type", "int") == "int", "only 'int'"), ("num_bits", a.get("num_bits") == 8, "only 8"),
+              ("strategy", a.get("strategy") == "token", "only 'token'"),
+              ("dynamic", a.get("dynamic") is True, "only dynamic (true: no input_scale tensors)"),
+              ("symmetric", a.get("symmetric", True) is True, "only symmetric")]
+    for field, ok, allowed in checks:
+        if not ok:
+            raise ValueError(f"{where}.{field}={a.get(field)!r} (compressed-tensors, {fmt}, W8A8): {allowed} "
+                             f"supported")
+    return "int8 per token, dynamic"
 
 
 def _matches(target: str, module: str) -> bool:
@@ -180,6 +229,8 @@ def signed_codes(t: torch.Tensor, bits: int, n: int) -> torch.Tensor:
 
 def to_packed(parts: dict[str, torch.Tensor], scheme: WeightScheme, module: str) -> PackedWeight:
     """One module's compressed-tensors tensors (by suffix) as a PackedWeight; errors name the module."""
+    if scheme.format == INT_FORMAT:
+        return int8_to_packed(parts, scheme, module)
     bits = scheme.bits
     shape = parts["weight_shape"].reshape(-1).tolist()
     if len(shape) != 2:
@@ -217,25 +268,64 @@ def to_packed(parts: dict[str, torch.Tensor], scheme: WeightScheme, module: str)
     return PackedWeight(bits, qweight, scale, offsets, G, (N, K))
 
 
+def int8_to_packed(parts: dict[str, torch.Tensor], scheme: WeightScheme, module: str) -> PackedWeight:
+    """An int-quantized module's int8 weight (N, K), scales and zero points as a PackedWeight."""
+    q = parts["weight"]
+    if q.dtype != torch.int8 or q.dim() != 2:
+        raise ValueError(f"tensor {module}.weight is {q.dtype} {tuple(q.shape)}: {INT_FORMAT} (compressed-tensors) "
+                         f"stores a 2-D torch.int8 weight")
+    N, K = q.shape
+    G = scheme.group_size if scheme.strategy == "group" else K
+    if K % G:
+        raise ValueError(f"{module}: group_size {G} does not divide the input dimension {K} (compressed-tensors "
+                         f"{INT_FORMAT})")
+    scale = parts["weight_scale"]
+    if tuple(scale.shape) != (N, K // G):
+        raise ValueError(f"tensor {module}.weight_scale has shape {tuple(scale.shape)}, expected {(N, K // G)}")
+    scale = scale.to(torch.float32).contiguous()
+    z = parts.get("weight_zero_point")
+    if scheme.symmetric:
+        zero = torch.zeros_like(scale)
+    elif z is None:
+        raise ValueError(f"{module}: asymmetric scheme without weight_zero_point")
+    elif tuple(z.shape) != (N, K // G):
+        raise ValueError(f"tensor {module}.weight_zero_point has shape {tuple(z.shape)}, expected {(N, K // G)}")
+    else:
+        zero = z.to(torch.float32)
+    codes = (q.to(torch.int16) + 128).to(torch.uint8).contiguous()
+    return PackedWeight(8, codes, scale, (-(128.0 + zero) * scale).contiguous(), G, (N, K))
+
+
 class PackedTensors:
     """Collects each quantized module's tensors as the checkpoint's files give them, in any order;
     `take` returns (module, PackedWeight) once a module has all of its parts, None before (module:
     our name of it)."""
 
-    method, format = METHOD, FORMAT
+    method = METHOD
 
     def __init__(self, cfg: CompressedTensorsConfig):
         self.cfg = cfg
+        self.format = cfg.format
         self.pending: dict[str, dict[str, torch.Tensor]] = {}
+        self.scaled: set[str] = set()  # int-quantized: modules seen with a weight_scale (their weight is int8)
 
-    @staticmethod
-    def split_name(name: str) -> tuple[str, str] | None:
-        return split_name(name)
+    def split_name(self, name: str) -> tuple[str, str] | None:
+        """(module, suffix) of a quantized module's tensor, else None. An int-quantized weight is
+        named `<m>.weight` like any float one: it is one of a module whose `weight_scale` was seen
+        (the loader's storage pass sees every name before any tensor loads)."""
+        split = split_name(name)
+        if self.format != INT_FORMAT:
+            return split
+        if split is not None and split[1] == "weight_scale":
+            self.scaled.add(split[0])
+        module, _, suffix = name.rpartition(".")
+        if suffix == "weight" and module in self.scaled:
+            return module, suffix
+        return split
 
-    @staticmethod
-    def is_weight(suffix: str) -> bool:
-        """Whether this part names a packed module (one a module)."""
-        return suffix == "weight_packed"
+    def is_weight(self, suffix: str) -> bool:
+        """Whether this part names a quantized module (one a module)."""
+        return suffix == ("weight_scale" if self.format == INT_FORMAT else "weight_packed")
 
     def scheme(self, raw: str) -> WeightScheme:
         """The scheme of tensor `raw`'s module, matched by its name in the checkpoint (the config's
@@ -243,18 +333,19 @@ class PackedTensors:
         module = raw.rpartition(".")[0]
         scheme = self.cfg.scheme_for(module)
         if scheme is None:
-            raise ValueError(f"tensor {raw!r} is quantized ({METHOD}, {FORMAT}), but quantization_config's "
+            raise ValueError(f"tensor {raw!r} is quantized ({METHOD}, {self.format}), but quantization_config's "
                              f"config_groups do not target module {module!r} or its `ignore` list names it")
         return scheme
 
     def take(self, module: str, suffix: str, t: torch.Tensor, raw: str) -> tuple[str, PackedWeight] | None:
         if suffix == "weight_g_idx":
-            raise ValueError(f"tensor {raw!r}: activation-ordered groups (g_idx, {METHOD} {FORMAT}) are not "
+            raise ValueError(f"tensor {raw!r}: activation-ordered groups (g_idx, {METHOD} {self.format}) are not "
                              f"supported yet")
         scheme = self.scheme(raw)
         parts = self.pending.setdefault(module, {})
         parts[suffix] = t
-        need = {"weight_packed", "weight_scale", "weight_shape"} | (set() if scheme.symmetric else {"weight_zero_point"})
+        need = ({"weight", "weight_scale"} if scheme.format == INT_FORMAT else
+                {"weight_packed", "weight_scale", "weight_shape"}) | (set() if scheme.symmetric else {"weight_zero_point"})
         if not need <= set(parts):
             return None
         del self.pending[module]
@@ -263,9 +354,9 @@ class PackedTensors:
     def finish(self, path: str) -> None:
         if self.pending:
             module, parts = next(iter(self.pending.items()))
-            raise ValueError(f"checkpoint {path!r}: quantized module {module!r} ({METHOD}) has only "
-                             f"{sorted(parts)}; weight_packed, weight_scale and weight_shape (and weight_zero_point "
-                             f"for an asymmetric scheme) are needed")
+            need = "weight, weight_scale" if self.format == INT_FORMAT else "weight_packed, weight_scale, weight_shape"
+            raise ValueError(f"checkpoint {path!r}: quantized module {module!r} ({METHOD}, {self.format}) has only "
+                             f"{sorted(parts)}; {need} (and weight_zero_point for an asymmetric scheme) are needed")
 
 
 def checkpoint_config(hf: dict) -> CompressedTensorsConfig | None:

@@ -72,9 +72,10 @@ def _linear_tree(sd: dict[str, torch.Tensor]) -> nn.Module:
     return root
 
 
-def write_checkpoint(src: str, dst: str, weights: dict, ignore=IGNORE) -> dict[str, torch.Tensor]:
-    """A compressed-tensors pack-quantized copy of `src` at `dst` (weights: the QuantizationArgs'
-    fields); returns the package's decompressed weights by tensor name."""
+def write_checkpoint(src: str, dst: str, weights: dict, ignore=IGNORE, fmt: str = "pack-quantized",
+                     activations: dict | None = None) -> dict[str, torch.Tensor]:
+    """A compressed-tensors copy of `src` at `dst` in format `fmt` (weights, activations: the
+    QuantizationArgs' fields); returns the package's decompressed weights by tensor name."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
                                                  apply_quantization_config)
@@ -90,8 +91,10 @@ def write_checkpoint(src: str, dst: str, weights: dict, ignore=IGNORE) -> dict[s
             os.remove(os.path.join(dst, f))
     root = _linear_tree(sd)
     args = QuantizationArgs(type="int", **weights)
-    qc = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
-                            ignore=list(ignore), format="pack-quantized")
+    acts = None if activations is None else QuantizationArgs(**activations)
+    qc = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args,
+                                                                         input_activations=acts)},
+                            ignore=list(ignore), format=fmt)
     apply_quantization_config(root, qc)
     for _, m in root.named_modules():
         if getattr(m, "quantization_scheme", None) is None:
@@ -103,7 +106,7 @@ def write_checkpoint(src: str, dst: str, weights: dict, ignore=IGNORE) -> dict[s
         m.weight_scale.data.copy_(scale.reshape(m.weight_scale.shape))
         if hasattr(m, "weight_zero_point"):
             m.weight_zero_point.data.copy_(zero.reshape(m.weight_zero_point.shape))
-    compressor = ModelCompressor.from_pretrained_model(root, "pack-quantized")
+    compressor = ModelCompressor.from_pretrained_model(root, fmt)
     compressor.compress_model(root)
     out = {k: v for k, v in sd.items() if not (k in dict(root.named_parameters()) or
                                                 k[: -len(".weight")] in dict(root.named_modules()))}
@@ -311,8 +314,9 @@ def test_unsupported_schemes_refused_naming_them(path, value, words):
     assert "compressed-tensors" in str(e.value)
 
 
-def test_w8a8_checkpoint_refused_at_start(qwen3, tmp_path):
-    """A W8A8 config fails when the engine's config is read, before any weight is."""
+def test_activation_quantization_over_packed_weights_refused_at_start(qwen3, tmp_path):
+    """Quantized activations over pack-quantized weights (W8A8 is served as int-quantized only) fail
+    when the engine's config is read, before any weight is."""
     dst = str(tmp_path / "w8a8")
     write_checkpoint(qwen3, dst, CASES["w8a16-channel-asym"])
     with open(os.path.join(dst, "config.json")) as f:
@@ -322,6 +326,43 @@ def test_w8a8_checkpoint_refused_at_start(qwen3, tmp_path):
         json.dump(cfg, f)
     with pytest.raises(ValueError, match="group_0.input_activations.*activation quantization"):
         ModelConfig.from_path(dst)
+
+
+def test_w8a8_int8_greedy_matches_transformers_and_stays_int8(qwen3, tmp_path):
+    """W8A8 int8 as llm-compressor writes it (int-quantized: int8 weights per channel, activations
+    int8 per token, dynamic): the weights load kept int8 (a byte each, float32 scales and offsets per
+    row), and greedy tokens equal transformers over the package's decompression (float activations:
+    what our kernels compute)."""
+    dst = str(tmp_path / "w8a8")
+    dequant = write_checkpoint(qwen3, dst, dict(num_bits=8, symmetric=True, strategy="channel"), fmt="int-quantized",
+                               activations=W8A8_ACT)
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(dst, "model.safetensors"), framework="pt") as f:
+        assert f.get_tensor("model.layers.0.self_attn.q_proj.weight").dtype == torch.int8
+    with open(os.path.join(dst, "config.json")) as f:
+        q = json.load(f)["quantization_config"]
+    assert q["format"] == "int-quantized" and q["config_groups"]["group_0"]["input_activations"]["dynamic"]
+    model = oracle(qwen3, dequant, str(tmp_path / "oracle"))
+    light_parity(dst, model, 62)
+    ours = LLM(dst, dtype="float32", kv_cache_memory=1 << 20, show_progress=False).engine.runner.model
+    q_proj = ours.model.layers[0].self_attn.q_proj
+    assert q_proj.weight is None and q_proj.qweight.dtype == torch.uint8 and q_proj.packed_bits == 8
+    assert q_proj.qscales.shape == (q_proj.out_features, 1)
+    ex = ours.model.layers[0].mlp.experts
+    assert ex.bits == 8 and ex.w13_qweight.dtype == torch.uint8
+    torch.testing.assert_close(q_proj.packed().dequantize(), dequant["model.layers.0.self_attn.q_proj.weight"],
+                               rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("acts,words", [(dict(W8A8_ACT, dynamic=False), "dynamic=False"),
+                                        (dict(W8A8_ACT, strategy="tensor"), "strategy='tensor'")])
+def test_w8a8_activation_schemes_we_do_not_serve_refused(acts, words):
+    cfg = _with(["config_groups", "group_0", "input_activations"], acts)
+    cfg["format"] = cfg["config_groups"]["group_0"]["format"] = "int-quantized"
+    cfg["config_groups"]["group_0"]["weights"].update(num_bits=8, strategy="channel")
+    with pytest.raises(ValueError, match=f"group_0.input_activations.{words}.*int-quantized"):
+        CompressedTensorsConfig.from_hf(cfg)
 
 
 def test_packed_module_the_config_ignores_is_refused(qwen3, tmp_path):
