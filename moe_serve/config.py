@@ -58,11 +58,17 @@ class ModelConfig:
     @staticmethod
     def from_path(path: str, dtype: str | torch.dtype = "auto", max_model_len: int | None = None,
                   load_format: str = "auto", seed: int = 0, quantization: str | None = None) -> "ModelConfig":
+        from moe_serve.quantization import gguf_file
+
         cfg_file = os.path.join(path, "config.json")
-        if not os.path.isfile(cfg_file):
-            raise ValueError(f"model={path!r}: no config.json there (expected a Hugging Face checkpoint directory)")
-        with open(cfg_file) as f:
-            hf = json.load(f)
+        if (gguf := gguf_file.gguf_path(path)) is not None:  # a GGUF file: the config from its metadata
+            cfg_file, hf = gguf, gguf_file.hf_config(gguf)
+        elif not os.path.isfile(cfg_file):
+            raise ValueError(f"model={path!r}: no config.json there (expected a Hugging Face checkpoint directory "
+                             f"or a .gguf file)")
+        else:
+            with open(cfg_file) as f:
+                hf = json.load(f)
         archs = hf.get("architectures") or []
         from moe_serve.models.registry import is_multimodal, supported_architectures
 

@@ -14,13 +14,18 @@ class Tokenizer:
     def __init__(self, path: str):
         from tokenizers import Tokenizer as HFTokenizer
 
+        from moe_serve.quantization import gguf_file
+
         tj = os.path.join(path, "tokenizer.json")
-        if not os.path.isfile(tj):
-            raise ValueError(f"model={path!r}: no tokenizer.json (a fast tokenizer file is required)")
-        self._tok = HFTokenizer.from_file(tj)
         cfg_path = os.path.join(path, "tokenizer_config.json")
         self.config: dict = {}
-        if os.path.isfile(cfg_path):
+        if (gguf := gguf_file.gguf_path(path)) is not None:  # the tokenizer from a GGUF file's metadata
+            self._tok, self.config = gguf_file.tokenizer_parts(gguf)
+        elif not os.path.isfile(tj):
+            raise ValueError(f"model={path!r}: no tokenizer.json (a fast tokenizer file is required)")
+        else:
+            self._tok = HFTokenizer.from_file(tj)
+        if gguf is None and os.path.isfile(cfg_path):
             with open(cfg_path) as f:
                 self.config = json.load(f)
         self.chat_template: str | None = self.config.get("chat_template")

@@ -50,6 +50,12 @@ def load_weights(model: nn.Module, path: str, dtype: torch.dtype, show_progress:
     quantizes an unquantized checkpoint to block FP8 while it loads."""
     from safetensors import safe_open
 
+    from moe_serve.quantization import gguf_file
+
+    if (gguf := gguf_file.gguf_path(path)) is not None:  # a GGUF file: moe_serve/quantization/gguf_load.py
+        from moe_serve.quantization.gguf_load import load_gguf
+
+        return load_gguf(model, gguf, dtype, show_progress)
     fp8_cfg = _checkpoint_fp8_config(model, path, quantization)
     experts = {name[: -len(".experts")]: m for name, m in model.named_modules()
                if isinstance(m, GroupedExperts) and name.endswith(".experts")}
@@ -81,7 +87,7 @@ def tensor_loader(model: nn.Module, dtype: torch.dtype, path: str, quantization:
 
     fp8_cfg = _checkpoint_fp8_config(model, path, quantization)
     quant = (getattr(model, "hf", None) or {}).get("quantization_config") or {}
-    if quant.get("quant_method") in ("compressed-tensors", "awq", "gptq"):
+    if quant.get("quant_method") in ("compressed-tensors", "awq", "gptq", "gguf"):
         raise ValueError(f"weight updates of a {quant['quant_method']} (packed int4/int8) model are not supported yet")
     if fp8_cfg is None and quantization == "fp8":  # quantized at load: the same blocks again
         fp8_cfg = fp8.BlockFp8Config()

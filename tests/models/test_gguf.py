@@ -1,0 +1,313 @@
+"""GGUF checkpoints (`--model file.gguf`, or a directory holding one): greedy tokens equal
+transformers loading the same file (`from_pretrained(dir, gguf_file=...)`, which dequantizes every
+tensor with gguf-py); block-quantized weights stay packed in memory; the config and tokenizer come
+from the file's metadata; unsupported types and architectures, truncated and corrupt files are
+refused at start-up, naming them.
+
+The files are written here with gguf-py's GGUFWriter from tiny random transformers checkpoints
+(llama.cpp's tensor names and metadata keys; the tokenizer's vocabulary and merges as
+`tokenizer.ggml.*`), quantized by gguf-py's own quantizer, or for the K-quants by the tests' writer
+(tests/unit/test_gguf_types.py), which gguf-py's reference dequantization checks there.
+transformers' GGUF reading leaves out the experts' size (`expert_feed_forward_length`), so the
+oracle gets that field from the source config; everything else it reads from the file.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from moe_serve import LLM
+from moe_serve.config import ModelConfig
+from moe_serve.tokenizer import Tokenizer
+from tests.models.test_hf_parity import assert_same_greedy, check_greedy_parity, hf_greedy, make_prompts
+from tests.unit.test_gguf_types import quantize_any
+
+_QWEN_BLOCK = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+               "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp"}
+
+
+def build_qwen3_moe_256(path: str):
+    """A tiny Qwen3-MoE whose linear inputs are 256 wide (a K-quant block per row)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from tests.checkpoints import VOCAB, _tokenizer, widen_
+
+    special = _tokenizer(path)
+    cfg = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=256, moe_intermediate_size=256,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                         num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=1024,
+                         eos_token_id=special["<|im_end|>"], pad_token_id=special["<|endoftext|>"],
+                         tie_word_embeddings=False)
+    torch.manual_seed(0)
+    m = Qwen3MoeForCausalLM(cfg).eval()
+    widen_(m, 5)
+    return m
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("qwen3_moe_gguf_src"))
+    return path, build_qwen3_moe_256(path)
+
+
+def qwen3_moe_tensors(model) -> dict[str, torch.Tensor]:
+    """llama.cpp's tensor names for a transformers Qwen3-MoE (experts stacked (E, F, D) / (E, D, F))."""
+    sd, cfg = model.state_dict(), model.config
+    out = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"],
+           "output.weight": sd["lm_head.weight"]}
+    F = cfg.moe_intermediate_size
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for hf, g in _QWEN_BLOCK.items():
+            out[f"blk.{i}.{g}.weight"] = sd[p + hf + ".weight"]
+        gate_up = sd[p + "mlp.experts.gate_up_proj"]
+        out[f"blk.{i}.ffn_gate_exps.weight"] = gate_up[:, :F]
+        out[f"blk.{i}.ffn_up_exps.weight"] = gate_up[:, F:]
+        out[f"blk.{i}.ffn_down_exps.weight"] = sd[p + "mlp.experts.down_proj"]
+    return out
+
+
+def write_tokenizer(w, tok_dir: str) -> None:
+    """The tokenizer.json / tokenizer_config.json of tok_dir as GGUF `tokenizer.*` metadata."""
+    with open(os.path.join(tok_dir, "tokenizer.json")) as f:
+        tj = json.load(f)
+    with open(os.path.join(tok_dir, "tokenizer_config.json")) as f:
+        tc = json.load(f)
+    vocab = dict(tj["model"]["vocab"])
+    vocab.update({a["content"]: a["id"] for a in tj["added_tokens"]})
+    tokens = sorted(vocab, key=vocab.get)
+    assert [vocab[t] for t in tokens] == list(range(len(tokens)))
+    special = {a["content"] for a in tj["added_tokens"] if a["special"]}
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in special else 1 for t in tokens])  # 3: control
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]])
+    w.add_eos_token_id(vocab[tc["eos_token"]])
+    w.add_pad_token_id(vocab[tc["pad_token"]])
+    w.add_add_bos_token(False)
+    w.add_chat_template(tc["chat_template"])
+
+
+def write_gguf(model, tok_dir: str, out_file: str, qtype_of, arch: str = "qwen3moe") -> str:
+    """The model as a GGUF file, each tensor in qtype_of(gguf name, array)'s type."""
+    import gguf
+
+    cfg = model.config
+    w = gguf.GGUFWriter(out_file, arch)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_expert_count(cfg.num_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    write_tokenizer(w, tok_dir)
+    for name, t in qwen3_moe_tensors(model).items():
+        x = t.detach().float().contiguous().numpy()
+        q = qtype_of(name, x)
+        if q == T.F32:
+            w.add_tensor(name, x)
+        elif q == T.F16:
+            w.add_tensor(name, x.astype(np.float16))
+        elif q == T.BF16:
+            w.add_tensor(name, t.detach().to(torch.bfloat16).view(torch.int16).numpy().view(np.uint8),
+                         raw_dtype=T.BF16)
+        else:
+            w.add_tensor(name, quantize_any(x, q), raw_dtype=q)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out_file
+
+
+def mix(linear: T, experts: T, down: T | None = None, embed: T = T.Q8_0):
+    """A type chooser as llama.cpp's presets mix them: norms and the router in F32, the embedding
+    and output head `embed`, attention `linear`, gate/up experts `experts`, down experts `down`."""
+    def choose(name: str, x: np.ndarray) -> T:
+        if x.ndim == 1 or "ffn_gate_inp" in name:
+            return T.F32
+        if name in ("token_embd.weight", "output.weight"):
+            return embed
+        if "ffn_down_exps" in name:
+            return down or experts
+        return experts if "_exps" in name else linear
+    return choose
+
+
+def oracle(gguf_file: str, source_model):
+    """transformers' model from the same GGUF file (its own dequantization); the experts' size,
+    which its GGUF config mapping lacks, from the source config."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    d, f = os.path.dirname(gguf_file), os.path.basename(gguf_file)
+    cfg = AutoConfig.from_pretrained(d, gguf_file=f)
+    cfg.moe_intermediate_size = source_model.config.moe_intermediate_size
+    return AutoModelForCausalLM.from_pretrained(d, gguf_file=f, config=cfg, dtype=torch.float32).eval()
+
+
+def light_parity(path: str, model, seed: int, n: int = 5) -> None:
+    """Greedy tokens on three prompts."""
+    prompts = make_prompts(seed)[3:6]
+    llm = LLM(path, dtype="float32", kv_cache_memory=1 << 22, show_progress=False)
+    from moe_serve import SamplingParams
+
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=n))
+    for p, o in zip(prompts, outs):
+        assert_same_greedy(model, p, o.outputs[0].token_ids, hf_greedy(model, p, n))
+
+
+def test_q4_k_m_greedy_matches_transformers(source, tmp_path):
+    """llama.cpp's Q4_K_M mix (Q4_K attention and gate/up experts, Q6_K down experts, Q8_0
+    embedding and head) under chunked prefill, preemption and prefix hits, served from the
+    directory holding the file (the other tests name the file)."""
+    src, model = source
+    f = write_gguf(model, src, str(tmp_path / "model-Q4_K_M.gguf"), mix(T.Q4_K, T.Q4_K, T.Q6_K))
+    hf = oracle(f, model)
+    plain = dict(model.named_parameters())  # the oracle holds the quantized weights, not the source's
+    assert not torch.equal(dict(hf.named_parameters())["model.layers.0.self_attn.q_proj.weight"],
+                           plain["model.layers.0.self_attn.q_proj.weight"])
+    check_greedy_parity(str(tmp_path), hf, 70)
+
+
+@pytest.mark.parametrize("linear,experts,down,embed", [
+    (T.Q5_K, T.Q4_0, T.Q5_0, T.F16),
+    (T.Q4_1, T.Q5_1, T.Q8_0, T.BF16),
+], ids=["Q5_K-Q4_0-Q5_0-F16", "Q4_1-Q5_1-Q8_0-BF16"])
+def test_types_greedy_match_transformers(source, tmp_path, linear, experts, down, embed):
+    """The other types (4-bit gate/up experts beside 8-bit down experts held one code a byte)."""
+    src, model = source
+    f = write_gguf(model, src, str(tmp_path / "m.gguf"), mix(linear, experts, down, embed))
+    light_parity(f, oracle(f, model), 72)
+
+
+def test_packed_weights_stay_packed_in_memory(source, tmp_path):
+    """Q4_K weights keep a byte per two codes and a float32 scale and offset per 32 (0.25 + 0.125 of
+    bf16's bytes); Q8_0 a byte per code (0.5 + 0.125); no dense copy of a quantized weight."""
+    src, model = source
+    for qtype, ratio in ((T.Q4_K, 0.375), (T.Q8_0, 0.625)):
+        f = write_gguf(model, src, str(tmp_path / f"{qtype.name}.gguf"), mix(qtype, qtype, embed=qtype))
+        ours = LLM(f, dtype="bfloat16", kv_cache_memory=1 << 20, show_progress=False).engine.runner.model
+        params = dict(ours.named_parameters())
+        packed = {n: p for n, p in params.items() if n.endswith(("qweight", "qscales", "qoffsets", "_scales",
+                                                                  "_offsets"))}
+        assert any("experts.w13_qweight" in n for n in packed) and any("o_proj.qweight" in n for n in packed)
+        assert all(p.dtype == torch.uint8 for n, p in packed.items() if "qweight" in n)
+        logical = sum(p.numel() * (2 if qtype == T.Q4_K else 1) for n, p in packed.items() if "qweight" in n)
+        packed_bytes = sum(p.numel() * p.element_size() for p in packed.values())
+        assert packed_bytes == pytest.approx(ratio * 2 * logical, rel=1e-6), (qtype, packed_bytes / (2 * logical))
+        assert ours.model.layers[0].self_attn.q_proj.weight is None
+        assert ours.model.layers[0].mlp.experts.w13 is None
+
+
+def test_config_and_tokenizer_from_the_file(source, tmp_path):
+    """The config the engine builds from the metadata has the source checkpoint's values; the
+    tokenizer encodes as the source tokenizer.json does and carries the eos token and template."""
+    src, model = source
+    f = write_gguf(model, src, str(tmp_path / "m.gguf"), mix(T.Q8_0, T.Q8_0))
+    mc = ModelConfig.from_path(f)
+    assert mc.architecture == "Qwen3MoeForCausalLM"
+    assert mc.weight_quantization == "gguf"
+    c = model.config
+    for key in ("hidden_size", "moe_intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "num_experts_per_tok", "norm_topk_prob",
+                "vocab_size", "max_position_embeddings", "tie_word_embeddings"):
+        assert mc.hf[key] == getattr(c, key), key
+    assert mc.hf["num_local_experts"] == c.num_experts  # transformers 5's name for it
+    assert mc.hf["rms_norm_eps"] == pytest.approx(c.rms_norm_eps)
+    assert mc.eos_token_ids == {c.eos_token_id}
+    from tokenizers import Tokenizer as HFTokenizer
+
+    ref = HFTokenizer.from_file(os.path.join(src, "tokenizer.json"))
+    tok = Tokenizer(f)
+    text = "Hello, world! Café, 東京は日本の首都です。 <|im_start|>user\nhi<|im_end|>"
+    assert tok.encode(text) == ref.encode(text).ids
+    assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == c.eos_token_id
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == \
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_unsupported_type_refused_naming_tensor_and_type(source, tmp_path):
+    """A tensor of a type we do not load (here Q2_K) fails start-up, naming the tensor, the type
+    and GGUF, before any weight loads."""
+    src, model = source
+    f = write_gguf(model, src, str(tmp_path / "m.gguf"), mix(T.Q8_0, T.Q8_0))
+    import gguf
+
+    # rewrite one expert tensor's type in a copy: same bytes per block as Q2_K needs
+    r = gguf.GGUFReader(f)
+    w = gguf.GGUFWriter(str(tmp_path / "q2k.gguf"), "qwen3moe")
+    for k, fld in r.fields.items():
+        if k.startswith("GGUF.") or k == "general.architecture":
+            continue
+        w.add_key_value(k, fld.contents(), fld.types[0], fld.types[-1] if len(fld.types) > 1 else None)
+    for t in r.tensors:
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        if t.name == "blk.1.ffn_down_exps.weight":
+            w.add_tensor(t.name, _zero_blocks(T.Q2_K, shape), raw_dtype=T.Q2_K)
+        else:
+            w.add_tensor(t.name, np.array(t.data), raw_dtype=T(int(t.tensor_type)))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=r"GGUF tensor 'blk.1.ffn_down_exps.weight' has type Q2_K"):
+        LLM(str(tmp_path / "q2k.gguf"), show_progress=False)
+
+
+def _zero_blocks(qtype: T, shape: tuple[int, ...]) -> np.ndarray:
+    """The bytes of an all-zero tensor of logical shape (..., K) in a block type."""
+    from gguf import GGML_QUANT_SIZES
+
+    block, size = GGML_QUANT_SIZES[qtype]
+    return np.zeros((*shape[:-1], shape[-1] // block * size), dtype=np.uint8)
+
+
+def test_truncated_and_corrupt_files_refused(source, tmp_path):
+    src, model = source
+    f = write_gguf(model, src, str(tmp_path / "m.gguf"), mix(T.Q8_0, T.Q8_0))
+    data = open(f, "rb").read()
+    cut = tmp_path / "cut" / "m.gguf"
+    cut.parent.mkdir()
+    cut.write_bytes(data[: len(data) - 1000])
+    with pytest.raises(ValueError, match=r"GGUF file .*cut/m.gguf' \(\d+ bytes\) is truncated or corrupt"):
+        LLM(str(cut), show_progress=False)
+    head = tmp_path / "head" / "m.gguf"
+    head.parent.mkdir()
+    head.write_bytes(data[:200])
+    with pytest.raises(ValueError, match=r"GGUF file .*head/m.gguf' \(200 bytes\) is truncated or corrupt"):
+        LLM(str(head.parent), show_progress=False)
+    bad = tmp_path / "bad" / "m.gguf"
+    bad.parent.mkdir()
+    bad.write_bytes(b"GGUG" + data[4:])
+    with pytest.raises(ValueError, match=r"does not start with the GGUF magic \(got b'GGUG'\)"):
+        LLM(str(bad), show_progress=False)
+
+
+def test_unsupported_architecture_refused_naming_it(source, tmp_path):
+    src, model = source
+    f = write_gguf(model, src, str(tmp_path / "m.gguf"), mix(T.Q8_0, T.Q8_0), arch="deepseek2")
+    with pytest.raises(ValueError, match=r"architecture 'deepseek2'.*supported GGUF architectures: qwen2moe, qwen3moe"):
+        ModelConfig.from_path(f)
+
+
+def test_directory_with_several_gguf_files_refused(source, tmp_path):
+    src, model = source
+    f = write_gguf(model, src, str(tmp_path / "a.gguf"), mix(T.Q8_0, T.Q8_0))
+    shutil.copy(f, tmp_path / "b.gguf")
+    with pytest.raises(ValueError, match=r"holds 2 GGUF files \(a.gguf, b.gguf\)"):
+        ModelConfig.from_path(str(tmp_path))
