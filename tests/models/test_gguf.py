@@ -57,16 +57,43 @@ def source(tmp_path_factory):
     return path, build_qwen3_moe_256(path)
 
 
-def qwen3_moe_tensors(model) -> dict[str, torch.Tensor]:
-    """llama.cpp's tensor names for a transformers Qwen3-MoE (experts stacked (E, F, D) / (E, D, F))."""
+def build_qwen2_moe_256(path: str):
+    """A tiny Qwen2-MoE (q/k/v biases, a gated shared expert) with 256-wide linear inputs."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    from tests.checkpoints import VOCAB, _tokenizer, widen_
+
+    special = _tokenizer(path)
+    cfg = Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=256, moe_intermediate_size=256,
+                         shared_expert_intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
+                         qkv_bias=True, max_position_embeddings=1024, eos_token_id=special["<|im_end|>"],
+                         pad_token_id=special["<|endoftext|>"], tie_word_embeddings=False)
+    torch.manual_seed(0)
+    m = Qwen2MoeForCausalLM(cfg).eval()
+    widen_(m, 6)
+    return m
+
+
+_SHARED = {"mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+           "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+
+
+def gguf_tensors(model) -> dict[str, torch.Tensor]:
+    """llama.cpp's tensor names for a transformers Qwen3-MoE or Qwen2-MoE (experts stacked (E, F, D)
+    / (E, D, F); Qwen2-MoE's q/k/v biases, shared expert and its (D,) gate)."""
     sd, cfg = model.state_dict(), model.config
     out = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"],
            "output.weight": sd["lm_head.weight"]}
     F = cfg.moe_intermediate_size
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
-        for hf, g in _QWEN_BLOCK.items():
-            out[f"blk.{i}.{g}.weight"] = sd[p + hf + ".weight"]
+        for hf, g in {**_QWEN_BLOCK, **_SHARED}.items():
+            for suffix in ("weight", "bias"):
+                if f"{p}{hf}.{suffix}" in sd:
+                    out[f"blk.{i}.{g}.{suffix}"] = sd[f"{p}{hf}.{suffix}"]
+        if f"blk.{i}.ffn_gate_inp_shexp.weight" in out:
+            out[f"blk.{i}.ffn_gate_inp_shexp.weight"] = out[f"blk.{i}.ffn_gate_inp_shexp.weight"].reshape(-1)
         gate_up = sd[p + "mlp.experts.gate_up_proj"]
         out[f"blk.{i}.ffn_gate_exps.weight"] = gate_up[:, :F]
         out[f"blk.{i}.ffn_up_exps.weight"] = gate_up[:, F:]
@@ -96,11 +123,12 @@ def write_tokenizer(w, tok_dir: str) -> None:
     w.add_chat_template(tc["chat_template"])
 
 
-def write_gguf(model, tok_dir: str, out_file: str, qtype_of, arch: str = "qwen3moe") -> str:
+def write_gguf(model, tok_dir: str, out_file: str, qtype_of, arch: str | None = None) -> str:
     """The model as a GGUF file, each tensor in qtype_of(gguf name, array)'s type."""
     import gguf
 
     cfg = model.config
+    arch = arch or {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}[cfg.model_type]
     w = gguf.GGUFWriter(out_file, arch)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -109,14 +137,17 @@ def write_gguf(model, tok_dir: str, out_file: str, qtype_of, arch: str = "qwen3m
     w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
+    if getattr(cfg, "shared_expert_intermediate_size", None):
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_expert_count(cfg.num_experts)
     w.add_expert_used_count(cfg.num_experts_per_tok)
     write_tokenizer(w, tok_dir)
-    for name, t in qwen3_moe_tensors(model).items():
+    for name, t in gguf_tensors(model).items():
         x = t.detach().float().contiguous().numpy()
         q = qtype_of(name, x)
         if q == T.F32:
@@ -157,6 +188,8 @@ def oracle(gguf_file: str, source_model):
     d, f = os.path.dirname(gguf_file), os.path.basename(gguf_file)
     cfg = AutoConfig.from_pretrained(d, gguf_file=f)
     cfg.moe_intermediate_size = source_model.config.moe_intermediate_size
+    if hasattr(cfg, "shared_expert_intermediate_size"):
+        cfg.shared_expert_intermediate_size = source_model.config.shared_expert_intermediate_size
     return AutoModelForCausalLM.from_pretrained(d, gguf_file=f, config=cfg, dtype=torch.float32).eval()
 
 
@@ -193,6 +226,16 @@ def test_types_greedy_match_transformers(source, tmp_path, linear, experts, down
     src, model = source
     f = write_gguf(model, src, str(tmp_path / "m.gguf"), mix(linear, experts, down, embed))
     light_parity(f, oracle(f, model), 72)
+
+
+def test_qwen2_moe_greedy_matches_transformers(tmp_path):
+    """Qwen2-MoE's GGUF: q/k/v biases (F32), the shared expert's gate (F32, (D,) in the file), Q4_K
+    attention, shared expert and gate/up experts, Q6_K down experts."""
+    src = str(tmp_path / "src")
+    model = build_qwen2_moe_256(src)
+    f = write_gguf(model, src, str(tmp_path / "qwen2moe.gguf"), mix(T.Q4_K, T.Q4_K, T.Q6_K))
+    assert ModelConfig.from_path(f).hf["shared_expert_intermediate_size"] == 256
+    light_parity(f, oracle(f, model), 73)
 
 
 def test_packed_weights_stay_packed_in_memory(source, tmp_path):
