@@ -91,8 +91,16 @@ class PackedExperts(GroupedExperts):
         self.activation = activation
         self.set_local_logical(local_logical)
 
+    float8: bool | None = None  # FP8 per-channel experts in the 8-bit codes' storage (set by the first load)
+
     def op_weights(self):
         E = self.w13_qweight.shape[0]
+        if self.float8:  # block FP8 with one block a row: the row scales (exact)
+            from moe_serve.quantization.fp8 import FP8, BlockFp8Experts
+
+            block = (1, max(self.D, self.F))
+            return (BlockFp8Experts(self.w13_qweight.view(FP8), self.w13_scales, block, (self.F, self.F)),
+                    BlockFp8Experts(self.w2_qweight.view(FP8), self.w2_scales, block, (self.D,)))
         return (PackedWeight(self.bits, self.w13_qweight, self.w13_scales, self.w13_offsets, self.group_sizes[0],
                              (E, 2 * self.F, self.D)),
                 PackedWeight(self.bits, self.w2_qweight, self.w2_scales, self.w2_offsets, self.group_sizes[1],
@@ -113,10 +121,20 @@ class PackedExperts(GroupedExperts):
 
     def load(self, logical_id: int, kind: str, w, scale_inv=None) -> None:
         """kind "gate" / "up" (F, D) or "down" (D, F), as a PackedWeight of these experts' bits and
-        group size; copied to every replica."""
-        if not isinstance(w, PackedWeight):
+        group size, or (8 bits per channel) an FP8 weight with one scale a row
+        (compressed_tensors.Fp8ChannelWeight: its bytes in the codes' storage, its scales the row
+        scales; the experts are then block FP8, `op_weights`); copied to every replica."""
+        fp8 = getattr(w, "group_size", 0) is None
+        if not (isinstance(w, PackedWeight) or fp8):
             raise ValueError(f"expert {logical_id} {kind}: the checkpoint gives a dense tensor, but this layer's "
                              f"experts are packed ({self.bits}-bit): every expert projection must be quantized alike")
+        if self.float8 is not None and self.float8 != fp8:
+            raise ValueError(f"expert {logical_id} {kind}: {'FP8' if fp8 else 'integer'} weights in a layer whose other "
+                             f"experts are {'FP8' if self.float8 else 'integer'}: every expert projection must be "
+                             f"quantized alike")
+        self.float8 = fp8
+        if fp8:
+            w = PackedWeight(8, w.q.view(torch.uint8), w.scales, None, w.shape[1], w.shape)
         rows = {"gate": slice(0, self.F), "up": slice(self.F, 2 * self.F), "down": slice(None)}.get(kind)
         want = (self.D, self.F) if kind == "down" else (self.F, self.D)
         if rows is None:

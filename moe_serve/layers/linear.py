@@ -75,8 +75,30 @@ class Linear(nn.Module):
         return PackedWeight(self.packed_bits, self.qweight, self.qscales, self.qoffsets, self.packed_group,
                             (self.out_features, self.in_features))
 
-    def load_packed(self, w: PackedWeight) -> None:
-        if (w.bits, w.group_size, w.shape) != (self.packed_bits, self.packed_group, (self.out_features, self.in_features)):
+    def load_packed(self, w) -> None:
+        """A PackedWeight into the packed storage; or an FP8 weight with one scale a row
+        (compressed_tensors.Fp8ChannelWeight, into the storage made for 8 bits per channel): kept as
+        block FP8 with one block a row, (1, K), its bytes in the codes' storage, its scales the
+        row scales (exact); forward then takes the block-FP8 path."""
+        shape = (self.out_features, self.in_features)
+        if w.group_size is None:  # FP8 per channel
+            if (w.bits, w.shape, self.packed_bits, self.packed_group) != (8, shape, 8, self.in_features):
+                raise ValueError(f"FP8 weight {w.shape} per channel does not match the layer's {self.packed_bits}-bit "
+                                 f"group {self.packed_group} {shape}")
+            if self.dequantized_at_load:
+                self.weight.data.copy_(w.dequantize(torch.float32).to(self.weight.dtype))
+                return
+            from moe_serve.quantization.fp8 import FP8
+
+            self.qweight.data.copy_(w.q.view(torch.uint8))
+            self.weight = nn.Parameter(self.qweight.data.view(FP8), requires_grad=False)
+            self.weight_scale_inv = self.qscales.data
+            self.weight_scale_inv.copy_(w.scales)
+            self.fp8_block = (1, self.in_features)
+            self.qweight = self.qscales = self.qoffsets = None
+            self.packed_bits = self.packed_group = None
+            return
+        if (w.bits, w.group_size, w.shape) != (self.packed_bits, self.packed_group, shape):
             raise ValueError(f"packed weight {w.bits}-bit group {w.group_size} {w.shape} does not match the layer's "
                              f"{self.packed_bits}-bit group {self.packed_group} {(self.out_features, self.in_features)}")
         if self.dequantized_at_load:

@@ -10,10 +10,13 @@ What is served:
   int8; the activations stay float in our kernels (torch ops and cpu_ops/quant.c dequantize the
   weights and multiply float activations), which is the package's own decompression: what
   transformers computes from the decompressed checkpoint.
-Anything else in the config (another format, e.g. float-quantized FP8; a float scheme; static or
-per-group activation quantization; an activation order that needs g_idx; a KV cache scheme; a
-sparsity or transform config; formats mixed across groups) is refused at start-up, naming the field
-and the format.
+- format "float-quantized", FP8 e4m3 weights per channel (FP8_DYNAMIC: activations FP8 per token,
+  dynamic, or none): kept FP8 in block-FP8 storage (moe_serve/quantization/fp8.py) with one block a
+  row, (1, K) for a linear layer and (1, max(D, F)) for experts, whose float32 scale is the row's
+  scale: exact. Activations stay float here too (the block-FP8 ops' weight-only path).
+Anything else in the config (another format; static, per-tensor or per-group activation
+quantization; an activation order that needs g_idx; a KV cache scheme; a sparsity or transform
+config; formats mixed across groups) is refused at start-up, naming the field and the format.
 
 On disk, for each quantized module <m> (a linear layer, or one expert's gate_proj / up_proj /
 down_proj):
@@ -28,10 +31,12 @@ down_proj):
   <m>.weight             int8 (N, K), the signed values;
   <m>.weight_scale       (N, K / G) float;
   <m>.weight_zero_point  int8 (N, K / G), asymmetric only.
+- float-quantized: <m>.weight float8_e4m3fn (N, K), <m>.weight_scale float (N, 1); the value is
+  weight * scale (`Fp8ChannelWeight`).
 The value is (signed q - zero point) * scale, so in PackedWeight's terms the code is the stored
 unsigned code u = q + 2 ** (bits - 1), the scale as given, and offsets = -(2 ** (bits - 1) + z) *
 scale (symmetric: z = 0). Which modules are quantized is read from the tensors (a module with a
-`weight_packed`, or for int-quantized a `weight_scale`) and checked against the config's
+`weight_packed`, or for int- and float-quantized a `weight_scale`) and checked against the config's
 config_groups targets and `ignore` list: a packed module that no group targets, or that the config
 ignores, is an error naming it.
 """
@@ -51,7 +56,8 @@ log = logging.getLogger("moe_serve.quantization")
 METHOD = "compressed-tensors"
 FORMAT = "pack-quantized"
 INT_FORMAT = "int-quantized"
-FORMATS = (FORMAT, INT_FORMAT)
+FLOAT_FORMAT = "float-quantized"
+FORMATS = (FORMAT, INT_FORMAT, FLOAT_FORMAT)
 SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
 # scales rounded to one of these before saving are read as stored (the default: the model's dtype)
 _FLOAT_DTYPES = (None, "torch.float32", "torch.bfloat16", "torch.float16", "float32", "bfloat16", "float16")
@@ -64,8 +70,8 @@ class WeightScheme:
     symmetric: bool
     strategy: str  # "group" | "channel"
     group_size: int | None  # strategy "group" only
-    format: str = FORMAT  # how the weight is stored: FORMAT or INT_FORMAT
-    activations: str | None = None  # "int8 per token, dynamic" (W8A8: computed on float activations here)
+    format: str = FORMAT  # how the weight is stored: FORMAT, INT_FORMAT or FLOAT_FORMAT
+    activations: str | None = None  # "int8 / fp8 per token, dynamic" (computed on float activations here)
 
 
 @dataclass(frozen=True)
@@ -79,7 +85,8 @@ class CompressedTensorsConfig:
         top = q.get("format")
         if top not in FORMATS + ("mixed-precision", None):
             raise ValueError(f"quantization_config.format={top!r} (compressed-tensors): only {FORMAT!r} (int4 / "
-                             f"int8 weights packed in int32 words) and {INT_FORMAT!r} (int8 weights) are supported")
+                             f"int8 weights packed in int32 words), {INT_FORMAT!r} (int8 weights) and "
+                             f"{FLOAT_FORMAT!r} (FP8 weights per channel) are supported")
         status = q.get("quantization_status", "compressed")
         if status != "compressed":
             raise ValueError(f"quantization_config.quantization_status={status!r} (compressed-tensors): only "
@@ -135,7 +142,7 @@ def _targets(scheme: dict, where: str) -> tuple[str, ...]:
 def _weight_scheme(scheme: dict, where: str, top_format) -> WeightScheme:
     fmt = scheme.get("format") or top_format
     if fmt not in FORMATS:
-        raise ValueError(f"{where}.format={fmt!r} (compressed-tensors): only {FORMAT!r} and {INT_FORMAT!r} are "
+        raise ValueError(f"{where}.format={fmt!r} (compressed-tensors): only {', '.join(map(repr, FORMATS))} are "
                          f"supported")
     if scheme.get("output_activations") is not None:
         raise ValueError(f"{where}.output_activations={scheme['output_activations']!r} (compressed-tensors, {fmt}): "
@@ -146,9 +153,11 @@ def _weight_scheme(scheme: dict, where: str, top_format) -> WeightScheme:
         raise ValueError(f"{where}.weights={w!r} (compressed-tensors): a weight scheme is required")
     w_where = f"{where}.weights"
     bits = (4, 8) if fmt == FORMAT else (8,)
-    checks = [("type", w.get("type", "int") == "int", "only 'int'"),
+    kind = "float" if fmt == FLOAT_FORMAT else "int"
+    strategies = ("channel",) if fmt == FLOAT_FORMAT else ("group", "channel")
+    checks = [("type", w.get("type", "int") == kind, f"only {kind!r}"),
               ("num_bits", w.get("num_bits") in bits, f"only {' and '.join(map(str, bits))}"),
-              ("strategy", w.get("strategy") in ("group", "channel"), "only 'group' and 'channel'"),
+              ("strategy", w.get("strategy") in strategies, f"only {' and '.join(map(repr, strategies))}"),
               ("dynamic", not w.get("dynamic", False), "only static (false)"),
               ("actorder", w.get("actorder") in (None, "static", "weight"),
                "only none, 'static' or 'weight' (a 'group' order needs g_idx, not supported yet)"),
@@ -165,25 +174,27 @@ def _weight_scheme(scheme: dict, where: str, top_format) -> WeightScheme:
 
 
 def _activations(a, where: str, fmt: str) -> str | None:
-    """The input activations' scheme as served: none, or (int-quantized weights only) int8 per token,
-    dynamic and symmetric, which our kernels compute on float activations (module docstring)."""
+    """The input activations' scheme as served: none, or (int- / float-quantized weights) 8-bit of the
+    weights' type per token, dynamic and symmetric, which our kernels compute on float activations
+    (module docstring)."""
     if a is None:
         return None
-    if fmt != INT_FORMAT:
+    if fmt == FORMAT:
         raise ValueError(f"{where}={a!r} (compressed-tensors, {fmt}): activation quantization over {fmt} weights "
-                         f"(e.g. W4A8) is not supported; weight-only schemes (W4A16, W8A16) and {INT_FORMAT!r} W8A8 "
-                         f"are")
+                         f"(e.g. W4A8) is not supported; weight-only schemes (W4A16, W8A16), {INT_FORMAT!r} W8A8 "
+                         f"and {FLOAT_FORMAT!r} FP8 dynamic are")
     if not isinstance(a, dict):
         raise ValueError(f"{where}={a!r} (compressed-tensors): an activation scheme (a dict) is expected")
-    checks = [("type", a.get("type", "int") == "int", "only 'int'"), ("num_bits", a.get("num_bits") == 8, "only 8"),
+    kind = "float" if fmt == FLOAT_FORMAT else "int"
+    checks = [("type", a.get("type", "int") == kind, f"only {kind!r}"), ("num_bits", a.get("num_bits") == 8, "only 8"),
               ("strategy", a.get("strategy") == "token", "only 'token'"),
               ("dynamic", a.get("dynamic") is True, "only dynamic (true: no input_scale tensors)"),
               ("symmetric", a.get("symmetric", True) is True, "only symmetric")]
     for field, ok, allowed in checks:
         if not ok:
-            raise ValueError(f"{where}.{field}={a.get(field)!r} (compressed-tensors, {fmt}, W8A8): {allowed} "
-                             f"supported")
-    return "int8 per token, dynamic"
+            raise ValueError(f"{where}.{field}={a.get(field)!r} (compressed-tensors, {fmt}, 8-bit activations): "
+                             f"{allowed} supported")
+    return f"{'fp8' if kind == 'float' else 'int8'} per token, dynamic"
 
 
 def _matches(target: str, module: str) -> bool:
@@ -231,6 +242,8 @@ def to_packed(parts: dict[str, torch.Tensor], scheme: WeightScheme, module: str)
     """One module's compressed-tensors tensors (by suffix) as a PackedWeight; errors name the module."""
     if scheme.format == INT_FORMAT:
         return int8_to_packed(parts, scheme, module)
+    if scheme.format == FLOAT_FORMAT:
+        return fp8_channel(parts, module)
     bits = scheme.bits
     shape = parts["weight_shape"].reshape(-1).tolist()
     if len(shape) != 2:
@@ -296,6 +309,39 @@ def int8_to_packed(parts: dict[str, torch.Tensor], scheme: WeightScheme, module:
     return PackedWeight(8, codes, scale, (-(128.0 + zero) * scale).contiguous(), G, (N, K))
 
 
+@dataclass
+class Fp8ChannelWeight:
+    """A float-quantized module's weight: FP8 e4m3 values (N, K) and float32 scales (N, 1), value =
+    q * scale. Layers keep it as block FP8 with one block a row (Linear.load_packed,
+    PackedExperts.load), in the storage made for an 8-bit per-channel packed weight (one byte a
+    weight, one float32 scale a row)."""
+    q: torch.Tensor
+    scales: torch.Tensor
+
+    bits, group_size = 8, None  # what the loader's storage pass asked for: 8 bits, one group a row
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.q.to(torch.float32) * self.scales).to(dtype)
+
+
+def fp8_channel(parts: dict[str, torch.Tensor], module: str) -> Fp8ChannelWeight:
+    """A float-quantized module's FP8 weight and per-row scales; errors name the tensor."""
+    from moe_serve.quantization.fp8 import FP8
+
+    q, scale = parts["weight"], parts["weight_scale"]
+    if q.dtype != FP8 or q.dim() != 2:
+        raise ValueError(f"tensor {module}.weight is {q.dtype} {tuple(q.shape)}: {FLOAT_FORMAT} (compressed-tensors) "
+                         f"is served with 2-D torch.float8_e4m3fn weights")
+    if tuple(scale.shape) != (q.shape[0], 1):
+        raise ValueError(f"tensor {module}.weight_scale has shape {tuple(scale.shape)}, expected {(q.shape[0], 1)} "
+                         f"(one scale a row: strategy 'channel')")
+    return Fp8ChannelWeight(q.contiguous(), scale.to(torch.float32).contiguous())
+
+
 class PackedTensors:
     """Collects each quantized module's tensors as the checkpoint's files give them, in any order;
     `take` returns (module, PackedWeight) once a module has all of its parts, None before (module:
@@ -307,14 +353,14 @@ class PackedTensors:
         self.cfg = cfg
         self.format = cfg.format
         self.pending: dict[str, dict[str, torch.Tensor]] = {}
-        self.scaled: set[str] = set()  # int-quantized: modules seen with a weight_scale (their weight is int8)
+        self.scaled: set[str] = set()  # int- / float-quantized: modules seen with a weight_scale
 
     def split_name(self, name: str) -> tuple[str, str] | None:
-        """(module, suffix) of a quantized module's tensor, else None. An int-quantized weight is
-        named `<m>.weight` like any float one: it is one of a module whose `weight_scale` was seen
+        """(module, suffix) of a quantized module's tensor, else None. An int- or float-quantized
+        weight is named `<m>.weight` like any unquantized one: it is one of a module whose `weight_scale` was seen
         (the loader's storage pass sees every name before any tensor loads)."""
         split = split_name(name)
-        if self.format != INT_FORMAT:
+        if self.format == FORMAT:
             return split
         if split is not None and split[1] == "weight_scale":
             self.scaled.add(split[0])
@@ -325,7 +371,7 @@ class PackedTensors:
 
     def is_weight(self, suffix: str) -> bool:
         """Whether this part names a quantized module (one a module)."""
-        return suffix == ("weight_scale" if self.format == INT_FORMAT else "weight_packed")
+        return suffix == ("weight_packed" if self.format == FORMAT else "weight_scale")
 
     def scheme(self, raw: str) -> WeightScheme:
         """The scheme of tensor `raw`'s module, matched by its name in the checkpoint (the config's
@@ -337,14 +383,15 @@ class PackedTensors:
                              f"config_groups do not target module {module!r} or its `ignore` list names it")
         return scheme
 
-    def take(self, module: str, suffix: str, t: torch.Tensor, raw: str) -> tuple[str, PackedWeight] | None:
+    def take(self, module: str, suffix: str, t: torch.Tensor, raw: str
+             ) -> tuple[str, PackedWeight | Fp8ChannelWeight] | None:
         if suffix == "weight_g_idx":
             raise ValueError(f"tensor {raw!r}: activation-ordered groups (g_idx, {METHOD} {self.format}) are not "
                              f"supported yet")
         scheme = self.scheme(raw)
         parts = self.pending.setdefault(module, {})
         parts[suffix] = t
-        need = ({"weight", "weight_scale"} if scheme.format == INT_FORMAT else
+        need = ({"weight", "weight_scale"} if scheme.format != FORMAT else
                 {"weight_packed", "weight_scale", "weight_shape"}) | (set() if scheme.symmetric else {"weight_zero_point"})
         if not need <= set(parts):
             return None
@@ -354,7 +401,7 @@ class PackedTensors:
     def finish(self, path: str) -> None:
         if self.pending:
             module, parts = next(iter(self.pending.items()))
-            need = "weight, weight_scale" if self.format == INT_FORMAT else "weight_packed, weight_scale, weight_shape"
+            need = "weight_packed, weight_scale, weight_shape" if self.format == FORMAT else "weight, weight_scale"
             raise ValueError(f"checkpoint {path!r}: quantized module {module!r} ({METHOD}, {self.format}) has only "
                              f"{sorted(parts)}; {need} (and weight_zero_point for an asymmetric scheme) are needed")
 

@@ -90,7 +90,7 @@ def write_checkpoint(src: str, dst: str, weights: dict, ignore=IGNORE, fmt: str 
                 sd.update(load_file(os.path.join(dst, f)))
             os.remove(os.path.join(dst, f))
     root = _linear_tree(sd)
-    args = QuantizationArgs(type="int", **weights)
+    args = QuantizationArgs(**{"type": "int", **weights})
     acts = None if activations is None else QuantizationArgs(**activations)
     qc = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args,
                                                                          input_activations=acts)},
@@ -297,7 +297,7 @@ W8A8_ACT = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token"
 
 @pytest.mark.parametrize("path,value,words", [
     (["config_groups", "group_0", "input_activations"], W8A8_ACT, ["input_activations", "activation quantization"]),
-    (["format"], "float-quantized", ["format", "float-quantized"]),
+    (["format"], "nvfp4-pack-quantized", ["format", "nvfp4-pack-quantized"]),
     (["config_groups", "group_0", "format"], "naive-quantized", ["group_0.format", "naive-quantized"]),
     (["config_groups", "group_0", "weights", "actorder"], "group", ["actorder", "g_idx"]),
     (["config_groups", "group_0", "weights", "num_bits"], 2, ["num_bits=2"]),
@@ -353,6 +353,35 @@ def test_w8a8_int8_greedy_matches_transformers_and_stays_int8(qwen3, tmp_path):
     assert ex.bits == 8 and ex.w13_qweight.dtype == torch.uint8
     torch.testing.assert_close(q_proj.packed().dequantize(), dequant["model.layers.0.self_attn.q_proj.weight"],
                                rtol=1e-6, atol=1e-6)
+
+
+def test_fp8_dynamic_greedy_matches_transformers_and_stays_fp8(qwen3, tmp_path):
+    """FP8 dynamic as llm-compressor writes it (float-quantized: e4m3 weights per channel, activations
+    FP8 per token, dynamic): kept FP8 as block FP8 with one block a row (a byte a weight, a float32
+    scale a row), greedy-equal to transformers over the package's decompression (float activations,
+    as our block-FP8 ops compute)."""
+    from moe_serve.quantization.fp8 import FP8
+
+    dst = str(tmp_path / "fp8")
+    dequant = write_checkpoint(qwen3, dst, dict(type="float", num_bits=8, symmetric=True, strategy="channel"),
+                               fmt="float-quantized", activations=dict(W8A8_ACT, type="float"))
+    with open(os.path.join(dst, "config.json")) as f:
+        assert json.load(f)["quantization_config"]["format"] == "float-quantized"
+    model = oracle(qwen3, dequant, str(tmp_path / "oracle"))
+    light_parity(dst, model, 63)
+    ours = LLM(dst, dtype="float32", kv_cache_memory=1 << 20, show_progress=False).engine.runner.model
+    o_proj = ours.model.layers[0].self_attn.o_proj
+    assert o_proj.weight.dtype == FP8 and o_proj.weight_scale_inv.shape == (o_proj.out_features, 1)
+    assert o_proj.qweight is None and o_proj.fp8_block == (1, o_proj.in_features)
+    torch.testing.assert_close(o_proj.dense_weight(torch.float32), dequant["model.layers.0.self_attn.o_proj.weight"],
+                               rtol=0, atol=0)
+    ex = ours.model.layers[0].mlp.experts
+    w13, w2 = ex.op_weights()
+    assert ex.float8 and w13.dtype == FP8 and w2.dtype == FP8
+    want = torch.cat([dequant[f"model.layers.0.mlp.experts.2.{p}.weight"] for p in ("gate_proj", "up_proj")])
+    torch.testing.assert_close(w13.dequantize(torch.float32, torch.tensor([2]))[0], want, rtol=0, atol=0)
+    torch.testing.assert_close(w2.dequantize(torch.float32, torch.tensor([2]))[0],
+                               dequant["model.layers.0.mlp.experts.2.down_proj.weight"], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("acts,words", [(dict(W8A8_ACT, dynamic=False), "dynamic=False"),
