@@ -7,8 +7,10 @@
 It reports the versions (Python, torch, Triton, transformers, CUDA, NCCL), the device and what the
 platform picks for each kind of op (moe_serve/platform.py `choose`, the same call the engine makes),
 the CPU's ISA and whether our C kernels build here (and why not), which --kv-cache-dtype values each
-attention backend serves and with what, transparent huge pages, DeepEP /
-NVSHMEM and which modes the EP size allows, and for each missing piece the command that adds it.
+attention backend serves and with what, which weight formats each backend serves and how
+(moe_serve/quantization/formats.py `WEIGHT_FORMATS`: dense, block FP8, MXFP4, compressed-tensors,
+GPTQ, AWQ), transparent huge pages, DeepEP / NVSHMEM and which modes the EP size allows, and for
+each missing piece the command that adds it.
 """
 from __future__ import annotations
 
@@ -54,6 +56,7 @@ def collect(world_size: int = 1, hidden_size: int | None = None) -> dict:
     from moe_serve.kernels import cpu_ops
     from moe_serve import platform
     from moe_serve.prepare import transparent_huge_pages
+    from moe_serve.quantization import formats
 
     cuda = torch.cuda.is_available()
     env: dict = {
@@ -83,6 +86,7 @@ def collect(world_size: int = 1, hidden_size: int | None = None) -> dict:
     env["kv_cache_dtypes"] = {name: (cls.kv_cache_dtypes() if hasattr(cls, "kv_cache_dtypes")
                                      else {"auto": "the activation dtype", "fp8": "not declared by the backend"})
                               for name, cls in platform.OPS["attention"].items()}
+    env["weight_formats"] = formats.weight_formats()
     usable, low_latency, why = platform.deepep_support(hidden_size, world_size)
     env["deepep"] = {"installed": importlib.util.find_spec("deep_ep") is not None,
                      "nvshmem": importlib.util.find_spec("nvshmem") is not None or _version("nvidia-nvshmem-cu12")
@@ -130,6 +134,10 @@ def _print(env: dict) -> None:
           f"{pl['linear_attention_backend']}; process groups {pl['dist_backend']}, dispatch {pl['all2all_backend']}")
     for name, dtypes in env["kv_cache_dtypes"].items():
         print(f"kv cache dtypes ({name} attention): " + "; ".join(f"{k}: {v}" for k, v in dtypes.items()))
+    backend = pl["moe_backend"]
+    print(f"weight formats (served here by the {backend} backend; --json: every backend):")
+    for name, f in env["weight_formats"].items():
+        print(f"  {name}: {f['what']}; {f['backends'].get(backend, 'not served')}")
     d = env["deepep"]
     print(f"deepep: {'installed' if d['installed'] else 'not installed'}, nvshmem "
           f"{'found' if d['nvshmem'] else 'not found'}; {d['why']}")

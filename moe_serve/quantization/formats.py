@@ -1,6 +1,7 @@
 """Which packed int4 / int8 checkpoint format a quantization_config names: validation at start-up
 (errors name the field and the format) and the collector the weight loader feeds each format's
-tensors to (moe_serve/weights.py), converting them into PackedWeight."""
+tensors to (moe_serve/weights.py), converting them into PackedWeight; and the table of which weight
+formats each backend serves (`WEIGHT_FORMATS`, printed by `moe-serve env`)."""
 from __future__ import annotations
 
 PACKED_METHODS = ("compressed-tensors", "awq", "gptq")
@@ -40,3 +41,45 @@ def packed_collector(hf: dict):
 
         return GptqTensors(GptqScheme.from_hf(q))
     return None
+
+
+# The weight formats each backend serves, and how: `moe-serve env` prints this table, and the serving
+# guide's "Quantized checkpoints" section says the same. Backends are the expert / linear ops
+# (moe_serve/platform.py OPS): torch ops, our C kernels (cpu_c), Triton (triton).
+_PACKED_HOW = {"torch": "dequantized per call (torch ops)",
+               "cpu_c": "decode-sized linear calls and plain SwiGLU experts (no biases) in cpu_ops/quant.c, "
+                        "the packed bytes read once; other calls dequantized (torch ops)",
+               "triton": "packed kernels (packed_linear.py, grouped_gemm/triton_packed.py): codes decoded in "
+                         "registers"}
+WEIGHT_FORMATS: dict[str, dict] = {
+    "dense": {"what": "bf16 / fp16 / fp32 safetensors",
+              "backends": {"torch": "torch ops", "cpu_c": "C kernels for float32 / bf16 weights, torch ops otherwise",
+                           "triton": "Triton grouped GEMM for experts, torch (cuBLAS) linear"}},
+    "fp8": {"what": "block FP8 (quant_method fp8, or --quantization fp8): e4m3 weights, float32 scales per block",
+            "backends": {"torch": "dequantized per call", "cpu_c": "dequantized per call (torch ops)",
+                         "triton": "tiles dequantized as they load (W8A16, W8A8 on sm_89+)"}},
+    "mxfp4": {"what": "MXFP4 experts (quant_method mxfp4: GPT-OSS as released)",
+              "backends": {"torch": "routed experts dequantized per step",
+                           "cpu_c": "routed experts dequantized per step (torch ops)",
+                           "triton": "blocks decoded in registers"}},
+    "compressed-tensors pack-quantized": {
+        "what": "W4A16 / W8A16 (int4 / int8 weights per group or channel, zero points or not), kept packed",
+        "backends": _PACKED_HOW},
+    "compressed-tensors int-quantized": {
+        "what": "W8A8 int8 (int8 weights per channel or group, kept int8); activations stay float in every "
+                "backend (the checkpoint's dynamic per-token int8 activations are not applied)",
+        "backends": _PACKED_HOW},
+    "compressed-tensors float-quantized": {
+        "what": "FP8 dynamic (e4m3 weights per channel), kept FP8 as block FP8 with one block a row; activations "
+                "stay float (the checkpoint's dynamic per-token FP8 activations are not applied)",
+        "backends": {"torch": "dequantized per call", "cpu_c": "dequantized per call (torch ops)",
+                     "triton": "the block-FP8 kernels with (1, K) blocks (not yet run on a GPU)"}},
+    "gptq": {"what": "GPTQ 4 / 8-bit (checkpoint_format gptq or gptq_v2, no activation order), kept packed",
+             "backends": _PACKED_HOW},
+    "awq": {"what": "AutoAWQ 4-bit 'gemm', kept packed", "backends": _PACKED_HOW},
+}
+
+
+def weight_formats() -> dict[str, dict]:
+    """WEIGHT_FORMATS (a copy), the table `moe-serve env` reports."""
+    return {name: {"what": f["what"], "backends": dict(f["backends"])} for name, f in WEIGHT_FORMATS.items()}
