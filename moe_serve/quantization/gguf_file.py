@@ -21,6 +21,7 @@ import os
 ARCHITECTURES = {
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+    "minimax-m2": ("minimax_m2", "MiniMaxM2ForCausalLM"),
 }
 
 

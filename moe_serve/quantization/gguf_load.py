@@ -31,25 +31,31 @@ _BLOCK = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k"
           "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
           "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
           "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
+# Stacked experts -> the per-expert projection names of each architecture's checkpoints.
 _EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_EXPERTS_W123 = {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}  # MiniMax-M2
+_EXPERT_NAMES = {"minimax-m2": _EXPERTS_W123}
 _GGUF_NAME = re.compile(r"^(?:blk\.(?P<layer>\d+)\.)?(?P<base>\w+?)\.(?P<suffix>weight|bias)$")
 
 
-def hf_names(t) -> list[tuple[str, int | None]]:
-    """The Hugging Face tensor name(s) a GGUF reader tensor stands for: [(name, None)], or for a
-    stacked expert tensor [(per-expert name, e)] for each expert e. Unknown tensors are an error
-    naming them."""
+def hf_names(t, arch: str) -> list[tuple[str, int | None]]:
+    """The Hugging Face tensor name(s) a GGUF reader tensor of architecture `arch` stands for:
+    [(name, None)], or for a stacked expert tensor [(per-expert name, e)] for each expert e. Unknown
+    tensors are an error naming them."""
     m = _GGUF_NAME.match(t.name)
     base = m and m.group("base")
+    experts = _EXPERT_NAMES.get(arch, _EXPERTS)
     if m and m.group("layer") is None and base in _TOP:
         return [(f"{_TOP[base]}.{m.group('suffix')}", None)]
     if m and m.group("layer") is not None:
         pre = f"model.layers.{m.group('layer')}."
         if base in _BLOCK:
             return [(f"{pre}{_BLOCK[base]}.{m.group('suffix')}", None)]
-        if base in _EXPERTS and m.group("suffix") == "weight":
+        if base == "exp_probs_b":  # the router's selection bias (MiniMax-M2)
+            return [(f"{pre}mlp.e_score_correction_bias", None)]
+        if base in experts and m.group("suffix") == "weight":
             n = gguf_file.logical_shape(t)[0]
-            return [(f"{pre}mlp.experts.{e}.{_EXPERTS[base]}.weight", e) for e in range(n)]
+            return [(f"{pre}mlp.experts.{e}.{experts[base]}.weight", e) for e in range(n)]
     raise ValueError(f"GGUF tensor {t.name!r} ({gguf_types.type_name(int(t.tensor_type))}) has no counterpart in "
                      f"this engine's model")
 
@@ -61,8 +67,9 @@ class GgufCheckpoint:
     def __init__(self, path: str):
         self.path = path
         self.entries: dict[str, tuple[object, int | None]] = {}
+        arch = gguf_file.architecture(path)
         for t in gguf_file.reader(path).tensors:
-            for name, e in hf_names(t):
+            for name, e in hf_names(t, arch):
                 self.entries[name] = (t, e)
         self.packed: dict[str, int] = {}  # raw (Hugging Face) names handed over packed -> their bits
 

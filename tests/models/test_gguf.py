@@ -75,17 +75,41 @@ def build_qwen2_moe_256(path: str):
     return m
 
 
+def build_minimax_m2_256(path: str):
+    """A tiny MiniMax-M2 (q/k norm over the whole projection, a quarter of each head rotated, sigmoid
+    routing with a correction bias wide enough to change the choice) with 256-wide linear inputs."""
+    from transformers import MiniMaxM2Config, MiniMaxM2ForCausalLM
+
+    from tests.checkpoints import VOCAB, _tokenizer, widen_
+
+    special = _tokenizer(path)
+    cfg = MiniMaxM2Config(vocab_size=VOCAB, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=64, rotary_dim=16,
+                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, num_local_experts=4,
+                          num_experts_per_tok=2, max_position_embeddings=1024, eos_token_id=special["<|im_end|>"],
+                          bos_token_id=None, pad_token_id=special["<|endoftext|>"], tie_word_embeddings=False)
+    torch.manual_seed(0)
+    m = MiniMaxM2ForCausalLM(cfg).eval()
+    widen_(m, 7)
+    g = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        for layer in m.model.layers:
+            layer.mlp.e_score_correction_bias.copy_(0.3 * torch.randn(cfg.num_local_experts, generator=g))
+    return m
+
+
 _SHARED = {"mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
            "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
 
 
 def gguf_tensors(model) -> dict[str, torch.Tensor]:
-    """llama.cpp's tensor names for a transformers Qwen3-MoE or Qwen2-MoE (experts stacked (E, F, D)
-    / (E, D, F); Qwen2-MoE's q/k/v biases, shared expert and its (D,) gate)."""
+    """llama.cpp's tensor names for a transformers Qwen3-MoE, Qwen2-MoE or MiniMax-M2 (experts stacked
+    (E, F, D) / (E, D, F); Qwen2-MoE's q/k/v biases, shared expert and its (D,) gate; MiniMax-M2's
+    router bias `exp_probs_b`)."""
     sd, cfg = model.state_dict(), model.config
     out = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"],
            "output.weight": sd["lm_head.weight"]}
-    F = cfg.moe_intermediate_size
+    F = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         for hf, g in {**_QWEN_BLOCK, **_SHARED}.items():
@@ -94,6 +118,8 @@ def gguf_tensors(model) -> dict[str, torch.Tensor]:
                     out[f"blk.{i}.{g}.{suffix}"] = sd[f"{p}{hf}.{suffix}"]
         if f"blk.{i}.ffn_gate_inp_shexp.weight" in out:
             out[f"blk.{i}.ffn_gate_inp_shexp.weight"] = out[f"blk.{i}.ffn_gate_inp_shexp.weight"].reshape(-1)
+        if f"{p}mlp.e_score_correction_bias" in sd:
+            out[f"blk.{i}.exp_probs_b.bias"] = sd[f"{p}mlp.e_score_correction_bias"]
         gate_up = sd[p + "mlp.experts.gate_up_proj"]
         out[f"blk.{i}.ffn_gate_exps.weight"] = gate_up[:, :F]
         out[f"blk.{i}.ffn_up_exps.weight"] = gate_up[:, F:]
@@ -128,13 +154,13 @@ def write_gguf(model, tok_dir: str, out_file: str, qtype_of, arch: str | None = 
     import gguf
 
     cfg = model.config
-    arch = arch or {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}[cfg.model_type]
+    arch = arch or {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "minimax_m2": "minimax-m2"}[cfg.model_type]
     w = gguf.GGUFWriter(out_file, arch)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_expert_feed_forward_length(getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     if getattr(cfg, "shared_expert_intermediate_size", None):
@@ -144,7 +170,10 @@ def write_gguf(model, tok_dir: str, out_file: str, qtype_of, arch: str | None = 
     w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_expert_count(cfg.num_experts)
+    if cfg.model_type == "minimax_m2":
+        w.add_rope_dimension_count(cfg.rotary_dim)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_expert_count(getattr(cfg, "num_experts", None) or cfg.num_local_experts)
     w.add_expert_used_count(cfg.num_experts_per_tok)
     write_tokenizer(w, tok_dir)
     for name, t in gguf_tensors(model).items():
@@ -187,7 +216,8 @@ def oracle(gguf_file: str, source_model):
 
     d, f = os.path.dirname(gguf_file), os.path.basename(gguf_file)
     cfg = AutoConfig.from_pretrained(d, gguf_file=f)
-    cfg.moe_intermediate_size = source_model.config.moe_intermediate_size
+    if hasattr(cfg, "moe_intermediate_size"):
+        cfg.moe_intermediate_size = source_model.config.moe_intermediate_size
     if hasattr(cfg, "shared_expert_intermediate_size"):
         cfg.shared_expert_intermediate_size = source_model.config.shared_expert_intermediate_size
     return AutoModelForCausalLM.from_pretrained(d, gguf_file=f, config=cfg, dtype=torch.float32).eval()
@@ -236,6 +266,20 @@ def test_qwen2_moe_greedy_matches_transformers(tmp_path):
     f = write_gguf(model, src, str(tmp_path / "qwen2moe.gguf"), mix(T.Q4_K, T.Q4_K, T.Q6_K))
     assert ModelConfig.from_path(f).hf["shared_expert_intermediate_size"] == 256
     light_parity(f, oracle(f, model), 73)
+
+
+def test_minimax_m2_greedy_matches_transformers(tmp_path):
+    """MiniMax-M2's GGUF: w1/w3/w2 experts (Q4_K, Q6_K down), the router's correction bias
+    `exp_probs_b` and whole-projection q/k norms (F32), partial rotary from rope.dimension_count."""
+    src = str(tmp_path / "src")
+    model = build_minimax_m2_256(src)
+    f = write_gguf(model, src, str(tmp_path / "minimax.gguf"), mix(T.Q4_K, T.Q4_K, T.Q6_K))
+    hf = ModelConfig.from_path(f).hf
+    assert (hf["rotary_dim"], hf["scoring_func"], hf["head_dim"]) == (16, "sigmoid", 64)
+    ref = oracle(f, model)
+    bias = "model.layers.1.mlp.e_score_correction_bias"  # the oracle read the bias from the file
+    assert torch.equal(ref.state_dict()[bias], model.state_dict()[bias])
+    light_parity(f, ref, 74)
 
 
 def test_packed_weights_stay_packed_in_memory(source, tmp_path):
@@ -344,7 +388,7 @@ def test_truncated_and_corrupt_files_refused(source, tmp_path):
 def test_unsupported_architecture_refused_naming_it(source, tmp_path):
     src, model = source
     f = write_gguf(model, src, str(tmp_path / "m.gguf"), mix(T.Q8_0, T.Q8_0), arch="deepseek2")
-    with pytest.raises(ValueError, match=r"architecture 'deepseek2'.*supported GGUF architectures: qwen2moe, qwen3moe"):
+    with pytest.raises(ValueError, match=r"architecture 'deepseek2'.*supported GGUF architectures: minimax-m2, qwen2moe, qwen3moe"):
         ModelConfig.from_path(f)
 
 
