@@ -282,6 +282,39 @@ def test_minimax_m2_greedy_matches_transformers(tmp_path):
     light_parity(f, ref, 74)
 
 
+def test_c_kernels_serve_gguf_layouts_as_the_torch_path_does(source, tmp_path, monkeypatch):
+    """With our C backends (cpu_c), decode-sized calls over GGUF's layouts (Q4_K attention: 4 bits,
+    group 32; experts one code a byte with Q6_K's group 16 for down) run in cpu_ops/quant.c, with
+    the torch backends' greedy tokens and log-probs within float32 accumulation-order noise."""
+    from moe_serve import SamplingParams
+    from moe_serve.kernels.cpu_ops import quant
+
+    if not quant.cpu_ops.available():
+        pytest.fail("the C kernels did not build here (cpu_ops.status())")
+    calls = {"quant_linear": 0, "quant_experts": 0}
+    for name in calls:
+        def spy(*a, _real=getattr(quant, name), _name=name, **k):
+            calls[_name] += 1
+            return _real(*a, **k)
+        monkeypatch.setattr(quant, name, spy)
+    src, model = source
+    f = write_gguf(model, src, str(tmp_path / "m.gguf"), mix(T.Q4_K, T.Q4_K, T.Q6_K))
+    prompts = make_prompts(80)[:3]
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=1)
+    outs = {}
+    for backend in ("cpu_c", "torch"):
+        llm = LLM(f, dtype="float32", kv_cache_memory=1 << 22, show_progress=False, moe_backend=backend,
+                  linear_backend=backend, attention_backend=backend, norm_backend=backend)
+        outs[backend] = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+        if backend == "cpu_c":
+            assert calls["quant_linear"] > 0 and calls["quant_experts"] > 0, calls
+            seen = dict(calls)
+    assert calls == seen  # the torch backends never call the C kernels
+    for a, b in zip(outs["cpu_c"], outs["torch"]):
+        assert a.token_ids == b.token_ids
+        assert abs(a.cumulative_logprob - b.cumulative_logprob) < 1e-3
+
+
 def test_packed_weights_stay_packed_in_memory(source, tmp_path):
     """Q4_K weights keep a byte per two codes and a float32 scale and offset per 32 (0.25 + 0.125 of
     bf16's bytes); Q8_0 a byte per code (0.5 + 0.125); no dense copy of a quantized weight."""
