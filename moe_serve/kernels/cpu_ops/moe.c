@@ -6,7 +6,7 @@
  * half this core's bandwidth and costs a dozen ops per layer. Here the GEMM loops put the weight
  * rows outermost (a block of 4 weight rows stays in L1 while every routed row passes it), so the
  * weights are read once whatever the number of rows, and the activations stay in L1/L2. At prefill
- * sizes (above PANEL_MIN_ROWS rows of an expert) the panel path further down runs
+ * sizes (from PANEL_MIN_ROWS rows of an expert) the panel GEMM of panel.h runs
  * an outer-product micro-kernel instead, with the gather, SiLU-and-mul, routing weight and top-k sum
  * in its packing and epilogues.
  *
@@ -25,25 +25,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include "vec.h"
+#include "common.h"
+#include "panel.h"
 
 #define MB 4 /* rows of activations per micro-tile */
 #define NB 4 /* weight rows per micro-tile (tile's sums are taken 4 at a time) */
 #define PF_BLOCKS 2 /* how many NB-row tiles ahead the decode tiles prefetch weights */
-
-/* Scratch kept between calls, grow-only, per calling thread and slot: a fresh multi-megabyte
- * allocation per layer would come from mmap and fault its pages in on every call. */
-static void* scratch(int slot, size_t bytes) {
-  static __thread void* buf[4];
-  static __thread size_t cap[4];
-  if (bytes > cap[slot]) {
-    free(buf[slot]);
-    const size_t want = (bytes + bytes / 4 + 63) & ~(size_t)63;
-    buf[slot] = aligned_alloc(64, want);
-    cap[slot] = buf[slot] ? want : 0;
-  }
-  return buf[slot];
-}
 
 /* 16 weights from k of a row (float32 or bf16), all of them, or the first n (the rest zero). */
 VF_INLINE vf16 load_w(const void* w, int bf16, int64_t k) {
@@ -194,297 +181,15 @@ static int gemm(const float* a, int64_t lda, int M, const void* w, int bf16, int
     gemm_block(a, lda, M, w, bf16, split, K, 0, N, y, ldy, inv);
     return 0;
   }
-  const int blocks = (N + NB - 1) / NB;
 #pragma omp parallel num_threads(nt)
   {
-#ifdef _OPENMP
-    extern int omp_get_thread_num(void);
-    extern int omp_get_num_threads(void);
-    const int t = omp_get_thread_num(), tn = omp_get_num_threads();
-#else
-    const int t = 0, tn = 1;
-#endif
-    const int b0 = (int)((int64_t)blocks * t / tn), b1 = (int)((int64_t)blocks * (t + 1) / tn);
-    const int n0 = b0 * NB, n1 = b1 * NB < N ? b1 * NB : N;
-    if (n0 < n1) gemm_block(a, lda, M, w, bf16, split, K, n0, n1, y, ldy, inv);
+    int64_t n0, n1;
+    thread_rows_of(N, NB, &n0, &n1);
+    if (n0 < n1) gemm_block(a, lda, M, w, bf16, split, K, (int)n0, (int)n1, y, ldy, inv);
   }
   return 0;
 }
 
-static inline float silu_mul(float g, float u) { return g / (1.f + expf(-g)) * u; }
-
-/* a[f] = silu(g[f]) * u[f] for f < F */
-static void silu_mul_row(const float* g, const float* u, float* a, int64_t F) {
-  int64_t f = 0;
-  for (; f + 16 <= F; f += 16) {
-    const vf16 gv = vf_load(g + f);
-    const vf16 e = vf_exp(vf_sub(vf_zero(), gv));
-    const vf16 s = vf_div(gv, vf_add(vf_set1(1.f), e));
-    vf_store(a + f, vf_mul(s, vf_load(u + f)));
-  }
-  for (; f < F; f++) a[f] = silu_mul(g[f], u[f]);
-}
-
-/* ---- Experts with many rows (prefill): an outer-product micro-kernel over packed token panels ----
- *
- * Above PANEL_MIN_ROWS rows an expert is compute-bound, and the dot-product tile above (one reduction
- * per output) leaves FMA throughput unused. Here the GEMMs are computed transposed: the weight rows
- * are the broadcast operand, read in place in their checkpoint layout, and the routed tokens are
- * gathered straight into panels of NR tokens laid out [k][NR] (the gather is the packing), so each
- * k step is 3 vector loads and 8 broadcasts for 24 FMAs into 24 accumulators. The gate/up GEMM's
- * epilogue applies SiLU-and-mul and the routing weight and writes the activations already packed as
- * the down GEMM's panels [F][NR]; the down GEMM's epilogue adds each token's D outputs into out.
- * Nothing of P x 2F or P x D is materialised. float32 or bf16 weights (block_rows); F a multiple of 4
- * and D of 8. */
-#define NR 48 /* tokens per panel: three 16-lane vectors */
-#define RB 8  /* weight rows per micro-tile (gate/up: 4 gate rows and the 4 matching up rows; down: 8
-                    * output dims, added into out 8 wide) */
-#define PANEL_MIN_ROWS 17
-#ifndef PF_AHEAD
-#define PF_AHEAD 4
-#endif
-
-/* c[r][v] += w_r[k] * bp[k * NR + 16 v + lane] for r < NRW, v < NV: one k step. */
-#define MK_STEP(NRW, NV, kk)                                                                 \
-  {                                                                                          \
-    vf16 b[NV];                                                                              \
-    for (int v = 0; v < NV; v++) b[v] = vf_load(bp + (kk) * NR + 16 * v);                    \
-    for (int r = 0; r < NRW; r++) {                                                          \
-      const vf16 w = vf_set1(wr[r][kk]);                                                     \
-      for (int v = 0; v < NV; v++) c[r][v] = vf_fma(w, b[v], c[r][v]);                       \
-    }                                                                                        \
-  }
-/* acc[r0 + r][v0 + v] = sum_k w_r[k] * bp[k * NR + 16 v + lane], r < NRW, v < NV. (Accumulators
- * are locals, stored once at the end: vector types may alias floats, so accumulating through the
- * caller's array would go through memory on every FMA.) With pf: a row block ahead (two runs of 4
- * rows, Kd / 4 lines each) into L2, a line of each run every 4 k steps (8 short rows at a time are
- * too short for the hardware prefetcher), in a loop of its own so that the plain loop has no test. */
-#define MK_BODY(NRW, NV)                                                                     \
-  vf16 c[NRW][NV];                                                                           \
-  for (int r = 0; r < NRW; r++)                                                              \
-    for (int v = 0; v < NV; v++) c[r][v] = vf_zero();                                        \
-  const char* const pa = pf[0];                                                              \
-  const char* const pb = pf[1];                                                              \
-  int64_t k = 0;                                                                             \
-  if (pa)                                                                                    \
-    for (; k + 4 <= Kd; k += 4) {                                                            \
-      vf_prefetch_l2(pa + (k >> 2) * 64);                                                    \
-      vf_prefetch_l2(pb + (k >> 2) * 64);                                                    \
-      MK_STEP(NRW, NV, k) MK_STEP(NRW, NV, k + 1) MK_STEP(NRW, NV, k + 2) MK_STEP(NRW, NV, k + 3) \
-    }                                                                                        \
-  for (; k < Kd; k++) MK_STEP(NRW, NV, k)                                                    \
-  for (int r = 0; r < NRW; r++)                                                              \
-    for (int v = 0; v < NV; v++) acc[r0 + r][v0 + v] = c[r][v];
-#define MK_FN(NRW, NV)                                                                            \
-  VF_INLINE void mk_##NRW##_##NV(const float* const* wr, const float* bp, int64_t Kd, const char* const* pf, \
-                                 vf16 acc[RB][3], int r0, int v0) {                               \
-    MK_BODY(NRW, NV)                                                                              \
-  }
-#if VF_PANEL_ROWS == 8
-MK_FN(8, 1)
-MK_FN(8, 2)
-MK_FN(8, 3)
-#else
-MK_FN(4, 1)
-#endif
-#undef MK_FN
-#undef MK_BODY
-#undef MK_STEP
-
-/* The micro-kernel for a panel of np tokens: only the vectors holding tokens are computed. pf: the
- * two runs of 4 rows of the row block PF_AHEAD blocks on, to prefetch (pf[0] NULL: none). With 32
- * vector registers (VF_PANEL_ROWS 8) the 8 rows and up to 3 token vectors in one pass; with fewer,
- * each token vector in two passes of 4 rows (8 x 16 tokens would not fit in registers), the
- * prefetch in the first. */
-static inline void micro(const float* const* wr, const float* bp, int64_t Kd, int np, const char* const* pf,
-                         vf16 acc[RB][3]) {
-#if VF_PANEL_ROWS == 8
-  if (np > 32) mk_8_3(wr, bp, Kd, pf, acc, 0, 0);
-  else if (np > 16) mk_8_2(wr, bp, Kd, pf, acc, 0, 0);
-  else mk_8_1(wr, bp, Kd, pf, acc, 0, 0);
-#else
-  static const char* const nopf[2] = {0, 0};
-  for (int v = 0; v * 16 < np; v++) {
-    mk_4_1(wr, bp + 16 * v, Kd, v == 0 ? pf : nopf, acc, 0, v);
-    mk_4_1(wr + 4, bp + 16 * v, Kd, nopf, acc, 4, v);
-  }
-#endif
-}
-
-/* dst[row[i] + d0 + r] = acc[r][v] lane i (+ bias[d0 + r]), for r < 8 and i < ntok: the 8 x 16 tile
- * through a stack tile, then one run of 8 per token (as fast as a transpose in registers here: a
- * tile's stores are ~1% of the K * 8 * 16 FMAs that made it). */
-static inline void put_tile(vf16 acc[RB][3], int v, const int64_t* row, int ntok, int64_t d0, float* dst,
-                            const float* bias) {
-  float t[RB][16], b[RB];
-  for (int r = 0; r < RB; r++) {
-    vf_store(t[r], acc[r][v]);
-    b[r] = bias ? bias[d0 + r] : 0.f;
-  }
-  for (int i = 0; i < ntok; i++) {
-    float* o = dst + row[i] + d0;
-    for (int r = 0; r < RB; r++) o[r] = t[r][i] + b[r];
-  }
-}
-
-/* Rows of panel p of n packed rows. */
-static inline int panel_rows(int64_t n, int p) {
-  const int64_t left = n - (int64_t)p * NR;
-  return left < NR ? (int)left : NR;
-}
-
-/* Weight rows first[0..RB) (indices of K-long rows of w) as float32 row pointers: in place for
- * float32 weights; bf16 ones widened into buf (RB x K floats: the block stays in L1/L2 while every
- * panel passes it, so the widening is paid once per block, not per panel; the rows' bytes, half of
- * float32's, are what streams from memory). */
-static inline void block_rows(const void* w, int bf16, const int64_t* first, int64_t K, float* buf,
-                              const float** wr) {
-  for (int r = 0; r < RB; r++) {
-    if (!bf16) {
-      wr[r] = (const float*)w + first[r] * K;
-      continue;
-    }
-    const uint16_t* src = (const uint16_t*)w + first[r] * K;
-    float* d = buf + (int64_t)r * K;
-    int64_t k = 0;
-    for (; k + 16 <= K; k += 16) vf_store(d + k, vf_load_bf16(src + k));
-    if (k < K) vf_storen(d + k, vf_load_bf16n(src + k, K - k), K - k);
-    wr[r] = d;
-  }
-}
-
-/* This OpenMP thread's RB x K floats of wbuf (nt of them: block_rows' widened bf16 rows). */
-static inline float* thread_rows(float* wbuf, int64_t K) {
-  if (!wbuf) return 0;
-#ifdef _OPENMP
-  extern int omp_get_thread_num(void);
-  return wbuf + (int64_t)omp_get_thread_num() * RB * K;
-#else
-  return wbuf;
-#endif
-}
-
-/* Row block nb (rows 8 nb .. 8 nb + 7 of w, rows K apart; float32, or bf16 widened into wbuf) against
- * every one of npan packed panels [K][NR] of n rows: dst[drow[i] + 8 nb + r] = w_r . x_i (+ bias[8 nb
- * + r]). For float32 rows the row block PF_AHEAD on is prefetched while the first panel passes (the
- * weight rows stay in L1 for the others); bf16 blocks are read in one sequential run by the widening. */
-static void row_block(const void* w, int bf16, float* wbuf, int64_t K, int nb, int nblocks, const float* xp,
-                      int npan, int64_t n, const int64_t* drow, float* dst, const float* bias) {
-  const int64_t n0 = (int64_t)nb * RB;
-  const float* wr[RB];
-  int64_t first[RB];
-  for (int r = 0; r < RB; r++) first[r] = n0 + r;
-  block_rows(w, bf16, first, K, thread_rows(wbuf, K), wr);
-  for (int p = 0; p < npan; p++) {
-    const int np = panel_rows(n, p);
-    vf16 acc[RB][3];
-    const char* pf[2] = {0, 0};
-    if (!bf16 && p == 0 && nb + PF_AHEAD < nblocks) {
-      pf[0] = (const char*)(wr[0] + PF_AHEAD * RB * K);
-      pf[1] = (const char*)(wr[4] + PF_AHEAD * RB * K);
-    }
-    micro(wr, xp + (int64_t)p * K * NR, K, np, pf, acc);
-    for (int v = 0; v * 16 < np; v++)
-      put_tile(acc, v, drow + (int64_t)p * NR + 16 * v, np - 16 * v < 16 ? np - 16 * v : 16, n0, dst, bias);
-  }
-}
-
-/* A panel of np rows of x (their offsets in row[]), D values each, packed [D][NR], the lanes past np
- * zero. Gathers where every offset fits 32 bits (small_offsets). */
-static void pack_tokens(const float* x, int small_offsets, int64_t D, const int64_t* row, int np, float* bp) {
-  if (small_offsets) {
-    int32_t off[NR];
-    for (int i = 0; i < NR; i++) off[i] = i < np ? (int32_t)row[i] : 0;
-    for (int64_t k = 0; k < D; k++)
-      for (int v = 0; v < 3; v++)
-        vf_store(bp + k * NR + 16 * v, 16 * v < np ? vf_gather(x + k, off + 16 * v, np - 16 * v) : vf_zero());
-    return;
-  }
-  for (int64_t k = 0; k < D; k++)
-    for (int i = 0; i < NR; i++) bp[k * NR + i] = i < np ? x[row[i] + k] : 0.f;
-}
-
-/* One panel group of an expert: ng tokens (pairs pe[0..ng)) through gate/up, SiLU-and-mul, the
- * routing weight and down, added into out. xp: ceil(ng/NR) panels [D][NR]; ap: as many [F][NR],
- * followed by room for ng int64 row offsets, a whole number of panels' float weights, ng int64
- * offsets into the group's token-major down output and that output, [ng][D + 16] (64-byte aligned). */
-static void panel_group(const float* x, int64_t T, int64_t D, const int64_t* pe, int64_t ng, const float* wts,
-                        int64_t K, const void* w13, const void* w2, int bf16, float* wbuf, int64_t F, float* out,
-                        float* xp, float* ap, int nt) {
-  const int npan = (int)((ng + NR - 1) / NR);
-  /* each pair's token row offset, computed once (a 64-bit division per use would cost as much as
-   * the down GEMM's inner loop) */
-  int64_t* row = (int64_t*)(ap + (int64_t)npan * F * NR);
-  float* wg = (float*)(row + ng); /* the pairs' routing weights, zero past ng to a whole panel */
-  for (int64_t i = 0; i < ng; i++) {
-    row[i] = (pe[i] / K) * D;
-    wg[i] = wts[pe[i]];
-  }
-  for (int64_t i = ng; i < (int64_t)npan * NR; i++) wg[i] = 0.f;
-  int64_t* yrow = (int64_t*)(wg + (int64_t)npan * NR); /* the rows' offsets in yb */
-  float* yb = (float*)(((uintptr_t)(yrow + ng) + 63) & ~(uintptr_t)63); /* [ng][D + 16] */
-  for (int p = 0; p < npan; p++) {
-    const int np = panel_rows(ng, p);
-    pack_tokens(x, T * D < ((int64_t)1 << 31), D, row + (int64_t)p * NR, np, xp + (int64_t)p * D * NR);
-  }
-  /* gate/up: row blocks of 4 gate rows f0.. and their up rows F+f0.. (split over threads) */
-  const int fblocks = (int)(F / 4);
-#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
-  for (int fb = 0; fb < fblocks; fb++) {
-    const int64_t f0 = (int64_t)fb * 4;
-    const float* wr[RB];
-    int64_t first[RB];
-    for (int r = 0; r < 4; r++) {
-      first[r] = f0 + r;
-      first[r + 4] = F + f0 + r;
-    }
-    block_rows(w13, bf16, first, D, thread_rows(wbuf, D), wr);
-    const char* pf[2] = {0, 0};
-    const char* nopf[2] = {0, 0};
-    if (!bf16 && fb + PF_AHEAD < fblocks) {
-      pf[0] = (const char*)(wr[0] + PF_AHEAD * 4 * D);
-      pf[1] = (const char*)(wr[4] + PF_AHEAD * 4 * D);
-    }
-    for (int p = 0; p < npan; p++) {
-      const int np = panel_rows(ng, p);
-      vf16 acc[RB][3];
-      micro(wr, xp + (int64_t)p * D * NR, D, np, p == 0 ? pf : nopf, acc);
-      const float* wt = wg + (int64_t)p * NR;
-      float* a = ap + (int64_t)p * F * NR;
-      const int nv = (np + 15) / 16;
-      for (int r = 0; r < 4; r++)
-        for (int v = 0; v < nv; v++) {
-          const vf16 g = acc[r][v];
-          /* silu(g) = g / (1 + e^-g), the division as vf_rcp (on AVX-512 a reciprocal estimate and
-           * one Newton step: a full-width divide holds its port ~16 cycles, 10% of this GEMM's time) */
-          const vf16 d = vf_add(vf_set1(1.f), vf_exp(vf_sub(vf_zero(), g)));
-          const vf16 s = vf_mul(g, vf_rcp(d));
-          vf_store(a + (f0 + r) * NR + 16 * v, vf_mul(vf_mul(s, acc[r + 4][v]), vf_load(wt + 16 * v)));
-        }
-      for (int v = nv; v < 3; v++)
-        for (int r = 0; r < 4; r++) vf_store(a + (f0 + r) * NR + 16 * v, vf_zero());
-    }
-  }
-  /* down: row blocks of 8 output dims (split over threads), each passing every panel of the group
-   * while its 8 weight rows stay in L1, into the group's token-major tile yb (rows padded off a
-   * multiple of 4 KB: out's rows, D apart, fall in a few cache sets), then added into out's rows. */
-  const int dblocks = (int)(D / RB);
-  const int64_t ldy = D + 16;
-  for (int64_t i = 0; i < ng; i++) yrow[i] = i * ldy;
-#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
-  for (int db = 0; db < dblocks; db++) row_block(w2, bf16, wbuf, F, db, dblocks, ap, npan, ng, yrow, yb, 0);
-  for (int64_t i = 0; i < ng; i++) {
-    float* o = out + row[i];
-    const float* yi = yb + i * ldy;
-    for (int64_t d = 0; d < D; d += 16)
-      vf_storen(o + d, vf_add(vf_loadn(o + d, D - d), vf_loadn(yi + d, D - d)), D - d);
-  }
-}
-
-/* Whether an expert of n rows takes the panel path (the shapes it is written for, any weight dtype). */
-static inline int panel_path(int64_t n, int64_t D, int64_t F) {
-  return n >= PANEL_MIN_ROWS && F % 4 == 0 && D % RB == 0;
-}
 
 /* Panel groups run so far by this process (the tests check which path a shape takes). */
 static int64_t panel_groups_run;
@@ -504,37 +209,15 @@ static int moe_experts(const float* x, int64_t T, int64_t D, const int64_t* ids,
   const int64_t esz = w_bf16 ? 2 : 4;
   int64_t* start = scratch(0, (size_t)(2 * E + 1 + P) * sizeof(int64_t));
   if (!start) return -1;
-  int64_t* fill = start + E + 1;
-  int64_t* order = fill + E;
-  memset(start, 0, (size_t)(E + 1) * sizeof(int64_t));
-  /* counting sort of the (token, k) pairs by expert */
-  for (int64_t p = 0; p < P; p++)
-    if (ids[p] >= 0 && ids[p] < E) start[ids[p] + 1]++;
-  int64_t rows = 1; /* the most pairs any expert gets: sizes the per-expert scratch */
-  for (int64_t e = 0; e < E; e++) {
-    if (start[e + 1] > rows) rows = start[e + 1];
-    start[e + 1] += start[e];
-  }
-  memcpy(fill, start, (size_t)E * sizeof(int64_t));
-  for (int64_t p = 0; p < P; p++)
-    if (ids[p] >= 0 && ids[p] < E) order[fill[ids[p]]++] = p;
-  /* Scratch: the dot-product path's rows (at most PANEL_MIN_ROWS - 1 of them), or one panel group
-   * (as many panels as keep the gate/up GEMM's packed tokens near 1 MB, for L2) of each operand. */
+  int64_t* order = start + 2 * E + 1;
+  const int64_t rows = sort_by_expert(ids, P, E, start, start + E + 1, order); /* sizes the scratch */
+  /* Scratch for the dot-product path's rows (at most PANEL_MIN_ROWS - 1 of them where experts with
+   * more take the panel path, whose scratch is its own) */
   const int panels = !inv && panel_path(rows, D, F);
   const int64_t small = panels ? PANEL_MIN_ROWS - 1 : rows;
-  int64_t group = ((int64_t)1 << 20) / (D * NR * (int64_t)sizeof(float));
-  group = (group < 1 ? 1 : group) * NR;
-  const int64_t panel_floats = panels ? (group / NR) * (D + F) * NR + 5 * group + 16 + group * (D + 16) : 0;
-  const int64_t dot_floats = small * (D + 2 * F + F + D);
-  const int64_t floats = panel_floats > dot_floats ? panel_floats : dot_floats;
-  float* xs = scratch(1, (size_t)floats * sizeof(float));
-  if (!xs) return -1;
-  /* bf16 weights on the panel path: each thread's block of RB widened rows */
-  float* wbuf = 0;
-  if (panels && w_bf16) {
-    wbuf = scratch(3, (size_t)(nt < 1 ? 1 : nt) * RB * (size_t)(D > F ? D : F) * sizeof(float));
-    if (!wbuf) return -1;
-  }
+  float* xs = scratch(1, (size_t)(small * (D + 2 * F + F + D)) * sizeof(float));
+  float *pxs, *pwbuf;
+  if (!xs || (panels && panel_expert_scratch(D, F, w_bf16, nt, &pxs, &pwbuf))) return -1;
   float* h = xs + small * D;
   float* act = h + small * 2 * F;
   float* y = act + small * F;
@@ -544,11 +227,11 @@ static int moe_experts(const float* x, int64_t T, int64_t D, const int64_t* ids,
     if (!n) continue;
     const int64_t* pe = order + start[e];
     if (panels && panel_path(n, D, F)) {
-      const char* w13e = (const char*)w13 + e * 2 * F * D * esz;
-      const char* w2e = (const char*)w2 + e * D * F * esz;
-      for (int64_t g0 = 0; g0 < n; g0 += group, panel_groups_run++)
-        panel_group(x, T, D, pe + g0, n - g0 < group ? n - g0 : group, wts, K, w13e, w2e, w_bf16, wbuf, F, out,
-                    xs, xs + (group / NR) * D * NR, nt);
+      const wsrc_t w13e = {(const char*)w13 + e * 2 * F * D * esz, w_bf16 ? widen_bf16_row : 0};
+      const wsrc_t w2e = {(const char*)w2 + e * D * F * esz, w_bf16 ? widen_bf16_row : 0};
+      const int64_t groups = panel_expert(x, T, D, pe, n, wts, K, &w13e, &w2e, F, out, nt);
+      if (groups < 0) return -1;
+      panel_groups_run += groups;
       continue;
     }
     for (int64_t i = 0; i < n; i++) memcpy(xs + i * D, x + (pe[i] / K) * D, (size_t)D * sizeof(float));
@@ -590,35 +273,8 @@ int moe_experts_pairs_f32(const float* x, int64_t T, int64_t D, const int64_t* i
  * rows ldy. Returns 0, or -1 without scratch memory. */
 int linear_panels_f32(const float* x, int64_t ldx, int64_t M, const void* w, int w_bf16, const float* b, int64_t K,
                       int64_t N, float* y, int64_t ldy, int nt) {
-  float* wbuf = 0;
-  if (w_bf16) {
-    wbuf = scratch(3, (size_t)(nt < 1 ? 1 : nt) * RB * (size_t)K * sizeof(float));
-    if (!wbuf) return -1;
-  }
-  int64_t group = ((int64_t)1 << 20) / (K * NR * (int64_t)sizeof(float));
-  group = (group < 1 ? 1 : group) * NR;
-  const int64_t g_rows = M < group ? M : group;
-  const int64_t gpan = (g_rows + NR - 1) / NR;
-  float* xp = scratch(1, (size_t)(gpan * K * NR) * sizeof(float) + (size_t)(2 * gpan * NR) * sizeof(int64_t));
-  if (!xp) return -1;
-  int64_t* xrow = (int64_t*)(xp + gpan * K * NR);
-  int64_t* yrow = xrow + gpan * NR;
-  const int nblocks = (int)(N / RB);
-  for (int64_t m0 = 0; m0 < M; m0 += group) {
-    const int64_t ng = M - m0 < group ? M - m0 : group;
-    const int npan = (int)((ng + NR - 1) / NR);
-    for (int64_t i = 0; i < ng; i++) {
-      xrow[i] = (m0 + i) * ldx;
-      yrow[i] = (m0 + i) * ldy;
-    }
-    for (int p = 0; p < npan; p++) {
-      const int np = panel_rows(ng, p);
-      pack_tokens(x, M * ldx < ((int64_t)1 << 31), K, xrow + (int64_t)p * NR, np, xp + (int64_t)p * K * NR);
-    }
-#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
-    for (int nb = 0; nb < nblocks; nb++) row_block(w, w_bf16, wbuf, K, nb, nblocks, xp, npan, ng, yrow, y, b);
-  }
-  return 0;
+  const wsrc_t ws = {w, w_bf16 ? widen_bf16_row : 0};
+  return panel_linear(x, ldx, M, &ws, b, K, N, y, ldy, nt);
 }
 
 /* y[M, N] = x[M, K] @ w[N, K]^T for a few rows (decode): the weight (float32 or bf16) streamed once. */

@@ -31,24 +31,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include "vec.h"
+#include "common.h"
+#include "panel.h"
 
 #define QMB 4 /* activation rows per tile */
 #define QNB 4 /* weight rows per tile */
 #define QPF 2 /* how many tiles ahead the first activation tile prefetches weight rows (into L2) */
-
-/* Scratch kept between calls, grow-only, per calling thread and slot (as moe.c's). */
-static void* qscratch(int slot, size_t bytes) {
-  static __thread void* buf[4];
-  static __thread size_t cap[4];
-  if (bytes > cap[slot]) {
-    free(buf[slot]);
-    const size_t want = (bytes + bytes / 4 + 63) & ~(size_t)63;
-    buf[slot] = aligned_alloc(64, want);
-    cap[slot] = buf[slot] ? want : 0;
-  }
-  return buf[slot];
-}
 
 /* ---- widening codes to float32: q8_load (16 bytes), q4_load (16 bytes: the 16 low nibbles, the
  * 16 high ones); the *n forms read only the first n bytes (the other lanes zero). ---- */
@@ -158,6 +146,37 @@ VF_INLINE vsum qs_fma1(float s, vsum p, vsum acc) { return vf_fma(vf_set1(s), p,
 #endif
 #ifndef Q4_LUT
 #define Q4_LUT 0
+#endif
+
+/* out[2i] = even[i], out[2i + 1] = odd[i] for i < 16: an int4 row's low and high nibbles' weights
+ * back in the row's order. */
+#if defined(VF_AVX512)
+VF_INLINE void q4_interleave(vf16 even, vf16 odd, float* out) {
+  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  _mm512_storeu_ps(out, _mm512_permutex2var_ps(even, lo, odd));
+  _mm512_storeu_ps(out + 16, _mm512_permutex2var_ps(even, hi, odd));
+}
+#elif defined(VF_AVX2)
+VF_INLINE void q4_interleave8_(__m256 e, __m256 o, float* out) {
+  const __m256 a = _mm256_unpacklo_ps(e, o), b = _mm256_unpackhi_ps(e, o); /* pairs 0, 1, 4, 5 | 2, 3, 6, 7 */
+  _mm256_storeu_ps(out, _mm256_permute2f128_ps(a, b, 0x20));
+  _mm256_storeu_ps(out + 8, _mm256_permute2f128_ps(a, b, 0x31));
+}
+VF_INLINE void q4_interleave(vf16 even, vf16 odd, float* out) {
+  q4_interleave8_(even.lo, odd.lo, out);
+  q4_interleave8_(even.hi, odd.hi, out + 16);
+}
+#else
+VF_INLINE void q4_interleave(vf16 even, vf16 odd, float* out) {
+  float e[16], o[16];
+  vf_store(e, even);
+  vf_store(o, odd);
+  for (int i = 0; i < 16; i++) {
+    out[2 * i] = e[i];
+    out[2 * i + 1] = o[i];
+  }
+}
 #endif
 
 /* A packed weight as the kernels read it (see the header). */
@@ -390,20 +409,87 @@ static int qweight_ok(const qweight_t* w, int64_t K) {
   return (w->bits == 8 || (w->bits == 4 && w->G % 2 == 0)) && w->G > 0 && K % w->G == 0 && w->q && w->scales;
 }
 
-/* y (M x N, rows ldy apart) = x (M x K, rows ldx apart) @ W^T, W packed (N, K). Scratch slots 2, 3.
+/* ---- Many activation rows (prefill): panel.h's panel GEMM over weight rows widened from the codes ----
+ * Each block of RB weight rows is widened to float32 (scale * q + offset, in the row's own order) once
+ * into L1/L2 and every packed panel of up to NR activation rows passes it: the packed bytes are still
+ * read once, the widening is paid once per block and panel group (not per activation row), and the
+ * FMAs run in the outer-product micro-kernel, as for float32 weights. From QPANEL_MIN_ROWS rows (a
+ * linear layer) or panel.h's PANEL_MIN_ROWS rows of an expert. */
+#define QPANEL_MIN_ROWS 17
+
+/* Row `row` of a packed weight (s->w: its qweight_t) widened: dst[k] = scale * q[k] + offset. */
+static void qwiden_row(const wsrc_t* s, int64_t row, int64_t K, float* d) {
+  const qweight_t* w = (const qweight_t*)s->w;
+  const int64_t G = w->G, ng = K / G;
+  const float* sc = w->scales + row * ng;
+  const float* of = w->offsets ? w->offsets + row * ng : 0;
+  const uint8_t* q = w->q + row * (w->bits == 8 ? K : K / 2);
+  for (int64_t g = 0; g < ng; g++) {
+    const vf16 vs = vf_set1(sc[g]), vo = vf_set1(of ? of[g] : 0.f);
+    const int64_t k1 = (g + 1) * G;
+    int64_t k = g * G;
+    if (w->bits == 8) {
+      for (; k + 16 <= k1; k += 16) vf_store(d + k, vf_fma(q8_load(q + k), vs, vo));
+      if (k < k1) vf_storen(d + k, vf_fma(q8_loadn(q + k, k1 - k), vs, vo), k1 - k);
+      continue;
+    }
+    for (; k + 32 <= k1; k += 32) {
+      vf16 lo, hi;
+      q4_load(q + k / 2, &lo, &hi);
+      q4_interleave(vf_fma(lo, vs, vo), vf_fma(hi, vs, vo), d + k);
+    }
+    if (k < k1) { /* a group's last (k1 - k) / 2 bytes */
+      vf16 lo, hi;
+      float t[32];
+      q4_loadn(q + k / 2, (k1 - k) / 2, &lo, &hi);
+      q4_interleave(vf_fma(lo, vs, vo), vf_fma(hi, vs, vo), t);
+      memcpy(d + k, t, (size_t)(k1 - k) * sizeof(float));
+    }
+  }
+}
+
+/* Rows [n0, ..) of a packed weight of K-long rows, as a weight of its own. */
+static qweight_t qrows_from(const qweight_t* w, int64_t n0, int64_t K) {
+  qweight_t r = *w;
+  r.q += n0 * (w->bits == 8 ? K : K / 2);
+  r.scales += n0 * (K / w->G);
+  if (r.offsets) r.offsets += n0 * (K / w->G);
+  return r;
+}
+
+/* Panel GEMMs run so far by this process: linear calls and expert panel groups (the tests check
+ * which path a shape takes). */
+static int64_t qpanels_run;
+int64_t quant_panels_run(void) { return qpanels_run; }
+
+/* y (M x N, rows ldy apart) = x (M x K, rows ldx apart) @ W^T, W packed (N, K): from QPANEL_MIN_ROWS
+ * rows, its whole blocks of RB rows by the panel GEMM (scratch: panel.h's), the rest (and fewer rows)
+ * by the dot-product tiles (scratch slots 2, 3).
  * Returns 0, -1 without scratch memory, -2 for a weight the kernels do not take (bits other than
  * 4 or 8, G not dividing K, an odd G for int4). */
 static int qgemm(const float* x, int64_t ldx, int64_t M, const qweight_t* w, int64_t K, int64_t N, float* y,
                  int64_t ldy, int nt) {
   if (!qweight_ok(w, K)) return -2;
   if (M <= 0 || N <= 0) return 0;
+  qweight_t rest;
+  if (M >= QPANEL_MIN_ROWS && N >= RB) {
+    const wsrc_t ws = {w, qwiden_row};
+    if (panel_linear(x, ldx, M, &ws, 0, K, N, y, ldy, nt)) return -1;
+    qpanels_run++;
+    const int64_t done = N / RB * RB;
+    if (done == N) return 0;
+    rest = qrows_from(w, done, K);
+    w = &rest;
+    y += done;
+    N -= done;
+  }
   const int64_t ng = K / w->G;
-  float* xsum = qscratch(3, (size_t)(M * ng) * sizeof(float));
+  float* xsum = scratch(3, (size_t)(M * ng) * sizeof(float));
   if (!xsum) return -1;
   group_sums(x, ldx, M, K, w->G, xsum);
   const float* a = x;
   if (w->bits == 4 || ldx != K) {
-    float* s = qscratch(2, (size_t)(M * K) * sizeof(float));
+    float* s = scratch(2, (size_t)(M * K) * sizeof(float));
     if (!s) return -1;
     if (w->bits == 4)
       split4(x, ldx, M, K, w->G, s);
@@ -415,18 +501,10 @@ static int qgemm(const float* x, int64_t ldx, int64_t M, const qweight_t* w, int
     qgemm_block(a, xsum, M, w, K, 0, N, y, ldy);
     return 0;
   }
-  const int64_t blocks = (N + QNB - 1) / QNB;
 #pragma omp parallel num_threads(nt)
   {
-#ifdef _OPENMP
-    extern int omp_get_thread_num(void);
-    extern int omp_get_num_threads(void);
-    const int t = omp_get_thread_num(), tn = omp_get_num_threads();
-#else
-    const int t = 0, tn = 1;
-#endif
-    const int64_t n0 = blocks * t / tn * QNB, n1e = blocks * (t + 1) / tn * QNB;
-    const int64_t n1 = n1e < N ? n1e : N;
+    int64_t n0, n1;
+    thread_rows_of(N, QNB, &n0, &n1);
     if (n0 < n1) qgemm_block(a, xsum, M, w, K, n0, n1, y, ldy);
   }
   return 0;
@@ -441,25 +519,8 @@ int quant_linear_f32(const float* x, int64_t ldx, int64_t M, const uint8_t* q, i
   return qgemm(x, ldx, M, &w, K, N, y, ldy, nt);
 }
 
-/* a[f] = silu(g[f]) * u[f] for f < F */
-static void qsilu_mul(const float* g, const float* u, float* a, int64_t F) {
-  int64_t f = 0;
-  for (; f + 16 <= F; f += 16) {
-    const vf16 gv = vf_load(g + f);
-    const vf16 s = vf_div(gv, vf_add(vf_set1(1.f), vf_exp(vf_sub(vf_zero(), gv))));
-    vf_store(a + f, vf_mul(s, vf_load(u + f)));
-  }
-  for (; f < F; f++) a[f] = g[f] / (1.f + expf(-g[f])) * u[f];
-}
-
 /* The expert e of E packed weights of (N, K) each, back to back. */
-static qweight_t expert_of(const qweight_t* w, int64_t e, int64_t N, int64_t K) {
-  qweight_t r = *w;
-  r.q += e * N * (w->bits == 8 ? K : K / 2);
-  r.scales += e * N * (K / w->G);
-  if (r.offsets) r.offsets += e * N * (K / w->G);
-  return r;
-}
+static qweight_t expert_of(const qweight_t* w, int64_t e, int64_t N, int64_t K) { return qrows_from(w, e * N, K); }
 
 /* moe.c's moe_experts_f32 (its decode path) over packed experts: x [T, D]; ids [T, K] int64 (an id
  * outside [0, E) contributes nothing); wts [T, K] float32; gate_up (E, 2F, D) packed (gate rows then
@@ -474,36 +535,36 @@ int quant_experts_f32(const float* x, int64_t T, int64_t D, const int64_t* ids, 
   const qweight_t w13 = {q13, s13, o13, G13, bits13}, w2 = {q2, s2, o2, G2, bits2};
   if (!qweight_ok(&w13, D) || !qweight_ok(&w2, F)) return -2;
   const int64_t P = T * K;
-  int64_t* start = qscratch(0, (size_t)(2 * E + 1 + P) * sizeof(int64_t));
+  int64_t* start = scratch(0, (size_t)(2 * E + 1 + P) * sizeof(int64_t));
   if (!start) return -1;
-  int64_t* fill = start + E + 1;
-  int64_t* order = fill + E;
-  memset(start, 0, (size_t)(E + 1) * sizeof(int64_t));
-  for (int64_t p = 0; p < P; p++) /* counting sort of the (token, k) pairs by expert */
-    if (ids[p] >= 0 && ids[p] < E) start[ids[p] + 1]++;
-  int64_t rows = 1;
-  for (int64_t e = 0; e < E; e++) {
-    if (start[e + 1] > rows) rows = start[e + 1];
-    start[e + 1] += start[e];
-  }
-  memcpy(fill, start, (size_t)E * sizeof(int64_t));
-  for (int64_t p = 0; p < P; p++)
-    if (ids[p] >= 0 && ids[p] < E) order[fill[ids[p]]++] = p;
-  float* xs = qscratch(1, (size_t)(rows * (D + 2 * F + F + D)) * sizeof(float));
-  if (!xs) return -1;
-  float* h = xs + rows * D;
-  float* act = h + rows * 2 * F;
-  float* y = act + rows * F;
+  int64_t* order = start + 2 * E + 1;
+  const int64_t rows = sort_by_expert(ids, P, E, start, start + E + 1, order);
+  /* the dot-product tiles' rows: at most PANEL_MIN_ROWS - 1 where experts with more take the panels */
+  const int panels = panel_path(rows, D, F);
+  const int64_t small = panels ? PANEL_MIN_ROWS - 1 : rows;
+  float* xs = scratch(1, (size_t)(small * (D + 2 * F + F + D)) * sizeof(float));
+  float *pxs, *pwbuf;
+  if (!xs || (panels && panel_expert_scratch(D, F, 1, nt, &pxs, &pwbuf))) return -1;
+  float* h = xs + small * D;
+  float* act = h + small * 2 * F;
+  float* y = act + small * F;
   memset(out, 0, (size_t)(T * D) * sizeof(float));
   for (int64_t e = 0; e < E; e++) {
     const int64_t n = start[e + 1] - start[e];
     if (!n) continue;
     const int64_t* pe = order + start[e];
-    for (int64_t i = 0; i < n; i++) memcpy(xs + i * D, x + (pe[i] / K) * D, (size_t)D * sizeof(float));
     const qweight_t gu = expert_of(&w13, e, 2 * F, D), dn = expert_of(&w2, e, D, F);
+    if (panels && panel_path(n, D, F)) {
+      const wsrc_t pgu = {&gu, qwiden_row}, pdn = {&dn, qwiden_row};
+      const int64_t groups = panel_expert(x, T, D, pe, n, wts, K, &pgu, &pdn, F, out, nt);
+      if (groups < 0) return -1;
+      qpanels_run += groups;
+      continue;
+    }
+    for (int64_t i = 0; i < n; i++) memcpy(xs + i * D, x + (pe[i] / K) * D, (size_t)D * sizeof(float));
     int rc = qgemm(xs, D, n, &gu, D, 2 * F, h, 2 * F, nt);
     if (rc) return rc;
-    for (int64_t i = 0; i < n; i++) qsilu_mul(h + i * 2 * F, h + i * 2 * F + F, act + i * F, F);
+    for (int64_t i = 0; i < n; i++) silu_mul_row(h + i * 2 * F, h + i * 2 * F + F, act + i * F, F);
     rc = qgemm(act, F, n, &dn, F, D, y, D, nt);
     if (rc) return rc;
     for (int64_t i = 0; i < n; i++) {

@@ -34,6 +34,8 @@ def _bind(raw: ctypes.CDLL) -> None:
     f = raw.quant_experts_f32
     f.restype = _INT
     f.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P, _INT, _P, _P, _I64, _P, _INT, _P, _P, _I64, _I64, _I64, _P, _INT]
+    raw.quant_panels_run.restype = _I64
+    raw.quant_panels_run.argtypes = []
     raw.__dict__["_quant_bound"] = True
 
 
@@ -83,6 +85,12 @@ def _x_problem(x: torch.Tensor, K: int) -> str | None:
     if x.dim() < 1 or x.shape[-1] != K:
         return f"activations of shape {tuple(x.shape)}: last dim {K} wanted"
     return None
+
+
+def panels_run() -> int:
+    """Panel GEMMs quant.c has run in this process (linear calls and expert panel groups): which path
+    a call took, for the tests."""
+    return _lib().quant_panels_run()
 
 
 def quant_linear_fits(x: torch.Tensor, w: PackedWeight) -> bool:
