@@ -5,9 +5,10 @@ registers (moe_serve/kernels/packed_tiles.py), never dequantized in memory.
 - W4A16 / W8A16: x bf16 / fp16 / fp32, each tile dequantized to x's dtype, fp32 accumulation. A
   decode step reads half a byte (int4) or a byte (int8) per weight plus the group scales, which is
   what a memory-bound step pays for.
-- W8A8 (`act_quant`, 8-bit weights): x quantized to int8 per token (moe_serve/kernels/int8_quant.py),
-  int8 x int8 tile products with int32 accumulation, rescaled per tile in fp32 (a compressed-tensors
-  W8A8 checkpoint's scheme: int8 weights with per-channel scales, dynamic per-token activations).
+- W8A8 (`act_quant`, 8-bit per-channel weights): x quantized to int8 per token
+  (moe_serve/kernels/int8_quant.py), int8 x int8 tile products accumulated in int32 over the whole
+  of K and rescaled once (a compressed-tensors W8A8 checkpoint's scheme: int8 weights with
+  per-channel scales, dynamic per-token activations).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import triton
 import triton.language as tl
 
 from moe_serve.kernels.grouped_gemm.triton_kernel import check_triton_device
-from moe_serve.kernels.packed_tiles import _packed_k_step, packed_k_tile, packed_operands
+from moe_serve.kernels.packed_tiles import _int8_epilogue, _packed_k_step, packed_k_tile, packed_operands
 
 
 # M (the step's token count) is unspecialised so a new batch size compiles no new variant; so are
@@ -34,17 +35,23 @@ def _packed_linear_kernel(x_ptr, q_ptr, s_ptr, o_ptr, b_ptr, y_ptr, xs_ptr, M, N
     m_mask, n_mask = offs_m < M, offs_n < N
     offs_n64 = offs_n.to(tl.int64)
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk
-    x_scale = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if A_INT8:
-        x_scale = tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if A_INT8:  # int32 over the whole of K, rescaled once (packed_tiles.py)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    row_sum = tl.zeros((BLOCK_M,), dtype=tl.int32)
     for k_blk in range(0, tl.cdiv(Kdim, BLOCK_K)):
         k0 = k_blk * BLOCK_K
         x = tl.load(x_ptrs, mask=m_mask[:, None] & (offs_k < Kdim - k0)[None, :], other=0.0)
-        acc = _packed_k_step(acc, x, x_scale, q_ptr, s_ptr, o_ptr, offs_n64, n_mask, k0, offs_k, Kdim,
+        acc = _packed_k_step(acc, x, q_ptr, s_ptr, o_ptr, offs_n64, n_mask, k0, offs_k, Kdim,
                              stride_qn, stride_qk, stride_sn, group_size, BITS, HAS_OFFSET, PER_TILE, A_INT8,
                              PREC, UPCAST, BLOCK_N, BLOCK_K)
+        if A_INT8:
+            row_sum += tl.sum(x.to(tl.int32), axis=1)
         x_ptrs += BLOCK_K * stride_xk
+    if A_INT8:
+        x_scale = tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)
+        acc = _int8_epilogue(acc, row_sum, x_scale, s_ptr, o_ptr, offs_n64, n_mask, stride_sn, HAS_OFFSET)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :] * stride_yn,
@@ -69,7 +76,7 @@ def packed_linear_launch(M: int, dtype: torch.dtype, bits: int, group_size: int,
 def packed_linear_triton(x: torch.Tensor, w, bias: torch.Tensor | None = None, act_quant: bool = False,
                          tile_rows: int | None = None) -> torch.Tensor:
     """(..., K) activations (bf16 / fp16 / fp32) and a (N, K) PackedWeight -> (..., N) in x's dtype.
-    act_quant: W8A8 (8-bit weights only): x quantized to int8 per token, integer tile products.
+    act_quant: W8A8 (8-bit per-channel weights only): x quantized to int8 per token, integer products.
     tile_rows: pick the row tile as for that many rows whatever M is; None: by M."""
     *lead, K = x.shape
     if len(w.shape) != 2 or w.shape[1] != K:

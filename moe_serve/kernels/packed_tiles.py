@@ -10,14 +10,16 @@ offsets per group of G columns: W[n, k] = scales[n, k // G] * q[n, k] + offsets[
 Two products:
 - W4A16 / W8A16 (`A_INT8` off): the tile is dequantized to float32 and multiplied in the
   activations' dtype, accumulated in float32;
-- W8A8 (`A_INT8`, 8-bit codes): the activations are int8 with a scale per row
-  (moe_serve/kernels/int8_quant.py) and the codes become signed (q - 128), so the tile's product
-  is int8 x int8 with int32 accumulation (integer tensor cores); it is rescaled once per tile:
-  x . W = sx * (s * (xq . (q - 128)) + (o + 128 s) * sum(xq)), exact for any offsets.
+- W8A8 (`A_INT8`, 8-bit codes, one scale and offset per row: per channel): the activations are
+  int8 with a scale per row (moe_serve/kernels/int8_quant.py) and the codes become signed
+  (q - 128), so every tile's product is int8 x int8 into one int32 accumulator over the whole of K
+  (integer tensor cores; |sum| < 127 * 128 * K stays in int32 for K below 130k), rescaled once at
+  the end (`_int8_epilogue`): x . W = sx * (s * (xq . (q - 128)) + (o + 128 s) * sum(xq)), exact for
+  any offsets.
 
-Scales are read once per column when a tile lies within one group (`PER_TILE`: BLOCK_K divides G,
-or the weight is per channel, G = K), else one per element (a group size the K tile does not
-divide: per-channel weights of an odd K, groups not a multiple of 16).
+W*A16 tiles read their scales once per column when the tile lies within one group (`PER_TILE`:
+BLOCK_K divides G, or the weight is per channel, G = K), else one per element (a group size the
+K tile does not divide: per-channel weights of an odd K, groups not a multiple of 16).
 """
 from __future__ import annotations
 
@@ -57,33 +59,28 @@ def _group_values(p_ptr, offs_n64, n_mask, k0, offs_k, k_mask, stride_pn, group_
 
 
 @triton.jit
-def _dot_i8(a, b, UPCAST: tl.constexpr):
-    """int8 x int8 -> int32 tile product (the CPU interpreter: in float32, exact while the sums stay
-    under 2 ** 24, as they do for K tiles up to 1024)."""
+def _dot_i8(a, b, acc, UPCAST: tl.constexpr):
+    """acc (int32) plus the int8 x int8 tile product (the CPU interpreter: the tile in float32, exact
+    while its sums stay under 2 ** 24, as they do for K tiles up to 1024)."""
     if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee").to(tl.int32)
-    return tl.dot(a, b, out_dtype=tl.int32)
+        return acc + tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee").to(tl.int32)
+    return tl.dot(a, b, acc, out_dtype=tl.int32)
 
 
 @triton.jit
-def _packed_k_step(acc, a, a_scale, q_ptr, s_ptr, o_ptr, offs_n64, n_mask, k0, offs_k, Kdim,
+def _packed_k_step(acc, a, q_ptr, s_ptr, o_ptr, offs_n64, n_mask, k0, offs_k, Kdim,
                    stride_qn, stride_qk, stride_sn, group_size,
                    BITS: tl.constexpr, HAS_OFFSET: tl.constexpr, PER_TILE: tl.constexpr, A_INT8: tl.constexpr,
                    PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc (BLOCK_M, BLOCK_N) fp32 plus a (BLOCK_M, BLOCK_K) . W[offs_n, k0:k0 + BLOCK_K]^T.
-    q_ptr / s_ptr / o_ptr: this weight's codes, scales and offsets (offsets share the scales'
-    strides); a_scale (BLOCK_M,) the rows' int8 scales (A_INT8 only)."""
-    k_mask = offs_k < Kdim - k0
+    """acc (BLOCK_M, BLOCK_N) plus a (BLOCK_M, BLOCK_K) . W[offs_n, k0:k0 + BLOCK_K]^T: fp32, or with
+    A_INT8 int32 over the signed codes (scales and offsets applied by `_int8_epilogue`).
+    q_ptr / s_ptr / o_ptr: this weight's codes, scales and offsets (offsets share the scales' strides)."""
     q = _codes(q_ptr, offs_n64, n_mask, k0, Kdim, stride_qn, stride_qk, BITS, BLOCK_N, BLOCK_K)
-    s = _group_values(s_ptr, offs_n64, n_mask, k0, offs_k, k_mask, stride_sn, group_size, PER_TILE)
-    if A_INT8:  # PER_TILE: s is (1, BLOCK_N)
-        d = _dot_i8(a, (q - 128).to(tl.int8), UPCAST).to(tl.float32)
-        c = 128.0 * s
-        if HAS_OFFSET:
-            c += _group_values(o_ptr, offs_n64, n_mask, k0, offs_k, k_mask, stride_sn, group_size, PER_TILE)
-        row_sum = tl.sum(a.to(tl.int32), axis=1).to(tl.float32)
-        acc += a_scale[:, None] * (d * s + row_sum[:, None] * c)
+    if A_INT8:
+        acc = _dot_i8(a, (q - 128).to(tl.int8), acc, UPCAST)
     else:
+        k_mask = offs_k < Kdim - k0
+        s = _group_values(s_ptr, offs_n64, n_mask, k0, offs_k, k_mask, stride_sn, group_size, PER_TILE)
         w = q.to(tl.float32) * s
         if HAS_OFFSET:
             w += _group_values(o_ptr, offs_n64, n_mask, k0, offs_k, k_mask, stride_sn, group_size, PER_TILE)
@@ -95,21 +92,32 @@ def _packed_k_step(acc, a, a_scale, q_ptr, s_ptr, o_ptr, offs_n64, n_mask, k0, o
     return acc
 
 
+@triton.jit
+def _int8_epilogue(acc, row_sum, a_scale, s_ptr, o_ptr, offs_n64, n_mask, stride_sn, HAS_OFFSET: tl.constexpr):
+    """W8A8's fp32 result from the int32 products over the signed codes (acc), the rows' sums of
+    int8 activations (row_sum, int32) and their scales (a_scale):
+    a_scale * (s * acc + (o + 128 s) * row_sum), s / o the per-channel scale and offset of each column."""
+    s = tl.load(s_ptr + offs_n64 * stride_sn, mask=n_mask, other=0.0)[None, :]
+    c = 128.0 * s
+    if HAS_OFFSET:
+        c += tl.load(o_ptr + offs_n64 * stride_sn, mask=n_mask, other=0.0)[None, :]
+    return a_scale[:, None] * (acc.to(tl.float32) * s + row_sum.to(tl.float32)[:, None] * c)
+
+
 def packed_k_tile(block_k: int, group_size: int, K: int, act_int8: bool, where: str) -> tuple[int, bool]:
     """(BLOCK_K, PER_TILE) for a weight of K columns in groups of group_size from a K tile of
     block_k: the tile is narrowed (not below 16, tl.dot's least) until it divides the group, so
     one scale per column serves it; per channel (G = K) any tile lies in the one group. W8A8
-    rescales per tile, so it needs PER_TILE (where: the weight, for the error)."""
+    rescales once, after the whole of K: per-channel weights only (where: the weight, for the error)."""
+    if act_int8 and group_size != K:
+        raise ValueError(f"{where}: W8A8 needs per-channel weights (group size = K = {K}), not groups of "
+                         f"{group_size}")
     if group_size == K:
         return block_k, True
     bk = block_k
     while group_size % bk and bk > 16:
         bk //= 2
-    per_tile = group_size % bk == 0
-    if act_int8 and not per_tile:
-        raise ValueError(f"{where}: W8A8 needs a group size that is a multiple of 16 or per channel, "
-                         f"not {group_size} (K={K})")
-    return bk, per_tile
+    return bk, group_size % bk == 0
 
 
 def packed_operands(w, where: str) -> tuple:

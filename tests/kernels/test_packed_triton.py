@@ -82,9 +82,9 @@ def test_packed_linear_fp16():
 
 def test_int8_activation_quantization_matches_reference():
     """Per-token int8 codes and scales equal the torch reference's (a row of zeros scaled by 1; rows
-    of magnitudes 1e-3 to 1e3); rows wider than one 4096-wide tile take the kernel's K loop."""
+    of magnitudes 1e-3 to 1e3); rows wider than one 1024-wide tile take the kernel's K loop."""
     gen = torch.Generator().manual_seed(2)
-    for M, K in ((5, 96), (3, 5000)):
+    for M, K in ((5, 96), (3, 2500)):
         x = torch.randn(M, K, generator=gen) * torch.logspace(-3, 3, M)[:, None]
         x[1] = 0.0
         q, s = quantize_int8_per_token(x.to(DEVICE))
@@ -93,14 +93,14 @@ def test_int8_activation_quantization_matches_reference():
         assert s[1] == 1 and not q[1].any() and q.abs().max() == 127
 
 
-@pytest.mark.parametrize("K,G,offsets", [(128, 128, True), (96, 96, False), (128, 32, True), (40, 40, True)],
-                         ids=["per-channel", "per-channel-symmetric", "group32", "odd-K"])
-def test_packed_linear_w8a8_matches_oracle(K, G, offsets):
-    """Int8 x int8 tiles with int32 accumulation: equal (to fp32 rounding) to the float64 product of
-    the reference quantizer's activations and the dequantized weights, and within the activations'
-    quantization error (~1%) of the unquantized product."""
-    gen = torch.Generator().manual_seed(K + G)
-    w = packed((37, K), 8, G, gen, offsets)
+@pytest.mark.parametrize("K,offsets", [(128, True), (96, False), (40, True), (1100, True)],
+                         ids=["zero-points", "symmetric", "odd-K", "K-over-1024"])
+def test_packed_linear_w8a8_matches_oracle(K, offsets):
+    """Int8 x int8 tiles into one int32 accumulator (per-channel weights): equal (to fp32 rounding)
+    to the float64 product of the reference quantizer's activations and the dequantized weights,
+    and within the activations' quantization error (~1%) of the unquantized product."""
+    gen = torch.Generator().manual_seed(K)
+    w = packed((37, K), 8, K, gen, offsets)
     for M in (1, 33):
         x = torch.randn(M, K, generator=gen).to(DEVICE)
         xq, xs = quantize_int8_per_token_reference(x.cpu())
@@ -115,7 +115,8 @@ def test_packed_errors_name_the_tensor():
     x = torch.randn(2, 48, device=DEVICE)
     with pytest.raises(ValueError, match="W8A8.*8-bit.*4-bit"):
         packed_linear_triton(x, packed((8, 48), 4, 48, gen), act_quant=True)
-    with pytest.raises(ValueError, match="packed linear weight: W8A8 needs a group size .* not 24"):
+    with pytest.raises(ValueError, match=r"packed linear weight: W8A8 needs per-channel weights \(group size = K = "
+                                         r"48\), not groups of 24"):
         packed_linear_triton(x, packed((8, 48), 8, 24, gen), act_quant=True)
     with pytest.raises(ValueError, match=r"weight of shape \(8, 64\) does not fit activations \(2, 48\)"):
         packed_linear_triton(x, packed((8, 64), 8, 32, gen))
@@ -183,12 +184,12 @@ def test_packed_experts_biases_and_clamped_activation(poisoned_workspace):
 
 
 def test_packed_experts_w8a8(poisoned_workspace):
-    """Int8 experts with x and h quantized per row: equal (to fp32 rounding) to the float64
+    """Int8 per-channel experts with x and h quantized per row: equal (to fp32 rounding) to the float64
     experts over the reference quantizer's x and h (h rounded to x's dtype first, as the kernel
     stores it), and within quantization error of the unquantized experts."""
     gen = torch.Generator().manual_seed(8)
-    for (g13, g2), cfg, T in (((64, 48), cfg_mod.DECODE_CONFIG, 1), ((32, 16), SMALL, 13)):
-        x, w13, w2 = experts_layer(8, g13, g2, True, T, torch.float32, gen)
+    for cfg, T, offsets in ((cfg_mod.DECODE_CONFIG, 1, True), (SMALL, 13, False), (TALL, 35, True)):
+        x, w13, w2 = experts_layer(8, D, F, offsets, T, torch.float32, gen)
         weights, ids = routing(T, E, 2, gen, 0.2, zero_experts=(2,))
         weights, ids = weights.to(DEVICE), ids.to(DEVICE)
         got = fused_experts_packed_triton(x, w13, w2, weights, ids, cfg, act_quant=True)

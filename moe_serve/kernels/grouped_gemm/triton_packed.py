@@ -8,8 +8,8 @@ The launches of triton_kernel.py's grouped GEMM (routing aligned per expert, the
 the activation fused, the down GEMM with the router weight folded in, the top-k sum), with the
 weight tiles read as codes, group scales and offsets and decoded in registers as they load
 (moe_serve/kernels/packed_tiles.py): W4A16 / W8A16 in the activations' dtype with fp32 accumulation,
-or W8A8 (`act_quant`, 8-bit experts) with x and h quantized to int8 per row and integer tile
-products. Each GEMM's K tile is the config's narrowed to divide its weight's group size.
+or W8A8 (`act_quant`, 8-bit per-channel experts) with x and h quantized to int8 per row and
+int32 accumulation. Each GEMM's K tile is the config's narrowed to divide its weight's group size.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from moe_serve.kernels.grouped_gemm.align import align_block_size
 from moe_serve.kernels.grouped_gemm.config import get_config, validate_config
 from moe_serve.kernels.grouped_gemm.reference import kernel_activation
 from moe_serve.kernels.grouped_gemm.triton_kernel import _activation, _bias_row, _grouped_tile
-from moe_serve.kernels.packed_tiles import _packed_k_step, packed_k_tile, packed_operands
+from moe_serve.kernels.packed_tiles import _int8_epilogue, _packed_k_step, packed_k_tile, packed_operands
 
 
 # As in triton_kernel.py: num_pairs changes every step, and the scales' strides (sizes / G) and the
@@ -46,7 +46,7 @@ def _packed_grouped_gemm_kernel(
 
     GATED: W_e holds 2N rows [gate | up]; c[p, n] = act(gate . a, up . a) (ACT as in triton_kernel).
     MUL_WEIGHT: c[p, :] *= weights[p] before the cast to c's dtype.
-    A_INT8: a is int8 with a float32 scale per row of a (as_ptr); 8-bit codes only.
+    A_INT8: a is int8 with a float32 scale per row of a (as_ptr); 8-bit per-channel codes only.
     HAS_BIAS: bias[e, n] (rows of stride_bias_e; gate then up for GATED) is added to the fp32
     product: before the activation, and before the router weight.
     """
@@ -70,23 +70,33 @@ def _packed_grouped_gemm_kernel(
     q_e = q_ptr + expert * stride_qe
     s_e = s_ptr + expert * stride_se
     o_e = o_ptr + expert * stride_se
-    a_scale = tl.zeros((BLOCK_SIZE_M,), dtype=tl.float32)
-    if A_INT8:
-        a_scale = tl.load(as_ptr + a_row, mask=row_mask, other=0.0)
-    acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+    if A_INT8:  # int32 over the whole of K, rescaled once (packed_tiles.py)
+        acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.int32)
+        acc_up = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.int32)
+    else:
+        acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+    row_sum = tl.zeros((BLOCK_SIZE_M,), dtype=tl.int32)
     for k_blk in range(0, tl.cdiv(Kdim, BLOCK_SIZE_K)):
         k0 = k_blk * BLOCK_SIZE_K
         a = tl.load(a_ptrs, mask=row_mask[:, None] & (offs_k < Kdim - k0)[None, :], other=0.0)
-        acc = _packed_k_step(acc, a, a_scale, q_e, s_e, o_e, offs_n64, n_mask, k0, offs_k, Kdim,
+        acc = _packed_k_step(acc, a, q_e, s_e, o_e, offs_n64, n_mask, k0, offs_k, Kdim,
                              stride_qn, stride_qk, stride_sn, group_size, BITS, HAS_OFFSET, PER_TILE, A_INT8,
                              PREC, UPCAST, BLOCK_SIZE_N, BLOCK_SIZE_K)
         if GATED:  # the up rows start N rows further, in the codes, scales and offsets alike
-            acc_up = _packed_k_step(acc_up, a, a_scale, q_e + N * stride_qn, s_e + N * stride_sn,
+            acc_up = _packed_k_step(acc_up, a, q_e + N * stride_qn, s_e + N * stride_sn,
                                     o_e + N * stride_sn, offs_n64, n_mask, k0, offs_k, Kdim, stride_qn, stride_qk,
                                     stride_sn, group_size, BITS, HAS_OFFSET, PER_TILE, A_INT8, PREC, UPCAST,
                                     BLOCK_SIZE_N, BLOCK_SIZE_K)
+        if A_INT8:
+            row_sum += tl.sum(a.to(tl.int32), axis=1)
         a_ptrs += BLOCK_SIZE_K * stride_ak
+    if A_INT8:
+        a_scale = tl.load(as_ptr + a_row, mask=row_mask, other=0.0)
+        acc = _int8_epilogue(acc, row_sum, a_scale, s_e, o_e, offs_n64, n_mask, stride_sn, HAS_OFFSET)
+        if GATED:
+            acc_up = _int8_epilogue(acc_up, row_sum, a_scale, s_e + N * stride_sn, o_e + N * stride_sn, offs_n64,
+                                    n_mask, stride_sn, HAS_OFFSET)
 
     if HAS_BIAS:
         acc += _bias_row(bias_ptr + expert * stride_bias_e, offs_n, n_mask)
@@ -155,12 +165,12 @@ def fused_experts_packed_triton(x_TD: torch.Tensor, w13, w2, topk_weights_TK: to
             [0, E), or -1 for a pair whose expert is not here.
         config: launch config (config.py); None picks the tuned entry or the default.
         out_TD: optional (T, D) output buffer of x's dtype; every element is overwritten.
-        act_quant: W8A8 (8-bit experts): x and h quantized to int8 per row, integer tile products.
+        act_quant: W8A8 (8-bit per-channel experts): x and h quantized to int8 per row, int32 products.
         w13_bias, w2_bias: optional (E, 2F) / (E, D) per-expert biases (any float dtype), added in
             fp32 before the activation and before the router weight, as reference.py does.
         activation: "silu" or an activation with a kernel form (reference.kernel_activation).
     Returns:
-        (T, D) in x's dtype; products accumulate in fp32 (int32 within a tile for W8A8).
+        (T, D) in x's dtype; products accumulate in fp32 (int32 for W8A8).
     """
     _check_packed_experts(x_TD, w13, w2, topk_weights_TK, topk_ids_TK, act_quant)
     E, F2, D = w13.shape
