@@ -129,9 +129,9 @@ class PackedExperts(GroupedExperts):
             raise ValueError(f"expert {logical_id} {kind}: the checkpoint gives a dense tensor, but this layer's "
                              f"experts are packed ({self.bits}-bit): every expert projection must be quantized alike")
         if self.float8 is not None and self.float8 != fp8:
-            raise ValueError(f"expert {logical_id} {kind}: {'FP8' if fp8 else 'integer'} weights in a layer whose other "
-                             f"experts are {'FP8' if self.float8 else 'integer'}: every expert projection must be "
-                             f"quantized alike")
+            raise ValueError(f"expert {logical_id} {kind}: {'FP8' if fp8 else 'integer'} weights in a layer whose "
+                             f"other experts are {'FP8' if self.float8 else 'integer'}: every expert projection must "
+                             f"be quantized alike")
         self.float8 = fp8
         if fp8:
             w = PackedWeight(8, w.q.view(torch.uint8), w.scales, None, w.shape[1], w.shape)

@@ -100,7 +100,7 @@ class Linear(nn.Module):
             return
         if (w.bits, w.group_size, w.shape) != (self.packed_bits, self.packed_group, shape):
             raise ValueError(f"packed weight {w.bits}-bit group {w.group_size} {w.shape} does not match the layer's "
-                             f"{self.packed_bits}-bit group {self.packed_group} {(self.out_features, self.in_features)}")
+                             f"{self.packed_bits}-bit group {self.packed_group} {shape}")
         if self.dequantized_at_load:
             self.weight.data.copy_(w.dequantize(torch.float32).to(self.weight.dtype))
             return

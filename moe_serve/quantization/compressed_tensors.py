@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_serve.quantization.formats import PartsCollector, name_list
 from moe_serve.quantization.packed import PackedWeight
 
 log = logging.getLogger("moe_serve.quantization")
@@ -108,10 +109,7 @@ class CompressedTensorsConfig:
         if len(formats) > 1:
             raise ValueError(f"quantization_config.config_groups (compressed-tensors) mix the formats "
                              f"{sorted(formats)}: one format a checkpoint is supported")
-        ignore = q.get("ignore") or []
-        if not isinstance(ignore, list) or not all(isinstance(t, str) for t in ignore):
-            raise ValueError(f"quantization_config.ignore={ignore!r} (compressed-tensors) must be a list of names")
-        return CompressedTensorsConfig(tuple(parsed), tuple(ignore))
+        return CompressedTensorsConfig(tuple(parsed), name_list(q, "ignore", METHOD))
 
     @property
     def format(self) -> str:
@@ -249,10 +247,7 @@ def to_packed(parts: dict[str, torch.Tensor], scheme: WeightScheme, module: str)
     if len(shape) != 2:
         raise ValueError(f"tensor {module}.weight_shape={shape}: expected (out, in)")
     N, K = int(shape[0]), int(shape[1])
-    G = scheme.group_size if scheme.strategy == "group" else K
-    if K % G:
-        raise ValueError(f"{module}: group_size {G} does not divide the input dimension {K} (compressed-tensors "
-                         f"{FORMAT}); only group sizes that divide it are supported")
+    G, scale = _group_scales(parts, scheme, module, N, K)
     if bits == 4 and K % 2:
         raise ValueError(f"{module}: 4-bit weights need an even input dimension, got {K}")
     packed = parts["weight_packed"]
@@ -261,10 +256,6 @@ def to_packed(parts: dict[str, torch.Tensor], scheme: WeightScheme, module: str)
         raise ValueError(f"tensor {module}.weight_packed has shape {tuple(packed.shape)}, expected {(N, words)} for "
                          f"a {bits}-bit weight of shape {(N, K)}")
     qweight = unpack_codes(packed, bits, K).contiguous().clone()  # its own storage: the int32 words go
-    scale = parts["weight_scale"]
-    if tuple(scale.shape) != (N, K // G):
-        raise ValueError(f"tensor {module}.weight_scale has shape {tuple(scale.shape)}, expected {(N, K // G)}")
-    scale = scale.to(torch.float32).contiguous()
     z = parts.get("weight_zero_point")
     if scheme.symmetric and z is not None:
         raise ValueError(f"tensor {module}.weight_zero_point: the scheme is symmetric, no zero point expected")
@@ -281,6 +272,19 @@ def to_packed(parts: dict[str, torch.Tensor], scheme: WeightScheme, module: str)
     return PackedWeight(bits, qweight, scale, offsets, G, (N, K))
 
 
+def _group_scales(parts: dict[str, torch.Tensor], scheme: WeightScheme, module: str, N: int, K: int
+                  ) -> tuple[int, torch.Tensor]:
+    """The group size G of a weight (N, K) under `scheme`, and its weight_scale (N, K / G) as float32."""
+    G = scheme.group_size if scheme.strategy == "group" else K
+    if K % G:
+        raise ValueError(f"{module}: group_size {G} does not divide the input dimension {K} (compressed-tensors "
+                         f"{scheme.format}); only group sizes that divide it are supported")
+    scale = parts["weight_scale"]
+    if tuple(scale.shape) != (N, K // G):
+        raise ValueError(f"tensor {module}.weight_scale has shape {tuple(scale.shape)}, expected {(N, K // G)}")
+    return G, scale.to(torch.float32).contiguous()
+
+
 def int8_to_packed(parts: dict[str, torch.Tensor], scheme: WeightScheme, module: str) -> PackedWeight:
     """An int-quantized module's int8 weight (N, K), scales and zero points as a PackedWeight."""
     q = parts["weight"]
@@ -288,14 +292,7 @@ def int8_to_packed(parts: dict[str, torch.Tensor], scheme: WeightScheme, module:
         raise ValueError(f"tensor {module}.weight is {q.dtype} {tuple(q.shape)}: {INT_FORMAT} (compressed-tensors) "
                          f"stores a 2-D torch.int8 weight")
     N, K = q.shape
-    G = scheme.group_size if scheme.strategy == "group" else K
-    if K % G:
-        raise ValueError(f"{module}: group_size {G} does not divide the input dimension {K} (compressed-tensors "
-                         f"{INT_FORMAT})")
-    scale = parts["weight_scale"]
-    if tuple(scale.shape) != (N, K // G):
-        raise ValueError(f"tensor {module}.weight_scale has shape {tuple(scale.shape)}, expected {(N, K // G)}")
-    scale = scale.to(torch.float32).contiguous()
+    G, scale = _group_scales(parts, scheme, module, N, K)
     z = parts.get("weight_zero_point")
     if scheme.symmetric:
         zero = torch.zeros_like(scale)
@@ -342,18 +339,19 @@ def fp8_channel(parts: dict[str, torch.Tensor], module: str) -> Fp8ChannelWeight
     return Fp8ChannelWeight(q.contiguous(), scale.to(torch.float32).contiguous())
 
 
-class PackedTensors:
+class PackedTensors(PartsCollector):
     """Collects each quantized module's tensors as the checkpoint's files give them, in any order;
-    `take` returns (module, PackedWeight) once a module has all of its parts, None before (module:
-    our name of it)."""
+    `take` returns (module, PackedWeight or Fp8ChannelWeight) once a module has all of its parts,
+    None before (module: our name of it)."""
 
     method = METHOD
 
     def __init__(self, cfg: CompressedTensorsConfig):
-        self.cfg = cfg
+        super().__init__(cfg)
         self.format = cfg.format
-        self.pending: dict[str, dict[str, torch.Tensor]] = {}
         self.scaled: set[str] = set()  # int- / float-quantized: modules seen with a weight_scale
+        self.needed = ("weight_packed, weight_scale and weight_shape" if self.format == FORMAT else
+                       "weight and weight_scale") + " (and weight_zero_point for an asymmetric scheme)"
 
     def split_name(self, name: str) -> tuple[str, str] | None:
         """(module, suffix) of a quantized module's tensor, else None. An int- or float-quantized
@@ -388,22 +386,15 @@ class PackedTensors:
         if suffix == "weight_g_idx":
             raise ValueError(f"tensor {raw!r}: activation-ordered groups (g_idx, {METHOD} {self.format}) are not "
                              f"supported yet")
-        scheme = self.scheme(raw)
-        parts = self.pending.setdefault(module, {})
-        parts[suffix] = t
-        need = ({"weight", "weight_scale"} if scheme.format != FORMAT else
-                {"weight_packed", "weight_scale", "weight_shape"}) | (set() if scheme.symmetric else {"weight_zero_point"})
-        if not need <= set(parts):
-            return None
-        del self.pending[module]
-        return module, to_packed(parts, scheme, module)
+        return super().take(module, suffix, t, raw)
 
-    def finish(self, path: str) -> None:
-        if self.pending:
-            module, parts = next(iter(self.pending.items()))
-            need = "weight_packed, weight_scale, weight_shape" if self.format == FORMAT else "weight, weight_scale"
-            raise ValueError(f"checkpoint {path!r}: quantized module {module!r} ({METHOD}, {self.format}) has only "
-                             f"{sorted(parts)}; {need} (and weight_zero_point for an asymmetric scheme) are needed")
+    def needs(self, scheme: WeightScheme) -> set[str]:
+        parts = ({"weight_packed", "weight_scale", "weight_shape"} if scheme.format == FORMAT else
+                 {"weight", "weight_scale"})
+        return parts | (set() if scheme.symmetric else {"weight_zero_point"})
+
+    def convert(self, parts: dict[str, torch.Tensor], scheme: WeightScheme, module: str):
+        return to_packed(parts, scheme, module)
 
 
 def checkpoint_config(hf: dict) -> CompressedTensorsConfig | None:

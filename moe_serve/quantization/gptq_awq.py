@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_serve.quantization.formats import PartsCollector, name_list
 from moe_serve.quantization.packed import PackedWeight, pack_nibbles, unpack_nibbles
 
 METHOD = "awq"
@@ -43,13 +44,27 @@ class AwqScheme:
         bits = q.get("bits", q.get("w_bit", 4))
         if bits != 4:
             raise ValueError(f"quantization_config.bits={bits!r} (awq, gemm): only 4 is supported")
-        gs = q.get("group_size", q.get("q_group_size", 128))
-        if not isinstance(gs, int) or (gs <= 0 and gs != -1):
-            raise ValueError(f"quantization_config.group_size={gs!r} (awq, gemm): a positive int or -1 is needed")
-        skip = q.get("modules_to_not_convert") or []
-        if not isinstance(skip, list) or not all(isinstance(s, str) for s in skip):
-            raise ValueError(f"quantization_config.modules_to_not_convert={skip!r} (awq) must be a list of names")
-        return AwqScheme(4, gs, bool(q.get("zero_point", True)), tuple(skip))
+        gs = _group_size(q.get("group_size", q.get("q_group_size", 128)), "awq")
+        return AwqScheme(4, gs, bool(q.get("zero_point", True)), name_list(q, "modules_to_not_convert", METHOD))
+
+
+def _group_size(gs, method: str) -> int:
+    """quantization_config.group_size: a positive int, or -1 (per channel)."""
+    if not isinstance(gs, int) or (gs <= 0 and gs != -1):
+        raise ValueError(f"quantization_config.group_size={gs!r} ({method}): a positive int or -1 is needed")
+    return gs
+
+
+def _group_of(scales: torch.Tensor, N: int, K: int, group_size: int, module: str, method: str) -> int:
+    """The group size scales (K / G, N) give a weight (N out, K in), checked against the config's."""
+    groups = scales.shape[0]
+    if tuple(scales.shape) != (groups, N) or groups == 0 or K % groups:
+        raise ValueError(f"tensor {module}.scales has shape {tuple(scales.shape)}: (K / group, {N}) with K = {K} "
+                         f"expected ({method})")
+    if group_size not in (-1, K // groups):
+        raise ValueError(f"{module}: scales give group size {K // groups}, quantization_config.group_size is "
+                         f"{group_size} ({method})")
+    return K // groups
 
 
 def _unpack_columns(t: torch.Tensor, what: str) -> torch.Tensor:
@@ -68,14 +83,8 @@ def to_packed(parts: dict[str, torch.Tensor], scheme: AwqScheme, module: str) ->
     if qweight.dim() != 2 or scales.dim() != 2:
         raise ValueError(f"{module}: qweight {tuple(qweight.shape)} and scales {tuple(scales.shape)} must be 2-D (awq)")
     K, N = qweight.shape[0], qweight.shape[1] * 8
-    groups = scales.shape[0]
-    if tuple(scales.shape) != (groups, N) or groups == 0 or K % groups:
-        raise ValueError(f"tensor {module}.scales has shape {tuple(scales.shape)}: (K / group, {N}) with K = {K} "
-                         f"expected (awq)")
-    G = K // groups
-    if scheme.group_size not in (-1, G):
-        raise ValueError(f"{module}: scales give group size {G}, quantization_config.group_size is "
-                         f"{scheme.group_size} (awq)")
+    G = _group_of(scales, N, K, scheme.group_size, module, METHOD)
+    groups = K // G
     q = _unpack_columns(qweight, f"{module}.qweight")  # (K, N)
     codes = pack_nibbles(q.t().contiguous())  # (N, K / 2)
     s = scales.t().to(torch.float32).contiguous()  # (N, K / G)
@@ -89,14 +98,11 @@ def to_packed(parts: dict[str, torch.Tensor], scheme: AwqScheme, module: str) ->
     return PackedWeight(4, codes, s, (-zero * s).contiguous(), G, (N, K))
 
 
-class AwqTensors:
-    """Collects each AWQ module's tensors (the collector interface of compressed_tensors.PackedTensors)."""
+class AwqTensors(PartsCollector):
+    """Collects each AWQ module's tensors (formats.PartsCollector)."""
 
     method, format = METHOD, FORMAT
-
-    def __init__(self, scheme: AwqScheme):
-        self.cfg = scheme
-        self.pending: dict[str, dict[str, torch.Tensor]] = {}
+    needed = "qweight and scales (and qzeros with zero_point)"
 
     @staticmethod
     def split_name(name: str) -> tuple[str, str] | None:
@@ -114,21 +120,11 @@ class AwqTensors:
                              f"names module {module!r}")
         return self.cfg
 
-    def take(self, module: str, suffix: str, t: torch.Tensor, raw: str) -> tuple[str, PackedWeight] | None:
-        scheme = self.scheme(raw)
-        parts = self.pending.setdefault(module, {})
-        parts[suffix] = t
-        need = {"qweight", "scales"} | ({"qzeros"} if scheme.zero_point else set())
-        if not need <= set(parts):
-            return None
-        del self.pending[module]
-        return module, to_packed(parts, scheme, module)
+    def needs(self, scheme: AwqScheme) -> set[str]:
+        return {"qweight", "scales"} | ({"qzeros"} if scheme.zero_point else set())
 
-    def finish(self, path: str) -> None:
-        if self.pending:
-            module, parts = next(iter(self.pending.items()))
-            raise ValueError(f"checkpoint {path!r}: quantized module {module!r} (awq) has only {sorted(parts)}; "
-                             f"qweight, scales (and qzeros with zero_point) are needed")
+    def convert(self, parts: dict[str, torch.Tensor], scheme: AwqScheme, module: str) -> PackedWeight:
+        return to_packed(parts, scheme, module)
 
 
 # --- GPTQ (AutoGPTQ / GPTQModel) ---------------------------------------------------------------------
@@ -155,9 +151,7 @@ class GptqScheme:
         bits = q.get("bits")
         if bits not in (4, 8):
             raise ValueError(f"quantization_config.bits={bits!r} (gptq): only 4 and 8 are supported")
-        gs = q.get("group_size", 128)
-        if not isinstance(gs, int) or (gs <= 0 and gs != -1):
-            raise ValueError(f"quantization_config.group_size={gs!r} (gptq): a positive int or -1 is needed")
+        gs = _group_size(q.get("group_size", 128), "gptq")
         fmt = q.get("checkpoint_format", "gptq")
         if fmt not in ("gptq", "gptq_v2"):
             raise ValueError(f"quantization_config.checkpoint_format={fmt!r} (gptq): only 'gptq' and 'gptq_v2' "
@@ -184,14 +178,8 @@ def gptq_to_packed(parts: dict[str, torch.Tensor], scheme: GptqScheme, module: s
         raise ValueError(f"{module}: qweight {tuple(qweight.shape)} and scales {tuple(scales.shape)} must be 2-D "
                          f"(gptq)")
     K, N = qweight.shape[0] * per, qweight.shape[1]
-    groups = scales.shape[0]
-    if tuple(scales.shape) != (groups, N) or groups == 0 or K % groups:
-        raise ValueError(f"tensor {module}.scales has shape {tuple(scales.shape)}: (K / group, {N}) with K = {K} "
-                         f"expected (gptq)")
-    G = K // groups
-    if scheme.group_size not in (-1, G):
-        raise ValueError(f"{module}: scales give group size {G}, quantization_config.group_size is "
-                         f"{scheme.group_size} (gptq)")
+    G = _group_of(scales, N, K, scheme.group_size, module, "gptq")
+    groups = K // G
     g_idx = parts.get("g_idx")
     if g_idx is not None and not torch.equal(g_idx.to(torch.int64), torch.arange(K) // G):
         raise ValueError(f"tensor {module}.g_idx is not k // group_size: activation-ordered GPTQ (desc_act with "
@@ -209,9 +197,10 @@ def gptq_to_packed(parts: dict[str, torch.Tensor], scheme: GptqScheme, module: s
 
 
 class GptqTensors(AwqTensors):
-    """Collects each GPTQ module's tensors (the collector interface of compressed_tensors.PackedTensors)."""
+    """Collects each GPTQ module's tensors (formats.PartsCollector)."""
 
     method, format = "gptq", "gptq"
+    needed = "qweight, qzeros, scales and g_idx"
 
     @staticmethod
     def split_name(name: str) -> tuple[str, str] | None:
@@ -221,16 +210,8 @@ class GptqTensors(AwqTensors):
     def scheme(self, raw: str) -> GptqScheme:
         return self.cfg
 
-    def take(self, module: str, suffix: str, t: torch.Tensor, raw: str) -> tuple[str, PackedWeight] | None:
-        parts = self.pending.setdefault(module, {})
-        parts[suffix] = t
-        if not {"qweight", "scales", "qzeros", "g_idx"} <= set(parts):
-            return None
-        del self.pending[module]
-        return module, gptq_to_packed(parts, self.cfg, module)
+    def needs(self, scheme: GptqScheme) -> set[str]:
+        return {"qweight", "scales", "qzeros", "g_idx"}
 
-    def finish(self, path: str) -> None:
-        if self.pending:
-            module, parts = next(iter(self.pending.items()))
-            raise ValueError(f"checkpoint {path!r}: quantized module {module!r} (gptq) has only {sorted(parts)}; "
-                             f"qweight, qzeros, scales and g_idx are needed")
+    def convert(self, parts: dict[str, torch.Tensor], scheme: GptqScheme, module: str) -> PackedWeight:
+        return gptq_to_packed(parts, scheme, module)

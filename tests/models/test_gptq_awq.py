@@ -223,3 +223,28 @@ def test_gptq_activation_order_refused_naming_the_module(qwen3, tmp_path):
     save_file(sd, path, metadata={"format": "pt"})
     with pytest.raises(ValueError, match="model.layers.0.self_attn.o_proj.g_idx is not k // group_size"):
         LLM(dst, dtype="float32", kv_cache_memory=1 << 20, show_progress=False)
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq", "compressed-tensors"])
+def test_module_missing_a_part_refused_naming_it(method):
+    """A quantized module whose checkpoint lacks one of its tensors (here the zero points) is refused
+    once the files are read, naming the module, the format, the parts it has and those it needs."""
+    from moe_serve.quantization.formats import packed_collector
+
+    q = {"awq": {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"},
+         "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": False},
+         "compressed-tensors": {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                "config_groups": {"g": {"targets": ["Linear"], "weights": {
+                                    "num_bits": 4, "type": "int", "symmetric": False, "strategy": "group",
+                                    "group_size": 32}}}}}[method]
+    parts = {"awq": ("qweight", "scales"), "gptq": ("qweight", "scales", "g_idx"),
+             "compressed-tensors": ("weight_packed", "weight_scale", "weight_shape")}[method]
+    collector = packed_collector({"quantization_config": q})
+    module = "model.layers.0.self_attn.o_proj"
+    for part in parts:
+        assert collector.take(module, part, torch.zeros(1), f"{module}.{part}") is None
+    with pytest.raises(ValueError) as e:
+        collector.finish("/ckpt")
+    msg = str(e.value)
+    assert f"quantized module '{module}' ({method}, " in msg and f"has only {sorted(parts)!r}" in msg, msg
+    assert ("weight_zero_point" if method == "compressed-tensors" else "qzeros") in msg.split("has only")[1], msg

@@ -55,6 +55,16 @@ def test_minimax_m2_w4a16(minimax, tmp_path):
     light_parity(dst, model, 90)
 
 
+def test_packed_router_refused_naming_it(minimax, tmp_path):
+    """A checkpoint that packs MiniMax-M2's routers (its config does not leave them float) is refused
+    at load, naming the tensor, its bits and the format: routers read their weight themselves."""
+    dst = str(tmp_path / "ct")
+    write_checkpoint(minimax, dst, W4_SYM_G32, ignore=["lm_head"])
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.block_sparse_moe\.gate\.weight_packed' is quantized "
+                                         r"\(compressed-tensors, pack-quantized, 4-bit\).*not a linear layer"):
+        LLM(dst, dtype="float32", kv_cache_memory=1 << 20, show_progress=False)
+
+
 def test_deepseek_v3_w4a16(deepseek, tmp_path):
     """DeepSeek-V3: MLA projections, the dense first layer, routed and shared experts packed;
     kv_b_proj, which MLA reads per head, dequantized once at load into the model's dtype."""
@@ -151,7 +161,8 @@ def test_gpt_oss_w4a16_experts_with_biases(tmp_path):
         assert "model.layers.0.mlp.router" in json.load(f)["quantization_config"]["ignore"]
     model = _fuse_gpt_oss(src, dequant, str(tmp_path / "oracle"))
     light_parity(dst, model, 93)
-    ex = LLM(dst, dtype="float32", kv_cache_memory=1 << 20, show_progress=False).engine.runner.model.model.layers[0].mlp.experts
+    llm = LLM(dst, dtype="float32", kv_cache_memory=1 << 20, show_progress=False)
+    ex = llm.engine.runner.model.model.layers[0].mlp.experts
     assert ex.w13_qweight.dtype == torch.uint8 and ex.w13_bias is not None
     sd = load_file(os.path.join(lin, "model.safetensors"))
     torch.testing.assert_close(ex.w2_bias[3], sd["model.layers.0.mlp.experts.3.down_proj.bias"], rtol=0, atol=0)

@@ -16,7 +16,8 @@ def test_env_lists_each_format_for_each_backend():
     table = env["weight_formats"]
     names = " ".join(table)
     assert all(m in names for m in PACKED_METHODS), names
-    assert {"dense", "fp8", "mxfp4", "compressed-tensors int-quantized", "compressed-tensors float-quantized"} <= set(table)
+    assert {"dense", "fp8", "mxfp4", "compressed-tensors int-quantized",
+            "compressed-tensors float-quantized"} <= set(table)
     for name, f in table.items():
         assert set(f["backends"]) == set(platform.OPS["experts"]), name
     assert "activations stay float" in table["compressed-tensors int-quantized"]["what"]
