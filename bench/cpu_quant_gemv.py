@@ -12,9 +12,22 @@ and runs them in turn. int4: group 128 with zero points (GPTQ / AWQ style offset
 directly (no wrapper checks per call). Each format's fastest of `--rounds` passes over its copies is
 kept; the outputs are checked against float64 over the dequantized weight.
 
-    python bench/cpu_quant_gemv.py [--threads N] [--rounds 3] [--group 128] [--mbytes MB]
+Prefill (`--prefill-tokens`, default 128 and 512 rows; 0 for none): the same shapes with many
+activation rows, the weight warm in cache (compute-bound): the packed formats through quant.c (the
+panel GEMM: weight blocks widened from the codes once per panel group) beside the float kernel
+(moe.c's panel GEMM over float32 and over bf16 weights), torch's GEMM over float32 weights (what a
+float model's prefill runs above cpu_ops.LINEAR_PANEL_MAX_ROWS rows), and the torch path packed layers
+took before (the weight dequantized per call, then torch's GEMM), fastest of --rounds calls each, in
+milliseconds, checked against float64.
 
-Writes bench/results/cpu_quant_gemv_<isa>_threads<N>.json with the machine record (bench/machine.py).
+`--isa avx2` (or generic, avx512) runs vec.h's build for that ISA (MOE_SERVE_CPU_ISA) on a machine
+that executes it: the AVX2 figures of an AVX-512 machine.
+
+    python bench/cpu_quant_gemv.py [--threads N] [--rounds 3] [--group 128] [--mbytes MB] [--isa ISA]
+                                   [--prefill-tokens 128,512]
+
+Writes bench/results/cpu_quant_gemv_<isa>_threads<N>.json (`<isa>build` with --isa) with the machine
+record (bench/machine.py).
 """
 from __future__ import annotations
 
@@ -91,6 +104,48 @@ def bench_format(fmt: str, w: torch.Tensor, group: int, budget: int, rounds: int
             "GBps": round(per / best / 1e9, 2), "max_rel_err_vs_float64": err}
 
 
+def _fastest(fn, rounds: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def bench_prefill(w: torch.Tensor, M: int, group: int, rounds: int, g: torch.Generator) -> list[dict]:
+    """y = x @ W^T for M rows of x, one row per way of computing it (see the module docstring)."""
+    N, K = w.shape
+    lib = quant._lib()
+    nt = torch.get_num_threads()
+    x = torch.randn(M, K, generator=g)
+    y = torch.empty(M, N)
+    wb = w.to(torch.bfloat16)
+    ways = {"float32 panel (moe.c)": (lambda: lib.linear_panels_f32(x.data_ptr(), K, M, w.data_ptr(), 0, None, K, N,
+                                                                     y.data_ptr(), N, nt), w),
+            "bf16 panel (moe.c)": (lambda: lib.linear_panels_f32(x.data_ptr(), K, M, wb.data_ptr(), 1, None, K, N,
+                                                                  y.data_ptr(), N, nt), wb),
+            "float32 torch": (lambda: y.copy_(torch.nn.functional.linear(x, w)), w)}
+    for bits in (8, 4):
+        pw = quantize_reference(w, bits, group if bits == 4 else K, symmetric=bits == 8)
+        ways[f"int{bits} quant.c"] = (lambda pw=pw, bits=bits: lib.quant_linear_f32(
+            x.data_ptr(), K, M, pw.qweight.data_ptr(), bits, pw.scales.data_ptr(),
+            pw.offsets.data_ptr() if pw.offsets is not None else None, pw.group_size, K, N, y.data_ptr(), N, nt), pw)
+        ways[f"int{bits} torch dequantize"] = (lambda pw=pw: y.copy_(torch.nn.functional.linear(x, pw.dequantize())),
+                                               pw)
+    rows = []
+    for way, (fn, wt) in ways.items():
+        t = _fastest(fn, rounds)
+        fn()
+        W = (wt.dequantize() if isinstance(wt, PackedWeight) else wt).double()
+        ref = x.double() @ W.T
+        err = float((y.double() - ref).abs().max() / ref.abs().max())
+        rows.append({"way": way, "ms": round(t * 1e3, 3), "GFLOPs": round(2 * M * N * K / t / 1e9, 1),
+                     "max_rel_err_vs_float64": err})
+    return rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -98,8 +153,12 @@ def main() -> int:
     p.add_argument("--group", type=int, default=128, help="int4 group size")
     p.add_argument("--mbytes", type=int, default=None, help="bytes of weight copies per format (default: "
                    "speed_of_light.stream_bytes)")
+    p.add_argument("--isa", default=None, help="vec.h's build for this ISA (MOE_SERVE_CPU_ISA): avx512, avx2, generic")
+    p.add_argument("--prefill-tokens", default="128,512", help="activation rows of the prefill cases (0: none)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
+    if a.isa:
+        os.environ["MOE_SERVE_CPU_ISA"] = a.isa
     if not cpu_ops.available():
         print(f"the C kernels are not available here: {cpu_ops.status()['reason']}", file=sys.stderr)
         return 1
@@ -118,12 +177,21 @@ def main() -> int:
             rows.append(r)
             print(f"{name:>30} {fmt:>5}: {r['us']:8.1f} us  {r['GBps']:6.2f} GB/s  {r['pct_of_bandwidth']:5.1f}% "
                   f"of bandwidth  (rel err {r['max_rel_err_vs_float64']:.1e})")
+    prefill = []
+    for M in [int(v) for v in a.prefill_tokens.split(",") if int(v) > 0]:
+        for name, (N, K) in SHAPES.items():
+            w = torch.randn(N, K, generator=g) * K ** -0.5
+            for r in bench_prefill(w, M, a.group, a.rounds, g):
+                prefill.append({"shape": name, "N": N, "K": K, "tokens": M, **r})
+                print(f"{name:>30} {M:4d} tokens {r['way']:>24}: {r['ms']:8.2f} ms  {r['GFLOPs']:6.1f} GFLOP/s  "
+                      f"(rel err {r['max_rel_err_vs_float64']:.1e})")
     m = machine()
     result = {"bench": "cpu_quant_gemv", "machine": m, "threads": a.threads, "torch": torch.__version__,
               "read_bandwidth_GBps": round(bw / 1e9, 2), "rounds": a.rounds, "int4_group": a.group,
               "copies_bytes_per_format": budget, "load_average_after": [round(v, 2) for v in os.getloadavg()],
-              "rows": rows}
-    out = Path(a.out) if a.out else HERE / "results" / f"cpu_quant_gemv_{m['isa']}_threads{a.threads}.json"
+              "rows": rows, "prefill": prefill}
+    tag = f"{a.isa}build" if a.isa else m["isa"]
+    out = Path(a.out) if a.out else HERE / "results" / f"cpu_quant_gemv_{tag}_threads{a.threads}.json"
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}")
     return 0
