@@ -140,9 +140,9 @@ def oracle(src: str, dequant: dict[str, torch.Tensor], dst: str):
     return hf_model(dst)
 
 
-def light_parity(path: str, model, seed: int) -> None:
+def light_parity(path: str, model, seed: int):
     """Greedy tokens of four prompts equal transformers' (check_greedy_parity's engine stress, once
-    per file, is left to the first case)."""
+    per file, is left to the first case); returns our LLM, for checks of what it holds."""
     from moe_serve import SamplingParams
     from tests.models.test_hf_parity import assert_same_greedy, hf_greedy, make_prompts
 
@@ -151,6 +151,7 @@ def light_parity(path: str, model, seed: int) -> None:
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=8))
     for p, o in zip(prompts, outs):
         assert_same_greedy(model, p, o.outputs[0].token_ids, hf_greedy(model, p, 8))
+    return llm
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -344,8 +345,7 @@ def test_w8a8_int8_greedy_matches_transformers_and_stays_int8(qwen3, tmp_path):
         q = json.load(f)["quantization_config"]
     assert q["format"] == "int-quantized" and q["config_groups"]["group_0"]["input_activations"]["dynamic"]
     model = oracle(qwen3, dequant, str(tmp_path / "oracle"))
-    light_parity(dst, model, 62)
-    ours = LLM(dst, dtype="float32", kv_cache_memory=1 << 20, show_progress=False).engine.runner.model
+    ours = light_parity(dst, model, 62).engine.runner.model
     q_proj = ours.model.layers[0].self_attn.q_proj
     assert q_proj.weight is None and q_proj.qweight.dtype == torch.uint8 and q_proj.packed_bits == 8
     assert q_proj.qscales.shape == (q_proj.out_features, 1)
@@ -368,8 +368,7 @@ def test_fp8_dynamic_greedy_matches_transformers_and_stays_fp8(qwen3, tmp_path):
     with open(os.path.join(dst, "config.json")) as f:
         assert json.load(f)["quantization_config"]["format"] == "float-quantized"
     model = oracle(qwen3, dequant, str(tmp_path / "oracle"))
-    light_parity(dst, model, 63)
-    ours = LLM(dst, dtype="float32", kv_cache_memory=1 << 20, show_progress=False).engine.runner.model
+    ours = light_parity(dst, model, 63).engine.runner.model
     o_proj = ours.model.layers[0].self_attn.o_proj
     assert o_proj.weight.dtype == FP8 and o_proj.weight_scale_inv.shape == (o_proj.out_features, 1)
     assert o_proj.qweight is None and o_proj.fp8_block == (1, o_proj.in_features)

@@ -71,8 +71,7 @@ def test_deepseek_v3_w4a16(deepseek, tmp_path):
     dst = str(tmp_path / "ct")
     dequant = write_checkpoint(deepseek, dst, W4_ASYM_G32)
     model = oracle(deepseek, dequant, str(tmp_path / "oracle"))
-    light_parity(dst, model, 91)
-    llm = LLM(dst, dtype="float32", kv_cache_memory=1 << 20, show_progress=False)
+    llm = light_parity(dst, model, 91)
     packed = _packed_params(llm)
     for part in ("self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.o_proj",
                  "mlp.shared_experts.down_proj", "mlp.experts.w13", "mlp.experts.w2", "model.layers.0.mlp.up_proj"):
@@ -160,8 +159,7 @@ def test_gpt_oss_w4a16_experts_with_biases(tmp_path):
     with open(os.path.join(dst, "config.json")) as f:  # the package names each module it left float
         assert "model.layers.0.mlp.router" in json.load(f)["quantization_config"]["ignore"]
     model = _fuse_gpt_oss(src, dequant, str(tmp_path / "oracle"))
-    light_parity(dst, model, 93)
-    llm = LLM(dst, dtype="float32", kv_cache_memory=1 << 20, show_progress=False)
+    llm = light_parity(dst, model, 93)
     ex = llm.engine.runner.model.model.layers[0].mlp.experts
     assert ex.w13_qweight.dtype == torch.uint8 and ex.w13_bias is not None
     sd = load_file(os.path.join(lin, "model.safetensors"))
