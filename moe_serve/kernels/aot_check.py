@@ -29,6 +29,10 @@ dtype it is served in (bf16 / fp16; fp32 too for the small fp32 test checkpoint 
     and indexer each also over FP8 caches (--kv-cache-dtype: float8_e4m3fn and float8_e5m2, "kv=" in
     the line; the quick set: one per FP8 type and attention path, DSA's sparse one apart);
     FP8 linear layers and activation quantization;
+  - packed int4 / int8 weights (PACKED_MODELS' experts, a 2048 x 7168 linear layer): the packed
+    grouped GEMM per config, bits and group size (128, 32, per channel), the packed linear per row
+    tile, bias or not, and W8A8 (per-channel int8 weights, int8 activations) with its per-token
+    quantizer in bf16 ("packed" in every line's users: --only packed);
   - linear attention (Gated DeltaNet) where the model has it: the convolution (decode and prefill
     forms), the recurrent decode kernel and the chunked prefill pair, with the recurrent state
     cached in float32 and in the model dtype.
@@ -80,8 +84,9 @@ KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": to
 # Shared memory a block may use (the opt-in maximum): 227 KiB on both Hopper and Blackwell.
 MAX_SHARED = {90: 232448, 100: 232448}
 # The kernels, as "module:function".
-from moe_serve.kernels.specialization import (ATTN, FP8_LINEAR, GEMM, INDEX, LINEAR, LINEAR_ATTENTION, MASKED, QUANT,  # noqa: E402,F401
-                                    REDUCE, TOPK, WRITE)
+from moe_serve.kernels.specialization import (ATTN, FP8_LINEAR, GEMM, INDEX, INT8_QUANT, LINEAR,  # noqa: E402,F401
+                                              LINEAR_ATTENTION, MASKED, PACKED_GEMM, PACKED_LINEAR, QUANT, REDUCE,
+                                              TOPK, WRITE)
 from moe_serve.kernels import specialization  # noqa: E402
 # Spill-store bytes per thread above which a grouped-GEMM or decode configuration fails the check
 # (--max-spill): a few words spilled around the epilogue cost nothing measurable, a register file's
@@ -242,9 +247,10 @@ class Job:
 
     @property
     def dtype(self) -> str:
-        """The activation / cache dtype of this configuration (bf16, fp16 or fp32)."""
-        for arg in ("a_ptr", "q_ptr", "y_ptr", "src_ptr", "out_ptr", "k_ptr", "x_ptr"):
-            if arg in self.types:
+        """The activation / cache dtype of this configuration (bf16, fp16 or fp32): the first such
+        pointer's element type, integer ones passed over (packed codes, int8 activations)."""
+        for arg in ("a_ptr", "q_ptr", "y_ptr", "src_ptr", "out_ptr", "k_ptr", "x_ptr", "c_ptr"):
+            if arg in self.types and not self.types[arg].lstrip("*").startswith(("i", "u")):
                 return self.types[arg].lstrip("*")
         return "?"
 
@@ -407,6 +413,106 @@ def _linear_attention_probe(m: ModelShape, dt, state_dt, step: tuple) -> list:
     return _probe(lambda: TritonLinearAttention("cuda").launch(shape, dt, q_lens, ctx_lens))
 
 
+# Packed int4 / int8 weights (moe_serve/quantization/packed.py: compressed-tensors, GPTQ and AWQ
+# checkpoints) on the shapes such checkpoints are published for; the group sizes they use (128 the
+# usual, 32 a narrower K tile) and per channel.
+PACKED_MODELS = ("qwen3-30b-a3b", "mixtral-8x7b", "moe-tiny")
+PACKED_GROUPS = (128, 32, None)  # None: per channel
+
+
+def _packed_moe_stand_in(m: ModelShape, dt, bits: int, group: int | None):
+    """An MoE layer's packed experts (PackedExperts, "meta") and router top-k as the backend reads them."""
+    from types import SimpleNamespace
+
+    from moe_serve.layers.experts import PackedExperts
+
+    with torch.device(_META):
+        experts = PackedExperts(m.E, m.D, m.F, list(range(m.E)), dt, bits, (group or m.D, group or m.F))
+    return SimpleNamespace(experts=experts, gate=SimpleNamespace(top_k=m.K))
+
+
+def _packed_experts_probe(m: ModelShape, dt, cfg: dict, bits: int, group: int | None, ids=torch.int64,
+                          act_quant: bool = False) -> list:
+    """The packed grouped GEMM with config cfg: through TritonExperts (W4A16 / W8A16, what the
+    warm-up launches), or with act_quant the kernel's W8A8 form called directly (no loader sets it yet)."""
+    from moe_serve.kernels.grouped_gemm import TritonExperts
+
+    moe = _packed_moe_stand_in(m, dt, bits, group)
+    if not act_quant:
+        return _probe(lambda: TritonExperts("cuda").launch(moe, dt, cfg, ids))
+    from moe_serve.kernels.grouped_gemm.triton_packed import fused_experts_packed_triton
+
+    w13, w2 = moe.experts.op_weights()
+    T = 4
+    return _probe(lambda: fused_experts_packed_triton(
+        torch.empty(T, m.D, dtype=dt, device=_META), w13, w2, torch.empty(T, m.K, device=_META),
+        torch.empty(T, m.K, dtype=ids, device=_META), cfg, act_quant=True))
+
+
+def _packed_linear_layer(N: int, K: int, dt, bits: int, group: int | None, bias: bool):
+    """A Linear kept packed (Linear.to_packed), "meta"."""
+    from moe_serve.layers.linear import Linear
+
+    with torch.device(_META):
+        layer = Linear(K, N, bias=bias, dtype=dt)
+        layer.to_packed(bits, group or K)
+    return layer
+
+
+def _packed_linear_probe(N: int, K: int, M: int, dt, bits: int, group: int | None, bias: bool,
+                         act_quant: bool = False) -> list:
+    """A packed linear layer over M rows: through TritonLinear, or its W8A8 form called directly."""
+    from moe_serve.kernels.linear import TritonLinear
+    from moe_serve.kernels.packed_linear import packed_linear_triton
+
+    layer = _packed_linear_layer(N, K, dt, bits, group, bias)
+    if not act_quant:
+        return _probe(lambda: TritonLinear("cuda").launch(layer, dt, M))
+    return _probe(lambda: packed_linear_triton(torch.empty(M, K, dtype=dt, device=_META), layer.packed(), layer.bias,
+                                               act_quant=True))
+
+
+def _add_packed_launches(models, dtypes, gemm_cfgs, add_launches) -> None:
+    """The packed int4 / int8 kernels: the grouped GEMM on PACKED_MODELS' expert shapes (each
+    default and tuned config, 4 and 8 bits, PACKED_GROUPS; W8A8, per channel, in bf16), the linear
+    layer per row tile (bias or not; W8A8 in bf16) and the int8 activation quantizer. Users all say "packed"
+    (--only packed / --skip packed)."""
+    from moe_serve.kernels.linear import TritonLinear
+
+    for m in (m for m in models if m.name in PACKED_MODELS):
+        for dt, cfg, origin in gemm_cfgs:
+            if dt not in m.dtypes or origin == "batch-invariant":  # the invariant experts refuse packed weights
+                continue
+            groups = [g for g in PACKED_GROUPS if g is None or (m.D % g == 0 and m.F % g == 0)]
+            d = DTYPE_SIG[dt]
+            for bits in (4, 8):
+                for group in groups:
+                    g = f"g{group}" if group else "per-channel"
+                    for ids in (torch.int64, torch.int32):  # router ids are int64; remapped placements give int32
+                        add_launches(_packed_experts_probe(m, dt, cfg, bits, group, ids), {
+                            PACKED_GEMM: lambda j, g=g, bits=bits, d=d, o=origin:
+                            f"packed int{bits} {g} {o} {m.name} {'w13' if j.constexprs['GATED'] else 'w2'} {d}"})
+            if dt == torch.bfloat16:
+                add_launches(_packed_experts_probe(m, dt, cfg, 8, None, act_quant=True), {
+                    PACKED_GEMM: lambda j, o=origin: f"packed w8a8 {o} {m.name} "
+                                                     f"{'w13' if j.constexprs['GATED'] else 'w2'} bf16",
+                    INT8_QUANT: "packed w8a8 activation quant bf16"})
+    N, K = 2048, 7168
+    for dt in dtypes:
+        d = DTYPE_SIG[dt]
+        for M in TritonLinear.ROW_TILES:
+            row = f"{' decode' if M == 1 else ''} M={M}"
+            for bits in (4, 8):
+                for group in PACKED_GROUPS:
+                    for bias in (False, True):
+                        add_launches(_packed_linear_probe(N, K, M, dt, bits, group, bias), {
+                            PACKED_LINEAR: f"packed linear{row} int{bits} g{group or 'channel'} bias={int(bias)} {d}"})
+            if dt == torch.bfloat16:
+                add_launches(_packed_linear_probe(N, K, M, dt, 8, None, False, act_quant=True), {
+                    PACKED_LINEAR: f"packed linear{row} w8a8 per-channel bf16",
+                    INT8_QUANT: "packed w8a8 activation quant bf16"})
+
+
 def _fp8_linear_probe(N: int, K: int, M: int, bias: bool, act_quant: bool) -> list:
     """A block-FP8 linear layer (bf16 activations) over M rows, through the linear backend."""
     from moe_serve.kernels.linear import TritonLinear
@@ -542,6 +648,7 @@ def enumerate_jobs(models=MODELS, dtypes=DTYPES, inject_broken: bool = False, qu
                                  {FP8_LINEAR: user, QUANT: "fp8 activation quant bf16"})
 
     _add_invariant_launches(models, dtypes, add_launches, kv_cache_dtypes)
+    _add_packed_launches(models, dtypes, gemm_cfgs, add_launches)
     for m in models:
         for dt in (dt for dt in dtypes if dt in m.dtypes):
             d = DTYPE_SIG[dt]
@@ -574,7 +681,7 @@ def is_decode(job: Job) -> bool:
 def spill_checked(job: Job) -> bool:
     """Held to --max-spill: every grouped-GEMM configuration (default or tuned, plain or masked)
     and every decode configuration."""
-    return job.kernel in (GEMM, MASKED) or is_decode(job)
+    return job.kernel in (GEMM, MASKED, PACKED_GEMM) or is_decode(job)
 
 
 def quick_jobs(jobs: list[Job]) -> list[Job]:
@@ -587,7 +694,8 @@ def quick_jobs(jobs: list[Job]) -> list[Job]:
     for j in jobs:
         c = j.constexprs
         path = (j.kernel, j.dtype, j.types.get("a_ptr") or j.types.get("x_ptr"), j.types.get("b_ptr"), c.get("GATED"),
-                c.get("SPLIT_K"), c.get("HAS_ROPE"), c.get("DECODE"), c.get("ACT"), c.get("HAS_BIAS"))
+                c.get("SPLIT_K"), c.get("HAS_ROPE"), c.get("DECODE"), c.get("ACT"), c.get("HAS_BIAS"), c.get("BITS"),
+                c.get("A_INT8"))
         if j.kv_fp8:
             # FP8 caches: one per cache type and attention path (DSA's sparse tile apart from MLA's),
             # whatever the activation dtype (the first enumerated: bf16 where the model serves it):

@@ -41,7 +41,11 @@ GDN_SCAN = "moe_serve.kernels.gated_delta.triton_kernels:_chunk_scan_kernel"
 LINEAR_ATTENTION = (GDN_CONV, GDN_CONV_STATE, GDN_RECURRENT, GDN_INVERSE, GDN_SCAN)
 INDEX = "attention.backends.triton_dsa:_index_scores_kernel"
 LINEAR = "moe_serve.kernels.triton_invariant:_linear_kernel"  # --batch-invariant's dense linear
-KERNELS = (GEMM, TOPK, ATTN, REDUCE, WRITE, FP8_LINEAR, MASKED, QUANT, *LINEAR_ATTENTION, INDEX, LINEAR)
+PACKED_GEMM = "moe_serve.kernels.grouped_gemm.triton_packed:_packed_grouped_gemm_kernel"  # int4 / int8 experts
+PACKED_LINEAR = "moe_serve.kernels.packed_linear:_packed_linear_kernel"
+INT8_QUANT = "moe_serve.kernels.int8_quant:_int8_quant_kernel"  # W8A8's per-token activations
+KERNELS = (GEMM, TOPK, ATTN, REDUCE, WRITE, FP8_LINEAR, MASKED, QUANT, *LINEAR_ATTENTION, INDEX, LINEAR, PACKED_GEMM,
+           PACKED_LINEAR, INT8_QUANT)
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
            torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5", torch.int64: "i64", torch.int32: "i32",

@@ -98,13 +98,13 @@ def test_every_configuration_compiles_for_sm90_and_sm100_without_spills():
         quick_set = quick if kv_dt == e5m2 else aot_check.quick_jobs(
             [j for j in jobs if j.kv_fp8 in (None, aot_check.KV_FP8[kv_dt])]
             + aot_check.enumerate_jobs(dtypes=dts[1:], kv_cache_dtypes=(None,)))
-        quick_set = [j for j in quick_set if not j.constexprs.get("B_FP4")]
+        quick_set = [j for j in quick_set if not j.constexprs.get("B_FP4") and j.kernel not in PACKED]
         fp8 = [j for j in quick_set if j.kv_fp8]
         assert {(j.kernel, *((j.constexprs[k] for k in ("SPLIT_K", "HAS_ROPE", "SPARSE")) if j.kernel == aot_check.ATTN
                              else (j.kernel,) * 3)) for j in fp8} == fp8_paths and len(fp8) == len(fp8_paths)
         assert all(j.kv_fp8 == aot_check.KV_FP8[kv_dt] and j.dtype == "bf16" for j in fp8)
         rc, lines = run_aot("--arch", arch, "--dtype", *names, "--quick", "--kv-cache-dtype", "auto", kv,
-                            "--skip", "mxfp4", timeout=600)
+                            "--skip", "mxfp4", "packed", timeout=600)
         m = LAST_LINE.match(lines[-1])
         assert m, lines[-10:]
         assert rc == 0, [line for line in lines if "FAIL" in line or "SPILL" in line]
@@ -338,6 +338,75 @@ def test_mxfp4_launches_compile_for_sm90_and_sm100():
     oks = [line for line in lines if line.lstrip().startswith("ok")]
     assert len(oks) == 2 * len(jobs) and all("B_FP4=1" in line for line in oks), oks
     assert {line.split()[1] for line in oks} == {"sm_90", "sm_100"}
+
+
+PACKED = (aot_check.PACKED_GEMM, aot_check.PACKED_LINEAR, aot_check.INT8_QUANT)
+
+
+def test_packed_launches_compile_for_sm90_and_sm100():
+    """The packed int4 / int8 kernels as the Triton backends launch them (TritonExperts over
+    PackedExperts, TritonLinear over packed layers; W8A8 through the kernels' own entry points and
+    its int8 activation quantizer), their quick set in bf16: the decode tiles of the grouped GEMM
+    (int4 / int8 W*A16 and int8 W8A8, gate/up and down), of the linear layer (bias or not, W8A8)
+    and the quantizer, all compiling for sm_90 and sm_100 within --max-spill. `aot_check --only
+    packed` compiles every config, group size and dtype."""
+    from moe_serve.kernels import specialization as sp
+    from moe_serve.kernels.grouped_gemm import TritonExperts
+    from moe_serve.kernels.linear import TritonLinear
+
+    jobs = [j for j in _bf16_jobs() if j.kernel in PACKED]
+    # what the start-up warm-up launches for packed layers (moe_serve/kernel_warmup.py) is among them
+    # (the backends on "cpu": the default configs, no device name to look tuned ones up by)
+    m = next(m for m in aot_check.MODELS if m.name == "qwen3-30b-a3b")
+    with sp.record() as warmed:
+        for bits in (4, 8):
+            TritonExperts("cpu").warm_up(aot_check._packed_moe_stand_in(m, torch.bfloat16, bits, 128),
+                                          torch.bfloat16, 0)
+            layer = aot_check._packed_linear_layer(2048, 7168, torch.bfloat16, bits, 32, True)
+            TritonLinear("cpu").warm_up(layer, torch.bfloat16)
+    warmed = [aot_check.job_from_launch(x) for x in warmed if x.kernel in PACKED]
+    assert {j.kernel for j in warmed} == {aot_check.PACKED_GEMM, aot_check.PACKED_LINEAR}
+    assert {j.key() for j in warmed} <= {j.key() for j in jobs}
+    quick = aot_check.quick_jobs(jobs)
+    gemm = {(j.constexprs["BITS"], j.constexprs["A_INT8"], j.constexprs["GATED"]) for j in quick
+            if j.kernel == aot_check.PACKED_GEMM}
+    assert gemm == {(b, a, g) for b, a in ((4, False), (8, False), (8, True)) for g in (False, True)}
+    assert all(aot_check.is_decode(j) for j in quick if j.kernel != aot_check.INT8_QUANT)
+    assert {j.kernel for j in quick} == set(PACKED)
+    rc, lines = run_aot("--arch", "90", "100", "--dtype", "bf16", "--kv-cache-dtype", "auto", "--only", "packed",
+                        "--quick", timeout=600)
+    m = LAST_LINE.match(lines[-1])
+    assert m and rc == 0, [line for line in lines if "FAIL" in line or "SPILL" in line] or lines[-5:]
+    assert (int(m.group(1)), m.group(2), m.group(3)) == (len(quick), "sm_90, sm_100", "0"), lines[-5:]
+    s = SPILL_LINE.match(lines[-3])
+    assert s and s.group(2) == "0", lines[-4:]
+
+
+def test_packed_launches_select_few_variants():
+    """The packed launchers keep the variants few: expert batches of 1..4096 tokens record one
+    variant per default config and GEMM, linear calls of 1..4096 rows one per row tile (the kernels
+    record their compile keys instead of running)."""
+    from moe_serve.kernels import specialization as sp
+    from moe_serve.kernels.grouped_gemm import config as gcfg
+    from moe_serve.kernels.grouped_gemm import triton_packed
+    from moe_serve.kernels.grouped_gemm.triton_packed import fused_experts_packed_triton
+    from moe_serve.kernels.packed_linear import packed_linear_triton
+    from moe_serve.quantization.packed import quantize_reference
+
+    if not triton_packed.INTERPRETED:
+        pytest.skip("CPU tensors reach the launchers only under the interpreter")
+    E, K, D, F = 8, 2, 64, 32
+    w13, w2 = (quantize_reference(torch.zeros(E, r, c), 4, 32) for r, c in ((2 * F, D), (D, F)))
+    with sp.record((sp.PACKED_GEMM, sp.TOPK)) as experts:
+        for T in list(range(1, 40)) + [64, 100, 255, 256, 1000, 4096]:
+            ids = torch.randint(-1, E, (T, K), generator=torch.Generator().manual_seed(T))
+            fused_experts_packed_triton(torch.zeros(T, D), w13, w2, torch.rand(T, K), ids)
+    assert len({x for x in experts if x.kernel == sp.PACKED_GEMM}) <= 2 * len(gcfg.DEFAULT_CONFIGS)
+    w = quantize_reference(torch.zeros(48, 256), 8, 128)
+    with sp.record((sp.PACKED_LINEAR,)) as linear:
+        for M in list(range(1, 40)) + [64, 100, 255, 256, 1000, 4096]:
+            packed_linear_triton(torch.zeros(M, 256), w)
+    assert len(set(linear)) == 3
 
 
 def test_fp8_kv_caches_enumerated_and_warmed_up():
