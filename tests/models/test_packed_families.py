@@ -7,7 +7,8 @@ compressed-tensors checkpoints are written by the compressed-tensors package
 package's decompression. GPT-OSS is first linearized as llm-compressor does before it quantizes
 (each expert's gate, up and down as linear layers with biases, `mlp.experts.{e}.gate_proj`): the
 oracle fuses the decompressed experts back into transformers' interleaved gate_up_proj. DeepSeek-V3
-is also written as GPTQ (AutoGPTQ's reference packing; oracle: its reference dequantization).
+is also written as GPTQ (AutoGPTQ's reference packing; oracle: its reference dequantization) and as
+AutoAWQ gemm (AutoAWQ's reference packing; oracle: compressed-tensors' AutoAWQ converter).
 """
 from __future__ import annotations
 
@@ -82,12 +83,14 @@ def test_deepseek_v3_w4a16(deepseek, tmp_path):
                                rtol=1e-6, atol=1e-6)  # (q - z) * s against s * q - z * s
 
 
-def test_deepseek_v3_gptq(deepseek, tmp_path):
-    """DeepSeek-V3 as a GPTQ 4-bit checkpoint (zero points, group 32)."""
-    from tests.models.test_gptq_awq import write_gptq
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_deepseek_v3_gptq_awq(deepseek, tmp_path, method):
+    """DeepSeek-V3 as a GPTQ 4-bit checkpoint (zero points, group 32), and as AutoAWQ gemm (group 32;
+    oracle: compressed-tensors' AutoAWQ converter and decompression, as in test_gptq_awq.py)."""
+    from tests.models.test_gptq_awq import write_awq, write_gptq
 
-    dst = str(tmp_path / "gptq")
-    dequant = write_gptq(deepseek, dst, 4, 32, False)
+    dst = str(tmp_path / method)
+    dequant = write_gptq(deepseek, dst, 4, 32, False) if method == "gptq" else write_awq(deepseek, dst, 32)
     assert "model.layers.1.mlp.shared_experts.gate_proj.weight" in dequant
     model = oracle(deepseek, dequant, str(tmp_path / "oracle"))
     light_parity(dst, model, 92)
