@@ -6,7 +6,8 @@ tensor type we do not serve are refused here, naming them), the model config and
 safetensors. The config is transformers' reading of the file's architecture keys
 (`transformers.modeling_gguf_pytorch_utils.load_gguf_checkpoint`, what a transformers or vLLM user
 gets), completed with the keys it does not map (the experts' size `expert_feed_forward_length`,
-MiniMax-M2's rotary dimension) and with `quantization_config: {"quant_method": "gguf"}`. The
+the shared expert's, Mixtral's expert counts: transformers reads a "llama" file as a dense Llama)
+and with `quantization_config: {"quant_method": "gguf"}`. The
 tokenizer is transformers' conversion of the file's `tokenizer.ggml.*` vocabulary and merges; the
 end-of-sequence and beginning tokens and the chat template come from the same metadata.
 """
@@ -15,13 +16,14 @@ from __future__ import annotations
 import functools
 import os
 
-# GGUF general.architecture -> (transformers model_type, our architecture name). Other GGUF
-# architectures are refused naming them (Mixtral's GGUF is "llama" with expert tensors, which
-# transformers reads as a dense Llama; GPT-OSS's GGUF ships MXFP4 experts).
+# GGUF general.architecture -> (transformers model_type, our architecture name). Mixtral's GGUF
+# is "llama" with experts (`llama.expert_count`; transformers would read it as a dense Llama); a
+# dense Llama, and other architectures (GPT-OSS's GGUF ships MXFP4 experts), are refused naming them.
 ARCHITECTURES = {
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "minimax-m2": ("minimax_m2", "MiniMaxM2ForCausalLM"),
+    "llama": ("mixtral", "MixtralForCausalLM"),
 }
 
 
@@ -92,7 +94,11 @@ def architecture(path: str) -> str:
     arch = field(reader(path), "general.architecture")
     if arch not in ARCHITECTURES:
         raise ValueError(f"GGUF file {path!r} has architecture {arch!r}, which this engine does not serve from GGUF; "
-                         f"supported GGUF architectures: {', '.join(sorted(ARCHITECTURES))}")
+                         f"supported GGUF architectures: {', '.join(sorted(ARCHITECTURES))} (llama: Mixtral's, "
+                         f"with experts)")
+    if arch == "llama" and not field(reader(path), "llama.expert_count"):
+        raise ValueError(f"GGUF file {path!r} has architecture 'llama' without experts (llama.expert_count): a dense "
+                         f"Llama, which this engine does not serve; only Mixtral's llama files (with experts) are")
     return arch
 
 
@@ -111,6 +117,9 @@ def hf_config(path: str) -> dict:
         parsed["moe_intermediate_size"] = int(moe_ff)
     if (shared_ff := field(r, f"{arch}.expert_shared_feed_forward_length")) is not None:
         parsed["shared_expert_intermediate_size"] = int(shared_ff)
+    if arch == "llama":  # Mixtral: feed_forward_length is each expert's size
+        parsed.update(num_local_experts=int(field(r, "llama.expert_count")),
+                      num_experts_per_tok=int(field(r, "llama.expert_used_count")))
     hf = AutoConfig.for_model(model_type, **parsed).to_dict()
     hf["architectures"] = [cls]
     hf["quantization_config"] = {"quant_method": "gguf"}

@@ -7,7 +7,8 @@ and a stacked expert tensor `blk.N.ffn_gate_exps.weight` (E, F, D) is E per-expe
 block-quantized tensor (gguf_types.PACKED_TYPES) whose module keeps packed weights (a linear layer,
 a MoE layer's experts) arrives as a PackedWeight; elsewhere (the embedding table, the output head,
 a router) it is dequantized exactly (PackedWeight.dequantize) into the model's dtype. Float tensors
-load as they are stored.
+load as they are stored. Files of the "llama" architecture (Mixtral's) store q and k rows in
+llama.cpp's rotary order, put back as they load (packed rows move whole: codes, scales, offsets).
 """
 from __future__ import annotations
 
@@ -60,6 +61,14 @@ def hf_names(t, arch: str) -> list[tuple[str, int | None]]:
                      f"this engine's model")
 
 
+def unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
+    """The row order that undoes llama.cpp's q/k permutation for the "llama" architecture (its
+    converter stores each head's rotary pairs interleaved: row (h, j, i) of the file is row
+    (h, i, j) of the checkpoint, i in 0..1, j in 0..half): checkpoint rows = file rows[index]."""
+    half = n_rows // n_head // 2
+    return torch.arange(n_rows).reshape(n_head, half, 2).transpose(1, 2).reshape(n_rows)
+
+
 class GgufCheckpoint:
     """The file's tensors under Hugging Face names, as the weight loader reads a safetensors file:
     `keys()`, `get_tensor(name)`. `packed` names (the model's own names) come as PackedWeight."""
@@ -68,7 +77,13 @@ class GgufCheckpoint:
         self.path = path
         self.entries: dict[str, tuple[object, int | None]] = {}
         arch = gguf_file.architecture(path)
-        for t in gguf_file.reader(path).tensors:
+        r = gguf_file.reader(path)
+        # llama files permute q and k rows (per head, per kv head): undone as they load
+        self.row_order: dict[str, int] = {} if arch != "llama" else {
+            "attn_q": int(gguf_file.field(r, "llama.attention.head_count")),
+            "attn_k": int(gguf_file.field(r, "llama.attention.head_count_kv",
+                                          gguf_file.field(r, "llama.attention.head_count")))}
+        for t in r.tensors:
             for name, e in hf_names(t, arch):
                 self.entries[name] = (t, e)
         self.packed: dict[str, int] = {}  # raw (Hugging Face) names handed over packed -> their bits
@@ -96,6 +111,13 @@ class GgufCheckpoint:
                 out = PackedWeight(8, unpack_nibbles(out.qweight), out.scales, out.offsets, out.group_size, out.shape)
         if t.name.endswith("ffn_gate_inp_shexp.weight") and out.dim() == 1:
             out = out.unsqueeze(0)  # the shared expert's gate: (D,) in GGUF, a (1, D) linear weight
+        if (heads := self.row_order.get(t.name.split(".")[-2])) is not None:
+            index = unpermute_rows(shape[0], heads)
+            if isinstance(out, PackedWeight):
+                out = PackedWeight(out.bits, out.qweight[index].contiguous(), out.scales[index].contiguous(),
+                                   out.offsets[index].contiguous(), out.group_size, out.shape)
+            else:
+                out = out[index].contiguous()
         return out
 
     def __enter__(self):

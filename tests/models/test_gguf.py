@@ -9,7 +9,9 @@ The files are written here with gguf-py's GGUFWriter from tiny random transforme
 `tokenizer.ggml.*`), quantized by gguf-py's own quantizer, or for the K-quants by the tests' writer
 (tests/unit/test_gguf_types.py), which gguf-py's reference dequantization checks there.
 transformers' GGUF reading leaves out the experts' size (`expert_feed_forward_length`), so the
-oracle gets that field from the source config; everything else it reads from the file.
+oracle gets that field from the source config; everything else it reads from the file. Mixtral's
+GGUF (architecture "llama" with experts) it reads as a dense Llama: there the oracle is
+transformers' Mixtral over gguf-py's dequantization of the file's tensors.
 """
 from __future__ import annotations
 
@@ -98,6 +100,29 @@ def build_minimax_m2_256(path: str):
     return m
 
 
+def build_mixtral_256(path: str):
+    """A tiny Mixtral with 256-wide linear inputs (llama.cpp writes it as architecture "llama")."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from tests.checkpoints import VOCAB, _tokenizer, widen_
+
+    special = _tokenizer(path)
+    cfg = MixtralConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                        max_position_embeddings=1024, eos_token_id=special["<|im_end|>"], bos_token_id=None,
+                        pad_token_id=special["<|endoftext|>"], tie_word_embeddings=False)
+    torch.manual_seed(0)
+    m = MixtralForCausalLM(cfg).eval()
+    widen_(m, 9)
+    return m
+
+
+def llama_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's converter's q/k row order for the "llama" architecture (rotary pairs interleaved
+    per head)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
 _SHARED = {"mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
            "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
 
@@ -120,6 +145,9 @@ def gguf_tensors(model) -> dict[str, torch.Tensor]:
             out[f"blk.{i}.ffn_gate_inp_shexp.weight"] = out[f"blk.{i}.ffn_gate_inp_shexp.weight"].reshape(-1)
         if f"{p}mlp.e_score_correction_bias" in sd:
             out[f"blk.{i}.exp_probs_b.bias"] = sd[f"{p}mlp.e_score_correction_bias"]
+        if cfg.model_type == "mixtral":
+            out[f"blk.{i}.attn_q.weight"] = llama_permute(out[f"blk.{i}.attn_q.weight"], cfg.num_attention_heads)
+            out[f"blk.{i}.attn_k.weight"] = llama_permute(out[f"blk.{i}.attn_k.weight"], cfg.num_key_value_heads)
         gate_up = sd[p + "mlp.experts.gate_up_proj"]
         out[f"blk.{i}.ffn_gate_exps.weight"] = gate_up[:, :F]
         out[f"blk.{i}.ffn_up_exps.weight"] = gate_up[:, F:]
@@ -154,7 +182,8 @@ def write_gguf(model, tok_dir: str, out_file: str, qtype_of, arch: str | None = 
     import gguf
 
     cfg = model.config
-    arch = arch or {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "minimax_m2": "minimax-m2"}[cfg.model_type]
+    arch = arch or {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "minimax_m2": "minimax-m2",
+                    "mixtral": "llama"}[cfg.model_type]
     w = gguf.GGUFWriter(out_file, arch)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -170,6 +199,8 @@ def write_gguf(model, tok_dir: str, out_file: str, qtype_of, arch: str | None = 
     w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    if cfg.model_type == "mixtral":
+        w.add_rope_dimension_count(head_dim)
     if cfg.model_type == "minimax_m2":
         w.add_rope_dimension_count(cfg.rotary_dim)
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
@@ -234,10 +265,22 @@ def light_parity(path: str, model, seed: int, n: int = 5) -> None:
         assert_same_greedy(model, p, o.outputs[0].token_ids, hf_greedy(model, p, n))
 
 
-def test_q4_k_m_greedy_matches_transformers(source, tmp_path):
+def test_q4_k_m_greedy_matches_transformers(source, tmp_path, monkeypatch):
     """llama.cpp's Q4_K_M mix (Q4_K attention and gate/up experts, Q6_K down experts, Q8_0
     embedding and head) under chunked prefill, preemption and prefix hits, served from the
-    directory holding the file (the other tests name the file)."""
+    directory holding the file (the other tests name the file). Decode-sized calls over these
+    layouts (4 bits group 32; experts a code a byte, Q6_K's group 16) run in our C kernels
+    (cpu_ops/quant.c, the CPU's default backends)."""
+    from moe_serve.kernels.cpu_ops import quant
+
+    if not quant.cpu_ops.available():
+        pytest.fail("the C kernels did not build here (cpu_ops.status())")
+    calls = {"quant_linear": 0, "quant_experts": 0}
+    for name in calls:
+        def spy(*a, _real=getattr(quant, name), _name=name, **k):
+            calls[_name] += 1
+            return _real(*a, **k)
+        monkeypatch.setattr(quant, name, spy)
     src, model = source
     f = write_gguf(model, src, str(tmp_path / "model-Q4_K_M.gguf"), mix(T.Q4_K, T.Q4_K, T.Q6_K))
     hf = oracle(f, model)
@@ -245,6 +288,7 @@ def test_q4_k_m_greedy_matches_transformers(source, tmp_path):
     assert not torch.equal(dict(hf.named_parameters())["model.layers.0.self_attn.q_proj.weight"],
                            plain["model.layers.0.self_attn.q_proj.weight"])
     check_greedy_parity(str(tmp_path), hf, 70)
+    assert calls["quant_linear"] > 0 and calls["quant_experts"] > 0, calls
 
 
 @pytest.mark.parametrize("linear,experts,down,embed", [
@@ -280,39 +324,6 @@ def test_minimax_m2_greedy_matches_transformers(tmp_path):
     bias = "model.layers.1.mlp.e_score_correction_bias"  # the oracle read the bias from the file
     assert torch.equal(ref.state_dict()[bias], model.state_dict()[bias])
     light_parity(f, ref, 74)
-
-
-def test_c_kernels_serve_gguf_layouts_as_the_torch_path_does(source, tmp_path, monkeypatch):
-    """With our C backends (cpu_c), decode-sized calls over GGUF's layouts (Q4_K attention: 4 bits,
-    group 32; experts one code a byte with Q6_K's group 16 for down) run in cpu_ops/quant.c, with
-    the torch backends' greedy tokens and log-probs within float32 accumulation-order noise."""
-    from moe_serve import SamplingParams
-    from moe_serve.kernels.cpu_ops import quant
-
-    if not quant.cpu_ops.available():
-        pytest.fail("the C kernels did not build here (cpu_ops.status())")
-    calls = {"quant_linear": 0, "quant_experts": 0}
-    for name in calls:
-        def spy(*a, _real=getattr(quant, name), _name=name, **k):
-            calls[_name] += 1
-            return _real(*a, **k)
-        monkeypatch.setattr(quant, name, spy)
-    src, model = source
-    f = write_gguf(model, src, str(tmp_path / "m.gguf"), mix(T.Q4_K, T.Q4_K, T.Q6_K))
-    prompts = make_prompts(80)[:3]
-    params = SamplingParams(temperature=0, max_tokens=6, logprobs=1)
-    outs = {}
-    for backend in ("cpu_c", "torch"):
-        llm = LLM(f, dtype="float32", kv_cache_memory=1 << 22, show_progress=False, moe_backend=backend,
-                  linear_backend=backend, attention_backend=backend, norm_backend=backend)
-        outs[backend] = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
-        if backend == "cpu_c":
-            assert calls["quant_linear"] > 0 and calls["quant_experts"] > 0, calls
-            seen = dict(calls)
-    assert calls == seen  # the torch backends never call the C kernels
-    for a, b in zip(outs["cpu_c"], outs["torch"]):
-        assert a.token_ids == b.token_ids
-        assert abs(a.cumulative_logprob - b.cumulative_logprob) < 1e-3
 
 
 def test_packed_weights_stay_packed_in_memory(source, tmp_path):
@@ -421,7 +432,7 @@ def test_truncated_and_corrupt_files_refused(source, tmp_path):
 def test_unsupported_architecture_refused_naming_it(source, tmp_path):
     src, model = source
     f = write_gguf(model, src, str(tmp_path / "m.gguf"), mix(T.Q8_0, T.Q8_0), arch="deepseek2")
-    with pytest.raises(ValueError, match=r"architecture 'deepseek2'.*supported GGUF architectures: minimax-m2, qwen2moe, qwen3moe"):
+    with pytest.raises(ValueError, match=r"architecture 'deepseek2'.*supported GGUF architectures: llama, minimax-m2, qwen2moe, qwen3moe"):
         ModelConfig.from_path(f)
 
 
