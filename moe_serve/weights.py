@@ -103,7 +103,7 @@ def _checkpoint_fp8_config(model: nn.Module, path: str, quantization: str | None
     fp8_cfg = None
     if quant and quant.get("quant_method") == "fp8":
         fp8_cfg = fp8.BlockFp8Config.from_hf(quant)
-    elif quant and quant.get("quant_method") in ("compressed-tensors", "awq", "gptq"):
+    elif quant and quant.get("quant_method") in ("compressed-tensors", "awq", "gptq", "gguf"):
         from moe_serve.quantization import formats
 
         formats.validate(quant)  # errors name the field

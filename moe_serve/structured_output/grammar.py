@@ -214,7 +214,11 @@ def tokenizer_info(tokenizer_path: str, vocab_size: int, stop_token_ids):
     import xgrammar as xgr
     from tokenizers import Tokenizer as HFTokenizer
 
-    tok = HFTokenizer.from_file(os.path.join(tokenizer_path, "tokenizer.json"))
+    from moe_serve.quantization import gguf_file
+
+    gguf = gguf_file.gguf_path(tokenizer_path)  # a GGUF file's tokenizer comes from its metadata
+    tok = gguf_file.tokenizer_parts(gguf)[0] if gguf else HFTokenizer.from_file(os.path.join(tokenizer_path,
+                                                                                             "tokenizer.json"))
     detect = getattr(xgr.TokenizerInfo, "_detect_metadata_from_hf", None)
     if detect is None:  # another xgrammar: go through transformers
         from transformers import PreTrainedTokenizerFast

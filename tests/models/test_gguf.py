@@ -372,6 +372,25 @@ def test_config_and_tokenizer_from_the_file(source, tmp_path):
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
+def test_structured_output_over_the_file_tokenizer(source, tmp_path):
+    """Grammars compile over the GGUF file's tokenizer: a choice constrains the output to one of its
+    strings; a weight update of a GGUF model is refused naming the format."""
+    from moe_serve import SamplingParams
+    from moe_serve.structured_output.params import StructuredOutputsParams
+    from moe_serve.weights import tensor_loader
+
+    src, model = source
+    f = write_gguf(model, src, str(tmp_path / "m.gguf"), mix(T.Q8_0, T.Q8_0))
+    llm = LLM(f, dtype="float32", kv_cache_memory=1 << 22, show_progress=False)
+    choices = ["Paris", "Berlin and Rome"]
+    out = llm.generate([{"prompt_token_ids": make_prompts(3)[4]}],
+                       SamplingParams(temperature=0, max_tokens=20,
+                                      structured_outputs=StructuredOutputsParams(choice=choices)))
+    assert out[0].outputs[0].text in choices
+    with pytest.raises(ValueError, match="weight updates of a gguf"):
+        tensor_loader(llm.engine.runner.model, torch.float32, f)
+
+
 def test_unsupported_type_refused_naming_tensor_and_type(source, tmp_path):
     """A tensor of a type we do not load (here Q2_K) fails start-up, naming the tensor, the type
     and GGUF, before any weight loads."""
