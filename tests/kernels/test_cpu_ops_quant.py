@@ -3,7 +3,7 @@ references built from PackedWeight.dequantize(), on every ISA of vec.h this CPU 
 fixture, as in test_cpu_ops.py): bits 4 and 8, with and without offsets, odd N, group sizes of 32, 64,
 128, K and ones that leave a tail inside each group, 1, 3 and 17 activation rows (the tiles' 1..4
 rows and their remainders), one and two threads; prefill-sized calls through the panel GEMM (linear
-layers from 17 rows, experts from 17 rows each: weight blocks widened from the codes, partial blocks,
+layers and experts from quant.panel_min_rows() rows: weight blocks widened from the codes, partial blocks,
 several panel groups, experts on both paths in one call; quant.panels_run() says the path ran); and the
 refusals, each naming what it refuses."""
 from __future__ import annotations
@@ -81,31 +81,33 @@ def test_quant_linear_rows_apart_bias_and_half_activations(isa):
     assert torch.allclose(y.double(), xb.double() @ W.T, rtol=1e-5, atol=1e-5)
 
 
-# (N, K, G, M): many activation rows take the panel GEMM over whole blocks of 8 weight rows (the rest
-# by the dot-product tiles): a partial block left, exact blocks, several panel groups (K = 4096: 48
-# rows a group), groups with a tail (int4: a chunk of 8 codes after 32), and N below one block (no
-# panels at all).
-PANEL_LINEAR_CASES = [(37, 128, 32, 17), (16, 96, 96, 50), (19, 4096, 128, 100), (11, 80, 40, 23), (5, 64, 32, 40)]
+# (N, K, G, M): many activation rows (M: rows past quant.panel_min_rows(); 0: exactly that many) take
+# the panel GEMM over whole blocks of 8 weight rows (the rest by the dot-product tiles): a partial
+# block left, exact blocks, several panel groups (K = 4096: 48 rows a group), groups with a tail
+# (int4: a chunk of 8 codes after 32), and N below one block (no panels at all).
+PANEL_LINEAR_CASES = [(37, 128, 32, 0), (16, 96, 96, 30), (19, 4096, 128, 80), (11, 80, 40, 5), (5, 64, 32, 20)]
 
 
 @pytest.mark.parametrize("N,K,G,M", PANEL_LINEAR_CASES)
 @pytest.mark.parametrize("bits,offsets", [(8, True), (4, True), (4, False)])
 def test_quant_linear_panels_match_float64(N, K, G, M, bits, offsets, isa):
-    """Prefill-sized calls (from 17 rows) widen each block of 8 weight rows once and run the panel
-    micro-kernel over it; against float64 over PackedWeight.dequantize(), one and two threads."""
+    """Prefill-sized calls widen each block of 8 weight rows once and run the panel micro-kernel over
+    it (one row fewer: the dot-product tiles); against float64 over PackedWeight.dequantize(), one
+    and two threads."""
     g = torch.Generator().manual_seed(N * 7 + K + G + M + bits)
     w = _packed((N, K), bits, G, offsets, g)
     W = w.dequantize().double()
-    x = torch.randn(M, K, generator=g)
-    ref = x.double() @ W.T
-    tol = 1e-5 * (x.double().abs() @ _bound(w).T) + 1e-6
-    for threads in (1, 2):
+    first = quant.panel_min_rows()
+    for rows, threads in ((first + M, 1), (first + M, 2), (first - 1, 1)):
+        x = torch.randn(rows, K, generator=g)
+        ref = x.double() @ W.T
+        tol = 1e-5 * (x.double().abs() @ _bound(w).T) + 1e-6
         ran = quant.panels_run()
         with _threads(threads):
             y = quant.quant_linear(x, w)
-        assert quant.panels_run() - ran == (1 if N >= 8 else 0)
+        assert quant.panels_run() - ran == (1 if N >= 8 and rows >= first else 0)
         err = (y.double() - ref).abs()
-        assert (err <= tol).all(), f"threads={threads}: max err {err.max():.3g}"
+        assert (err <= tol).all(), f"{rows} rows, threads={threads}: max err {err.max():.3g}"
 
 
 def _experts_ref(x, w13, w2, wts, ids):
@@ -177,10 +179,11 @@ def test_refusals_name_what_they_refuse():
 
 @pytest.mark.parametrize("bits13,bits2,offsets,G", [(8, 8, True, 16), (4, 4, True, 48), (4, 8, False, 24)])
 def test_quant_experts_panels_match_float64(bits13, bits2, offsets, G, isa):
-    """Prefill-sized routing: experts with 17 rows or more take the panel path (gate/up, SiLU-and-mul
-    and the routing weight in its epilogue, down), the others the dot-product tiles, in one call;
-    ids held elsewhere; one and two threads; against float64 over the dequantized weights."""
-    E, D, F, T = 4, 96, 48, 40
+    """Prefill-sized routing: experts with quant.panel_min_rows() rows or more take the panel path
+    (gate/up, SiLU-and-mul and the routing weight in its epilogue, down), the others the dot-product
+    tiles, in one call; ids held elsewhere; one and two threads; against float64 over the
+    dequantized weights."""
+    E, D, F, T = 4, 96, 48, 70
     g = torch.Generator().manual_seed(bits13 * 3 + bits2 + G)
     w13 = _packed((E, 2 * F, D), bits13, G, offsets, g)
     w2 = _packed((E, D, F), bits2, G, offsets, g)
@@ -191,13 +194,14 @@ def test_quant_experts_panels_match_float64(bits13, bits2, offsets, G, isa):
     ids = torch.where(torch.rand(T, 2, generator=g) < 0.1, -1, ids)
     wts = torch.rand(T, 2, generator=g)
     rows = torch.bincount(ids[ids >= 0], minlength=E)
-    assert (rows >= 17).any() and ((rows > 0) & (rows < 17)).any()
+    first = quant.panel_min_rows()
+    assert (rows >= first).any() and ((rows > 0) & (rows < first)).any()
     ref = _experts_ref(x, w13, w2, wts, ids)
     scale = ref.abs().max().item()
     for threads in (1, 2):
         ran = quant.panels_run()
         with _threads(threads):
             out = quant.quant_experts(x, w13, w2, wts, ids)
-        assert quant.panels_run() - ran == int((rows >= 17).sum())  # one panel group an expert here
+        assert quant.panels_run() - ran == int((rows >= first).sum())  # one panel group an expert here
         assert torch.allclose(out.double(), ref, rtol=1e-4, atol=1e-4 * scale), \
             f"threads={threads}: max err {(out.double() - ref).abs().max():.3g} of {scale:.3g}"

@@ -277,10 +277,10 @@ static void panel_group(const float* x, int64_t T, int64_t D, const int64_t* pe,
   }
 }
 
-/* Whether an expert of n rows takes the panel path (the shapes it is written for, any weight dtype). */
-static inline int panel_path(int64_t n, int64_t D, int64_t F) {
-  return n >= PANEL_MIN_ROWS && F % 4 == 0 && D % RB == 0;
-}
+/* Whether panel_expert takes experts of hidden size D and intermediate size F (the shapes it is
+ * written for), and whether an expert of n rows of those takes it (float32 or bf16 weights). */
+static inline int panel_fits(int64_t D, int64_t F) { return F % 4 == 0 && D % RB == 0; }
+static inline int panel_path(int64_t n, int64_t D, int64_t F) { return n >= PANEL_MIN_ROWS && panel_fits(D, F); }
 
 /* Rows per panel group: as many whole panels as keep a group's packed K-long rows near 1 MB. */
 static inline int64_t panel_group_rows(int64_t K) {
@@ -343,7 +343,7 @@ static int panel_expert_scratch(int64_t D, int64_t F, int widened, int nt, float
 
 /* One expert's n routed pairs pe[0..n) (of x [T, D], top-K routing; wts [T, K]) through gate/up
  * (w13: 2F rows of D, gate rows then up rows), SiLU-and-mul, the routing weight and down (w2: D rows
- * of F), added into out [T, D]; panel_path(n, D, F) must hold. Returns the panel groups run, or -1
+ * of F), added into out [T, D]; panel_fits(D, F) must hold. Returns the panel groups run, or -1
  * without scratch memory (out then untouched). */
 static int64_t panel_expert(const float* x, int64_t T, int64_t D, const int64_t* pe, int64_t n, const float* wts,
                             int64_t K, const wsrc_t* w13, const wsrc_t* w2, int64_t F, float* out, int nt) {

@@ -413,9 +413,24 @@ static int qweight_ok(const qweight_t* w, int64_t K) {
  * Each block of RB weight rows is widened to float32 (scale * q + offset, in the row's own order) once
  * into L1/L2 and every packed panel of up to NR activation rows passes it: the packed bytes are still
  * read once, the widening is paid once per block and panel group (not per activation row), and the
- * FMAs run in the outer-product micro-kernel, as for float32 weights. From QPANEL_MIN_ROWS rows (a
- * linear layer) or panel.h's PANEL_MIN_ROWS rows of an expert. */
-#define QPANEL_MIN_ROWS 17
+ * FMAs run in the outer-product micro-kernel, as for float32 weights. From QPANEL_MIN_ROWS rows of a
+ * linear layer or an expert: where the panel GEMM of that many rows takes less time than the dot-
+ * product tiles (which grow with every row, while the panel micro-kernel costs the same up to each
+ * 16 rows). Measured on a Xeon (AVX-512 and the AVX2 build), 1 thread, a 1536 x 2048 weight warm in
+ * cache, int8 per channel / int4 group 128, dot tiles vs panels: AVX-512 at 16 rows 1.05 / 1.11 ms,
+ * 24 rows 1.60 / 1.72, 32 rows 2.15 / 1.70; AVX2 at 12 rows 1.30-1.48 / 1.40-1.44, 16 rows
+ * 1.75-2.00 / 1.46-1.49. */
+#ifndef QPANEL_MIN_ROWS
+#if VF_PANEL_ROWS == 8
+#define QPANEL_MIN_ROWS 26
+#else
+#define QPANEL_MIN_ROWS 13
+#endif
+#endif
+#define QPANEL_PATH(n, D, F) ((n) >= QPANEL_MIN_ROWS && panel_fits(D, F))
+
+/* The rows from which the panel GEMM runs (the tests place their cases by it). */
+int64_t quant_panel_min_rows(void) { return QPANEL_MIN_ROWS; }
 
 /* Row `row` of a packed weight (s->w: its qweight_t) widened: dst[k] = scale * q[k] + offset. */
 static void qwiden_row(const wsrc_t* s, int64_t row, int64_t K, float* d) {
@@ -539,9 +554,9 @@ int quant_experts_f32(const float* x, int64_t T, int64_t D, const int64_t* ids, 
   if (!start) return -1;
   int64_t* order = start + 2 * E + 1;
   const int64_t rows = sort_by_expert(ids, P, E, start, start + E + 1, order);
-  /* the dot-product tiles' rows: at most PANEL_MIN_ROWS - 1 where experts with more take the panels */
-  const int panels = panel_path(rows, D, F);
-  const int64_t small = panels ? PANEL_MIN_ROWS - 1 : rows;
+  /* the dot-product tiles' rows: at most QPANEL_MIN_ROWS - 1 where experts with more take the panels */
+  const int panels = QPANEL_PATH(rows, D, F);
+  const int64_t small = panels ? QPANEL_MIN_ROWS - 1 : rows;
   float* xs = scratch(1, (size_t)(small * (D + 2 * F + F + D)) * sizeof(float));
   float *pxs, *pwbuf;
   if (!xs || (panels && panel_expert_scratch(D, F, 1, nt, &pxs, &pwbuf))) return -1;
@@ -554,7 +569,7 @@ int quant_experts_f32(const float* x, int64_t T, int64_t D, const int64_t* ids, 
     if (!n) continue;
     const int64_t* pe = order + start[e];
     const qweight_t gu = expert_of(&w13, e, 2 * F, D), dn = expert_of(&w2, e, D, F);
-    if (panels && panel_path(n, D, F)) {
+    if (panels && QPANEL_PATH(n, D, F)) {
       const wsrc_t pgu = {&gu, qwiden_row}, pdn = {&dn, qwiden_row};
       const int64_t groups = panel_expert(x, T, D, pe, n, wts, K, &pgu, &pdn, F, out, nt);
       if (groups < 0) return -1;

@@ -34,8 +34,9 @@ def _bind(raw: ctypes.CDLL) -> None:
     f = raw.quant_experts_f32
     f.restype = _INT
     f.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P, _INT, _P, _P, _I64, _P, _INT, _P, _P, _I64, _I64, _I64, _P, _INT]
-    raw.quant_panels_run.restype = _I64
-    raw.quant_panels_run.argtypes = []
+    for name in ("quant_panels_run", "quant_panel_min_rows"):
+        getattr(raw, name).restype = _I64
+        getattr(raw, name).argtypes = []
     raw.__dict__["_quant_bound"] = True
 
 
@@ -91,6 +92,12 @@ def panels_run() -> int:
     """Panel GEMMs quant.c has run in this process (linear calls and expert panel groups): which path
     a call took, for the tests."""
     return _lib().quant_panels_run()
+
+
+def panel_min_rows() -> int:
+    """Activation rows (of a linear call, or of one expert) from which quant.c runs its panel GEMM on
+    the ISA built (fewer: the dot-product tiles)."""
+    return _lib().quant_panel_min_rows()
 
 
 def quant_linear_fits(x: torch.Tensor, w: PackedWeight) -> bool:
