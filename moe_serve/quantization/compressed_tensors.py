@@ -13,7 +13,9 @@ What is served:
 - format "float-quantized", FP8 e4m3 weights per channel (FP8_DYNAMIC: activations FP8 per token,
   dynamic, or none): kept FP8 in block-FP8 storage (moe_serve/quantization/fp8.py) with one block a
   row, (1, K) for a linear layer and (1, max(D, F)) for experts, whose float32 scale is the row's
-  scale: exact. Activations stay float here too (the block-FP8 ops' weight-only path).
+  scale: exact. Activations stay float in the torch and C paths and the experts (the block-FP8
+  ops' weight-only path); the Triton block-FP8 linear kernel quantizes them per token on sm_89+
+  (moe_serve/prepare.py's choice for every block-FP8 layer), which is this checkpoint's scheme.
 Anything else in the config (another format; static, per-tensor or per-group activation
 quantization; an activation order that needs g_idx; a KV cache scheme; a sparsity or transform
 config; formats mixed across groups) is refused at start-up, naming the field and the format.

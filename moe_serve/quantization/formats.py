@@ -115,10 +115,12 @@ WEIGHT_FORMATS: dict[str, dict] = {
                 "backend (the checkpoint's dynamic per-token int8 activations are not applied)",
         "backends": _PACKED_HOW},
     "compressed-tensors float-quantized": {
-        "what": "FP8 dynamic (e4m3 weights per channel), kept FP8 as block FP8 with one block a row; activations "
-                "stay float (the checkpoint's dynamic per-token FP8 activations are not applied)",
-        "backends": {"torch": "dequantized per call", "cpu_c": "dequantized per call (torch ops)",
-                     "triton": "the block-FP8 kernels with (1, K) blocks (not yet run on a GPU)"}},
+        "what": "FP8 dynamic (e4m3 weights per channel), kept FP8 as block FP8 with one block a row",
+        "backends": {"torch": "dequantized per call; activations stay float",
+                     "cpu_c": "dequantized per call (torch ops); activations stay float",
+                     "triton": "the block-FP8 kernels with (1, K) blocks: linear layers quantize activations per "
+                               "token on sm_89+ (the checkpoint's scheme), experts weight-only (not yet run on a "
+                               "GPU)"}},
     "gptq": {"what": "GPTQ 4 / 8-bit (checkpoint_format gptq or gptq_v2, no activation order), kept packed",
              "backends": _PACKED_HOW},
     "awq": {"what": "AutoAWQ 4-bit 'gemm', kept packed", "backends": _PACKED_HOW},
