@@ -71,10 +71,10 @@ def unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
 
 class GgufCheckpoint:
     """The file's tensors under Hugging Face names, as the weight loader reads a safetensors file:
-    `keys()`, `get_tensor(name)`. `packed` names (the model's own names) come as PackedWeight."""
+    `keys()`, `get_tensor(name)`. The names in `packed` (set before loading) come as PackedWeight of
+    the bits recorded there, other block-quantized tensors dequantized."""
 
     def __init__(self, path: str):
-        self.path = path
         self.entries: dict[str, tuple[object, int | None]] = {}
         arch = gguf_file.architecture(path)
         r = gguf_file.reader(path)
@@ -120,12 +120,6 @@ class GgufCheckpoint:
                 out = out[index].contiguous()
         return out
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
 
 class GgufPacked:
     """The packed-tensor collector `_TensorLoader` feeds (the interface of the other packed
@@ -167,48 +161,57 @@ def load_gguf(model: nn.Module, path: str, dtype: torch.dtype, show_progress: bo
 
 def _make_packed_storage(model: nn.Module, ckpt: GgufCheckpoint, experts: dict) -> set[str]:
     """Packed storage for the linear layers and MoE experts whose GGUF tensors are block-quantized,
-    before any tensor loads (as weights.py does for the other packed formats); the model names of
-    the tensors that load packed. A MoE layer's gate/up and down experts must share one bit width."""
+    before any tensor loads (as weights.py does for the other packed formats); returns the model
+    names of the tensors that load packed and records their bits in `ckpt.packed`. A MoE layer's
+    experts share one bit width: 4-bit codes (Q4_K gate/up) beside 8-bit ones (Q6_K down, as
+    llama.cpp's Q4_K_M mixes them) are all held a code a byte. A layer whose experts are not all
+    block-quantized loads dense, dequantized."""
     from moe_serve.layers.experts import packed_experts
     from moe_serve.layers.linear import Linear
 
     modules = dict(model.named_modules())
     packed: set[str] = set()
-    expert_layout: dict[str, dict[str, tuple[int, int, str]]] = {}
-    expert_raw: dict[str, list[str]] = {}
+    # MoE layer prefix -> {"w13" / "w2": {group size: GGUF type name}}, and its expert tensors
+    groups: dict[str, dict[str, dict[int, str]]] = {}
+    bits_of: dict[str, int] = {}
+    members: dict[str, list[tuple[str, str]]] = {}
     for raw in ckpt.keys():
         qtype = ckpt.qtype(raw)
         mapped = model.checkpoint_name(raw)
-        if mapped is None or not gguf_types.is_packed(qtype) or not mapped.endswith(".weight"):
+        if mapped is None or not mapped.endswith(".weight"):
             continue
-        bits, group = gguf_types.packed_layout(qtype)
         m = re.match(r"^(?P<prefix>.*)\.experts\.(?P<e>\d+)\.(?P<proj>\w+)\.weight$", mapped)
         if m and m.group("prefix") in experts:
+            prefix = m.group("prefix")
+            members.setdefault(prefix, []).append((raw, mapped))
+            if not gguf_types.is_packed(qtype):
+                groups.setdefault(prefix, {})["float"] = {0: gguf_types.type_name(qtype)}
+                continue
+            bits, group = gguf_types.packed_layout(qtype)
             which = "w2" if model.expert_names.get(m.group("proj")) == "down" else "w13"
-            got = (bits, group, gguf_types.type_name(qtype))
-            seen = expert_layout.setdefault(m.group("prefix"), {}).setdefault(which, got)
-            if seen[:2] != got[:2]:
-                raise ValueError(f"GGUF tensor for {raw!r} is {got[2]}, but the layer's other {which} experts are "
-                                 f"{seen[2]}: one MoE layer's {which} experts must share a GGUF type's bits and group")
-            expert_raw.setdefault(m.group("prefix"), []).append(raw)
-            packed.add(mapped)
+            groups.setdefault(prefix, {}).setdefault(which, {}).setdefault(group, gguf_types.type_name(qtype))
+            bits_of[prefix] = max(bits_of.get(prefix, 0), bits)
             continue
         lin = modules.get(mapped[: -len(".weight")])
-        if isinstance(lin, Linear) and not getattr(lin, "weight_used_directly", False):
+        if gguf_types.is_packed(qtype) and isinstance(lin, Linear) and not getattr(lin, "weight_used_directly",
+                                                                                    False):
+            bits, group = gguf_types.packed_layout(qtype)
             lin.to_packed(bits, group)
             ckpt.packed[raw] = bits
             packed.add(mapped)
-    for prefix, layout in expert_layout.items():
-        if len(layout) != 2:
-            kinds = {k: v[2] for k, v in layout.items()}
-            raise ValueError(f"{prefix}.experts (GGUF): gate/up {kinds.get('w13', 'float')} and down "
-                             f"{kinds.get('w2', 'float')}: the experts are kept packed only when all are block-quantized")
-        # One bit width for the layer's experts: 4-bit codes (Q4_K gate/up) beside 8-bit ones (Q6_K down,
-        # as llama.cpp's Q4_K_M mixes them) are held one a byte.
-        bits = max(layout["w13"][0], layout["w2"][0])
-        for raw in expert_raw[prefix]:
-            ckpt.packed[raw] = bits
-        new = packed_experts(experts[prefix], bits, (layout["w13"][1], layout["w2"][1]))
+    for prefix, layout in groups.items():
+        for which in ("w13", "w2"):
+            if len(layout.get(which, {})) > 1:
+                raise ValueError(f"{prefix}.experts (GGUF): the {which} experts mix {', '.join(layout[which].values())}, "
+                                 f"whose groups ({', '.join(map(str, layout[which]))}) differ: not supported")
+        if set(layout) != {"w13", "w2"}:
+            log.info("%s.experts: not every expert tensor is block-quantized (%s): loaded dense", prefix,
+                     ", ".join(sorted({t for g in layout.values() for t in g.values()})))
+            continue
+        for raw, mapped in members[prefix]:
+            ckpt.packed[raw] = bits_of[prefix]
+            packed.add(mapped)
+        new = packed_experts(experts[prefix], bits_of[prefix], (next(iter(layout["w13"])), next(iter(layout["w2"]))))
         modules[prefix].experts = new
         experts[prefix] = new
     log.info("GGUF checkpoint: %d tensors kept packed (%s)", len(packed),

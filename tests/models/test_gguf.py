@@ -254,7 +254,7 @@ def oracle(gguf_file: str, source_model):
     return AutoModelForCausalLM.from_pretrained(d, gguf_file=f, config=cfg, dtype=torch.float32).eval()
 
 
-def light_parity(path: str, model, seed: int, n: int = 5) -> None:
+def light_parity(path: str, model, seed: int, n: int = 5):
     """Greedy tokens on three prompts."""
     prompts = make_prompts(seed)[3:6]
     llm = LLM(path, dtype="float32", kv_cache_memory=1 << 22, show_progress=False)
@@ -263,6 +263,7 @@ def light_parity(path: str, model, seed: int, n: int = 5) -> None:
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=n))
     for p, o in zip(prompts, outs):
         assert_same_greedy(model, p, o.outputs[0].token_ids, hf_greedy(model, p, n))
+    return llm
 
 
 def test_q4_k_m_greedy_matches_transformers(source, tmp_path, monkeypatch):
@@ -294,12 +295,15 @@ def test_q4_k_m_greedy_matches_transformers(source, tmp_path, monkeypatch):
 @pytest.mark.parametrize("linear,experts,down,embed", [
     (T.Q5_K, T.Q4_0, T.Q5_0, T.F16),
     (T.Q4_1, T.Q5_1, T.Q8_0, T.BF16),
-], ids=["Q5_K-Q4_0-Q5_0-F16", "Q4_1-Q5_1-Q8_0-BF16"])
+    (T.Q8_0, T.Q8_0, T.F16, T.F32),
+], ids=["Q5_K-Q4_0-Q5_0-F16", "Q4_1-Q5_1-Q8_0-BF16", "float-down-experts"])
 def test_types_greedy_match_transformers(source, tmp_path, linear, experts, down, embed):
-    """The other types (4-bit gate/up experts beside 8-bit down experts held one code a byte)."""
+    """The other types (4-bit gate/up experts beside 8-bit down experts held one code a byte); a
+    layer whose down experts are F16 loads its experts dense."""
     src, model = source
     f = write_gguf(model, src, str(tmp_path / "m.gguf"), mix(linear, experts, down, embed))
-    light_parity(f, oracle(f, model), 72)
+    ours = light_parity(f, oracle(f, model), 72).engine.runner.model
+    assert (ours.model.layers[0].mlp.experts.w13 is None) == (down != T.F16)
 
 
 def test_qwen2_moe_greedy_matches_transformers(tmp_path):
