@@ -9,9 +9,15 @@
   and RoPE in one pass;
 - `gated_delta.c`: a Gated DeltaNet layer's decode step (the short convolution and the gated
   delta rule), every state read and written once in place in its slot.
-- `quant.c`: linear layers and decode-sized expert panels over int4/int8 packed weights
-  (`moe_serve.quantization.packed.PackedWeight`: per-group scales and offsets), codes widened in
-  registers; its wrappers are `cpu_ops/quant.py`.
+- `quant.c`: linear layers and experts over int4/int8 packed weights
+  (`moe_serve.quantization.packed.PackedWeight`: per-group scales and offsets): decode-sized calls
+  with the codes widened in registers, prefill-sized ones by the panel GEMM over weight blocks
+  widened from the codes; its wrappers are `cpu_ops/quant.py`.
+
+What moe.c and quant.c share is in two headers: `panel.h`, the panel GEMM (the outer-product
+micro-kernel over packed activation panels, for weights read in place or widened a block of rows at
+a time) and `common.h` (scratch memory, the threads' row blocks, SiLU-and-mul, routed pairs sorted by
+expert).
 
 They are written once over vec.h's 16-lane vectors, whose implementation the build picks for the
 target: AVX-512, AVX2 + FMA, NEON (aarch64), or plain C anywhere else; bf16 weights stay bf16 in

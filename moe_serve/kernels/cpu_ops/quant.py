@@ -1,16 +1,32 @@
 """Linear layers and MoE experts over packed int8 / int4 weights (`PackedWeight`) in our C kernels
-(quant.c): the decode GEMV / small-batch linear and the decode-sized expert panel, the packed bytes
-streamed once and widened to float32 in registers, on every ISA of vec.h (AVX-512, AVX2, NEON, plain
-C). Activations float32 (bf16 / float16 are widened first); outputs float32.
+(quant.c), on every ISA of vec.h (AVX-512, AVX2, NEON, plain C). Activations float32 (bf16 / float16
+are widened first); outputs float32. Two paths, by the number of activation rows (`panel_min_rows()`,
+per linear call or per expert):
+
+- decode and small batches: the dot-product tiles, the packed bytes streamed once and widened to
+  float32 in registers;
+- prefill: panel.h's panel GEMM, each block of 8 weight rows widened from its codes once into L1/L2
+  and run against panels of up to 48 activation rows by the outer-product micro-kernel (the packed
+  bytes still read once), the same kernel as float32 weights (moe.c).
 
 Each weight is checked before a call: `weight_problem` names what the kernels do not take (a field
 of the wrong dtype, shape or layout, an odd group size for int4), `*_fits` says whether a call
-runs here, and the wrappers raise ValueError naming the problem for anything else. Not yet here:
-an int8-activation VNNI path; a prefill (panel) path: many rows per weight run through the same
-dot-product tiles (correct, the weight still read once, but compute-bound); moe_experts' batch-
-invariant `pairs` form; and the engine does not call these yet. Measured (bench/cpu_quant_gemv.py,
-bench/results/cpu_quant_gemv_*.json): a single-row GEMV reads its packed bytes at 81-102% of the
-machine's read bandwidth on AVX-512 (1 and 2 threads); on the AVX2 build int8 84-90%, int4 68-73%.
+runs here, and the wrappers raise ValueError naming the problem for anything else.
+
+Not here: moe_experts' batch-invariant `pairs` form; int8-rounded activations (u8 x s8 dot products:
+maddubs on AVX2, VNNI), which change the numerics (each activation group rounded to int8) and so
+would be a mode of their own. They would lift the AVX2 int4 GEMV off its compute bound: measured on
+this project's Xeon, 1 thread, 1536 x 2048 int4 group 128 warm in cache, the float path here 204 us,
+a maddubs prototype 75 us, AVX-VNNI 59 us. On AVX-512 the float path already reads at the memory's
+speed (below), so VNNI has nothing to win on a decode GEMV. The engine's cpu_c backends call these
+for decode-sized calls only (kernels/linear.py and grouped_gemm/__init__.py cap the rows); prefill-
+sized packed calls there still dequantize through torch.
+
+Measured (bench/cpu_quant_gemv.py, bench/results/cpu_quant_gemv_*.json): a single-row GEMV reads its
+packed bytes at 81-102% of the machine's read bandwidth on AVX-512 (1 and 2 threads); on the AVX2
+build int8 84-90%, int4 61-73% (compute-bound: widening an int4 code and its FMA on 8-lane vectors
+take longer than its half byte takes to arrive; warm in cache the same GEMV runs at ~8.5 GB/s of
+packed bytes).
 """
 from __future__ import annotations
 
