@@ -102,6 +102,13 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.graph = graph
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """No: a recording never runs under torch.compile. Left True, torch wraps __torch_dispatch__
+        to keep dynamo out of it, and that wrapper's first call imports torch._dynamo: as long as
+        importing torch itself, paid by every engine process at its first recording."""
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__

@@ -31,7 +31,11 @@ turn breaks the chain (`pause`): the next step counts from its own start.
 
 Bandwidth: `--memory-bandwidth` (GB/s) when given; on a GPU the datasheet HBM figure of a known
 model (`HBM_GBPS`); else a read-only stream measured at start-up (`measure_bandwidth`: a sum over a
-buffer larger than the last-level cache, best of a few), as on a CPU. Decode reads its weights and
+buffer larger than the last-level cache, best of a few), as on a CPU. The stream reads about four
+times the buffer (a second or more on a CPU with a large cache), so its figure is kept for a day in
+`$MOE_SERVE_CACHE/read_bandwidth.json` under what it depends on (the device or CPU model, the
+last-level cache, the memory, the threads): the engines started after the first on the same
+machine reuse it, and the log says when it was measured. Decode reads its weights and
 caches and writes little, so the ceiling is what the memory can deliver to reads; a copy's
 (read + write) / time is lower on most machines and would overstate the achieved fraction.
 """
@@ -122,7 +126,8 @@ def measure_bandwidth(device: torch.device | str, nbytes: int | None = None, rep
     return buf.numel() * 4 / best
 
 
-_MEASURED: dict[str, float] = {}  # per device, once per process (engines after the first reuse it)
+_MEASURED: dict[str, tuple[float, str]] = {}  # per device, once per process (engines after the first reuse it)
+MEASURE_KEEP_S = 86400.0  # how long another process on this machine reuses a measured figure
 
 
 def device_bandwidth(device: torch.device | str, override_gbps: float | None = None) -> tuple[float, str]:
@@ -137,15 +142,65 @@ def device_bandwidth(device: torch.device | str, override_gbps: float | None = N
         for key, gbps in HBM_GBPS:
             if key in name:
                 return gbps * 1e9, f"{name} datasheet"
-        return _measured(device), f"{name}: read stream measured at start-up (not in the table)"
-    return _measured(device), "read stream measured at start-up"
+        bw, when = _measured(device)
+        return bw, f"{name}: read stream {when} (not in the table)"
+    bw, when = _measured(device)
+    return bw, f"read stream {when}"
 
 
-def _measured(device: torch.device) -> float:
+def _measured(device: torch.device) -> tuple[float, str]:
+    """(bytes/s, when it was measured): this process's figure, else this machine's within
+    MEASURE_KEEP_S (the cache file), else a new measurement, written there."""
     key = str(device)
     if key not in _MEASURED:
-        _MEASURED[key] = measure_bandwidth(device)
+        import json
+        from pathlib import Path
+
+        root = os.environ.get("MOE_SERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "moe-serve")
+        path = Path(root) / "read_bandwidth.json"
+        machine = _machine_key(device)
+        try:
+            with open(path) as f:
+                known = json.load(f)
+        except (OSError, ValueError):
+            known = {}
+        entry = known.get(machine) if isinstance(known, dict) else None
+        if (isinstance(entry, dict) and isinstance(entry.get("bytes_per_s"), (int, float))
+                and entry["bytes_per_s"] > 0 and 0 <= time.time() - entry.get("at", 0) < MEASURE_KEEP_S):
+            at = time.strftime("%Y-%m-%d %H:%M", time.localtime(entry["at"]))
+            _MEASURED[key] = (float(entry["bytes_per_s"]), f"measured at {at} ({path})")
+        else:
+            bw = measure_bandwidth(device)
+            _MEASURED[key] = (bw, "measured at start-up")
+            known = known if isinstance(known, dict) else {}
+            known[machine] = {"bytes_per_s": bw, "at": time.time()}
+            try:  # written whole, then renamed: an engine starting beside this one reads all or nothing
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(known, indent=1))
+                os.replace(tmp, path)
+            except OSError as e:
+                log.warning("speed of light: could not keep the measured bandwidth in %s: %s", path, e)
     return _MEASURED[key]
+
+
+def _machine_key(device: torch.device) -> str:
+    """What a measured read bandwidth depends on: the device (a GPU's name), or the CPU's model, its
+    last-level cache, the machine's memory and the threads the stream ran with."""
+    if device.type == "cuda":
+        return f"cuda|{torch.cuda.get_device_name(device)}"
+    import platform
+
+    import psutil
+
+    model = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return (f"{device.type}|{model}|llc={last_level_cache_bytes(device)}|mem={psutil.virtual_memory().total}"
+            f"|threads={torch.get_num_threads()}")
 
 
 @dataclass(frozen=True)

@@ -207,7 +207,7 @@ class EngineArgs:
                        help="pad decode batches to the capture sizes even without CUDA graphs (testing; slower on CPU)")
         g.add_argument("--memory-bandwidth", type=float, default=None,
                        help="memory bandwidth in GB/s for the decode speed of light in /metrics and the logs "
-                            "(default: the datasheet figure of a known GPU, else a copy measured at start-up)")
+                            "(default: the datasheet figure of a known GPU, else a read stream measured at start-up, kept a day for the machine)")
         g.add_argument("--speculative-config", default=None,
                        help='speculative decoding as JSON: {"method": "ngram", "num_speculative_tokens": K, '
                             '"prompt_lookup_min": a, "prompt_lookup_max": b} (drafts from the context\'s own '

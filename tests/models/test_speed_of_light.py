@@ -5,6 +5,8 @@ import json
 import os
 import random
 
+import time
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -139,7 +141,37 @@ def test_bandwidth_override_and_refusal(checkpoints):
     with pytest.raises(ValueError, match="memory_bandwidth"):
         LLM(checkpoints["qwen3_moe"], dtype="float32", memory_bandwidth=0.0, show_progress=False)
     bw, source = device_bandwidth("cpu")
-    assert bw > 1e8 and source == "read stream measured at start-up"
+    assert bw > 1e8 and source.startswith("read stream measured at")
+
+
+def test_measured_bandwidth_kept_for_the_machine(tmp_path, monkeypatch):
+    """The first process measures and keeps the figure under the machine's key; another process
+    (this one with its own figure forgotten) reuses it and says when it was measured; a figure older
+    than a day, another machine's, or a corrupt file is measured again."""
+    import json
+
+    from moe_serve import speed_of_light as sol
+
+    monkeypatch.setenv("MOE_SERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(sol, "stream_bytes", lambda device="cpu": 32 << 20)
+    monkeypatch.setattr(sol, "_MEASURED", {})
+    bw, source = sol.device_bandwidth("cpu")
+    assert source == "read stream measured at start-up" and bw > 1e8
+    kept = json.loads((tmp_path / "read_bandwidth.json").read_text())
+    assert list(kept) == [sol._machine_key(torch.device("cpu"))] and kept[list(kept)[0]]["bytes_per_s"] == bw
+    monkeypatch.setattr(sol, "_MEASURED", {})
+    assert sol.device_bandwidth("cpu") == (bw, f"read stream measured at "
+                                           f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(kept[list(kept)[0]]['at']))}"
+                                           f" ({tmp_path / 'read_bandwidth.json'})")
+    key = list(kept)[0]
+    for stale in ("not json", {key: {"bytes_per_s": 1.0, "at": time.time() - 2 * sol.MEASURE_KEEP_S}},
+                  {"cpu|another machine": {"bytes_per_s": 1.0, "at": time.time()}}):
+        (tmp_path / "read_bandwidth.json").write_text(stale if isinstance(stale, str) else json.dumps(stale))
+        monkeypatch.setattr(sol, "_MEASURED", {})
+        again, source = sol.device_bandwidth("cpu")
+        assert source == "read stream measured at start-up" and again > 1e8
+    # The new figure joins another machine's, it does not replace the file's other entries.
+    assert set(json.loads((tmp_path / "read_bandwidth.json").read_text())) == {key, "cpu|another machine"}
 
 
 # --- bytes per cache kind and per expert slot, by hand from each checkpoint's config ---------------
