@@ -202,8 +202,9 @@ def _make_packed_storage(model: nn.Module, ckpt: GgufCheckpoint, experts: dict) 
     for prefix, layout in groups.items():
         for which in ("w13", "w2"):
             if len(layout.get(which, {})) > 1:
-                raise ValueError(f"{prefix}.experts (GGUF): the {which} experts mix {', '.join(layout[which].values())}, "
-                                 f"whose groups ({', '.join(map(str, layout[which]))}) differ: not supported")
+                types = ", ".join(layout[which].values())
+                raise ValueError(f"{prefix}.experts (GGUF): the {which} experts mix {types}, whose groups "
+                                 f"({', '.join(map(str, layout[which]))}) differ: not supported")
         if set(layout) != {"w13", "w2"}:
             log.info("%s.experts: not every expert tensor is block-quantized (%s): loaded dense", prefix,
                      ", ".join(sorted({t for g in layout.values() for t in g.values()})))
