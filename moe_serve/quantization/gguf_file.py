@@ -47,8 +47,9 @@ def gguf_path(path: str) -> str | None:
 @functools.lru_cache(maxsize=4)
 def reader(path: str):
     """gguf.GGUFReader over the file (memory-mapped), checked: a bad magic, a header or tensor data
-    that runs past the end of the file (the reader's views would come out short), or a tensor of a
-    type we do not load (gguf_types.check_type) is a ValueError naming the file (or the tensor)."""
+    that runs past the end of the file (the reader's views would come out short), one part of a
+    split GGUF, or a tensor of a type we do not load (gguf_types.check_type) is a ValueError naming
+    the file (or the tensor)."""
     from gguf import GGUFReader
 
     from moe_serve.quantization.gguf_types import check_type
@@ -63,6 +64,10 @@ def reader(path: str):
     except Exception as e:  # a header or tensor data cut short or garbled: numpy / struct errors
         raise ValueError(f"GGUF file {path!r} ({os.path.getsize(path)} bytes) is truncated or corrupt: reading it "
                          f"failed ({e})") from e
+    if (parts := field(r, "split.count", 1)) > 1:
+        raise ValueError(f"GGUF file {path!r} is part {field(r, 'split.no', 0) + 1} of a split GGUF of {parts} files, "
+                         f"which this engine does not load: merge the parts into one file first "
+                         f"(llama.cpp's llama-gguf-split --merge)")
     for t in r.tensors:
         check_type(t.name, int(t.tensor_type), logical_shape(t))
     return r

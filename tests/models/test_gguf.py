@@ -177,8 +177,10 @@ def write_tokenizer(w, tok_dir: str) -> None:
     w.add_chat_template(tc["chat_template"])
 
 
-def write_gguf(model, tok_dir: str, out_file: str, qtype_of, arch: str | None = None) -> str:
-    """The model as a GGUF file, each tensor in qtype_of(gguf name, array)'s type."""
+def write_gguf(model, tok_dir: str, out_file: str, qtype_of, arch: str | None = None,
+               extra: dict[str, int] | None = None) -> str:
+    """The model as a GGUF file, each tensor in qtype_of(gguf name, array)'s type; `extra`: more
+    integer (uint16) metadata."""
     import gguf
 
     cfg = model.config
@@ -206,6 +208,8 @@ def write_gguf(model, tok_dir: str, out_file: str, qtype_of, arch: str | None = 
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     w.add_expert_count(getattr(cfg, "num_experts", None) or cfg.num_local_experts)
     w.add_expert_used_count(cfg.num_experts_per_tok)
+    for key, value in (extra or {}).items():
+        w.add_uint16(key, value)
     write_tokenizer(w, tok_dir)
     for name, t in gguf_tensors(model).items():
         x = t.detach().float().contiguous().numpy()
@@ -438,9 +442,14 @@ def test_unsupported_architecture_refused_naming_it(source, tmp_path):
         ModelConfig.from_path(f)
 
 
-def test_directory_with_several_gguf_files_refused(source, tmp_path):
+def test_directory_with_several_gguf_files_and_split_files_refused(source, tmp_path):
     src, model = source
     f = write_gguf(model, src, str(tmp_path / "a.gguf"), mix(T.Q8_0, T.Q8_0))
     shutil.copy(f, tmp_path / "b.gguf")
     with pytest.raises(ValueError, match=r"holds 2 GGUF files \(a.gguf, b.gguf\)"):
         ModelConfig.from_path(str(tmp_path))
+    # the first part of a split file (llama-gguf-split writes split.no / split.count into each part)
+    part = write_gguf(model, src, str(tmp_path / "m-00001-of-00003.gguf"), mix(T.Q8_0, T.Q8_0),
+                      extra={"split.no": 0, "split.count": 3})
+    with pytest.raises(ValueError, match=r"part 1 of a split GGUF of 3 files"):
+        ModelConfig.from_path(part)
