@@ -308,8 +308,10 @@ def models_reference() -> str:
              "alone (real sizes, no files).",
              "- **Weight formats**: unquantized bf16/fp16/fp32; block FP8 (`quant_method: fp8`, e4m3 with a "
              "`weight_scale_inv` per 128x128 block, as DeepSeek-V3/R1, Kimi-K2 and the `-FP8` Qwen3/GLM releases "
-             "ship it; `--quantization fp8` makes it from an unquantized checkpoint) for every architecture; the "
-             "formats a model class declares besides (`quant_methods`). Other `quant_method`s are refused, naming "
+             "ship it; `--quantization fp8` makes it from an unquantized checkpoint) for every architecture; "
+             "packed int4 / int8 checkpoints (compressed-tensors W4A16 / W8A16 / W8A8 and FP8 dynamic, GPTQ, AWQ) "
+             "for Qwen3-MoE, Mixtral, MiniMax-M2, DeepSeek-V3 and GPT-OSS; GGUF files (`--model file.gguf`) of "
+             "Qwen3-MoE, Qwen2-MoE and MiniMax-M2; the formats a model class declares besides (`quant_methods`). Other `quant_method`s are refused, naming "
              "it. See [quantized checkpoints](../guides/serving.md#quantized-checkpoints).",
              "- **Expert parallelism, overlap, disaggregation**: every architecture runs the same MoE layer and "
              "step, so each can be sharded over ranks ([multi-node](../guides/multi-node.md)), split into two "
