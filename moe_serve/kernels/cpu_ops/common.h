@@ -1,6 +1,7 @@
 /* What the GEMM kernels (moe.c over float32 / bf16 weights, quant.c over packed int8 / int4 ones)
  * share besides vec.h: scratch memory kept between calls, a thread's share of the weight-row blocks,
- * SiLU-and-mul, and the routed (token, k) pairs sorted by expert.
+ * SiLU-and-mul, the routed (token, k) pairs sorted by expert, and an expert's rows gathered from x and
+ * its weighted outputs added back.
  *
  * Static functions: each file that includes this has its own copies, and its own scratch buffers. */
 #pragma once
@@ -73,4 +74,22 @@ static int64_t sort_by_expert(const int64_t* ids, int64_t P, int64_t E, int64_t*
   for (int64_t p = 0; p < P; p++)
     if (ids[p] >= 0 && ids[p] < E) order[fill[ids[p]]++] = p;
   return rows;
+}
+
+/* The tokens of an expert's n pairs pe[0..n) (pair p: token p / K) gathered from x [T, D] into xs [n, D]. */
+static void gather_rows(const float* x, int64_t D, const int64_t* pe, int64_t n, int64_t K, float* xs) {
+  for (int64_t i = 0; i < n; i++) memcpy(xs + i * D, x + (pe[i] / K) * D, (size_t)D * sizeof(float));
+}
+
+/* out row of pair pe[i] (row pe[i] / per) += wts[pe[i]] * y[i] for i < n, rows of D: an expert's
+ * outputs into the tokens' sums (per = K), or into each pair's own row (per = 1). */
+static void add_weighted_rows(float* out, int64_t D, const int64_t* pe, int64_t n, int64_t per, const float* wts,
+                              const float* y) {
+  for (int64_t i = 0; i < n; i++) {
+    const float wt = wts[pe[i]];
+    float* o = out + (pe[i] / per) * D;
+    const float* yi = y + i * D;
+#pragma omp simd
+    for (int64_t d = 0; d < D; d++) o[d] += wt * yi[d];
+  }
 }

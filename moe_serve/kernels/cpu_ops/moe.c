@@ -234,7 +234,7 @@ static int moe_experts(const float* x, int64_t T, int64_t D, const int64_t* ids,
       panel_groups_run += groups;
       continue;
     }
-    for (int64_t i = 0; i < n; i++) memcpy(xs + i * D, x + (pe[i] / K) * D, (size_t)D * sizeof(float));
+    gather_rows(x, D, pe, n, K, xs);
     if (gemm(xs, D, (int)n, (const char*)w13 + e * 2 * F * D * esz, w_bf16, D, (int)(2 * F), h, 2 * F, nt, inv))
       return -1;
     for (int64_t i = 0; i < n; i++) {
@@ -242,13 +242,7 @@ static int moe_experts(const float* x, int64_t T, int64_t D, const int64_t* ids,
       silu_mul_row(g, g + F, act + i * F, F);
     }
     if (gemm(act, F, (int)n, (const char*)w2 + e * D * F * esz, w_bf16, F, (int)D, y, D, nt, inv)) return -1;
-    for (int64_t i = 0; i < n; i++) {
-      const float wt = wts[pe[i]];
-      float* o = out + (inv ? pe[i] : pe[i] / K) * D;
-      const float* yi = y + i * D;
-#pragma omp simd
-      for (int64_t d = 0; d < D; d++) o[d] += wt * yi[d];
-    }
+    add_weighted_rows(out, D, pe, n, inv ? 1 : K, wts, y);
   }
   return 0;
 }

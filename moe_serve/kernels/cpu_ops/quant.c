@@ -576,19 +576,13 @@ int quant_experts_f32(const float* x, int64_t T, int64_t D, const int64_t* ids, 
       qpanels_run += groups;
       continue;
     }
-    for (int64_t i = 0; i < n; i++) memcpy(xs + i * D, x + (pe[i] / K) * D, (size_t)D * sizeof(float));
+    gather_rows(x, D, pe, n, K, xs);
     int rc = qgemm(xs, D, n, &gu, D, 2 * F, h, 2 * F, nt);
     if (rc) return rc;
     for (int64_t i = 0; i < n; i++) silu_mul_row(h + i * 2 * F, h + i * 2 * F + F, act + i * F, F);
     rc = qgemm(act, F, n, &dn, F, D, y, D, nt);
     if (rc) return rc;
-    for (int64_t i = 0; i < n; i++) {
-      const float wt = wts[pe[i]];
-      float* o = out + (pe[i] / K) * D;
-      const float* yi = y + i * D;
-#pragma omp simd
-      for (int64_t d = 0; d < D; d++) o[d] += wt * yi[d];
-    }
+    add_weighted_rows(out, D, pe, n, K, wts, y);
   }
   return 0;
 }
