@@ -21,13 +21,14 @@ took before (the weight dequantized per call, then torch's GEMM), fastest of --r
 milliseconds, checked against float64.
 
 `--isa avx2` (or generic, avx512) runs vec.h's build for that ISA (MOE_SERVE_CPU_ISA) on a machine
-that executes it: the AVX2 figures of an AVX-512 machine.
+that executes it: the AVX2 figures of an AVX-512 machine (our kernels only: torch's rows still run
+torch's own kernels for the machine at hand).
 
     python bench/cpu_quant_gemv.py [--threads N] [--rounds 3] [--group 128] [--mbytes MB] [--isa ISA]
-                                   [--prefill-tokens 128,512]
+                                   [--prefill-tokens 128,512] [--no-decode]
 
-Writes bench/results/cpu_quant_gemv_<isa>_threads<N>.json (`<isa>build` with --isa) with the machine
-record (bench/machine.py).
+Writes bench/results/cpu_quant_gemv_<isa>_threads<N>.json (`<isa>build` with --isa; with --no-decode,
+the prefill cases only, cpu_quant_prefill_...) with the machine record (bench/machine.py).
 """
 from __future__ import annotations
 
@@ -155,6 +156,7 @@ def main() -> int:
                    "speed_of_light.stream_bytes)")
     p.add_argument("--isa", default=None, help="vec.h's build for this ISA (MOE_SERVE_CPU_ISA): avx512, avx2, generic")
     p.add_argument("--prefill-tokens", default="128,512", help="activation rows of the prefill cases (0: none)")
+    p.add_argument("--no-decode", action="store_true", help="the prefill cases only (written as cpu_quant_prefill_*)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     if a.isa:
@@ -168,7 +170,7 @@ def main() -> int:
     print(f"read bandwidth {bw / 1e9:.2f} GB/s ({a.threads} threads); {budget / 2 ** 20:.0f} MB of copies a format")
     g = torch.Generator().manual_seed(0)
     rows = []
-    for name, (N, K) in SHAPES.items():
+    for name, (N, K) in SHAPES.items() if not a.no_decode else ():
         w = torch.randn(N, K, generator=g) * K ** -0.5
         x = torch.randn(1, K, generator=g)
         for fmt in ("bf16", "int8", "int4"):
@@ -191,7 +193,8 @@ def main() -> int:
               "copies_bytes_per_format": budget, "load_average_after": [round(v, 2) for v in os.getloadavg()],
               "rows": rows, "prefill": prefill}
     tag = f"{a.isa}build" if a.isa else m["isa"]
-    out = Path(a.out) if a.out else HERE / "results" / f"cpu_quant_gemv_{tag}_threads{a.threads}.json"
+    kind = "prefill" if a.no_decode else "gemv"
+    out = Path(a.out) if a.out else HERE / "results" / f"cpu_quant_{kind}_{tag}_threads{a.threads}.json"
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}")
     return 0
