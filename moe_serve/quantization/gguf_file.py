@@ -44,8 +44,15 @@ def gguf_path(path: str) -> str | None:
     return os.path.join(path, ggufs[0])
 
 
-@functools.lru_cache(maxsize=4)
 def reader(path: str):
+    """The checked reader of the file (_reader), read once per version of the file (its path,
+    modification time and size key the cache; the tokenizer's likewise)."""
+    st = os.stat(path)
+    return _reader(path, st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _reader(path: str, mtime_ns: int, size: int):
     """gguf.GGUFReader over the file (memory-mapped), checked: a bad magic, a header or tensor data
     that runs past the end of the file (the reader's views would come out short), one part of a
     split GGUF, or a tensor of a type we do not load (gguf_types.check_type) is a ValueError naming
@@ -138,12 +145,13 @@ def tokenizer_parts(path: str):
     """(tokenizers.Tokenizer, tokenizer_config-like dict: bos/eos tokens, chat_template, add_bos_token)
     from the file's tokenizer metadata, through transformers' GGUF tokenizer conversion (made once
     per file: the front end and the core each open the tokenizer)."""
-    fast, config = _tokenizer_parts(path)
+    st = os.stat(path)
+    fast, config = _tokenizer_parts(path, st.st_mtime_ns, st.st_size)
     return fast, dict(config)
 
 
 @functools.lru_cache(maxsize=2)
-def _tokenizer_parts(path: str):
+def _tokenizer_parts(path: str, mtime_ns: int, size: int):
     from transformers import AutoTokenizer
 
     r = reader(path)
@@ -161,5 +169,13 @@ def _tokenizer_parts(path: str):
               "pad_token": token("tokenizer.ggml.padding_token_id"),
               "add_bos_token": bool(field(r, "tokenizer.ggml.add_bos_token", False)),
               "chat_template": field(r, "tokenizer.chat_template")}
+    bos = config["bos_token"]
+    if config["add_bos_token"] and bos is not None and fast.encode("a").ids[:1] != [fast.token_to_id(bos)]:
+        # the file asks for a BOS before every prompt (llama.cpp adds it); the conversion did not
+        from tokenizers import processors
+
+        add_bos = processors.TemplateProcessing(single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 $B:1",
+                                                special_tokens=[(bos, fast.token_to_id(bos))])
+        fast.post_processor = processors.Sequence([p for p in (fast.post_processor, add_bos) if p is not None])
     return fast, config
 

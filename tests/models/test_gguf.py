@@ -155,8 +155,9 @@ def gguf_tensors(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_tokenizer(w, tok_dir: str) -> None:
-    """The tokenizer.json / tokenizer_config.json of tok_dir as GGUF `tokenizer.*` metadata."""
+def write_tokenizer(w, tok_dir: str, bos: str | None = None) -> None:
+    """The tokenizer.json / tokenizer_config.json of tok_dir as GGUF `tokenizer.*` metadata; `bos`: a
+    token the file asks to put before every prompt (add_bos_token)."""
     with open(os.path.join(tok_dir, "tokenizer.json")) as f:
         tj = json.load(f)
     with open(os.path.join(tok_dir, "tokenizer_config.json")) as f:
@@ -173,14 +174,16 @@ def write_tokenizer(w, tok_dir: str) -> None:
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]])
     w.add_eos_token_id(vocab[tc["eos_token"]])
     w.add_pad_token_id(vocab[tc["pad_token"]])
-    w.add_add_bos_token(False)
+    if bos is not None:
+        w.add_bos_token_id(vocab[bos])
+    w.add_add_bos_token(bos is not None)
     w.add_chat_template(tc["chat_template"])
 
 
 def write_gguf(model, tok_dir: str, out_file: str, qtype_of, arch: str | None = None,
-               extra: dict[str, int] | None = None) -> str:
+               extra: dict[str, int] | None = None, bos: str | None = None) -> str:
     """The model as a GGUF file, each tensor in qtype_of(gguf name, array)'s type; `extra`: more
-    integer (uint16) metadata."""
+    integer (uint16) metadata; `bos`: write_tokenizer's."""
     import gguf
 
     cfg = model.config
@@ -210,7 +213,7 @@ def write_gguf(model, tok_dir: str, out_file: str, qtype_of, arch: str | None = 
     w.add_expert_used_count(cfg.num_experts_per_tok)
     for key, value in (extra or {}).items():
         w.add_uint16(key, value)
-    write_tokenizer(w, tok_dir)
+    write_tokenizer(w, tok_dir, bos)
     for name, t in gguf_tensors(model).items():
         x = t.detach().float().contiguous().numpy()
         q = qtype_of(name, x)
@@ -380,6 +383,13 @@ def test_config_and_tokenizer_from_the_file(source, tmp_path):
     assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == c.eos_token_id
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == \
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    # a file that asks for a BOS before every prompt (tokenizer.ggml.add_bos_token) gets one
+    f = write_gguf(model, src, str(tmp_path / "bos.gguf"), mix(T.Q8_0, T.Q8_0), bos="<|endoftext|>")
+    tok = Tokenizer(f)
+    bos = ref.token_to_id("<|endoftext|>")
+    assert tok.bos_token == "<|endoftext|>"
+    assert tok.encode(text) == [bos] + ref.encode(text).ids
+    assert tok.encode(text, add_special_tokens=False) == ref.encode(text).ids
 
 
 def test_structured_output_over_the_file_tokenizer(source, tmp_path):
