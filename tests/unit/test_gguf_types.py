@@ -139,3 +139,29 @@ def quantize_k(x: np.ndarray, qtype: T) -> np.ndarray:
     parts.append(qs)
     size = GGML_QUANT_SIZES[qtype][1]
     return np.concatenate(parts, axis=1).astype(np.uint8).reshape(*lead, k // 256 * size)
+
+
+def test_llama_cpp_written_file_converts_exactly():
+    """The SmolLM2 GGUF the default model is built from (written by llama.cpp's tools: Q4_1 layers,
+    a Q8_0 embedding): every block-quantized tensor of one layer, and the embedding, convert to
+    PackedWeights equal to gguf-py's dequantization; the file itself (a dense Llama) is refused as a
+    model naming its architecture."""
+    from moe_serve.config import ModelConfig
+    from moe_serve.default_model.gguf_source import find_smollm2_gguf
+    from moe_serve.quantization.gguf_file import reader
+
+    path, problem = find_smollm2_gguf()
+    assert path is not None, problem
+    r = reader(path)  # gguf.GGUFReader, read once (the refusal below reads the same)
+    tensors = [t for t in r.tensors if t.name == "token_embd.weight" or t.name.startswith("blk.0.")]
+    seen = set()
+    for t in tensors:
+        if not gguf_types.is_packed(int(t.tensor_type)):
+            continue
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        ref = torch.from_numpy(dequantize(t.data, t.tensor_type)).reshape(shape)
+        assert torch.equal(gguf_types.to_packed(t.data, int(t.tensor_type), shape).dequantize(), ref), t.name
+        seen.add(t.tensor_type.name)
+    assert seen == {"Q4_1", "Q8_0"}
+    with pytest.raises(ValueError, match=r"architecture 'llama' without experts .*a dense Llama"):
+        ModelConfig.from_path(path)
