@@ -311,7 +311,7 @@ def models_reference() -> str:
              "ship it; `--quantization fp8` makes it from an unquantized checkpoint) for every architecture; "
              "packed int4 / int8 checkpoints (compressed-tensors W4A16 / W8A16 / W8A8 and FP8 dynamic, GPTQ, AWQ) "
              "for Qwen3-MoE, Mixtral, MiniMax-M2, DeepSeek-V3 and GPT-OSS; GGUF files (`--model file.gguf`) of "
-             "Qwen3-MoE, Qwen2-MoE and MiniMax-M2; the formats a model class declares besides (`quant_methods`). Other `quant_method`s are refused, naming "
+             "Qwen3-MoE, Qwen2-MoE, MiniMax-M2 and Mixtral (Q4_0 to Q8_0 and Q4_K to Q6_K blocks kept packed); the formats a model class declares besides (`quant_methods`). Other `quant_method`s are refused, naming "
              "it. See [quantized checkpoints](../guides/serving.md#quantized-checkpoints).",
              "- **Expert parallelism, overlap, disaggregation**: every architecture runs the same MoE layer and "
              "step, so each can be sharded over ranks ([multi-node](../guides/multi-node.md)), split into two "
