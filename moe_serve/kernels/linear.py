@@ -89,11 +89,11 @@ class CpuCLinear(TorchLinear):
         return torch_linear(x, w, b, self.upcast_half)
 
     def packed(self, layer, x: torch.Tensor) -> torch.Tensor:
-        """Decode-sized calls over a packed weight in our C kernel (cpu_ops/quant.c: the packed bytes
-        streamed once); prefill-sized ones dequantize (torch ops)."""
+        """A packed weight in our C kernel (cpu_ops/quant.c: decode-sized calls stream the packed bytes
+        once, prefill-sized ones run its panel GEMM over weight blocks widened from the codes)."""
         w = layer.packed()
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if 0 < rows <= cpu_ops.LINEAR_MAX_ROWS and cpu_quant.quant_linear_fits(x, w):
+        if rows > 0 and cpu_quant.quant_linear_fits(x, w):
             y = cpu_quant.quant_linear(x, w, layer.bias)
             return y if y.dtype == x.dtype else y.to(x.dtype)
         return super().packed(layer, x)

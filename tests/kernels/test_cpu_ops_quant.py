@@ -193,6 +193,8 @@ def test_quant_experts_panels_match_float64(bits13, bits2, offsets, G, isa):
     ids = torch.stack([torch.multinomial(p, 2, generator=g) for _ in range(T)])
     ids = torch.where(torch.rand(T, 2, generator=g) < 0.1, -1, ids)
     wts = torch.rand(T, 2, generator=g)
+    assert quant.panels_fit(w13, w2)
+    assert not quant.panels_fit(_packed((E, 12, 32), 8, 32, False, g), _packed((E, 32, 6), 8, 6, False, g))  # F = 6
     rows = torch.bincount(ids[ids >= 0], minlength=E)
     first = quant.panel_min_rows()
     assert (rows >= first).any() and ((rows > 0) & (rows < first)).any()

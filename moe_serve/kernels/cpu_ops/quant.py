@@ -177,6 +177,13 @@ def experts_problem(x_TD: torch.Tensor, w13: PackedWeight, w2: PackedWeight, top
     return None
 
 
+def panels_fit(w13: PackedWeight, w2: PackedWeight) -> bool:
+    """Whether quant_experts' panel path takes experts of these shapes (gate_up (E, 2F, D), down
+    (E, D, F): D a multiple of 8, F of 4), so that a prefill-sized batch runs there as fast as it does
+    for float32 weights; otherwise many rows go through the decode tiles (correct, slower)."""
+    return len(w13.shape) == 3 and w13.shape[2] % 8 == 0 and (w13.shape[1] // 2) % 4 == 0
+
+
 def quant_experts_fits(x_TD, w13, w2, topk_weights_TK, topk_ids_TK) -> bool:
     return experts_problem(x_TD, w13, w2, topk_weights_TK, topk_ids_TK) is None and cpu_ops.available()
 

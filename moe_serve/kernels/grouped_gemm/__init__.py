@@ -129,10 +129,11 @@ class CpuCExperts(TorchExperts):
 
     def variant(self, x_TD, w13, w2, topk_weights_TK, topk_ids_TK, w13_bias, w2_bias, activation) -> torch.Tensor:
         """Packed int4 / int8 SwiGLU experts (moe_serve/quantization/packed.py) in a decode-sized
-        batch: our C kernel (cpu_ops/quant.c), each routed expert's packed bytes streamed once."""
+        batch, or any batch where quant.c's panel path takes their shapes: our C kernel (cpu_ops/quant.c),
+        each routed expert's packed bytes streamed once."""
         T, K = topk_ids_TK.shape
         if (w13_bias is None and w2_bias is None and activation == "silu" and isinstance(w13, cpu_quant.PackedWeight)
-                and T * K <= cpu_ops.MAX_ROWS_PER_EXPERT * w13.shape[0]
+                and (T * K <= cpu_ops.MAX_ROWS_PER_EXPERT * w13.shape[0] or cpu_quant.panels_fit(w13, w2))
                 and cpu_quant.quant_experts_fits(x_TD, w13, w2, topk_weights_TK, topk_ids_TK)):
             out = cpu_quant.quant_experts(x_TD, w13, w2, topk_weights_TK, topk_ids_TK)
             return out if out.dtype == x_TD.dtype else out.to(x_TD.dtype)
