@@ -25,9 +25,9 @@ a maddubs prototype 75 us, AVX-VNNI 59 us. On AVX-512 the float path already rea
 speed (below), so VNNI has nothing to win on a decode GEMV; on the panel path a VNNI int8 x int8
 micro-kernel (8 weight rows x 48 tokens of int32 accumulators, scaled per group) ran a 1536 x 2048
 weight against 48 rows warm in 1.27 ms, against 1.83 ms for the float32 panel and 2.15 ms for int8
-codes here: a W8A8 mode's gain, not built. The engine's cpu_c backends call these
-for decode-sized calls only (kernels/linear.py and grouped_gemm/__init__.py cap the rows); prefill-
-sized packed calls there still dequantize through torch.
+codes here: a W8A8 mode's gain, not built. The engine's cpu_c backends (kernels/linear.py,
+grouped_gemm/__init__.py) call these for packed layers, prefill included (experts: where
+`panels_fit`, else decode-sized batches only).
 
 Measured (bench/cpu_quant_gemv.py, bench/results/cpu_quant_gemv_*.json): a single-row GEMV reads its
 packed bytes at 81-102% of the machine's read bandwidth on AVX-512 (1 and 2 threads); on the AVX2
