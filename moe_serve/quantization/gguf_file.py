@@ -7,9 +7,10 @@ safetensors. The config is transformers' reading of the file's architecture keys
 (`transformers.modeling_gguf_pytorch_utils.load_gguf_checkpoint`, what a transformers or vLLM user
 gets), completed with the keys it does not map (the experts' size `expert_feed_forward_length`,
 the shared expert's, Mixtral's expert counts: transformers reads a "llama" file as a dense Llama)
-and with `quantization_config: {"quant_method": "gguf"}`. The
-tokenizer is transformers' conversion of the file's `tokenizer.ggml.*` vocabulary and merges; the
-end-of-sequence and beginning tokens and the chat template come from the same metadata.
+and with `quantization_config: {"quant_method": "gguf"}`. The tokenizer is transformers' conversion
+of the file's `tokenizer.ggml.*` vocabulary and merges; the end-of-sequence and beginning tokens,
+whether a prompt starts with the latter (`add_bos_token`) and the chat template come from the same
+metadata.
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ import os
 
 # GGUF general.architecture -> (transformers model_type, our architecture name). Mixtral's GGUF
 # is "llama" with experts (`llama.expert_count`; transformers would read it as a dense Llama); a
-# dense Llama, and other architectures (GPT-OSS's GGUF ships MXFP4 experts), are refused naming them.
+# dense Llama and other architectures (GPT-OSS's GGUF: MXFP4 experts, tensor names transformers'
+# GGUF reading does not know) are refused naming them.
 ARCHITECTURES = {
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
