@@ -142,7 +142,8 @@ class EngineArgs:
     def add_cli_args(p: argparse.ArgumentParser, model_required: bool = False) -> None:
         g = p.add_argument_group("engine")
         g.add_argument("--model", required=model_required, default=None,
-                       help="Hugging Face checkpoint directory (default: the built-in default model)")
+                       help="Hugging Face checkpoint directory, or a GGUF file (or a directory holding one) "
+                            "(default: the built-in default model)")
         g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
         g.add_argument("--max-model-len", type=int, default=None)
         g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])

@@ -124,6 +124,10 @@ WEIGHT_FORMATS: dict[str, dict] = {
     "gptq": {"what": "GPTQ 4 / 8-bit (checkpoint_format gptq or gptq_v2, no activation order), kept packed",
              "backends": _PACKED_HOW},
     "awq": {"what": "AutoAWQ 4-bit 'gemm', kept packed", "backends": _PACKED_HOW},
+    "gguf": {"what": "GGUF files (--model file.gguf) of Qwen3-MoE, Qwen2-MoE, MiniMax-M2, Mixtral: F32 / F16 / BF16 "
+                     "as float; Q4_0, Q4_1, Q4_K kept 4-bit, Q5_0, Q5_1, Q8_0, Q5_K, Q6_K kept a byte a code "
+                     "(exact); embedding, head and routers dequantized at load; other types refused",
+             "backends": _PACKED_HOW},
 }
 
 
