@@ -19,9 +19,9 @@ runs here, and the wrappers raise ValueError naming the problem for anything els
 
 Not here: moe_experts' batch-invariant `pairs` form; int8-rounded activations (u8 x s8 dot products:
 maddubs on AVX2, VNNI), which change the numerics (each activation group rounded to int8) and so
-would be a mode of their own. They would lift the AVX2 int4 GEMV off its compute bound: measured on
-this project's Xeon, 1 thread, 1536 x 2048 int4 group 128 warm in cache, the float path here 204 us,
-a maddubs prototype 75 us, AVX-VNNI 59 us. On AVX-512 the float path already reads at the memory's
+would be a mode of their own. They would lift the AVX2 int4 GEMV well off its compute bound:
+measured on this project's Xeon, 1 thread, 1536 x 2048 int4 group 128 warm in cache, the float path
+here 140 us (164 before AVX2's whole-byte form), a maddubs prototype 67-75 us, AVX-VNNI 59 us. On AVX-512 the float path already reads at the memory's
 speed (below), so VNNI has nothing to win on a decode GEMV; on the panel path a VNNI int8 x int8
 micro-kernel (8 weight rows x 48 tokens of int32 accumulators, scaled per group) ran a 1536 x 2048
 weight against 48 rows warm in 1.27 ms, against 1.83 ms for the float32 panel and 2.15 ms for int8
@@ -31,9 +31,8 @@ grouped_gemm/__init__.py) call these for packed layers, prefill included (expert
 
 Measured (bench/cpu_quant_gemv.py, bench/results/cpu_quant_gemv_*.json): a single-row GEMV reads its
 packed bytes at 81-102% of the machine's read bandwidth on AVX-512 (1 and 2 threads); on the AVX2
-build int8 84-90%, int4 61-73% (compute-bound: widening an int4 code and its FMA on 8-lane vectors
-take longer than its half byte takes to arrive; warm in cache the same GEMV runs at ~8.5 GB/s of
-packed bytes).
+build int8 84-90%, int4 75-81% (near its compute bound: warm in cache the same GEMV reads ~12.5 GB/s
+of packed bytes, against a read bandwidth of 10-12 GB/s).
 """
 from __future__ import annotations
 
