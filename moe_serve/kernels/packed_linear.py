@@ -65,9 +65,11 @@ def packed_linear_launch(M: int, dtype: torch.dtype, bits: int, group_size: int,
                          act_quant: bool = False, where: str = "packed linear") -> dict:
     """Constexprs and launch options for M rows: decode-sized M keeps BLOCK_M at 16 (tl.dot's least;
     the row tiles are fp8_linear's, so TritonLinear.ROW_TILES picks each);
-    the K tile is 128 (64 for W8A8's wider integer tile) narrowed to divide the weight's group."""
+    the K tile is 128 (64 for W8A8's wider integer tile; 16 for fp32 activations, as in
+    grouped_gemm/triton_packed.py: 128 spilled kilobytes) narrowed to divide the weight's group."""
     bm = 16 if M <= 16 else (32 if M <= 64 else 64)
-    bk, per_tile = packed_k_tile(64 if act_quant else 128, group_size, K, act_quant, where)
+    block_k = 64 if act_quant else (16 if dtype == torch.float32 else 128)
+    bk, per_tile = packed_k_tile(block_k, group_size, K, act_quant, where)
     return dict(BITS=bits, HAS_OFFSET=has_offset, PER_TILE=per_tile, A_INT8=act_quant, BLOCK_M=bm, BLOCK_N=64,
                 BLOCK_K=bk, PREC="ieee" if dtype == torch.float32 else "tf32", UPCAST=INTERPRETED,
                 num_warps=8 if bm == 64 else 4, num_stages=3)

@@ -346,10 +346,10 @@ PACKED = (aot_check.PACKED_GEMM, aot_check.PACKED_LINEAR, aot_check.INT8_QUANT)
 def test_packed_launches_compile_for_sm90_and_sm100():
     """The packed int4 / int8 kernels as the Triton backends launch them (TritonExperts over
     PackedExperts, TritonLinear over packed layers; W8A8 through the kernels' own entry points and
-    its int8 activation quantizer), their quick set in bf16: the decode tiles of the grouped GEMM
-    (int4 / int8 W*A16 and int8 W8A8, gate/up and down), of the linear layer (bias or not, W8A8)
-    and the quantizer, all compiling for sm_90 and sm_100 within --max-spill. `aot_check --only
-    packed` compiles every config, group size and dtype."""
+    its int8 activation quantizer), their quick sets: the decode tiles of the grouped GEMM (int4 /
+    int8 W*A16 and int8 W8A8, gate/up and down), of the linear layer (bias or not, W8A8) and the
+    quantizer, in bf16 for sm_90 and sm_100 and in fp32 for sm_90, all within --max-spill.
+    `aot_check --only packed` compiles every config, group size and dtype (none spills)."""
     from moe_serve.kernels import specialization as sp
     from moe_serve.kernels.grouped_gemm import TritonExperts
     from moe_serve.kernels.linear import TritonLinear
@@ -373,13 +373,17 @@ def test_packed_launches_compile_for_sm90_and_sm100():
     assert gemm == {(b, a, g) for b, a in ((4, False), (8, False), (8, True)) for g in (False, True)}
     assert all(aot_check.is_decode(j) for j in quick if j.kernel != aot_check.INT8_QUANT)
     assert {j.kernel for j in quick} == set(PACKED)
-    rc, lines = run_aot("--arch", "90", "100", "--dtype", "bf16", "--kv-cache-dtype", "auto", "--only", "packed",
-                        "--quick", timeout=600)
-    m = LAST_LINE.match(lines[-1])
-    assert m and rc == 0, [line for line in lines if "FAIL" in line or "SPILL" in line] or lines[-5:]
-    assert (int(m.group(1)), m.group(2), m.group(3)) == (len(quick), "sm_90, sm_100", "0"), lines[-5:]
-    s = SPILL_LINE.match(lines[-3])
-    assert s and s.group(2) == "0", lines[-4:]
+    # as the other quick sets: bf16 for both, fp32 (the FMA product, its own tiles) for sm_90
+    fp32 = [j for j in aot_check.enumerate_jobs(dtypes=(torch.float32,), kv_cache_dtypes=(None,)) if j.kernel in PACKED]
+    for arch, names, n in (("90", ("bf16", "fp32"), len(quick) + len(aot_check.quick_jobs(fp32))),
+                           ("100", ("bf16",), len(quick))):
+        rc, lines = run_aot("--arch", arch, "--dtype", *names, "--kv-cache-dtype", "auto", "--only", "packed",
+                            "--quick", timeout=600)
+        m = LAST_LINE.match(lines[-1])
+        assert m and rc == 0, [line for line in lines if "FAIL" in line or "SPILL" in line] or lines[-5:]
+        assert (int(m.group(1)), m.group(2), m.group(3)) == (n, f"sm_{arch}", "0"), lines[-5:]
+        s = SPILL_LINE.match(lines[-3])
+        assert s and s.group(2) == "0", lines[-4:]
 
 
 def test_packed_launches_select_few_variants():

@@ -118,9 +118,14 @@ def packed_gemm_launch(cfg: dict, dtype: torch.dtype, w, act_quant: bool = False
                        ) -> dict:
     """Constexprs and launch options of `_packed_grouped_gemm_kernel` (GATED / MUL_WEIGHT / ACT aside)
     for one config, activation dtype and stacked PackedWeight w (its bits, group size and offsets
-    select the variant; the K tile is narrowed to divide its group)."""
-    bk, per_tile = packed_k_tile(cfg["BLOCK_SIZE_K"], w.group_size, w.shape[-1], act_quant, where)
-    return dict(GROUP_SIZE_M=cfg["GROUP_SIZE_M"], BLOCK_SIZE_M=cfg["BLOCK_SIZE_M"], BLOCK_SIZE_N=cfg["BLOCK_SIZE_N"],
+    select the variant; the K tile is narrowed to divide its group). fp32 activations take K tiles of
+    16 and N tiles of at most 64: their exact (FMA) product holds both operand tiles in registers,
+    and the dequantized tile's conversion to its operand layout spilled kilobytes per thread at the
+    configs' K tiles of 64 and 128, and a 64 x 128 gate/up tile still 472 B on sm_100 (aot_check)."""
+    fp32 = dtype == torch.float32
+    bk, per_tile = packed_k_tile(16 if fp32 else cfg["BLOCK_SIZE_K"], w.group_size, w.shape[-1], act_quant, where)
+    bn = min(64, cfg["BLOCK_SIZE_N"]) if fp32 else cfg["BLOCK_SIZE_N"]
+    return dict(GROUP_SIZE_M=cfg["GROUP_SIZE_M"], BLOCK_SIZE_M=cfg["BLOCK_SIZE_M"], BLOCK_SIZE_N=bn,
                 BLOCK_SIZE_K=bk, PREC="ieee" if dtype == torch.float32 else "tf32", UPCAST=INTERPRETED,
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], BITS=w.bits,
                 HAS_OFFSET=w.offsets is not None, PER_TILE=per_tile, A_INT8=act_quant)
