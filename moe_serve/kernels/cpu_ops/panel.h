@@ -308,7 +308,8 @@ static int panel_linear(const float* x, int64_t ldx, int64_t M, const wsrc_t* w,
   const int64_t group = panel_group_rows(K);
   const int64_t g_rows = M < group ? M : group;
   const int64_t gpan = (g_rows + NR - 1) / NR;
-  float* xp = scratch(PANEL_SLOT_X, (size_t)(gpan * K * NR) * sizeof(float) + (size_t)(2 * gpan * NR) * sizeof(int64_t));
+  float* xp = scratch(PANEL_SLOT_X,
+                      (size_t)(gpan * K * NR) * sizeof(float) + (size_t)(2 * gpan * NR) * sizeof(int64_t));
   if (!xp) return -1;
   int64_t* xrow = (int64_t*)(xp + gpan * K * NR);
   int64_t* yrow = xrow + gpan * NR;
