@@ -92,8 +92,9 @@ def packed_collector(hf: dict):
 # guide's "Quantized checkpoints" section says the same. Backends are the expert / linear ops
 # (moe_serve/platform.py OPS): torch ops, our C kernels (cpu_c), Triton (triton).
 _PACKED_HOW = {"torch": "dequantized per call (torch ops)",
-               "cpu_c": "decode-sized linear calls and plain SwiGLU experts (no biases) in cpu_ops/quant.c, "
-                        "the packed bytes read once; other calls dequantized (torch ops)",
+               "cpu_c": "linear calls and plain SwiGLU experts (no biases) in cpu_ops/quant.c: decode GEMVs read "
+                        "the packed bytes once, prefills run a panel GEMM over rows widened a block at a time; "
+                        "experts with biases dequantized (torch ops)",
                "triton": "packed kernels (packed_linear.py, grouped_gemm/triton_packed.py): codes decoded in "
                          "registers"}
 WEIGHT_FORMATS: dict[str, dict] = {
