@@ -251,3 +251,33 @@ def test_triton_backends_run_packed_weights_in_the_kernels(monkeypatch):
     assert rel_err(got, ref) < RTOL[torch.bfloat16]
     y = TritonLinear(DEVICE).packed(layer, x.float())
     assert rel_err(y, lref) < RTOL[torch.float32]
+
+
+def test_engine_serves_a_w4a16_checkpoint_through_the_packed_kernels(tmp_path, monkeypatch):
+    """A compressed-tensors W4A16 checkpoint (group 32, zero points: llm-compressor's packing by the
+    package itself) served with the Triton backends: every packed linear layer and the experts run in
+    the packed kernels (none dequantized per call), and the greedy tokens equal transformers' on the
+    package's own decompressed weights (a differing token only at a top-2 tie)."""
+    from moe_serve import LLM, SamplingParams
+    from moe_serve.kernels import specialization as sp
+    from tests.models.test_compressed_tensors import build_qwen3_moe_128, oracle, write_checkpoint
+    from tests.models.test_hf_parity import assert_same_greedy, hf_greedy
+
+    src = build_qwen3_moe_128(str(tmp_path / "src"))
+    dst = str(tmp_path / "w4a16")
+    model = oracle(src, write_checkpoint(src, dst, dict(num_bits=4, symmetric=False, strategy="group", group_size=32)),
+                   str(tmp_path / "oracle"))
+    # attention in torch ops: its kernels have their own tests, and the interpreter's time goes here
+    llm = LLM(dst, dtype="float32", kv_cache_memory=1 << 22, show_progress=False, moe_backend="triton",
+              attention_backend="torch", linear_backend="triton", max_num_batched_tokens=16)
+    prompts = [[5, 77, 301, 42], [9, 8, 7, 6, 5, 4, 3, 200, 100, 17, 18, 19, 20, 21, 22, 23, 24, 25]]  # 2 chunks
+    def no_dequantize(*a, **k):
+        raise AssertionError("dequantized a packed weight while serving")
+
+    monkeypatch.setattr(PackedWeight, "dequantize", no_dequantize)
+    with sp.record(run=True) as launches:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=4))
+    assert {sp.PACKED_GEMM, sp.PACKED_LINEAR} <= {x.kernel for x in launches}
+    monkeypatch.undo()  # the oracle's transformers model is plain torch
+    for p, o in zip(prompts, outs):
+        assert_same_greedy(model, p, o.outputs[0].token_ids, hf_greedy(model, p, 4))
