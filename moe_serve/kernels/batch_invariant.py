@@ -286,10 +286,12 @@ class InvariantTritonLinear(TritonLinear):
     per_head = InvariantTorchLinear.per_head
 
     def launch(self, layer, dtype: torch.dtype, M: int) -> None:
-        """The layer (dense or block FP8) over M "meta" rows: compiled, not run."""
+        """The layer (dense, block FP8 or packed) over M "meta" rows: compiled, not run."""
         x = torch.empty(M, layer.in_features, dtype=dtype, device="meta")
         if getattr(layer, "weight_scale_inv", None) is not None:
             self.fp8(layer, x)
+        elif getattr(layer, "qweight", None) is not None:
+            self.packed(layer, x)
         else:
             self(x, layer.weight, layer.bias)
 

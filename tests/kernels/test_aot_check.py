@@ -388,8 +388,9 @@ def test_packed_launches_compile_for_sm90_and_sm100():
 
 def test_packed_launches_select_few_variants():
     """The packed launchers keep the variants few: expert batches of 1..4096 tokens record one
-    variant per default config and GEMM, linear calls of 1..4096 rows one per row tile (the kernels
-    record their compile keys instead of running)."""
+    variant per default config and GEMM, linear calls of 1..4096 rows one per row tile, and
+    --batch-invariant's linear one for every M (the kernels record their compile keys instead of
+    running)."""
     from moe_serve.kernels import specialization as sp
     from moe_serve.kernels.grouped_gemm import config as gcfg
     from moe_serve.kernels.grouped_gemm import triton_packed
@@ -411,6 +412,18 @@ def test_packed_launches_select_few_variants():
         for M in list(range(1, 40)) + [64, 100, 255, 256, 1000, 4096]:
             packed_linear_triton(torch.zeros(M, 256), w)
     assert len(set(linear)) == 3
+    # --batch-invariant's linear: one row tile whatever M, the 32-row variant, which its warm-up compiles
+    from moe_serve.kernels.batch_invariant import InvariantTritonLinear
+    from moe_serve.kernels.linear import TritonLinear
+
+    layer = aot_check._packed_linear_layer(256, 512, torch.bfloat16, 4, 128, False)
+    with sp.record((sp.PACKED_LINEAR,)) as invariant:
+        InvariantTritonLinear("cpu").warm_up(layer, torch.bfloat16)
+        for M in (1, 7, 300):
+            InvariantTritonLinear("cpu").packed(layer, torch.empty(M, 512, dtype=torch.bfloat16, device="meta"))
+    with sp.record((sp.PACKED_LINEAR,)) as tile32:
+        TritonLinear("cpu").launch(layer, torch.bfloat16, 32)
+    assert set(invariant) == set(tile32) and len(tile32) == 1
 
 
 def test_fp8_kv_caches_enumerated_and_warmed_up():
