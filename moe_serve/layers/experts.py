@@ -61,31 +61,38 @@ class Mxfp4Experts(GroupedExperts):
 class PackedExperts(GroupedExperts):
     """This rank's expert slots kept packed (PackedWeight's layout, stacked per slot): w13 as
     (E, 2F, D) codes with (E, 2F, D / G13) float32 scales and offsets ([gate; up] rows), w2 as
-    (E, D, F) codes with (E, D, F / G2); codes one a byte (8 bits) or two (4 bits); with `bias`,
+    (E, D, F) codes with (E, D, F / G2); codes one a byte (8 bits) or two (4 bits), w13 and w2 each
+    their own (`bits` one width for both, or (w13's, w2's): GGUF Q4_K_M's 4-bit gate/up beside its
+    6-bit down, held a byte a code); with `bias`,
     w13_bias (E, 2F) and w2_bias (E, D) in the model's dtype, unquantized (GPT-OSS's experts as
     llm-compressor writes them: per-expert gate / up / down linear layers with biases). Plain SwiGLU
     experts without biases take our C kernel in decode-sized batches (cpu_ops/quant.c); the torch ops
     dequantize the routed experts per step otherwise (biases, another activation, prefill)."""
 
     def __init__(self, num_local: int, hidden_size: int, intermediate_size: int, local_logical: list[int], dtype,
-                 bits: int, group_sizes: tuple[int, int], activation="silu", bias: bool = False):
+                 bits: int | tuple[int, int], group_sizes: tuple[int, int], activation="silu", bias: bool = False):
         nn.Module.__init__(self)
         D, F = hidden_size, intermediate_size
-        self.F, self.D, self.bits, self.group_sizes = F, D, bits, tuple(group_sizes)
+        self.widths = (bits, bits) if isinstance(bits, int) else tuple(bits)  # w13's, w2's
+        self.bits = bits if isinstance(bits, int) else max(bits)  # the widest, as errors name it
+        self.F, self.D, self.group_sizes = F, D, tuple(group_sizes)
         self.w13 = self.w2 = None  # no dense copy
         self.w13_bias = nn.Parameter(torch.zeros(num_local, 2 * F, dtype=dtype)) if bias else None
         self.w2_bias = nn.Parameter(torch.zeros(num_local, D, dtype=dtype)) if bias else None
         g13, g2 = self.group_sizes
-        for K, G, what in ((D, g13, "hidden_size"), (F, g2, "intermediate_size")):
-            if G <= 0 or K % G or (bits == 4 and K % 2):
-                raise ValueError(f"packed {bits}-bit experts: group size {G} must divide {what} {K} (and it must be "
+        for K, G, b, what in ((D, g13, self.widths[0], "hidden_size"), (F, g2, self.widths[1], "intermediate_size")):
+            if b not in (4, 8):
+                raise ValueError(f"packed experts: {b}-bit codes; 4 and 8 are supported")
+            if G <= 0 or K % G or (b == 4 and K % 2):
+                raise ValueError(f"packed {b}-bit experts: group size {G} must divide {what} {K} (and it must be "
                                  f"even for 4 bits)")
 
         def param(*shape, dtype=torch.float32):
             return nn.Parameter(torch.zeros(num_local, *shape, dtype=dtype), requires_grad=False)
 
-        per = 2 if bits == 4 else 1
-        self.w13_qweight, self.w2_qweight = param(2 * F, D // per, dtype=torch.uint8), param(D, F // per, dtype=torch.uint8)
+        per13, per2 = (2 if b == 4 else 1 for b in self.widths)
+        self.w13_qweight = param(2 * F, D // per13, dtype=torch.uint8)
+        self.w2_qweight = param(D, F // per2, dtype=torch.uint8)
         self.w13_scales, self.w13_offsets = param(2 * F, D // g13), param(2 * F, D // g13)
         self.w2_scales, self.w2_offsets = param(D, F // g2), param(D, F // g2)
         self.activation = activation
@@ -101,9 +108,9 @@ class PackedExperts(GroupedExperts):
             block = (1, max(self.D, self.F))
             return (BlockFp8Experts(self.w13_qweight.view(FP8), self.w13_scales, block, (self.F, self.F)),
                     BlockFp8Experts(self.w2_qweight.view(FP8), self.w2_scales, block, (self.D,)))
-        return (PackedWeight(self.bits, self.w13_qweight, self.w13_scales, self.w13_offsets, self.group_sizes[0],
+        return (PackedWeight(self.widths[0], self.w13_qweight, self.w13_scales, self.w13_offsets, self.group_sizes[0],
                              (E, 2 * self.F, self.D)),
-                PackedWeight(self.bits, self.w2_qweight, self.w2_scales, self.w2_offsets, self.group_sizes[1],
+                PackedWeight(self.widths[1], self.w2_qweight, self.w2_scales, self.w2_offsets, self.group_sizes[1],
                              (E, self.D, self.F)))
 
     def load_bias(self, logical_id: int, kind: str, b: torch.Tensor, raw: str) -> None:
@@ -140,10 +147,10 @@ class PackedExperts(GroupedExperts):
         if rows is None:
             raise ValueError(f"expert weight kind {kind!r} is not supported with packed experts (per-expert gate, up "
                              f"and down tensors are)")
-        g = self.group_sizes[1 if kind == "down" else 0]
-        if (w.bits, w.group_size, w.shape) != (self.bits, g, want):
+        g, b = (self.group_sizes[1], self.widths[1]) if kind == "down" else (self.group_sizes[0], self.widths[0])
+        if (w.bits, w.group_size, w.shape) != (b, g, want):
             raise ValueError(f"expert {logical_id} {kind}: {w.bits}-bit group {w.group_size} {w.shape}, expected "
-                             f"{self.bits}-bit group {g} {want}: every expert projection must be quantized alike")
+                             f"{b}-bit group {g} {want}: every expert projection must be quantized alike")
         pre = "w2" if kind == "down" else "w13"
         offsets = w.offsets if w.offsets is not None else torch.zeros_like(w.scales)
         for s in self.slots_of.get(logical_id, ()):
@@ -151,11 +158,11 @@ class PackedExperts(GroupedExperts):
                 getattr(self, f"{pre}_{part}").data[s, rows].copy_(t)
 
 
-def packed_experts(dense: GroupedExperts, bits: int, group_sizes: tuple[int, int]) -> PackedExperts:
+def packed_experts(dense: GroupedExperts, bits: int | tuple[int, int], group_sizes: tuple[int, int]) -> PackedExperts:
     """Packed experts in place of a layer's dense ones (before loading: the dense tensors were never
     filled), the same slots, sizes, activation and biases."""
     if type(dense) is not GroupedExperts:
-        raise ValueError(f"packed int{bits} experts replace a layer's dense experts, not {type(dense).__name__}")
+        raise ValueError(f"packed experts replace a layer's dense experts, not {type(dense).__name__}")
     E, twoF, D = dense.w13.shape
     with torch.device(dense.w13.device):
         return PackedExperts(E, D, twoF // 2, dense.local_logical, dense.w13.dtype, bits, group_sizes,

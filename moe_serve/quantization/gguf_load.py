@@ -163,9 +163,9 @@ def _make_packed_storage(model: nn.Module, ckpt: GgufCheckpoint, experts: dict) 
     """Packed storage for the linear layers and MoE experts whose GGUF tensors are block-quantized,
     before any tensor loads (as weights.py does for the other packed formats); returns the model
     names of the tensors that load packed and records their bits in `ckpt.packed`. A MoE layer's
-    experts share one bit width: 4-bit codes (Q4_K gate/up) beside 8-bit ones (Q6_K down, as
-    llama.cpp's Q4_K_M mixes them) are all held a code a byte. A layer whose experts are not all
-    block-quantized loads dense, dequantized."""
+    gate/up experts share one bit width, and its down experts one: Q4_K_M's 4-bit gate/up stay 4-bit
+    beside its Q6_K down (a byte a code); a Q4_K expert among 8-bit ones of its kind is held a byte a
+    code. A layer whose experts are not all block-quantized loads dense, dequantized."""
     from moe_serve.layers.experts import packed_experts
     from moe_serve.layers.linear import Linear
 
@@ -173,7 +173,7 @@ def _make_packed_storage(model: nn.Module, ckpt: GgufCheckpoint, experts: dict) 
     packed: set[str] = set()
     # MoE layer prefix -> {"w13" / "w2": {group size: GGUF type name}}, and its expert tensors
     groups: dict[str, dict[str, dict[int, str]]] = {}
-    bits_of: dict[str, int] = {}
+    bits_of: dict[tuple[str, str], int] = {}  # (MoE layer prefix, "w13" / "w2") -> the widest codes there
     members: dict[str, list[tuple[str, str]]] = {}
     for raw in ckpt.keys():
         qtype = ckpt.qtype(raw)
@@ -190,7 +190,7 @@ def _make_packed_storage(model: nn.Module, ckpt: GgufCheckpoint, experts: dict) 
             bits, group = gguf_types.packed_layout(qtype)
             which = "w2" if model.expert_names.get(m.group("proj")) == "down" else "w13"
             groups.setdefault(prefix, {}).setdefault(which, {}).setdefault(group, gguf_types.type_name(qtype))
-            bits_of[prefix] = max(bits_of.get(prefix, 0), bits)
+            bits_of[prefix, which] = max(bits_of.get((prefix, which), 0), bits)
             continue
         lin = modules.get(mapped[: -len(".weight")])
         if gguf_types.is_packed(qtype) and isinstance(lin, Linear) and not getattr(lin, "weight_used_directly",
@@ -210,9 +210,11 @@ def _make_packed_storage(model: nn.Module, ckpt: GgufCheckpoint, experts: dict) 
                      ", ".join(sorted({t for g in layout.values() for t in g.values()})))
             continue
         for raw, mapped in members[prefix]:
-            ckpt.packed[raw] = bits_of[prefix]
+            proj = re.match(r"^.*\.experts\.\d+\.(\w+)\.weight$", mapped).group(1)
+            ckpt.packed[raw] = bits_of[prefix, "w2" if model.expert_names.get(proj) == "down" else "w13"]
             packed.add(mapped)
-        new = packed_experts(experts[prefix], bits_of[prefix], (next(iter(layout["w13"])), next(iter(layout["w2"]))))
+        new = packed_experts(experts[prefix], (bits_of[prefix, "w13"], bits_of[prefix, "w2"]),
+                             (next(iter(layout["w13"])), next(iter(layout["w2"]))))
         modules[prefix].experts = new
         experts[prefix] = new
     log.info("GGUF checkpoint: %d tensors kept packed (%s)", len(packed),

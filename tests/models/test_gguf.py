@@ -279,7 +279,8 @@ def test_q4_k_m_greedy_matches_transformers(source, tmp_path, monkeypatch):
     """llama.cpp's Q4_K_M mix (Q4_K attention and gate/up experts, Q6_K down experts, Q8_0
     embedding and head) under chunked prefill, preemption and prefix hits, served from the
     directory holding the file (the other tests name the file). Decode-sized calls over these
-    layouts (4 bits group 32; experts a code a byte, Q6_K's group 16) run in our C kernels
+    layouts (4 bits group 32; gate/up experts 4-bit beside down experts a code a byte, Q6_K's group
+    16) run in our C kernels
     (cpu_ops/quant.c, the CPU's default backends)."""
     from moe_serve.kernels.cpu_ops import quant
 
@@ -307,7 +308,7 @@ def test_q4_k_m_greedy_matches_transformers(source, tmp_path, monkeypatch):
     (T.Q8_0, T.Q8_0, T.F16, T.F32),
 ], ids=["Q5_K-Q4_0-Q5_0-F16", "Q4_1-Q5_1-Q8_0-BF16", "float-down-experts"])
 def test_types_greedy_match_transformers(source, tmp_path, linear, experts, down, embed):
-    """The other types (4-bit gate/up experts beside 8-bit down experts held one code a byte); a
+    """The other types (4-bit gate/up experts beside 8-bit down experts, each at its own width); a
     layer whose down experts are F16 loads its experts dense."""
     src, model = source
     f = write_gguf(model, src, str(tmp_path / "m.gguf"), mix(linear, experts, down, embed))
@@ -356,6 +357,11 @@ def test_packed_weights_stay_packed_in_memory(source, tmp_path):
         assert packed_bytes == pytest.approx(ratio * 2 * logical, rel=1e-6), (qtype, packed_bytes / (2 * logical))
         assert ours.model.layers[0].self_attn.q_proj.weight is None
         assert ours.model.layers[0].mlp.experts.w13 is None
+    # Q4_K_M: the Q4_K gate/up experts stay two codes a byte beside the Q6_K down experts' one.
+    f = write_gguf(model, src, str(tmp_path / "Q4_K_M.gguf"), mix(T.Q4_K, T.Q4_K, T.Q6_K))
+    ex = LLM(f, dtype="bfloat16", kv_cache_memory=1 << 20, show_progress=False).engine.runner.model.model.layers[0].mlp.experts
+    assert ex.widths == (4, 8)
+    assert ex.w13_qweight.shape[-1] * 2 == ex.D and ex.w2_qweight.shape[-1] == ex.F
 
 
 def test_config_and_tokenizer_from_the_file(source, tmp_path):
