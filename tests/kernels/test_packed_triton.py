@@ -122,10 +122,10 @@ def test_packed_errors_name_the_tensor():
         packed_linear_triton(x, packed((8, 64), 8, 32, gen))
     with pytest.raises(ValueError, match="dtype torch.float64"):
         packed_linear_triton(x.double(), packed((8, 48), 8, 48, gen))
-    w13, w2 = packed((2, 32, 48), 8, 16, gen), packed((2, 48, 16), 4, 16, gen)
+    w13, w2 = packed((2, 32, 48), 8, 48, gen), packed((2, 48, 16), 4, 16, gen)
     ids = torch.zeros(2, 1, dtype=torch.int32, device=DEVICE)
-    with pytest.raises(ValueError, match="w13 is 8-bit and w2 4-bit"):
-        fused_experts_packed_triton(x, w13, w2, torch.ones(2, 1, device=DEVICE), ids)
+    with pytest.raises(ValueError, match="W8A8 .* w13 8-bit and w2 4-bit"):
+        fused_experts_packed_triton(x, w13, w2, torch.ones(2, 1, device=DEVICE), ids, act_quant=True)
 
 
 # ---- experts ---------------------------------------------------------------------------------------
@@ -135,13 +135,15 @@ D, F, E = 64, 48, 5  # F: no power-of-two K tile of the down GEMM divides it
 # and a group no tile divides (24: a scale per element), without offsets (symmetric codes)
 BF16, FP32 = torch.bfloat16, torch.float32
 NAMES = {BF16: "bf16", FP32: "fp32"}
+# bits: one width, or (w13's, w2's) as GGUF's Q4_K_M mixes them (4-bit gate/up, down a code a byte)
 EXPERT_CASES = [(4, 32, 16, True, FP32), (4, 64, 48, False, BF16), (8, 16, 24, True, BF16), (8, 64, 48, True, FP32),
-                (8, 32, 16, False, FP32), (4, 16, 24, True, BF16)]
+                (8, 32, 16, False, FP32), (4, 16, 24, True, BF16), ((4, 8), 32, 16, True, BF16)]
 CONFIGS = (cfg_mod.DECODE_CONFIG, SMALL, TALL)
 
 
 def experts_layer(bits, g13, g2, offsets, T, dtype, gen):
-    w13, w2 = packed((E, 2 * F, D), bits, g13, gen, offsets), packed((E, D, F), bits, g2, gen, offsets)
+    b13, b2 = bits if isinstance(bits, tuple) else (bits, bits)
+    w13, w2 = packed((E, 2 * F, D), b13, g13, gen, offsets), packed((E, D, F), b2, g2, gen, offsets)
     x = (torch.randn(T, D, generator=gen) * 2).to(dtype).to(DEVICE)
     return x, w13, w2
 
@@ -152,13 +154,15 @@ def experts_oracle(x, w13, w2, weights, ids, **kw):
 
 
 @pytest.mark.parametrize("case", EXPERT_CASES,
-                         ids=lambda c: f"int{c[0]}-g{c[1]}-g{c[2]}{'' if c[3] else '-sym'}-{NAMES[c[4]]}")
+                         ids=lambda c: f"int{'/'.join(map(str, c[0])) if isinstance(c[0], tuple) else c[0]}-g{c[1]}"
+                                       f"-g{c[2]}{'' if c[3] else '-sym'}-{NAMES[c[4]]}")
 def test_packed_experts_match_oracle(case, poisoned_workspace):
     """T = 1, 6, 33 with K = 2, 3, 2 under three configs (the decode tile; 32-wide K tiles; 16-wide
     with GROUP_SIZE_M 3): routing skewed to some experts, experts 1 and 3 given no tokens in the
     larger batches, pairs sent to -1 (held by another rank) among them."""
     bits, g13, g2, offsets, dtype = case
-    gen = torch.Generator().manual_seed(bits * 100 + g13 + g2 + offsets + (dtype == torch.bfloat16))
+    gen = torch.Generator().manual_seed(sum(bits if isinstance(bits, tuple) else (bits,)) * 100 + g13 + g2 + offsets
+                                        + (dtype == torch.bfloat16))
     for (T, K, skip, zero), cfg in zip([(1, 2, 0.0, ()), (6, 3, 0.3, (1, 3)), (33, 2, 0.2, (1, 3))], CONFIGS):
         x, w13, w2 = experts_layer(bits, g13, g2, offsets, T, dtype, gen)
         weights, ids = routing(T, E, K, gen, skip, zero_experts=zero)

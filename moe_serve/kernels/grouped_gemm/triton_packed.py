@@ -144,10 +144,9 @@ def _check_packed_experts(x_TD, w13, w2, topk_weights_TK, topk_ids_TK, act_quant
     if D13 != D or F2 != 2 * F or tuple(w2.shape) != (E, D, F):
         raise ValueError(f"packed experts: shapes do not match: x_TD={tuple(x_TD.shape)}, w13={w13.shape}, "
                          f"w2={w2.shape}")
-    if w13.bits != w2.bits:
-        raise ValueError(f"packed experts: w13 is {w13.bits}-bit and w2 {w2.bits}-bit; both must be alike")
-    if act_quant and w13.bits != 8:
-        raise ValueError(f"packed experts: W8A8 (act_quant) needs 8-bit weights, these are {w13.bits}-bit")
+    if act_quant and (w13.bits, w2.bits) != (8, 8):
+        raise ValueError(f"packed experts: W8A8 (act_quant) needs 8-bit weights, these are w13 {w13.bits}-bit and "
+                         f"w2 {w2.bits}-bit")
     K = topk_ids_TK.shape[1] if topk_ids_TK.dim() == 2 else 0
     if tuple(topk_ids_TK.shape) != (T, K) or tuple(topk_weights_TK.shape) != (T, K):
         raise ValueError(f"packed experts: topk_ids_TK={tuple(topk_ids_TK.shape)} and topk_weights_TK="
@@ -165,7 +164,8 @@ def fused_experts_packed_triton(x_TD: torch.Tensor, w13, w2, topk_weights_TK: to
         x_TD: (T, D) tokens, bf16 / fp16 / fp32.
         w13: PackedWeight of shape (E, 2F, D): gate rows then up rows of each expert, 4 or 8 bits,
             any group size dividing D (per channel included), offsets or None.
-        w2: PackedWeight of shape (E, D, F), the same bits (its own group size).
+        w2: PackedWeight of shape (E, D, F), its own bits and group size (GGUF Q4_K_M: 4-bit gate/up
+            beside 8-bit down).
         topk_weights_TK, topk_ids_TK: (T, K) routing weights (used in fp32) and expert ids in
             [0, E), or -1 for a pair whose expert is not here.
         config: launch config (config.py); None picks the tuned entry or the default.
