@@ -5,8 +5,8 @@
     .venv/bin/python bench/llama_cpp_decode.py                    # build the model once, run all
     .venv/bin/python bench/llama_cpp_decode.py --formats Q4_0 --threads 1
 
-The model: a random-init Qwen3-MoE (--layers, --hidden, --experts top --top-k of --moe-intermediate,
-the tests' 512-token tokenizer), written by transformers as bf16 safetensors and by gguf-py (the
+The model: a random-init Qwen3-MoE (--layers of --hidden, --experts experts of --moe-intermediate,
+top --top-k; the tests' 512-token tokenizer), written by transformers as bf16 safetensors and by gguf-py (the
 tests' GGUF writer, tests/models/test_gguf.py) as a BF16 GGUF; llama.cpp's own quantizer
 (`llama_model_quantize`, run in the peer's interpreter) makes Q8_0, Q4_0 and Q4_K_M from it. With
 --quantizer gguf-py the files come from gguf-py's quantizer and the tests' K-quant writer instead
@@ -38,8 +38,8 @@ Speed of light of a step = bytes it must read / read bandwidth:
           with --threads threads, at the start and the end of the run; the larger counts.
 
 The peer lives outside the repository (--peer-python, default /opt/llama-venv/bin/python with
-llama-cpp-python from PyPI); this file runs there too, as the worker (`--peer-worker`, standard
-library + llama_cpp only). Writes bench/results/llama_cpp_decode_<model>_threads<n>.json and .md.
+llama-cpp-python from PyPI); this file runs there too, as the worker (`--peer-worker`: the standard
+library, numpy and llama_cpp only). Writes bench/results/llama_cpp_decode_<model>_threads<n>.json and .md.
 """
 from __future__ import annotations
 
@@ -245,10 +245,13 @@ def build_source(args, root: Path) -> tuple[Path, dict[str, Path]]:
                              pad_token_id=special["<|endoftext|>"], tie_word_embeddings=False)
         log(f"building the model into {root}")
         torch.manual_seed(0)
-        with torch.device("cpu"):
+        dtype = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)  # made in bf16: a float32 copy of a model this size is not needed
+        try:
             m = Qwen3MoeForCausalLM(cfg).eval()
+        finally:
+            torch.set_default_dtype(dtype)
         widen_(m, 3)
-        m = m.to(torch.bfloat16)
         m.save_pretrained(str(ckpt))
         todo = [("bf16", T.BF16)]
         if args.quantizer == "gguf-py":
