@@ -6,7 +6,9 @@
     .venv/bin/python bench/llama_cpp_decode.py --formats Q4_0 --threads 1
 
 The model: a random-init Qwen3-MoE (--layers of --hidden, --experts experts of --moe-intermediate,
-top --top-k; the tests' 512-token tokenizer), written by transformers as bf16 safetensors and by gguf-py (the
+top --top-k; the tests' 512-token tokenizer; by default 3.3 GB in bf16 and 0.93 GB in Q4_0, well
+above the 480 MiB last-level cache of the Xeon this was written on, so every format's decode reads
+from memory), written by transformers as bf16 safetensors and by gguf-py (the
 tests' GGUF writer, tests/models/test_gguf.py) as a BF16 GGUF; llama.cpp's own quantizer
 (`llama_model_quantize`, run in the peer's interpreter) makes Q8_0, Q4_0 and Q4_K_M from it. With
 --quantizer gguf-py the files come from gguf-py's quantizer and the tests' K-quant writer instead
@@ -26,7 +28,9 @@ Timing, decode only (prefill excluded), greedy, EOS ignored, --output-len tokens
   of all prompts (n_seq_max = concurrency) for the prefill, then one batch of one token per sequence
   per step, the clock around the decode steps. llama.cpp runs without its AMX buffer type, which
   faults on this machine (refuse_amx; --peer-amx lets it try), with every other CPU path it has.
-Each figure is the fastest of --repeats (single stream: on --repeats prompts of their own).
+Each figure is the fastest of --repeats (single stream: on --repeats prompts of their own). On
+cores other work keeps busy, more --threads than idle cores stall both engines at every parallel
+region (repeats up to 10x apart: bench/results/llama_cpp_decode_*_threads2.md).
 
 Speed of light of a step = bytes it must read / read bandwidth:
   bytes = each engine's own weights a step touches (ours: the held bytes the engine's meter counts,
@@ -405,9 +409,9 @@ def main() -> int:
         return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--formats", default=",".join(FORMATS))
-    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--layers", type=int, default=16)
     p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--experts", type=int, default=32)
+    p.add_argument("--experts", type=int, default=64)
     p.add_argument("--top-k", type=int, default=4)
     p.add_argument("--moe-intermediate", type=int, default=512)
     p.add_argument("--prompt-len", type=int, default=32)
