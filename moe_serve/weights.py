@@ -45,17 +45,12 @@ def checkpoint_files(path: str) -> list[str]:
 
 def load_weights(model: nn.Module, path: str, dtype: torch.dtype, show_progress: bool = True,
                  quantization: str | None = None) -> None:
-    """Fill every parameter of `model` from the checkpoint at `path`; errors name the tensor.
-    Block-FP8 checkpoints load as FP8 (moe_serve/quantization/fp8.py); `quantization="fp8"`
+    """Fill every parameter of `model` from the safetensors checkpoint at `path` (a GGUF file loads
+    through moe_serve/quantization/gguf_load.py, which uses this module's loader); errors name the
+    tensor. Block-FP8 checkpoints load as FP8 (moe_serve/quantization/fp8.py); `quantization="fp8"`
     quantizes an unquantized checkpoint to block FP8 while it loads."""
     from safetensors import safe_open
 
-    from moe_serve.quantization import gguf_file
-
-    if (gguf := gguf_file.gguf_path(path)) is not None:  # a GGUF file: moe_serve/quantization/gguf_load.py
-        from moe_serve.quantization.gguf_load import load_gguf
-
-        return load_gguf(model, gguf, dtype, show_progress)
     fp8_cfg = _checkpoint_fp8_config(model, path, quantization)
     experts = {name[: -len(".experts")]: m for name, m in model.named_modules()
                if isinstance(m, GroupedExperts) and name.endswith(".experts")}

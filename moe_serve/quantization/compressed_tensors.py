@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_serve.quantization.formats import PartsCollector, name_list
+from moe_serve.quantization.parts import PartsCollector, name_list
 from moe_serve.quantization.packed import PackedWeight
 
 log = logging.getLogger("moe_serve.quantization")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_serve.quantization.formats import PartsCollector, name_list
+from moe_serve.quantization.parts import PartsCollector, name_list
 from moe_serve.quantization.packed import PackedWeight, pack_nibbles, unpack_nibbles
 
 METHOD = "awq"
@@ -99,7 +99,7 @@ def to_packed(parts: dict[str, torch.Tensor], scheme: AwqScheme, module: str) ->
 
 
 class AwqTensors(PartsCollector):
-    """Collects each AWQ module's tensors (formats.PartsCollector)."""
+    """Collects each AWQ module's tensors (parts.PartsCollector)."""
 
     method, format = METHOD, FORMAT
     needed = "qweight and scales (and qzeros with zero_point)"
@@ -197,7 +197,7 @@ def gptq_to_packed(parts: dict[str, torch.Tensor], scheme: GptqScheme, module: s
 
 
 class GptqTensors(AwqTensors):
-    """Collects each GPTQ module's tensors (formats.PartsCollector)."""
+    """Collects each GPTQ module's tensors (parts.PartsCollector)."""
 
     method, format = "gptq", "gptq"
     needed = "qweight, qzeros, scales and g_idx"

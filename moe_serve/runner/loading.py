@@ -16,7 +16,7 @@ from moe_serve.config import EngineConfig
 from moe_serve.models.registry import model_class
 from moe_serve.prepare import (fuse_projections, gemm_weight_dtype, narrow_before_load, place_weights_on_huge_pages,
                                prepare_gemm_weights)
-from moe_serve.quantization import fp8
+from moe_serve.quantization import fp8, gguf_file
 from moe_serve.weights import init_dummy_weights, load_weights
 
 # Every runner module logs under the runner's name: operators and the launcher tests look for it.
@@ -63,6 +63,10 @@ def load_model_weights(model: nn.Module, cfg: EngineConfig, show_progress: bool 
         if mc.weight_quantization == "fp8":  # the sizes of an FP8 model: its weights kept in FP8
             fp8.to_block_fp8(model, (fp8.checkpoint_config(mc.hf) or fp8.BlockFp8Config()).block, None)
         init_dummy_weights(model, mc.seed)
+    elif (gguf := gguf_file.gguf_path(mc.path)) is not None:  # a GGUF file (or a directory holding one)
+        from moe_serve.quantization.gguf_load import load_gguf
+
+        load_gguf(model, gguf, cfg.activation_dtype, show_progress)
     else:
         load_weights(model, mc.path, cfg.activation_dtype, show_progress=show_progress, quantization=mc.quantization)
     check = getattr(model, "check_loaded", None)
