@@ -212,9 +212,14 @@ class Membership:
         return got["members"], got["lost"]
 
     def _decide(self, target: int, remove: frozenset[int]) -> tuple[list[int], list[int]]:
-        """Coordinator: wait until every old member is here or lost; add replacements waiting."""
+        """Coordinator: wait until every old member is here or lost; add replacements waiting. A
+        member still pending is heartbeating (else it is lost): busy finishing its step or ending a
+        collective's wait on a lost peer, slower on a loaded machine. It has twice the settle time
+        to arrive before it is left out, which the other ranks' wait for the member list
+        (next_generation: three settle times and a heartbeat timeout) still covers."""
         store = self.store
-        deadline = time.monotonic() + self.settle_timeout
+        wait_s = 2 * self.settle_timeout
+        deadline = time.monotonic() + wait_s
         while True:
             here, lost, pending = [], [], []
             for r in self.members:
@@ -232,7 +237,7 @@ class Membership:
                 break
             if time.monotonic() > deadline:
                 log.warning("generation %d: ranks %s neither regrouped nor were lost within %.0fs: leaving them out",
-                            target, pending, self.settle_timeout)
+                            target, pending, wait_s)
                 lost += pending
                 break
             time.sleep(0.02)
