@@ -21,8 +21,8 @@ expert).
 
 They are written once over vec.h's 16-lane vectors, whose implementation the build picks for the
 target: AVX-512, AVX2 + FMA, NEON (aarch64), or plain C anywhere else; bf16 weights stay bf16 in
-memory and are widened in registers. They are built together with the system C compiler (`$CC`,
-else `cc`) at `-O3 -march=native -fopenmp` into one library in a cache directory
+memory and are widened in registers. They are built with the system C compiler (`$CC`, else `cc`)
+at `-O3 -march=native -fopenmp`, each source in a process of its own (as many as there are cores), into one library in a cache directory
 (`$MOE_SERVE_CACHE`, else `~/.cache/moe-serve`), keyed by the sources, the flags, the compiler and
 this CPU's feature flags, so a second start loads it in milliseconds; a build takes a few seconds.
 They are called through ctypes with the tensors' data pointers (a few microseconds per call), with
@@ -143,17 +143,32 @@ def _build(cc: str, target: tuple[str, ...] = ("-march=native",)) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     # Built under a unique name, then renamed: ranks starting together never load a half-written file.
+    # Each source compiles in a process of its own (as many at once as there are cores), then one link.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
+    objs = tempfile.mkdtemp(dir=out.parent)
     try:
-        res = subprocess.run([cc, *flags, "-o", tmp, *map(str, _SRCS), "-lm"], capture_output=True, text=True,
-                             timeout=300)
+        compile_flags = [f for f in flags if f != "-shared"]
+        jobs = [(src, os.path.join(objs, src.stem + ".o")) for src in _SRCS]
+        running: list[tuple[Path, subprocess.Popen]] = []
+        for i, (src, obj) in enumerate(jobs):
+            running.append((src, subprocess.Popen([cc, *compile_flags, "-c", "-o", obj, str(src)],
+                                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
+            if len(running) >= (os.cpu_count() or 1) or i == len(jobs) - 1:
+                errors = [(name, proc.communicate(timeout=300)[1], proc.returncode) for name, proc in running]
+                running = []
+                for name, err, rc in errors:
+                    if rc:
+                        raise RuntimeError(f"{cc} {' '.join(target)} failed on {name.name}: {err.strip()[-2000:]}")
+        res = subprocess.run([cc, *flags, "-o", tmp, *(obj for _, obj in jobs), "-lm"], capture_output=True,
+                             text=True, timeout=300)
         if res.returncode:
             raise RuntimeError(f"{cc} {' '.join(target)} failed: {res.stderr.strip()[-2000:]}")
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        shutil.rmtree(objs, ignore_errors=True)
     log.info("cpu_ops: compiled %s (%s) in %.1f s -> %s", " ".join(p.name for p in _SRCS), " ".join(target),
              time.perf_counter() - t0, out)
     return out
