@@ -35,7 +35,9 @@ buffer larger than the last-level cache, best of a few), as on a CPU. The stream
 times the buffer (a second or more on a CPU with a large cache), so its figure is kept for a day in
 `$MOE_SERVE_CACHE/read_bandwidth.json` under what it depends on (the device or CPU model, the
 last-level cache, the memory, the threads): the engines started after the first on the same
-machine reuse it, and the log says when it was measured. Decode reads its weights and
+machine reuse it, and the log says when it was measured. Only a figure measured while the machine
+was quiet (load average under the cores) is reused; until then each start measures, and the
+file keeps the best figure seen. Decode reads its weights and
 caches and writes little, so the ceiling is what the memory can deliver to reads; a copy's
 (read + write) / time is lower on most machines and would overstate the achieved fraction.
 """
@@ -165,15 +167,22 @@ def _measured(device: torch.device) -> tuple[float, str]:
         except (OSError, ValueError):
             known = {}
         entry = known.get(machine) if isinstance(known, dict) else None
-        if (isinstance(entry, dict) and isinstance(entry.get("bytes_per_s"), (int, float))
-                and entry["bytes_per_s"] > 0 and 0 <= time.time() - entry.get("at", 0) < MEASURE_KEEP_S):
+        fresh = (isinstance(entry, dict) and isinstance(entry.get("bytes_per_s"), (int, float))
+                 and entry["bytes_per_s"] > 0 and 0 <= time.time() - entry.get("at", 0) < MEASURE_KEEP_S)
+        if fresh and entry.get("quiet") is True:
             at = time.strftime("%Y-%m-%d %H:%M", time.localtime(entry["at"]))
             _MEASURED[key] = (float(entry["bytes_per_s"]), f"measured at {at} ({path})")
         else:
+            # Other work on the machine only lowers a read stream's figure: one measured while the
+            # machine was busy is not reused, and a figure kept for the day is the best seen.
+            quiet = _machine_quiet()
             bw = measure_bandwidth(device)
             _MEASURED[key] = (bw, "measured at start-up")
             known = known if isinstance(known, dict) else {}
-            known[machine] = {"bytes_per_s": bw, "at": time.time()}
+            if fresh and entry["bytes_per_s"] >= bw:
+                known[machine] = dict(entry, quiet=bool(entry.get("quiet")) or quiet)
+            else:
+                known[machine] = {"bytes_per_s": bw, "at": time.time(), "quiet": quiet}
             try:  # written whole, then renamed: an engine starting beside this one reads all or nothing
                 path.parent.mkdir(parents=True, exist_ok=True)
                 tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -182,6 +191,15 @@ def _measured(device: torch.device) -> tuple[float, str]:
             except OSError as e:
                 log.warning("speed of light: could not keep the measured bandwidth in %s: %s", path, e)
     return _MEASURED[key]
+
+
+def _machine_quiet() -> bool:
+    """Whether the machine looks idle enough for a read stream to measure the memory, not the
+    contention: a 1-minute load average below the cores."""
+    try:
+        return os.getloadavg()[0] < (os.cpu_count() or 1)
+    except OSError:
+        return False
 
 
 def _machine_key(device: torch.device) -> str:

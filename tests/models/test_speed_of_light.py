@@ -147,7 +147,8 @@ def test_bandwidth_override_and_refusal(checkpoints):
 def test_measured_bandwidth_kept_for_the_machine(tmp_path, monkeypatch):
     """The first process measures and keeps the figure under the machine's key; another process
     (this one with its own figure forgotten) reuses it and says when it was measured; a figure older
-    than a day, another machine's, or a corrupt file is measured again."""
+    than a day, one measured on a busy machine, another machine's, or a corrupt file is measured
+    again (and a busy machine's low figure is replaced by the new, higher one)."""
     import json
 
     from moe_serve import speed_of_light as sol
@@ -155,6 +156,7 @@ def test_measured_bandwidth_kept_for_the_machine(tmp_path, monkeypatch):
     monkeypatch.setenv("MOE_SERVE_CACHE", str(tmp_path))
     monkeypatch.setattr(sol, "stream_bytes", lambda device="cpu": 32 << 20)
     monkeypatch.setattr(sol, "_MEASURED", {})
+    monkeypatch.setattr(sol, "_machine_quiet", lambda: True)
     bw, source = sol.device_bandwidth("cpu")
     assert source == "read stream measured at start-up" and bw > 1e8
     kept = json.loads((tmp_path / "read_bandwidth.json").read_text())
@@ -164,7 +166,8 @@ def test_measured_bandwidth_kept_for_the_machine(tmp_path, monkeypatch):
                                            f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(kept[list(kept)[0]]['at']))}"
                                            f" ({tmp_path / 'read_bandwidth.json'})")
     key = list(kept)[0]
-    for stale in ("not json", {key: {"bytes_per_s": 1.0, "at": time.time() - 2 * sol.MEASURE_KEEP_S}},
+    for stale in ("not json", {key: {"bytes_per_s": 1.0, "at": time.time() - 2 * sol.MEASURE_KEEP_S, "quiet": True}},
+                  {key: {"bytes_per_s": 1.0, "at": time.time(), "quiet": False}},  # measured on a busy machine
                   {"cpu|another machine": {"bytes_per_s": 1.0, "at": time.time()}}):
         (tmp_path / "read_bandwidth.json").write_text(stale if isinstance(stale, str) else json.dumps(stale))
         monkeypatch.setattr(sol, "_MEASURED", {})
