@@ -37,7 +37,10 @@ again over the members (default placement, with replicas where the slots do not 
 its weights read from the checkpoint, DeepEP's buffers and CUDA graphs made again, the KV cache
 sized again. The coordinator then tells the front end, which resubmits every request in flight
 with the tokens it has already streamed (recomputed, so greedy text is unchanged). A failure
-during any of this (a second rank lost while regrouping) starts the next generation the same way.
+during any of this (a second rank lost while regrouping) starts the next generation the same way;
+a survivor waiting on the lost rank while its core is rebuilt (in the rendezvous of a group the
+engine makes, a wait in the store) is woken by its watcher as in a step: its store connection is
+shut down with the groups', and it reconnects for the next generation.
 
 Planned changes (a replacement waiting, `POST /scale_elastic_ep`) are agreed at a step boundary in
 the per-turn all-reduce (core_proc.CoreLoop), and then follow the same path.
@@ -71,6 +74,7 @@ log = logging.getLogger("moe_serve.elastic")
 
 ENV_CORE = "MOE_SERVE_ELASTIC_CORE"  # set by the supervisor in its engine-core child
 ENV_STALL = "MOE_SERVE_ELASTIC_STALL"  # tests: "<rank>:<seconds>", that rank sleeps once inside a step
+ENV_DIE_IN_BUILD = "MOE_SERVE_ELASTIC_DIE_IN_BUILD"  # tests: "<rank>:<generation>", it dies building that one
 # TORCH_NCCL_ASYNC_ERROR_HANDLING, read by each NCCL process group when it is made: 0 no handling
 # (a collective on a dead peer waits for ever), 1 abort the communicators and tear the process down
 # (torchrun exports 1 to every worker), 2 abort the communicators only (the error reaches the
@@ -271,8 +275,8 @@ class ElasticGenerations(Generations):
                                 ns.elastic_heartbeat_timeout, self.settle, max(ns.dist_join_timeout, 30.0),
                                 wait_check_s=ns.elastic_timeout)
 
-        def end_wait(why: str) -> None:
-            n = interrupt_groups(m.group_sockets, m.addr)
+        def end_wait(why: str, sockets: set[str]) -> None:
+            n = interrupt_groups(sockets, m.addr, m.store_sockets)
             log.info("rank %s: aborted this generation's communicators and shut %d of its connections", m.rank, n)
 
         m.on_lost = end_wait
@@ -292,6 +296,7 @@ class ElasticGenerations(Generations):
 
     def form(self):
         m, ns = self.m, self.ns
+        m.build_began()  # until serving(): a member lost meanwhile ends this core's waits
         groups = form_groups(m, self.backend, self.device, self.settle if m.generation else max(ns.dist_timeout, 30.0),
                              max(ns.dist_timeout, 30.0))
         log.info("generation %d: rank %d is EP rank %d of %d (pid %d, members %s)", m.generation, self.rank,
@@ -319,6 +324,9 @@ class ElasticGenerations(Generations):
         from moe_serve.protocol import RankInfo
 
         m, rank = self.m, self.rank
+        if os.environ.get(ENV_DIE_IN_BUILD) == f"{rank}:{m.generation}":
+            log.warning("rank %d: dying while generation %d is built (%s)", rank, m.generation, ENV_DIE_IN_BUILD)
+            os.kill(os.getpid(), signal.SIGKILL)
         sockets = socket_inodes()
         core = build_engine(cfg, groups.ep_group, show_progress=rank == 0 and m.generation == 0)
         m.group_sockets |= socket_inodes() - sockets  # groups the engine made (EPLB's transfers)
@@ -344,6 +352,7 @@ class ElasticGenerations(Generations):
         from moe_serve.protocol import ElasticChange
 
         m = self.m
+        m.build_ended()
         if first:
             loop.generation = m.generation
             loop.ready(announce=m.generation == 0 and not self.ns.elastic_join)

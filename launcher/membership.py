@@ -42,12 +42,12 @@ class Membership:
     def __init__(self, host: str, port: int, rank: int | None, heartbeat_timeout_s: float, settle_timeout_s: float,
                  store_timeout_s: float = 30.0, wait_check_s: float = 5.0):
         self.addr = (host, port)
-        self.store = job_store(host, port, store_timeout_s)
+        self.store_timeout = store_timeout_s
+        self._connect()
         self.rank = rank
         self.hb_interval = min(0.5, heartbeat_timeout_s / 4)
         self.hb_timeout = heartbeat_timeout_s
         self.settle_timeout = settle_timeout_s
-        self.store_timeout = store_timeout_s
         self.generation = 0
         self.members: list[int] = []
         self.full_size = 0  # the job's size at start: the ids ranks may take
@@ -61,14 +61,40 @@ class Membership:
         # While serving: when this core's current turn began (None between generations), the seconds
         # a turn may last before the peers are asked about, and what ends the wait on a loss.
         self.turn_since: float | None = None
+        # While a generation forms and its cores are built: when that began (None otherwise). A
+        # member lost meanwhile ends this core's wait in the groups' rendezvous (a store wait, which
+        # takes the store's timeout) as it ends a serving collective's.
+        self.build_since: float | None = None
+        self._phase_lock = threading.Lock()  # the watcher acts on the phase it saw, not the next one
         self.wait_check = wait_check_s
-        self.on_lost: Callable[[str], None] = lambda why: None
+        # Ends this core's wait: (why, the connections to shut down).
+        self.on_lost: Callable[[str, set[str]], None] = lambda why, sockets: None
         self._interrupted: int | None = None  # the generation whose wait was ended
         self.group_sockets: set[str] = set()  # the connections of this generation's groups
+
+    def _connect(self) -> None:
+        """This core's own store client (the heartbeat and the watcher have theirs), and the
+        connection it holds: what a loss during a build shuts down to end a rendezvous's wait."""
+        from launcher.process_groups import socket_inodes
+
+        before = socket_inodes()
+        self.store = job_store(*self.addr, self.store_timeout)
+        self.store_sockets = socket_inodes() - before
+        self._store_shut = False
 
     def turn_began(self, turn: int) -> None:
         """CoreLoop's on_turn: a new step starts here."""
         self.turn_since = time.monotonic()
+
+    def build_began(self) -> None:
+        with self._phase_lock:
+            self.build_since = time.monotonic()
+
+    def build_ended(self) -> None:
+        with self._phase_lock:
+            self.build_since = None
+            if self._store_shut:  # the watcher ended a wait as the build finished: the next collective
+                self._connect()   # fails and regroups, and the store serves until then
 
     def k(self, key: str) -> str:
         return PREFIX + key
@@ -86,14 +112,20 @@ class Membership:
         threading.Thread(target=self._watch_members, name="elastic-members", daemon=True).start()
 
     def _watch_members(self) -> None:
-        """While this core serves: keep every member's heartbeat age fresh; once a step has lasted
-        `wait_check` seconds, a member whose core exited or whose heartbeat stopped is lost, and
-        `on_lost` ends this core's wait (at most once per generation). A member that is merely
-        slow is waited for. Its own store client and thread: the wait it ends may take a moment,
-        and the heartbeat must go on meanwhile."""
+        """While this core serves or builds a generation: keep every member's heartbeat age fresh;
+        once a step (or the build) has lasted `wait_check` seconds, a member whose core exited or
+        whose heartbeat stopped is lost, and `on_lost` ends this core's wait (at most once per
+        generation). A member that is merely slow is waited for. Its own store client and thread:
+        the wait it ends may take a moment, and the heartbeat must go on meanwhile.
+
+        During a build the wait may be a rendezvous in the job's store (a group the engine makes
+        as it is built), which only the store's timeout would end: this core's store connection is
+        shut down with the groups', and the next generation reconnects."""
         store = None
         while not self._stop.wait(self.hb_interval):
-            since, gen, members = self.turn_since, self.generation, list(self.members)
+            building = self.turn_since is None
+            since = self.build_since if building else self.turn_since
+            gen, members = self.generation, list(self.members)
             if since is None or self._interrupted == gen:
                 continue
             try:
@@ -104,16 +136,23 @@ class Membership:
                 log.warning("rank %s: could not read the members' state: %s", self.rank, e)
                 continue
             waited = time.monotonic() - since
-            if not lost or waited < self.wait_check or self.turn_since != since or self.generation != gen:
+            if not lost or waited < self.wait_check:
                 continue
-            why = "; ".join(f"rank {r} is lost ({w})" for r, w in lost)
-            log.warning("rank %s: waited %.1fs in this step (generation %d): %s: ending the wait", self.rank, waited,
-                        gen, why)
-            self._interrupted = gen
-            try:
-                self.on_lost(why)
-            except Exception as e:
-                log.warning("rank %s: ending the wait: %s", self.rank, e)
+            with self._phase_lock:
+                if (self.build_since if building else self.turn_since) != since or self.generation != gen:
+                    continue
+                why = "; ".join(f"rank {r} is lost ({w})" for r, w in lost)
+                log.warning("rank %s: waited %.1fs in this %s (generation %d): %s: ending the wait", self.rank, waited,
+                            "build" if building else "step", gen, why)
+                self._interrupted = gen
+                sockets = set(self.group_sockets)
+                if building:
+                    sockets |= self.store_sockets
+                    self._store_shut = True
+                try:
+                    self.on_lost(why, sockets)
+                except Exception as e:
+                    log.warning("rank %s: ending the wait: %s", self.rank, e)
 
     def _deadman(self) -> None:
         """A store call that never returns (a cut link: TCP retries for many minutes, past the
@@ -186,6 +225,10 @@ class Membership:
         """Stop at generation `target - 1` and agree on `target`'s members; returns (members, lost).
         Raises Removed when a planned change leaves this rank out, ElasticError when the coordinator
         is gone or left this rank out as lost."""
+        with self._phase_lock:
+            self.build_since = None
+            if self._store_shut:  # (shut down to end a rendezvous's wait on a lost member)
+                self._connect()
         self.store.set(self.k(f"g{target}/here/{self.rank}"), "1")
         if self.rank == 0:
             members, lost = self._decide(target, remove)

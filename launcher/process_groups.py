@@ -71,13 +71,14 @@ def socket_inodes() -> set[str]:
     return out
 
 
-def interrupt_groups(group_sockets: set[str], store_addr: tuple[str, int]) -> int:
+def interrupt_groups(sockets: set[str], store_addr: tuple[str, int], store_sockets: set[str] = frozenset()) -> int:
     """End the collective this process waits in, from another thread, after a member was lost:
     NCCL communicators are aborted (ncclCommAbort makes their kernels return; with
-    TORCH_NCCL_ASYNC_ERROR_HANDLING=2 the error reaches the caller), and the connections the
-    groups opened are shut down: gloo's abort does not end an operation in progress (torch 2.13),
-    a closed connection does, as a dead peer's does. The job's store connections are left alone.
-    Returns the number of connections shut down."""
+    TORCH_NCCL_ASYNC_ERROR_HANDLING=2 the error reaches the caller), and the connections in
+    `sockets` are shut down: gloo's abort does not end an operation in progress (torch 2.13),
+    a closed connection does, as a dead peer's does. Connections to the job's store are left
+    alone unless named in `store_sockets` (a rendezvous's wait during a build). Returns the number
+    of connections shut down."""
     import torch
 
     if torch.cuda.is_available():
@@ -86,13 +87,14 @@ def interrupt_groups(group_sockets: set[str], store_addr: tuple[str, int]) -> in
     n = 0
     for fd in os.listdir("/proc/self/fd"):
         try:
-            if os.readlink(f"/proc/self/fd/{fd}") not in group_sockets:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+            if link not in sockets:
                 continue
             s = socket.socket(fileno=os.dup(int(fd)))
         except OSError:
             continue
         try:
-            if s.type == socket.SOCK_STREAM and s.getpeername()[1] != store_addr[1]:
+            if s.type == socket.SOCK_STREAM and (link in store_sockets or s.getpeername()[1] != store_addr[1]):
                 s.shutdown(socket.SHUT_RDWR)  # (the duplicate shares the connection)
                 n += 1
         except OSError:  # a listening socket, or closed meanwhile

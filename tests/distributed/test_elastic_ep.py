@@ -180,6 +180,9 @@ def test_loss_during_rebalance_then_two_losses_in_a_row(checkpoints, want, monke
     # EP rank 3 SIGKILLs itself right after posting its part of the first rebalance's transfer
     # (expert_parallel/rebalance/eplb.py's test hook), its peers' receives pending.
     monkeypatch.setenv("MOE_SERVE_EPLB_KILL_DURING_TRANSFER", "3:0")
+    # Rank 1 dies while generation 2 (after rank 2's loss) is built: rank 0 waits in the rendezvous
+    # of a group the engine makes (a store wait), which only its loss being seen ends.
+    monkeypatch.setenv("MOE_SERVE_ELASTIC_DIE_IN_BUILD", "1:2")
     job = TorchrunJob(4, ["--model", checkpoints["qwen3_moe"], *ARGS, "--enable-eplb", "--eplb-step-interval", "4",
                           "--eplb-window-size", "8", "--num-redundant-experts", "4"])
     try:
@@ -190,10 +193,14 @@ def test_loss_during_rebalance_then_two_losses_in_a_row(checkpoints, want, monke
         assert all(x["expert_slots"] == 4 for x in r["ranks"])  # 8 + 4 redundant slots over 3 ranks
         assert no_blocks_held(job.url)
 
-        # Rank 2, then rank 1 a moment later, while the first loss is being recovered.
-        got = asyncio.run(stream_all(job.url, [(0.0, lambda: kill_core(job.url, 2)),
-                                               (0.1, lambda: kill_core(job.url, 1))], []))
+        # Rank 2, then rank 1 while the first loss is being recovered.
+        got = asyncio.run(stream_all(job.url, [(0.0, lambda: kill_core(job.url, 2))], []))
         assert got == want
+        log = job.log()
+        assert "rank 1: dying while generation 2 is built" in log
+        # Rank 0 ended its wait on seeing the loss, not at the store's timeout.
+        assert "in this build (generation 2): rank 1 is lost" in log, log[-4000:]
+        assert "failed to form" not in log or "timeout after" not in log.split("failed to form", 1)[1][:300]
         r = ranks(job.url)
         assert [x["rank"] for x in r["ranks"]] == [0] and sorted(r["lost"]) == [1, 2, 3]
         assert metric(job.url, "moe_serve:elastic_recoveries_total") >= 2
