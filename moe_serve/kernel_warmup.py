@@ -27,6 +27,11 @@ from moe_serve.kernels import specialization
 log = logging.getLogger("moe_serve.kernel_warmup")
 
 
+def _weight_key(w) -> tuple:
+    """A weight's shape and kind, with a packed weight's bits and group size (its kernel's constexprs)."""
+    return (tuple(w.shape), str(getattr(w, "dtype", type(w))), getattr(w, "bits", None), getattr(w, "group_size", None))
+
+
 def _shape_key(module) -> tuple:
     """Layers with the same key launch the same variants (one warm-up call serves them all)."""
     kind = module.op_kind
@@ -34,12 +39,15 @@ def _shape_key(module) -> tuple:
         return (type(module), tuple(module.cache_shape(1, 1)), module.sliding_window, module.attention_chunk,
                 module.sinks is not None)
     if kind == "experts":
-        w13 = module.experts.op_weights()[0]
-        return (tuple(w13.shape), str(getattr(w13, "dtype", type(w13))), module.experts.op_kwargs() != {})
+        # Both weights: packed experts' gate/up and down may have their own widths and groups (a
+        # Q4_K_M file's 4-bit gate/up beside 8-bit down in some layers), each a variant of its own.
+        w13, w2 = module.experts.op_weights()[:2]
+        return (_weight_key(w13), _weight_key(w2), module.experts.op_kwargs() != {})
     if kind == "linear":
         w = module.weight if getattr(module, "qweight", None) is None else module.qweight  # packed: Linear.to_packed
         return (type(module), tuple(w.shape), w.dtype, getattr(module, "bias", None) is not None,
-                getattr(module, "weight_scale_inv", None) is not None, getattr(module, "fp8_act_quant", False))
+                getattr(module, "weight_scale_inv", None) is not None, getattr(module, "fp8_act_quant", False),
+                getattr(module, "packed_bits", None), getattr(module, "packed_group", None))
     if kind == "linear_attention":
         return (type(module), getattr(module, "linear_attention_shape", None))
     return (type(module),)

@@ -461,3 +461,24 @@ def test_packed_linear_has_a_warm_up_key():
     packed.to_packed(4, 32)
     assert packed.weight is None and _shape_key(packed)[1:3] == ((8, 32), torch.uint8)
     assert _shape_key(packed) != _shape_key(dense)
+    # Same codes' shape, another group size: other scales, another kernel variant.
+    other = Linear(64, 8)
+    other.to_packed(4, 64)
+    assert _shape_key(other) != _shape_key(packed)
+
+
+def test_packed_experts_warm_up_key_names_each_weights_bits_and_group():
+    """Packed experts whose gate/up match but whose down weights differ (a Q4_K_M file's 4-bit and
+    8-bit down layers; another group size) launch other kernel variants: each gets a warm-up call."""
+    from types import SimpleNamespace
+
+    from moe_serve.kernel_warmup import _shape_key
+    from moe_serve.layers.experts import PackedExperts
+
+    def layer(bits, groups):
+        return SimpleNamespace(op_kind="experts", experts=PackedExperts(4, 64, 32, list(range(4)), torch.float32,
+                                                                        bits, groups))
+
+    keys = [_shape_key(layer(b, g)) for b, g in (((4, 4), (32, 32)), ((4, 8), (32, 32)), ((4, 4), (32, 16)))]
+    assert len(set(keys)) == 3, keys
+    assert _shape_key(layer(4, (32, 32))) == keys[0]
