@@ -414,10 +414,13 @@ def _linear_attention_probe(m: ModelShape, dt, state_dt, step: tuple) -> list:
 
 
 # Packed int4 / int8 weights (moe_serve/quantization/packed.py: compressed-tensors, GPTQ and AWQ
-# checkpoints) on the shapes such checkpoints are published for; the group sizes they use (128 the
-# usual, 32 a narrower K tile) and per channel.
+# checkpoints; GGUF files) on the shapes such checkpoints are published for; the group sizes they use
+# (128 the usual; 32 GGUF's blocks and a narrower K tile; 16 the sub-blocks of GGUF's Q6_K and Q5_K,
+# held a byte a code, as a Q4_K_M file's down experts are) and per channel. Gate/up and down launch
+# apart, each with its own bits and group, so a file mixing them (Q4_K_M: 4-bit g32 gate/up, 8-bit
+# g16 down) launches what these combinations do.
 PACKED_MODELS = ("qwen3-30b-a3b", "mixtral-8x7b", "moe-tiny")
-PACKED_GROUPS = (128, 32, None)  # None: per channel
+PACKED_GROUPS = (128, 32, 16, None)  # None: per channel
 
 
 def _packed_moe_stand_in(m: ModelShape, dt, bits: int, group: int | None):

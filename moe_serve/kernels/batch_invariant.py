@@ -140,6 +140,11 @@ class InvariantCpuCLinear(CpuCLinear):
             return y if y.dtype == x.dtype else y.to(x.dtype)
         return linear(x, w, b)
 
+    def packed(self, layer, x: torch.Tensor) -> torch.Tensor:
+        """A packed int4 / int8 weight: dequantized for this call, then the invariant form above (the
+        C quant kernels pick their path by row count)."""
+        return TorchLinear.packed(self, layer, x)
+
     silu_mul = InvariantTorchLinear.silu_mul
     sigmoid = InvariantTorchLinear.sigmoid
     pointwise = InvariantTorchLinear.pointwise
@@ -184,9 +189,11 @@ def experts_torch(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, act=_silu
 
 
 class InvariantTorchExperts(TorchExperts):
-    """TorchExperts' contract for dense SwiGLU experts (plain or limited: `pair_activation`),
-    batch-invariant (`experts_torch`). Biases, other activations and quantized experts are refused:
-    they have no invariant form yet."""
+    """TorchExperts' contract for SwiGLU experts (plain or limited: `pair_activation`), batch-
+    invariant (`experts_torch`): dense, or quantized (packed int4 / int8, block FP8, MXFP4: anything
+    with `dequantize(dtype, experts)`), whose routed experts are dequantized to float32 per step, an
+    elementwise function of the weights alone. Biases and other activations are refused: they have
+    no invariant form yet."""
 
     name = "torch+bi"
     batch_invariant = True
@@ -204,8 +211,10 @@ class InvariantTorchExperts(TorchExperts):
         expert-parallel MoE layer sends home for `sum_in_id_order` (expert_parallel/runtime/layer.py).
         variant: the experts' op_kwargs; what `pair_activation` has no form for is refused."""
         act = pair_activation(variant)
-        if act is None or not isinstance(w13_EFD, torch.Tensor) or not isinstance(w2_EDF, torch.Tensor):
+        if act is None:
             self.refuse(variant.get("activation", "silu"))
+        if not isinstance(w13_EFD, torch.Tensor) or not isinstance(w2_EDF, torch.Tensor):
+            w13_EFD, w2_EDF, topk_ids_TK = routed_dense(w13_EFD, w2_EDF, topk_ids_TK)
         return experts_torch_pairs(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, act)
 
     def variant(self, x_TD, w13, w2, topk_weights_TK, topk_ids_TK, w13_bias, w2_bias, activation):
@@ -217,7 +226,20 @@ class InvariantTorchExperts(TorchExperts):
 
     def refuse(self, activation):
         raise ValueError(f"--batch-invariant: the {self.name.split('+')[0]} experts backend has no batch-invariant "
-                         f"form for experts with biases, activation {activation!r} or quantized weights")
+                         f"form for experts with biases or activation {activation!r}")
+
+
+def routed_dense(w13, w2, topk_ids_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantized experts' routed experts dequantized to float32, and the ids renumbered over them
+    (in the same order: ids outside [0, E) stay outside)."""
+    E = w13.shape[0]
+    ids = topk_ids_TK.to(torch.int64)
+    valid = (ids >= 0) & (ids < E)
+    used = torch.unique(ids[valid])
+    renumber = torch.full((E,), -1, dtype=torch.int64, device=ids.device)
+    renumber[used] = torch.arange(used.numel(), device=ids.device)
+    ids = torch.where(valid, renumber[ids.clamp(0, E - 1)], torch.full_like(ids, -1))
+    return w13.dequantize(torch.float32, used), w2.dequantize(torch.float32, used), ids
 
 
 class InvariantCpuCExperts(CpuCExperts):
