@@ -29,7 +29,8 @@ log = logging.getLogger("moe_serve.kernel_warmup")
 
 def _weight_key(w) -> tuple:
     """A weight's shape and kind, with a packed weight's bits and group size (its kernel's constexprs)."""
-    return (tuple(w.shape), str(getattr(w, "dtype", type(w))), getattr(w, "bits", None), getattr(w, "group_size", None))
+    return (tuple(w.shape), str(getattr(w, "dtype", type(w))), getattr(w, "bits", None), getattr(w, "group_size", None),
+            getattr(w, "act_quant", False))
 
 
 def _shape_key(module) -> tuple:
@@ -47,7 +48,8 @@ def _shape_key(module) -> tuple:
         w = module.weight if getattr(module, "qweight", None) is None else module.qweight  # packed: Linear.to_packed
         return (type(module), tuple(w.shape), w.dtype, getattr(module, "bias", None) is not None,
                 getattr(module, "weight_scale_inv", None) is not None, getattr(module, "fp8_act_quant", False),
-                getattr(module, "packed_bits", None), getattr(module, "packed_group", None))
+                getattr(module, "packed_bits", None), getattr(module, "packed_group", None),
+                getattr(module, "packed_act_quant", False))
     if kind == "linear_attention":
         return (type(module), getattr(module, "linear_attention_shape", None))
     return (type(module),)

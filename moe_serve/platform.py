@@ -257,6 +257,14 @@ def fp8_activation_quant(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+def int8_activation_quant(device: torch.device) -> bool:
+    """A W8A8 int8 checkpoint's packed GEMMs (8-bit per-channel weights) quantize their activations
+    to int8 per token, as its scheme says, where they run in the Triton packed kernels: on CUDA (int8
+    tensor cores on every GPU served). The torch ops and our C kernels multiply float activations
+    (the package's own decompression)."""
+    return device.type == "cuda"
+
+
 def choose(device: str = "auto", moe_backend: str = "auto", attention_backend: str = "auto",
            all2all_backend: str = "auto", world_size: int = 1, hidden_size: int | None = None,
            linear_backend: str = "auto", norm_backend: str = "auto",

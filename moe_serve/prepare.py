@@ -46,7 +46,8 @@ def prepare_gemm_weights(model: nn.Module, model_dtype: torch.dtype, device: tor
     from moe_serve.layers.embedding import Embedding
     from moe_serve.layers.linear import Linear
 
-    from moe_serve.platform import fp8_activation_quant
+    from moe_serve.layers.experts import PackedExperts
+    from moe_serve.platform import fp8_activation_quant, int8_activation_quant
 
     target = gemm_weight_dtype(model_dtype, device, c_kernels)
     for m in model.modules():  # block-FP8 layers: which kernel runs them is the platform's decision
@@ -54,6 +55,12 @@ def prepare_gemm_weights(model: nn.Module, model_dtype: torch.dtype, device: tor
             m.fp8_act_quant = fp8_activation_quant(device) and m.fp8_block[1] % 16 == 0  # W8A8's k tiles
         elif isinstance(m, GroupedExperts) and m.fp8_block is not None:
             m.fp8_act_quant = fp8_activation_quant(device) and m.fp8_block[1] % 16 == 0
+        # W8A8 int8 checkpoints: the packed kernels' int8 form takes 8-bit per-channel weights
+        elif isinstance(m, Linear) and m.qweight is not None and m.int8_activations:
+            m.packed_act_quant = (int8_activation_quant(device) and m.packed_bits == 8
+                                  and m.packed_group == m.in_features)
+        elif isinstance(m, PackedExperts) and m.int8_activations:
+            m.act_quant = int8_activation_quant(device) and m.widths == (8, 8) and m.group_sizes == (m.D, m.F)
     params_dtype = params_dtype or model_dtype
     if target == params_dtype:
         return 0

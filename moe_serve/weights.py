@@ -161,6 +161,7 @@ def _make_packed_storage(model: nn.Module, names_by_file: list, experts: dict):
     ct = collector
     modules = dict(model.named_modules())
     expert_groups: dict[str, dict[str, tuple[int, int]]] = {}  # prefix -> {"w13"/"w2": (bits, group)}
+    int8_acts: set[str] = set()  # MoE layers whose experts' scheme quantizes activations to int8 (W8A8)
     linears = 0
     for _, names in names_by_file:
         for raw in names:
@@ -179,6 +180,8 @@ def _make_packed_storage(model: nn.Module, names_by_file: list, experts: dict):
                 which = "w2" if kind == "down" else "w13"
                 got = (scheme.bits, scheme.group_size or (ex.w13.shape[2] if which == "w13" else ex.F))
                 seen = expert_groups.setdefault(m.group("prefix"), {}).setdefault(which, got)
+                if (getattr(scheme, "activations", None) or "").startswith("int8"):
+                    int8_acts.add(m.group("prefix"))
                 if seen != got:
                     raise ValueError(f"tensor {raw!r} ({ct.method}): {got[0]}-bit group {got[1]}, but the layer's "
                                      f"other {which} experts are {seen[0]}-bit group {seen[1]}: not supported")
@@ -189,12 +192,14 @@ def _make_packed_storage(model: nn.Module, names_by_file: list, experts: dict):
                                  f"{module!r} is not a linear layer or expert projection this engine keeps packed")
             if lin.qweight is None:
                 lin.to_packed(scheme.bits, scheme.group_size or lin.in_features)
+                lin.int8_activations = (getattr(scheme, "activations", None) or "").startswith("int8")
                 linears += 1
     for prefix, groups in expert_groups.items():
         if len(groups) != 2 or groups["w13"][0] != groups["w2"][0]:
             raise ValueError(f"{prefix}.experts ({ct.method}): gate/up and down must all be packed with one bit width, "
                              f"got {groups}")
         new = packed_experts(experts[prefix], groups["w13"][0], (groups["w13"][1], groups["w2"][1]))
+        new.int8_activations = prefix in int8_acts
         owner = modules[prefix]
         owner.experts = new
         experts[prefix] = new

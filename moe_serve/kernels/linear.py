@@ -122,7 +122,8 @@ class TritonLinear(TorchLinear):
         """A packed int4 / int8 layer: its codes read as they are, decoded tile by tile in registers."""
         from moe_serve.kernels.packed_linear import packed_linear_triton  # lazy: triton is heavy
 
-        return packed_linear_triton(x, layer.packed(), layer.bias, tile_rows=self.packed_tile_rows)
+        return packed_linear_triton(x, layer.packed(), layer.bias, act_quant=layer.packed_act_quant,
+                                    tile_rows=self.packed_tile_rows)
 
     def launch(self, layer, dtype: torch.dtype, M: int) -> None:
         """The block-FP8 or packed layer over M "meta" rows: compiled, not run."""

@@ -99,6 +99,8 @@ class PackedExperts(GroupedExperts):
         self.set_local_logical(local_logical)
 
     float8: bool | None = None  # FP8 per-channel experts in the 8-bit codes' storage (set by the first load)
+    int8_activations = False  # the checkpoint's scheme quantizes the experts' inputs to int8 per token (W8A8)
+    act_quant = False  # ... and the kernel does so (moe_serve/prepare.py: the Triton kernel on CUDA)
 
     def op_weights(self):
         E = self.w13_qweight.shape[0]
@@ -108,10 +110,13 @@ class PackedExperts(GroupedExperts):
             block = (1, max(self.D, self.F))
             return (BlockFp8Experts(self.w13_qweight.view(FP8), self.w13_scales, block, (self.F, self.F)),
                     BlockFp8Experts(self.w2_qweight.view(FP8), self.w2_scales, block, (self.D,)))
-        return (PackedWeight(self.widths[0], self.w13_qweight, self.w13_scales, self.w13_offsets, self.group_sizes[0],
-                             (E, 2 * self.F, self.D)),
-                PackedWeight(self.widths[1], self.w2_qweight, self.w2_scales, self.w2_offsets, self.group_sizes[1],
-                             (E, self.D, self.F)))
+        w13 = PackedWeight(self.widths[0], self.w13_qweight, self.w13_scales, self.w13_offsets, self.group_sizes[0],
+                           (E, 2 * self.F, self.D))
+        w2 = PackedWeight(self.widths[1], self.w2_qweight, self.w2_scales, self.w2_offsets, self.group_sizes[1],
+                          (E, self.D, self.F))
+        if self.act_quant:
+            w13.act_quant = w2.act_quant = True  # (the Triton grouped GEMM's W8A8 form reads it)
+        return w13, w2
 
     def load_bias(self, logical_id: int, kind: str, b: torch.Tensor, raw: str) -> None:
         """One expert's bias of projection `kind` ("gate" / "up" (F,), "down" (D,)), copied to every

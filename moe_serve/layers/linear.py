@@ -45,6 +45,8 @@ class Linear(nn.Module):
     # Packed int4 / int8 (moe_serve/quantization/packed.py): set by `to_packed` before loading.
     packed_group: int | None = None
     packed_bits: int | None = None
+    int8_activations = False  # the checkpoint's scheme quantizes this layer's inputs to int8 per token (W8A8)
+    packed_act_quant = False  # ... and its kernel does so (moe_serve/prepare.py: the Triton kernel on CUDA)
     dequantized_at_load = False  # a packed checkpoint's weight held dense (weight_used_directly)
 
     def to_packed(self, bits: int, group_size: int) -> None:

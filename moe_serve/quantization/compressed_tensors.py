@@ -7,9 +7,10 @@ What is served:
   channel (`strategy: "channel"`);
 - format "int-quantized", 8-bit integer weights per channel or group (W8A8 int8, llm-compressor's
   INT8 schemes), with activations int8 per token, dynamic, symmetric or none. The weights are kept
-  int8; the activations stay float in our kernels (torch ops and cpu_ops/quant.c dequantize the
-  weights and multiply float activations), which is the package's own decompression: what
-  transformers computes from the decompressed checkpoint.
+  int8. Where the Triton packed kernels run them on CUDA (moe_serve/prepare.py, per-channel weights)
+  the activations are quantized per token as the scheme says; elsewhere they stay float (torch ops
+  and cpu_ops/quant.c dequantize the weights and multiply float activations: the package's own
+  decompression, what transformers computes from the decompressed checkpoint).
 - format "float-quantized", FP8 e4m3 weights per channel (FP8_DYNAMIC: activations FP8 per token,
   dynamic, or none): kept FP8 in block-FP8 storage (moe_serve/quantization/fp8.py) with one block a
   row, (1, K) for a linear layer and (1, max(D, F)) for experts, whose float32 scale is the row's
@@ -74,7 +75,7 @@ class WeightScheme:
     strategy: str  # "group" | "channel"
     group_size: int | None  # strategy "group" only
     format: str = FORMAT  # how the weight is stored: FORMAT, INT_FORMAT or FLOAT_FORMAT
-    activations: str | None = None  # "int8 / fp8 per token, dynamic" (computed on float activations here)
+    activations: str | None = None  # "int8 / fp8 per token, dynamic" (applied where a kernel has the form)
 
 
 @dataclass(frozen=True)

@@ -67,9 +67,12 @@ WEIGHT_FORMATS: dict[str, dict] = {
         "what": "W4A16 / W8A16 (int4 / int8 weights per group or channel, zero points or not), kept packed",
         "backends": _PACKED_HOW},
     "compressed-tensors int-quantized": {
-        "what": "W8A8 int8 (int8 weights per channel or group, kept int8); activations stay float in every "
-                "backend (the checkpoint's dynamic per-token int8 activations are not applied)",
-        "backends": _PACKED_HOW},
+        "what": "W8A8 int8 (int8 weights per channel or group, kept int8), activations int8 per token",
+        "backends": {**_PACKED_HOW,
+                     "torch": _PACKED_HOW["torch"] + "; activations stay float",
+                     "cpu_c": _PACKED_HOW["cpu_c"] + "; activations stay float",
+                     "triton": _PACKED_HOW["triton"] + "; per-channel weights: activations quantized to int8 per "
+                               "token, int8 x int8 products (not yet run on a GPU); per group: float"}},
     "compressed-tensors float-quantized": {
         "what": "FP8 dynamic (e4m3 weights per channel), kept FP8 as block FP8 with one block a row",
         "backends": {"torch": "dequantized per call; activations stay float",

@@ -285,3 +285,65 @@ def test_engine_serves_a_w4a16_checkpoint_through_the_packed_kernels(tmp_path, m
     monkeypatch.undo()  # the oracle's transformers model is plain torch
     for p, o in zip(prompts, outs):
         assert_same_greedy(model, p, o.outputs[0].token_ids, hf_greedy(model, p, 4))
+
+
+def test_engine_serves_a_w8a8_checkpoint_with_int8_activations(tmp_path, monkeypatch):
+    """A compressed-tensors W8A8 int8 checkpoint (int8 weights per channel, activations int8 per
+    token, dynamic) served with the Triton backends where the platform quantizes activations (CUDA:
+    `int8_activation_quant`, made to say so here): every packed linear layer and the experts launch
+    their W8A8 form (A_INT8, with the activation quantizer), and the greedy tokens equal transformers'
+    on the package's decompressed weights with each quantized layer's input rounded to int8 per
+    token as the scheme says (a differing token only at a top-2 tie); the first token's log-
+    probability is that model's to float32 rounding, and not the float-activation model's."""
+    from moe_serve import LLM, SamplingParams, platform
+    from moe_serve.kernels import specialization as sp
+    from tests.models.test_compressed_tensors import W8A8_ACT, build_qwen3_moe_128, oracle, write_checkpoint
+    from tests.models.test_hf_parity import assert_same_greedy, hf_greedy
+
+    src = build_qwen3_moe_128(str(tmp_path / "src"))
+    dst = str(tmp_path / "w8a8")
+    dequant = write_checkpoint(src, dst, dict(num_bits=8, symmetric=True, strategy="channel"), fmt="int-quantized",
+                               activations=W8A8_ACT)
+    model = oracle(src, dequant, str(tmp_path / "oracle"))
+
+    def int8_per_token(x):  # the scheme's input quantization, written from its definition
+        s = x.abs().amax(-1, keepdim=True).clamp_min(1e-30) / 127
+        v = (x / s).clamp(-127, 127)
+        return torch.sign(v) * torch.floor(v.abs() + 0.5) * s
+
+    # transformers' eager experts call F.linear per expert, as nn.Linear does: every quantized
+    # layer's input is rounded there; the head and the routers (left float by the recipe) are not.
+    model.config._experts_implementation = "eager"
+    float_weights = {model.lm_head.weight.data_ptr()} | {m.gate.weight.data_ptr() for m in model.modules()
+                                                         if hasattr(m, "gate") and hasattr(m, "experts")}
+    linear = torch.nn.functional.linear
+
+    def quantized_linear(x, w, b=None):
+        return linear(x if w.data_ptr() in float_weights else int8_per_token(x), w, b)
+
+    monkeypatch.setattr(platform, "int8_activation_quant", lambda device: True)
+    llm = LLM(dst, dtype="float32", kv_cache_memory=1 << 22, show_progress=False, moe_backend="triton",
+              attention_backend="torch", linear_backend="triton")
+    prompts = [[5, 77, 301, 42], [9, 8, 7, 6, 5, 4, 3, 200]]
+    with sp.record(run=True) as launches:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=3, logprobs=0))
+    forms = {(x.kernel, dict(x.constexprs).get("A_INT8")) for x in launches}
+    assert {(sp.PACKED_GEMM, True), (sp.PACKED_LINEAR, True)} <= forms, forms
+    assert (sp.PACKED_GEMM, False) not in forms and (sp.PACKED_LINEAR, False) not in forms
+    assert sp.INT8_QUANT in {x.kernel for x in launches}
+    monkeypatch.undo()
+
+    def first_logprob(p, t):  # the oracle's log-probability of token t after prompt p
+        with torch.no_grad():
+            return torch.log_softmax(model(torch.tensor([p])).logits[0, -1].double(), -1)[t].item()
+
+    ours = [(p, o.outputs[0].token_ids[0], o.outputs[0].logprobs[0][o.outputs[0].token_ids[0]].logprob)
+            for p, o in zip(prompts, outs)]
+    weight_only = [abs(first_logprob(p, t) - lp) for p, t, lp in ours]
+    monkeypatch.setattr(torch.nn.functional, "linear", quantized_linear)
+    w8a8 = [abs(first_logprob(p, t) - lp) for p, t, lp in ours]
+    # ours is the int8-activation model's, to float32 rounding; float activations give another
+    assert max(w8a8) < 1e-4 and min(weight_only) > 1e-3, (w8a8, weight_only)
+    for p, o in zip(prompts, outs):
+        assert_same_greedy(model, p, o.outputs[0].token_ids, hf_greedy(model, p, 3))

@@ -151,7 +151,7 @@ def _script_parser(path: Path) -> argparse.ArgumentParser:
         raise _Captured(self)
 
     argparse.ArgumentParser.parse_args = grab
-    argv = sys.argv
+    argv, path_before, modules_before = sys.argv, list(sys.path), set(sys.modules)
     sys.argv = [str(path)]
     try:
         if path.suffix == ".py":
@@ -163,6 +163,12 @@ def _script_parser(path: Path) -> argparse.ArgumentParser:
     finally:
         argparse.ArgumentParser.parse_args = real
         sys.argv = argv
+        # A script that put its own folder first on sys.path (bench/) leaves it as it was: its
+        # modules would shadow packages later tests import (bench/kernels.py for `kernels`).
+        sys.path[:] = path_before
+        for name in set(sys.modules) - modules_before:
+            if str(ROOT / "bench") in str(getattr(sys.modules[name], "__file__", None) or ""):
+                del sys.modules[name]
     raise AssertionError(f"{path} never parsed its arguments")
 
 

@@ -20,7 +20,10 @@ def test_env_lists_each_format_for_each_backend():
             "compressed-tensors float-quantized"} <= set(table)
     for name, f in table.items():
         assert set(f["backends"]) == set(platform.OPS["experts"]), name
-    assert "activations stay float" in table["compressed-tensors int-quantized"]["what"]
+    w8a8 = table["compressed-tensors int-quantized"]
+    assert "activations int8 per token" in w8a8["what"]
+    assert "quantized to int8 per token" in w8a8["backends"]["triton"]
+    assert all("activations stay float" in w8a8["backends"][b] for b in ("torch", "cpu_c"))
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         _print(env)

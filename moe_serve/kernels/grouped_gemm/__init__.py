@@ -185,7 +185,10 @@ class TritonExperts(TorchExperts):
         if isinstance(w13, Mxfp4Weight) and isinstance(w2, Mxfp4Weight):
             return w13, w2, variant  # packed: the kernel decodes each tile as it loads it
         if isinstance(w13, PackedWeight) and isinstance(w2, PackedWeight) and cls.takes_packed:
-            return w13, w2, variant  # int4 / int8 codes, decoded in registers likewise (triton_packed.py)
+            # int4 / int8 codes, decoded in registers likewise (triton_packed.py); W8A8 where the
+            # platform set it (moe_serve/prepare.py: a W8A8 int8 checkpoint on CUDA)
+            act = getattr(w13, "act_quant", False)
+            return w13, w2, dict(variant, act_quant=True) if act else variant
         if hasattr(w13, "scale_inv"):  # block FP8: each tile dequantized as it loads
             return w13.q, w2.q, dict(w13_scale=w13.scale_inv, w2_scale=w2.scale_inv, scale_block=w13.block,
                                      act_quant=getattr(w13, "act_quant", False), **variant)
