@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_serve.kernels.grouped_gemm.triton_kernel import INTERPRETED, _dequant, _dot, _dot8, check_triton_device
+from moe_serve.kernels.grouped_gemm.triton_kernel import INTERPRETED, _dequant, _dot, _dot8, linear_rows
 
 
 # M (the step's token count) is unspecialised: its "== 1" / "divisible by 16" marks would otherwise
@@ -82,12 +82,10 @@ def fp8_linear_triton(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor,
     if tuple(scale_inv.shape) != (triton.cdiv(N, block[0]), triton.cdiv(K, block[1])):
         raise ValueError(f"fp8 linear: scale_inv {tuple(scale_inv.shape)} does not match weight {tuple(w.shape)} "
                          f"in blocks {tuple(block)}")
-    x2 = x.reshape(-1, K)
+    x2, y = linear_rows(x, N)
     M = x2.shape[0]
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return y.view(*lead, N)
-    check_triton_device(x2)
     launch = fp8_linear_launch(tile_rows or M, x.dtype, block, act_quant)
     xin, xs = x2, scale_inv  # the activation scales are unused unless A_SCALED
     if act_quant:

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_serve.kernels.grouped_gemm.triton_kernel import check_triton_device
+from moe_serve.kernels.grouped_gemm.triton_kernel import linear_rows
 from moe_serve.kernels.packed_tiles import _int8_epilogue, _packed_k_step, packed_k_tile, packed_operands
 
 
@@ -90,12 +90,10 @@ def packed_linear_triton(x: torch.Tensor, w, bias: torch.Tensor | None = None, a
     if bias is not None and tuple(bias.shape) != (w.shape[0],):
         raise ValueError(f"packed linear: bias {tuple(bias.shape)} must be ({w.shape[0]},)")
     N = w.shape[0]
-    x2 = x.reshape(-1, K)
+    x2, y = linear_rows(x, N)
     M = x2.shape[0]
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return y.view(*lead, N)
-    check_triton_device(x2)
     q, s, o, has_offset = packed_operands(w, "packed linear weight")
     launch = packed_linear_launch(tile_rows or M, x.dtype, w.bits, w.group_size, K, has_offset, act_quant,
                                   "packed linear weight")

@@ -23,7 +23,7 @@ import triton.language as tl
 from moe_serve.kernels.grouped_gemm.align import align_block_size
 from moe_serve.kernels.grouped_gemm.config import INVARIANT_CONFIG
 from moe_serve.kernels.grouped_gemm.triton_kernel import (_check_experts_args, _dot, _experts_gemms, _experts_launch,
-                                                          check_triton_device)
+                                                          check_triton_device, linear_rows)
 
 # The dense linear's one config: 32-row tiles (a decode step wastes at most 31 rows of one tile),
 # BLOCK_K 64 (the order of each row's sum over k: 64-wide dots, tiles in ascending k).
@@ -77,12 +77,10 @@ def linear_invariant(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = 
     N = w.shape[0]
     if w.dim() != 2 or w.shape[1] != K:
         raise ValueError(f"linear: weight {tuple(w.shape)} does not fit activations {tuple(x.shape)}")
-    x2 = x.reshape(-1, K)
+    x2, y = linear_rows(x, N)
     M = x2.shape[0]
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return y.view(*lead, N)
-    check_triton_device(x2)
     launch = linear_launch(x.dtype, b is not None)
     grid = (triton.cdiv(M, launch["BLOCK_M"]), triton.cdiv(N, launch["BLOCK_N"]))
     _linear_kernel[grid](x2, w, b if b is not None else w, y, M, N, K, x2.stride(0), x2.stride(1), w.stride(0),

@@ -311,6 +311,15 @@ def check_triton_device(t: torch.Tensor) -> None:
                            "TRITON_INTERPRET=1 before the kernel modules are imported")
 
 
+def linear_rows(x: torch.Tensor, N: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A linear kernel's operands: x (..., K) as rows (M, K), checked to reach a Triton device when
+    there are any, and an empty (M, N) output in x's dtype on x's device."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0]:
+        check_triton_device(x2)
+    return x2, torch.empty((x2.shape[0], N), dtype=x.dtype, device=x.device)
+
+
 def gemm_launch(cfg: dict, dtype: torch.dtype) -> dict:
     """Constexprs and launch options of `_grouped_gemm_kernel` (GATED / MUL_WEIGHT and the variant's
     ACT / HAS_BIAS aside) for one config and activation dtype, the same for gate/up and down: what selects a compiled variant
