@@ -36,7 +36,77 @@ def job_store(host: str, port: int, timeout_s: float):
 
 
 
-class Membership:
+class Coordinator:
+    """What rank 0 does for the job besides its own part (a Membership's side): watch every member's
+    heartbeat, notice replacements waiting, decide each generation's members and admit joiners."""
+
+    def _watch(self, store) -> None:
+        """Coordinator: refresh every member's heartbeat age, and notice replacements waiting."""
+        for r in self.members:
+            self._age(store, str(r))
+        waiting = store.add(self.k("join_count"), 0)
+        if waiting > self._joiners_handled:
+            self.on_joiner()
+
+    def _decide(self, target: int, remove: frozenset[int]) -> tuple[list[int], list[int]]:
+        """Coordinator: wait until every old member is here or lost; add replacements waiting. A
+        member still pending is heartbeating (else it is lost): busy finishing its step or ending a
+        collective's wait on a lost peer, slower on a loaded machine. It has twice the settle time
+        to arrive before it is left out, which the other ranks' wait for the member list
+        (next_generation: three settle times and a heartbeat timeout) still covers."""
+        store = self.store
+        wait_s = 2 * self.settle_timeout
+        deadline = time.monotonic() + wait_s
+        while True:
+            here, lost, pending = [], [], []
+            for r in self.members:
+                if r in remove:
+                    continue
+                if store.check([self.k(f"exited/{r}")]):
+                    lost.append(r)  # (it may have said it was here, then died)
+                elif store.check([self.k(f"g{target}/here/{r}")]):
+                    here.append(r)
+                elif self.lost(store, r) is not None:
+                    lost.append(r)
+                else:
+                    pending.append(r)
+            if not pending:
+                break
+            if time.monotonic() > deadline:
+                log.warning("generation %d: ranks %s neither regrouped nor were lost within %.0fs: leaving them out",
+                            target, pending, wait_s)
+                lost += pending
+                break
+            time.sleep(0.02)
+        for r in lost:
+            why = self.lost(store, r) or "it did not regroup in time"
+            log.warning("generation %d: rank %d is lost (%s)", target, r, why)
+        members = sorted(here) + self._admit_joiners(target, sorted(here))
+        return sorted(members), sorted(lost)
+
+    def _admit_joiners(self, target: int, members: list[int]) -> list[int]:
+        store, admitted = self.store, []
+        count = store.add(self.k("join_count"), 0)
+        for j in range(self._joiners_handled + 1, count + 1):
+            self._joiners_handled = j
+            free = [r for r in range(self.full_size) if r not in members and r not in admitted]
+            if self._age(store, f"j{j}") > self.hb_timeout:
+                continue  # gave up waiting
+            if not free:
+                store.set(self.k(f"join/{j}/assigned"), json.dumps({"error": f"the job is at its full size of "
+                                                                             f"{self.full_size} ranks"}))
+                continue
+            # The id's previous holder is gone: its recorded exit and heartbeat are not the replacement's.
+            store.delete_key(self.k(f"exited/{free[0]}"))
+            with self._seen_lock:
+                self._seen.pop(str(free[0]), None)
+            store.set(self.k(f"join/{j}/assigned"), json.dumps({"rank": free[0], "generation": target}))
+            log.info("generation %d: a replacement (join request %d) joins as rank %d", target, j, free[0])
+            admitted.append(free[0])
+        return admitted
+
+
+class Membership(Coordinator):
     """This core's view of the job's members, through the store (see the module's docstring)."""
 
     def __init__(self, host: str, port: int, rank: int | None, heartbeat_timeout_s: float, settle_timeout_s: float,
@@ -188,14 +258,6 @@ class Membership:
                     log.warning("elastic watcher: %s", e)
             self._stop.wait(self.hb_interval)
 
-    def _watch(self, store) -> None:
-        """Coordinator: refresh every member's heartbeat age, and notice replacements waiting."""
-        for r in self.members:
-            self._age(store, str(r))
-        waiting = store.add(self.k("join_count"), 0)
-        if waiting > self._joiners_handled:
-            self.on_joiner()
-
     def _age(self, store, key: str) -> float:
         """Seconds since this process last saw alive/<key> change (clocks of other hosts never compared)."""
         full = self.k(f"alive/{key}")
@@ -253,63 +315,6 @@ class Membership:
                                "time); it stops")
         self.generation, self.members = target, got["members"]
         return got["members"], got["lost"]
-
-    def _decide(self, target: int, remove: frozenset[int]) -> tuple[list[int], list[int]]:
-        """Coordinator: wait until every old member is here or lost; add replacements waiting. A
-        member still pending is heartbeating (else it is lost): busy finishing its step or ending a
-        collective's wait on a lost peer, slower on a loaded machine. It has twice the settle time
-        to arrive before it is left out, which the other ranks' wait for the member list
-        (next_generation: three settle times and a heartbeat timeout) still covers."""
-        store = self.store
-        wait_s = 2 * self.settle_timeout
-        deadline = time.monotonic() + wait_s
-        while True:
-            here, lost, pending = [], [], []
-            for r in self.members:
-                if r in remove:
-                    continue
-                if store.check([self.k(f"exited/{r}")]):
-                    lost.append(r)  # (it may have said it was here, then died)
-                elif store.check([self.k(f"g{target}/here/{r}")]):
-                    here.append(r)
-                elif self.lost(store, r) is not None:
-                    lost.append(r)
-                else:
-                    pending.append(r)
-            if not pending:
-                break
-            if time.monotonic() > deadline:
-                log.warning("generation %d: ranks %s neither regrouped nor were lost within %.0fs: leaving them out",
-                            target, pending, wait_s)
-                lost += pending
-                break
-            time.sleep(0.02)
-        for r in lost:
-            why = self.lost(store, r) or "it did not regroup in time"
-            log.warning("generation %d: rank %d is lost (%s)", target, r, why)
-        members = sorted(here) + self._admit_joiners(target, sorted(here))
-        return sorted(members), sorted(lost)
-
-    def _admit_joiners(self, target: int, members: list[int]) -> list[int]:
-        store, admitted = self.store, []
-        count = store.add(self.k("join_count"), 0)
-        for j in range(self._joiners_handled + 1, count + 1):
-            self._joiners_handled = j
-            free = [r for r in range(self.full_size) if r not in members and r not in admitted]
-            if self._age(store, f"j{j}") > self.hb_timeout:
-                continue  # gave up waiting
-            if not free:
-                store.set(self.k(f"join/{j}/assigned"), json.dumps({"error": f"the job is at its full size of "
-                                                                             f"{self.full_size} ranks"}))
-                continue
-            # The id's previous holder is gone: its recorded exit and heartbeat are not the replacement's.
-            store.delete_key(self.k(f"exited/{free[0]}"))
-            with self._seen_lock:
-                self._seen.pop(str(free[0]), None)
-            store.set(self.k(f"join/{j}/assigned"), json.dumps({"rank": free[0], "generation": target}))
-            log.info("generation %d: a replacement (join request %d) joins as rank %d", target, j, free[0])
-            admitted.append(free[0])
-        return admitted
 
     def wait_to_join(self, timeout_s: float) -> tuple[int, int, list[int]]:
         """A replacement: ask to join and wait for the coordinator's answer at its next step
