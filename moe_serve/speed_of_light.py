@@ -35,9 +35,10 @@ buffer larger than the last-level cache, best of a few), as on a CPU. The stream
 times the buffer (a second or more on a CPU with a large cache), so its figure is kept for a day in
 `$MOE_SERVE_CACHE/read_bandwidth.json` under what it depends on (the device or CPU model, the
 last-level cache, the memory, the threads): the engines started after the first on the same
-machine reuse it, and the log says when it was measured. Only a figure measured while the machine
-was quiet (load average under the cores) is reused; until then each start measures, and the
-file keeps the best figure seen. Decode reads its weights and
+machine reuse it, and the log says when it was measured. A figure measured while the machine was
+busy (load average at or above the cores) is measured again by the first start that finds the
+machine quiet; a start on a busy machine reuses it (a stream measured then would be contended
+too), and the file keeps the best figure seen. Decode reads its weights and
 caches and writes little, so the ceiling is what the memory can deliver to reads; a copy's
 (read + write) / time is lower on most machines and would overstate the achieved fraction.
 """
@@ -169,13 +170,13 @@ def _measured(device: torch.device) -> tuple[float, str]:
         entry = known.get(machine) if isinstance(known, dict) else None
         fresh = (isinstance(entry, dict) and isinstance(entry.get("bytes_per_s"), (int, float))
                  and entry["bytes_per_s"] > 0 and 0 <= time.time() - entry.get("at", 0) < MEASURE_KEEP_S)
-        if fresh and entry.get("quiet") is True:
+        quiet = _machine_quiet()
+        if fresh and (entry.get("quiet") is True or not quiet):
             at = time.strftime("%Y-%m-%d %H:%M", time.localtime(entry["at"]))
             _MEASURED[key] = (float(entry["bytes_per_s"]), f"measured at {at} ({path})")
         else:
             # Other work on the machine only lowers a read stream's figure: one measured while the
-            # machine was busy is not reused, and a figure kept for the day is the best seen.
-            quiet = _machine_quiet()
+            # machine was busy is measured again once it is quiet, and the figure kept is the best seen.
             bw = measure_bandwidth(device)
             _MEASURED[key] = (bw, "measured at start-up")
             known = known if isinstance(known, dict) else {}

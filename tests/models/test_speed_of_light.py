@@ -147,8 +147,9 @@ def test_bandwidth_override_and_refusal(checkpoints):
 def test_measured_bandwidth_kept_for_the_machine(tmp_path, monkeypatch):
     """The first process measures and keeps the figure under the machine's key; another process
     (this one with its own figure forgotten) reuses it and says when it was measured; a figure older
-    than a day, one measured on a busy machine, another machine's, or a corrupt file is measured
-    again (and a busy machine's low figure is replaced by the new, higher one)."""
+    than a day, one measured on a busy machine (once the machine is quiet), another machine's, or a
+    corrupt file is measured again (and a busy machine's low figure is replaced by the new, higher
+    one); a start on a busy machine reuses a busy machine's figure rather than measure under load."""
     import json
 
     from moe_serve import speed_of_light as sol
@@ -175,6 +176,18 @@ def test_measured_bandwidth_kept_for_the_machine(tmp_path, monkeypatch):
         assert source == "read stream measured at start-up" and again > 1e8
     # The new figure joins another machine's, it does not replace the file's other entries.
     assert set(json.loads((tmp_path / "read_bandwidth.json").read_text())) == {key, "cpu|another machine"}
+    # Busy now: a fresh figure from a busy moment is reused (a stream measured now would be contended
+    # too); a stale one is still measured again.
+    monkeypatch.setattr(sol, "_machine_quiet", lambda: False)
+    busy = {key: {"bytes_per_s": 2.5e9, "at": time.time(), "quiet": False}}
+    (tmp_path / "read_bandwidth.json").write_text(json.dumps(busy))
+    monkeypatch.setattr(sol, "_MEASURED", {})
+    bw, source = sol.device_bandwidth("cpu")
+    assert bw == 2.5e9 and source.startswith("read stream measured at "), source
+    busy[key]["at"] = time.time() - 2 * sol.MEASURE_KEEP_S
+    (tmp_path / "read_bandwidth.json").write_text(json.dumps(busy))
+    monkeypatch.setattr(sol, "_MEASURED", {})
+    assert sol.device_bandwidth("cpu")[1] == "read stream measured at start-up"
 
 
 # --- bytes per cache kind and per expert slot, by hand from each checkpoint's config ---------------
