@@ -71,7 +71,7 @@ def _late_write(tmp_path, reference, kill_core: bool) -> None:
     d = None
     try:
         d = ServerProcess(base + ["--num-kv-blocks", str(NUM_BLOCKS), "--disaggregation-mode", "decode",
-                                  "--disaggregation-timeout", "10"])
+                                  "--disaggregation-timeout", "5"])
         c = openai.OpenAI(base_url=d.url + "/v1", api_key=KEY, max_retries=0, timeout=300)
         a_text = []
         a = threading.Thread(target=lambda: a_text.append(c.completions.create(
