@@ -61,12 +61,22 @@ class GQASelfAttention(nn.Module):
     def set_fused(self, names: list[str], weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.qkv_weight, self.qkv_bias = weight, bias
 
+    # Packed q, k and v (moe_serve/prepare.py): one packed Linear over their stacked codes, run by
+    # q_proj's backend; held outside the module tree (its parameters are the layers' own storage).
+    qkv_packed = None
+
+    def set_fused_packed(self, names: list[str], linear) -> None:
+        self.__dict__["qkv_packed"] = linear
+
     def forward(self, x_TD: torch.Tensor, positions_T: torch.Tensor, meta: AttentionMetadata,
                 rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """rope: the step's (cos, sin) rows of `rotary`'s tables (gathered once for every layer)."""
         T = x_TD.shape[0]
         if self.qkv_weight is not None:
             q, k, v = self.q_proj.ops(x_TD, self.qkv_weight, self.qkv_bias).split(
+                [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], dim=-1)
+        elif self.qkv_packed is not None:
+            q, k, v = self.q_proj.ops.packed(self.qkv_packed, x_TD).split(
                 [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], dim=-1)
         else:
             q, k, v = self.q_proj(x_TD), self.k_proj(x_TD), self.v_proj(x_TD)

@@ -275,6 +275,16 @@ def test_packed_weights_stay_packed_in_memory(qwen3, tmp_path):
         # no dense copy of a quantized weight anywhere in the model
         assert not any(n in dict(model.named_parameters()) for n in dense_names)
         assert model.model.layers[0].self_attn.q_proj.weight is None
+        # q, k and v run as one packed GEMM whose codes, scales and offsets are the layers' own storage
+        attn = model.model.layers[0].self_attn
+        parts = [attn.q_proj, attn.k_proj, attn.v_proj]
+        fused = attn.qkv_packed
+        assert fused is not None and fused.out_features == sum(p.out_features for p in parts)
+        starts = [0, parts[0].out_features, parts[0].out_features + parts[1].out_features]
+        for name in ("qweight", "qscales", "qoffsets"):
+            whole = getattr(fused, name)
+            assert [getattr(p, name).data_ptr() for p in parts] == [
+                whole.data_ptr() + r * whole.stride(0) * whole.element_size() for r in starts]
 
 
 BASE = {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
