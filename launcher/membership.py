@@ -152,6 +152,11 @@ class Membership(Coordinator):
         self.store_sockets = socket_inodes() - before
         self._store_shut = False
 
+    def _reconnect_if_shut(self) -> None:
+        """(Under _phase_lock.) A new store client if the watcher shut this one to end a wait."""
+        if self._store_shut:
+            self._connect()
+
     def turn_began(self, turn: int) -> None:
         """CoreLoop's on_turn: a new step starts here."""
         self.turn_since = time.monotonic()
@@ -163,8 +168,9 @@ class Membership(Coordinator):
     def build_ended(self) -> None:
         with self._phase_lock:
             self.build_since = None
-            if self._store_shut:  # the watcher ended a wait as the build finished: the next collective
-                self._connect()   # fails and regroups, and the store serves until then
+            # the watcher ended a wait as the build finished: the next collective fails and
+            # regroups, and the store serves until then
+            self._reconnect_if_shut()
 
     def k(self, key: str) -> str:
         return PREFIX + key
@@ -289,8 +295,7 @@ class Membership(Coordinator):
         is gone or left this rank out as lost."""
         with self._phase_lock:
             self.build_since = None
-            if self._store_shut:  # (shut down to end a rendezvous's wait on a lost member)
-                self._connect()
+            self._reconnect_if_shut()
         self.store.set(self.k(f"g{target}/here/{self.rank}"), "1")
         if self.rank == 0:
             members, lost = self._decide(target, remove)

@@ -50,6 +50,7 @@ def prepare_gemm_weights(model: nn.Module, model_dtype: torch.dtype, device: tor
     from moe_serve.platform import fp8_activation_quant, int8_activation_quant
 
     target = gemm_weight_dtype(model_dtype, device, c_kernels)
+    float_acts = 0  # layers whose checkpoint quantizes their inputs to int8, run on float inputs here
     for m in model.modules():  # block-FP8 layers: which kernel runs them is the platform's decision
         if isinstance(m, Linear) and m.weight_scale_inv is not None:
             m.fp8_act_quant = fp8_activation_quant(device) and m.fp8_block[1] % 16 == 0  # W8A8's k tiles
@@ -61,6 +62,11 @@ def prepare_gemm_weights(model: nn.Module, model_dtype: torch.dtype, device: tor
                                   and m.packed_group == m.in_features)
         elif isinstance(m, PackedExperts) and m.int8_activations:
             m.act_quant = int8_activation_quant(device) and m.widths == (8, 8) and m.group_sizes == (m.D, m.F)
+        float_acts += bool(getattr(m, "int8_activations", False)
+                           and not (getattr(m, "packed_act_quant", False) or getattr(m, "act_quant", False)))
+    if float_acts:
+        log.info("W8A8 checkpoint: %d layers' inputs stay float (their checkpoint quantizes them to int8 per token; "
+                 "only the Triton packed kernels on CUDA do, for 8-bit weights per channel)", float_acts)
     params_dtype = params_dtype or model_dtype
     if target == params_dtype:
         return 0

@@ -14,6 +14,7 @@ source's tensors and loaded by transformers.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 
@@ -339,7 +340,7 @@ def test_activation_quantization_over_packed_weights_refused_at_start(qwen3, tmp
         ModelConfig.from_path(dst)
 
 
-def test_w8a8_int8_greedy_matches_transformers_and_stays_int8(qwen3, tmp_path):
+def test_w8a8_int8_greedy_matches_transformers_and_stays_int8(qwen3, tmp_path, caplog):
     """W8A8 int8 as llm-compressor writes it (int-quantized: int8 weights per channel, activations
     int8 per token, dynamic): the weights load kept int8 (a byte each, float32 scales and offsets per
     row), and greedy tokens equal transformers over the package's decompression (float activations:
@@ -355,7 +356,10 @@ def test_w8a8_int8_greedy_matches_transformers_and_stays_int8(qwen3, tmp_path):
         q = json.load(f)["quantization_config"]
     assert q["format"] == "int-quantized" and q["config_groups"]["group_0"]["input_activations"]["dynamic"]
     model = oracle(qwen3, dequant, str(tmp_path / "oracle"))
-    ours = light_parity(dst, model, 62).engine.runner.model
+    with caplog.at_level(logging.INFO, logger="moe_serve"):
+        ours = light_parity(dst, model, 62).engine.runner.model
+    # the checkpoint's int8 activations are not applied on the CPU, and the log says so
+    assert "W8A8 checkpoint:" in caplog.text and "inputs stay float" in caplog.text
     q_proj = ours.model.layers[0].self_attn.q_proj
     assert q_proj.weight is None and q_proj.qweight.dtype == torch.uint8 and q_proj.packed_bits == 8
     assert q_proj.qscales.shape == (q_proj.out_features, 1)
