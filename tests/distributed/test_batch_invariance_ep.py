@@ -1,7 +1,8 @@
 """--batch-invariant under expert parallelism (2 ranks over gloo, the all-to-all dispatcher): a
 request's token ids and logprobs are bitwise the same alone and in company, whichever rank it runs
 on and however its companions spread over the ranks, and the same as a single-process
---batch-invariant engine's.
+--batch-invariant engine's. That engine runs as the ranks do: a fresh process with one thread (the
+pytest process, with its history of built checkpoints and its two threads, is not what is compared).
 
 In company the target's tokens meet other requests' tokens, its own rank's and the other rank's,
 in the same expert groups after dispatch, and its prompt's chunks are cut elsewhere (a 24-token
@@ -12,8 +13,12 @@ log). Logprobs are compared as the JSON floats the server answers (they round-tr
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import random
 import re
+import subprocess
+import sys
 import time
 
 import httpx
@@ -64,6 +69,21 @@ def _offline_result(llm: LLM) -> tuple:
     return o.text, tokens, lps, tops, prompt
 
 
+def _offline_in_fresh_process(path: str) -> list:
+    """`_offline_result` of an `LLM(path, batch_invariant=True)` in a process of its own with one
+    thread, as JSON (floats round-trip exactly)."""
+    code = ("import json, sys; from moe_serve import LLM; "
+            "from tests.distributed.test_batch_invariance_ep import _offline_result; "
+            "llm = LLM(sys.argv[1], dtype='float32', batch_invariant=True, kv_cache_memory=16 << 20, "
+            "show_progress=False); print('RESULT ' + json.dumps(_offline_result(llm)))")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    res = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True, timeout=600, cwd=root,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    lines = [line for line in res.stdout.splitlines() if line.startswith("RESULT ")]
+    assert res.returncode == 0 and len(lines) == 1, res.stdout[-3000:] + res.stderr[-3000:]
+    return json.loads(lines[0][len("RESULT "):])
+
+
 async def _post(h: httpx.AsyncClient, url: str, body: dict) -> dict:
     r = await h.post(url + "/v1/completions", json=body)
     assert r.status_code == 200, r.text
@@ -97,8 +117,7 @@ def _companions(seed: int, n: int) -> list[dict]:
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
 def test_ep2_bitwise_alone_in_company_and_single_process(checkpoints, arch):
     path = checkpoints[arch]
-    offline = _offline_result(LLM(path, dtype="float32", batch_invariant=True, kv_cache_memory=16 << 20,
-                                  show_progress=False))
+    offline = _offline_in_fresh_process(path)
     job = TorchrunJob(2, ["--model", path, *ARGS])
     try:
         with httpx.Client(timeout=180) as h:
@@ -112,6 +131,6 @@ def test_ep2_bitwise_alone_in_company_and_single_process(checkpoints, arch):
             ranks.add(mine)
             assert got == alone
         assert ranks == {0, 1}
-        assert alone == offline
+        assert json.loads(json.dumps(alone)) == offline
     finally:
         job.kill()
