@@ -185,6 +185,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                   ctypes.c_int]
     lib.moe_panel_groups_run.restype = ctypes.c_int64
+    lib.moe_experts_by_thread_run.restype = ctypes.c_int64
     f = lib.decode_attention_f32
     f.restype = ctypes.c_int
     f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
@@ -422,6 +423,12 @@ def use_for(x_TD: torch.Tensor, w13_EFD: torch.Tensor, w2_EDF: torch.Tensor, top
 def panel_groups_run() -> int:
     """How many expert panel groups (moe.c's prefill path) this process has run."""
     return _lib().moe_panel_groups_run()
+
+
+def experts_by_thread_run() -> int:
+    """How many moe_experts calls gave whole experts to each thread (decode-sized, routed to at least
+    as many experts as threads, evenly: common.h `experts_by_thread`) in this process."""
+    return _lib().moe_experts_by_thread_run()
 
 
 def moe_experts(x_TD: torch.Tensor, w13_EFD: torch.Tensor, w2_EDF: torch.Tensor, topk_weights_TK: torch.Tensor,

@@ -19,7 +19,9 @@
  * Written once over vec.h's 16-lane vectors: AVX-512, AVX2 + FMA, NEON or plain C, chosen at build.
  *
  * Threads: the weight-row blocks of each GEMM are split over OpenMP threads (the process's own
- * OpenMP runtime: torch's libgomp is already loaded under the same soname), nothing when nt == 1.
+ * OpenMP runtime: torch's libgomp is already loaded under the same soname), nothing when nt == 1;
+ * a decode-sized call that routes to enough experts gives whole experts to each thread instead
+ * (common.h `experts_by_thread`: one parallel region a layer, the same bits as one thread).
  */
 #include <math.h>
 #include <stdint.h>
@@ -195,6 +197,32 @@ static int gemm(const float* a, int64_t lda, int M, const void* w, int bf16, int
 static int64_t panel_groups_run;
 int64_t moe_panel_groups_run(void) { return panel_groups_run; }
 
+/* Calls that gave whole experts to each thread (common.h `experts_by_thread`) in this process. */
+static int64_t by_thread_run;
+int64_t moe_experts_by_thread_run(void) { return by_thread_run; }
+
+typedef struct {
+  const float* x;
+  int64_t D, K, F, esz;
+  const void *w13, *w2;
+  int w_bf16;
+} experts_ctx;
+
+/* Expert e's decode-sized pass on one thread (experts_by_thread's expert_rows_fn). */
+static const float* expert_pass(const void* ctx, int64_t e, const int64_t* pe, int64_t n, float* xs, int* rc) {
+  const experts_ctx* c = (const experts_ctx*)ctx;
+  const int64_t D = c->D, F = c->F;
+  float* h = xs + n * D;
+  float* act = h + n * 2 * F;
+  float* y = act + n * F;
+  gather_rows(c->x, D, pe, n, c->K, xs);
+  *rc = gemm(xs, D, (int)n, (const char*)c->w13 + e * 2 * F * D * c->esz, c->w_bf16, D, (int)(2 * F), h, 2 * F, 1, 0);
+  if (*rc) return 0;
+  for (int64_t i = 0; i < n; i++) silu_mul_row(h + i * 2 * F, h + i * 2 * F + F, act + i * F, F);
+  *rc = gemm(act, F, (int)n, (const char*)c->w2 + e * D * F * c->esz, c->w_bf16, F, (int)D, y, D, 1, 0);
+  return *rc ? 0 : y;
+}
+
 /* moe_experts_f32 and its batch-invariant form (inv): every expert's rows by the dot-product tiles,
  * whatever their number (the panel path's sums run in another order, and which path an expert takes
  * depends on how many rows the batch routes to it), and out (T * K, D): each (token, k) pair's
@@ -214,6 +242,12 @@ static int moe_experts(const float* x, int64_t T, int64_t D, const int64_t* ids,
   /* Scratch for the dot-product path's rows (at most PANEL_MIN_ROWS - 1 of them where experts with
    * more take the panel path, whose scratch is its own) */
   const int panels = !inv && panel_path(rows, D, F);
+  if (!inv && !panels && experts_by_thread_fits(start, E, K, nt)) {
+    const experts_ctx ctx = {x, D, K, F, esz, w13, w2, w_bf16};
+    by_thread_run++;
+    return experts_by_thread(T, D, ids, start, order, E, K, wts, (size_t)(rows * (D + 2 * F + F + D)), expert_pass,
+                             &ctx, out, nt);
+  }
   const int64_t small = panels ? PANEL_MIN_ROWS - 1 : rows;
   float* xs = scratch(1, (size_t)(small * (D + 2 * F + F + D)) * sizeof(float));
   float *pxs, *pwbuf;

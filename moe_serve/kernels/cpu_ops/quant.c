@@ -25,7 +25,8 @@
  *
  * Tiles as moe.c's decode path: a block of QNB weight rows stays in L1 while every activation row
  * passes it (up to QMB at a time, a compile-time count), so the weights are read once whatever M is;
- * the row blocks are split over OpenMP threads (whole outputs each: a thread never splits a sum).
+ * the row blocks are split over OpenMP threads (whole outputs each: a thread never splits a sum), or,
+ * for experts routed to by a decode-sized call, whole experts are (common.h `experts_by_thread`).
  * Written over vec.h's 16-lane vectors; the code widening is this file's (q8_load / q4_load below)
  * for AVX-512, AVX2, NEON and plain C.
  */
@@ -566,6 +567,40 @@ int quant_linear_f32(const float* x, int64_t ldx, int64_t M, const uint8_t* q, i
 /* The expert e of E packed weights of (N, K) each, back to back. */
 static qweight_t expert_of(const qweight_t* w, int64_t e, int64_t N, int64_t K) { return qrows_from(w, e * N, K); }
 
+#define QEXPERT_COST 8  /* an expert's weight bytes in rows' worth of work, for qexperts_by_thread */
+
+/* One routed expert's decode-sized pass: its n pairs pe[0..n) gathered from x, gate/up, SiLU-and-mul
+ * and down. Returns the n output rows (D floats each, in xs), 0 for -1 / -2 in *rc (as qgemm).
+ * xs: scratch of n * (D + 2F + F + D) floats. */
+static const float* qexpert_rows(const float* x, int64_t D, const int64_t* pe, int64_t n, int64_t K,
+                                 const qweight_t* gu, const qweight_t* dn, int64_t F, float* xs, int nt, int* rc) {
+  float* h = xs + n * D;
+  float* act = h + n * 2 * F;
+  float* y = act + n * F;
+  gather_rows(x, D, pe, n, K, xs);
+  *rc = qgemm(xs, D, n, gu, D, 2 * F, h, 2 * F, nt);
+  if (*rc) return 0;
+  for (int64_t i = 0; i < n; i++) silu_mul_row(h + i * 2 * F, h + i * 2 * F + F, act + i * F, F);
+  *rc = qgemm(act, F, n, dn, F, D, y, D, nt);
+  return *rc ? 0 : y;
+}
+
+/* Calls that gave whole experts to each thread (common.h `experts_by_thread`) in this process. */
+static int64_t qby_thread_run;
+int64_t quant_experts_by_thread_run(void) { return qby_thread_run; }
+
+typedef struct {
+  const float* x;
+  int64_t D, K, F;
+  const qweight_t *w13, *w2;
+} qexperts_ctx;
+
+static const float* qexpert_pass(const void* ctx, int64_t e, const int64_t* pe, int64_t n, float* xs, int* rc) {
+  const qexperts_ctx* c = (const qexperts_ctx*)ctx;
+  const qweight_t gu = expert_of(c->w13, e, 2 * c->F, c->D), dn = expert_of(c->w2, e, c->D, c->F);
+  return qexpert_rows(c->x, c->D, pe, n, c->K, &gu, &dn, c->F, xs, 1, rc);
+}
+
 /* moe.c's moe_experts_f32 (its decode path) over packed experts: x [T, D]; ids [T, K] int64 (an id
  * outside [0, E) contributes nothing); wts [T, K] float32; gate_up (E, 2F, D) packed (gate rows then
  * up rows) and down (E, D, F) packed, each with its own bits, scales, offsets (or NULL) and group
@@ -586,12 +621,15 @@ int quant_experts_f32(const float* x, int64_t T, int64_t D, const int64_t* ids, 
   /* the dot-product tiles' rows: at most QPANEL_MIN_ROWS - 1 where experts with more take the panels */
   const int panels = QPANEL_PATH(rows, D, F);
   const int64_t small = panels ? QPANEL_MIN_ROWS - 1 : rows;
+  if (!panels && experts_by_thread_fits(start, E, K, nt)) {
+    const qexperts_ctx ctx = {x, D, K, F, &w13, &w2};
+    qby_thread_run++;
+    return experts_by_thread(T, D, ids, start, order, E, K, wts, (size_t)(rows * (D + 2 * F + F + D)), qexpert_pass,
+                             &ctx, out, nt);
+  }
   float* xs = scratch(1, (size_t)(small * (D + 2 * F + F + D)) * sizeof(float));
   float *pxs, *pwbuf;
   if (!xs || (panels && panel_expert_scratch(D, F, 1, nt, &pxs, &pwbuf))) return -1;
-  float* h = xs + small * D;
-  float* act = h + small * 2 * F;
-  float* y = act + small * F;
   memset(out, 0, (size_t)(T * D) * sizeof(float));
   for (int64_t e = 0; e < E; e++) {
     const int64_t n = start[e + 1] - start[e];
@@ -605,11 +643,8 @@ int quant_experts_f32(const float* x, int64_t T, int64_t D, const int64_t* ids, 
       qpanels_run += groups;
       continue;
     }
-    gather_rows(x, D, pe, n, K, xs);
-    int rc = qgemm(xs, D, n, &gu, D, 2 * F, h, 2 * F, nt);
-    if (rc) return rc;
-    for (int64_t i = 0; i < n; i++) silu_mul_row(h + i * 2 * F, h + i * 2 * F + F, act + i * F, F);
-    rc = qgemm(act, F, n, &dn, F, D, y, D, nt);
+    int rc;
+    const float* y = qexpert_rows(x, D, pe, n, K, &gu, &dn, F, xs, nt, &rc);
     if (rc) return rc;
     add_weighted_rows(out, D, pe, n, K, wts, y);
   }

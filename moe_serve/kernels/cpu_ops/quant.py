@@ -56,7 +56,7 @@ def _bind(raw: ctypes.CDLL) -> None:
     f = raw.quant_experts_f32
     f.restype = _INT
     f.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P, _INT, _P, _P, _I64, _P, _INT, _P, _P, _I64, _I64, _I64, _P, _INT]
-    for name in ("quant_panels_run", "quant_panel_min_rows"):
+    for name in ("quant_panels_run", "quant_panel_min_rows", "quant_experts_by_thread_run"):
         getattr(raw, name).restype = _I64
         getattr(raw, name).argtypes = []
     raw.__dict__["_quant_bound"] = True
@@ -114,6 +114,12 @@ def panels_run() -> int:
     """Panel GEMMs quant.c has run in this process (linear calls and expert panel groups): which path
     a call took, for the tests."""
     return _lib().quant_panels_run()
+
+
+def experts_by_thread_run() -> int:
+    """Calls of quant_experts that gave whole experts to each thread (decode-sized, routed to at least
+    as many experts as threads, evenly: see quant.c `qexperts_by_thread`), in this process."""
+    return _lib().quant_experts_by_thread_run()
 
 
 def panel_min_rows() -> int:
