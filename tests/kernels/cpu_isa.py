@@ -29,3 +29,33 @@ def threads(n: int):
         yield
     finally:
         torch.set_num_threads(old)
+
+
+def by_thread_cases(run, ran, E: int, D: int, g: torch.Generator):
+    """The whole-experts-per-thread cases (cpu_ops' common.h `experts_by_thread`) of an experts
+    kernel `run(x, wts, ids)` whose counter of such calls is `ran()`: one token over 4 experts on 2
+    threads (as many as a multiple of the threads), 9 tokens over all E = 12 experts, top 3, on 2 and
+    on 3 threads (the cost split cuts the experts unevenly; one id held elsewhere), and 3 experts on 2
+    threads (the row split). Each case's path is asserted; yields (ids, x, wts, out, one thread's
+    out) for the caller's reference checks."""
+    assert E == 12
+
+    def every_expert(T):  # T >= 4 tokens, top 3, every expert routed to
+        ids = torch.cat([torch.randperm(E, generator=g).view(4, 3),
+                         torch.stack([torch.randperm(E, generator=g)[:3] for _ in range(T - 4)])])
+        return ids[torch.randperm(T, generator=g)]
+
+    held = every_expert(9)
+    twice = (torch.bincount(held.flatten(), minlength=E) >= 2)[held].nonzero()[0]
+    held[tuple(twice)] = -1  # held elsewhere: a pair of an expert routed to again, so still all 12
+    for ids, n, by_thread in [(torch.tensor([[3, 7, 0, 11]]), 2, True), (every_expert(9), 2, True),
+                              (held, 3, True), (torch.tensor([[3, 7, 0]]), 2, False)]:
+        x, wts = torch.randn(ids.shape[0], D, generator=g), torch.rand(ids.shape, generator=g)
+        before = ran()
+        with threads(n):
+            out = run(x, wts, ids)
+        assert ran() - before == int(by_thread), (ids.tolist(), n)
+        with threads(1):
+            serial = run(x, wts, ids)
+        yield ids, x, wts, out, serial
+

@@ -20,6 +20,7 @@ from attention.backends import CpuCAttention
 from moe_serve.kernels.grouped_gemm import CpuCExperts, fused_experts
 from moe_serve.kernels.grouped_gemm.reference import fused_experts_reference
 from tests.kernels.cpu_isa import isa  # noqa: F401  (a fixture: each test once per ISA build)
+from tests.kernels.cpu_isa import by_thread_cases
 from tests.kernels.cpu_isa import threads as _threads
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the C kernels did not build here (no C compiler)")
@@ -54,32 +55,14 @@ def test_matches_float64_reference(dtype, T, D, F, E, K, threads, isa):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_whole_experts_per_thread_match_float64_and_one_thread_bitwise(dtype, isa):
-    """Decode-sized routings that reach as many experts as there are threads, or a multiple (one
-    token over 4 experts, 2 threads), or many (9 tokens over all 12 experts, top 3, 2 and 3 threads:
-    the cost split cuts the experts unevenly; ids held elsewhere) give whole experts to each thread
-    (cpu_ops.experts_by_thread_run() says so); 3 experts on 2 threads stay on the row split. Against
-    float64, and bit for bit the one-thread result."""
+    """Decode-sized routings that reach as many experts as there are threads (evenly) give whole
+    experts to each thread (cases: tests/kernels/cpu_isa.py `by_thread_cases`). Against float64,
+    and bit for bit the one-thread result (each token's pairs added in the same order)."""
     E, D, F = 12, 40, 24
-    g = torch.Generator().manual_seed(5)
     _, w13, w2, _, _ = _case(1, D, F, E, 1, dtype, seed=5)
-
-    def every_expert(T):
-        ids = torch.cat([torch.randperm(E, generator=g).view(4, 3),
-                         torch.stack([torch.randperm(E, generator=g)[:3] for _ in range(T - 4)])])
-        return ids[torch.randperm(T, generator=g)]
-
-    held = every_expert(9)
-    held[0, 0] = -1  # held elsewhere: still 12 experts routed to (every one has 2 pairs or more)
-    for ids, threads, by_thread in [(torch.tensor([[3, 7, 0, 11]]), 2, True), (every_expert(9), 2, True),
-                                    (held, 3, True), (torch.tensor([[3, 7, 0]]), 2, False)]:
-        T = ids.shape[0]
-        x, wts = torch.randn(T, D, generator=g), torch.rand(T, ids.shape[1], generator=g)
-        ran = cpu_ops.experts_by_thread_run()
-        with _threads(threads):
-            got = cpu_ops.moe_experts(x, w13, w2, wts, ids)
-        assert cpu_ops.experts_by_thread_run() - ran == int(by_thread), (ids.tolist(), threads)
-        with _threads(1):
-            serial = cpu_ops.moe_experts(x, w13, w2, wts, ids)
+    for ids, x, wts, got, serial in by_thread_cases(lambda x, wts, ids: cpu_ops.moe_experts(x, w13, w2, wts, ids),
+                                                    cpu_ops.experts_by_thread_run, E, D,
+                                                    torch.Generator().manual_seed(5)):
         ref = fused_experts_reference(x.double(), w13.double(), w2.double(), wts.double(), ids)
         torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
         assert torch.equal(got, serial)

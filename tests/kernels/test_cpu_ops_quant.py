@@ -16,6 +16,7 @@ from moe_serve.kernels import cpu_ops
 from moe_serve.kernels.cpu_ops import quant
 from moe_serve.quantization.packed import PackedWeight, pack_nibbles
 from tests.kernels.cpu_isa import isa  # noqa: F401  (a fixture: each test once per ISA build)
+from tests.kernels.cpu_isa import by_thread_cases
 from tests.kernels.cpu_isa import threads as _threads
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the C kernels did not build here (no C compiler)")
@@ -150,39 +151,20 @@ def test_quant_experts_match_float64(bits13, bits2, offsets, G, isa):
 
 @pytest.mark.parametrize("bits13,bits2,offsets,G", [(4, 4, True, 32), (8, 4, False, 48)])
 def test_quant_experts_by_thread_match_float64(bits13, bits2, offsets, G, isa):
-    """Decode-sized routings that reach as many experts as there are threads, or a multiple (one
-    token over 4 experts, 2 threads), or many (9 tokens over 12 experts, top 3, 2 and 3 threads: the
-    cost split then cuts the experts unevenly) take whole experts per thread
-    (quant.experts_by_thread_run() says so); an odd count below 4x the threads stays on the row split.
-    Against float64 over the dequantized weights, and bit for bit the one-thread result (each token's
-    pairs added in the same order, with the same operations)."""
+    """Decode-sized routings that reach as many experts as there are threads (evenly) give whole
+    experts to each thread (cases: tests/kernels/cpu_isa.py `by_thread_cases`). Against float64 over
+    the dequantized weights, and bit for bit the one-thread result (each token's pairs added in the
+    same order, with the same operations)."""
     E, D, F = 12, 96, 48
     g = torch.Generator().manual_seed(bits13 * 7 + bits2 + G)
     w13 = _packed((E, 2 * F, D), bits13, G, offsets, g)
     w2 = _packed((E, D, F), bits2, G if F % G == 0 else F, offsets, g)
-    def every_expert(T):  # T >= 4 tokens, top 3, all 12 experts routed to
-        ids = torch.cat([torch.randperm(E, generator=g).view(4, 3),
-                         torch.stack([torch.randperm(E, generator=g)[:3] for _ in range(T - 4)])])
-        return ids[torch.randperm(T, generator=g)]
-
-    routings = [(torch.tensor([[3, 7, 0, 11]]), 2, True),
-                (every_expert(9), 2, True),
-                (every_expert(9), 3, True),
-                (torch.tensor([[3, 7, 0]]), 2, False)]  # 3 experts, 2 threads: the row split
-    for ids, threads, by_thread in routings:
-        T = ids.shape[0]
-        x = torch.randn(T, D, generator=g)
-        wts = torch.rand(T, ids.shape[1], generator=g)
-        ran = quant.experts_by_thread_run()
-        with _threads(threads):
-            out = quant.quant_experts(x, w13, w2, wts, ids)
-        assert quant.experts_by_thread_run() - ran == int(by_thread), (ids.tolist(), threads)
-        with _threads(1):
-            serial = quant.quant_experts(x, w13, w2, wts, ids)
+    for ids, x, wts, out, serial in by_thread_cases(lambda x, wts, ids: quant.quant_experts(x, w13, w2, wts, ids),
+                                                    quant.experts_by_thread_run, E, D, g):
         ref = _experts_ref(x, w13, w2, wts, ids)
         scale = ref.abs().max().item()
         assert torch.allclose(out.double(), ref, rtol=1e-4, atol=1e-4 * scale), \
-            f"T={T} threads={threads}: max err {(out.double() - ref).abs().max():.3g} of {scale:.3g}"
+            f"T={ids.shape[0]}: max err {(out.double() - ref).abs().max():.3g} of {scale:.3g}"
         assert torch.equal(out, serial)
 
 

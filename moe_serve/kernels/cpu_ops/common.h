@@ -27,16 +27,22 @@ static void* scratch(int slot, size_t bytes) {
   return buf[slot];
 }
 
-/* Inside an OpenMP parallel region: this thread's rows [*n0, *n1) of N, whole blocks of `block`
- * rows each (outside one, or without OpenMP: all of them). */
-static inline void thread_rows_of(int64_t N, int64_t block, int64_t* n0, int64_t* n1) {
+/* This thread's number and the team's size (outside a parallel region, or without OpenMP: 0 of 1). */
+static inline void this_thread(int* t, int* tn) {
 #ifdef _OPENMP
   extern int omp_get_thread_num(void);
   extern int omp_get_num_threads(void);
-  const int64_t t = omp_get_thread_num(), tn = omp_get_num_threads();
+  *t = omp_get_thread_num(), *tn = omp_get_num_threads();
 #else
-  const int64_t t = 0, tn = 1;
+  *t = 0, *tn = 1;
 #endif
+}
+
+/* Inside an OpenMP parallel region: this thread's rows [*n0, *n1) of N, whole blocks of `block`
+ * rows each (outside one, or without OpenMP: all of them). */
+static inline void thread_rows_of(int64_t N, int64_t block, int64_t* n0, int64_t* n1) {
+  int t, tn;
+  this_thread(&t, &tn);
   const int64_t blocks = (N + block - 1) / block;
   const int64_t a = blocks * t / tn * block, b = blocks * (t + 1) / tn * block;
   *n0 = a < N ? a : N;
@@ -128,13 +134,8 @@ static int experts_by_thread(int64_t T, int64_t D, const int64_t* ids, const int
   int failed = 0;
 #pragma omp parallel num_threads(nt)
   {
-#ifdef _OPENMP
-    extern int omp_get_thread_num(void);
-    extern int omp_get_num_threads(void);
-    const int t = omp_get_thread_num(), tn = omp_get_num_threads();
-#else
-    const int t = 0, tn = 1;
-#endif
+    int t, tn;
+    this_thread(&t, &tn);
     const int64_t lo = cost * t / tn, hi = cost * (t + 1) / tn;
     float* xs = scratch(1, xs_floats * sizeof(float));
     int rc = xs ? 0 : -1;
