@@ -567,8 +567,6 @@ int quant_linear_f32(const float* x, int64_t ldx, int64_t M, const uint8_t* q, i
 /* The expert e of E packed weights of (N, K) each, back to back. */
 static qweight_t expert_of(const qweight_t* w, int64_t e, int64_t N, int64_t K) { return qrows_from(w, e * N, K); }
 
-#define QEXPERT_COST 8  /* an expert's weight bytes in rows' worth of work, for qexperts_by_thread */
-
 /* One routed expert's decode-sized pass: its n pairs pe[0..n) gathered from x, gate/up, SiLU-and-mul
  * and down. Returns the n output rows (D floats each, in xs), 0 for -1 / -2 in *rc (as qgemm).
  * xs: scratch of n * (D + 2F + F + D) floats. */
