@@ -264,7 +264,15 @@ class Scheduler(PrefixCacheAdmission, KVTransferBookkeeping):
         self._registered[req.request_id] = 0
         self.num_preemptions += 1
         self._preempted_ids.add(req.request_id)
-        self.waiting.appendleft(req)
+        # First to be admitted again, but behind the waiting requests that hold their cache already
+        # (a decode side's received prompt, a prefix being read from a tier): they resume with a
+        # token or two and then give blocks back. Ahead of them, a request recomputing from scratch
+        # could take the budget every step and the blocks they hold would never come back: it would
+        # be preempted again, for ever (seen with a one-token budget).
+        ahead = 0
+        while ahead < len(self.waiting) and self.waiting[ahead].block_ids:
+            ahead += 1
+        self.waiting.insert(ahead, req)
 
     def _release(self, req: Request) -> None:
         if not self._hold_for_transfer(req):  # held: its blocks are written to the decode side first

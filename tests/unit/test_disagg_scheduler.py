@@ -7,7 +7,7 @@ reserved request resumes exactly at its prompt's last token; the ranges copy exa
 asked for."""
 from __future__ import annotations
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from attention.cache_kinds import FULL, sliding
@@ -30,6 +30,10 @@ reqs_st = st.lists(st.tuples(st.lists(st.integers(3, 40), min_size=1, max_size=4
 @given(reqs=reqs_st, block_size=st.sampled_from([2, 4, 8]), window=st.sampled_from([None, 5, 9]),
        state=st.booleans(), prefix=st.booleans(), budget=st.integers(1, 24), max_seqs=st.integers(1, 6),
        extra=st.integers(0, 12))
+# Found by a random run: with a one-token budget, a request preempted for blocks went back ahead of
+# one that held its received prompt, took the budget, ran out of blocks again, and so on for ever.
+@example(reqs=[([3] * 25, 1, "ok", 0, 0), ([3] * 21, 5, "ok", 0, 0)], block_size=2, window=None, state=False,
+         prefix=False, budget=1, max_seqs=2, extra=0)
 def test_reservations_never_leak(reqs, block_size, window, state, prefix, budget, max_seqs, extra):
     max_len = 48
     full = -(-max_len // block_size) + 1 + extra
