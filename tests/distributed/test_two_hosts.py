@@ -180,17 +180,19 @@ def test_launch_node_that_never_joins(hosts, model, tmp_path):
 
 
 def test_launch_ports_taken(hosts, model, tmp_path):
-    store_port, http_port = free_port(), free_port()
-    holder = hosts.run(0, [sys.executable, "-c", f"""
+    # Two ports held on host 0, picked there (a port free in this namespace may still be in use, or
+    # in TIME_WAIT, in host 0's).
+    holder = hosts.run(0, [sys.executable, "-c", """
 import socket, time
 held = []
-for p in ({store_port}, {http_port}):
-    s = socket.socket(); s.bind(("", p)); s.listen(); held.append(s)
-print("held", flush=True); time.sleep(60)"""], str(tmp_path / "holder.log"))
-    deadline = time.monotonic() + 20
+for _ in range(2):
+    s = socket.socket(); s.bind(("", 0)); s.listen(); held.append(s)
+print("held", *(s.getsockname()[1] for s in held), flush=True); time.sleep(60)"""], str(tmp_path / "holder.log"))
+    deadline = time.monotonic() + 60
     while "held" not in read(str(tmp_path / "holder.log")):
         assert holder.poll() is None and time.monotonic() < deadline, read(str(tmp_path / "holder.log"))
         time.sleep(0.1)
+    store_port, http_port = (int(p) for p in read(str(tmp_path / "holder.log")).split()[1:3])
     serve = ["--model", model, "--port", str(http_port)]
     (log,) = _ends(hosts, [(0, launch(0, 2, hosts.addr[0], store_port, serve), None)], tmp_path, 15)
     assert f"port {store_port} on this host is taken" in log and "--master-port" in log
