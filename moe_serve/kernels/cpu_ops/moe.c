@@ -208,19 +208,27 @@ typedef struct {
   int w_bf16;
 } experts_ctx;
 
-/* Expert e's decode-sized pass on one thread (experts_by_thread's expert_rows_fn). */
-static const float* expert_pass(const void* ctx, int64_t e, const int64_t* pe, int64_t n, float* xs, int* rc) {
-  const experts_ctx* c = (const experts_ctx*)ctx;
+/* Expert e's decode-sized pass over its n pairs pe[0..n): gather, gate/up, SiLU-and-mul, down, on nt
+ * threads (inv: batch-invariant tiles). Returns its n output rows (in xs: n * (D + 2F + F + D)
+ * floats), or NULL with *rc = -1. */
+static const float* expert_rows(const experts_ctx* c, int64_t e, const int64_t* pe, int64_t n, float* xs, int nt,
+                                int inv, int* rc) {
   const int64_t D = c->D, F = c->F;
   float* h = xs + n * D;
   float* act = h + n * 2 * F;
   float* y = act + n * F;
   gather_rows(c->x, D, pe, n, c->K, xs);
-  *rc = gemm(xs, D, (int)n, (const char*)c->w13 + e * 2 * F * D * c->esz, c->w_bf16, D, (int)(2 * F), h, 2 * F, 1, 0);
+  *rc = gemm(xs, D, (int)n, (const char*)c->w13 + e * 2 * F * D * c->esz, c->w_bf16, D, (int)(2 * F), h, 2 * F, nt,
+             inv);
   if (*rc) return 0;
   for (int64_t i = 0; i < n; i++) silu_mul_row(h + i * 2 * F, h + i * 2 * F + F, act + i * F, F);
-  *rc = gemm(act, F, (int)n, (const char*)c->w2 + e * D * F * c->esz, c->w_bf16, F, (int)D, y, D, 1, 0);
+  *rc = gemm(act, F, (int)n, (const char*)c->w2 + e * D * F * c->esz, c->w_bf16, F, (int)D, y, D, nt, inv);
   return *rc ? 0 : y;
+}
+
+/* experts_by_thread's expert_rows_fn: one thread, the plain tiles. */
+static const float* expert_pass(const void* ctx, int64_t e, const int64_t* pe, int64_t n, float* xs, int* rc) {
+  return expert_rows((const experts_ctx*)ctx, e, pe, n, xs, 1, 0, rc);
 }
 
 /* moe_experts_f32 and its batch-invariant form (inv): every expert's rows by the dot-product tiles,
@@ -242,8 +250,8 @@ static int moe_experts(const float* x, int64_t T, int64_t D, const int64_t* ids,
   /* Scratch for the dot-product path's rows (at most PANEL_MIN_ROWS - 1 of them where experts with
    * more take the panel path, whose scratch is its own) */
   const int panels = !inv && panel_path(rows, D, F);
+  const experts_ctx ctx = {x, D, K, F, esz, w13, w2, w_bf16};
   if (!inv && !panels && experts_by_thread_fits(start, E, K, nt)) {
-    const experts_ctx ctx = {x, D, K, F, esz, w13, w2, w_bf16};
     by_thread_run++;
     return experts_by_thread(T, D, ids, start, order, E, K, wts, (size_t)(rows * (D + 2 * F + F + D)), expert_pass,
                              &ctx, out, nt);
@@ -252,9 +260,6 @@ static int moe_experts(const float* x, int64_t T, int64_t D, const int64_t* ids,
   float* xs = scratch(1, (size_t)(small * (D + 2 * F + F + D)) * sizeof(float));
   float *pxs, *pwbuf;
   if (!xs || (panels && panel_expert_scratch(D, F, w_bf16, nt, &pxs, &pwbuf))) return -1;
-  float* h = xs + small * D;
-  float* act = h + small * 2 * F;
-  float* y = act + small * F;
   memset(out, 0, (size_t)(T * (inv ? K : 1) * D) * sizeof(float));
   for (int64_t e = 0; e < E; e++) {
     const int64_t n = start[e + 1] - start[e];
@@ -268,14 +273,9 @@ static int moe_experts(const float* x, int64_t T, int64_t D, const int64_t* ids,
       panel_groups_run += groups;
       continue;
     }
-    gather_rows(x, D, pe, n, K, xs);
-    if (gemm(xs, D, (int)n, (const char*)w13 + e * 2 * F * D * esz, w_bf16, D, (int)(2 * F), h, 2 * F, nt, inv))
-      return -1;
-    for (int64_t i = 0; i < n; i++) {
-      const float* g = h + i * 2 * F;
-      silu_mul_row(g, g + F, act + i * F, F);
-    }
-    if (gemm(act, F, (int)n, (const char*)w2 + e * D * F * esz, w_bf16, F, (int)D, y, D, nt, inv)) return -1;
+    int rc;
+    const float* y = expert_rows(&ctx, e, pe, n, xs, nt, inv, &rc);
+    if (rc) return -1;
     add_weighted_rows(out, D, pe, n, inv ? 1 : K, wts, y);
   }
   return 0;
