@@ -122,9 +122,12 @@ def packed_k_tile(block_k: int, group_size: int, K: int, act_int8: bool, where: 
 
 def packed_operands(w, where: str) -> tuple:
     """(codes, scales, offsets or scales, has_offset) of a PackedWeight as the kernels read them,
-    with its layout checked: codes with unit stride along k's bytes, scales and offsets contiguous."""
+    with its layout checked: codes with unit stride along k's bytes, scales and offsets contiguous. A
+    zero code (`PackedWeight.zero`, kept by CPU layers only) becomes offsets -zero * scales here."""
     if w.qweight.stride(-1) != 1:
         raise ValueError(f"{where}: packed codes must have unit stride along K, got strides {w.qweight.stride()}")
     scales = w.scales.contiguous()
     offsets = w.offsets.contiguous() if w.offsets is not None else None
+    if getattr(w, "zero", 0):
+        offsets = (-float(w.zero) * scales if offsets is None else offsets - float(w.zero) * scales).contiguous()
     return w.qweight, scales, offsets if offsets is not None else scales, offsets is not None

@@ -23,7 +23,7 @@ from torch import nn
 from expert_parallel.runtime.layer import GroupedExperts
 from moe_serve.kernels.grouped_gemm.mxfp4 import Mxfp4Weight
 from moe_serve.layers.linear import DenseMLP, Linear
-from moe_serve.quantization.packed import PackedWeight
+from moe_serve.quantization.packed import PackedWeight, compact_zero
 
 
 class Mxfp4Experts(GroupedExperts):
@@ -101,6 +101,24 @@ class PackedExperts(GroupedExperts):
     float8: bool | None = None  # FP8 per-channel experts in the 8-bit codes' storage (set by the first load)
     int8_activations = False  # the checkpoint's scheme quantizes the experts' inputs to int8 per token (W8A8)
     act_quant = False  # ... and the kernel does so (moe_serve/prepare.py: the Triton kernel on CUDA)
+    zeros = (0, 0)  # w13's and w2's zero codes where their offsets arrays were dropped (`compact_offsets`)
+
+    def offsets_zero(self, part: str) -> int | None:
+        """The code z with which part's ("w13" / "w2") offsets are exactly -z * scales in every slot,
+        or None (or already dropped: None)."""
+        o = getattr(self, f"{part}_offsets")
+        if self.float8 or o is None:
+            return None
+        return compact_zero(self.widths[part == "w2"], getattr(self, f"{part}_scales").data, o.data)
+
+    def compact_offsets(self, part: str, z: int) -> int:
+        """Drop part's offsets, which are -z * scales (`offsets_zero`): the bytes freed. The model drops
+        a part in every layer or in none (moe_serve/prepare.py), so that the layers' slot tensors,
+        which a rebalance moves, stay alike."""
+        o = getattr(self, f"{part}_offsets")
+        setattr(self, f"{part}_offsets", None)
+        self.zeros = (z, self.zeros[1]) if part == "w13" else (self.zeros[0], z)
+        return o.numel() * o.element_size()
 
     def op_weights(self):
         E = self.w13_qweight.shape[0]
@@ -111,9 +129,9 @@ class PackedExperts(GroupedExperts):
             return (BlockFp8Experts(self.w13_qweight.view(FP8), self.w13_scales, block, (self.F, self.F)),
                     BlockFp8Experts(self.w2_qweight.view(FP8), self.w2_scales, block, (self.D,)))
         w13 = PackedWeight(self.widths[0], self.w13_qweight, self.w13_scales, self.w13_offsets, self.group_sizes[0],
-                           (E, 2 * self.F, self.D))
+                           (E, 2 * self.F, self.D), self.zeros[0])
         w2 = PackedWeight(self.widths[1], self.w2_qweight, self.w2_scales, self.w2_offsets, self.group_sizes[1],
-                          (E, self.D, self.F))
+                          (E, self.D, self.F), self.zeros[1])
         if self.act_quant:
             w13.act_quant = w2.act_quant = True  # (the Triton grouped GEMM's W8A8 form reads it)
         return w13, w2
@@ -157,9 +175,18 @@ class PackedExperts(GroupedExperts):
             raise ValueError(f"expert {logical_id} {kind}: {w.bits}-bit group {w.group_size} {w.shape}, expected "
                              f"{b}-bit group {g} {want}: every expert projection must be quantized alike")
         pre = "w2" if kind == "down" else "w13"
-        offsets = w.offsets if w.offsets is not None else torch.zeros_like(w.scales)
+        parts = [("qweight", w.qweight), ("scales", w.scales)]
+        if getattr(self, f"{pre}_offsets") is None:  # dropped at load: the weight must have this zero code
+            c, z = w.compact(), self.zeros[pre == "w2"]
+            if c.offsets is not None or c.zero != z:
+                raise ValueError(f"expert {logical_id} {kind}: its offsets are not -{z} * scales, the zero code this "
+                                 f"layer was served with (its offsets were dropped at load); a weight update cannot "
+                                 f"change a symmetric format's zero point")
+        else:
+            offsets = w.offsets if w.offsets is not None else torch.zeros_like(w.scales)
+            parts.append(("offsets", offsets - float(w.zero) * w.scales if w.zero else offsets))
         for s in self.slots_of.get(logical_id, ()):
-            for part, t in (("qweight", w.qweight), ("scales", w.scales), ("offsets", offsets)):
+            for part, t in parts:
                 getattr(self, f"{pre}_{part}").data[s, rows].copy_(t)
 
 

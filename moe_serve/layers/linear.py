@@ -7,7 +7,7 @@ from torch import nn
 
 from moe_serve.kernels.linear import TorchLinear
 from moe_serve.quantization.fp8 import FP8, dequantize_blocks, scale_shape
-from moe_serve.quantization.packed import PackedWeight
+from moe_serve.quantization.packed import PackedWeight, compact_zero
 
 
 class Linear(nn.Module):
@@ -45,6 +45,7 @@ class Linear(nn.Module):
     # Packed int4 / int8 (moe_serve/quantization/packed.py): set by `to_packed` before loading.
     packed_group: int | None = None
     packed_bits: int | None = None
+    packed_zero = 0  # the zero code once the offsets are compacted away (`compact_offsets`; qoffsets then None)
     int8_activations = False  # the checkpoint's scheme quantizes this layer's inputs to int8 per token (W8A8)
     packed_act_quant = False  # ... and its kernel does so (moe_serve/prepare.py: the Triton kernel on CUDA)
     dequantized_at_load = False  # a packed checkpoint's weight held dense (weight_used_directly)
@@ -75,7 +76,19 @@ class Linear(nn.Module):
     def packed(self) -> PackedWeight:
         """The packed weight (views of this layer's parameters)."""
         return PackedWeight(self.packed_bits, self.qweight, self.qscales, self.qoffsets, self.packed_group,
-                            (self.out_features, self.in_features))
+                            (self.out_features, self.in_features), self.packed_zero)
+
+    def compact_offsets(self) -> int:
+        """Drop the offsets array where the loaded offsets are exactly -z * scales for one code z
+        (symmetric formats: PackedWeight.compact), keeping z: the bytes freed (0: kept)."""
+        if self.qweight is None or self.qoffsets is None:
+            return 0
+        z = compact_zero(self.packed_bits, self.qscales.data, self.qoffsets.data, self.packed_zero)
+        if z is None:
+            return 0
+        freed = self.qoffsets.numel() * self.qoffsets.element_size()
+        self.qoffsets, self.packed_zero = None, z
+        return freed
 
     def load_packed(self, w) -> None:
         """A PackedWeight into the packed storage; or an FP8 weight with one scale a row
@@ -106,12 +119,23 @@ class Linear(nn.Module):
         if self.dequantized_at_load:
             self.weight.data.copy_(w.dequantize(torch.float32).to(self.weight.dtype))
             return
+        if self.qoffsets is None:  # compacted: the weight must have this layer's zero code
+            c = w.compact()
+            if c.offsets is not None or c.zero != self.packed_zero:
+                raise ValueError(f"packed weight {w.shape}: its offsets are not -{self.packed_zero} * scales, the zero "
+                                 f"code this layer was served with (its offsets were dropped at load); a weight update "
+                                 f"cannot change a symmetric format's zero point")
+            w = c
         self.qweight.data.copy_(w.qweight)
         self.qscales.data.copy_(w.scales)
+        if self.qoffsets is None:
+            return
         if w.offsets is None:
             self.qoffsets.data.zero_()
         else:
             self.qoffsets.data.copy_(w.offsets)
+        if w.zero:
+            self.qoffsets.data.sub_(float(w.zero) * self.qscales.data)
 
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight as a dense tensor (dequantized when it is FP8 or packed)."""

@@ -10,11 +10,14 @@ K; G = K is per channel) is held as:
   when k is odd (codes 0..15);
 - `scales`: float32 (..., N, K // G);
 - `offsets`: float32 (..., N, K // G) or None (0);
-- W[n, k] = scales[n, k // G] * q[n, k] + offsets[n, k // G].
+- `zero`: an integer code z in 0 .. 2 ** bits - 1 (default 0);
+- W[n, k] = scales[n, k // G] * (q[n, k] - z) + offsets[n, k // G].
 
 Signed symmetric formats store q + 128 (bits 8) or q + 8 (bits 4) with offsets = -128 * scale
 (resp. -8 * scale); a GPTQ/AWQ zero point z gives offsets = -z * scale; GGUF Q4_K's min gives
-offsets = -min. `dequantize()` is the pure-torch float32 reference the kernels are tested against.
+offsets = -min. The loaders write offsets; `compact()` turns offsets that are exactly -z * scale
+for one z into `zero` = z and no offsets array (what the served layers keep on a CPU: for Q4_0 a
+sixth of the bytes a decode step reads). `dequantize()` is the pure-torch float32 reference the kernels are tested against.
 """
 from __future__ import annotations
 
@@ -48,6 +51,7 @@ class PackedWeight:
     offsets: torch.Tensor | None
     group_size: int
     shape: tuple[int, ...]
+    zero: int = 0
 
     def __post_init__(self):
         self.shape = tuple(int(s) for s in self.shape)
@@ -71,6 +75,8 @@ class PackedWeight:
         if self.scales.dtype != torch.float32 or tuple(self.scales.shape) != sshape:
             raise ValueError(f"PackedWeight.scales {self.scales.dtype} {tuple(self.scales.shape)}: "
                              f"must be float32 {sshape}")
+        if not isinstance(self.zero, int) or not 0 <= self.zero < (1 << self.bits):
+            raise ValueError(f"PackedWeight.zero={self.zero!r}: an integer code in 0..{(1 << self.bits) - 1} wanted")
         if self.offsets is not None and (self.offsets.dtype != torch.float32
                                          or tuple(self.offsets.shape) != sshape):
             raise ValueError(f"PackedWeight.offsets {self.offsets.dtype} {tuple(self.offsets.shape)}: "
@@ -95,7 +101,7 @@ class PackedWeight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32, experts: torch.Tensor | None = None,
                    workspace: str | None = None) -> torch.Tensor:
-        """W = scales * q + offsets per group, computed in float32 (the reference), cast to dtype.
+        """W = scales * (q - zero) + offsets per group, computed in float32 (the reference), cast to dtype.
         experts: for stacked (E, N, K) weights, the expert indices to dequantize (all when None), as
         the expert op asks (moe_serve/kernels/grouped_gemm: `shape` and `dequantize(dtype, experts)`);
         workspace: that interface's buffer name, unused (a fresh tensor each call)."""
@@ -103,6 +109,8 @@ class PackedWeight:
         w = self if experts is None else self.index_select(experts)
         k, g = w.shape[-1], w.group_size
         q = w.codes().to(torch.float32).reshape(*w.shape[:-1], k // g, g)
+        if w.zero:
+            q = q - w.zero
         out = q * w.scales.unsqueeze(-1)
         if w.offsets is not None:
             out = out + w.offsets.unsqueeze(-1)
@@ -114,19 +122,45 @@ class PackedWeight:
         s = self.scales[index]
         o = None if self.offsets is None else self.offsets[index]
         lead = tuple(q.shape[:-1])
-        return PackedWeight(self.bits, q, s, o, self.group_size, lead + (self.shape[-1],))
+        return PackedWeight(self.bits, q, s, o, self.group_size, lead + (self.shape[-1],), self.zero)
 
     def index_select(self, experts: torch.Tensor) -> "PackedWeight":
         """The given experts (indices into the leading dimension) of a stacked (E, N, K) weight, as
         index_select gathers them (a shape that does not depend on the values: CPU graphs record it)."""
         o = None if self.offsets is None else self.offsets.index_select(0, experts)
         return PackedWeight(self.bits, self.qweight.index_select(0, experts), self.scales.index_select(0, experts), o,
-                            self.group_size, (experts.numel(),) + self.shape[1:])
+                            self.group_size, (experts.numel(),) + self.shape[1:], self.zero)
 
     def to(self, device) -> "PackedWeight":
         return PackedWeight(self.bits, self.qweight.to(device), self.scales.to(device),
                             None if self.offsets is None else self.offsets.to(device),
-                            self.group_size, self.shape)
+                            self.group_size, self.shape, self.zero)
+
+    def compact(self) -> "PackedWeight":
+        """The same values without an offsets array where the offsets are exactly -z * scales (in
+        float32, as the loaders compute them) for one code z: `zero` = z instead (self otherwise)."""
+        z = compact_zero(self.bits, self.scales, self.offsets, self.zero)
+        if z is None:
+            return self
+        return PackedWeight(self.bits, self.qweight, self.scales, None, self.group_size, self.shape, z)
+
+
+def compact_zero(bits: int, scales: torch.Tensor, offsets: torch.Tensor | None, zero: int = 0) -> int | None:
+    """The code z for which offsets == -(z - zero) * scales holds exactly everywhere (offsets a
+    multiple of the scales by one integer), or None (no offsets: nothing to compact; offsets of
+    another form: GGUF Q4_K's mins, GPTQ's per-group zero points)."""
+    if offsets is None or offsets.numel() == 0:
+        return None
+    s0, o0 = scales.reshape(-1), offsets.reshape(-1)
+    i = int(torch.argmax(s0.abs()))
+    if float(s0[i]) == 0.0:
+        return None
+    z = zero - round(float(o0[i]) / float(s0[i]))
+    if not 0 <= z < (1 << bits):
+        return None
+    if not bool(torch.equal(offsets, -float(z - zero) * scales)):
+        return None
+    return z
 
 
 def quantize_reference(w: torch.Tensor, bits: int, group_size: int, symmetric: bool = True

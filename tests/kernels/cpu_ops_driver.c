@@ -46,10 +46,10 @@ void conv_step_f32(const float* x, int64_t ldx, const float* w, const float* bia
                    int nt);
 /* quant.c: packed int8 / int4 weights (codes, per-group scales and offsets or NULL) */
 int quant_linear_f32(const float* x, int64_t ldx, int64_t M, const uint8_t* q, int bits, const float* scales,
-                     const float* offsets, int64_t G, int64_t K, int64_t N, float* y, int64_t ldy, int nt);
+                     const float* offsets, int zero, int64_t G, int64_t K, int64_t N, float* y, int64_t ldy, int nt);
 int quant_experts_f32(const float* x, int64_t T, int64_t D, const int64_t* ids, const float* wts, int64_t K,
-                      const uint8_t* q13, int bits13, const float* s13, const float* o13, int64_t G13,
-                      const uint8_t* q2, int bits2, const float* s2, const float* o2, int64_t G2, int64_t E,
+                      const uint8_t* q13, int bits13, const float* s13, const float* o13, int z13, int64_t G13,
+                      const uint8_t* q2, int bits2, const float* s2, const float* o2, int z2, int64_t G2, int64_t E,
                       int64_t F, float* out, int nt);
 const char* cpu_ops_isa(void);
 
@@ -200,19 +200,23 @@ static void linear_case(int64_t M, int64_t K, int64_t N, int bf16, int panels, i
 }
 
 /* ---- quant_linear_f32, quant_experts_f32: a packed weight of R rows of K (codes random, scales
- * positive, offsets -2^(bits-1) * scale plus noise or none) and its values in double ---- */
+ * positive; `offsets` bit 1: offsets -2^(bits-1) * scale plus noise, bit 2: the zero code
+ * 2^(bits-1) - 1) and its values in double ---- */
 typedef struct {
   uint8_t* q;
   float *s, *o;
+  int z;
   double* w;
 } packed_t;
-static packed_t packed_rand(int64_t R, int64_t K, int64_t G, int bits, int offsets) {
+static packed_t packed_rand(int64_t R, int64_t K, int64_t G, int bits, int mode) {
+  const int offsets = mode & 1;
   packed_t p;
   const int64_t ng = K / G;
   p.q = calloc((size_t)(R * K), 1);
   p.s = randf(R * ng, 0.01);
   p.o = offsets ? malloc((size_t)(R * ng) * sizeof(float)) : 0;
   p.w = zeros(R * K);
+  p.z = mode & 2 ? (1 << (bits - 1)) - 1 : 0;
   for (int64_t i = 0; i < R * ng; i++) {
     p.s[i] = fabsf(p.s[i]) + 0.001f;
     if (offsets) p.o[i] = (float)(-(1 << (bits - 1)) * p.s[i] + 0.01 * uniform());
@@ -225,7 +229,7 @@ static packed_t packed_rand(int64_t R, int64_t K, int64_t G, int bits, int offse
       else
         p.q[r * (K / 2) + k / 2] |= (uint8_t)(k % 2 ? c << 4 : c);
       const int64_t g = r * ng + k / G;
-      p.w[r * K + k] = (double)p.s[g] * c + (offsets ? (double)p.o[g] : 0.0);
+      p.w[r * K + k] = (double)p.s[g] * (c - p.z) + (offsets ? (double)p.o[g] : 0.0);
     }
   return p;
 }
@@ -241,16 +245,16 @@ static void quant_linear_case(int64_t M, int64_t K, int64_t N, int64_t G, int bi
       for (int64_t k = 0; k < K; k++) ref[m * N + n] += w.w[n * K + k] * x[m * ldx + k];
   float* y = malloc((size_t)(M * N) * sizeof(float));
   char what[160];
-  snprintf(what, sizeof what, "quant_linear int%d%s M=%ld K=%ld N=%ld G=%ld nt=%d", bits, offsets ? "+off" : "",
-           (long)M, (long)K, (long)N, (long)G, nt);
-  check_rc(what, quant_linear_f32(x, ldx, M, w.q, bits, w.s, w.o, G, K, N, y, N, nt));
+  snprintf(what, sizeof what, "quant_linear int%d%s%s M=%ld K=%ld N=%ld G=%ld nt=%d", bits, offsets & 1 ? "+off" : "",
+           offsets & 2 ? "+zero" : "", (long)M, (long)K, (long)N, (long)G, nt);
+  check_rc(what, quant_linear_f32(x, ldx, M, w.q, bits, w.s, w.o, w.z, G, K, N, y, N, nt));
   check(what, y, ref, M * N, TOL);
   free(x), free(ref), free(y), packed_free(w);
 }
 
 static void quant_experts_case(int64_t T, int64_t D, int64_t F, int64_t E, int64_t K, int64_t G, int bits, int nt) {
   float* x = randf(T * D, 1.0);
-  packed_t w13 = packed_rand(E * 2 * F, D, G, bits, 1), w2 = packed_rand(E * D, F, F, 12 - bits, 1);
+  packed_t w13 = packed_rand(E * 2 * F, D, G, bits, 2), w2 = packed_rand(E * D, F, F, 12 - bits, 3);
   float* wts = randf(T * K, 1.0);
   int64_t* ids = malloc((size_t)(T * K) * sizeof(int64_t));
   for (int64_t i = 0; i < T * K; i++) ids[i] = uniform() < -0.6 ? -1 : (i * 3 + i / K) % E;
@@ -276,8 +280,8 @@ static void quant_experts_case(int64_t T, int64_t D, int64_t F, int64_t E, int64
   char what[160];
   snprintf(what, sizeof what, "quant_experts int%d/int%d T=%ld D=%ld F=%ld E=%ld K=%ld G=%ld nt=%d", bits, 12 - bits,
            (long)T, (long)D, (long)F, (long)E, (long)K, (long)G, nt);
-  check_rc(what, quant_experts_f32(x, T, D, ids, wts, K, w13.q, bits, w13.s, w13.o, G, w2.q, 12 - bits, w2.s, w2.o,
-                                   F, E, F, out, nt));
+  check_rc(what, quant_experts_f32(x, T, D, ids, wts, K, w13.q, bits, w13.s, w13.o, w13.z, G, w2.q, 12 - bits, w2.s,
+                                   w2.o, w2.z, F, E, F, out, nt));
   check(what, out, ref, T * D, TOL);
   free(x), free(wts), free(ids), free(ref), free(h), free(a), free(out), packed_free(w13), packed_free(w2);
 }
@@ -713,6 +717,9 @@ int main(void) {
     for (int bits = 4; bits <= 8; bits += 4) { /* groups of 32, 64, K, and with a tail (40) */
       quant_linear_case(1, 128, 37, 32, bits, 1, nt);
       quant_linear_case(3, 128, 19, 64, bits, 0, nt);
+      quant_linear_case(1, 96, 13, 32, bits, 2, nt);
+      quant_linear_case(6, 64, 11, 16, bits, 2, nt);
+      quant_linear_case(2, 64, 7, 32, bits, 3, nt);
       quant_linear_case(5, 80, 23, 40, bits, 1, nt);
       quant_linear_case(17, 96, 9, 96, bits, 1, nt);
       quant_experts_case(5, 64, 24, 4, 2, 32, bits, nt);

@@ -1,6 +1,6 @@
 """int8 / int4 packed weights (PackedWeight) through quant.c's kernels (cpu_ops.quant) against float64
 references built from PackedWeight.dequantize(), on every ISA of vec.h this CPU executes (the `isa`
-fixture, as in test_cpu_ops.py): bits 4 and 8, with and without offsets, odd N, group sizes of 32, 64,
+fixture, as in test_cpu_ops.py): bits 4 and 8, with and without offsets or a zero code, odd N, group sizes of 32, 64,
 128, K and ones that leave a tail inside each group, 1, 3 and 17 activation rows (the tiles' 1..4
 rows and their remainders), one and two threads; prefill-sized calls through the panel GEMM (linear
 layers and experts from quant.panel_min_rows() rows: weight blocks widened from the codes, partial blocks,
@@ -24,7 +24,14 @@ pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the C kernels d
 
 def _packed(shape, bits, G, offsets, g):
     """Random codes, positive scales and (offsets) the signed formats' -2^(bits-1) * scale plus noise,
-    so that the kernels' scale * sum(q x) + offset * sum(x) cancels as it does on real checkpoints."""
+    so that the kernels' scale * sum(q x) + offset * sum(x) cancels as it does on real checkpoints;
+    offsets "zero": no offsets array but the zero code 2^(bits-1) - 1 (PackedWeight.zero, what a
+    compacted symmetric format holds), "both": that zero code and offsets of noise alone."""
+    if offsets in ("zero", "both"):
+        w = _packed(shape, bits, G, offsets == "both", g)
+        z = 2 ** (bits - 1) - 1
+        off = w.offsets + (2 ** (bits - 1)) * w.scales if w.offsets is not None else None
+        return PackedWeight(bits, w.qweight, w.scales, off, G, shape, z)
     K = shape[-1]
     q = torch.randint(0, 2 ** bits, shape, generator=g, dtype=torch.int64).to(torch.uint8)
     scales = torch.rand(*shape[:-1], K // G, generator=g) * 0.02 + 0.001
@@ -38,7 +45,7 @@ def _packed(shape, bits, G, offsets, g):
 def _bound(w: PackedWeight) -> torch.Tensor:
     """|W| elementwise by its two terms (|scale q| + |offset|), float64: the size of the sums."""
     k, G = w.shape[-1], w.group_size
-    q = w.codes().double().reshape(*w.shape[:-1], k // G, G)
+    q = w.codes().double().reshape(*w.shape[:-1], k // G, G) - w.zero
     b = (q * w.scales.double().unsqueeze(-1)).abs()
     if w.offsets is not None:
         b = b + w.offsets.double().abs().unsqueeze(-1)
@@ -49,7 +56,8 @@ LINEAR_CASES = [(37, 128, 32), (37, 128, 64), (5, 256, 128), (19, 96, 96), (7, 8
 
 
 @pytest.mark.parametrize("N,K,G", LINEAR_CASES)
-@pytest.mark.parametrize("bits,offsets", [(8, True), (8, False), (4, True), (4, False)])
+@pytest.mark.parametrize("bits,offsets", [(8, True), (8, False), (8, "zero"), (4, True), (4, False), (4, "zero"),
+                                          (4, "both")])
 def test_quant_linear_matches_float64(N, K, G, bits, offsets, isa):
     g = torch.Generator().manual_seed(N * 1000 + K + G + bits)
     w = _packed((N, K), bits, G, offsets, g)
@@ -90,7 +98,7 @@ PANEL_LINEAR_CASES = [(37, 128, 32, 0), (16, 96, 96, 30), (19, 4096, 128, 80), (
 
 
 @pytest.mark.parametrize("N,K,G,M", PANEL_LINEAR_CASES)
-@pytest.mark.parametrize("bits,offsets", [(8, True), (4, True), (4, False)])
+@pytest.mark.parametrize("bits,offsets", [(8, True), (8, "zero"), (4, True), (4, False), (4, "both")])
 def test_quant_linear_panels_match_float64(N, K, G, M, bits, offsets, isa):
     """Prefill-sized calls widen each block of 8 weight rows once and run the panel micro-kernel over
     it (one row fewer: the dot-product tiles); against float64 over PackedWeight.dequantize(), one
@@ -127,7 +135,7 @@ def _experts_ref(x, w13, w2, wts, ids):
 
 
 @pytest.mark.parametrize("bits13,bits2,offsets,G", [(8, 8, True, 32), (4, 4, True, 48), (4, 8, False, 32),
-                                                    (8, 4, True, 96)])
+                                                    (8, 4, True, 96), (4, 8, "zero", 32)])
 def test_quant_experts_match_float64(bits13, bits2, offsets, G, isa):
     """Routing of 1, 3 and 17 tokens over 5 experts, top 3, some ids held elsewhere (-1), one and two
     threads: the weighted SwiGLU expert sum against float64 over the dequantized weights."""
@@ -149,7 +157,7 @@ def test_quant_experts_match_float64(bits13, bits2, offsets, G, isa):
             f"T={T}: max err {(out.double() - ref).abs().max():.3g} of {scale:.3g}"
 
 
-@pytest.mark.parametrize("bits13,bits2,offsets,G", [(4, 4, True, 32), (8, 4, False, 48)])
+@pytest.mark.parametrize("bits13,bits2,offsets,G", [(4, 4, True, 32), (8, 4, False, 48), (4, 8, "zero", 32)])
 def test_quant_experts_by_thread_match_float64(bits13, bits2, offsets, G, isa):
     """Decode-sized routings that reach as many experts as there are threads (evenly) give whole
     experts to each thread (cases: tests/kernels/cpu_isa.py `by_thread_cases`). Against float64 over
@@ -197,7 +205,8 @@ def test_refusals_name_what_they_refuse():
     assert quant.quant_experts_fits(x, w13, w2, wts, ids)
 
 
-@pytest.mark.parametrize("bits13,bits2,offsets,G", [(8, 8, True, 16), (4, 4, True, 48), (4, 8, False, 24)])
+@pytest.mark.parametrize("bits13,bits2,offsets,G", [(8, 8, True, 16), (4, 4, True, 48), (4, 8, False, 24),
+                                                    (8, 4, "zero", 16)])
 def test_quant_experts_panels_match_float64(bits13, bits2, offsets, G, isa):
     """Prefill-sized routing: experts with quant.panel_min_rows() rows or more take the panel path
     (gate/up, SiLU-and-mul and the routing weight in its epilogue, down), the others the dot-product

@@ -80,6 +80,18 @@ def test_packed_linear_fp16():
     assert rel_err(packed_linear_triton(x, w), linear_oracle(x, w)) < RTOL[torch.float16]
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_packed_linear_zero_code(bits):
+    """A symmetric weight compacted to a zero code (no offsets array, PackedWeight.zero, as CPU
+    layers hold it): the kernel reads it as offsets -zero * scale."""
+    gen = torch.Generator().manual_seed(7 + bits)
+    w = quantize_reference(torch.randn(37, 128, generator=gen) / 8, bits, 32, symmetric=True).compact()
+    assert w.offsets is None and w.zero == 2 ** (bits - 1)
+    w = w.to(DEVICE)
+    x = torch.randn(5, 128, generator=gen).to(DEVICE)
+    assert rel_err(packed_linear_triton(x, w), linear_oracle(x, w)) < RTOL[torch.float32]
+
+
 def test_int8_activation_quantization_matches_reference():
     """Per-token int8 codes and scales equal the torch reference's (a row of zeros scaled by 1; rows
     of magnitudes 1e-3 to 1e3); rows wider than one 1024-wide tile take the kernel's K loop."""

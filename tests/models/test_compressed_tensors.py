@@ -282,7 +282,9 @@ def test_packed_weights_stay_packed_in_memory(qwen3, tmp_path):
         fused = attn.qkv_packed
         assert fused is not None and fused.out_features == sum(p.out_features for p in parts)
         starts = [0, parts[0].out_features, parts[0].out_features + parts[1].out_features]
-        for name in ("qweight", "qscales", "qoffsets"):
+        # symmetric: the offsets (-8 * scale) dropped for the zero code 8; asymmetric: kept
+        assert (fused.qoffsets is None, fused.packed_zero) == ((True, 8) if case.endswith("-sym") else (False, 0))
+        for name in ("qweight", "qscales") + (("qoffsets",) if fused.qoffsets is not None else ()):
             whole = getattr(fused, name)
             assert [getattr(p, name).data_ptr() for p in parts] == [
                 whole.data_ptr() + r * whole.stride(0) * whole.element_size() for r in starts]

@@ -48,6 +48,32 @@ def test_packed_equals_gguf_reference(qtype):
     assert torch.equal(w.select(1).dequantize(), ref[1])
 
 
+# The symmetric types' zero codes (their offsets are exactly -z * scale); the others keep offsets.
+_ZERO = {T.Q4_0: 8, T.Q5_0: 16, T.Q8_0: 128, T.Q6_K: 32}
+
+
+@pytest.mark.parametrize("qtype", gguf_types.PACKED_TYPES, ids=lambda t: t.name)
+def test_compact_keeps_the_values(qtype):
+    """PackedWeight.compact drops the offsets of exactly the symmetric types for their zero code,
+    and the compacted weight still equals gguf-py's dequantization value for value; a weight whose
+    offsets are not -z * scale (a min, or one offset changed) keeps them."""
+    shape = (3, 4, 512)
+    raw = random_blocks(qtype, shape, seed=int(qtype) + 7)
+    w = gguf_types.to_packed(raw, int(qtype), shape)
+    c = w.compact()
+    ref = torch.from_numpy(dequantize(raw, qtype).astype(np.float32)).reshape(shape)
+    if qtype in _ZERO:
+        assert c.offsets is None and c.zero == _ZERO[qtype]
+        assert c.nbytes == w.nbytes - w.offsets.numel() * 4
+        assert torch.equal(c.dequantize(), ref), (c.dequantize() - ref).abs().max()
+        off = w.offsets.clone()
+        off.view(-1)[5] += 1e-3
+        bent = type(w)(w.bits, w.qweight, w.scales, off, w.group_size, w.shape)
+        assert bent.compact() is bent
+    else:
+        assert c is w
+
+
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K],
                          ids=lambda t: t.name)
 def test_quantized_values_close(qtype):

@@ -5,16 +5,19 @@
  * The packed format: a weight W (N, K) with group size G (G divides K) is
  *   q       uint8 codes: bits 8, (N, K), one code 0..255 a byte; bits 4, (N, K / 2), element k in the
  *           low nibble of byte k / 2 when k is even, in the high nibble when k is odd (codes 0..15);
- *   scales  float32 (N, K / G);   offsets  float32 (N, K / G) or NULL (zero);
- *   W[n, k] = scales[n, k / G] * q[n, k] + offsets[n, k / G].
+ *   scales  float32 (N, K / G);   offsets  float32 (N, K / G) or NULL (zero);   zero  an integer code z;
+ *   W[n, k] = scales[n, k / G] * (q[n, k] - z) + offsets[n, k / G].
+ * A symmetric format (GGUF Q4_0 / Q8_0 / Q6_K, GPTQ and compressed-tensors without zero points) needs
+ * no offsets array: its offsets are -z * scale, with z = 8, 128 or 32 (a sixth of Q4_0's bytes not read).
  * (Experts: E such weights back to back.)
  *
- * How: y[m, n] = sum_g scales[n, g] * sum_{k in g} q[n, k] x[m, k] + sum_g offsets[n, g] * xsum[m, g],
- * xsum[m, g] = the sum of x[m, k] over group g, computed once per call. The inner loop widens a
+ * How: with o[n, g] = offsets[n, g] - z * scales[n, g] (the group's offset), the inner loop widens a
  * vector of codes (int8: a zero-extension and a convert; int4: the low and high nibbles of 16
- * bytes, a mask and a shift: no cross-lane shuffles), multiplies it by its row's group scale (one
- * multiply shared by every activation row) and accumulates it against the activations; the offsets
- * never enter it. For int4 the activations are first laid out to match the nibbles: within each
+ * bytes, a mask and a shift: no cross-lane shuffles), turns it into weights by one fused
+ * multiply-add with its row's group scale and offset (shared by every activation row) and
+ * accumulates them against the activations. A lone activation row (decode) instead sums q x per
+ * group and adds sum_g o[n, g] * xsum[m, g] once per output (xsum[m, g]: the sum of x[m, k] over
+ * group g, computed once per call). For int4 the activations are first laid out to match the nibbles: within each
  * group, each chunk of up to 32 elements as its even elements then its odd ones (split4).
  * Two shortcuts where they pay: a lone activation row (decode) accumulates each group's sums of
  * q x and scales them once per group (no multiply per vector); on AVX-512 int4 codes
@@ -215,7 +218,13 @@ typedef struct {
   const float* offsets; /* NULL: none */
   int64_t G;
   int bits;
+  int zero; /* the code of 0 (offsets - zero * scales) */
 } qweight_t;
+
+/* Group g's offset of a row whose scales and offsets (or NULL) are sp, op. */
+VF_INLINE float qoff(const qweight_t* w, const float* sp, const float* op, int64_t g) {
+  return (op ? op[g] : 0.f) - (float)w->zero * sp[g];
+}
 
 /* Each row of x (M rows of K, ldx apart) into dst (M x K, contiguous) laid out for int4 codes:
  * within each group of G, each chunk of up to 32 elements (c of them) as its c/2 even elements,
@@ -286,23 +295,28 @@ VF_INLINE void qtile(const float* const* ar, const float* const* xsr, const int 
       }
       _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) acc[0][j] = qs_fma1(sp[j][g], p[j], acc[0][j]);
     } else if (BITS == 8) {
+      vf16 vs[QNB], vo[QNB];
+      _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) {
+        vs[j] = vf_set1(sp[j][g]);
+        vo[j] = vf_set1(qoff(w, sp[j], op[j], g));
+      }
       for (; k + 16 <= k1; k += 16) {
         if (pf) vf_prefetch_l2(pf + (k >> 4) * 64);
         _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) {
-          const vf16 wv = vf_mul(q8_load(qp[j] + k), vf_set1(sp[j][g]));
+          const vf16 wv = vf_fma(q8_load(qp[j] + k), vs[j], vo[j]);
           _Pragma("GCC unroll 4") for (int i = 0; i < MBC; i++) acc[i][j] = vs_fma(vf_load(a[i] + k), wv, acc[i][j]);
         }
       }
       if (k < k1)
         _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) {
-          const vf16 wv = vf_mul(q8_loadn(qp[j] + k, k1 - k), vf_set1(sp[j][g]));
+          const vf16 wv = vf_fma(q8_loadn(qp[j] + k, k1 - k), vs[j], vo[j]);
           _Pragma("GCC unroll 4") for (int i = 0; i < MBC; i++)
             acc[i][j] = vs_fma(vf_loadn(a[i] + k, k1 - k), wv, acc[i][j]);
         }
     } else if (Q4_LUT) {
 #if Q4_LUT
       vf16 lut[QNB];
-      _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) lut[j] = q4_lut(sp[j][g], op[j] ? op[j][g] : 0.f);
+      _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) lut[j] = q4_lut(sp[j][g], qoff(w, sp[j], op[j], g));
       for (; k + 32 <= k1; k += 32) {
         if (pf) vf_prefetch_l2(pf + (k >> 5) * 64);
         _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) {
@@ -350,14 +364,22 @@ VF_INLINE void qtile(const float* const* ar, const float* const* xsr, const int 
       }
       _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) acc[0][j] = qs_fma1(sp[j][g], p[j], acc[0][j]);
     } else {
+      /* the weights of a group: s * lo + o (even), s * hi + o (odd); in the AVX2 byte form (see
+       * q4_dot_load) s * b + 17 o against x_even and s * (b & 0xF0) + 16 o against x_odd / 16 - x_even */
+      vf16 vs[QNB], voe[QNB], voo[QNB];
+      _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) {
+        const float o = qoff(w, sp[j], op[j], g);
+        vs[j] = vf_set1(sp[j][g]);
+        voe[j] = vf_set1(Q4_BYTE_FORM ? 17.f * o : o);
+        voo[j] = vf_set1(Q4_BYTE_FORM ? 16.f * o : o);
+      }
       for (; k + 32 <= k1; k += 32) {
         if (pf) vf_prefetch_l2(pf + (k >> 5) * 64);
         _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) {
           vf16 we, wo;
           q4_dot_load(qp[j] + k / 2, &we, &wo);
-          const vf16 s = vf_set1(sp[j][g]);
-          we = vf_mul(we, s);
-          wo = vf_mul(wo, s);
+          we = vf_fma(we, vs[j], voe[j]);
+          wo = vf_fma(wo, vs[j], voo[j]);
           _Pragma("GCC unroll 4") for (int i = 0; i < MBC; i++) {
             acc[i][j] = vs_fma(vf_load(a[i] + k), we, acc[i][j]);
             acc[i][j] = vs_fma(vf_load(a[i] + k + 16), wo, acc[i][j]);
@@ -369,9 +391,8 @@ VF_INLINE void qtile(const float* const* ar, const float* const* xsr, const int 
         _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) {
           vf16 we, wo;
           q4_dot_loadn(qp[j] + k / 2, h, &we, &wo);
-          const vf16 s = vf_set1(sp[j][g]);
-          we = vf_mul(we, s);
-          wo = vf_mul(wo, s);
+          we = vf_fma(we, vs[j], voe[j]);
+          wo = vf_fma(wo, vs[j], voo[j]);
           _Pragma("GCC unroll 4") for (int i = 0; i < MBC; i++) {
             acc[i][j] = vs_fma(vf_loadn(a[i] + k, h), we, acc[i][j]);
             acc[i][j] = vs_fma(vf_loadn(a[i] + k + h, h), wo, acc[i][j]);
@@ -385,12 +406,19 @@ VF_INLINE void qtile(const float* const* ar, const float* const* xsr, const int 
     vs_hsum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3], sums);
     for (int j = 0; j < nb; j++) {
       float s = sums[j];
-      if (w->offsets && !(BITS == 4 && Q4_LUT)) { /* (the int4 lookup holds its offsets) */
-        const float* o = w->offsets + (n + j) * ng;
+      if (MBC == 1 && (w->offsets || w->zero) && !(BITS == 4 && Q4_LUT)) { /* (elsewhere in the weights) */
+        const float* o = w->offsets ? w->offsets + (n + j) * ng : 0;
+        const float* sc = w->scales + (n + j) * ng;
         const float* xs = xsr[i];
+        const float z = (float)w->zero;
         float t = 0.f;
+        if (o) {
 #pragma omp simd reduction(+ : t)
-        for (int64_t gg = 0; gg < ng; gg++) t += o[gg] * xs[gg];
+          for (int64_t gg = 0; gg < ng; gg++) t += (o[gg] - z * sc[gg]) * xs[gg];
+        } else {
+#pragma omp simd reduction(+ : t)
+          for (int64_t gg = 0; gg < ng; gg++) t += -z * sc[gg] * xs[gg];
+        }
         s += t;
       }
       y[i * ldy + j] = s;
@@ -436,7 +464,8 @@ static void qgemm_block(const float* a, const float* xsum, int64_t M, const qwei
 }
 
 static int qweight_ok(const qweight_t* w, int64_t K) {
-  return (w->bits == 8 || (w->bits == 4 && w->G % 2 == 0)) && w->G > 0 && K % w->G == 0 && w->q && w->scales;
+  return (w->bits == 8 || (w->bits == 4 && w->G % 2 == 0)) && w->G > 0 && K % w->G == 0 && w->q && w->scales &&
+         w->zero >= 0 && w->zero < (1 << w->bits);
 }
 
 /* ---- Many activation rows (prefill): panel.h's panel GEMM over weight rows widened from the codes ----
@@ -470,7 +499,7 @@ static void qwiden_row(const wsrc_t* s, int64_t row, int64_t K, float* d) {
   const float* of = w->offsets ? w->offsets + row * ng : 0;
   const uint8_t* q = w->q + row * (w->bits == 8 ? K : K / 2);
   for (int64_t g = 0; g < ng; g++) {
-    const vf16 vs = vf_set1(sc[g]), vo = vf_set1(of ? of[g] : 0.f);
+    const vf16 vs = vf_set1(sc[g]), vo = vf_set1(qoff(w, sc, of, g));
     const int64_t k1 = (g + 1) * G;
     int64_t k = g * G;
     if (w->bits == 8) {
@@ -555,12 +584,12 @@ static int qgemm(const float* x, int64_t ldx, int64_t M, const qweight_t* w, int
   return 0;
 }
 
-/* y[M, N] = x[M, K] @ W^T, W packed (q, bits, scales, offsets or NULL, group size G): decode and
+/* y[M, N] = x[M, K] @ W^T, W packed (q, bits, scales, offsets or NULL, zero code, group size G): decode and
  * small batches, the packed weight streamed once. Returns 0, -1 without scratch memory, -2 for a
  * weight it does not take (see qgemm). */
 int quant_linear_f32(const float* x, int64_t ldx, int64_t M, const uint8_t* q, int bits, const float* scales,
-                     const float* offsets, int64_t G, int64_t K, int64_t N, float* y, int64_t ldy, int nt) {
-  const qweight_t w = {q, scales, offsets, G, bits};
+                     const float* offsets, int zero, int64_t G, int64_t K, int64_t N, float* y, int64_t ldy, int nt) {
+  const qweight_t w = {q, scales, offsets, G, bits, zero};
   return qgemm(x, ldx, M, &w, K, N, y, ldy, nt);
 }
 
@@ -601,15 +630,15 @@ static const float* qexpert_pass(const void* ctx, int64_t e, const int64_t* pe, 
 
 /* moe.c's moe_experts_f32 (its decode path) over packed experts: x [T, D]; ids [T, K] int64 (an id
  * outside [0, E) contributes nothing); wts [T, K] float32; gate_up (E, 2F, D) packed (gate rows then
- * up rows) and down (E, D, F) packed, each with its own bits, scales, offsets (or NULL) and group
+ * up rows) and down (E, D, F) packed, each with its own bits, scales, offsets (or NULL), zero code and group
  * size; out [T, D] = sum_k wts * down(silu(gate) * up), overwritten. Each routed expert's weights
  * are streamed once, whatever its number of rows. Returns 0, -1 without scratch memory, -2 for
  * weights the kernels do not take (checked first: out is then untouched). */
 int quant_experts_f32(const float* x, int64_t T, int64_t D, const int64_t* ids, const float* wts, int64_t K,
-                      const uint8_t* q13, int bits13, const float* s13, const float* o13, int64_t G13,
-                      const uint8_t* q2, int bits2, const float* s2, const float* o2, int64_t G2, int64_t E,
+                      const uint8_t* q13, int bits13, const float* s13, const float* o13, int z13, int64_t G13,
+                      const uint8_t* q2, int bits2, const float* s2, const float* o2, int z2, int64_t G2, int64_t E,
                       int64_t F, float* out, int nt) {
-  const qweight_t w13 = {q13, s13, o13, G13, bits13}, w2 = {q2, s2, o2, G2, bits2};
+  const qweight_t w13 = {q13, s13, o13, G13, bits13, z13}, w2 = {q2, s2, o2, G2, bits2, z2};
   if (!qweight_ok(&w13, D) || !qweight_ok(&w2, F)) return -2;
   const int64_t P = T * K;
   int64_t* start = scratch(0, (size_t)(2 * E + 1 + P) * sizeof(int64_t));

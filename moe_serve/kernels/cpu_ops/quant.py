@@ -52,10 +52,11 @@ def _bind(raw: ctypes.CDLL) -> None:
         return
     f = raw.quant_linear_f32
     f.restype = _INT
-    f.argtypes = [_P, _I64, _I64, _P, _INT, _P, _P, _I64, _I64, _I64, _P, _I64, _INT]
+    f.argtypes = [_P, _I64, _I64, _P, _INT, _P, _P, _INT, _I64, _I64, _I64, _P, _I64, _INT]
     f = raw.quant_experts_f32
     f.restype = _INT
-    f.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P, _INT, _P, _P, _I64, _P, _INT, _P, _P, _I64, _I64, _I64, _P, _INT]
+    f.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P, _INT, _P, _P, _INT, _I64, _P, _INT, _P, _P, _INT, _I64, _I64, _I64,
+                  _P, _INT]
     for name in ("quant_panels_run", "quant_panel_min_rows", "quant_experts_by_thread_run"):
         getattr(raw, name).restype = _I64
         getattr(raw, name).argtypes = []
@@ -154,7 +155,7 @@ def quant_linear(x: torch.Tensor, w: PackedWeight, b: torch.Tensor | None = None
     if M:
         _rc(_lib().quant_linear_f32(x2.data_ptr(), x2.stride(0), M, w.qweight.data_ptr(), w.bits,
                                     w.scales.data_ptr(), w.offsets.data_ptr() if w.offsets is not None else None,
-                                    w.group_size, K, N, y.data_ptr(), N, torch.get_num_threads()), "quant_linear", M)
+                                    w.zero, w.group_size, K, N, y.data_ptr(), N, torch.get_num_threads()), "quant_linear", M)
     if b is not None:
         y += b
     return y.view(*x.shape[:-1], N)
@@ -215,7 +216,7 @@ def quant_experts(x_TD: torch.Tensor, w13: PackedWeight, w2: PackedWeight, topk_
 
     _rc(_lib().quant_experts_f32(x.data_ptr(), T, D, ids.data_ptr(), wts.data_ptr(), K,
                                  w13.qweight.data_ptr(), w13.bits, w13.scales.data_ptr(), ptr(w13.offsets),
-                                 w13.group_size, w2.qweight.data_ptr(), w2.bits, w2.scales.data_ptr(),
-                                 ptr(w2.offsets), w2.group_size, E, F2 // 2, out.data_ptr(),
+                                 w13.zero, w13.group_size, w2.qweight.data_ptr(), w2.bits, w2.scales.data_ptr(),
+                                 ptr(w2.offsets), w2.zero, w2.group_size, E, F2 // 2, out.data_ptr(),
                                  torch.get_num_threads()), "quant_experts", T * K)
     return out

@@ -128,7 +128,7 @@ def packed_gemm_launch(cfg: dict, dtype: torch.dtype, w, act_quant: bool = False
     return dict(GROUP_SIZE_M=cfg["GROUP_SIZE_M"], BLOCK_SIZE_M=cfg["BLOCK_SIZE_M"], BLOCK_SIZE_N=bn,
                 BLOCK_SIZE_K=bk, PREC="ieee" if dtype == torch.float32 else "tf32", UPCAST=INTERPRETED,
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], BITS=w.bits,
-                HAS_OFFSET=w.offsets is not None, PER_TILE=per_tile, A_INT8=act_quant)
+                HAS_OFFSET=w.offsets is not None or bool(getattr(w, "zero", 0)), PER_TILE=per_tile, A_INT8=act_quant)
 
 
 def _check_packed_experts(x_TD, w13, w2, topk_weights_TK, topk_ids_TK, act_quant: bool) -> None:
