@@ -17,7 +17,8 @@ tests' GGUF writer, tests/models/test_gguf.py) as a BF16 GGUF; llama.cpp's own q
 Rows:
 - bf16: ours serves the safetensors (bf16 weights), llama.cpp the BF16 GGUF;
 - Q8_0, Q4_0, Q4_K_M: both serve the same .gguf file (ours keeps the blocks packed: 8-bit or 4-bit
-  codes, float32 scale and offset per group).
+  codes, a scale and offset per group; Q8_0 and Q4_0 with their float16 scales and a zero code, the
+  file's own bytes: moe_serve/prepare.py `compact_packed_weights`).
 
 Timing, decode only (prefill excluded), greedy, EOS ignored, --output-len tokens per sequence:
 - ours: `LLM.generate`, the clock from the end of the engine step that gave every sequence its first

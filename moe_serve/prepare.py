@@ -187,14 +187,15 @@ def fuse_projections(model: nn.Module, device: torch.device) -> int:
     return fused
 
 
-def compact_packed_offsets(model: nn.Module, device: torch.device) -> int:
-    """On a CPU, packed int4 / int8 weights whose offsets are exactly -z * scales (the symmetric
-    formats: GGUF Q4_0, Q8_0, Q6_K, GPTQ and compressed-tensors without zero points) drop their
-    offsets array and keep the code z (PackedWeight.zero), which our C kernels apply: a decode step
-    reads a sixth fewer bytes for Q4_0 (a tenth for Q8_0), and the memory is freed. Expert layers
-    drop a part's offsets (gate/up, down) in every MoE layer or in none, so that their slot tensors
-    stay alike for a rebalance. On CUDA the Triton kernels read offsets arrays as loaded. Returns the
-    bytes freed; before the weights are placed and fused."""
+def compact_packed_weights(model: nn.Module, device: torch.device) -> int:
+    """On a CPU, packed int4 / int8 weights in fewer bytes (PackedWeight.compact): those whose offsets
+    are exactly -z * scales (the symmetric formats: GGUF Q4_0, Q8_0, Q6_K, GPTQ and compressed-tensors
+    without zero points) drop their offsets array and keep the code z (PackedWeight.zero), and scales
+    that float16 holds exactly (GGUF's Q4_0 / Q8_0 d, GPTQ's) are kept in float16; our C kernels read
+    both. A decode step then reads 0.5625 bytes a Q4_0 weight instead of 0.75 (Q8_0: 1.0625, not 1.25),
+    and the memory is freed. Expert layers compact a part (gate/up, down) in every MoE layer or in
+    none, so that their slot tensors stay alike for a rebalance. On CUDA the Triton kernels read the
+    weights as loaded. Returns the bytes freed; before the weights are placed and fused."""
     from moe_serve.layers.experts import PackedExperts
     from moe_serve.layers.linear import Linear
 
@@ -203,15 +204,18 @@ def compact_packed_offsets(model: nn.Module, device: torch.device) -> int:
     freed = 0
     for m in model.modules():
         if isinstance(m, Linear):
-            freed += m.compact_offsets()
+            freed += m.compact_packed()
     experts = [m for m in model.modules() if isinstance(m, PackedExperts)]
     for part in ("w13", "w2"):
         zs = [m.offsets_zero(part) for m in experts]
         if experts and all(z is not None for z in zs):
-            freed += sum(m.compact_offsets(part, z) for m, z in zip(experts, zs))
+            freed += sum(m.drop_offsets(part, z) for m, z in zip(experts, zs))
+        hs = [m.half_scales(part) for m in experts]
+        if experts and all(h is not None for h in hs):
+            freed += sum(m.narrow_scales(part, h) for m, h in zip(experts, hs))
     if freed:
-        log.info("packed weights of symmetric formats: offsets arrays dropped for their zero codes (%.1f MiB freed, "
-                 "not read by a decode step)", freed / 2**20)
+        log.info("packed weights: offsets that are a zero code's and scales exact in float16 kept as such (%.1f MiB "
+                 "freed, not read by a decode step)", freed / 2**20)
     return freed
 
 
@@ -223,7 +227,8 @@ def _packed_alike(layers: list) -> bool:
     if not all(type(lin) is Linear and lin.qweight is not None and lin.weight_scale_inv is None for lin in layers):
         return False
     return len({(lin.packed_bits, lin.packed_group, lin.in_features, lin.bias is None, lin.int8_activations,
-                 lin.packed_act_quant, lin.dequant_dtype, lin.qweight.device, lin.qoffsets is None, lin.packed_zero)
+                 lin.packed_act_quant, lin.dequant_dtype, lin.qweight.device, lin.qoffsets is None, lin.packed_zero,
+                 lin.qscales.dtype)
                 for lin in layers}) == 1
 
 

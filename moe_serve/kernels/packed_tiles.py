@@ -126,7 +126,7 @@ def packed_operands(w, where: str) -> tuple:
     zero code (`PackedWeight.zero`, kept by CPU layers only) becomes offsets -zero * scales here."""
     if w.qweight.stride(-1) != 1:
         raise ValueError(f"{where}: packed codes must have unit stride along K, got strides {w.qweight.stride()}")
-    scales = w.scales.contiguous()
+    scales = w.scales.float().contiguous()  # (float16 scales, as CPU layers may keep them: widened exactly)
     offsets = w.offsets.contiguous() if w.offsets is not None else None
     if getattr(w, "zero", 0):
         offsets = (-float(w.zero) * scales if offsets is None else offsets - float(w.zero) * scales).contiguous()

@@ -23,7 +23,7 @@ from torch import nn
 from expert_parallel.runtime.layer import GroupedExperts
 from moe_serve.kernels.grouped_gemm.mxfp4 import Mxfp4Weight
 from moe_serve.layers.linear import DenseMLP, Linear
-from moe_serve.quantization.packed import PackedWeight, compact_zero
+from moe_serve.quantization.packed import PackedWeight, compact_zero, half_scales
 
 
 class Mxfp4Experts(GroupedExperts):
@@ -101,7 +101,7 @@ class PackedExperts(GroupedExperts):
     float8: bool | None = None  # FP8 per-channel experts in the 8-bit codes' storage (set by the first load)
     int8_activations = False  # the checkpoint's scheme quantizes the experts' inputs to int8 per token (W8A8)
     act_quant = False  # ... and the kernel does so (moe_serve/prepare.py: the Triton kernel on CUDA)
-    zeros = (0, 0)  # w13's and w2's zero codes where their offsets arrays were dropped (`compact_offsets`)
+    zeros = (0, 0)  # w13's and w2's zero codes where their offsets arrays were dropped (`drop_offsets`)
 
     def offsets_zero(self, part: str) -> int | None:
         """The code z with which part's ("w13" / "w2") offsets are exactly -z * scales in every slot,
@@ -111,14 +111,24 @@ class PackedExperts(GroupedExperts):
             return None
         return compact_zero(self.widths[part == "w2"], getattr(self, f"{part}_scales").data, o.data)
 
-    def compact_offsets(self, part: str, z: int) -> int:
-        """Drop part's offsets, which are -z * scales (`offsets_zero`): the bytes freed. The model drops
-        a part in every layer or in none (moe_serve/prepare.py), so that the layers' slot tensors,
-        which a rebalance moves, stay alike."""
+    def drop_offsets(self, part: str, z: int) -> int:
+        """Drop part's offsets, which are -z * scales (`offsets_zero`): the bytes freed. The model
+        compacts a part in every layer or in none (moe_serve/prepare.py), so that the layers' slot
+        tensors, which a rebalance moves, stay alike."""
         o = getattr(self, f"{part}_offsets")
         setattr(self, f"{part}_offsets", None)
         self.zeros = (z, self.zeros[1]) if part == "w13" else (self.zeros[0], z)
         return o.numel() * o.element_size()
+
+    def half_scales(self, part: str) -> torch.Tensor | None:
+        """part's scales as float16 where float16 holds every one exactly, else None."""
+        return None if self.float8 else half_scales(getattr(self, f"{part}_scales").data)
+
+    def narrow_scales(self, part: str, h: torch.Tensor) -> int:
+        """Keep part's scales as h (`half_scales`): the bytes freed (as `drop_offsets`, in every
+        layer or in none)."""
+        setattr(self, f"{part}_scales", nn.Parameter(h, requires_grad=False))
+        return h.numel() * h.element_size()
 
     def op_weights(self):
         E = self.w13_qweight.shape[0]
@@ -175,19 +185,29 @@ class PackedExperts(GroupedExperts):
             raise ValueError(f"expert {logical_id} {kind}: {w.bits}-bit group {w.group_size} {w.shape}, expected "
                              f"{b}-bit group {g} {want}: every expert projection must be quantized alike")
         pre = "w2" if kind == "down" else "w13"
+        if getattr(self, f"{pre}_offsets") is None or getattr(self, f"{pre}_scales").dtype == torch.float16:
+            w = self._as_compacted(w, pre, f"expert {logical_id} {kind}")
         parts = [("qweight", w.qweight), ("scales", w.scales)]
-        if getattr(self, f"{pre}_offsets") is None:  # dropped at load: the weight must have this zero code
-            c, z = w.compact(), self.zeros[pre == "w2"]
-            if c.offsets is not None or c.zero != z:
-                raise ValueError(f"expert {logical_id} {kind}: its offsets are not -{z} * scales, the zero code this "
-                                 f"layer was served with (its offsets were dropped at load); a weight update cannot "
-                                 f"change a symmetric format's zero point")
-        else:
-            offsets = w.offsets if w.offsets is not None else torch.zeros_like(w.scales)
-            parts.append(("offsets", offsets - float(w.zero) * w.scales if w.zero else offsets))
+        if getattr(self, f"{pre}_offsets") is not None:
+            offsets = w.offsets if w.offsets is not None else torch.zeros(w.scales.shape)
+            parts.append(("offsets", offsets - float(w.zero) * w.scales.float() if w.zero else offsets))
         for s in self.slots_of.get(logical_id, ()):
             for part, t in parts:
                 getattr(self, f"{pre}_{part}").data[s, rows].copy_(t)
+
+
+    def _as_compacted(self, w: PackedWeight, pre: str, what: str) -> PackedWeight:
+        """A weight for a part compacted at load (offsets dropped for a zero code, or float16 scales):
+        in that form, or refused naming what it changes."""
+        c, z = w.compact(), self.zeros[pre == "w2"]
+        if getattr(self, f"{pre}_offsets") is None and (c.offsets is not None or c.zero != z):
+            raise ValueError(f"{what}: its offsets are not -{z} * scales, the zero code this layer was served with "
+                             f"(its offsets were dropped at load); a weight update cannot change a symmetric "
+                             f"format's zero point")
+        if getattr(self, f"{pre}_scales").dtype == torch.float16 and c.scales.dtype != torch.float16:
+            raise ValueError(f"{what}: its scales are not all exact in float16, as this layer's were at load (kept "
+                             f"float16); a weight update cannot change that")
+        return c
 
 
 def packed_experts(dense: GroupedExperts, bits: int | tuple[int, int], group_sizes: tuple[int, int]) -> PackedExperts:

@@ -7,7 +7,7 @@ from torch import nn
 
 from moe_serve.kernels.linear import TorchLinear
 from moe_serve.quantization.fp8 import FP8, dequantize_blocks, scale_shape
-from moe_serve.quantization.packed import PackedWeight, compact_zero
+from moe_serve.quantization.packed import PackedWeight, compact_zero, half_scales
 
 
 class Linear(nn.Module):
@@ -45,7 +45,7 @@ class Linear(nn.Module):
     # Packed int4 / int8 (moe_serve/quantization/packed.py): set by `to_packed` before loading.
     packed_group: int | None = None
     packed_bits: int | None = None
-    packed_zero = 0  # the zero code once the offsets are compacted away (`compact_offsets`; qoffsets then None)
+    packed_zero = 0  # the zero code once the offsets are compacted away (`compact_packed`; qoffsets then None)
     int8_activations = False  # the checkpoint's scheme quantizes this layer's inputs to int8 per token (W8A8)
     packed_act_quant = False  # ... and its kernel does so (moe_serve/prepare.py: the Triton kernel on CUDA)
     dequantized_at_load = False  # a packed checkpoint's weight held dense (weight_used_directly)
@@ -78,16 +78,22 @@ class Linear(nn.Module):
         return PackedWeight(self.packed_bits, self.qweight, self.qscales, self.qoffsets, self.packed_group,
                             (self.out_features, self.in_features), self.packed_zero)
 
-    def compact_offsets(self) -> int:
-        """Drop the offsets array where the loaded offsets are exactly -z * scales for one code z
-        (symmetric formats: PackedWeight.compact), keeping z: the bytes freed (0: kept)."""
-        if self.qweight is None or self.qoffsets is None:
+    def compact_packed(self) -> int:
+        """PackedWeight.compact in place: drop the offsets array where the loaded offsets are exactly
+        -z * scales for one code z (symmetric formats), keeping z, and keep the scales in float16
+        where float16 holds them all exactly: the bytes freed."""
+        if self.qweight is None:
             return 0
-        z = compact_zero(self.packed_bits, self.qscales.data, self.qoffsets.data, self.packed_zero)
-        if z is None:
-            return 0
-        freed = self.qoffsets.numel() * self.qoffsets.element_size()
-        self.qoffsets, self.packed_zero = None, z
+        freed = 0
+        z = None if self.qoffsets is None else compact_zero(self.packed_bits, self.qscales.data, self.qoffsets.data,
+                                                            self.packed_zero)
+        if z is not None:
+            freed += self.qoffsets.numel() * self.qoffsets.element_size()
+            self.qoffsets, self.packed_zero = None, z
+        h = half_scales(self.qscales.data)
+        if h is not None:
+            freed += h.numel() * h.element_size()
+            self.qscales = nn.Parameter(h, requires_grad=False)
         return freed
 
     def load_packed(self, w) -> None:
@@ -119,12 +125,15 @@ class Linear(nn.Module):
         if self.dequantized_at_load:
             self.weight.data.copy_(w.dequantize(torch.float32).to(self.weight.dtype))
             return
-        if self.qoffsets is None:  # compacted: the weight must have this layer's zero code
+        if self.qoffsets is None or self.qscales.dtype == torch.float16:  # compacted at load: so must w be
             c = w.compact()
-            if c.offsets is not None or c.zero != self.packed_zero:
+            if self.qoffsets is None and (c.offsets is not None or c.zero != self.packed_zero):
                 raise ValueError(f"packed weight {w.shape}: its offsets are not -{self.packed_zero} * scales, the zero "
                                  f"code this layer was served with (its offsets were dropped at load); a weight update "
                                  f"cannot change a symmetric format's zero point")
+            if self.qscales.dtype == torch.float16 and c.scales.dtype != torch.float16:
+                raise ValueError(f"packed weight {w.shape}: its scales are not all exact in float16, as this layer's "
+                                 f"were at load (kept float16); a weight update cannot change that")
             w = c
         self.qweight.data.copy_(w.qweight)
         self.qscales.data.copy_(w.scales)
@@ -135,7 +144,7 @@ class Linear(nn.Module):
         else:
             self.qoffsets.data.copy_(w.offsets)
         if w.zero:
-            self.qoffsets.data.sub_(float(w.zero) * self.qscales.data)
+            self.qoffsets.data.sub_(float(w.zero) * self.qscales.data.float())
 
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight as a dense tensor (dequantized when it is FP8 or packed)."""

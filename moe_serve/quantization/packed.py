@@ -8,16 +8,17 @@ K; G = K is per channel) is held as:
 - `qweight`: uint8; bits=8: shape (..., N, K), the unsigned code q in 0..255; bits=4: shape
   (..., N, K // 2), element k in the low nibble of byte k // 2 when k is even, in the high nibble
   when k is odd (codes 0..15);
-- `scales`: float32 (..., N, K // G);
+- `scales`: float32 (..., N, K // G), or float16 where every scale is one (`compact()`);
 - `offsets`: float32 (..., N, K // G) or None (0);
 - `zero`: an integer code z in 0 .. 2 ** bits - 1 (default 0);
 - W[n, k] = scales[n, k // G] * (q[n, k] - z) + offsets[n, k // G].
 
 Signed symmetric formats store q + 128 (bits 8) or q + 8 (bits 4) with offsets = -128 * scale
 (resp. -8 * scale); a GPTQ/AWQ zero point z gives offsets = -z * scale; GGUF Q4_K's min gives
-offsets = -min. The loaders write offsets; `compact()` turns offsets that are exactly -z * scale
-for one z into `zero` = z and no offsets array (what the served layers keep on a CPU: for Q4_0 a
-sixth of the bytes a decode step reads). `dequantize()` is the pure-torch float32 reference the kernels are tested against.
+offsets = -min. The loaders write float32 scales and offsets; `compact()` turns offsets that are
+exactly -z * scale for one z into `zero` = z and no offsets array, and scales that float16 holds
+exactly (GGUF's Q4_0 / Q8_0 d, GPTQ's float16 scales) into float16: what the served layers keep on
+a CPU, 0.5625 bytes a weight for Q4_0 instead of 0.75. `dequantize()` is the pure-torch float32 reference the kernels are tested against.
 """
 from __future__ import annotations
 
@@ -72,9 +73,9 @@ class PackedWeight:
             raise ValueError(f"PackedWeight.qweight shape {tuple(self.qweight.shape)} != {qshape} "
                              f"for {self.bits}-bit weight of shape {self.shape}")
         sshape = self.shape[:-1] + (k // g,)
-        if self.scales.dtype != torch.float32 or tuple(self.scales.shape) != sshape:
+        if self.scales.dtype not in (torch.float32, torch.float16) or tuple(self.scales.shape) != sshape:
             raise ValueError(f"PackedWeight.scales {self.scales.dtype} {tuple(self.scales.shape)}: "
-                             f"must be float32 {sshape}")
+                             f"must be float32 (or float16) {sshape}")
         if not isinstance(self.zero, int) or not 0 <= self.zero < (1 << self.bits):
             raise ValueError(f"PackedWeight.zero={self.zero!r}: an integer code in 0..{(1 << self.bits) - 1} wanted")
         if self.offsets is not None and (self.offsets.dtype != torch.float32
@@ -111,7 +112,7 @@ class PackedWeight:
         q = w.codes().to(torch.float32).reshape(*w.shape[:-1], k // g, g)
         if w.zero:
             q = q - w.zero
-        out = q * w.scales.unsqueeze(-1)
+        out = q * w.scales.float().unsqueeze(-1)
         if w.offsets is not None:
             out = out + w.offsets.unsqueeze(-1)
         return out.reshape(w.shape).to(dtype)
@@ -137,12 +138,25 @@ class PackedWeight:
                             self.group_size, self.shape, self.zero)
 
     def compact(self) -> "PackedWeight":
-        """The same values without an offsets array where the offsets are exactly -z * scales (in
-        float32, as the loaders compute them) for one code z: `zero` = z instead (self otherwise)."""
+        """The same values in fewer bytes (self where nothing changes): no offsets array where the
+        offsets are exactly -z * scales (in float32, as the loaders compute them) for one code z
+        (`zero` = z instead), and float16 scales where float16 holds every scale exactly."""
         z = compact_zero(self.bits, self.scales, self.offsets, self.zero)
-        if z is None:
+        s16 = half_scales(self.scales)
+        if z is None and s16 is None:
             return self
-        return PackedWeight(self.bits, self.qweight, self.scales, None, self.group_size, self.shape, z)
+        return PackedWeight(self.bits, self.qweight, self.scales if s16 is None else s16,
+                            self.offsets if z is None else None, self.group_size, self.shape,
+                            self.zero if z is None else z)
+
+
+def half_scales(scales: torch.Tensor) -> torch.Tensor | None:
+    """float32 scales as float16 where float16 holds each one exactly (an infinite or NaN scale is
+    not equal to itself: None), else None (float16 ones: None, nothing to do)."""
+    if scales.dtype != torch.float32 or scales.numel() == 0:
+        return None
+    h = scales.to(torch.float16)
+    return h if bool(torch.equal(h.float(), scales)) else None
 
 
 def compact_zero(bits: int, scales: torch.Tensor, offsets: torch.Tensor | None, zero: int = 0) -> int | None:
@@ -158,7 +172,7 @@ def compact_zero(bits: int, scales: torch.Tensor, offsets: torch.Tensor | None, 
     z = zero - round(float(o0[i]) / float(s0[i]))
     if not 0 <= z < (1 << bits):
         return None
-    if not bool(torch.equal(offsets, -float(z - zero) * scales)):
+    if not bool(torch.equal(offsets, -float(z - zero) * scales.float())):
         return None
     return z
 

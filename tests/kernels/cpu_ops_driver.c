@@ -45,12 +45,13 @@ void conv_step_f32(const float* x, int64_t ldx, const float* w, const float* bia
                    const int64_t* slots, const uint8_t* keep, float* y, int64_t B, int64_t C, int64_t W, int silu_act,
                    int nt);
 /* quant.c: packed int8 / int4 weights (codes, per-group scales and offsets or NULL) */
-int quant_linear_f32(const float* x, int64_t ldx, int64_t M, const uint8_t* q, int bits, const float* scales,
-                     const float* offsets, int zero, int64_t G, int64_t K, int64_t N, float* y, int64_t ldy, int nt);
+int quant_linear_f32(const float* x, int64_t ldx, int64_t M, const uint8_t* q, int bits, const void* scales,
+                     int scales16, const float* offsets, int zero, int64_t G, int64_t K, int64_t N, float* y,
+                     int64_t ldy, int nt);
 int quant_experts_f32(const float* x, int64_t T, int64_t D, const int64_t* ids, const float* wts, int64_t K,
-                      const uint8_t* q13, int bits13, const float* s13, const float* o13, int z13, int64_t G13,
-                      const uint8_t* q2, int bits2, const float* s2, const float* o2, int z2, int64_t G2, int64_t E,
-                      int64_t F, float* out, int nt);
+                      const uint8_t* q13, int bits13, const void* s13, int s13_16, const float* o13, int z13,
+                      int64_t G13, const uint8_t* q2, int bits2, const void* s2, int s2_16, const float* o2, int z2,
+                      int64_t G2, int64_t E, int64_t F, float* out, int nt);
 const char* cpu_ops_isa(void);
 
 /* ---- inputs ---- */
@@ -201,13 +202,21 @@ static void linear_case(int64_t M, int64_t K, int64_t N, int bf16, int panels, i
 
 /* ---- quant_linear_f32, quant_experts_f32: a packed weight of R rows of K (codes random, scales
  * positive; `offsets` bit 1: offsets -2^(bits-1) * scale plus noise, bit 2: the zero code
- * 2^(bits-1) - 1) and its values in double ---- */
+ * 2^(bits-1) - 1, bit 4: float16 scales, multiples of 2^-17) and its values in double ---- */
 typedef struct {
   uint8_t* q;
   float *s, *o;
+  uint16_t* h; /* the scales as float16 (bit 4) */
   int z;
   double* w;
 } packed_t;
+/* The float16 bits of a positive float that float16 holds exactly (a normal one). */
+static uint16_t f16_bits(float f) {
+  int e;
+  const float m = frexpf(f, &e); /* f = m 2^e, m in [0.5, 1) */
+  return (uint16_t)(((e + 14) << 10) | (uint32_t)((m * 2.0f - 1.0f) * 1024.0f));
+}
+static const void* packed_scales(const packed_t* p) { return p->h ? (const void*)p->h : (const void*)p->s; }
 static packed_t packed_rand(int64_t R, int64_t K, int64_t G, int bits, int mode) {
   const int offsets = mode & 1;
   packed_t p;
@@ -217,8 +226,13 @@ static packed_t packed_rand(int64_t R, int64_t K, int64_t G, int bits, int mode)
   p.o = offsets ? malloc((size_t)(R * ng) * sizeof(float)) : 0;
   p.w = zeros(R * K);
   p.z = mode & 2 ? (1 << (bits - 1)) - 1 : 0;
+  p.h = mode & 4 ? malloc((size_t)(R * ng) * sizeof(uint16_t)) : 0;
   for (int64_t i = 0; i < R * ng; i++) {
     p.s[i] = fabsf(p.s[i]) + 0.001f;
+    if (p.h) {
+      p.s[i] = (float)(64 + (int)(p.s[i] * 40000.0f) % 1000) * (1.0f / 131072.0f);
+      p.h[i] = f16_bits(p.s[i]);
+    }
     if (offsets) p.o[i] = (float)(-(1 << (bits - 1)) * p.s[i] + 0.01 * uniform());
   }
   for (int64_t r = 0; r < R; r++)
@@ -233,7 +247,7 @@ static packed_t packed_rand(int64_t R, int64_t K, int64_t G, int bits, int mode)
     }
   return p;
 }
-static void packed_free(packed_t p) { free(p.q), free(p.s), free(p.o), free(p.w); }
+static void packed_free(packed_t p) { free(p.q), free(p.s), free(p.o), free(p.h), free(p.w); }
 
 static void quant_linear_case(int64_t M, int64_t K, int64_t N, int64_t G, int bits, int offsets, int nt) {
   const int64_t ldx = K + 3;
@@ -245,16 +259,16 @@ static void quant_linear_case(int64_t M, int64_t K, int64_t N, int64_t G, int bi
       for (int64_t k = 0; k < K; k++) ref[m * N + n] += w.w[n * K + k] * x[m * ldx + k];
   float* y = malloc((size_t)(M * N) * sizeof(float));
   char what[160];
-  snprintf(what, sizeof what, "quant_linear int%d%s%s M=%ld K=%ld N=%ld G=%ld nt=%d", bits, offsets & 1 ? "+off" : "",
-           offsets & 2 ? "+zero" : "", (long)M, (long)K, (long)N, (long)G, nt);
-  check_rc(what, quant_linear_f32(x, ldx, M, w.q, bits, w.s, w.o, w.z, G, K, N, y, N, nt));
+  snprintf(what, sizeof what, "quant_linear int%d%s%s%s M=%ld K=%ld N=%ld G=%ld nt=%d", bits, offsets & 1 ? "+off" : "",
+           offsets & 2 ? "+zero" : "", offsets & 4 ? "+f16" : "", (long)M, (long)K, (long)N, (long)G, nt);
+  check_rc(what, quant_linear_f32(x, ldx, M, w.q, bits, packed_scales(&w), w.h != 0, w.o, w.z, G, K, N, y, N, nt));
   check(what, y, ref, M * N, TOL);
   free(x), free(ref), free(y), packed_free(w);
 }
 
 static void quant_experts_case(int64_t T, int64_t D, int64_t F, int64_t E, int64_t K, int64_t G, int bits, int nt) {
   float* x = randf(T * D, 1.0);
-  packed_t w13 = packed_rand(E * 2 * F, D, G, bits, 2), w2 = packed_rand(E * D, F, F, 12 - bits, 3);
+  packed_t w13 = packed_rand(E * 2 * F, D, G, bits, 6), w2 = packed_rand(E * D, F, F, 12 - bits, 3);
   float* wts = randf(T * K, 1.0);
   int64_t* ids = malloc((size_t)(T * K) * sizeof(int64_t));
   for (int64_t i = 0; i < T * K; i++) ids[i] = uniform() < -0.6 ? -1 : (i * 3 + i / K) % E;
@@ -280,8 +294,8 @@ static void quant_experts_case(int64_t T, int64_t D, int64_t F, int64_t E, int64
   char what[160];
   snprintf(what, sizeof what, "quant_experts int%d/int%d T=%ld D=%ld F=%ld E=%ld K=%ld G=%ld nt=%d", bits, 12 - bits,
            (long)T, (long)D, (long)F, (long)E, (long)K, (long)G, nt);
-  check_rc(what, quant_experts_f32(x, T, D, ids, wts, K, w13.q, bits, w13.s, w13.o, w13.z, G, w2.q, 12 - bits, w2.s,
-                                   w2.o, w2.z, F, E, F, out, nt));
+  check_rc(what, quant_experts_f32(x, T, D, ids, wts, K, w13.q, bits, packed_scales(&w13), w13.h != 0, w13.o, w13.z, G,
+                                   w2.q, 12 - bits, packed_scales(&w2), w2.h != 0, w2.o, w2.z, F, E, F, out, nt));
   check(what, out, ref, T * D, TOL);
   free(x), free(wts), free(ids), free(ref), free(h), free(a), free(out), packed_free(w13), packed_free(w2);
 }
@@ -720,6 +734,8 @@ int main(void) {
       quant_linear_case(1, 96, 13, 32, bits, 2, nt);
       quant_linear_case(6, 64, 11, 16, bits, 2, nt);
       quant_linear_case(2, 64, 7, 32, bits, 3, nt);
+      quant_linear_case(1, 64, 9, 32, bits, 6, nt);
+      quant_linear_case(5, 96, 13, 48, bits, 7, nt);
       quant_linear_case(5, 80, 23, 40, bits, 1, nt);
       quant_linear_case(17, 96, 9, 96, bits, 1, nt);
       quant_experts_case(5, 64, 24, 4, 2, 32, bits, nt);

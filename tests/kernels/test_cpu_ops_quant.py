@@ -26,7 +26,11 @@ def _packed(shape, bits, G, offsets, g):
     """Random codes, positive scales and (offsets) the signed formats' -2^(bits-1) * scale plus noise,
     so that the kernels' scale * sum(q x) + offset * sum(x) cancels as it does on real checkpoints;
     offsets "zero": no offsets array but the zero code 2^(bits-1) - 1 (PackedWeight.zero, what a
-    compacted symmetric format holds), "both": that zero code and offsets of noise alone."""
+    compacted symmetric format holds), "both": that zero code and offsets of noise alone, "half": the
+    zero code and float16 scales (PackedWeight.compact's form of GGUF Q4_0 / Q8_0)."""
+    if offsets == "half":
+        w = _packed(shape, bits, G, "zero", g)
+        return PackedWeight(bits, w.qweight, w.scales.half(), None, G, shape, w.zero)
     if offsets in ("zero", "both"):
         w = _packed(shape, bits, G, offsets == "both", g)
         z = 2 ** (bits - 1) - 1
@@ -56,8 +60,8 @@ LINEAR_CASES = [(37, 128, 32), (37, 128, 64), (5, 256, 128), (19, 96, 96), (7, 8
 
 
 @pytest.mark.parametrize("N,K,G", LINEAR_CASES)
-@pytest.mark.parametrize("bits,offsets", [(8, True), (8, False), (8, "zero"), (4, True), (4, False), (4, "zero"),
-                                          (4, "both")])
+@pytest.mark.parametrize("bits,offsets", [(8, True), (8, False), (8, "zero"), (8, "half"), (4, True), (4, False),
+                                          (4, "zero"), (4, "both"), (4, "half")])
 def test_quant_linear_matches_float64(N, K, G, bits, offsets, isa):
     g = torch.Generator().manual_seed(N * 1000 + K + G + bits)
     w = _packed((N, K), bits, G, offsets, g)
@@ -98,7 +102,7 @@ PANEL_LINEAR_CASES = [(37, 128, 32, 0), (16, 96, 96, 30), (19, 4096, 128, 80), (
 
 
 @pytest.mark.parametrize("N,K,G,M", PANEL_LINEAR_CASES)
-@pytest.mark.parametrize("bits,offsets", [(8, True), (8, "zero"), (4, True), (4, False), (4, "both")])
+@pytest.mark.parametrize("bits,offsets", [(8, True), (8, "zero"), (4, True), (4, False), (4, "both"), (4, "half")])
 def test_quant_linear_panels_match_float64(N, K, G, M, bits, offsets, isa):
     """Prefill-sized calls widen each block of 8 weight rows once and run the panel micro-kernel over
     it (one row fewer: the dot-product tiles); against float64 over PackedWeight.dequantize(), one
@@ -135,7 +139,7 @@ def _experts_ref(x, w13, w2, wts, ids):
 
 
 @pytest.mark.parametrize("bits13,bits2,offsets,G", [(8, 8, True, 32), (4, 4, True, 48), (4, 8, False, 32),
-                                                    (8, 4, True, 96), (4, 8, "zero", 32)])
+                                                    (8, 4, True, 96), (4, 8, "zero", 32), (4, 8, "half", 32)])
 def test_quant_experts_match_float64(bits13, bits2, offsets, G, isa):
     """Routing of 1, 3 and 17 tokens over 5 experts, top 3, some ids held elsewhere (-1), one and two
     threads: the weighted SwiGLU expert sum against float64 over the dequantized weights."""
@@ -157,7 +161,8 @@ def test_quant_experts_match_float64(bits13, bits2, offsets, G, isa):
             f"T={T}: max err {(out.double() - ref).abs().max():.3g} of {scale:.3g}"
 
 
-@pytest.mark.parametrize("bits13,bits2,offsets,G", [(4, 4, True, 32), (8, 4, False, 48), (4, 8, "zero", 32)])
+@pytest.mark.parametrize("bits13,bits2,offsets,G", [(4, 4, True, 32), (8, 4, False, 48), (4, 8, "zero", 32),
+                                                    (4, 4, "half", 32)])
 def test_quant_experts_by_thread_match_float64(bits13, bits2, offsets, G, isa):
     """Decode-sized routings that reach as many experts as there are threads (evenly) give whole
     experts to each thread (cases: tests/kernels/cpu_isa.py `by_thread_cases`). Against float64 over
@@ -206,7 +211,7 @@ def test_refusals_name_what_they_refuse():
 
 
 @pytest.mark.parametrize("bits13,bits2,offsets,G", [(8, 8, True, 16), (4, 4, True, 48), (4, 8, False, 24),
-                                                    (8, 4, "zero", 16)])
+                                                    (8, 4, "zero", 16), (4, 8, "half", 16)])
 def test_quant_experts_panels_match_float64(bits13, bits2, offsets, G, isa):
     """Prefill-sized routing: experts with quant.panel_min_rows() rows or more take the panel path
     (gate/up, SiLU-and-mul and the routing weight in its epilogue, down), the others the dot-product

@@ -342,11 +342,11 @@ def test_minimax_m2_greedy_matches_transformers(tmp_path):
 
 def test_packed_weights_stay_packed_in_memory(source, tmp_path):
     """Q4_K weights keep a byte per two codes and a float32 scale and offset per 32 (0.25 + 0.125 of
-    bf16's bytes); the symmetric Q8_0 and Q4_0 a byte per code (per two codes) and a float32 scale per
-    32, their offsets (-128 and -8 times the scale) dropped for a zero code (0.5 + 0.0625, 0.25 +
-    0.0625); no dense copy of a quantized weight."""
+    bf16's bytes); the symmetric Q8_0 and Q4_0 a byte per code (per two codes) and their block's
+    float16 scale per 32, their offsets (-128 and -8 times the scale) dropped for a zero code (0.5 +
+    0.03125, 0.25 + 0.03125: the GGUF blocks' own bytes); no dense copy of a quantized weight."""
     src, model = source
-    for qtype, ratio in ((T.Q4_K, 0.375), (T.Q8_0, 0.5625), (T.Q4_0, 0.3125)):
+    for qtype, ratio in ((T.Q4_K, 0.375), (T.Q8_0, 0.53125), (T.Q4_0, 0.28125)):
         f = write_gguf(model, src, str(tmp_path / f"{qtype.name}.gguf"), mix(qtype, qtype, embed=qtype))
         ours = LLM(f, dtype="bfloat16", kv_cache_memory=1 << 20, show_progress=False).engine.runner.model
         params = dict(ours.named_parameters())
@@ -357,6 +357,8 @@ def test_packed_weights_stay_packed_in_memory(source, tmp_path):
         logical = sum(p.numel() * (1 if qtype == T.Q8_0 else 2) for n, p in packed.items() if "qweight" in n)
         offsets = [n for n in packed if "offsets" in n]
         assert bool(offsets) == (qtype == T.Q4_K), offsets[:3]
+        scales = {p.dtype for n, p in packed.items() if "scales" in n}
+        assert scales == {torch.float32 if qtype == T.Q4_K else torch.float16}
         zeros = {ours.model.layers[0].self_attn.o_proj.packed_zero, *ours.model.layers[0].mlp.experts.zeros}
         assert zeros == {0 if qtype == T.Q4_K else 128 if qtype == T.Q8_0 else 8}
         packed_bytes = sum(p.numel() * p.element_size() for p in packed.values())

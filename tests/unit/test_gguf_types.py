@@ -50,28 +50,33 @@ def test_packed_equals_gguf_reference(qtype):
 
 # The symmetric types' zero codes (their offsets are exactly -z * scale); the others keep offsets.
 _ZERO = {T.Q4_0: 8, T.Q5_0: 16, T.Q8_0: 128, T.Q6_K: 32}
+# The types whose scale is the block's float16 d itself: float16 holds every scale.
+_HALF = {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0}
 
 
 @pytest.mark.parametrize("qtype", gguf_types.PACKED_TYPES, ids=lambda t: t.name)
 def test_compact_keeps_the_values(qtype):
     """PackedWeight.compact drops the offsets of exactly the symmetric types for their zero code,
-    and the compacted weight still equals gguf-py's dequantization value for value; a weight whose
-    offsets are not -z * scale (a min, or one offset changed) keeps them."""
+    keeps float16 scales for the types whose scale is a float16 d, and the compacted weight still
+    equals gguf-py's dequantization value for value; offsets that are not -z * scale (a min, or one
+    offset changed) are kept."""
     shape = (3, 4, 512)
     raw = random_blocks(qtype, shape, seed=int(qtype) + 7)
     w = gguf_types.to_packed(raw, int(qtype), shape)
     c = w.compact()
     ref = torch.from_numpy(dequantize(raw, qtype).astype(np.float32)).reshape(shape)
+    assert torch.equal(c.dequantize(), ref), (c.dequantize() - ref).abs().max()
+    assert (c.offsets is None, c.zero) == ((True, _ZERO[qtype]) if qtype in _ZERO else (False, 0))
+    if qtype in _HALF:
+        assert c.scales.dtype == torch.float16
+    saved = (w.offsets.numel() * 4 if c.offsets is None else 0) + (w.scales.numel() * 2 if c.scales.dtype ==
+                                                                     torch.float16 else 0)
+    assert c.nbytes == w.nbytes - saved
     if qtype in _ZERO:
-        assert c.offsets is None and c.zero == _ZERO[qtype]
-        assert c.nbytes == w.nbytes - w.offsets.numel() * 4
-        assert torch.equal(c.dequantize(), ref), (c.dequantize() - ref).abs().max()
         off = w.offsets.clone()
         off.view(-1)[5] += 1e-3
-        bent = type(w)(w.bits, w.qweight, w.scales, off, w.group_size, w.shape)
-        assert bent.compact() is bent
-    else:
-        assert c is w
+        bent = type(w)(w.bits, w.qweight, w.scales, off, w.group_size, w.shape).compact()
+        assert bent.offsets is not None and bent.zero == 0
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K],

@@ -1,8 +1,9 @@
-"""Symmetric packed weights served without an offsets array (moe_serve/prepare.py
-`compact_packed_offsets`): a packed Linear and packed experts whose loaded offsets are exactly
--z * scale keep the zero code z instead, serve the same values (against PackedWeight.dequantize of
-the weight as loaded, float64), free the offsets' bytes, keep asymmetric offsets, and refuse a
-later weight whose offsets are not -z * scale, naming it."""
+"""Packed weights in fewer bytes on a CPU (moe_serve/prepare.py `compact_packed_weights`): a packed
+Linear and packed experts whose loaded offsets are exactly -z * scale keep the zero code z instead,
+and scales float16 holds exactly are kept in float16; they serve the same values (against
+PackedWeight.dequantize of the weight as loaded, float64), free those bytes, keep asymmetric offsets
+and float32 scales float16 cannot hold, and refuse a later weight that does not fit the compacted
+form, naming what."""
 from __future__ import annotations
 
 import pytest
@@ -10,35 +11,45 @@ import torch
 
 from moe_serve.layers.experts import PackedExperts
 from moe_serve.layers.linear import Linear
-from moe_serve.prepare import compact_packed_offsets
-from moe_serve.quantization.packed import quantize_reference
+from moe_serve.prepare import compact_packed_weights
+from moe_serve.quantization.packed import PackedWeight, quantize_reference
 
 
-def _weights(shape, bits, G, symmetric, seed):
+def _weights(shape, bits, G, symmetric, seed, half=False):
+    """quantize_reference's weight; half: its scales rounded to float16 values (still float32, the
+    offsets -2^(bits-1) times them), as a GGUF Q4_0 / Q8_0 block's d."""
     g = torch.Generator().manual_seed(seed)
-    return quantize_reference(torch.randn(*shape, generator=g) * 0.1, bits, G, symmetric)
+    w = quantize_reference(torch.randn(*shape, generator=g) * 0.1, bits, G, symmetric)
+    if half:
+        s = w.scales.half().float()
+        w = PackedWeight(bits, w.qweight, s, -float(2 ** (bits - 1)) * s, G, w.shape)
+    return w
 
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_linear_drops_symmetric_offsets(bits):
     model = torch.nn.Module()
     model.sym, model.asym = Linear(64, 24), Linear(64, 24)
-    sym, asym = _weights((24, 64), bits, 32, True, 1), _weights((24, 64), bits, 32, False, 2)
+    sym, asym = _weights((24, 64), bits, 32, True, 1, half=True), _weights((24, 64), bits, 32, False, 2)
     for lin, w in ((model.sym, sym), (model.asym, asym)):
         lin.to_packed(bits, 32)
         lin.load_packed(w)
-    freed = compact_packed_offsets(model, torch.device("cpu"))
-    assert freed == sym.offsets.numel() * 4
+    freed = compact_packed_weights(model, torch.device("cpu"))
+    assert freed == sym.offsets.numel() * 4 + sym.scales.numel() * 2
     assert model.sym.qoffsets is None and model.sym.packed_zero == 2 ** (bits - 1)
+    assert model.sym.qscales.dtype == torch.float16
     assert model.asym.qoffsets is not None and model.asym.packed_zero == 0
+    assert model.asym.qscales.dtype == torch.float32
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(3))
     for lin, w in ((model.sym, sym), (model.asym, asym)):
         ref = x.double() @ w.dequantize().double().T
         assert torch.allclose(lin(x).double(), ref, rtol=1e-5, atol=1e-5)
-    model.sym.load_packed(_weights((24, 64), bits, 32, True, 4))  # symmetric again: taken
+    model.sym.load_packed(_weights((24, 64), bits, 32, True, 4, half=True))  # the same form again: taken
+    with pytest.raises(ValueError, match="scales are not all exact in float16"):
+        model.sym.load_packed(_weights((24, 64), bits, 32, True, 5))
     with pytest.raises(ValueError, match=f"not -{2 ** (bits - 1)} \\* scales"):
         model.sym.load_packed(asym)
-    assert compact_packed_offsets(model, torch.device("meta")) == 0  # not off a CPU
+    assert compact_packed_weights(model, torch.device("meta")) == 0  # not off a CPU
 
 
 def test_experts_drop_a_part_only_in_every_layer():
@@ -56,7 +67,7 @@ def test_experts_drop_a_part_only_in_every_layer():
                 ws[name, e, kind] = w
     before = {n: m.op_weights() for n, m in (("a", model.a), ("b", model.b))}
     dense = {n: (w13.dequantize(), w2.dequantize()) for n, (w13, w2) in before.items()}
-    compact_packed_offsets(model, torch.device("cpu"))
+    compact_packed_weights(model, torch.device("cpu"))
     for n, m in (("a", model.a), ("b", model.b)):
         assert m.w13_offsets is None and m.w2_offsets is not None and m.zeros == (8, 0)
         w13, w2 = m.op_weights()

@@ -5,7 +5,7 @@
  * The packed format: a weight W (N, K) with group size G (G divides K) is
  *   q       uint8 codes: bits 8, (N, K), one code 0..255 a byte; bits 4, (N, K / 2), element k in the
  *           low nibble of byte k / 2 when k is even, in the high nibble when k is odd (codes 0..15);
- *   scales  float32 (N, K / G);   offsets  float32 (N, K / G) or NULL (zero);   zero  an integer code z;
+ *   scales  float32 or float16 (N, K / G);   offsets  float32 (N, K / G) or NULL (zero);   zero  a code z;
  *   W[n, k] = scales[n, k / G] * (q[n, k] - z) + offsets[n, k / G].
  * A symmetric format (GGUF Q4_0 / Q8_0 / Q6_K, GPTQ and compressed-tensors without zero points) needs
  * no offsets array: its offsets are -z * scale, with z = 8, 128 or 32 (a sixth of Q4_0's bytes not read).
@@ -214,16 +214,44 @@ VF_INLINE void q4_interleave(vf16 even, vf16 odd, float* out) {
 /* A packed weight as the kernels read it (see the header). */
 typedef struct {
   const uint8_t* q;
-  const float* scales;
+  const void* scales;   /* float32, or float16's bits where scales16 */
   const float* offsets; /* NULL: none */
   int64_t G;
   int bits;
   int zero; /* the code of 0 (offsets - zero * scales) */
+  int scales16;
 } qweight_t;
 
-/* Group g's offset of a row whose scales and offsets (or NULL) are sp, op. */
-VF_INLINE float qoff(const qweight_t* w, const float* sp, const float* op, int64_t g) {
-  return (op ? op[g] : 0.f) - (float)w->zero * sp[g];
+/* A float16's value (exact in float32): F16C where the build has it, else by its fields. */
+VF_INLINE float q_f16(uint16_t h) {
+#if defined(__F16C__) && (defined(VF_AVX512) || defined(VF_AVX2))
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+  uint32_t b;
+  float f;
+  if (e == 0) { /* zero or subnormal: m * 2^-24 */
+    f = (float)m * 5.9604644775390625e-8f;
+    memcpy(&b, &f, 4);
+    b |= sign;
+  } else if (e == 31) {
+    b = sign | 0x7F800000u | (m << 13);
+  } else {
+    b = sign | ((e + 112u) << 23) | (m << 13);
+  }
+  memcpy(&f, &b, 4);
+  return f;
+#endif
+}
+
+/* Scale i (a row's group g: row * K / G + g) of a weight. */
+VF_INLINE float qscale(const qweight_t* w, int64_t i) {
+  return w->scales16 ? q_f16(((const uint16_t*)w->scales)[i]) : ((const float*)w->scales)[i];
+}
+
+/* Group g's offset of a row whose scales start at index sb and whose offsets (or NULL) are op. */
+VF_INLINE float qoff(const qweight_t* w, int64_t sb, const float* op, int64_t g) {
+  return (op ? op[g] : 0.f) - (float)w->zero * qscale(w, sb + g);
 }
 
 /* Each row of x (M rows of K, ldx apart) into dst (M x K, contiguous) laid out for int4 codes:
@@ -264,14 +292,14 @@ VF_INLINE void qtile(const float* const* ar, const float* const* xsr, const int 
                      const qweight_t* w, int64_t n, int nb, int64_t K, float* y, int64_t ldy, const uint8_t* pf) {
   const float* a[QMB];
   const uint8_t* qp[QNB];
-  const float* sp[QNB];
+  int64_t sb[QNB]; /* the rows' first scales' indices */
   const float* op[QNB]; /* offsets' rows (NULL: none) */
   const int64_t G = w->G, ng = K / G, rowbytes = BITS == 8 ? K : K / 2;
   _Pragma("GCC unroll 4") for (int i = 0; i < QMB; i++) a[i] = ar[i];
   _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) {
     const int64_t r = n + (j < nb ? j : 0);
     qp[j] = w->q + r * rowbytes;
-    sp[j] = w->scales + r * ng;
+    sb[j] = r * ng;
     op[j] = w->offsets ? w->offsets + r * ng : 0;
     (void)op[j];
   }
@@ -293,12 +321,12 @@ VF_INLINE void qtile(const float* const* ar, const float* const* xsr, const int 
         const vf16 xv = vf_loadn(a[0] + k, k1 - k);
         _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) p[j] = vs_fma(xv, q8_loadn(qp[j] + k, k1 - k), p[j]);
       }
-      _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) acc[0][j] = qs_fma1(sp[j][g], p[j], acc[0][j]);
+      _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) acc[0][j] = qs_fma1(qscale(w, sb[j] + g), p[j], acc[0][j]);
     } else if (BITS == 8) {
       vf16 vs[QNB], vo[QNB];
       _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) {
-        vs[j] = vf_set1(sp[j][g]);
-        vo[j] = vf_set1(qoff(w, sp[j], op[j], g));
+        vs[j] = vf_set1(qscale(w, sb[j] + g));
+        vo[j] = vf_set1(qoff(w, sb[j], op[j], g));
       }
       for (; k + 16 <= k1; k += 16) {
         if (pf) vf_prefetch_l2(pf + (k >> 4) * 64);
@@ -316,7 +344,7 @@ VF_INLINE void qtile(const float* const* ar, const float* const* xsr, const int 
     } else if (Q4_LUT) {
 #if Q4_LUT
       vf16 lut[QNB];
-      _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) lut[j] = q4_lut(sp[j][g], qoff(w, sp[j], op[j], g));
+      _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) lut[j] = q4_lut(qscale(w, sb[j] + g), qoff(w, sb[j], op[j], g));
       for (; k + 32 <= k1; k += 32) {
         if (pf) vf_prefetch_l2(pf + (k >> 5) * 64);
         _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) {
@@ -362,14 +390,14 @@ VF_INLINE void qtile(const float* const* ar, const float* const* xsr, const int 
           p[j] = vs_fma(xo, wo, vs_fma(xe, we, p[j]));
         }
       }
-      _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) acc[0][j] = qs_fma1(sp[j][g], p[j], acc[0][j]);
+      _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) acc[0][j] = qs_fma1(qscale(w, sb[j] + g), p[j], acc[0][j]);
     } else {
       /* the weights of a group: s * lo + o (even), s * hi + o (odd); in the AVX2 byte form (see
        * q4_dot_load) s * b + 17 o against x_even and s * (b & 0xF0) + 16 o against x_odd / 16 - x_even */
       vf16 vs[QNB], voe[QNB], voo[QNB];
       _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) {
-        const float o = qoff(w, sp[j], op[j], g);
-        vs[j] = vf_set1(sp[j][g]);
+        const float o = qoff(w, sb[j], op[j], g);
+        vs[j] = vf_set1(qscale(w, sb[j] + g));
         voe[j] = vf_set1(Q4_BYTE_FORM ? 17.f * o : o);
         voo[j] = vf_set1(Q4_BYTE_FORM ? 16.f * o : o);
       }
@@ -408,16 +436,13 @@ VF_INLINE void qtile(const float* const* ar, const float* const* xsr, const int 
       float s = sums[j];
       if (MBC == 1 && (w->offsets || w->zero) && !(BITS == 4 && Q4_LUT)) { /* (elsewhere in the weights) */
         const float* o = w->offsets ? w->offsets + (n + j) * ng : 0;
-        const float* sc = w->scales + (n + j) * ng;
         const float* xs = xsr[i];
-        const float z = (float)w->zero;
         float t = 0.f;
-        if (o) {
-#pragma omp simd reduction(+ : t)
-          for (int64_t gg = 0; gg < ng; gg++) t += (o[gg] - z * sc[gg]) * xs[gg];
+        if (w->zero) {
+          for (int64_t gg = 0; gg < ng; gg++) t += qoff(w, (n + j) * ng, o, gg) * xs[gg];
         } else {
 #pragma omp simd reduction(+ : t)
-          for (int64_t gg = 0; gg < ng; gg++) t += -z * sc[gg] * xs[gg];
+          for (int64_t gg = 0; gg < ng; gg++) t += o[gg] * xs[gg];
         }
         s += t;
       }
@@ -495,11 +520,11 @@ int64_t quant_panel_min_rows(void) { return QPANEL_MIN_ROWS; }
 static void qwiden_row(const wsrc_t* s, int64_t row, int64_t K, float* d) {
   const qweight_t* w = (const qweight_t*)s->w;
   const int64_t G = w->G, ng = K / G;
-  const float* sc = w->scales + row * ng;
+  const int64_t sb = row * ng;
   const float* of = w->offsets ? w->offsets + row * ng : 0;
   const uint8_t* q = w->q + row * (w->bits == 8 ? K : K / 2);
   for (int64_t g = 0; g < ng; g++) {
-    const vf16 vs = vf_set1(sc[g]), vo = vf_set1(qoff(w, sc, of, g));
+    const vf16 vs = vf_set1(qscale(w, sb + g)), vo = vf_set1(qoff(w, sb, of, g));
     const int64_t k1 = (g + 1) * G;
     int64_t k = g * G;
     if (w->bits == 8) {
@@ -526,7 +551,7 @@ static void qwiden_row(const wsrc_t* s, int64_t row, int64_t K, float* d) {
 static qweight_t qrows_from(const qweight_t* w, int64_t n0, int64_t K) {
   qweight_t r = *w;
   r.q += n0 * (w->bits == 8 ? K : K / 2);
-  r.scales += n0 * (K / w->G);
+  r.scales = (const char*)w->scales + n0 * (K / w->G) * (w->scales16 ? 2 : 4);
   if (r.offsets) r.offsets += n0 * (K / w->G);
   return r;
 }
@@ -584,12 +609,13 @@ static int qgemm(const float* x, int64_t ldx, int64_t M, const qweight_t* w, int
   return 0;
 }
 
-/* y[M, N] = x[M, K] @ W^T, W packed (q, bits, scales, offsets or NULL, zero code, group size G): decode and
+/* y[M, N] = x[M, K] @ W^T, W packed (q, bits, scales (float32, or float16 where scales16), offsets or NULL, zero code, group size G): decode and
  * small batches, the packed weight streamed once. Returns 0, -1 without scratch memory, -2 for a
  * weight it does not take (see qgemm). */
-int quant_linear_f32(const float* x, int64_t ldx, int64_t M, const uint8_t* q, int bits, const float* scales,
-                     const float* offsets, int zero, int64_t G, int64_t K, int64_t N, float* y, int64_t ldy, int nt) {
-  const qweight_t w = {q, scales, offsets, G, bits, zero};
+int quant_linear_f32(const float* x, int64_t ldx, int64_t M, const uint8_t* q, int bits, const void* scales,
+                     int scales16, const float* offsets, int zero, int64_t G, int64_t K, int64_t N, float* y,
+                     int64_t ldy, int nt) {
+  const qweight_t w = {q, scales, offsets, G, bits, zero, scales16};
   return qgemm(x, ldx, M, &w, K, N, y, ldy, nt);
 }
 
@@ -630,15 +656,15 @@ static const float* qexpert_pass(const void* ctx, int64_t e, const int64_t* pe, 
 
 /* moe.c's moe_experts_f32 (its decode path) over packed experts: x [T, D]; ids [T, K] int64 (an id
  * outside [0, E) contributes nothing); wts [T, K] float32; gate_up (E, 2F, D) packed (gate rows then
- * up rows) and down (E, D, F) packed, each with its own bits, scales, offsets (or NULL), zero code and group
+ * up rows) and down (E, D, F) packed, each with its own bits, scales (float32 or float16: s*_16), offsets (or NULL), zero code and group
  * size; out [T, D] = sum_k wts * down(silu(gate) * up), overwritten. Each routed expert's weights
  * are streamed once, whatever its number of rows. Returns 0, -1 without scratch memory, -2 for
  * weights the kernels do not take (checked first: out is then untouched). */
 int quant_experts_f32(const float* x, int64_t T, int64_t D, const int64_t* ids, const float* wts, int64_t K,
-                      const uint8_t* q13, int bits13, const float* s13, const float* o13, int z13, int64_t G13,
-                      const uint8_t* q2, int bits2, const float* s2, const float* o2, int z2, int64_t G2, int64_t E,
-                      int64_t F, float* out, int nt) {
-  const qweight_t w13 = {q13, s13, o13, G13, bits13, z13}, w2 = {q2, s2, o2, G2, bits2, z2};
+                      const uint8_t* q13, int bits13, const void* s13, int s13_16, const float* o13, int z13,
+                      int64_t G13, const uint8_t* q2, int bits2, const void* s2, int s2_16, const float* o2, int z2,
+                      int64_t G2, int64_t E, int64_t F, float* out, int nt) {
+  const qweight_t w13 = {q13, s13, o13, G13, bits13, z13, s13_16}, w2 = {q2, s2, o2, G2, bits2, z2, s2_16};
   if (!qweight_ok(&w13, D) || !qweight_ok(&w2, F)) return -2;
   const int64_t P = T * K;
   int64_t* start = scratch(0, (size_t)(2 * E + 1 + P) * sizeof(int64_t));

@@ -52,11 +52,11 @@ def _bind(raw: ctypes.CDLL) -> None:
         return
     f = raw.quant_linear_f32
     f.restype = _INT
-    f.argtypes = [_P, _I64, _I64, _P, _INT, _P, _P, _INT, _I64, _I64, _I64, _P, _I64, _INT]
+    f.argtypes = [_P, _I64, _I64, _P, _INT, _P, _INT, _P, _INT, _I64, _I64, _I64, _P, _I64, _INT]
     f = raw.quant_experts_f32
     f.restype = _INT
-    f.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P, _INT, _P, _P, _INT, _I64, _P, _INT, _P, _P, _INT, _I64, _I64, _I64,
-                  _P, _INT]
+    f.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P, _INT, _P, _INT, _P, _INT, _I64, _P, _INT, _P, _INT, _P, _INT, _I64,
+                  _I64, _I64, _P, _INT]
     for name in ("quant_panels_run", "quant_panel_min_rows", "quant_experts_by_thread_run"):
         getattr(raw, name).restype = _I64
         getattr(raw, name).argtypes = []
@@ -89,12 +89,13 @@ def weight_problem(w, ndim: int = 2) -> str | None:
         return f"group_size={G} does not divide K={K}"
     if w.bits == 4 and G % 2:
         return f"an int4 weight with an odd group_size={G}: the kernels take even group sizes"
-    for name, t, dtype, shape in (("qweight", w.qweight, torch.uint8, qshape), ("scales", w.scales, torch.float32,
-                                  sshape), ("offsets", w.offsets, torch.float32, sshape)):
+    for name, t, dtypes, shape in (("qweight", w.qweight, (torch.uint8,), qshape),
+                                   ("scales", w.scales, (torch.float32, torch.float16), sshape),
+                                   ("offsets", w.offsets, (torch.float32,), sshape)):
         if t is None:
             continue
-        if t.dtype != dtype or tuple(t.shape) != shape:
-            return f"{name} {t.dtype} {tuple(t.shape)}: {dtype} {shape} wanted"
+        if t.dtype not in dtypes or tuple(t.shape) != shape:
+            return f"{name} {t.dtype} {tuple(t.shape)}: {' or '.join(map(str, dtypes))} {shape} wanted"
         if not t.is_cpu or not t.is_contiguous():
             return f"{name} must be a contiguous CPU tensor"
     return None
@@ -154,8 +155,8 @@ def quant_linear(x: torch.Tensor, w: PackedWeight, b: torch.Tensor | None = None
     y = torch.empty(M, N, dtype=torch.float32)
     if M:
         _rc(_lib().quant_linear_f32(x2.data_ptr(), x2.stride(0), M, w.qweight.data_ptr(), w.bits,
-                                    w.scales.data_ptr(), w.offsets.data_ptr() if w.offsets is not None else None,
-                                    w.zero, w.group_size, K, N, y.data_ptr(), N, torch.get_num_threads()), "quant_linear", M)
+                                    w.scales.data_ptr(), int(w.scales.dtype == torch.float16),
+                                    w.offsets.data_ptr() if w.offsets is not None else None, w.zero, w.group_size, K, N, y.data_ptr(), N, torch.get_num_threads()), "quant_linear", M)
     if b is not None:
         y += b
     return y.view(*x.shape[:-1], N)
@@ -214,9 +215,12 @@ def quant_experts(x_TD: torch.Tensor, w13: PackedWeight, w2: PackedWeight, topk_
     def ptr(t):
         return t.data_ptr() if t is not None else None
 
+    def half(w):
+        return int(w.scales.dtype == torch.float16)
+
     _rc(_lib().quant_experts_f32(x.data_ptr(), T, D, ids.data_ptr(), wts.data_ptr(), K,
-                                 w13.qweight.data_ptr(), w13.bits, w13.scales.data_ptr(), ptr(w13.offsets),
+                                 w13.qweight.data_ptr(), w13.bits, w13.scales.data_ptr(), half(w13), ptr(w13.offsets),
                                  w13.zero, w13.group_size, w2.qweight.data_ptr(), w2.bits, w2.scales.data_ptr(),
-                                 ptr(w2.offsets), w2.zero, w2.group_size, E, F2 // 2, out.data_ptr(),
+                                 half(w2), ptr(w2.offsets), w2.zero, w2.group_size, E, F2 // 2, out.data_ptr(),
                                  torch.get_num_threads()), "quant_experts", T * K)
     return out
