@@ -13,19 +13,22 @@ for a tiny model). A `CpuGraph` runs the forward once while recording what it ex
   op and a copy); views and `empty` need nothing at replay.
 
 Every tensor the recording made is kept alive with it, so the addresses in the recorded calls stay
-valid; `replay()` runs the list again, with no module, check or allocation in between. Like a CUDA
-graph it holds the addresses of its inputs, weights and KV cache: the runner copies each step's
-inputs into the static buffers it was recorded over (moe_serve/cuda_graph.py DecodeGraphs), and
-what the forward decided on the host during the recording is fixed. That is why it is used only
-where every such decision depends on shapes alone (moe_serve/runner/graphs.py `cpu_graphs_apply`):
-our C kernels read sequence lengths, block tables, positions and routing from tensors at replay. A
-host read of a tensor's value during the recording (`.item()`, `.tolist()`, `int(t)`), or an op
-whose output shape depends on the values (nonzero, boolean-mask indexing, bincount), fails the
-capture with `CaptureError`, and the steps then run eagerly.
+valid; `replay()` runs the list again, with no module, check or allocation in between. Each run of
+consecutive C calls is replayed from C (cpu_ops/replay.c): one ctypes call for the run, not one a
+kernel (a Q4_0 decode step of a 16-layer MoE records 193 C calls and 4 torch ops: 5 calls from
+Python). Like a CUDA graph it holds the addresses of its inputs, weights and KV cache: the runner
+copies each step's inputs into the static buffers it was recorded over (moe_serve/cuda_graph.py
+DecodeGraphs), and what the forward decided on the host during the recording is fixed. That is why
+it is used only where every such decision depends on shapes alone (moe_serve/runner/graphs.py
+`cpu_graphs_apply`): our C kernels read sequence lengths, block tables, positions and routing from
+tensors at replay. A host read of a tensor's value during the recording (`.item()`, `.tolist()`,
+`int(t)`), or an op whose output shape depends on the values (nonzero, boolean-mask indexing,
+bincount), fails the capture with `CaptureError`, and the steps then run eagerly.
 """
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import threading
 
 import torch
@@ -160,6 +163,102 @@ class _CCall:
             raise RuntimeError(f"cpu_ops.{self.name} failed during a decode graph replay")
 
 
+# replay.c's recorded call: the function, its signature's index, its arguments (see replay.c).
+_KIND = {ctypes.c_void_p: "p", ctypes.c_int64: "l", ctypes.c_int: "i", ctypes.c_float: "f"}
+
+
+class _Arg(ctypes.Union):
+    _fields_ = [("p", ctypes.c_void_p), ("l", ctypes.c_int64), ("f", ctypes.c_double)]
+
+
+def _call_type(lib):
+    """replay.c's call struct, sized as the library says (None: the library has no replay)."""
+    if not hasattr(lib, "cpu_ops_replay_call_bytes"):
+        return None
+    n = (lib.cpu_ops_replay_call_bytes() - 16) // ctypes.sizeof(_Arg)
+
+    class Call(ctypes.Structure):
+        _fields_ = [("fn", ctypes.c_void_p), ("sig", ctypes.c_int64), ("a", _Arg * n)]
+
+    return Call if ctypes.sizeof(Call) == lib.cpu_ops_replay_call_bytes() else None
+
+
+def _native(lib, Call, call: "_CCall", args) -> bool | tuple:
+    """(address, signature index, arguments) of a recorded C call replay.c can make, or False."""
+    fn = call.fn
+    types = getattr(fn, "argtypes", None)
+    if not types or len(types) != len(args) or len(args) > Call._fields_[2][1]._length_:
+        return False
+    kinds = [_KIND.get(t) for t in types]
+    if None in kinds:
+        return False
+    sig = lib.cpu_ops_replay_sig((("v" if fn.restype is None else "i" if fn.restype is ctypes.c_int else "?")
+                                  + "".join(kinds)).encode())
+    if sig < 0:
+        return False
+    vals = []
+    for k, v in zip(kinds, args):
+        if isinstance(v, ctypes.c_void_p):
+            v = v.value
+        if k == "p" and (v is None or type(v) is int):
+            vals.append(("p", v))
+        elif k in "li" and type(v) in (int, bool):
+            vals.append(("l", int(v)))
+        elif k == "f" and type(v) in (int, float):
+            vals.append(("f", float(v)))
+        else:
+            return False
+    return ctypes.cast(fn, ctypes.c_void_p).value, sig, vals
+
+
+class _NativeRun:
+    """Consecutive recorded C calls replayed by one call of replay.c's cpu_ops_replay."""
+
+    __slots__ = ("lib", "calls", "n", "names", "rc")
+
+    def __init__(self, lib, Call, made: list, names: list[str]):
+        self.lib, self.n, self.names = lib, len(made), names
+        self.calls = (Call * len(made))()
+        for c, (fn, sig, vals) in zip(self.calls, made):
+            c.fn, c.sig = fn, sig
+            for i, (k, v) in enumerate(vals):
+                setattr(c.a[i], k, v)
+        self.rc = ctypes.c_int(0)
+
+    def __call__(self) -> None:
+        failed = self.lib.cpu_ops_replay(ctypes.addressof(self.calls), self.n, ctypes.addressof(self.rc))
+        if failed:
+            raise RuntimeError(f"cpu_ops.{self.names[failed - 1]} failed during a decode graph replay "
+                               f"(code {self.rc.value})")
+
+
+def _plan(calls: list) -> list:
+    """The recorded calls with each run of C calls replay.c can make as one _NativeRun."""
+    lib = cpu_ops._loaded_lib()
+    Call = _call_type(lib) if lib is not None else None
+    if Call is None:
+        return calls
+    out, run, names = [], [], []
+
+    def flush():
+        if run:
+            out.append((_NativeRun(lib, Call, list(run), list(names)), (), {}))
+            run.clear()
+            names.clear()
+
+    for entry in calls:
+        fn, args, kwargs = entry
+        made = isinstance(fn, _CCall) and not kwargs and _native(lib, Call, fn, args)
+        if made:
+            run.append(made)
+            names.append(fn.name)
+            continue
+        flush()
+        out.append(entry)
+    flush()
+    return out
+
+
 def _guarded(plain, thread: int):
     """Tensor.tolist / numpy while a recording runs on `thread`: refused there, as they were elsewhere
     (a dispatch mode does not see these reads of a CPU tensor)."""
@@ -177,6 +276,7 @@ class CpuGraph:
 
     def __init__(self):
         self.calls: list[tuple] = []
+        self.plan: list[tuple] | None = None  # `calls` with runs of C calls made native (_plan), at the first replay
         self.keep: list = []  # every tensor the recording made or viewed: their addresses are in `calls`
         self.made: list[torch.Tensor] = []
         self.out = None
@@ -195,7 +295,7 @@ class CpuGraph:
     def capture(self, fn):
         """Run fn() (a forward over static buffers) while recording it; returns its output, which
         every replay overwrites in place."""
-        self.calls, self.keep, self.made = [], [], []
+        self.calls, self.keep, self.made, self.plan = [], [], [], None
         with self._recording(), _Recorder(self):
             self.out = fn()
         return self.out
@@ -213,7 +313,10 @@ class CpuGraph:
             cpu_ops._recording.lib = None
             torch.Tensor.tolist, torch.Tensor.numpy = tolist, numpy
 
-    def replay(self):
-        for fn, args, kwargs in self.calls:
+    def replay(self, native: bool = True):
+        """Run the recording again; native=False: every C call through ctypes, as recorded."""
+        if native and self.plan is None:
+            self.plan = _plan(self.calls)
+        for fn, args, kwargs in self.plan if native else self.calls:
             fn(*args, **kwargs)
         return self.out

@@ -134,3 +134,50 @@ def test_failed_recording_on_first_use_runs_eagerly(checkpoints, monkeypatch, ca
     assert got == want
     assert list(graphs.graphs) == [1] and not graphs.record_lazily and len(calls) == 2
     assert "CPU recording of decode batch 3 failed" in caplog.text
+
+
+@pytest.mark.skipif(not __import__("moe_serve.kernels.cpu_ops", fromlist=["x"]).available(),
+                    reason="the C kernels did not build here (no C compiler)")
+def test_cpu_graph_replays_runs_of_c_calls_from_c():
+    """Consecutive C kernel calls are replayed by one call into replay.c (each kernel through its own
+    C signature: void and int returns, int64, int, float and pointer arguments), torch ops between
+    them from Python; the native replay equals the ctypes replay and the eager function bit for bit
+    on new inputs, and a kernel's error code during a native run is raised naming the kernel."""
+    from moe_serve import cpu_graph
+    from moe_serve.kernels import cpu_ops
+    from moe_serve.kernels.cpu_ops import quant
+    from moe_serve.quantization.packed import quantize_reference
+
+    g0 = torch.Generator().manual_seed(0)
+    x, res = torch.randn(3, 64, generator=g0), torch.randn(3, 64, generator=g0)
+    nw, w = torch.rand(64, generator=g0) + 0.5, torch.randn(48, 64, generator=g0)
+    pw = quantize_reference(torch.randn(32, 48, generator=g0), 4, 16).compact()
+    hits, ids = torch.zeros(9, dtype=torch.int32), torch.tensor([0, 3, -1])
+
+    def fn():
+        h, n = cpu_ops.rms_norm(x, nw, 1e-6, residual=res)  # void, a float argument
+        y = cpu_ops.linear(n, w)  # void
+        z = torch.tanh(y)  # a torch op between two runs
+        q = quant.quant_linear(z, pw)  # int, int arguments
+        cpu_ops.mark_slots(hits, ids)  # int
+        return h, q
+
+    with torch.inference_mode():
+        g = CpuGraph()
+        g.capture(fn)
+        c_calls = [f.name for f, _, _ in g.calls if isinstance(f, cpu_graph._CCall)]
+        assert c_calls == ["rms_norm_f32", "linear_f32", "quant_linear_f32", "mark_slots_i32"]
+        for _ in range(3):
+            x.copy_(torch.randn(3, 64))
+            res.copy_(torch.randn(3, 64))
+            want = [t.clone() for t in fn()]
+            ctypes_replay = [t.clone() for t in g.replay(native=False)]
+            native = g.replay()
+            for a, b, c in zip(want, ctypes_replay, native):
+                assert torch.equal(a, b) and torch.equal(a, c)
+        runs = [f for f, _, _ in g.plan if isinstance(f, cpu_graph._NativeRun)]
+        assert [r.names for r in runs] == [["rms_norm_f32", "linear_f32"], ["quant_linear_f32", "mark_slots_i32"]]
+        assert not any(isinstance(f, cpu_graph._CCall) for f, _, _ in g.plan)
+        ids[1] = 8  # past the 8 slots: mark_slots_i32 returns -1
+        with pytest.raises(RuntimeError, match=r"cpu_ops.mark_slots_i32 failed during a decode graph replay \(code -1\)"):
+            g.replay()

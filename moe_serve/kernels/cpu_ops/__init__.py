@@ -12,7 +12,9 @@
 - `quant.c`: linear layers and experts over int4/int8 packed weights
   (`moe_serve.quantization.packed.PackedWeight`: per-group scales and offsets): decode-sized calls
   with the codes widened in registers, prefill-sized ones by the panel GEMM over weight blocks
-  widened from the codes; its wrappers are `cpu_ops/quant.py`.
+  widened from the codes; its wrappers are `cpu_ops/quant.py`;
+- `replay.c`: a CPU decode graph's recorded kernel calls run from C, a run of them a ctypes call
+  (moe_serve/cpu_graph.py).
 
 What moe.c and quant.c share is in two headers: `panel.h`, the panel GEMM (the outer-product
 micro-kernel over packed activation panels, for weights read in place or widened a block of rows at
@@ -178,6 +180,12 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     """Set the entry points' signatures on a loaded library; returns it."""
     lib.cpu_ops_isa.restype = ctypes.c_char_p
     lib.cpu_ops_isa.argtypes = []
+    lib.cpu_ops_replay_sig.restype = ctypes.c_int64
+    lib.cpu_ops_replay_sig.argtypes = [ctypes.c_char_p]
+    lib.cpu_ops_replay_call_bytes.restype = ctypes.c_int64
+    lib.cpu_ops_replay_call_bytes.argtypes = []
+    lib.cpu_ops_replay.restype = ctypes.c_int64
+    lib.cpu_ops_replay.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     lib.cpu_ops_vectorized.restype = ctypes.c_int
     f = lib.moe_experts_f32
     f.restype = ctypes.c_int
