@@ -249,9 +249,19 @@ VF_INLINE float qscale(const qweight_t* w, int64_t i) {
   return w->scales16 ? q_f16(((const uint16_t*)w->scales)[i]) : ((const float*)w->scales)[i];
 }
 
-/* Group g's offset of a row whose scales start at index sb and whose offsets (or NULL) are op. */
-VF_INLINE float qoff(const qweight_t* w, int64_t sb, const float* op, int64_t g) {
-  return (op ? op[g] : 0.f) - (float)w->zero * qscale(w, sb + g);
+/* Group g's offset of a row whose scales (widened) and offsets (or NULL) are sp, op. */
+VF_INLINE float qoff(const qweight_t* w, const float* sp, const float* op, int64_t g) {
+  return (op ? op[g] : 0.f) - (float)w->zero * sp[g];
+}
+
+/* n float16 scales widened into dst (the tiles read float32 scales: a tile's rows widened once,
+ * not a conversion per group in the inner loops). */
+static void q_f16_row(const uint16_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__F16C__) && (defined(VF_AVX512) || defined(VF_AVX2))
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + i))));
+#endif
+  for (; i < n; i++) dst[i] = q_f16(src[i]);
 }
 
 /* Each row of x (M rows of K, ldx apart) into dst (M x K, contiguous) laid out for int4 codes:
@@ -287,19 +297,21 @@ static void group_sums(const float* x, int64_t ldx, int64_t M, int64_t K, int64_
 }
 
 /* One tile: MBC activation rows a[0..MBC) (K floats each; split4's layout for int4) against weight
- * rows n..n+nb (nb <= QNB), y rows ldy apart at column n. xs: the rows' group sums (K/G each). */
+ * rows n..n+nb (nb <= QNB), y rows ldy apart at column n. xs: the rows' group sums (K/G each);
+ * spr: the QNB rows' scales as float32 (K/G each). */
 VF_INLINE void qtile(const float* const* ar, const float* const* xsr, const int MBC, const int BITS,
-                     const qweight_t* w, int64_t n, int nb, int64_t K, float* y, int64_t ldy, const uint8_t* pf) {
+                     const qweight_t* w, const float* const* spr, int64_t n, int nb, int64_t K, float* y, int64_t ldy,
+                     const uint8_t* pf) {
   const float* a[QMB];
   const uint8_t* qp[QNB];
-  int64_t sb[QNB]; /* the rows' first scales' indices */
+  const float* sp[QNB];
   const float* op[QNB]; /* offsets' rows (NULL: none) */
   const int64_t G = w->G, ng = K / G, rowbytes = BITS == 8 ? K : K / 2;
   _Pragma("GCC unroll 4") for (int i = 0; i < QMB; i++) a[i] = ar[i];
   _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) {
     const int64_t r = n + (j < nb ? j : 0);
     qp[j] = w->q + r * rowbytes;
-    sb[j] = r * ng;
+    sp[j] = spr[j];
     op[j] = w->offsets ? w->offsets + r * ng : 0;
     (void)op[j];
   }
@@ -321,12 +333,12 @@ VF_INLINE void qtile(const float* const* ar, const float* const* xsr, const int 
         const vf16 xv = vf_loadn(a[0] + k, k1 - k);
         _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) p[j] = vs_fma(xv, q8_loadn(qp[j] + k, k1 - k), p[j]);
       }
-      _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) acc[0][j] = qs_fma1(qscale(w, sb[j] + g), p[j], acc[0][j]);
+      _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) acc[0][j] = qs_fma1(sp[j][g], p[j], acc[0][j]);
     } else if (BITS == 8) {
       vf16 vs[QNB], vo[QNB];
       _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) {
-        vs[j] = vf_set1(qscale(w, sb[j] + g));
-        vo[j] = vf_set1(qoff(w, sb[j], op[j], g));
+        vs[j] = vf_set1(sp[j][g]);
+        vo[j] = vf_set1(qoff(w, sp[j], op[j], g));
       }
       for (; k + 16 <= k1; k += 16) {
         if (pf) vf_prefetch_l2(pf + (k >> 4) * 64);
@@ -344,7 +356,7 @@ VF_INLINE void qtile(const float* const* ar, const float* const* xsr, const int 
     } else if (Q4_LUT) {
 #if Q4_LUT
       vf16 lut[QNB];
-      _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) lut[j] = q4_lut(qscale(w, sb[j] + g), qoff(w, sb[j], op[j], g));
+      _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) lut[j] = q4_lut(sp[j][g], qoff(w, sp[j], op[j], g));
       for (; k + 32 <= k1; k += 32) {
         if (pf) vf_prefetch_l2(pf + (k >> 5) * 64);
         _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) {
@@ -390,14 +402,14 @@ VF_INLINE void qtile(const float* const* ar, const float* const* xsr, const int 
           p[j] = vs_fma(xo, wo, vs_fma(xe, we, p[j]));
         }
       }
-      _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) acc[0][j] = qs_fma1(qscale(w, sb[j] + g), p[j], acc[0][j]);
+      _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) acc[0][j] = qs_fma1(sp[j][g], p[j], acc[0][j]);
     } else {
       /* the weights of a group: s * lo + o (even), s * hi + o (odd); in the AVX2 byte form (see
        * q4_dot_load) s * b + 17 o against x_even and s * (b & 0xF0) + 16 o against x_odd / 16 - x_even */
       vf16 vs[QNB], voe[QNB], voo[QNB];
       _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) {
-        const float o = qoff(w, sb[j], op[j], g);
-        vs[j] = vf_set1(qscale(w, sb[j] + g));
+        const float o = qoff(w, sp[j], op[j], g);
+        vs[j] = vf_set1(sp[j][g]);
         voe[j] = vf_set1(Q4_BYTE_FORM ? 17.f * o : o);
         voo[j] = vf_set1(Q4_BYTE_FORM ? 16.f * o : o);
       }
@@ -439,7 +451,7 @@ VF_INLINE void qtile(const float* const* ar, const float* const* xsr, const int 
         const float* xs = xsr[i];
         float t = 0.f;
         if (w->zero) {
-          for (int64_t gg = 0; gg < ng; gg++) t += qoff(w, (n + j) * ng, o, gg) * xs[gg];
+          for (int64_t gg = 0; gg < ng; gg++) t += qoff(w, sp[j], o, gg) * xs[gg];
         } else {
 #pragma omp simd reduction(+ : t)
           for (int64_t gg = 0; gg < ng; gg++) t += o[gg] * xs[gg];
@@ -451,12 +463,28 @@ VF_INLINE void qtile(const float* const* ar, const float* const* xsr, const int 
   }
 }
 
-/* Rows [n0, n1) of y = a @ W^T for M rows of a (K floats each, contiguous; split4's layout for int4). */
-static void qgemm_block(const float* a, const float* xsum, int64_t M, const qweight_t* w, int64_t K, int64_t n0,
-                        int64_t n1, float* y, int64_t ldy) {
+#define QSC_STACK 256 /* groups a row whose widened float16 scales a tile keeps on the stack (more: malloc) */
+
+/* Rows [n0, n1) of y = a @ W^T for M rows of a (K floats each, contiguous; split4's layout for int4).
+ * Returns 0, or -1 without memory for a tile's widened float16 scales (rows of over QSC_STACK groups). */
+static int qgemm_block(const float* a, const float* xsum, int64_t M, const qweight_t* w, int64_t K, int64_t n0,
+                       int64_t n1, float* y, int64_t ldy) {
   const int64_t ng = K / w->G, rowbytes = w->bits == 8 ? K : K / 2;
+  float stack_scales[w->scales16 && ng <= QSC_STACK ? QNB * ng : 1];
+  float* wide = w->scales16 && ng > QSC_STACK ? malloc((size_t)(QNB * ng) * sizeof(float)) : stack_scales;
+  if (!wide) return -1;
   for (int64_t n = n0; n < n1; n += QNB) {
     const int nb = n1 - n < QNB ? (int)(n1 - n) : QNB;
+    const float* spr[QNB];
+    for (int j = 0; j < QNB; j++) {
+      const int64_t r = n + (j < nb ? j : 0);
+      if (w->scales16) {
+        q_f16_row((const uint16_t*)w->scales + r * ng, wide + j * ng, ng);
+        spr[j] = wide + j * ng;
+      } else {
+        spr[j] = (const float*)w->scales + r * ng;
+      }
+    }
     for (int64_t m0 = 0; m0 < M; m0 += QMB) {
       const int mb = M - m0 < QMB ? (int)(M - m0) : QMB;
       const float* ar[QMB];
@@ -473,9 +501,9 @@ static void qgemm_block(const float* a, const float* xsum, int64_t M, const qwei
 #define QTILE_(MBC)                                                                                     \
   case MBC:                                                                                             \
     if (w->bits == 8)                                                                                   \
-      qtile(ar, xs, MBC, 8, w, n, nb, K, yt, ldy, pf);                                                      \
+      qtile(ar, xs, MBC, 8, w, spr, n, nb, K, yt, ldy, pf);                                             \
     else                                                                                                \
-      qtile(ar, xs, MBC, 4, w, n, nb, K, yt, ldy, pf);                                                      \
+      qtile(ar, xs, MBC, 4, w, spr, n, nb, K, yt, ldy, pf);                                             \
     break;
       switch (mb) {
         QTILE_(1)
@@ -486,6 +514,8 @@ static void qgemm_block(const float* a, const float* xsum, int64_t M, const qwei
 #undef QTILE_
     }
   }
+  if (wide != stack_scales) free(wide);
+  return 0;
 }
 
 static int qweight_ok(const qweight_t* w, int64_t K) {
@@ -524,7 +554,8 @@ static void qwiden_row(const wsrc_t* s, int64_t row, int64_t K, float* d) {
   const float* of = w->offsets ? w->offsets + row * ng : 0;
   const uint8_t* q = w->q + row * (w->bits == 8 ? K : K / 2);
   for (int64_t g = 0; g < ng; g++) {
-    const vf16 vs = vf_set1(qscale(w, sb + g)), vo = vf_set1(qoff(w, sb, of, g));
+    const float sg = qscale(w, sb + g);
+    const vf16 vs = vf_set1(sg), vo = vf_set1((of ? of[g] : 0.f) - (float)w->zero * sg);
     const int64_t k1 = (g + 1) * G;
     int64_t k = g * G;
     if (w->bits == 8) {
@@ -596,17 +627,18 @@ static int qgemm(const float* x, int64_t ldx, int64_t M, const qweight_t* w, int
       for (int64_t m = 0; m < M; m++) memcpy(s + m * K, x + m * ldx, (size_t)K * sizeof(float));
     a = s;
   }
-  if (nt <= 1 || N < 2 * QNB * nt) {
-    qgemm_block(a, xsum, M, w, K, 0, N, y, ldy);
-    return 0;
-  }
+  if (nt <= 1 || N < 2 * QNB * nt) return qgemm_block(a, xsum, M, w, K, 0, N, y, ldy);
+  int failed = 0;
 #pragma omp parallel num_threads(nt)
   {
     int64_t n0, n1;
     thread_rows_of(N, QNB, &n0, &n1);
-    if (n0 < n1) qgemm_block(a, xsum, M, w, K, n0, n1, y, ldy);
+    if (n0 < n1 && qgemm_block(a, xsum, M, w, K, n0, n1, y, ldy)) {
+#pragma omp atomic write
+      failed = 1;
+    }
   }
-  return 0;
+  return failed ? -1 : 0;
 }
 
 /* y[M, N] = x[M, K] @ W^T, W packed (q, bits, scales (float32, or float16 where scales16), offsets or NULL, zero code, group size G): decode and
