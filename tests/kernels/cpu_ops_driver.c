@@ -736,6 +736,7 @@ int main(void) {
       quant_linear_case(2, 64, 7, 32, bits, 3, nt);
       quant_linear_case(1, 64, 9, 32, bits, 6, nt);
       quant_linear_case(5, 96, 13, 48, bits, 7, nt);
+      quant_linear_case(2, 1040, 6, 4, bits, 6, nt); /* 260 groups a row: the tiles' widened scales on the heap */
       quant_linear_case(5, 80, 23, 40, bits, 1, nt);
       quant_linear_case(17, 96, 9, 96, bits, 1, nt);
       quant_experts_case(5, 64, 24, 4, 2, 32, bits, nt);
