@@ -87,7 +87,7 @@ def bench_format(fmt: str, w: torch.Tensor, group: int, budget: int, rounds: int
         G = pw.group_size
 
         def run(p):
-            rc = lib.quant_linear_f32(x.data_ptr(), K, 1, p[0], bits, p[1], 0, p[2], 0, G, K, N, y.data_ptr(), N, nt)
+            rc = lib.quant_linear_f32(x.data_ptr(), K, 1, p[0], bits, p[1], 0, p[2], 0, G, K, N, y.data_ptr(), N, 0, nt)
             assert rc == 0, rc
         ref_w = PackedWeight(bits, qs[-1], ss[-1], os_[-1] if os_ is not None else None, G, (N, K)).dequantize().double()
     for p in ptrs:  # warm-up: first touch, the library's scratch
@@ -133,7 +133,7 @@ def bench_prefill(w: torch.Tensor, M: int, group: int, rounds: int, g: torch.Gen
         ways[f"int{bits} quant.c"] = (lambda pw=pw, bits=bits: lib.quant_linear_f32(
             x.data_ptr(), K, M, pw.qweight.data_ptr(), bits, pw.scales.data_ptr(), int(pw.scales.dtype == torch.float16),
             pw.offsets.data_ptr() if pw.offsets is not None else None, pw.zero, pw.group_size, K, N, y.data_ptr(), N,
-            nt), pw)
+            0, nt), pw)
         ways[f"int{bits} torch dequantize"] = (lambda pw=pw: y.copy_(torch.nn.functional.linear(x, pw.dequantize())),
                                                pw)
     rows = []

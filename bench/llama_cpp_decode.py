@@ -307,7 +307,8 @@ def run_ours(args, path: str, singles, batch) -> dict:
 
     t0 = time.perf_counter()
     llm = LLM(model=path, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, max_num_seqs=len(batch),
-              max_num_batched_tokens=max(2048, sum(len(p) for p in batch)), show_progress=False)
+              max_num_batched_tokens=max(2048, sum(len(p) for p in batch)), show_progress=False,
+              cpu_int8_activations=args.cpu_int8_activations and path.endswith(".gguf"))
     cfg = llm.engine.cfg
     res = {"startup_s": time.perf_counter() - t0, "moe_backend": cfg.moe_backend,
            "linear_backend": getattr(cfg, "linear_backend", None), "attention_backend": cfg.attention_backend}
@@ -387,7 +388,9 @@ def markdown(out: dict) -> str:
              f"{out['load_average']['end'][0]:.1f} at the end.", "",
              f"Prompts of {out['prompt_len']} tokens, {out['output_len']} output tokens, decode only (prefill "
              f"excluded), greedy. % SoL: bytes a step must read (each engine's own weights) / read bandwidth / "
-             f"step time.", "",
+             f"step time." + (" Ours with --cpu-int8-activations (activations rounded to int8 per weight group "
+                              "in decode-sized calls, as llama.cpp's are)." if out.get("cpu_int8_activations")
+                              else ""), "",
              "| format | B | ours tok/s | llama.cpp tok/s | ours / llama.cpp | ours % SoL | llama.cpp % SoL |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for row in out["rows"]:
@@ -428,6 +431,8 @@ def main() -> int:
                    help="let llama.cpp use its AMX buffer type (faults on this VM: see refuse_amx)")
     p.add_argument("--peer-timeout", type=float, default=900.0)
     p.add_argument("--skip-peer", action="store_true")
+    p.add_argument("--cpu-int8-activations", action="store_true",
+                   help="ours with --cpu-int8-activations (the packed formats: llama.cpp's activation rounding)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--note", default="")
     p.add_argument("--out", default=None)
@@ -467,7 +472,7 @@ def main() -> int:
            "threads": args.threads, "prompt_len": args.prompt_len, "output_len": args.output_len,
            "concurrency": args.concurrency, "repeats": args.repeats, "our_dtype": args.dtype,
            "quantizer": args.quantizer, "peer_amx": args.peer_amx, "peer_version": None if args.skip_peer else peer_version(args.peer_python),
-           "note": args.note, "rows": []}
+           "note": args.note, "cpu_int8_activations": args.cpu_int8_activations, "rows": []}
     for fmt in formats:
         row: dict = {"format": fmt, "gguf": str(files[fmt])}
         row["gguf_bytes"] = gguf_bytes(files[fmt])

@@ -219,6 +219,26 @@ def compact_packed_weights(model: nn.Module, device: torch.device) -> int:
     return freed
 
 
+def int8_activations_on(model: nn.Module) -> int:
+    """--cpu-int8-activations: every packed int4 / int8 layer's decode-sized calls in our C kernels
+    round their activations to int8 (cpu_ops/quant.c's int8-activation tiles, where its weights'
+    group fits them; the panel path of prefill-sized calls stays float). Returns the layers; a model
+    without one is refused."""
+    from moe_serve.layers.experts import PackedExperts
+    from moe_serve.layers.linear import Linear
+
+    n = 0
+    for m in model.modules():
+        if (isinstance(m, Linear) and m.qweight is not None) or (isinstance(m, PackedExperts) and not m.float8):
+            m.cpu_int8_act = True
+            n += 1
+    if not n:
+        raise ValueError("--cpu-int8-activations: this model has no packed int4 / int8 layers (GGUF, GPTQ, AWQ or "
+                         "compressed-tensors integer weights) whose activations it would round")
+    log.info("--cpu-int8-activations: %d packed layers round their decode activations to int8", n)
+    return n
+
+
 def _packed_alike(layers: list) -> bool:
     """Packed Linear layers that one packed GEMM can run as one: same bits, group, input size,
     bias or not, activation quantization, dtype to dequantize to, device."""
@@ -247,7 +267,8 @@ def _stack_packed(layers: list):
         setattr(fused, name, nn.Parameter(stacked, requires_grad=False))
         for lin, part in zip(layers, stacked.split(sizes)):
             setattr(lin, name, nn.Parameter(part, requires_grad=False))
-    for attr in ("packed_bits", "packed_group", "packed_zero", "int8_activations", "packed_act_quant", "dequant_dtype"):
+    for attr in ("packed_bits", "packed_group", "packed_zero", "int8_activations", "packed_act_quant", "dequant_dtype",
+                 "cpu_int8_act"):
         setattr(fused, attr, getattr(first, attr))
     return fused
 

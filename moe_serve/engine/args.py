@@ -57,6 +57,7 @@ class EngineArgs:
     kv_offloading_size: float | None = None  # GB of host memory for evicted KV blocks (moe_serve/kv_offload)
     kv_offloading_disk: str | None = None  # a directory for evicted KV blocks below the host tier
     kv_offloading_disk_size: float | None = None  # GB the disk tier may take
+    cpu_int8_activations: bool = False  # packed layers' decode calls in our C kernels over int8 activations
 
     def create_engine_config(self, rank: int = 0, world_size: int = 1) -> EngineConfig:
         mc = ModelConfig.from_path(self.model, self.dtype, self.max_model_len, self.load_format, self.seed,
@@ -112,6 +113,16 @@ class EngineArgs:
         choice = platform.choose(self.device, self.moe_backend, self.attention_backend, self.all2all_backend,
                                  world_size, mc.hf.get("hidden_size"), self.linear_backend, self.norm_backend,
                                  self.linear_attention_backend, self.batch_invariant)
+        if self.cpu_int8_activations:
+            if choice.device.type != "cpu" or (choice.moe_backend, choice.linear_backend) != ("cpu_c", "cpu_c"):
+                raise ValueError(f"--cpu-int8-activations rounds the activations of our C kernels' packed layers: it "
+                                 f"needs a CPU with both the experts and the linear layers in cpu_c (here: device "
+                                 f"{choice.device}, --moe-backend {choice.moe_backend}, --linear-backend "
+                                 f"{choice.linear_backend})")
+            if self.batch_invariant:
+                raise ValueError("--cpu-int8-activations with --batch-invariant is not supported: the invariant "
+                                 "kernels take float activations")
+
         return EngineConfig(
             model=mc,
             cache=CacheConfig(self.block_size, self.num_kv_blocks or 0, self.kv_cache_memory or 0,
@@ -135,6 +146,7 @@ class EngineArgs:
             disaggregation_timeout_s=self.disaggregation_timeout,
             batch_invariant=self.batch_invariant,
             kv_offload=kv_offload,
+            cpu_int8_activations=self.cpu_int8_activations,
         )
 
     # --- CLI ------------------------------------------------------------------------------------
@@ -224,6 +236,10 @@ class EngineArgs:
         g.add_argument("--disaggregation-timeout", type=float, default=60.0,
                        help="seconds a prompt's KV may take to arrive from the prefill instance before this "
                             "instance computes the prompt itself")
+        g.add_argument("--cpu-int8-activations", action="store_true",
+                       help="on a CPU, decode-sized calls of packed int4 / int8 layers (GGUF, GPTQ, AWQ, "
+                            "compressed-tensors) round their activations to int8 per weight group and take integer "
+                            "products (VNNI where the CPU has it), as llama.cpp does: faster, not the float numerics")
         g.add_argument("--batch-invariant", action="store_true",
                        help="a request's tokens and logprobs bitwise the same whatever shares its steps (batch "
                             "size, prefill chunking, preemption, other requests): kernels with one fixed reduction "

@@ -46,6 +46,7 @@ class Linear(nn.Module):
     packed_group: int | None = None
     packed_bits: int | None = None
     packed_zero = 0  # the zero code once the offsets are compacted away (`compact_packed`; qoffsets then None)
+    cpu_int8_act = False  # decode calls in our C kernels round the activations to int8 (--cpu-int8-activations)
     int8_activations = False  # the checkpoint's scheme quantizes this layer's inputs to int8 per token (W8A8)
     packed_act_quant = False  # ... and its kernel does so (moe_serve/prepare.py: the Triton kernel on CUDA)
     dequantized_at_load = False  # a packed checkpoint's weight held dense (weight_used_directly)
@@ -75,8 +76,11 @@ class Linear(nn.Module):
 
     def packed(self) -> PackedWeight:
         """The packed weight (views of this layer's parameters)."""
-        return PackedWeight(self.packed_bits, self.qweight, self.qscales, self.qoffsets, self.packed_group,
-                            (self.out_features, self.in_features), self.packed_zero)
+        w = PackedWeight(self.packed_bits, self.qweight, self.qscales, self.qoffsets, self.packed_group,
+                         (self.out_features, self.in_features), self.packed_zero)
+        if self.cpu_int8_act:
+            w.act8 = True  # (cpu_ops/quant.py reads it)
+        return w
 
     def compact_packed(self) -> int:
         """PackedWeight.compact in place: drop the offsets array where the loaded offsets are exactly

@@ -47,11 +47,11 @@ void conv_step_f32(const float* x, int64_t ldx, const float* w, const float* bia
 /* quant.c: packed int8 / int4 weights (codes, per-group scales and offsets or NULL) */
 int quant_linear_f32(const float* x, int64_t ldx, int64_t M, const uint8_t* q, int bits, const void* scales,
                      int scales16, const float* offsets, int zero, int64_t G, int64_t K, int64_t N, float* y,
-                     int64_t ldy, int nt);
+                     int64_t ldy, int act8, int nt);
 int quant_experts_f32(const float* x, int64_t T, int64_t D, const int64_t* ids, const float* wts, int64_t K,
                       const uint8_t* q13, int bits13, const void* s13, int s13_16, const float* o13, int z13,
                       int64_t G13, const uint8_t* q2, int bits2, const void* s2, int s2_16, const float* o2, int z2,
-                      int64_t G2, int64_t E, int64_t F, float* out, int nt);
+                      int64_t G2, int64_t E, int64_t F, float* out, int act8, int nt);
 const char* cpu_ops_isa(void);
 
 /* ---- inputs ---- */
@@ -261,7 +261,7 @@ static void quant_linear_case(int64_t M, int64_t K, int64_t N, int64_t G, int bi
   char what[160];
   snprintf(what, sizeof what, "quant_linear int%d%s%s%s M=%ld K=%ld N=%ld G=%ld nt=%d", bits, offsets & 1 ? "+off" : "",
            offsets & 2 ? "+zero" : "", offsets & 4 ? "+f16" : "", (long)M, (long)K, (long)N, (long)G, nt);
-  check_rc(what, quant_linear_f32(x, ldx, M, w.q, bits, packed_scales(&w), w.h != 0, w.o, w.z, G, K, N, y, N, nt));
+  check_rc(what, quant_linear_f32(x, ldx, M, w.q, bits, packed_scales(&w), w.h != 0, w.o, w.z, G, K, N, y, N, 0, nt));
   check(what, y, ref, M * N, TOL);
   free(x), free(ref), free(y), packed_free(w);
 }
@@ -295,7 +295,7 @@ static void quant_experts_case(int64_t T, int64_t D, int64_t F, int64_t E, int64
   snprintf(what, sizeof what, "quant_experts int%d/int%d T=%ld D=%ld F=%ld E=%ld K=%ld G=%ld nt=%d", bits, 12 - bits,
            (long)T, (long)D, (long)F, (long)E, (long)K, (long)G, nt);
   check_rc(what, quant_experts_f32(x, T, D, ids, wts, K, w13.q, bits, packed_scales(&w13), w13.h != 0, w13.o, w13.z, G,
-                                   w2.q, 12 - bits, packed_scales(&w2), w2.h != 0, w2.o, w2.z, F, E, F, out, nt));
+                                   w2.q, 12 - bits, packed_scales(&w2), w2.h != 0, w2.o, w2.z, F, E, F, out, 0, nt));
   check(what, out, ref, T * D, TOL);
   free(x), free(wts), free(ids), free(ref), free(h), free(a), free(out), packed_free(w13), packed_free(w2);
 }

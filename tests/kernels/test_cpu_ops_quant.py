@@ -241,3 +241,110 @@ def test_quant_experts_panels_match_float64(bits13, bits2, offsets, G, isa):
         assert quant.panels_run() - ran == int((rows >= first).sum())  # one panel group an expert here
         assert torch.allclose(out.double(), ref, rtol=1e-4, atol=1e-4 * scale), \
             f"threads={threads}: max err {(out.double() - ref).abs().max():.3g} of {scale:.3g}"
+
+
+def _act8(x: torch.Tensor, G: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) float32 rounded to int8 per group of G as quant.c's int8-activation path does (d =
+    max|x| / 127 in float32, round(x / d) with ties to even): (codes as float64, d float64 (M, K/G))."""
+    M, K = x.shape
+    xg = x.reshape(M, K // G, G)
+    d = xg.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(d > 0, torch.round(xg / torch.where(d > 0, d, 1)), 0).clamp(-127, 127)
+    return q.reshape(M, K).double(), d.squeeze(-1).double()
+
+
+def _act8_linear_ref(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+    """y = sum_g scale * d * sum (q - zero) * xq + offsets * sum x, in float64 (the path's arithmetic)."""
+    G, (N, K) = w.group_size, w.shape
+    xq, d = _act8(x, G)
+    codes = (w.codes().double() - w.zero).reshape(N, K // G, G)
+    dots = torch.einsum("ngk,mgk->mng", codes, xq.reshape(-1, K // G, G))
+    y = (dots * w.scales.double().unsqueeze(0) * d.unsqueeze(1)).sum(-1)
+    if w.offsets is not None:
+        y += x.double().reshape(-1, K // G, G).sum(-1) @ w.offsets.double().T
+    return y
+
+
+def _with_act8(w: PackedWeight) -> PackedWeight:
+    w = PackedWeight(w.bits, w.qweight, w.scales, w.offsets, w.group_size, w.shape, w.zero)
+    w.act8 = True
+    return w
+
+
+# (bits, G, offsets): Q4_0 / Q8_0's 32 (several groups a step), 64, GPTQ's 128, per channel (G = K:
+# one group over several steps), an explicit zero point (offsets), float16 scales
+ACT8_CASES = [(4, 32, "half"), (8, 32, "half"), (4, 64, "zero"), (4, 128, True), (8, 256, "zero"), (8, 64, False),
+              (4, 16, "zero")]
+
+
+@pytest.mark.parametrize("bits,G,offsets", ACT8_CASES)
+def test_int8_activations_match_their_arithmetic(bits, G, offsets, isa):
+    """--cpu-int8-activations' decode path (VNNI on a build that has it, plain C elsewhere): each
+    activation row rounded to int8 per weight group and integer products, against that arithmetic in
+    float64 (the rounding reproduced exactly), 1, 3, 5 and one row fewer than the panel GEMM's rows
+    (the tiles' 1..4 rows and their remainders), one and two threads; the float path's answer is not it (the rounding shows), and
+    prefill-sized calls stay float."""
+    K, N = 256, 21
+    g = torch.Generator().manual_seed(bits * 100 + G)
+    w = _with_act8(_packed((N, K), bits, G, offsets, g))
+    for M, threads in ((1, 1), (3, 2), (5, 1), (quant.panel_min_rows() - 1, 2)):
+        x = torch.randn(M, K, generator=g)
+        ran = quant.act8_run()
+        with _threads(threads):
+            y = quant.quant_linear(x, w)
+        assert quant.act8_run() - ran == 1
+        ref = _act8_linear_ref(x, w)
+        tol = 1e-5 * (x.double().abs() @ _bound(w).T) + 1e-6
+        err = (y.double() - ref).abs()
+        assert (err <= tol).all(), f"M={M} threads={threads}: max err {err.max():.3g}"
+        plain = quant.quant_linear(x, PackedWeight(bits, w.qweight, w.scales, w.offsets, G, w.shape, w.zero))
+        assert not torch.allclose(plain, y, rtol=1e-6, atol=1e-6)
+    big = torch.randn(quant.panel_min_rows(), K, generator=g)
+    ran = quant.act8_run()
+    y = quant.quant_linear(big, w)
+    assert quant.act8_run() == ran  # the panel GEMM: float
+    assert torch.allclose(y.double(), big.double() @ w.dequantize().double().T, rtol=1e-4, atol=1e-4)
+
+
+def test_int8_activations_fall_back_where_a_step_splits_groups(isa):
+    """Weights whose groups do not fit the 16 lanes of a step (G = 48 int4: 6 lanes a group) or whose
+    K is not a whole number of steps take the float path (the counter does not move)."""
+    g = torch.Generator().manual_seed(3)
+    for bits, K, G in ((4, 192, 48), (4, 96, 32), (8, 96, 32)):
+        w = _with_act8(_packed((9, K), bits, G, "zero", g))
+        x = torch.randn(2, K, generator=g)
+        ran = quant.act8_run()
+        y = quant.quant_linear(x, w)
+        assert quant.act8_run() == ran, (bits, K, G)
+        assert torch.allclose(y.double(), x.double() @ w.dequantize().double().T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bits13,bits2,G", [(4, 4, 32), (8, 8, 32), (4, 8, 64)])
+def test_int8_activation_experts_match_their_arithmetic(bits13, bits2, G, isa):
+    """Experts with int8 activations (gate/up over the tokens' rows, down over SiLU(gate) * up rounded
+    again): against float64 of the same arithmetic, decode-sized routings on both expert paths (row
+    blocks, and whole experts a thread)."""
+    E, D, F = 8, 128, 128
+    g = torch.Generator().manual_seed(bits13 * 10 + bits2 + G)
+    w13 = _with_act8(_packed((E, 2 * F, D), bits13, G, "half", g))
+    w2 = _with_act8(_packed((E, D, F), bits2, G, "zero", g))
+    for T, threads in ((1, 1), (2, 2), (5, 2)):
+        x = torch.randn(T, D, generator=g)
+        ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(T)])
+        wts = torch.rand(T, 2, generator=g)
+        ran = quant.act8_run()
+        with _threads(threads):
+            out = quant.quant_experts(x, w13, w2, wts, ids)
+        assert quant.act8_run() > ran
+        ref = torch.zeros(T, D, dtype=torch.float64)
+        for t in range(T):
+            for k in range(2):
+                e = int(ids[t, k])
+                h = _act8_linear_ref(x[t:t + 1], w13.select(e)).squeeze(0)
+                a = (torch.nn.functional.silu(h[:F]) * h[F:]).float()
+                ref[t] += float(wts[t, k]) * _act8_linear_ref(a.unsqueeze(0), w2.select(e)).squeeze(0)
+        scale = ref.abs().max().item()
+        # the reference's SiLU(gate) * up is float64 rounded once, the kernel's float32: an activation at
+        # a rounding tie may land one int8 step apart, so the tolerance is that step's size
+        assert torch.allclose(out.double(), ref, rtol=0, atol=2e-3 * scale), \
+            f"T={T}: max err {(out.double() - ref).abs().max():.3g} of {scale:.3g}"

@@ -220,6 +220,7 @@ typedef struct {
   int bits;
   int zero; /* the code of 0 (offsets - zero * scales) */
   int scales16;
+  int act8; /* decode-sized calls round the activations to int8 (the int8-activation tiles below) */
 } qweight_t;
 
 /* A float16's value (exact in float32): F16C where the build has it, else by its fields. */
@@ -587,6 +588,276 @@ static qweight_t qrows_from(const qweight_t* w, int64_t n0, int64_t K) {
   return r;
 }
 
+/* ---- int8 activations (opt-in: `act8`, the engine's --cpu-int8-activations) ----
+ * Decode-sized calls may round each activation row to int8 per group of the weight's G codes, as
+ * llama.cpp does (its Q8_0 activations; W8A8's per-token int8 where G = K): d = max|x| / 127,
+ * xq = round(x / d) (ties to even), and take the products in integers:
+ *   y[n] = sum_g scales[n, g] * d[g] * sum_{k in g} (q[n, k] - zero) * xq[k] + sum_g offsets[n, g] * xsum[g]
+ * (xsum of the float activations). A step takes 64 bytes of a weight row: 128 int4 codes (the low
+ * nibbles against the step's even activations, the high ones against its odd ones) or 64 int8 codes,
+ * into 16 int32 lanes of 8 (int4) or 4 (int8) codes each; the zero code's term is each lane's start
+ * value (-zero * its activations' sum), and each lane's sum is scaled by its group's scale times d
+ * into float32. With AVX-512 VNNI a step is one or two vpdpbusd per activation row (unsigned codes
+ * times signed activations), its nibbles split by a mask and a shift shared by the rows; elsewhere
+ * the same sums in plain C (correct, not fast). Taken where a step holds whole groups or lies in
+ * one (G a multiple of a lane's codes, 16 lanes a multiple of a group's or the reverse) and K is a
+ * whole number of steps; other weights (and prefill-sized calls) stay float. */
+#define QA_LANES 16
+#define QA_STEP_BYTES 64
+
+static int qa_per_lane(int bits) { return bits == 4 ? 8 : 4; }
+static int64_t qa_step_codes(int bits) { return bits == 4 ? 128 : 64; }
+
+static int qa_fits(const qweight_t* w, int64_t K) {
+  const int64_t per = qa_per_lane(w->bits), lpg = w->G / per;
+  return w->act8 && K % qa_step_codes(w->bits) == 0 && w->G % per == 0 && (QA_LANES % lpg == 0 || lpg % QA_LANES == 0);
+}
+
+/* Calls that took the int8-activation tiles in this process (the tests check which path ran). */
+static int64_t qa8_run;
+int64_t quant_act8_run(void) { return qa8_run; }
+
+#if defined(VF_AVX512) && defined(__AVX512VNNI__)
+#define QA_VNNI 1
+#else
+#define QA_VNNI 0
+#endif
+
+/* Row m of x (K floats) rounded to int8 per group of G, laid out for the steps (int4: each step's
+ * 64 even codes' activations, then its 64 odd ones'); dl: each lane's d; zc: each lane's start,
+ * -zero * the sum of its activations. */
+static void qa_quantize(const float* x, int64_t K, const qweight_t* w, int8_t* xq, float* dl, int32_t* zc) {
+  const int64_t G = w->G, per = qa_per_lane(w->bits), C = qa_step_codes(w->bits);
+#if QA_VNNI
+  if (G % 16 == 0) { /* the same arithmetic in vectors: max, one division, round to nearest even */
+    for (int64_t g0 = 0; g0 < K; g0 += G) {
+      __m512 m = _mm512_setzero_ps();
+      for (int64_t k = g0; k < g0 + G; k += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
+      const float d = _mm512_reduce_max_ps(m) / 127.f;
+      const __m512 vd = _mm512_set1_ps(d > 0.f ? d : 1.f), lim = _mm512_set1_ps(127.f);
+      for (int64_t k = g0; k < g0 + G; k += 16) {
+        __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + k), vd), _MM_FROUND_TO_NEAREST_INT |
+                                                                                  _MM_FROUND_NO_EXC);
+        v = _mm512_max_ps(_mm512_min_ps(v, lim), _mm512_sub_ps(_mm512_setzero_ps(), lim));
+        if (!(d > 0.f)) v = _mm512_setzero_ps();
+        _mm_storeu_si128((__m128i*)(xq + k), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));
+      }
+      for (int64_t l = g0 / per; l < (g0 + G) / per; l++) dl[l] = d;
+    }
+    const __m512i ones = _mm512_set1_epi8(1), mz = _mm512_set1_epi32(-w->zero);
+    for (int64_t c = 0; c < K; c += C) {
+      __m512i sum;
+      if (w->bits == 4) { /* the step's 128 codes in order -> its 64 even ones, then its 64 odd ones */
+        const __m512i a = _mm512_loadu_si512((const void*)(xq + c)), b = _mm512_loadu_si512((const void*)(xq + c + 64));
+        const __m512i lo8 = _mm512_set1_epi16(0xFF), fix = _mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7);
+        const __m512i ev = _mm512_permutexvar_epi64(fix, _mm512_packus_epi16(_mm512_and_si512(a, lo8),
+                                                                               _mm512_and_si512(b, lo8)));
+        const __m512i od = _mm512_permutexvar_epi64(fix, _mm512_packus_epi16(_mm512_srli_epi16(a, 8),
+                                                                               _mm512_srli_epi16(b, 8)));
+        _mm512_storeu_si512((void*)(xq + c), ev);
+        _mm512_storeu_si512((void*)(xq + c + 64), od);
+        sum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, ev), ones, od);
+      } else {
+        sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_loadu_si512((const void*)(xq + c)));
+      }
+      _mm512_storeu_si512((void*)(zc + c / per), _mm512_mullo_epi32(sum, mz));
+    }
+    return;
+  }
+#endif
+  for (int64_t g0 = 0; g0 < K; g0 += G) {
+    float amax = 0.f;
+    for (int64_t k = g0; k < g0 + G; k++) amax = fmaxf(amax, fabsf(x[k]));
+    const float d = amax / 127.f;
+    for (int64_t k = g0; k < g0 + G; k++) {
+      float v = d > 0.f ? nearbyintf(x[k] / d) : 0.f;
+      v = v > 127.f ? 127.f : v < -127.f ? -127.f : v;
+      const int64_t c = k / C * C, kk = k - c;
+      xq[w->bits == 4 ? c + (kk & 1) * 64 + kk / 2 : k] = (int8_t)v;
+    }
+    for (int64_t l = g0 / per; l < (g0 + G) / per; l++) dl[l] = d;
+  }
+  for (int64_t l = 0; l < K / per; l++) {
+    const int64_t c = l * per / C * C, kk = l * per - c; /* the lane's first code in its step */
+    int32_t sum = 0;
+    for (int64_t t = 0; t < per; t++) {
+      const int64_t k = kk + t;
+      sum += xq[w->bits == 4 ? c + (k & 1) * 64 + k / 2 : c + k];
+    }
+    zc[l] = -w->zero * sum;
+  }
+}
+
+/* The scales of a row's 16 lanes at step c (sp: the row's scales, float32). */
+static inline void qa_lane_scales(const float* sp, int64_t c, int64_t C, int64_t G, int64_t per, float* out) {
+  for (int l = 0; l < QA_LANES; l++) out[l] = sp[(c * C + l * per) / G];
+}
+
+#if QA_VNNI
+VF_INLINE __m512 qa_lane_scales_v(const float* sp, int64_t c, int64_t C, int64_t G, int64_t per) {
+  const int64_t lpg = G / per;
+  if (lpg >= QA_LANES) return _mm512_set1_ps(sp[c * C / G]);
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i idx = lpg == 1 ? lane : _mm512_srli_epi32(lane, lpg == 2 ? 1 : lpg == 4 ? 2 : lpg == 8 ? 3 : 4);
+  const __mmask16 m = (__mmask16)((1u << (QA_LANES / lpg)) - 1u);
+  return _mm512_permutexvar_ps(idx, _mm512_maskz_loadu_ps(m, sp + c * C / G));
+}
+#endif
+
+/* One tile of the int8-activation path: MBC rows (their xq, dl, zc, float group sums xs) against
+ * weight rows n..n+nb; spr: the QNB rows' scales as float32. */
+VF_INLINE void qtile_a8(const int8_t* const* xq, const float* const* dl, const int32_t* const* zc,
+                        const float* const* xsr, const int MBC, const int BITS, const qweight_t* w,
+                        const float* const* spr, int64_t n, int nb, int64_t K, float* y, int64_t ldy,
+                        const uint8_t* pf) {
+  const int64_t G = w->G, ng = K / G, per = qa_per_lane(BITS), C = qa_step_codes(BITS);
+  const int64_t rowbytes = BITS == 8 ? K : K / 2, steps = K / C;
+  const uint8_t* qp[QNB];
+  _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) qp[j] = w->q + (n + (j < nb ? j : 0)) * rowbytes;
+  float sums[QMB][QNB];
+#if QA_VNNI
+  __m512 acc[QMB][QNB];
+  _Pragma("GCC unroll 4") for (int i = 0; i < MBC; i++)
+    _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) acc[i][j] = _mm512_setzero_ps();
+  const __m512i lo4 = _mm512_set1_epi8(0x0F);
+  for (int64_t c = 0; c < steps; c++) {
+    if (pf) /* the tile QPF on: its QNB rows are QNB * steps lines, QNB of them a step */
+      _Pragma("GCC unroll 4") for (int u = 0; u < QNB; u++) vf_prefetch_l2(pf + (c * QNB + u) * QA_STEP_BYTES);
+    _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) {
+      const __m512i b = _mm512_loadu_si512((const void*)(qp[j] + c * QA_STEP_BYTES));
+      const __m512 sv = qa_lane_scales_v(spr[j], c, C, G, per);
+      const __m512i lo = BITS == 4 ? _mm512_and_si512(b, lo4) : b;
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), lo4);
+      _Pragma("GCC unroll 4") for (int i = 0; i < MBC; i++) {
+        __m512i s = _mm512_loadu_si512((const void*)(zc[i] + c * QA_LANES));
+        s = _mm512_dpbusd_epi32(s, lo, _mm512_loadu_si512((const void*)(xq[i] + c * C)));
+        if (BITS == 4) s = _mm512_dpbusd_epi32(s, hi, _mm512_loadu_si512((const void*)(xq[i] + c * C + 64)));
+        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(sv, _mm512_loadu_ps(dl[i] + c * QA_LANES)),
+                                    acc[i][j]);
+      }
+    }
+  }
+  _Pragma("GCC unroll 4") for (int i = 0; i < MBC; i++)
+    _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) sums[i][j] = _mm512_reduce_add_ps(acc[i][j]);
+#else
+  (void)pf;
+  for (int i = 0; i < MBC; i++)
+    for (int j = 0; j < QNB; j++) {
+      float t = 0.f;
+      for (int64_t c = 0; c < steps; c++) {
+        float sl[QA_LANES];
+        qa_lane_scales(spr[j], c, C, G, per, sl);
+        const uint8_t* b = qp[j] + c * QA_STEP_BYTES;
+        for (int l = 0; l < QA_LANES; l++) {
+          int32_t s = zc[i][c * QA_LANES + l];
+          for (int u = 0; u < 4; u++) { /* the lane's 4 bytes */
+            const int byte = b[4 * l + u];
+            if (BITS == 4)
+              s += (byte & 15) * xq[i][c * C + 4 * l + u] + (byte >> 4) * xq[i][c * C + 64 + 4 * l + u];
+            else
+              s += byte * xq[i][c * C + 4 * l + u];
+          }
+          t += (float)s * (sl[l] * dl[i][c * QA_LANES + l]);
+        }
+      }
+      sums[i][j] = t;
+    }
+#endif
+  for (int i = 0; i < MBC; i++)
+    for (int j = 0; j < nb; j++) {
+      float s = sums[i][j];
+      if (w->offsets) {
+        const float* o = w->offsets + (n + j) * ng;
+        float t = 0.f;
+        for (int64_t g = 0; g < ng; g++) t += o[g] * xsr[i][g];
+        s += t;
+      }
+      y[i * ldy + j] = s;
+    }
+}
+
+/* Rows [n0, n1) of y for M quantized activation rows (qa_quantize's, `lanes` lanes a row). */
+static int qgemm_block_a8(const int8_t* xq, const float* dl, const int32_t* zc, const float* xsum, int64_t M,
+                          const qweight_t* w, int64_t K, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  const int64_t ng = K / w->G, lanes = K / qa_per_lane(w->bits);
+  float stack_scales[w->scales16 && ng <= QSC_STACK ? QNB * ng : 1];
+  float* wide = w->scales16 && ng > QSC_STACK ? malloc((size_t)(QNB * ng) * sizeof(float)) : stack_scales;
+  if (!wide) return -1;
+  for (int64_t n = n0; n < n1; n += QNB) {
+    const int nb = n1 - n < QNB ? (int)(n1 - n) : QNB;
+    const float* spr[QNB];
+    for (int j = 0; j < QNB; j++) {
+      const int64_t r = n + (j < nb ? j : 0);
+      if (w->scales16) {
+        q_f16_row((const uint16_t*)w->scales + r * ng, wide + j * ng, ng);
+        spr[j] = wide + j * ng;
+      } else {
+        spr[j] = (const float*)w->scales + r * ng;
+      }
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += QMB) {
+      const int mb = M - m0 < QMB ? (int)(M - m0) : QMB;
+      const int8_t* xr[QMB];
+      const float* dr[QMB];
+      const int32_t* zr[QMB];
+      const float* xs[QMB];
+      for (int i = 0; i < QMB; i++) {
+        const int64_t m = m0 + (i < mb ? i : 0);
+        xr[i] = xq + m * K;
+        dr[i] = dl + m * lanes;
+        zr[i] = zc + m * lanes;
+        xs[i] = xsum + m * ng;
+      }
+      float* yt = y + m0 * ldy + n;
+      const int64_t rowbytes = w->bits == 8 ? K : K / 2;
+      const uint8_t* pf = m0 == 0 && n + (QPF + 1) * QNB <= n1 ? w->q + (n + QPF * QNB) * rowbytes : 0;
+#define QTILE_A8_(MBC)                                                                      \
+  case MBC:                                                                                 \
+    if (w->bits == 8)                                                                       \
+      qtile_a8(xr, dr, zr, xs, MBC, 8, w, spr, n, nb, K, yt, ldy, pf);                      \
+    else                                                                                    \
+      qtile_a8(xr, dr, zr, xs, MBC, 4, w, spr, n, nb, K, yt, ldy, pf);                      \
+    break;
+      switch (mb) {
+        QTILE_A8_(1)
+        QTILE_A8_(2)
+        QTILE_A8_(3)
+        QTILE_A8_(4)
+      }
+#undef QTILE_A8_
+    }
+  }
+  if (wide != stack_scales) free(wide);
+  return 0;
+}
+
+/* qgemm's int8-activation form (qa_fits): the rows quantized once, then the row blocks. */
+static int qgemm_a8(const float* x, int64_t ldx, int64_t M, const qweight_t* w, int64_t K, int64_t N, float* y,
+                    int64_t ldy, int nt) {
+  const int64_t ng = K / w->G, lanes = K / qa_per_lane(w->bits);
+  char* buf = scratch(2, (size_t)(M * K) + (size_t)(M * lanes) * (sizeof(float) + sizeof(int32_t)) + 64);
+  float* xsum = w->offsets ? scratch(3, (size_t)(M * ng) * sizeof(float)) : 0;
+  if (!buf || (w->offsets && !xsum)) return -1;
+  float* dl = (float*)buf;
+  int32_t* zc = (int32_t*)(dl + M * lanes);
+  int8_t* xq = (int8_t*)(zc + M * lanes);
+  for (int64_t m = 0; m < M; m++) qa_quantize(x + m * ldx, K, w, xq + m * K, dl + m * lanes, zc + m * lanes);
+  if (xsum) group_sums(x, ldx, M, K, w->G, xsum);
+  qa8_run++;
+  if (nt <= 1 || N < 2 * QNB * nt) return qgemm_block_a8(xq, dl, zc, xsum, M, w, K, 0, N, y, ldy);
+  int failed = 0;
+#pragma omp parallel num_threads(nt)
+  {
+    int64_t n0, n1;
+    thread_rows_of(N, QNB, &n0, &n1);
+    if (n0 < n1 && qgemm_block_a8(xq, dl, zc, xsum, M, w, K, n0, n1, y, ldy)) {
+#pragma omp atomic write
+      failed = 1;
+    }
+  }
+  return failed ? -1 : 0;
+}
+
 /* Panel GEMMs run so far by this process: linear calls and expert panel groups (the tests check
  * which path a shape takes). */
 static int64_t qpanels_run;
@@ -602,7 +873,9 @@ static int qgemm(const float* x, int64_t ldx, int64_t M, const qweight_t* w, int
   if (!qweight_ok(w, K)) return -2;
   if (M <= 0 || N <= 0) return 0;
   qweight_t rest;
-  if (M >= QPANEL_MIN_ROWS && N >= RB) {
+  const int panels = M >= QPANEL_MIN_ROWS && N >= RB;
+  if (!panels && qa_fits(w, K)) return qgemm_a8(x, ldx, M, w, K, N, y, ldy, nt); /* decode-sized, int8 activations */
+  if (panels) {
     const wsrc_t ws = {w, qwiden_row};
     if (panel_linear(x, ldx, M, &ws, 0, K, N, y, ldy, nt)) return -1;
     qpanels_run++;
@@ -646,8 +919,8 @@ static int qgemm(const float* x, int64_t ldx, int64_t M, const qweight_t* w, int
  * weight it does not take (see qgemm). */
 int quant_linear_f32(const float* x, int64_t ldx, int64_t M, const uint8_t* q, int bits, const void* scales,
                      int scales16, const float* offsets, int zero, int64_t G, int64_t K, int64_t N, float* y,
-                     int64_t ldy, int nt) {
-  const qweight_t w = {q, scales, offsets, G, bits, zero, scales16};
+                     int64_t ldy, int act8, int nt) {
+  const qweight_t w = {q, scales, offsets, G, bits, zero, scales16, act8};
   return qgemm(x, ldx, M, &w, K, N, y, ldy, nt);
 }
 
@@ -695,8 +968,8 @@ static const float* qexpert_pass(const void* ctx, int64_t e, const int64_t* pe, 
 int quant_experts_f32(const float* x, int64_t T, int64_t D, const int64_t* ids, const float* wts, int64_t K,
                       const uint8_t* q13, int bits13, const void* s13, int s13_16, const float* o13, int z13,
                       int64_t G13, const uint8_t* q2, int bits2, const void* s2, int s2_16, const float* o2, int z2,
-                      int64_t G2, int64_t E, int64_t F, float* out, int nt) {
-  const qweight_t w13 = {q13, s13, o13, G13, bits13, z13, s13_16}, w2 = {q2, s2, o2, G2, bits2, z2, s2_16};
+                      int64_t G2, int64_t E, int64_t F, float* out, int act8, int nt) {
+  const qweight_t w13 = {q13, s13, o13, G13, bits13, z13, s13_16, act8}, w2 = {q2, s2, o2, G2, bits2, z2, s2_16, act8};
   if (!qweight_ok(&w13, D) || !qweight_ok(&w2, F)) return -2;
   const int64_t P = T * K;
   int64_t* start = scratch(0, (size_t)(2 * E + 1 + P) * sizeof(int64_t));

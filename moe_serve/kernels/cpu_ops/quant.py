@@ -17,15 +17,17 @@ Each weight is checked before a call: `weight_problem` names what the kernels do
 of the wrong dtype, shape or layout, an odd group size for int4), `*_fits` says whether a call
 runs here, and the wrappers raise ValueError naming the problem for anything else.
 
-Not here: moe_experts' batch-invariant `pairs` form; int8-rounded activations (u8 x s8 dot products:
-maddubs on AVX2, VNNI), which change the numerics (each activation group rounded to int8) and so
-would be a mode of their own. They would lift the AVX2 int4 GEMV well off its compute bound:
-measured on this project's Xeon, 1 thread, 1536 x 2048 int4 group 128 warm in cache, the float path
-here 140 us (164 before AVX2's whole-byte form), a maddubs prototype 67-75 us, AVX-VNNI 59 us. On AVX-512 the float path already reads at the memory's
-speed (below), so VNNI has nothing to win on a decode GEMV; on the panel path a VNNI int8 x int8
+Not here: moe_experts' batch-invariant `pairs` form. Opt-in (`act8` on a weight: the engine's
+--cpu-int8-activations), decode-sized calls round each activation row to int8 per weight group and
+take integer products (u8 codes x s8 activations: vpdpbusd on AVX-512 VNNI, plain C elsewhere), as
+llama.cpp's Q8_0 activations do; a mode of its own since it changes the numerics. Measured on this
+project's Xeon (AVX-512 VNNI, 2 threads, 16 layers of E64 D1024 F512 experts cold, float16 scales
+and a zero code, ms a layer, float / int8 activations): int4 G32 T=1 0.42 / 0.28, T=32 4.41 / 3.63;
+int8 G32 T=1 0.61 / 0.48, T=32 5.95 / 5.65. On the float path, int4's lookup (a widen, two vpermps)
+keeps port 5 busy: that is what the integer path relieves. On the panel path a VNNI int8 x int8
 micro-kernel (8 weight rows x 48 tokens of int32 accumulators, scaled per group) ran a 1536 x 2048
 weight against 48 rows warm in 1.27 ms, against 1.83 ms for the float32 panel and 2.15 ms for int8
-codes here: a W8A8 mode's gain, not built. The engine's cpu_c backends (kernels/linear.py,
+codes here: not built (prefill-sized calls stay float). The engine's cpu_c backends (kernels/linear.py,
 grouped_gemm/__init__.py) call these for packed layers, prefill included (experts: where
 `panels_fit`, else decode-sized batches only).
 
@@ -52,12 +54,12 @@ def _bind(raw: ctypes.CDLL) -> None:
         return
     f = raw.quant_linear_f32
     f.restype = _INT
-    f.argtypes = [_P, _I64, _I64, _P, _INT, _P, _INT, _P, _INT, _I64, _I64, _I64, _P, _I64, _INT]
+    f.argtypes = [_P, _I64, _I64, _P, _INT, _P, _INT, _P, _INT, _I64, _I64, _I64, _P, _I64, _INT, _INT]
     f = raw.quant_experts_f32
     f.restype = _INT
     f.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P, _INT, _P, _INT, _P, _INT, _I64, _P, _INT, _P, _INT, _P, _INT, _I64,
-                  _I64, _I64, _P, _INT]
-    for name in ("quant_panels_run", "quant_panel_min_rows", "quant_experts_by_thread_run"):
+                  _I64, _I64, _P, _INT, _INT]
+    for name in ("quant_panels_run", "quant_panel_min_rows", "quant_experts_by_thread_run", "quant_act8_run"):
         getattr(raw, name).restype = _I64
         getattr(raw, name).argtypes = []
     raw.__dict__["_quant_bound"] = True
@@ -124,6 +126,17 @@ def experts_by_thread_run() -> int:
     return _lib().quant_experts_by_thread_run()
 
 
+def act8(w: PackedWeight) -> bool:
+    """Whether decode-sized calls over w round their activations to int8 (`act8` set on the weight
+    by its layer: the engine's --cpu-int8-activations; quant.c's int8-activation tiles)."""
+    return bool(getattr(w, "act8", False))
+
+
+def act8_run() -> int:
+    """Calls quant.c ran with int8 activations in this process (the tests check which path ran)."""
+    return _lib().quant_act8_run()
+
+
 def panel_min_rows() -> int:
     """Activation rows (of a linear call, or of one expert) from which quant.c runs its panel GEMM on
     the ISA built (fewer: the dot-product tiles)."""
@@ -156,7 +169,8 @@ def quant_linear(x: torch.Tensor, w: PackedWeight, b: torch.Tensor | None = None
     if M:
         _rc(_lib().quant_linear_f32(x2.data_ptr(), x2.stride(0), M, w.qweight.data_ptr(), w.bits,
                                     w.scales.data_ptr(), int(w.scales.dtype == torch.float16),
-                                    w.offsets.data_ptr() if w.offsets is not None else None, w.zero, w.group_size, K, N, y.data_ptr(), N, torch.get_num_threads()), "quant_linear", M)
+                                    w.offsets.data_ptr() if w.offsets is not None else None, w.zero, w.group_size,
+                                    K, N, y.data_ptr(), N, int(act8(w)), torch.get_num_threads()), "quant_linear", M)
     if b is not None:
         y += b
     return y.view(*x.shape[:-1], N)
@@ -222,5 +236,5 @@ def quant_experts(x_TD: torch.Tensor, w13: PackedWeight, w2: PackedWeight, topk_
                                  w13.qweight.data_ptr(), w13.bits, w13.scales.data_ptr(), half(w13), ptr(w13.offsets),
                                  w13.zero, w13.group_size, w2.qweight.data_ptr(), w2.bits, w2.scales.data_ptr(),
                                  half(w2), ptr(w2.offsets), w2.zero, w2.group_size, E, F2 // 2, out.data_ptr(),
-                                 torch.get_num_threads()), "quant_experts", T * K)
+                                 int(act8(w13) or act8(w2)), torch.get_num_threads()), "quant_experts", T * K)
     return out

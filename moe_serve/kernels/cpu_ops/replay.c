@@ -14,7 +14,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define REPLAY_ARGS 24
+#define REPLAY_ARGS 25
 
 typedef union {
   const void* p;
@@ -42,8 +42,8 @@ static const char* const SIGS[] = {
     "ipplplppppppllllfifi",
     "iplppplppllllllfii",
     "vplpppppplllii",
-    "ipllpipipilllpli",
-    "ipllpplpipipilpipipilllpi"};
+    "ipllpipipilllplii",
+    "ipllpplpipipilpipipilllpii"};
 
 /* The index of signature `sig` here, or -1. */
 int64_t cpu_ops_replay_sig(const char* sig) {
@@ -87,10 +87,10 @@ static int replay_one(const replay_call* c) {
     case 12: /* vplpppppplllii */
       ((void (*)(const void*, int64_t, const void*, const void*, const void*, const void*, const void*, const void*, int64_t, int64_t, int64_t, int, int))c->fn)(a[0].p, a[1].l, a[2].p, a[3].p, a[4].p, a[5].p, a[6].p, a[7].p, a[8].l, a[9].l, a[10].l, (int)a[11].l, (int)a[12].l);
       return 0;
-    case 13: /* ipllpipipilllpli */
-      return ((int (*)(const void*, int64_t, int64_t, const void*, int, const void*, int, const void*, int, int64_t, int64_t, int64_t, const void*, int64_t, int))c->fn)(a[0].p, a[1].l, a[2].l, a[3].p, (int)a[4].l, a[5].p, (int)a[6].l, a[7].p, (int)a[8].l, a[9].l, a[10].l, a[11].l, a[12].p, a[13].l, (int)a[14].l);
-    case 14: /* ipllpplpipipilpipipilllpi */
-      return ((int (*)(const void*, int64_t, int64_t, const void*, const void*, int64_t, const void*, int, const void*, int, const void*, int, int64_t, const void*, int, const void*, int, const void*, int, int64_t, int64_t, int64_t, const void*, int))c->fn)(a[0].p, a[1].l, a[2].l, a[3].p, a[4].p, a[5].l, a[6].p, (int)a[7].l, a[8].p, (int)a[9].l, a[10].p, (int)a[11].l, a[12].l, a[13].p, (int)a[14].l, a[15].p, (int)a[16].l, a[17].p, (int)a[18].l, a[19].l, a[20].l, a[21].l, a[22].p, (int)a[23].l);
+    case 13: /* ipllpipipilllplii */
+      return ((int (*)(const void*, int64_t, int64_t, const void*, int, const void*, int, const void*, int, int64_t, int64_t, int64_t, const void*, int64_t, int, int))c->fn)(a[0].p, a[1].l, a[2].l, a[3].p, (int)a[4].l, a[5].p, (int)a[6].l, a[7].p, (int)a[8].l, a[9].l, a[10].l, a[11].l, a[12].p, a[13].l, (int)a[14].l, (int)a[15].l);
+    case 14: /* ipllpplpipipilpipipilllpii */
+      return ((int (*)(const void*, int64_t, int64_t, const void*, const void*, int64_t, const void*, int, const void*, int, const void*, int, int64_t, const void*, int, const void*, int, const void*, int, int64_t, int64_t, int64_t, const void*, int, int))c->fn)(a[0].p, a[1].l, a[2].l, a[3].p, a[4].p, a[5].l, a[6].p, (int)a[7].l, a[8].p, (int)a[9].l, a[10].p, (int)a[11].l, a[12].l, a[13].p, (int)a[14].l, a[15].p, (int)a[16].l, a[17].p, (int)a[18].l, a[19].l, a[20].l, a[21].l, a[22].p, (int)a[23].l, (int)a[24].l);
   }
   return -100; /* an unknown signature: never recorded (cpu_ops_replay_sig said no) */
 }
