@@ -225,17 +225,7 @@ class EngineArgs:
                        help='speculative decoding as JSON: {"method": "ngram", "num_speculative_tokens": K, '
                             '"prompt_lookup_min": a, "prompt_lookup_max": b} (drafts from the context\'s own '
                             'n-grams, verified in one forward; greedy output is unchanged)')
-        g.add_argument("--disaggregation-mode", default="none", choices=["none", "prefill", "decode"],
-                       help="prefill: compute prompts whose KV a decode instance asked for and write it there; "
-                            "decode: take requests, have a prefill instance compute their prompts "
-                            "(kv_transfer_params.prefill_url, set by `moe-serve router --prefill ... --decode ...`) "
-                            "and decode. Both sides must serve the same model, dtype and block size")
-        g.add_argument("--disaggregation-transfer-backend", default="nixl", choices=["nixl", "mooncake"],
-                       help="the transfer engine that moves KV between instances (nixl: NIXL over UCX; mooncake: "
-                            "Mooncake's transfer engine)")
-        g.add_argument("--disaggregation-timeout", type=float, default=60.0,
-                       help="seconds a prompt's KV may take to arrive from the prefill instance before this "
-                            "instance computes the prompt itself")
+        _add_kv_movement_args(g)
         g.add_argument("--cpu-int8-activations", action="store_true",
                        help="on a CPU, decode-sized calls of packed int4 / int8 layers (GGUF, GPTQ, AWQ, "
                             "compressed-tensors) round their activations to int8 per weight group and take integer "
@@ -246,18 +236,33 @@ class EngineArgs:
                             "order per output (slower; refused with backends that have no such form)")
         g.add_argument("--speed-of-light-window", type=float, default=5.0,
                        help="seconds of decode steps over which the speed-of-light fraction is taken and logged")
-        g.add_argument("--kv-offloading-size", type=float, default=None,
-                       help="GB of host memory that keeps KV blocks evicted from the prefix cache; a prompt whose "
-                            "prefix is found there has it copied back instead of recomputed (on a CPU the host "
-                            "tier is the same memory: use the disk tier)")
-        g.add_argument("--kv-offloading-disk", default=None,
-                       help="a directory for a disk tier below the host tier (needs --kv-offloading-disk-size); "
-                            "a full or failing disk only makes prompts recompute")
-        g.add_argument("--kv-offloading-disk-size", type=float, default=None,
-                       help="GB the disk tier may take under --kv-offloading-disk (least recently used out first)")
 
     @classmethod
     def from_cli(cls, ns: argparse.Namespace, model: str) -> "EngineArgs":
         kw = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)}
         kw["model"] = model
         return cls(**kw)
+
+
+def _add_kv_movement_args(g) -> None:
+    """The flags that move KV between instances (disaggregation) and below the device (KV tiers)."""
+    g.add_argument("--disaggregation-mode", default="none", choices=["none", "prefill", "decode"],
+                   help="prefill: compute prompts whose KV a decode instance asked for and write it there; "
+                        "decode: take requests, have a prefill instance compute their prompts "
+                        "(kv_transfer_params.prefill_url, set by `moe-serve router --prefill ... --decode ...`) "
+                        "and decode. Both sides must serve the same model, dtype and block size")
+    g.add_argument("--disaggregation-transfer-backend", default="nixl", choices=["nixl", "mooncake"],
+                   help="the transfer engine that moves KV between instances (nixl: NIXL over UCX; mooncake: "
+                        "Mooncake's transfer engine)")
+    g.add_argument("--disaggregation-timeout", type=float, default=60.0,
+                   help="seconds a prompt's KV may take to arrive from the prefill instance before this "
+                        "instance computes the prompt itself")
+    g.add_argument("--kv-offloading-size", type=float, default=None,
+                   help="GB of host memory that keeps KV blocks evicted from the prefix cache; a prompt whose "
+                        "prefix is found there has it copied back instead of recomputed (on a CPU the host "
+                        "tier is the same memory: use the disk tier)")
+    g.add_argument("--kv-offloading-disk", default=None,
+                   help="a directory for a disk tier below the host tier (needs --kv-offloading-disk-size); "
+                        "a full or failing disk only makes prompts recompute")
+    g.add_argument("--kv-offloading-disk-size", type=float, default=None,
+                   help="GB the disk tier may take under --kv-offloading-disk (least recently used out first)")

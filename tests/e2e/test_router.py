@@ -24,13 +24,15 @@ MODEL = "tiny-qwen"
 
 @pytest.fixture(scope="module")
 def long_qwen(checkpoints, tmp_path_factory) -> str:
-    """The tiny Qwen3-MoE with 8192 positions, so that a stream of max_model_len tokens outlasts any
-    client's disconnect on a busy machine (at 1024 it could run to its end first)."""
-    path = str(tmp_path_factory.mktemp("router") / "qwen3_moe_8k")
+    """The tiny Qwen3-MoE with 32768 positions, so that a stream of max_model_len tokens outlasts any
+    client's disconnect on a busy machine (at 1024 it could run to its end first; at 8192 a fresh
+    clone's suite once saw 4488 tokens run before the abort landed, the workers' HTTP side starved
+    of CPU by the generating core, where a quiet machine sees about 200)."""
+    path = str(tmp_path_factory.mktemp("router") / "qwen3_moe_32k")
     shutil.copytree(checkpoints["qwen3_moe"], path)
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)
-    cfg["max_position_embeddings"] = 8192
+    cfg["max_position_embeddings"] = 32768
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
     return path
@@ -39,7 +41,7 @@ def long_qwen(checkpoints, tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def workers(long_qwen):
     args = ["--model", long_qwen, "--dtype", "float32", "--api-key", KEY, "--served-model-name", MODEL,
-            "--kv-cache-memory", str(8 << 20)]
+            "--kv-cache-memory", str(32 << 20)]
     ws = [ServerProcess(args), ServerProcess(args)]
     yield ws
     for w in ws:
