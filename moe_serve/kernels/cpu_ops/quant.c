@@ -466,58 +466,38 @@ VF_INLINE void qtile(const float* const* ar, const float* const* xsr, const int 
 
 #define QSC_STACK 256 /* groups a row whose widened float16 scales a tile keeps on the stack (more: malloc) */
 
-/* Rows [n0, n1) of y = a @ W^T for M rows of a (K floats each, contiguous; split4's layout for int4).
- * Returns 0, or -1 without memory for a tile's widened float16 scales (rows of over QSC_STACK groups). */
-static int qgemm_block(const float* a, const float* xsum, int64_t M, const qweight_t* w, int64_t K, int64_t n0,
-                       int64_t n1, float* y, int64_t ldy) {
-  const int64_t ng = K / w->G, rowbytes = w->bits == 8 ? K : K / 2;
-  float stack_scales[w->scales16 && ng <= QSC_STACK ? QNB * ng : 1];
-  float* wide = w->scales16 && ng > QSC_STACK ? malloc((size_t)(QNB * ng) * sizeof(float)) : stack_scales;
-  if (!wide) return -1;
-  for (int64_t n = n0; n < n1; n += QNB) {
-    const int nb = n1 - n < QNB ? (int)(n1 - n) : QNB;
-    const float* spr[QNB];
-    for (int j = 0; j < QNB; j++) {
-      const int64_t r = n + (j < nb ? j : 0);
-      if (w->scales16) {
-        q_f16_row((const uint16_t*)w->scales + r * ng, wide + j * ng, ng);
-        spr[j] = wide + j * ng;
-      } else {
-        spr[j] = (const float*)w->scales + r * ng;
-      }
-    }
-    for (int64_t m0 = 0; m0 < M; m0 += QMB) {
-      const int mb = M - m0 < QMB ? (int)(M - m0) : QMB;
-      const float* ar[QMB];
-      const float* xs[QMB];
-      for (int i = 0; i < QMB; i++) {
-        const int64_t m = m0 + (i < mb ? i : 0);
-        ar[i] = a + m * K;
-        xs[i] = xsum + m * ng;
-      }
-      float* yt = y + m0 * ldy + n;
-      /* the rows QPF tiles on, into L2 while the first activation tile runs (a line a step: a step
-       * reads QNB rows' 16 bytes; short rows are too short for the hardware prefetcher) */
-      const uint8_t* pf = m0 == 0 && n + (QPF + 1) * QNB <= n1 ? w->q + (n + QPF * QNB) * rowbytes : 0;
-#define QTILE_(MBC)                                                                                     \
-  case MBC:                                                                                             \
-    if (w->bits == 8)                                                                                   \
-      qtile(ar, xs, MBC, 8, w, spr, n, nb, K, yt, ldy, pf);                                             \
-    else                                                                                                \
-      qtile(ar, xs, MBC, 4, w, spr, n, nb, K, yt, ldy, pf);                                             \
-    break;
-      switch (mb) {
-        QTILE_(1)
-        QTILE_(2)
-        QTILE_(3)
-        QTILE_(4)
-      }
-#undef QTILE_
+/* The scales of the QNB rows from row n (nb of them real) as float32, in spr: the weight's own
+ * float32 scales, or its float16 ones widened into wide (QNB * ng floats). */
+static void tile_scales(const qweight_t* w, int64_t n, int nb, int64_t ng, float* wide, const float** spr) {
+  for (int j = 0; j < QNB; j++) {
+    const int64_t r = n + (j < nb ? j : 0);
+    if (w->scales16) {
+      q_f16_row((const uint16_t*)w->scales + r * ng, wide + j * ng, ng);
+      spr[j] = wide + j * ng;
+    } else {
+      spr[j] = (const float*)w->scales + r * ng;
     }
   }
-  if (wide != stack_scales) free(wide);
-  return 0;
 }
+
+/* Row blocks [n0, n1) of N rows QNB at a time, by one thread or split over nt (a block function
+ * and its context); 0, or -1 when a block had no memory. */
+typedef int (*qblock_fn)(const void* ctx, int64_t n0, int64_t n1);
+static int run_blocks(qblock_fn f, const void* ctx, int64_t N, int nt) {
+  if (nt <= 1 || N < 2 * QNB * nt) return f(ctx, 0, N);
+  int failed = 0;
+#pragma omp parallel num_threads(nt)
+  {
+    int64_t n0, n1;
+    thread_rows_of(N, QNB, &n0, &n1);
+    if (n0 < n1 && f(ctx, n0, n1)) {
+#pragma omp atomic write
+      failed = 1;
+    }
+  }
+  return failed ? -1 : 0;
+}
+
 
 static int qweight_ok(const qweight_t* w, int64_t K) {
   return (w->bits == 8 || (w->bits == 4 && w->G % 2 == 0)) && w->G > 0 && K % w->G == 0 && w->q && w->scales &&
@@ -776,55 +756,73 @@ VF_INLINE void qtile_a8(const int8_t* const* xq, const float* const* dl, const i
     }
 }
 
-/* Rows [n0, n1) of y for M quantized activation rows (qa_quantize's, `lanes` lanes a row). */
-static int qgemm_block_a8(const int8_t* xq, const float* dl, const int32_t* zc, const float* xsum, int64_t M,
-                          const qweight_t* w, int64_t K, int64_t n0, int64_t n1, float* y, int64_t ldy) {
-  const int64_t ng = K / w->G, lanes = K / qa_per_lane(w->bits);
+/* A qgemm call's operands: float activation rows a (K floats each, contiguous; split4's layout for
+ * int4) for the float tiles, or quantized ones xq, dl, zc (qa_quantize's) for the int8-activation
+ * tiles; xsum the rows' float group sums. */
+typedef struct {
+  const float* a;
+  const float* xsum;
+  const int8_t* xq;
+  const float* dl;
+  const int32_t* zc;
+  int64_t M;
+  const qweight_t* w;
+  int64_t K;
+  float* y;
+  int64_t ldy;
+} qgemm_ctx;
+
+/* Rows [n0, n1) of y = x @ W^T for a qgemm_ctx (run_blocks' block function). Returns 0, or -1
+ * without memory for a tile's widened float16 scales (rows of over QSC_STACK groups). */
+static int qgemm_block(const void* ctx, int64_t n0, int64_t n1) {
+  const qgemm_ctx* c = (const qgemm_ctx*)ctx;
+  const qweight_t* w = c->w;
+  const int64_t K = c->K, M = c->M, ldy = c->ldy, ng = K / w->G, rowbytes = w->bits == 8 ? K : K / 2;
+  const int64_t lanes = K / qa_per_lane(w->bits);
   float stack_scales[w->scales16 && ng <= QSC_STACK ? QNB * ng : 1];
   float* wide = w->scales16 && ng > QSC_STACK ? malloc((size_t)(QNB * ng) * sizeof(float)) : stack_scales;
   if (!wide) return -1;
   for (int64_t n = n0; n < n1; n += QNB) {
     const int nb = n1 - n < QNB ? (int)(n1 - n) : QNB;
     const float* spr[QNB];
-    for (int j = 0; j < QNB; j++) {
-      const int64_t r = n + (j < nb ? j : 0);
-      if (w->scales16) {
-        q_f16_row((const uint16_t*)w->scales + r * ng, wide + j * ng, ng);
-        spr[j] = wide + j * ng;
-      } else {
-        spr[j] = (const float*)w->scales + r * ng;
-      }
-    }
+    tile_scales(w, n, nb, ng, wide, spr);
     for (int64_t m0 = 0; m0 < M; m0 += QMB) {
       const int mb = M - m0 < QMB ? (int)(M - m0) : QMB;
+      const float* ar[QMB];
+      const float* xs[QMB];
       const int8_t* xr[QMB];
       const float* dr[QMB];
       const int32_t* zr[QMB];
-      const float* xs[QMB];
       for (int i = 0; i < QMB; i++) {
         const int64_t m = m0 + (i < mb ? i : 0);
-        xr[i] = xq + m * K;
-        dr[i] = dl + m * lanes;
-        zr[i] = zc + m * lanes;
-        xs[i] = xsum + m * ng;
+        ar[i] = c->a ? c->a + m * K : 0;
+        xs[i] = c->xsum ? c->xsum + m * ng : 0;
+        xr[i] = c->xq ? c->xq + m * K : 0;
+        dr[i] = c->dl ? c->dl + m * lanes : 0;
+        zr[i] = c->zc ? c->zc + m * lanes : 0;
       }
-      float* yt = y + m0 * ldy + n;
-      const int64_t rowbytes = w->bits == 8 ? K : K / 2;
+      float* yt = c->y + m0 * ldy + n;
+      /* the rows QPF tiles on, into L2 while the first activation tile runs (short rows are too
+       * short for the hardware prefetcher) */
       const uint8_t* pf = m0 == 0 && n + (QPF + 1) * QNB <= n1 ? w->q + (n + QPF * QNB) * rowbytes : 0;
-#define QTILE_A8_(MBC)                                                                      \
-  case MBC:                                                                                 \
-    if (w->bits == 8)                                                                       \
-      qtile_a8(xr, dr, zr, xs, MBC, 8, w, spr, n, nb, K, yt, ldy, pf);                      \
-    else                                                                                    \
-      qtile_a8(xr, dr, zr, xs, MBC, 4, w, spr, n, nb, K, yt, ldy, pf);                      \
+#define QTILE_(MBC)                                                                                     \
+  case MBC:                                                                                             \
+    if (c->xq && w->bits == 8)                                                                          \
+      qtile_a8(xr, dr, zr, xs, MBC, 8, w, spr, n, nb, K, yt, ldy, pf);                                  \
+    else if (c->xq)                                                                                     \
+      qtile_a8(xr, dr, zr, xs, MBC, 4, w, spr, n, nb, K, yt, ldy, pf);                                  \
+    else if (w->bits == 8)                                                                              \
+      qtile(ar, xs, MBC, 8, w, spr, n, nb, K, yt, ldy, pf);                                             \
+    else                                                                                                \
+      qtile(ar, xs, MBC, 4, w, spr, n, nb, K, yt, ldy, pf);                                             \
     break;
       switch (mb) {
-        QTILE_A8_(1)
-        QTILE_A8_(2)
-        QTILE_A8_(3)
-        QTILE_A8_(4)
+        QTILE_(1)
+        QTILE_(2)
+        QTILE_(3)
+        QTILE_(4)
       }
-#undef QTILE_A8_
+#undef QTILE_
     }
   }
   if (wide != stack_scales) free(wide);
@@ -844,18 +842,8 @@ static int qgemm_a8(const float* x, int64_t ldx, int64_t M, const qweight_t* w, 
   for (int64_t m = 0; m < M; m++) qa_quantize(x + m * ldx, K, w, xq + m * K, dl + m * lanes, zc + m * lanes);
   if (xsum) group_sums(x, ldx, M, K, w->G, xsum);
   qa8_run++;
-  if (nt <= 1 || N < 2 * QNB * nt) return qgemm_block_a8(xq, dl, zc, xsum, M, w, K, 0, N, y, ldy);
-  int failed = 0;
-#pragma omp parallel num_threads(nt)
-  {
-    int64_t n0, n1;
-    thread_rows_of(N, QNB, &n0, &n1);
-    if (n0 < n1 && qgemm_block_a8(xq, dl, zc, xsum, M, w, K, n0, n1, y, ldy)) {
-#pragma omp atomic write
-      failed = 1;
-    }
-  }
-  return failed ? -1 : 0;
+  const qgemm_ctx ctx = {0, xsum, xq, dl, zc, M, w, K, y, ldy};
+  return run_blocks(qgemm_block, &ctx, N, nt);
 }
 
 /* Panel GEMMs run so far by this process: linear calls and expert panel groups (the tests check
@@ -900,18 +888,8 @@ static int qgemm(const float* x, int64_t ldx, int64_t M, const qweight_t* w, int
       for (int64_t m = 0; m < M; m++) memcpy(s + m * K, x + m * ldx, (size_t)K * sizeof(float));
     a = s;
   }
-  if (nt <= 1 || N < 2 * QNB * nt) return qgemm_block(a, xsum, M, w, K, 0, N, y, ldy);
-  int failed = 0;
-#pragma omp parallel num_threads(nt)
-  {
-    int64_t n0, n1;
-    thread_rows_of(N, QNB, &n0, &n1);
-    if (n0 < n1 && qgemm_block(a, xsum, M, w, K, n0, n1, y, ldy)) {
-#pragma omp atomic write
-      failed = 1;
-    }
-  }
-  return failed ? -1 : 0;
+  const qgemm_ctx ctx = {a, xsum, 0, 0, 0, M, w, K, y, ldy};
+  return run_blocks(qgemm_block, &ctx, N, nt);
 }
 
 /* y[M, N] = x[M, K] @ W^T, W packed (q, bits, scales (float32, or float16 where scales16), offsets or NULL, zero code, group size G): decode and
