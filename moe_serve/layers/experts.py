@@ -23,7 +23,7 @@ from torch import nn
 from expert_parallel.runtime.layer import GroupedExperts
 from moe_serve.kernels.grouped_gemm.mxfp4 import Mxfp4Weight
 from moe_serve.layers.linear import DenseMLP, Linear
-from moe_serve.quantization.packed import PackedWeight, compact_zero, half_scales
+from moe_serve.quantization.packed import PackedWeight, compact_zero, compacted_as, half_scales
 
 
 class Mxfp4Experts(GroupedExperts):
@@ -188,8 +188,9 @@ class PackedExperts(GroupedExperts):
             raise ValueError(f"expert {logical_id} {kind}: {w.bits}-bit group {w.group_size} {w.shape}, expected "
                              f"{b}-bit group {g} {want}: every expert projection must be quantized alike")
         pre = "w2" if kind == "down" else "w13"
-        if getattr(self, f"{pre}_offsets") is None or getattr(self, f"{pre}_scales").dtype == torch.float16:
-            w = self._as_compacted(w, pre, f"expert {logical_id} {kind}")
+        dropped, half = getattr(self, f"{pre}_offsets") is None, getattr(self, f"{pre}_scales").dtype == torch.float16
+        if dropped or half:  # compacted at load: so must w be
+            w = compacted_as(w, dropped, self.zeros[pre == "w2"], half, f"expert {logical_id} {kind}")
         parts = [("qweight", w.qweight), ("scales", w.scales)]
         if getattr(self, f"{pre}_offsets") is not None:
             offsets = w.offsets if w.offsets is not None else torch.zeros(w.scales.shape)
@@ -197,20 +198,6 @@ class PackedExperts(GroupedExperts):
         for s in self.slots_of.get(logical_id, ()):
             for part, t in parts:
                 getattr(self, f"{pre}_{part}").data[s, rows].copy_(t)
-
-
-    def _as_compacted(self, w: PackedWeight, pre: str, what: str) -> PackedWeight:
-        """A weight for a part compacted at load (offsets dropped for a zero code, or float16 scales):
-        in that form, or refused naming what it changes."""
-        c, z = w.compact(), self.zeros[pre == "w2"]
-        if getattr(self, f"{pre}_offsets") is None and (c.offsets is not None or c.zero != z):
-            raise ValueError(f"{what}: its offsets are not -{z} * scales, the zero code this layer was served with "
-                             f"(its offsets were dropped at load); a weight update cannot change a symmetric "
-                             f"format's zero point")
-        if getattr(self, f"{pre}_scales").dtype == torch.float16 and c.scales.dtype != torch.float16:
-            raise ValueError(f"{what}: its scales are not all exact in float16, as this layer's were at load (kept "
-                             f"float16); a weight update cannot change that")
-        return c
 
 
 def packed_experts(dense: GroupedExperts, bits: int | tuple[int, int], group_sizes: tuple[int, int]) -> PackedExperts:

@@ -7,7 +7,7 @@ from torch import nn
 
 from moe_serve.kernels.linear import TorchLinear
 from moe_serve.quantization.fp8 import FP8, dequantize_blocks, scale_shape
-from moe_serve.quantization.packed import PackedWeight, compact_zero, half_scales
+from moe_serve.quantization.packed import PackedWeight, compact_zero, compacted_as, half_scales
 
 
 class Linear(nn.Module):
@@ -130,15 +130,8 @@ class Linear(nn.Module):
             self.weight.data.copy_(w.dequantize(torch.float32).to(self.weight.dtype))
             return
         if self.qoffsets is None or self.qscales.dtype == torch.float16:  # compacted at load: so must w be
-            c = w.compact()
-            if self.qoffsets is None and (c.offsets is not None or c.zero != self.packed_zero):
-                raise ValueError(f"packed weight {w.shape}: its offsets are not -{self.packed_zero} * scales, the zero "
-                                 f"code this layer was served with (its offsets were dropped at load); a weight update "
-                                 f"cannot change a symmetric format's zero point")
-            if self.qscales.dtype == torch.float16 and c.scales.dtype != torch.float16:
-                raise ValueError(f"packed weight {w.shape}: its scales are not all exact in float16, as this layer's "
-                                 f"were at load (kept float16); a weight update cannot change that")
-            w = c
+            w = compacted_as(w, self.qoffsets is None, self.packed_zero, self.qscales.dtype == torch.float16,
+                             f"packed weight {w.shape}")
         self.qweight.data.copy_(w.qweight)
         self.qscales.data.copy_(w.scales)
         if self.qoffsets is None:

@@ -150,6 +150,21 @@ class PackedWeight:
                             self.zero if z is None else z)
 
 
+def compacted_as(w: PackedWeight, offsets_dropped: bool, zero: int, scales16: bool, what: str) -> PackedWeight:
+    """w in the form a layer compacted at load holds (`PackedWeight.compact`: offsets dropped for the
+    code `zero`, float16 scales), or a ValueError naming `what` and the form it does not fit (a later
+    load into that layer cannot change it)."""
+    c = w.compact()
+    if offsets_dropped and (c.offsets is not None or c.zero != zero):
+        raise ValueError(f"{what}: its offsets are not -{zero} * scales, the zero code this layer was served with "
+                         f"(its offsets were dropped at load); a weight update cannot change a symmetric format's "
+                         f"zero point")
+    if scales16 and c.scales.dtype != torch.float16:
+        raise ValueError(f"{what}: its scales are not all exact in float16, as this layer's were at load (kept "
+                         f"float16); a weight update cannot change that")
+    return c
+
+
 def half_scales(scales: torch.Tensor) -> torch.Tensor | None:
     """float32 scales as float16 where float16 holds each one exactly (an infinite or NaN scale is
     not equal to itself: None), else None (float16 ones: None, nothing to do)."""
