@@ -46,7 +46,7 @@ VF_INLINE vf16 load_wn(const void* w, int bf16, int64_t k, int64_t n) {
 #define TILE_STEP(LOADW, LOADX)                                                                        \
   {                                                                                                    \
     vf16 wv[NB];                                                                                       \
-    _Pragma("GCC unroll 4") for (int j = 0; j < NB; j++) wv[j] = LOADW;                                \
+    VF_UNROLL4 for (int j = 0; j < NB; j++) wv[j] = LOADW;                                \
     /* Weight rows PF_BLOCKS tiles ahead (contiguous after these) into L2 ahead of their tile: a step  \
      * reads NB * 16 weights, as many bytes as there are of those rows per step (bf16: 2 lines, fp32: \
      * 4). Into L2, not L1: an L1 prefetch holds one of the core's few line-fill buffers for a whole  \
@@ -62,9 +62,9 @@ VF_INLINE vf16 load_wn(const void* w, int bf16, int64_t k, int64_t n) {
         vf_prefetch_l2(at + 192);                                                                      \
       }                                                                                                \
     }                                                                                                  \
-    _Pragma("GCC unroll 4") for (int i = 0; i < MBC; i++) {                                            \
+    VF_UNROLL4 for (int i = 0; i < MBC; i++) {                                            \
       const vf16 xv = LOADX;                                                                           \
-      _Pragma("GCC unroll 4") for (int j = 0; j < NB; j++) acc[i][j] = vs_fma(xv, wv[j], acc[i][j]);   \
+      VF_UNROLL4 for (int j = 0; j < NB; j++) acc[i][j] = vs_fma(xv, wv[j], acc[i][j]);   \
     }                                                                                                  \
   }
 
@@ -82,7 +82,7 @@ VF_INLINE vf16 load_wn(const void* w, int bf16, int64_t k, int64_t n) {
     }                                                                                                  \
     if (MBC == 1 && !inv) { /* a lone row: weight row by weight row, odd halves into the spare acc[1] */\
       const vf16 xe = vf_load(a[0] + k), xo = vf_load(a[0] + k + 16);                                  \
-      _Pragma("GCC unroll 4") for (int j = 0; j < NB; j++) {                                           \
+      VF_UNROLL4 for (int j = 0; j < NB; j++) {                                           \
         vf16 we, wo;                                                                                   \
         vf_load_bf16_pairs((const uint16_t*)wp[j] + k, &we, &wo);                                      \
         acc[0][j] = vs_fma(xe, we, acc[0][j]);                                                         \
@@ -90,11 +90,11 @@ VF_INLINE vf16 load_wn(const void* w, int bf16, int64_t k, int64_t n) {
       }                                                                                                \
     } else {                                                                                           \
       vf16 we[NB], wo[NB];                                                                             \
-      _Pragma("GCC unroll 4") for (int j = 0; j < NB; j++)                                             \
+      VF_UNROLL4 for (int j = 0; j < NB; j++)                                             \
         vf_load_bf16_pairs((const uint16_t*)wp[j] + k, &we[j], &wo[j]);                                \
-      _Pragma("GCC unroll 4") for (int i = 0; i < MBC; i++) {                                          \
+      VF_UNROLL4 for (int i = 0; i < MBC; i++) {                                          \
         const vf16 xe = vf_load(a[i] + k), xo = vf_load(a[i] + k + 16);                                \
-        _Pragma("GCC unroll 4") for (int j = 0; j < NB; j++) {                                         \
+        VF_UNROLL4 for (int j = 0; j < NB; j++) {                                         \
           acc[i][j] = vs_fma(xe, we[j], acc[i][j]);                                                    \
           acc[i][j] = vs_fma(xo, wo[j], acc[i][j]);                                                    \
         }                                                                                              \
@@ -112,25 +112,25 @@ VF_INLINE void tile(const float* const* ar, const int MBC, const char* const* wr
    * accumulators (vector types may alias anything), which would then be stored back on every step. */
   const float* a[MB];
   const char* wp[NB];
-  _Pragma("GCC unroll 4") for (int i = 0; i < MB; i++) a[i] = ar[i];
-  _Pragma("GCC unroll 4") for (int j = 0; j < NB; j++) wp[j] = wr[j];
+  VF_UNROLL4 for (int i = 0; i < MB; i++) a[i] = ar[i];
+  VF_UNROLL4 for (int j = 0; j < NB; j++) wp[j] = wr[j];
   vsum acc[MB][NB];
-  _Pragma("GCC unroll 4") for (int i = 0; i < (MBC == 1 ? 2 : MBC); i++)
-    _Pragma("GCC unroll 4") for (int j = 0; j < NB; j++) acc[i][j] = vs_zero();
+  VF_UNROLL4 for (int i = 0; i < (MBC == 1 ? 2 : MBC); i++)
+    VF_UNROLL4 for (int j = 0; j < NB; j++) acc[i][j] = vs_zero();
   int64_t k = 0;
   if (split) {
     for (; k + 32 <= K; k += 32) TILE_STEP_PAIRS()
     if (MBC == 1 && !inv)
-      _Pragma("GCC unroll 4") for (int j = 0; j < NB; j++) acc[0][j] = vs_add(acc[0][j], acc[1][j]);
+      VF_UNROLL4 for (int j = 0; j < NB; j++) acc[0][j] = vs_add(acc[0][j], acc[1][j]);
   }
   for (; k + 16 <= K; k += 16) TILE_STEP(load_w(wp[j], bf16, k), vf_load(a[i] + k))
   if (k < K) TILE_STEP(load_wn(wp[j], bf16, k, K - k), vf_loadn(a[i] + k, K - k))
   /* (constant indices into acc only, so it lives in registers: a runtime index would keep it in
    * memory, stored on every step since the float loads above might alias it) */
-  _Pragma("GCC unroll 4") for (int i = 0; i < MBC; i++) {
+  VF_UNROLL4 for (int i = 0; i < MBC; i++) {
     float sums[NB];
     vs_hsum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3], sums);
-    _Pragma("GCC unroll 4") for (int j = 0; j < nb; j++) y[i * ldy + j] = sums[j];
+    VF_UNROLL4 for (int j = 0; j < nb; j++) y[i * ldy + j] = sums[j];
   }
 }
 #undef TILE_STEP
