@@ -308,10 +308,11 @@ def run_ours(args, path: str, singles, batch) -> dict:
     t0 = time.perf_counter()
     llm = LLM(model=path, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, max_num_seqs=len(batch),
               max_num_batched_tokens=max(2048, sum(len(p) for p in batch)), show_progress=False,
-              cpu_int8_activations=args.cpu_int8_activations and path.endswith(".gguf"))
+              cpu_int8_activations=args.cpu_int8_activations if path.endswith(".gguf") else None)
     cfg = llm.engine.cfg
     res = {"startup_s": time.perf_counter() - t0, "moe_backend": cfg.moe_backend,
-           "linear_backend": getattr(cfg, "linear_backend", None), "attention_backend": cfg.attention_backend}
+           "linear_backend": getattr(cfg, "linear_backend", None), "attention_backend": cfg.attention_backend,
+           "int8_activations": any(getattr(m, "cpu_int8_act", False) for m in llm.engine.runner.model.modules())}
     b = llm.engine.meter.bytes
     runner = llm.engine.runner
     kv_per_token = runner.kv_cache_bytes // (runner.num_blocks * runner.cfg.cache.block_size)
@@ -388,9 +389,10 @@ def markdown(out: dict) -> str:
              f"{out['load_average']['end'][0]:.1f} at the end.", "",
              f"Prompts of {out['prompt_len']} tokens, {out['output_len']} output tokens, decode only (prefill "
              f"excluded), greedy. % SoL: bytes a step must read (each engine's own weights) / read bandwidth / "
-             f"step time." + (" Ours with --cpu-int8-activations (activations rounded to int8 per weight group "
-                              "in decode-sized calls, as llama.cpp's are)." if out.get("cpu_int8_activations")
-                              else ""), "",
+             f"step time. Ours with int8 activations: " + (", ".join(
+                 f"{r['format']} {'yes' if r.get('ours', {}).get('int8_activations') else 'no'}"
+                 for r in out["rows"]) or "-") + " (--cpu-int8-activations: "
+             f"{ {None: 'default, on for GGUF', True: 'on', False: 'off'}[out.get('cpu_int8_activations')]})", "",
              "| format | B | ours tok/s | llama.cpp tok/s | ours / llama.cpp | ours % SoL | llama.cpp % SoL |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for row in out["rows"]:
@@ -431,8 +433,9 @@ def main() -> int:
                    help="let llama.cpp use its AMX buffer type (faults on this VM: see refuse_amx)")
     p.add_argument("--peer-timeout", type=float, default=900.0)
     p.add_argument("--skip-peer", action="store_true")
-    p.add_argument("--cpu-int8-activations", action="store_true",
-                   help="ours with --cpu-int8-activations (the packed formats: llama.cpp's activation rounding)")
+    p.add_argument("--cpu-int8-activations", action=argparse.BooleanOptionalAction, default=None,
+                   help="ours with --cpu-int8-activations / --no-cpu-int8-activations on the GGUF formats (default: "
+                        "the engine's, on for GGUF files)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--note", default="")
     p.add_argument("--out", default=None)

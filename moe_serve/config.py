@@ -206,9 +206,10 @@ class EngineConfig:
     # A request's tokens and logprobs bitwise the same whatever shares its steps (platform.INVARIANT)
     batch_invariant: bool = False
     kv_offload: object | None = None  # kv_offload.KVOffloadConfig: KV tiers below the device (None: off)
-    # Decode-sized calls of packed int4 / int8 layers in our C kernels round their activations to
-    # int8 per weight group and take integer products (cpu_ops/quant.c; llama.cpp's numerics)
-    cpu_int8_activations: bool = False
+    # Packed int4 / int8 layers in our C kernels round their activations to int8 per weight group and
+    # take integer products (cpu_ops/quant.c): True every packed layer, None (the default) those of a
+    # GGUF file, as llama.cpp computes (prepare.int8_activations_on), False none
+    cpu_int8_activations: bool | None = None
 
     @property
     def activation_dtype(self) -> torch.dtype:

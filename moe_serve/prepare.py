@@ -50,7 +50,6 @@ def prepare_gemm_weights(model: nn.Module, model_dtype: torch.dtype, device: tor
     from moe_serve.platform import fp8_activation_quant, int8_activation_quant
 
     target = gemm_weight_dtype(model_dtype, device, c_kernels)
-    float_acts = 0  # layers whose checkpoint quantizes their inputs to int8, run on float inputs here
     for m in model.modules():  # block-FP8 layers: which kernel runs them is the platform's decision
         if isinstance(m, Linear) and m.weight_scale_inv is not None:
             m.fp8_act_quant = fp8_activation_quant(device) and m.fp8_block[1] % 16 == 0  # W8A8's k tiles
@@ -62,11 +61,6 @@ def prepare_gemm_weights(model: nn.Module, model_dtype: torch.dtype, device: tor
                                   and m.packed_group == m.in_features)
         elif isinstance(m, PackedExperts) and m.int8_activations:
             m.act_quant = int8_activation_quant(device) and m.widths == (8, 8) and m.group_sizes == (m.D, m.F)
-        float_acts += bool(getattr(m, "int8_activations", False)
-                           and not (getattr(m, "packed_act_quant", False) or getattr(m, "act_quant", False)))
-    if float_acts:
-        log.info("W8A8 checkpoint: %d layers' inputs stay float (their checkpoint quantizes them to int8 per token; "
-                 "only the Triton packed kernels on CUDA do, for 8-bit weights per channel)", float_acts)
     params_dtype = params_dtype or model_dtype
     if target == params_dtype:
         return 0
@@ -219,23 +213,47 @@ def compact_packed_weights(model: nn.Module, device: torch.device) -> int:
     return freed
 
 
-def int8_activations_on(model: nn.Module) -> int:
-    """--cpu-int8-activations: every packed int4 / int8 layer's decode-sized calls in our C kernels
-    round their activations to int8 (cpu_ops/quant.c's int8-activation tiles, where its weights'
-    group fits them; the panel path of prefill-sized calls stays float). Returns the layers; a model
-    without one is refused."""
+def int8_activations_on(model: nn.Module, mode: bool | None, gguf: bool) -> int:
+    """--cpu-int8-activations: whether the packed int4 / int8 layers' calls in our C kernels round their
+    activations to int8 (cpu_ops/quant.c's int8-activation tiles, where its weights' group fits them).
+    mode True: every packed layer (a model without one is refused); None (the default): those of a GGUF
+    file, whose own runtime computes so (llama.cpp takes each product over activations rounded to 8-bit
+    blocks), where this CPU's build has vector tiles for it (AVX-512, AVX2); False: none. Only called
+    where our C kernels run them (a CPU, cpu_c experts and linear layers, not --batch-invariant).
+    Returns the layers."""
+    from moe_serve.kernels.cpu_ops import quant
     from moe_serve.layers.experts import PackedExperts
     from moe_serve.layers.linear import Linear
 
-    n = 0
-    for m in model.modules():
-        if (isinstance(m, Linear) and m.qweight is not None) or (isinstance(m, PackedExperts) and not m.float8):
-            m.cpu_int8_act = True
-            n += 1
-    if not n:
+    layers = [m for m in model.modules() if ((isinstance(m, Linear) and m.qweight is not None)
+                                             or (isinstance(m, PackedExperts) and not m.float8))
+              and (mode or (mode is None and gguf))]
+    if mode and not layers:
         raise ValueError("--cpu-int8-activations: this model has no packed int4 / int8 layers (GGUF, GPTQ, AWQ or "
                          "compressed-tensors integer weights) whose activations it would round")
-    log.info("--cpu-int8-activations: %d packed layers round their decode activations to int8", n)
+    if layers and mode is None and not quant.act8_vector():
+        log.info("packed layers keep float activations: this CPU build's int8-activation tiles are plain C "
+                 "(--cpu-int8-activations takes them anyway)")
+        return 0
+    for m in layers:
+        m.cpu_int8_act = True
+    if layers:
+        why = "--cpu-int8-activations" if mode else "a GGUF file: llama.cpp's numerics"
+        log.info("%d packed layers round their activations to int8 per weight group in our C kernels (%s; "
+                 "--no-cpu-int8-activations keeps them float)", len(layers), why)
+    return len(layers)
+
+
+def log_float_w8a8(model: nn.Module) -> int:
+    """Log the layers whose checkpoint quantizes their inputs to int8 per token (W8A8) that run on float
+    inputs here (neither the Triton packed kernels' int8 form nor our C kernels' int8 tiles)."""
+    n = sum(bool(getattr(m, "int8_activations", False)) and not (
+        getattr(m, "packed_act_quant", False) or getattr(m, "act_quant", False) or getattr(m, "cpu_int8_act", False))
+        for m in model.modules())
+    if n:
+        log.info("W8A8 checkpoint: %d layers' inputs stay float (their checkpoint quantizes them to int8 per token; "
+                 "the Triton packed kernels on CUDA do for 8-bit weights per channel, our C kernels on a CPU with "
+                 "--cpu-int8-activations, per token where the weights are per channel)", n)
     return n
 
 

@@ -57,7 +57,8 @@ class EngineArgs:
     kv_offloading_size: float | None = None  # GB of host memory for evicted KV blocks (moe_serve/kv_offload)
     kv_offloading_disk: str | None = None  # a directory for evicted KV blocks below the host tier
     kv_offloading_disk_size: float | None = None  # GB the disk tier may take
-    cpu_int8_activations: bool = False  # packed layers' decode calls in our C kernels over int8 activations
+    # packed layers' calls in our C kernels over int8 activations: None (default) for GGUF files, as llama.cpp
+    cpu_int8_activations: bool | None = None
 
     def create_engine_config(self, rank: int = 0, world_size: int = 1) -> EngineConfig:
         mc = ModelConfig.from_path(self.model, self.dtype, self.max_model_len, self.load_format, self.seed,
@@ -226,10 +227,12 @@ class EngineArgs:
                             '"prompt_lookup_min": a, "prompt_lookup_max": b} (drafts from the context\'s own '
                             'n-grams, verified in one forward; greedy output is unchanged)')
         _add_kv_movement_args(g)
-        g.add_argument("--cpu-int8-activations", action="store_true",
-                       help="on a CPU, decode-sized calls of packed int4 / int8 layers (GGUF, GPTQ, AWQ, "
-                            "compressed-tensors) round their activations to int8 per weight group and take integer "
-                            "products (VNNI where the CPU has it), as llama.cpp does: faster, not the float numerics")
+        g.add_argument("--cpu-int8-activations", action=argparse.BooleanOptionalAction, default=None,
+                       help="on a CPU, packed int4 / int8 layers (GGUF, GPTQ, AWQ, compressed-tensors) in our C "
+                            "kernels round their activations to int8 per weight group and take integer products (VNNI "
+                            "where the CPU has it): faster, not the float numerics. Default: on for GGUF files (llama.cpp's "
+                            "own numerics) where the kernels have vector code for it (AVX-512, AVX2), off for the "
+                            "other formats; --no-cpu-int8-activations: float everywhere")
         g.add_argument("--batch-invariant", action="store_true",
                        help="a request's tokens and logprobs bitwise the same whatever shares its steps (batch "
                             "size, prefill chunking, preemption, other requests): kernels with one fixed reduction "

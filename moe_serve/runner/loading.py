@@ -14,8 +14,8 @@ from expert_parallel.runtime.layer import MoEContext
 from moe_serve import kernel_warmup, platform
 from moe_serve.config import EngineConfig
 from moe_serve.models.registry import model_class
-from moe_serve.prepare import (compact_packed_weights, fuse_projections, int8_activations_on, gemm_weight_dtype, narrow_before_load,
-                               place_weights_on_huge_pages, prepare_gemm_weights)
+from moe_serve.prepare import (compact_packed_weights, fuse_projections, gemm_weight_dtype, int8_activations_on,
+                               log_float_w8a8, narrow_before_load, place_weights_on_huge_pages, prepare_gemm_weights)
 from moe_serve.quantization import fp8, gguf_file
 from moe_serve.weights import init_dummy_weights, load_weights
 
@@ -88,8 +88,9 @@ def prepare_weights(model: nn.Module, cfg: EngineConfig, started: float) -> int:
     prepare_gemm_weights(model, mc.dtype, cfg.device, c_kernels=serves_bf16_in_c(cfg),
                          params_dtype=cfg.activation_dtype)
     compact_packed_weights(model, cfg.device)
-    if cfg.cpu_int8_activations:
-        int8_activations_on(model)
+    if serves_bf16_in_c(cfg) and not cfg.batch_invariant:
+        int8_activations_on(model, cfg.cpu_int8_activations, mc.weight_quantization == "gguf")
+    log_float_w8a8(model)
     place_weights_on_huge_pages(model, cfg.device)
     fuse_projections(model, cfg.device)
     weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())

@@ -3,6 +3,8 @@ and `threads` (torch's, and so the kernels', thread count within a block)."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 
 import pytest
 import torch
@@ -16,6 +18,30 @@ def isa(request, monkeypatch):
     default within the test (cpu_ops's functions and the cpu_c backends all call `_lib()`)."""
     lib = cpu_ops.load_variant(request.param)
     assert lib.cpu_ops_isa().decode() == request.param
+    monkeypatch.setattr(cpu_ops, "_lib", lambda: lib)
+    return request.param
+
+
+def _avx512_without_vnni() -> bool:
+    return "avx512" in cpu_ops.runnable_isas() and "avx512_vnni" in cpu_ops._cpu_flags().split()
+
+
+@functools.lru_cache(maxsize=None)
+def _variant(name: str) -> ctypes.CDLL:
+    if name != "avx512-no-vnni":
+        return cpu_ops.load_variant(name)
+    # the AVX-512 build of a CPU without VNNI (Skylake-X): quant.c's int8-activation tiles sum byte
+    # products in 16 bits there (vpmaddubsw), a path of its own
+    flags = (*cpu_ops.target_flags("avx512"), "-mno-avx512vnni")
+    return cpu_ops._bind(ctypes.CDLL(str(cpu_ops._build(cpu_ops._compiler(), flags))))
+
+
+@pytest.fixture(params=cpu_ops.runnable_isas() + (["avx512-no-vnni"] if _avx512_without_vnni() else []))
+def isa_vnni(request, monkeypatch):
+    """As `isa`, and on a CPU with AVX-512 VNNI also its AVX-512 build without VNNI (int8 products
+    summed another way): for the int8-activation tests."""
+    lib = _variant(request.param)
+    assert lib.cpu_ops_isa().decode() == request.param.split("-")[0]
     monkeypatch.setattr(cpu_ops, "_lib", lambda: lib)
     return request.param
 

@@ -15,7 +15,7 @@ import torch
 from moe_serve.kernels import cpu_ops
 from moe_serve.kernels.cpu_ops import quant
 from moe_serve.quantization.packed import PackedWeight, pack_nibbles
-from tests.kernels.cpu_isa import isa  # noqa: F401  (a fixture: each test once per ISA build)
+from tests.kernels.cpu_isa import isa, isa_vnni  # noqa: F401  (fixtures: each test once per ISA build)
 from tests.kernels.cpu_isa import by_thread_cases
 from tests.kernels.cpu_isa import threads as _threads
 
@@ -278,12 +278,14 @@ ACT8_CASES = [(4, 32, "half"), (8, 32, "half"), (4, 64, "zero"), (4, 128, True),
 
 
 @pytest.mark.parametrize("bits,G,offsets", ACT8_CASES)
-def test_int8_activations_match_their_arithmetic(bits, G, offsets, isa):
-    """--cpu-int8-activations' decode path (VNNI on a build that has it, plain C elsewhere): each
+def test_int8_activations_match_their_arithmetic(bits, G, offsets, isa_vnni):
+    """--cpu-int8-activations' decode path (vpdpbusd with AVX-512 VNNI, vpmaddubsw on AVX-512 without
+    it and AVX2, plain C elsewhere): each
     activation row rounded to int8 per weight group and integer products, against that arithmetic in
     float64 (the rounding reproduced exactly), 1, 3, 5 and one row fewer than the panel GEMM's rows
     (the tiles' 1..4 rows and their remainders), one and two threads; the float path's answer is not it (the rounding shows), and
     prefill-sized calls stay float."""
+    assert quant.act8_vector() == isa_vnni.startswith(("avx512", "avx2"))  # vector tiles there, plain C elsewhere
     K, N = 256, 21
     g = torch.Generator().manual_seed(bits * 100 + G)
     w = _with_act8(_packed((N, K), bits, G, offsets, g))
@@ -306,7 +308,7 @@ def test_int8_activations_match_their_arithmetic(bits, G, offsets, isa):
     assert torch.allclose(y.double(), big.double() @ w.dequantize().double().T, rtol=1e-4, atol=1e-4)
 
 
-def test_int8_activations_fall_back_where_a_step_splits_groups(isa):
+def test_int8_activations_fall_back_where_a_step_splits_groups(isa_vnni):
     """Weights whose groups do not fit the 16 lanes of a step (G = 48 int4: 6 lanes a group) or whose
     K is not a whole number of steps take the float path (the counter does not move)."""
     g = torch.Generator().manual_seed(3)
@@ -320,7 +322,7 @@ def test_int8_activations_fall_back_where_a_step_splits_groups(isa):
 
 
 @pytest.mark.parametrize("bits13,bits2,G", [(4, 4, 32), (8, 8, 32), (4, 8, 64)])
-def test_int8_activation_experts_match_their_arithmetic(bits13, bits2, G, isa):
+def test_int8_activation_experts_match_their_arithmetic(bits13, bits2, G, isa_vnni):
     """Experts with int8 activations (gate/up over the tokens' rows, down over SiLU(gate) * up rounded
     again): against float64 of the same arithmetic, decode-sized routings on both expert paths (row
     blocks, and whole experts a thread)."""

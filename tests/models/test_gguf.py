@@ -16,6 +16,7 @@ transformers' Mixtral over gguf-py's dequantization of the file's tensors.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 
@@ -264,9 +265,10 @@ def oracle(gguf_file: str, source_model):
 
 
 def light_parity(path: str, model, seed: int, n: int = 5):
-    """Greedy tokens on three prompts."""
+    """Greedy tokens on three prompts, computed in float (transformers' arithmetic: the int8
+    activations GGUF files get by default are test_cpu_int8_activations_*'s)."""
     prompts = make_prompts(seed)[3:6]
-    llm = LLM(path, dtype="float32", kv_cache_memory=1 << 22, show_progress=False)
+    llm = LLM(path, dtype="float32", kv_cache_memory=1 << 22, show_progress=False, cpu_int8_activations=False)
     from moe_serve import SamplingParams
 
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=n))
@@ -298,7 +300,7 @@ def test_q4_k_m_greedy_matches_transformers(source, tmp_path, monkeypatch):
     plain = dict(model.named_parameters())  # the oracle holds the quantized weights, not the source's
     assert not torch.equal(dict(hf.named_parameters())["model.layers.0.self_attn.q_proj.weight"],
                            plain["model.layers.0.self_attn.q_proj.weight"])
-    check_greedy_parity(str(tmp_path), hf, 70)
+    check_greedy_parity(str(tmp_path), hf, 70, cpu_int8_activations=False)
     assert calls["quant_linear"] > 0 and calls["quant_experts"] > 0, calls
 
 
@@ -511,11 +513,13 @@ def _int8_activation_hooks(model, experts: int):
     return patched()
 
 
-def test_cpu_int8_activations_serve_the_rounded_arithmetic(source, tmp_path):
-    """--cpu-int8-activations on a Q4_0 file: the decode-sized packed calls take the int8-activation
-    path (quant.c's counter moves), and the greedy tokens are those of transformers computing with its
-    linear inputs rounded the same way (a token may differ only where transformers' top two are
-    within the rounding's reach); refused where it cannot be honoured, naming the flag."""
+def test_cpu_int8_activations_serve_the_rounded_arithmetic(source, tmp_path, caplog):
+    """A Q4_0 file served with the defaults rounds its packed layers' activations to int8, as llama.cpp
+    does (where this build's int8 tiles are vector code: AVX-512 or AVX2), --cpu-int8-activations
+    forces it elsewhere: the packed calls take the int8-activation path (quant.c's counter moves),
+    and the greedy tokens are those of transformers computing with its linear inputs rounded the
+    same way (a token may differ only where transformers' top two are within the rounding's reach);
+    --no-cpu-int8-activations keeps them float; refused where it cannot be honoured, naming the flag."""
     from moe_serve import SamplingParams
     from moe_serve.engine.args import EngineArgs
     from moe_serve.kernels.cpu_ops import quant
@@ -523,7 +527,16 @@ def test_cpu_int8_activations_serve_the_rounded_arithmetic(source, tmp_path):
     src, model = source
     f = write_gguf(model, src, str(tmp_path / "q40.gguf"), mix(T.Q4_0, T.Q4_0, embed=T.Q8_0))
     ref = oracle(f, model)
-    llm = LLM(f, dtype="float32", kv_cache_memory=1 << 22, show_progress=False, cpu_int8_activations=True)
+    with caplog.at_level(logging.INFO, logger="moe_serve"):
+        llm = LLM(f, dtype="float32", kv_cache_memory=1 << 22, show_progress=False,
+                  cpu_int8_activations=None if quant.act8_vector() else True)
+    if quant.act8_vector():
+        assert "round their activations to int8 per weight group in our C kernels (a GGUF file" in caplog.text
+    plain = LLM(f, dtype="float32", kv_cache_memory=1 << 22, show_progress=False, cpu_int8_activations=False)
+    ran = quant.act8_run()
+    plain.generate([{"prompt_token_ids": make_prompts(31)[0]}], SamplingParams(temperature=0, max_tokens=3))
+    assert quant.act8_run() == ran
+    del plain
     prompts = make_prompts(31)[3:6]
     ran = quant.act8_run()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=6))

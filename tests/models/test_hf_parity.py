@@ -63,14 +63,15 @@ def test_greedy_matches_transformers(checkpoints, arch):
     check_greedy_parity(path, hf_model(path), ARCHS.index(arch))
 
 
-def check_greedy_parity(path: str, model, seed: int) -> None:
+def check_greedy_parity(path: str, model, seed: int, **llm_kw) -> None:
     """Greedy tokens of our engine equal transformers' under chunked prefill mixed with decode,
-    preemption by recompute and prefix-cache hits; everything freed at the end."""
+    preemption by recompute and prefix-cache hits; everything freed at the end. llm_kw: more of
+    LLM's arguments."""
     prompts = make_prompts(seed)
     expected = [hf_greedy(model, p, MAX_NEW) for p in prompts]
     # 40 blocks of 4 tokens: fewer than the 12 requests need at once, so requests are preempted.
     llm = LLM(path, dtype="float32", block_size=4, num_kv_blocks=40, max_num_batched_tokens=24,
-              max_num_seqs=16, show_progress=False)
+              max_num_seqs=16, show_progress=False, **llm_kw)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=MAX_NEW))
     core = llm.engine
     assert core.scheduler.num_preemptions > 0, "the test meant to exhaust the KV cache did not"

@@ -308,8 +308,8 @@ VF_INLINE void qtile(const float* const* ar, const float* const* xsr, const int 
   const float* sp[QNB];
   const float* op[QNB]; /* offsets' rows (NULL: none) */
   const int64_t G = w->G, ng = K / G, rowbytes = BITS == 8 ? K : K / 2;
-  _Pragma("GCC unroll 4") for (int i = 0; i < QMB; i++) a[i] = ar[i];
-  _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) {
+  VF_UNROLL4 for (int i = 0; i < QMB; i++) a[i] = ar[i];
+  VF_UNROLL4 for (int j = 0; j < QNB; j++) {
     const int64_t r = n + (j < nb ? j : 0);
     qp[j] = w->q + r * rowbytes;
     sp[j] = spr[j];
@@ -317,53 +317,53 @@ VF_INLINE void qtile(const float* const* ar, const float* const* xsr, const int 
     (void)op[j];
   }
   vsum acc[QMB][QNB];
-  _Pragma("GCC unroll 4") for (int i = 0; i < MBC; i++)
-    _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) acc[i][j] = vs_zero();
+  VF_UNROLL4 for (int i = 0; i < MBC; i++)
+    VF_UNROLL4 for (int j = 0; j < QNB; j++) acc[i][j] = vs_zero();
   for (int64_t g = 0; g < ng; g++) {
     const int64_t k0 = g * G, k1 = k0 + G;
     int64_t k = k0;
     if (BITS == 8 && MBC == 1) { /* a lone row: the group's sums of q x, then scaled once */
       vsum p[QNB];
-      _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) p[j] = vs_zero();
+      VF_UNROLL4 for (int j = 0; j < QNB; j++) p[j] = vs_zero();
       for (; k + 16 <= k1; k += 16) {
         if (pf) vf_prefetch_l2(pf + (k >> 4) * 64);
         const vf16 xv = vf_load(a[0] + k);
-        _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) p[j] = vs_fma(xv, q8_load(qp[j] + k), p[j]);
+        VF_UNROLL4 for (int j = 0; j < QNB; j++) p[j] = vs_fma(xv, q8_load(qp[j] + k), p[j]);
       }
       if (k < k1) {
         const vf16 xv = vf_loadn(a[0] + k, k1 - k);
-        _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) p[j] = vs_fma(xv, q8_loadn(qp[j] + k, k1 - k), p[j]);
+        VF_UNROLL4 for (int j = 0; j < QNB; j++) p[j] = vs_fma(xv, q8_loadn(qp[j] + k, k1 - k), p[j]);
       }
-      _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) acc[0][j] = qs_fma1(sp[j][g], p[j], acc[0][j]);
+      VF_UNROLL4 for (int j = 0; j < QNB; j++) acc[0][j] = qs_fma1(sp[j][g], p[j], acc[0][j]);
     } else if (BITS == 8) {
       vf16 vs[QNB], vo[QNB];
-      _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) {
+      VF_UNROLL4 for (int j = 0; j < QNB; j++) {
         vs[j] = vf_set1(sp[j][g]);
         vo[j] = vf_set1(qoff(w, sp[j], op[j], g));
       }
       for (; k + 16 <= k1; k += 16) {
         if (pf) vf_prefetch_l2(pf + (k >> 4) * 64);
-        _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) {
+        VF_UNROLL4 for (int j = 0; j < QNB; j++) {
           const vf16 wv = vf_fma(q8_load(qp[j] + k), vs[j], vo[j]);
-          _Pragma("GCC unroll 4") for (int i = 0; i < MBC; i++) acc[i][j] = vs_fma(vf_load(a[i] + k), wv, acc[i][j]);
+          VF_UNROLL4 for (int i = 0; i < MBC; i++) acc[i][j] = vs_fma(vf_load(a[i] + k), wv, acc[i][j]);
         }
       }
       if (k < k1)
-        _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) {
+        VF_UNROLL4 for (int j = 0; j < QNB; j++) {
           const vf16 wv = vf_fma(q8_loadn(qp[j] + k, k1 - k), vs[j], vo[j]);
-          _Pragma("GCC unroll 4") for (int i = 0; i < MBC; i++)
+          VF_UNROLL4 for (int i = 0; i < MBC; i++)
             acc[i][j] = vs_fma(vf_loadn(a[i] + k, k1 - k), wv, acc[i][j]);
         }
     } else if (Q4_LUT) {
 #if Q4_LUT
       vf16 lut[QNB];
-      _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) lut[j] = q4_lut(sp[j][g], qoff(w, sp[j], op[j], g));
+      VF_UNROLL4 for (int j = 0; j < QNB; j++) lut[j] = q4_lut(sp[j][g], qoff(w, sp[j], op[j], g));
       for (; k + 32 <= k1; k += 32) {
         if (pf) vf_prefetch_l2(pf + (k >> 5) * 64);
-        _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) {
+        VF_UNROLL4 for (int j = 0; j < QNB; j++) {
           vf16 we, wo;
           q4_lookup_(_mm_loadu_si128((const __m128i*)(qp[j] + k / 2)), lut[j], &we, &wo);
-          _Pragma("GCC unroll 4") for (int i = 0; i < MBC; i++) {
+          VF_UNROLL4 for (int i = 0; i < MBC; i++) {
             acc[i][j] = vs_fma(vf_load(a[i] + k), we, acc[i][j]);
             acc[i][j] = vs_fma(vf_load(a[i] + k + 16), wo, acc[i][j]);
           }
@@ -372,10 +372,10 @@ VF_INLINE void qtile(const float* const* ar, const float* const* xsr, const int 
       if (k < k1) {
         const int64_t h = (k1 - k) / 2;
         const __mmask16 mh = vf_mask_(h);
-        _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) {
+        VF_UNROLL4 for (int j = 0; j < QNB; j++) {
           vf16 we, wo;
           q4_lookup_(_mm_maskz_loadu_epi8(mh, qp[j] + k / 2), lut[j], &we, &wo);
-          _Pragma("GCC unroll 4") for (int i = 0; i < MBC; i++) {
+          VF_UNROLL4 for (int i = 0; i < MBC; i++) {
             acc[i][j] = vs_fma(vf_loadn(a[i] + k, h), we, acc[i][j]);
             acc[i][j] = vs_fma(vf_loadn(a[i] + k + h, h), wo, acc[i][j]);
           }
@@ -384,11 +384,11 @@ VF_INLINE void qtile(const float* const* ar, const float* const* xsr, const int 
 #endif
     } else if (MBC == 1) { /* a lone row: the group's sums of q x, then scaled once */
       vsum p[QNB];
-      _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) p[j] = vs_zero();
+      VF_UNROLL4 for (int j = 0; j < QNB; j++) p[j] = vs_zero();
       for (; k + 32 <= k1; k += 32) {
         if (pf) vf_prefetch_l2(pf + (k >> 5) * 64);
         const vf16 xe = vf_load(a[0] + k), xo = vf_load(a[0] + k + 16);
-        _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) {
+        VF_UNROLL4 for (int j = 0; j < QNB; j++) {
           vf16 we, wo;
           q4_dot_load(qp[j] + k / 2, &we, &wo);
           p[j] = vs_fma(xo, wo, vs_fma(xe, we, p[j]));
@@ -397,18 +397,18 @@ VF_INLINE void qtile(const float* const* ar, const float* const* xsr, const int 
       if (k < k1) {
         const int64_t h = (k1 - k) / 2;
         const vf16 xe = vf_loadn(a[0] + k, h), xo = vf_loadn(a[0] + k + h, h);
-        _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) {
+        VF_UNROLL4 for (int j = 0; j < QNB; j++) {
           vf16 we, wo;
           q4_dot_loadn(qp[j] + k / 2, h, &we, &wo);
           p[j] = vs_fma(xo, wo, vs_fma(xe, we, p[j]));
         }
       }
-      _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) acc[0][j] = qs_fma1(sp[j][g], p[j], acc[0][j]);
+      VF_UNROLL4 for (int j = 0; j < QNB; j++) acc[0][j] = qs_fma1(sp[j][g], p[j], acc[0][j]);
     } else {
       /* the weights of a group: s * lo + o (even), s * hi + o (odd); in the AVX2 byte form (see
        * q4_dot_load) s * b + 17 o against x_even and s * (b & 0xF0) + 16 o against x_odd / 16 - x_even */
       vf16 vs[QNB], voe[QNB], voo[QNB];
-      _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) {
+      VF_UNROLL4 for (int j = 0; j < QNB; j++) {
         const float o = qoff(w, sp[j], op[j], g);
         vs[j] = vf_set1(sp[j][g]);
         voe[j] = vf_set1(Q4_BYTE_FORM ? 17.f * o : o);
@@ -416,12 +416,12 @@ VF_INLINE void qtile(const float* const* ar, const float* const* xsr, const int 
       }
       for (; k + 32 <= k1; k += 32) {
         if (pf) vf_prefetch_l2(pf + (k >> 5) * 64);
-        _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) {
+        VF_UNROLL4 for (int j = 0; j < QNB; j++) {
           vf16 we, wo;
           q4_dot_load(qp[j] + k / 2, &we, &wo);
           we = vf_fma(we, vs[j], voe[j]);
           wo = vf_fma(wo, vs[j], voo[j]);
-          _Pragma("GCC unroll 4") for (int i = 0; i < MBC; i++) {
+          VF_UNROLL4 for (int i = 0; i < MBC; i++) {
             acc[i][j] = vs_fma(vf_load(a[i] + k), we, acc[i][j]);
             acc[i][j] = vs_fma(vf_load(a[i] + k + 16), wo, acc[i][j]);
           }
@@ -429,12 +429,12 @@ VF_INLINE void qtile(const float* const* ar, const float* const* xsr, const int 
       }
       if (k < k1) {
         const int64_t h = (k1 - k) / 2;
-        _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) {
+        VF_UNROLL4 for (int j = 0; j < QNB; j++) {
           vf16 we, wo;
           q4_dot_loadn(qp[j] + k / 2, h, &we, &wo);
           we = vf_fma(we, vs[j], voe[j]);
           wo = vf_fma(wo, vs[j], voo[j]);
-          _Pragma("GCC unroll 4") for (int i = 0; i < MBC; i++) {
+          VF_UNROLL4 for (int i = 0; i < MBC; i++) {
             acc[i][j] = vs_fma(vf_loadn(a[i] + k, h), we, acc[i][j]);
             acc[i][j] = vs_fma(vf_loadn(a[i] + k + h, h), wo, acc[i][j]);
           }
@@ -442,7 +442,7 @@ VF_INLINE void qtile(const float* const* ar, const float* const* xsr, const int 
       }
     }
   }
-  _Pragma("GCC unroll 4") for (int i = 0; i < MBC; i++) {
+  VF_UNROLL4 for (int i = 0; i < MBC; i++) {
     float sums[QNB];
     vs_hsum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3], sums);
     for (int j = 0; j < nb; j++) {
@@ -602,70 +602,131 @@ int64_t quant_act8_run(void) { return qa8_run; }
 #else
 #define QA_VNNI 0
 #endif
+#if defined(VF_AVX512)
+#define QA_VEC 512
+#elif defined(VF_AVX2)
+#define QA_VEC 256
+#else
+#define QA_VEC 0
+#endif
+/* Without vpdpbusd, a byte pair's products are summed in 16 bits (vpmaddubsw), which 8-bit codes
+ * (up to 255 x 127, twice) would overflow: there an int8 weight's codes are taken signed, q - 128
+ * (their magnitude against the activation carrying their sign, as llama.cpp's AVX2 dot products do),
+ * and the zero code's term becomes (128 - zero) times the lane's activation sum. */
+#define QA_SIGNED8 (!QA_VNNI)
 
-/* Row m of x (K floats) rounded to int8 per group of G, laid out for the steps (int4: each step's
- * 64 even codes' activations, then its 64 odd ones'); dl: each lane's d; zc: each lane's start,
- * -zero * the sum of its activations. */
-static void qa_quantize(const float* x, int64_t K, const qweight_t* w, int8_t* xq, float* dl, int32_t* zc) {
-  const int64_t G = w->G, per = qa_per_lane(w->bits), C = qa_step_codes(w->bits);
+/* Whether this build's int8-activation tiles are vector code (AVX-512, with or without VNNI, and
+ * AVX2): the engine rounds activations by default only where they are (plain C is correct, slow). */
+int quant_act8_vector(void) { return QA_VEC != 0; }
+
+static int32_t qa_zero_term(const qweight_t* w) { return w->bits == 8 && QA_SIGNED8 ? 128 - w->zero : -w->zero; }
+
+#if QA_VEC == 512
+/* s + each lane's 4 products of unsigned u and signed v bytes (no byte pair's sum over 32767 where
+ * VNNI is missing: the callers' operands keep to that). */
+VF_INLINE __m512i qa_dp512(__m512i s, __m512i u, __m512i v) {
 #if QA_VNNI
-  if (G % 16 == 0) { /* the same arithmetic in vectors: max, one division, round to nearest even */
-    for (int64_t g0 = 0; g0 < K; g0 += G) {
-      __m512 m = _mm512_setzero_ps();
-      for (int64_t k = g0; k < g0 + G; k += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
-      const float d = _mm512_reduce_max_ps(m) / 127.f;
-      const __m512 vd = _mm512_set1_ps(d > 0.f ? d : 1.f), lim = _mm512_set1_ps(127.f);
-      for (int64_t k = g0; k < g0 + G; k += 16) {
-        __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + k), vd), _MM_FROUND_TO_NEAREST_INT |
-                                                                                  _MM_FROUND_NO_EXC);
-        v = _mm512_max_ps(_mm512_min_ps(v, lim), _mm512_sub_ps(_mm512_setzero_ps(), lim));
-        if (!(d > 0.f)) v = _mm512_setzero_ps();
-        _mm_storeu_si128((__m128i*)(xq + k), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));
-      }
-      for (int64_t l = g0 / per; l < (g0 + G) / per; l++) dl[l] = d;
+  return _mm512_dpbusd_epi32(s, u, v);
+#else
+  return _mm512_add_epi32(s, _mm512_madd_epi16(_mm512_maddubs_epi16(u, v), _mm512_set1_epi16(1)));
+#endif
+}
+#endif
+
+/* G activations rounded to int8 in order (d = max|x| / 127, round to nearest even): returns d. */
+static float qa_round_group(const float* x, int64_t G, int8_t* q) {
+  int64_t k = 0;
+#if QA_VEC == 512
+  if (G % 16 == 0) {
+    __m512 m = _mm512_setzero_ps();
+    for (; k < G; k += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
+    const float d = _mm512_reduce_max_ps(m) / 127.f;
+    const __m512 vd = _mm512_set1_ps(d > 0.f ? d : 1.f), lim = _mm512_set1_ps(127.f);
+    for (k = 0; k < G; k += 16) {
+      __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + k), vd),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      v = d > 0.f ? _mm512_max_ps(_mm512_min_ps(v, lim), _mm512_sub_ps(_mm512_setzero_ps(), lim)) : _mm512_setzero_ps();
+      _mm_storeu_si128((__m128i*)(q + k), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));
     }
-    const __m512i ones = _mm512_set1_epi8(1), mz = _mm512_set1_epi32(-w->zero);
-    for (int64_t c = 0; c < K; c += C) {
-      __m512i sum;
-      if (w->bits == 4) { /* the step's 128 codes in order -> its 64 even ones, then its 64 odd ones */
-        const __m512i a = _mm512_loadu_si512((const void*)(xq + c)), b = _mm512_loadu_si512((const void*)(xq + c + 64));
-        const __m512i lo8 = _mm512_set1_epi16(0xFF), fix = _mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7);
-        const __m512i ev = _mm512_permutexvar_epi64(fix, _mm512_packus_epi16(_mm512_and_si512(a, lo8),
-                                                                               _mm512_and_si512(b, lo8)));
-        const __m512i od = _mm512_permutexvar_epi64(fix, _mm512_packus_epi16(_mm512_srli_epi16(a, 8),
-                                                                               _mm512_srli_epi16(b, 8)));
-        _mm512_storeu_si512((void*)(xq + c), ev);
-        _mm512_storeu_si512((void*)(xq + c + 64), od);
-        sum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, ev), ones, od);
-      } else {
-        sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_loadu_si512((const void*)(xq + c)));
-      }
-      _mm512_storeu_si512((void*)(zc + c / per), _mm512_mullo_epi32(sum, mz));
+    return d;
+  }
+#elif QA_VEC == 256
+  if (G % 8 == 0) {
+    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 m = _mm256_setzero_ps();
+    for (; k < G; k += 8) m = _mm256_max_ps(m, _mm256_and_ps(absm, _mm256_loadu_ps(x + k)));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float d = _mm_cvtss_f32(h) / 127.f;
+    const __m256 vd = _mm256_set1_ps(d > 0.f ? d : 1.f), lim = _mm256_set1_ps(127.f);
+    for (k = 0; k < G; k += 8) {
+      __m256 v = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + k), vd), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      v = d > 0.f ? _mm256_max_ps(_mm256_min_ps(v, lim), _mm256_sub_ps(_mm256_setzero_ps(), lim)) : _mm256_setzero_ps();
+      const __m256i i32 = _mm256_cvtps_epi32(v);
+      const __m128i i16 = _mm_packs_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1));
+      _mm_storel_epi64((__m128i*)(q + k), _mm_packs_epi16(i16, i16));
     }
-    return;
+    return d;
   }
 #endif
+  float amax = 0.f;
+  for (k = 0; k < G; k++) amax = fmaxf(amax, fabsf(x[k]));
+  const float d = amax / 127.f;
+  for (k = 0; k < G; k++) {
+    float v = d > 0.f ? nearbyintf(x[k] / d) : 0.f;
+    q[k] = (int8_t)(v > 127.f ? 127.f : v < -127.f ? -127.f : v);
+  }
+  return d;
+}
+
+/* Row m of x (K floats) rounded to int8 per group of G, laid out for the steps (int4: each step's
+ * 64 even codes' activations, then its 64 odd ones'); dl: each lane's d; zc: each lane's start, the
+ * zero code's term (qa_zero_term) times the sum of its activations. */
+static void qa_quantize(const float* x, int64_t K, const qweight_t* w, int8_t* xq, float* dl, int32_t* zc) {
+  const int64_t G = w->G, per = qa_per_lane(w->bits), C = qa_step_codes(w->bits);
+  const int32_t zt = qa_zero_term(w);
   for (int64_t g0 = 0; g0 < K; g0 += G) {
-    float amax = 0.f;
-    for (int64_t k = g0; k < g0 + G; k++) amax = fmaxf(amax, fabsf(x[k]));
-    const float d = amax / 127.f;
-    for (int64_t k = g0; k < g0 + G; k++) {
-      float v = d > 0.f ? nearbyintf(x[k] / d) : 0.f;
-      v = v > 127.f ? 127.f : v < -127.f ? -127.f : v;
-      const int64_t c = k / C * C, kk = k - c;
-      xq[w->bits == 4 ? c + (kk & 1) * 64 + kk / 2 : k] = (int8_t)v;
-    }
+    const float d = qa_round_group(x + g0, G, xq + g0);
     for (int64_t l = g0 / per; l < (g0 + G) / per; l++) dl[l] = d;
   }
-  for (int64_t l = 0; l < K / per; l++) {
-    const int64_t c = l * per / C * C, kk = l * per - c; /* the lane's first code in its step */
-    int32_t sum = 0;
-    for (int64_t t = 0; t < per; t++) {
-      const int64_t k = kk + t;
-      sum += xq[w->bits == 4 ? c + (k & 1) * 64 + k / 2 : c + k];
+#if QA_VEC == 512
+  const __m512i ones = _mm512_set1_epi8(1), mz = _mm512_set1_epi32(zt);
+  for (int64_t c = 0; c < K; c += C) {
+    __m512i sum;
+    if (w->bits == 4) { /* the step's 128 codes in order -> its 64 even ones, then its 64 odd ones */
+      const __m512i a = _mm512_loadu_si512((const void*)(xq + c)), b = _mm512_loadu_si512((const void*)(xq + c + 64));
+      const __m512i lo8 = _mm512_set1_epi16(0xFF), fix = _mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7);
+      const __m512i ev = _mm512_permutexvar_epi64(fix, _mm512_packus_epi16(_mm512_and_si512(a, lo8),
+                                                                             _mm512_and_si512(b, lo8)));
+      const __m512i od = _mm512_permutexvar_epi64(fix, _mm512_packus_epi16(_mm512_srli_epi16(a, 8),
+                                                                             _mm512_srli_epi16(b, 8)));
+      _mm512_storeu_si512((void*)(xq + c), ev);
+      _mm512_storeu_si512((void*)(xq + c + 64), od);
+      sum = qa_dp512(qa_dp512(_mm512_setzero_si512(), ones, ev), ones, od);
+    } else {
+      sum = qa_dp512(_mm512_setzero_si512(), ones, _mm512_loadu_si512((const void*)(xq + c)));
     }
-    zc[l] = -w->zero * sum;
+    _mm512_storeu_si512((void*)(zc + c / per), _mm512_mullo_epi32(sum, mz));
   }
+#else
+  if (w->bits == 4)
+    for (int64_t c = 0; c < K; c += C) {
+      int8_t t[128];
+      for (int64_t k = 0; k < 64; k++) {
+        t[k] = xq[c + 2 * k];
+        t[64 + k] = xq[c + 2 * k + 1];
+      }
+      memcpy(xq + c, t, sizeof t);
+    }
+  for (int64_t l = 0; l < K / per; l++) {
+    /* a lane's codes: int4, its step's 4 bytes' low nibbles' activations and their high ones' */
+    const int64_t c = l * per / C * C, b0 = (l * per - c) / (w->bits == 4 ? 2 : 1);
+    int32_t sum = 0;
+    for (int64_t t = 0; t < 4; t++) sum += xq[c + b0 + t] + (w->bits == 4 ? xq[c + 64 + b0 + t] : 0);
+    zc[l] = zt * sum;
+  }
+#endif
 }
 
 /* The scales of a row's 16 lanes at step c (sp: the row's scales, float32). */
@@ -673,7 +734,7 @@ static inline void qa_lane_scales(const float* sp, int64_t c, int64_t C, int64_t
   for (int l = 0; l < QA_LANES; l++) out[l] = sp[(c * C + l * per) / G];
 }
 
-#if QA_VNNI
+#if QA_VEC == 512
 VF_INLINE __m512 qa_lane_scales_v(const float* sp, int64_t c, int64_t C, int64_t G, int64_t per) {
   const int64_t lpg = G / per;
   if (lpg >= QA_LANES) return _mm512_set1_ps(sp[c * C / G]);
@@ -681,6 +742,16 @@ VF_INLINE __m512 qa_lane_scales_v(const float* sp, int64_t c, int64_t C, int64_t
   const __m512i idx = lpg == 1 ? lane : _mm512_srli_epi32(lane, lpg == 2 ? 1 : lpg == 4 ? 2 : lpg == 8 ? 3 : 4);
   const __mmask16 m = (__mmask16)((1u << (QA_LANES / lpg)) - 1u);
   return _mm512_permutexvar_ps(idx, _mm512_maskz_loadu_ps(m, sp + c * C / G));
+}
+#elif QA_VEC == 256
+/* The scales of lanes 8h..8h+7 at step c. */
+VF_INLINE __m256 qa_lane_scales8(const float* sp, int64_t c, int64_t C, int64_t G, int64_t per, int h) {
+  const int64_t lpg = G / per, first = (c * C + 8 * h * per) / G;
+  if (lpg >= 8) return _mm256_set1_ps(sp[first]);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i idx = lpg == 1 ? lane : _mm256_srli_epi32(lane, lpg == 2 ? 1 : 2);
+  const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(8 / lpg)), lane);
+  return _mm256_permutevar8x32_ps(_mm256_maskload_ps(sp + first, m), idx);
 }
 #endif
 
@@ -693,32 +764,71 @@ VF_INLINE void qtile_a8(const int8_t* const* xq, const float* const* dl, const i
   const int64_t G = w->G, ng = K / G, per = qa_per_lane(BITS), C = qa_step_codes(BITS);
   const int64_t rowbytes = BITS == 8 ? K : K / 2, steps = K / C;
   const uint8_t* qp[QNB];
-  _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) qp[j] = w->q + (n + (j < nb ? j : 0)) * rowbytes;
+  VF_UNROLL4 for (int j = 0; j < QNB; j++) qp[j] = w->q + (n + (j < nb ? j : 0)) * rowbytes;
   float sums[QMB][QNB];
-#if QA_VNNI
+#if QA_VEC == 512
   __m512 acc[QMB][QNB];
-  _Pragma("GCC unroll 4") for (int i = 0; i < MBC; i++)
-    _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) acc[i][j] = _mm512_setzero_ps();
-  const __m512i lo4 = _mm512_set1_epi8(0x0F);
+  VF_UNROLL4 for (int i = 0; i < MBC; i++)
+    VF_UNROLL4 for (int j = 0; j < QNB; j++) acc[i][j] = _mm512_setzero_ps();
+  const __m512i lo4 = _mm512_set1_epi8(0x0F), x80 = _mm512_set1_epi8((char)0x80);
   for (int64_t c = 0; c < steps; c++) {
     if (pf) /* the tile QPF on: its QNB rows are QNB * steps lines, QNB of them a step */
-      _Pragma("GCC unroll 4") for (int u = 0; u < QNB; u++) vf_prefetch_l2(pf + (c * QNB + u) * QA_STEP_BYTES);
-    _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) {
+      VF_UNROLL4 for (int u = 0; u < QNB; u++) vf_prefetch_l2(pf + (c * QNB + u) * QA_STEP_BYTES);
+    VF_UNROLL4 for (int j = 0; j < QNB; j++) {
       const __m512i b = _mm512_loadu_si512((const void*)(qp[j] + c * QA_STEP_BYTES));
       const __m512 sv = qa_lane_scales_v(spr[j], c, C, G, per);
-      const __m512i lo = BITS == 4 ? _mm512_and_si512(b, lo4) : b;
+      /* int4: the low and high nibbles; int8 without VNNI: the codes less 128, as magnitudes (lo)
+       * and signs (neg, moved onto the activations) */
+      const __m512i s8 = _mm512_xor_si512(b, x80);
+      const __m512i lo = BITS == 4 ? _mm512_and_si512(b, lo4) : QA_SIGNED8 ? _mm512_abs_epi8(s8) : b;
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), lo4);
-      _Pragma("GCC unroll 4") for (int i = 0; i < MBC; i++) {
+      const __mmask64 neg = _mm512_movepi8_mask(s8);
+      VF_UNROLL4 for (int i = 0; i < MBC; i++) {
         __m512i s = _mm512_loadu_si512((const void*)(zc[i] + c * QA_LANES));
-        s = _mm512_dpbusd_epi32(s, lo, _mm512_loadu_si512((const void*)(xq[i] + c * C)));
-        if (BITS == 4) s = _mm512_dpbusd_epi32(s, hi, _mm512_loadu_si512((const void*)(xq[i] + c * C + 64)));
+        __m512i xa = _mm512_loadu_si512((const void*)(xq[i] + c * C));
+        if (BITS == 8 && QA_SIGNED8) xa = _mm512_mask_sub_epi8(xa, neg, _mm512_setzero_si512(), xa);
+        s = qa_dp512(s, lo, xa);
+        if (BITS == 4) s = qa_dp512(s, hi, _mm512_loadu_si512((const void*)(xq[i] + c * C + 64)));
         acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(sv, _mm512_loadu_ps(dl[i] + c * QA_LANES)),
                                     acc[i][j]);
       }
     }
   }
-  _Pragma("GCC unroll 4") for (int i = 0; i < MBC; i++)
-    _Pragma("GCC unroll 4") for (int j = 0; j < QNB; j++) sums[i][j] = _mm512_reduce_add_ps(acc[i][j]);
+  VF_UNROLL4 for (int i = 0; i < MBC; i++)
+    VF_UNROLL4 for (int j = 0; j < QNB; j++) sums[i][j] = _mm512_reduce_add_ps(acc[i][j]);
+#elif QA_VEC == 256
+  /* a weight row at a time (the accumulators of a whole tile would not fit 16 registers), each step
+   * as two halves of 8 lanes; the rows' other bytes are in L1 from the first row's pass */
+  const __m256i lo4 = _mm256_set1_epi8(0x0F), x80 = _mm256_set1_epi8((char)0x80), one16 = _mm256_set1_epi16(1);
+  for (int j = 0; j < nb; j++) {
+    __m256 acc[QMB];
+    VF_UNROLL4 for (int i = 0; i < MBC; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < steps; c++) {
+      if (pf && j == 0)
+        VF_UNROLL4 for (int u = 0; u < QNB; u++) vf_prefetch_l2(pf + (c * QNB + u) * QA_STEP_BYTES);
+      _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
+        const __m256i b = _mm256_loadu_si256((const __m256i*)(qp[j] + c * QA_STEP_BYTES + 32 * h));
+        const __m256 sv = qa_lane_scales8(spr[j], c, C, G, per, h);
+        const __m256i s8 = _mm256_xor_si256(b, x80);
+        const __m256i lo = BITS == 4 ? _mm256_and_si256(b, lo4) : _mm256_abs_epi8(s8);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), lo4);
+        VF_UNROLL4 for (int i = 0; i < MBC; i++) {
+          const __m256i xa = _mm256_loadu_si256((const __m256i*)(xq[i] + c * C + 32 * h));
+          __m256i p; /* byte pairs' sums in 16 bits: int4 at most 2 x 2 x 15 x 127, int8 2 x 128 x 127 */
+          if (BITS == 4)
+            p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xa),
+                                 _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(xq[i] + c * C + 64 + 32 * h))));
+          else
+            p = _mm256_maddubs_epi16(lo, _mm256_sign_epi8(xa, s8));
+          const __m256i s = _mm256_add_epi32(_mm256_loadu_si256((const __m256i*)(zc[i] + c * QA_LANES + 8 * h)),
+                                             _mm256_madd_epi16(p, one16));
+          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(sv, _mm256_loadu_ps(dl[i] + c * QA_LANES + 8 * h)),
+                                   acc[i]);
+        }
+      }
+    }
+    VF_UNROLL4 for (int i = 0; i < MBC; i++) sums[i][j] = vf_hsum8_(acc[i]);
+  }
 #else
   (void)pf;
   for (int i = 0; i < MBC; i++)
@@ -735,7 +845,7 @@ VF_INLINE void qtile_a8(const int8_t* const* xq, const float* const* dl, const i
             if (BITS == 4)
               s += (byte & 15) * xq[i][c * C + 4 * l + u] + (byte >> 4) * xq[i][c * C + 64 + 4 * l + u];
             else
-              s += byte * xq[i][c * C + 4 * l + u];
+              s += (byte - (QA_SIGNED8 ? 128 : 0)) * xq[i][c * C + 4 * l + u];
           }
           t += (float)s * (sl[l] * dl[i][c * QA_LANES + l]);
         }

@@ -62,6 +62,8 @@ def _bind(raw: ctypes.CDLL) -> None:
     for name in ("quant_panels_run", "quant_panel_min_rows", "quant_experts_by_thread_run", "quant_act8_run"):
         getattr(raw, name).restype = _I64
         getattr(raw, name).argtypes = []
+    raw.quant_act8_vector.restype = _INT
+    raw.quant_act8_vector.argtypes = []
     raw.__dict__["_quant_bound"] = True
 
 
@@ -130,6 +132,12 @@ def act8(w: PackedWeight) -> bool:
     """Whether decode-sized calls over w round their activations to int8 (`act8` set on the weight
     by its layer: the engine's --cpu-int8-activations; quant.c's int8-activation tiles)."""
     return bool(getattr(w, "act8", False))
+
+
+def act8_vector() -> bool:
+    """Whether this build's int8-activation tiles are vector code (AVX-512, AVX2), not plain C: the
+    engine rounds activations by default only where they are."""
+    return bool(_lib().quant_act8_vector())
 
 
 def act8_run() -> int:
