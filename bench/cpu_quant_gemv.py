@@ -16,9 +16,11 @@ Prefill (`--prefill-tokens`, default 128 and 512 rows; 0 for none): the same sha
 activation rows, the weight warm in cache (compute-bound): the packed formats through quant.c (the
 panel GEMM: weight blocks widened from the codes once per panel group) beside the float kernel
 (moe.c's panel GEMM over float32 and over bf16 weights), torch's GEMM over float32 weights (what a
-float model's prefill runs above cpu_ops.LINEAR_PANEL_MAX_ROWS rows), and the torch path packed layers
-took before (the weight dequantized per call, then torch's GEMM), fastest of --rounds calls each, in
-milliseconds, checked against float64.
+float model's prefill runs above cpu_ops.LINEAR_PANEL_MAX_ROWS rows), quant.c with int8 activations
+(GGUF files' default: the int8 panel with AVX-512 VNNI, the float panel elsewhere; its error against
+float64 over float activations is the rounding's), and the torch path packed layers took before (the
+weight dequantized per call, then torch's GEMM), fastest of --rounds calls each, in milliseconds,
+checked against float64.
 
 `--isa avx2` (or generic, avx512) runs vec.h's build for that ISA (MOE_SERVE_CPU_ISA) on a machine
 that executes it: the AVX2 figures of an AVX-512 machine (our kernels only: torch's rows still run
@@ -134,6 +136,10 @@ def bench_prefill(w: torch.Tensor, M: int, group: int, rounds: int, g: torch.Gen
             x.data_ptr(), K, M, pw.qweight.data_ptr(), bits, pw.scales.data_ptr(), int(pw.scales.dtype == torch.float16),
             pw.offsets.data_ptr() if pw.offsets is not None else None, pw.zero, pw.group_size, K, N, y.data_ptr(), N,
             0, nt), pw)
+        ways[f"int{bits} quant.c int8 activations"] = (lambda pw=pw, bits=bits: lib.quant_linear_f32(
+            x.data_ptr(), K, M, pw.qweight.data_ptr(), bits, pw.scales.data_ptr(), int(pw.scales.dtype == torch.float16),
+            pw.offsets.data_ptr() if pw.offsets is not None else None, pw.zero, pw.group_size, K, N, y.data_ptr(), N,
+            1, nt), pw)
         ways[f"int{bits} torch dequantize"] = (lambda pw=pw: y.copy_(torch.nn.functional.linear(x, pw.dequantize())),
                                                pw)
     rows = []

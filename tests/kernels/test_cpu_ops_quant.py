@@ -289,7 +289,8 @@ def test_int8_activations_match_their_arithmetic(bits, G, offsets, isa_vnni):
     K, N = 256, 21
     g = torch.Generator().manual_seed(bits * 100 + G)
     w = _with_act8(_packed((N, K), bits, G, offsets, g))
-    for M, threads in ((1, 1), (3, 2), (5, 1), (quant.panel_min_rows() - 1, 2)):
+    tiles = min(quant.panel_min_rows(), quant.act8_panel_min_rows() or quant.panel_min_rows())  # their rows' bound
+    for M, threads in ((1, 1), (3, 2), (5, 1), (tiles - 1, 2)):
         x = torch.randn(M, K, generator=g)
         ran = quant.act8_run()
         with _threads(threads):
@@ -302,10 +303,48 @@ def test_int8_activations_match_their_arithmetic(bits, G, offsets, isa_vnni):
         plain = quant.quant_linear(x, PackedWeight(bits, w.qweight, w.scales, w.offsets, G, w.shape, w.zero))
         assert not torch.allclose(plain, y, rtol=1e-6, atol=1e-6)
     big = torch.randn(quant.panel_min_rows(), K, generator=g)
-    ran = quant.act8_run()
+    ran, panels = quant.act8_run(), quant.act8_panels_run()
     y = quant.quant_linear(big, w)
-    assert quant.act8_run() == ran  # the panel GEMM: float
-    assert torch.allclose(y.double(), big.double() @ w.dequantize().double().T, rtol=1e-4, atol=1e-4)
+    assert quant.act8_run() == ran  # not the tiles: a panel
+    if _vnni(isa_vnni):  # the int8 panel: the same arithmetic
+        assert quant.act8_panels_run() == panels + 1
+        err = (y.double() - _act8_linear_ref(big, w)).abs()
+        assert (err <= 1e-5 * (big.double().abs() @ _bound(w).T) + 1e-6).all(), f"max err {err.max():.3g}"
+    else:  # the float panel GEMM
+        assert quant.act8_panels_run() == panels
+        assert torch.allclose(y.double(), big.double() @ w.dequantize().double().T, rtol=1e-4, atol=1e-4)
+
+
+def _vnni(isa: str) -> bool:
+    """Whether the build `isa` (cpu_isa's isa_vnni) has AVX-512 VNNI (its native build on a CPU with it)."""
+    from moe_serve.kernels import cpu_ops
+
+    vnni = isa == "avx512" and "avx512_vnni" in cpu_ops._cpu_flags().split()
+    assert (quant.act8_panel_min_rows() is not None) == vnni
+    return vnni
+
+
+@pytest.mark.parametrize("bits,G,offsets", ACT8_CASES)
+def test_int8_activation_panel_matches_its_arithmetic(bits, G, offsets, isa_vnni):
+    """Prefill-sized calls with int8 activations: with AVX-512 VNNI, quant.c's int8 panel (blocks of
+    16 outputs, 8 activation rows a micro-tile) from its first row count (16), against float64 of the
+    rounded arithmetic: whole and partial blocks of outputs (N = 37), whole and partial micro-tiles
+    of rows, one and two threads; other builds take the float panel (or, under its rows, the tiles)."""
+    K, N = 256, 37
+    g = torch.Generator().manual_seed(bits * 1000 + G)
+    w = _with_act8(_packed((N, K), bits, G, offsets, g))
+    first = quant.act8_panel_min_rows() or 16
+    for M, threads in ((first, 1), (first + 5, 2), (24, 2), (41, 1)):
+        x = torch.randn(M, K, generator=g)
+        panels = quant.act8_panels_run()
+        with _threads(threads):
+            y = quant.quant_linear(x, w)
+        assert quant.act8_panels_run() - panels == int(_vnni(isa_vnni)), M
+        if _vnni(isa_vnni) or M < quant.panel_min_rows():
+            err = (y.double() - _act8_linear_ref(x, w)).abs()
+            assert (err <= 1e-5 * (x.double().abs() @ _bound(w).T) + 1e-6).all(), f"M={M}: max err {err.max():.3g}"
+        else:
+            assert torch.allclose(y.double(), x.double() @ w.dequantize().double().T, rtol=1e-4, atol=1e-4)
 
 
 def test_int8_activations_fall_back_where_a_step_splits_groups(isa_vnni):
@@ -325,19 +364,23 @@ def test_int8_activations_fall_back_where_a_step_splits_groups(isa_vnni):
 def test_int8_activation_experts_match_their_arithmetic(bits13, bits2, G, isa_vnni):
     """Experts with int8 activations (gate/up over the tokens' rows, down over SiLU(gate) * up rounded
     again): against float64 of the same arithmetic, decode-sized routings on both expert paths (row
-    blocks, and whole experts a thread)."""
+    blocks, and whole experts a thread), and with AVX-512 VNNI a prefill-sized one (each expert about
+    18 rows: the int8 panel; other builds give those the float panel, test_quant_experts_panels_*)."""
     E, D, F = 8, 128, 128
     g = torch.Generator().manual_seed(bits13 * 10 + bits2 + G)
     w13 = _with_act8(_packed((E, 2 * F, D), bits13, G, "half", g))
     w2 = _with_act8(_packed((E, D, F), bits2, G, "zero", g))
-    for T, threads in ((1, 1), (2, 2), (5, 2)):
+    first = quant.act8_panel_min_rows()  # experts with that many rows: the int8 panel, the others the tiles
+    for T, threads in ((1, 1), (2, 2), (5, 2)) + (((72, 2),) if first else ()):
         x = torch.randn(T, D, generator=g)
         ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(T)])
         wts = torch.rand(T, 2, generator=g)
-        ran = quant.act8_run()
+        ran, panels = quant.act8_run(), quant.act8_panels_run()
         with _threads(threads):
             out = quant.quant_experts(x, w13, w2, wts, ids)
-        assert quant.act8_run() > ran
+        counts = torch.bincount(ids.flatten(), minlength=E)
+        assert quant.act8_run() - ran == 2 * int(((counts > 0) & (counts < (first or 10**9))).sum())
+        assert quant.act8_panels_run() - panels == (2 * int((counts >= first).sum()) if first else 0)
         ref = torch.zeros(T, D, dtype=torch.float64)
         for t in range(T):
             for k in range(2):

@@ -483,13 +483,13 @@ static void tile_scales(const qweight_t* w, int64_t n, int nb, int64_t ng, float
 /* Row blocks [n0, n1) of N rows QNB at a time, by one thread or split over nt (a block function
  * and its context); 0, or -1 when a block had no memory. */
 typedef int (*qblock_fn)(const void* ctx, int64_t n0, int64_t n1);
-static int run_blocks(qblock_fn f, const void* ctx, int64_t N, int nt) {
-  if (nt <= 1 || N < 2 * QNB * nt) return f(ctx, 0, N);
+static int run_blocks_of(qblock_fn f, const void* ctx, int64_t N, int64_t block, int nt) {
+  if (nt <= 1 || N < 2 * block * nt) return f(ctx, 0, N);
   int failed = 0;
 #pragma omp parallel num_threads(nt)
   {
     int64_t n0, n1;
-    thread_rows_of(N, QNB, &n0, &n1);
+    thread_rows_of(N, block, &n0, &n1);
     if (n0 < n1 && f(ctx, n0, n1)) {
 #pragma omp atomic write
       failed = 1;
@@ -497,6 +497,7 @@ static int run_blocks(qblock_fn f, const void* ctx, int64_t N, int nt) {
   }
   return failed ? -1 : 0;
 }
+static int run_blocks(qblock_fn f, const void* ctx, int64_t N, int nt) { return run_blocks_of(f, ctx, N, QNB, nt); }
 
 
 static int qweight_ok(const qweight_t* w, int64_t K) {
@@ -779,10 +780,16 @@ VF_INLINE void qtile_a8(const int8_t* const* xq, const float* const* dl, const i
       const __m512 sv = qa_lane_scales_v(spr[j], c, C, G, per);
       /* int4: the low and high nibbles; int8 without VNNI: the codes less 128, as magnitudes (lo)
        * and signs (neg, moved onto the activations) */
-      const __m512i s8 = _mm512_xor_si512(b, x80);
-      const __m512i lo = BITS == 4 ? _mm512_and_si512(b, lo4) : QA_SIGNED8 ? _mm512_abs_epi8(s8) : b;
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), lo4);
-      const __mmask64 neg = _mm512_movepi8_mask(s8);
+      __m512i lo = b, hi = b;
+      __mmask64 neg = 0;
+      if (BITS == 4) {
+        lo = _mm512_and_si512(b, lo4);
+        hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), lo4);
+      } else if (QA_SIGNED8) {
+        const __m512i s8 = _mm512_xor_si512(b, x80);
+        lo = _mm512_abs_epi8(s8);
+        neg = _mm512_movepi8_mask(s8);
+      }
       VF_UNROLL4 for (int i = 0; i < MBC; i++) {
         __m512i s = _mm512_loadu_si512((const void*)(zc[i] + c * QA_LANES));
         __m512i xa = _mm512_loadu_si512((const void*)(xq[i] + c * C));
@@ -951,9 +958,196 @@ static int qgemm_a8(const float* x, int64_t ldx, int64_t M, const qweight_t* w, 
   int8_t* xq = (int8_t*)(zc + M * lanes);
   for (int64_t m = 0; m < M; m++) qa_quantize(x + m * ldx, K, w, xq + m * K, dl + m * lanes, zc + m * lanes);
   if (xsum) group_sums(x, ldx, M, K, w->G, xsum);
-  qa8_run++;
+  __atomic_fetch_add(&qa8_run, 1, __ATOMIC_RELAXED); /* (experts by thread: calls from each thread) */
   const qgemm_ctx ctx = {0, xsum, xq, dl, zc, M, w, K, y, ldy};
   return run_blocks(qgemm_block, &ctx, N, nt);
+}
+
+/* ---- Many activation rows with int8 activations (AVX-512 VNNI): an outer-product panel in integers ----
+ * Where the dot-product tiles above reduce each output across its lanes, this panel keeps 16 outputs
+ * in the lanes of one register: a block of 16 weight rows is laid out once (each 4 codes of a row a
+ * dword, the 16 rows' dwords of the same 4 codes side by side: int4 codes widened to a byte), then
+ * every activation row passes it QP_R rows at a time, one vpdpbusd per 4 codes against the row's 4
+ * int8 activations broadcast (64 products), summed in int32 over a group and scaled into float32
+ * once a group: (sum - zero * the group's activation sum) * scale * d, plus offset * the float sum.
+ * The activations are rounded as the tiles' (d = max|x| / 127 per group of G, in order). Taken for
+ * QP_MIN_ROWS rows or more (act8 weights whose G is a multiple of 4); fewer rows take the tiles.
+ * Without VNNI, int8 codes would overflow vpmaddubsw's 16-bit pairs against broadcast activations:
+ * those builds keep the float panel. */
+#define QP_NB 16 /* weight rows (outputs) per block: one register of int32 sums per activation row */
+#define QP_R 8   /* activation rows per micro-tile */
+#ifndef QP_MIN_ROWS
+#define QP_MIN_ROWS 16
+#endif
+
+static int qp_fits(const qweight_t* w, int64_t K, int64_t M) {
+  return QA_VNNI && w->act8 && M >= QP_MIN_ROWS && w->G % 4 == 0 && K % w->G == 0;
+}
+
+/* Calls the int8 panel took in this process, and the rows it takes from (0: never, on this build):
+ * the tests check which path ran. */
+static int64_t qp8_run;
+int64_t quant_act8_panels_run(void) { return qp8_run; }
+int64_t quant_act8_panel_min_rows(void) { return QA_VNNI ? QP_MIN_ROWS : 0; }
+
+/* A qpanel call's operands: rows rounded in order (xq, M x K), each group's d, its activations'
+ * sum sq (int) and float sum xs (offsets only). */
+typedef struct {
+  const int8_t* xq;
+  const float* d;
+  const int32_t* sq;
+  const float* xs;
+  int64_t M;
+  const qweight_t* w;
+  int64_t K;
+  float* y;
+  int64_t ldy;
+} qpanel_ctx;
+
+#if QA_VNNI
+/* Weight rows n..n+nb (nb <= 16; the others zero) laid out for the panel: pk[(c * 16 + j) * 4 + t] =
+ * code 4c + t of row n + j; sc / of: [group][16] scales / offsets (0 past nb; of only with offsets).
+ * tmp: the 16 rows' int4 codes widened a byte each (K bytes a row), then their float16 scales
+ * widened (ng floats a row). */
+static void qpanel_pack(const qweight_t* w, int64_t n, int nb, int64_t K, uint8_t* pk, float* sc, float* of,
+                        uint8_t* tmp) {
+  const int64_t ng = K / w->G, rowbytes = w->bits == 8 ? K : K / 2;
+  const uint8_t* rows[QP_NB];
+  for (int j = 0; j < QP_NB; j++) {
+    const uint8_t* q = w->q + (n + (j < nb ? j : 0)) * rowbytes;
+    if (w->bits == 8) {
+      rows[j] = q;
+      continue;
+    }
+    uint8_t* t = tmp + (int64_t)j * K; /* byte b's low nibble is code 2b, its high one code 2b + 1 */
+    int64_t b = 0;
+    for (; b + 32 <= K / 2; b += 32) {
+      const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(q + b)));
+      const __m512i lo = _mm512_and_si512(v, _mm512_set1_epi16(0x0F)), hi = _mm512_srli_epi16(v, 4);
+      _mm512_storeu_si512((void*)(t + 2 * b), _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(hi, _mm512_set1_epi16(0x0F)), 8)));
+    }
+    for (; b < K / 2; b++) {
+      t[2 * b] = q[b] & 15;
+      t[2 * b + 1] = q[b] >> 4;
+    }
+    rows[j] = t;
+  }
+  const __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __mmask16 live = (__mmask16)((1u << nb) - 1u);
+  /* dword c of the 16 rows: a gather with the rows' distance as the index (rows: K bytes apart in tmp
+   * for int4; rowbytes apart in w->q for int8, whose rows past nb repeat row n and are masked off) */
+  const uint8_t* base = rows[0];
+  const __m512i step = _mm512_mullo_epi32(idx, _mm512_set1_epi32((int)(w->bits == 8 ? rowbytes : K)));
+  for (int64_t c = 0; c < K / 4; c++)
+    _mm512_store_si512((void*)(pk + c * 64), _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, step,
+                                                                          (const void*)(base + 4 * c), 1));
+  /* the scales (and offsets) by group, 16 rows side by side: the rows' float32 scales (widened once
+   * into tmp's first ng * 16 floats where float16) gathered a group at a time */
+  const float* s32 = (const float*)w->scales + n * ng;
+  if (w->scales16) {
+    float* wide = (float*)tmp;
+    for (int j = 0; j < nb; j++) q_f16_row((const uint16_t*)w->scales + (n + j) * ng, wide + j * ng, ng);
+    s32 = wide;
+  }
+  const __m512i gstep = _mm512_mullo_epi32(idx, _mm512_set1_epi32((int)ng));
+  for (int64_t g = 0; g < ng; g++) {
+    _mm512_store_ps(sc + g * QP_NB, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, gstep, s32 + g, 4));
+    if (w->offsets)
+      _mm512_store_ps(of + g * QP_NB, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, gstep,
+                                                                w->offsets + n * ng + g, 4));
+  }
+}
+
+/* MR activation rows from m0 against a packed block (qpanel_pack): y[m, n..n+nb). */
+VF_INLINE void qpanel_micro(const qpanel_ctx* c, const uint8_t* pk, const float* sc, const float* of, int64_t m0,
+                            const int MR, int64_t n, int nb) {
+  const int64_t K = c->K, G = c->w->G, ng = K / G;
+  const int32_t zero = c->w->zero;
+  __m512 acc[QP_R];
+  _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++) acc[i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < ng; g++) {
+    __m512i s[QP_R];
+    _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++) s[i] = _mm512_setzero_si512();
+    const uint8_t* wp = pk + g * G * QP_NB;
+    for (int64_t kk = 0; kk < G / 4; kk++) {
+      const __m512i wv = _mm512_load_si512((const void*)(wp + kk * 64));
+      _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++) {
+        int32_t xb;
+        memcpy(&xb, c->xq + (m0 + i) * K + g * G + 4 * kk, 4);
+        s[i] = _mm512_dpbusd_epi32(s[i], wv, _mm512_set1_epi32(xb));
+      }
+    }
+    const __m512 sv = _mm512_load_ps(sc + g * QP_NB);
+    _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++) {
+      const int64_t r = (m0 + i) * ng + g;
+      const __m512i t = zero ? _mm512_sub_epi32(s[i], _mm512_set1_epi32(zero * c->sq[r])) : s[i];
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(sv, _mm512_set1_ps(c->d[r])), acc[i]);
+      if (c->xs) acc[i] = _mm512_fmadd_ps(_mm512_load_ps(of + g * QP_NB), _mm512_set1_ps(c->xs[r]), acc[i]);
+    }
+  }
+  const __mmask16 live = (__mmask16)((1u << nb) - 1u);
+  _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++) _mm512_mask_storeu_ps(c->y + (m0 + i) * c->ldy + n, live, acc[i]);
+}
+
+/* Rows [n0, n1) of the outputs (run_blocks_of's block function), 16 at a time. */
+static int qpanel_block(const void* ctx, int64_t n0, int64_t n1) {
+  const qpanel_ctx* c = (const qpanel_ctx*)ctx;
+  const int64_t K = c->K, ng = K / c->w->G;
+  const size_t pkb = (size_t)(K * QP_NB), scb = (size_t)(ng * QP_NB) * sizeof(float);
+  /* tmp: int4 rows widened (K bytes each), then float16 scales widened (ng floats a row) */
+  const size_t tmpb = (c->w->bits == 4 ? pkb : 0) + (c->w->scales16 ? scb : 0);
+  uint8_t* buf = scratch(PANEL_SLOT_W, pkb + 2 * scb + tmpb + 64);
+  if (!buf) return -1;
+  uint8_t* pk = buf;
+  float* sc = (float*)(buf + pkb);
+  float* of = sc + ng * QP_NB;
+  uint8_t* tmp = (uint8_t*)(of + ng * QP_NB);
+  for (int64_t n = n0; n < n1; n += QP_NB) {
+    const int nb = n1 - n < QP_NB ? (int)(n1 - n) : QP_NB;
+    qpanel_pack(c->w, n, nb, K, pk, sc, of, tmp);
+    for (int64_t m0 = 0; m0 < c->M; m0 += QP_R) {
+      switch (c->M - m0 < QP_R ? (int)(c->M - m0) : QP_R) {
+#define QPM_(MR) \
+  case MR:       \
+    qpanel_micro(c, pk, sc, of, m0, MR, n, nb); \
+    break;
+        QPM_(1) QPM_(2) QPM_(3) QPM_(4) QPM_(5) QPM_(6) QPM_(7) QPM_(8)
+#undef QPM_
+      }
+    }
+  }
+  return 0;
+}
+#endif
+
+/* y = x @ W^T by the int8 panel (qp_fits): the rows rounded once, then blocks of 16 outputs over
+ * the threads. */
+static int qpanel_a8(const float* x, int64_t ldx, int64_t M, const qweight_t* w, int64_t K, int64_t N, float* y,
+                     int64_t ldy, int nt) {
+#if QA_VNNI
+  const int64_t G = w->G, ng = K / G;
+  char* buf = scratch(2, (size_t)(M * K) + (size_t)(M * ng) * (sizeof(float) + sizeof(int32_t)) + 64);
+  float* xs = w->offsets ? scratch(3, (size_t)(M * ng) * sizeof(float)) : 0;
+  if (!buf || (w->offsets && !xs)) return -1;
+  float* d = (float*)buf;
+  int32_t* sq = (int32_t*)(d + M * ng);
+  int8_t* xq = (int8_t*)(sq + M * ng);
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t g = 0; g < ng; g++) {
+      int8_t* q = xq + m * K + g * G;
+      d[m * ng + g] = qa_round_group(x + m * ldx + g * G, G, q);
+      int32_t s = 0;
+      for (int64_t k = 0; k < G; k++) s += q[k];
+      sq[m * ng + g] = s;
+    }
+  if (xs) group_sums(x, ldx, M, K, G, xs);
+  __atomic_fetch_add(&qp8_run, 1, __ATOMIC_RELAXED);
+  const qpanel_ctx ctx = {xq, d, sq, xs, M, w, K, y, ldy};
+  return run_blocks_of(qpanel_block, &ctx, N, QP_NB, nt);
+#else
+  (void)x, (void)ldx, (void)M, (void)w, (void)K, (void)N, (void)y, (void)ldy, (void)nt;
+  return -2;
+#endif
 }
 
 /* Panel GEMMs run so far by this process: linear calls and expert panel groups (the tests check
@@ -972,6 +1166,7 @@ static int qgemm(const float* x, int64_t ldx, int64_t M, const qweight_t* w, int
   if (M <= 0 || N <= 0) return 0;
   qweight_t rest;
   const int panels = M >= QPANEL_MIN_ROWS && N >= RB;
+  if (qp_fits(w, K, M)) return qpanel_a8(x, ldx, M, w, K, N, y, ldy, nt); /* many rows, int8 activations */
   if (!panels && qa_fits(w, K)) return qgemm_a8(x, ldx, M, w, K, N, y, ldy, nt); /* decode-sized, int8 activations */
   if (panels) {
     const wsrc_t ws = {w, qwiden_row};
@@ -1065,8 +1260,11 @@ int quant_experts_f32(const float* x, int64_t T, int64_t D, const int64_t* ids, 
   int64_t* order = start + 2 * E + 1;
   const int64_t rows = sort_by_expert(ids, P, E, start, start + E + 1, order);
   /* the dot-product tiles' rows: at most QPANEL_MIN_ROWS - 1 where experts with more take the panels */
-  const int panels = QPANEL_PATH(rows, D, F);
-  const int64_t small = panels ? QPANEL_MIN_ROWS - 1 : rows;
+  /* (experts with int8 activations take the int8 panel through qgemm where they have the rows) */
+  const int panels = QPANEL_PATH(rows, D, F) && !(QA_VNNI && act8 && G13 % 4 == 0 && G2 % 4 == 0);
+  int64_t most = 0; /* the most rows an expert has */
+  for (int64_t e = 0; e < E; e++) most = start[e + 1] - start[e] > most ? start[e + 1] - start[e] : most;
+  const int64_t small = panels ? QPANEL_MIN_ROWS - 1 : most;
   if (!panels && experts_by_thread_fits(start, E, K, nt)) {
     const qexperts_ctx ctx = {x, D, K, F, &w13, &w2};
     qby_thread_run++;

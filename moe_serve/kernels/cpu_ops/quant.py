@@ -59,7 +59,8 @@ def _bind(raw: ctypes.CDLL) -> None:
     f.restype = _INT
     f.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P, _INT, _P, _INT, _P, _INT, _I64, _P, _INT, _P, _INT, _P, _INT, _I64,
                   _I64, _I64, _P, _INT, _INT]
-    for name in ("quant_panels_run", "quant_panel_min_rows", "quant_experts_by_thread_run", "quant_act8_run"):
+    for name in ("quant_panels_run", "quant_panel_min_rows", "quant_experts_by_thread_run", "quant_act8_run",
+                 "quant_act8_panels_run", "quant_act8_panel_min_rows"):
         getattr(raw, name).restype = _I64
         getattr(raw, name).argtypes = []
     raw.quant_act8_vector.restype = _INT
@@ -132,6 +133,17 @@ def act8(w: PackedWeight) -> bool:
     """Whether decode-sized calls over w round their activations to int8 (`act8` set on the weight
     by its layer: the engine's --cpu-int8-activations; quant.c's int8-activation tiles)."""
     return bool(getattr(w, "act8", False))
+
+
+def act8_panels_run() -> int:
+    """Calls quant.c's int8 panel took in this process (many rows with int8 activations, AVX-512 VNNI)."""
+    return _lib().quant_act8_panels_run()
+
+
+def act8_panel_min_rows() -> int | None:
+    """The activation rows from which int8-activation calls take quant.c's int8 panel (None: this
+    build has none, its prefill-sized calls take the float panel GEMM)."""
+    return _lib().quant_act8_panel_min_rows() or None
 
 
 def act8_vector() -> bool:
