@@ -875,7 +875,8 @@ VF_INLINE void qtile_a8(const int8_t* const* xq, const float* const* dl, const i
 
 /* A qgemm call's operands: float activation rows a (K floats each, contiguous; split4's layout for
  * int4) for the float tiles, or quantized ones xq, dl, zc (qa_quantize's) for the int8-activation
- * tiles; xsum the rows' float group sums. */
+ * tiles; xsum the rows' float group sums. The int8 panel's: xq the rows rounded in order, dl each
+ * group's d, zc each group's activation sum (M x K/G each), a NULL. */
 typedef struct {
   const float* a;
   const float* xsum;
@@ -946,16 +947,27 @@ static int qgemm_block(const void* ctx, int64_t n0, int64_t n1) {
   return 0;
 }
 
+/* An int8-activation call's buffers (scratch slots 2, 3): M rows of K codes, M rows of `per_row`
+ * floats and ints, and the rows' float group sums where the weight has offsets (else NULL). */
+static int qa_buffers(int64_t M, int64_t K, int64_t per_row, const qweight_t* w, int8_t** xq, float** f,
+                      int32_t** i, float** xsum) {
+  char* buf = scratch(2, (size_t)(M * K) + (size_t)(M * per_row) * (sizeof(float) + sizeof(int32_t)) + 64);
+  *xsum = w->offsets ? scratch(3, (size_t)(M * (K / w->G)) * sizeof(float)) : 0;
+  if (!buf || (w->offsets && !*xsum)) return -1;
+  *f = (float*)buf;
+  *i = (int32_t*)(*f + M * per_row);
+  *xq = (int8_t*)(*i + M * per_row);
+  return 0;
+}
+
 /* qgemm's int8-activation form (qa_fits): the rows quantized once, then the row blocks. */
 static int qgemm_a8(const float* x, int64_t ldx, int64_t M, const qweight_t* w, int64_t K, int64_t N, float* y,
                     int64_t ldy, int nt) {
-  const int64_t ng = K / w->G, lanes = K / qa_per_lane(w->bits);
-  char* buf = scratch(2, (size_t)(M * K) + (size_t)(M * lanes) * (sizeof(float) + sizeof(int32_t)) + 64);
-  float* xsum = w->offsets ? scratch(3, (size_t)(M * ng) * sizeof(float)) : 0;
-  if (!buf || (w->offsets && !xsum)) return -1;
-  float* dl = (float*)buf;
-  int32_t* zc = (int32_t*)(dl + M * lanes);
-  int8_t* xq = (int8_t*)(zc + M * lanes);
+  const int64_t lanes = K / qa_per_lane(w->bits);
+  int8_t* xq;
+  float *dl, *xsum;
+  int32_t* zc;
+  if (qa_buffers(M, K, lanes, w, &xq, &dl, &zc, &xsum)) return -1;
   for (int64_t m = 0; m < M; m++) qa_quantize(x + m * ldx, K, w, xq + m * K, dl + m * lanes, zc + m * lanes);
   if (xsum) group_sums(x, ldx, M, K, w->G, xsum);
   __atomic_fetch_add(&qa8_run, 1, __ATOMIC_RELAXED); /* (experts by thread: calls from each thread) */
@@ -989,20 +1001,6 @@ static int qp_fits(const qweight_t* w, int64_t K, int64_t M) {
 static int64_t qp8_run;
 int64_t quant_act8_panels_run(void) { return qp8_run; }
 int64_t quant_act8_panel_min_rows(void) { return QA_VNNI ? QP_MIN_ROWS : 0; }
-
-/* A qpanel call's operands: rows rounded in order (xq, M x K), each group's d, its activations'
- * sum sq (int) and float sum xs (offsets only). */
-typedef struct {
-  const int8_t* xq;
-  const float* d;
-  const int32_t* sq;
-  const float* xs;
-  int64_t M;
-  const qweight_t* w;
-  int64_t K;
-  float* y;
-  int64_t ldy;
-} qpanel_ctx;
 
 #if QA_VNNI
 /* Weight rows n..n+nb (nb <= 16; the others zero) laid out for the panel: pk[(c * 16 + j) * 4 + t] =
@@ -1059,7 +1057,7 @@ static void qpanel_pack(const qweight_t* w, int64_t n, int nb, int64_t K, uint8_
 }
 
 /* MR activation rows from m0 against a packed block (qpanel_pack): y[m, n..n+nb). */
-VF_INLINE void qpanel_micro(const qpanel_ctx* c, const uint8_t* pk, const float* sc, const float* of, int64_t m0,
+VF_INLINE void qpanel_micro(const qgemm_ctx* c, const uint8_t* pk, const float* sc, const float* of, int64_t m0,
                             const int MR, int64_t n, int nb) {
   const int64_t K = c->K, G = c->w->G, ng = K / G;
   const int32_t zero = c->w->zero;
@@ -1080,9 +1078,9 @@ VF_INLINE void qpanel_micro(const qpanel_ctx* c, const uint8_t* pk, const float*
     const __m512 sv = _mm512_load_ps(sc + g * QP_NB);
     _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++) {
       const int64_t r = (m0 + i) * ng + g;
-      const __m512i t = zero ? _mm512_sub_epi32(s[i], _mm512_set1_epi32(zero * c->sq[r])) : s[i];
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(sv, _mm512_set1_ps(c->d[r])), acc[i]);
-      if (c->xs) acc[i] = _mm512_fmadd_ps(_mm512_load_ps(of + g * QP_NB), _mm512_set1_ps(c->xs[r]), acc[i]);
+      const __m512i t = zero ? _mm512_sub_epi32(s[i], _mm512_set1_epi32(zero * c->zc[r])) : s[i];
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(sv, _mm512_set1_ps(c->dl[r])), acc[i]);
+      if (c->xsum) acc[i] = _mm512_fmadd_ps(_mm512_load_ps(of + g * QP_NB), _mm512_set1_ps(c->xsum[r]), acc[i]);
     }
   }
   const __mmask16 live = (__mmask16)((1u << nb) - 1u);
@@ -1091,7 +1089,7 @@ VF_INLINE void qpanel_micro(const qpanel_ctx* c, const uint8_t* pk, const float*
 
 /* Rows [n0, n1) of the outputs (run_blocks_of's block function), 16 at a time. */
 static int qpanel_block(const void* ctx, int64_t n0, int64_t n1) {
-  const qpanel_ctx* c = (const qpanel_ctx*)ctx;
+  const qgemm_ctx* c = (const qgemm_ctx*)ctx;
   const int64_t K = c->K, ng = K / c->w->G;
   const size_t pkb = (size_t)(K * QP_NB), scb = (size_t)(ng * QP_NB) * sizeof(float);
   /* tmp: int4 rows widened (K bytes each), then float16 scales widened (ng floats a row) */
@@ -1126,12 +1124,10 @@ static int qpanel_a8(const float* x, int64_t ldx, int64_t M, const qweight_t* w,
                      int64_t ldy, int nt) {
 #if QA_VNNI
   const int64_t G = w->G, ng = K / G;
-  char* buf = scratch(2, (size_t)(M * K) + (size_t)(M * ng) * (sizeof(float) + sizeof(int32_t)) + 64);
-  float* xs = w->offsets ? scratch(3, (size_t)(M * ng) * sizeof(float)) : 0;
-  if (!buf || (w->offsets && !xs)) return -1;
-  float* d = (float*)buf;
-  int32_t* sq = (int32_t*)(d + M * ng);
-  int8_t* xq = (int8_t*)(sq + M * ng);
+  int8_t* xq;
+  float *d, *xs;
+  int32_t* sq;
+  if (qa_buffers(M, K, ng, w, &xq, &d, &sq, &xs)) return -1;
   for (int64_t m = 0; m < M; m++)
     for (int64_t g = 0; g < ng; g++) {
       int8_t* q = xq + m * K + g * G;
@@ -1142,7 +1138,7 @@ static int qpanel_a8(const float* x, int64_t ldx, int64_t M, const qweight_t* w,
     }
   if (xs) group_sums(x, ldx, M, K, G, xs);
   __atomic_fetch_add(&qp8_run, 1, __ATOMIC_RELAXED);
-  const qpanel_ctx ctx = {xq, d, sq, xs, M, w, K, y, ldy};
+  const qgemm_ctx ctx = {0, xs, xq, d, sq, M, w, K, y, ldy};
   return run_blocks_of(qpanel_block, &ctx, N, QP_NB, nt);
 #else
   (void)x, (void)ldx, (void)M, (void)w, (void)K, (void)N, (void)y, (void)ldy, (void)nt;
