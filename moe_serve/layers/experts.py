@@ -102,7 +102,7 @@ class PackedExperts(GroupedExperts):
     int8_activations = False  # the checkpoint's scheme quantizes the experts' inputs to int8 per token (W8A8)
     act_quant = False  # ... and the kernel does so (moe_serve/prepare.py: the Triton kernel on CUDA)
     zeros = (0, 0)  # w13's and w2's zero codes where their offsets arrays were dropped (`drop_offsets`)
-    cpu_int8_act = False  # decode calls in our C kernels round the activations to int8 (--cpu-int8-activations)
+    cpu_int8_act = False  # our C kernels round the activations to int8 (GGUF files, --cpu-int8-activations)
 
     def offsets_zero(self, part: str) -> int | None:
         """The code z with which part's ("w13" / "w2") offsets are exactly -z * scales in every slot,

@@ -46,7 +46,7 @@ class Linear(nn.Module):
     packed_group: int | None = None
     packed_bits: int | None = None
     packed_zero = 0  # the zero code once the offsets are compacted away (`compact_packed`; qoffsets then None)
-    cpu_int8_act = False  # decode calls in our C kernels round the activations to int8 (--cpu-int8-activations)
+    cpu_int8_act = False  # our C kernels round the activations to int8 (GGUF files, --cpu-int8-activations)
     int8_activations = False  # the checkpoint's scheme quantizes this layer's inputs to int8 per token (W8A8)
     packed_act_quant = False  # ... and its kernel does so (moe_serve/prepare.py: the Triton kernel on CUDA)
     dequantized_at_load = False  # a packed checkpoint's weight held dense (weight_used_directly)

@@ -220,7 +220,7 @@ typedef struct {
   int bits;
   int zero; /* the code of 0 (offsets - zero * scales) */
   int scales16;
-  int act8; /* decode-sized calls round the activations to int8 (the int8-activation tiles below) */
+  int act8; /* calls round the activations to int8 (the int8-activation tiles and panel below) */
 } qweight_t;
 
 /* A float16's value (exact in float32): F16C where the build has it, else by its fields. */
@@ -582,7 +582,8 @@ static qweight_t qrows_from(const qweight_t* w, int64_t n0, int64_t K) {
  * times signed activations), its nibbles split by a mask and a shift shared by the rows; elsewhere
  * the same sums in plain C (correct, not fast). Taken where a step holds whole groups or lies in
  * one (G a multiple of a lane's codes, 16 lanes a multiple of a group's or the reverse) and K is a
- * whole number of steps; other weights (and prefill-sized calls) stay float. */
+ * whole number of steps; other weights stay float. Calls of QP_MIN_ROWS rows or more take the int8
+ * panel further down instead (AVX-512 VNNI), or the float panel GEMM (other builds). */
 #define QA_LANES 16
 #define QA_STEP_BYTES 64
 

@@ -17,17 +17,18 @@ Each weight is checked before a call: `weight_problem` names what the kernels do
 of the wrong dtype, shape or layout, an odd group size for int4), `*_fits` says whether a call
 runs here, and the wrappers raise ValueError naming the problem for anything else.
 
-Not here: moe_experts' batch-invariant `pairs` form. Opt-in (`act8` on a weight: the engine's
---cpu-int8-activations), decode-sized calls round each activation row to int8 per weight group and
-take integer products (u8 codes x s8 activations: vpdpbusd on AVX-512 VNNI, plain C elsewhere), as
-llama.cpp's Q8_0 activations do; a mode of its own since it changes the numerics. Measured on this
-project's Xeon (AVX-512 VNNI, 2 threads, 16 layers of E64 D1024 F512 experts cold, float16 scales
-and a zero code, ms a layer, float / int8 activations): int4 G32 T=1 0.42 / 0.28, T=32 4.41 / 3.63;
-int8 G32 T=1 0.61 / 0.48, T=32 5.95 / 5.65. On the float path, int4's lookup (a widen, two vpermps)
-keeps port 5 busy: that is what the integer path relieves. On the panel path a VNNI int8 x int8
-micro-kernel (8 weight rows x 48 tokens of int32 accumulators, scaled per group) ran a 1536 x 2048
-weight against 48 rows warm in 1.27 ms, against 1.83 ms for the float32 panel and 2.15 ms for int8
-codes here: not built (prefill-sized calls stay float). The engine's cpu_c backends (kernels/linear.py,
+Not here: moe_experts' batch-invariant `pairs` form. With `act8` on a weight (the engine sets it for
+GGUF files by default, and for every packed layer with --cpu-int8-activations), calls round each
+activation row to int8 per weight group and take integer products, as llama.cpp's Q8_0 activations
+do: decode-sized calls in the dot-product tiles (u8 codes x s8 activations: vpdpbusd on AVX-512
+VNNI, vpmaddubsw on AVX-512 without it and on AVX2, plain C elsewhere: `act8_vector()`), calls of
+`act8_panel_min_rows()` rows or more in an int8 panel (AVX-512 VNNI only; other builds keep the
+float panel). Measured on this project's Xeon (AVX-512 VNNI, 2 threads, 16 layers of E64 D1024 F512
+experts cold, float16 scales and a zero code, ms a layer, float / int8 activations): int4 G32 T=1
+0.42 / 0.28, T=32 4.41 / 3.63; int8 G32 T=1 0.61 / 0.48, T=32 5.95 / 5.65. On the float path, int4's
+lookup (a widen, two vpermps) keeps port 5 busy: that is what the integer path relieves. The int8
+panel: 2.2-2.7x quant.c's float panel from 32 to 512 rows (bench/results/cpu_quant_prefill_*.json).
+The engine's cpu_c backends (kernels/linear.py,
 grouped_gemm/__init__.py) call these for packed layers, prefill included (experts: where
 `panels_fit`, else decode-sized batches only).
 
@@ -130,7 +131,7 @@ def experts_by_thread_run() -> int:
 
 
 def act8(w: PackedWeight) -> bool:
-    """Whether decode-sized calls over w round their activations to int8 (`act8` set on the weight
+    """Whether calls over w round their activations to int8 (`act8` set on the weight
     by its layer: the engine's --cpu-int8-activations; quant.c's int8-activation tiles)."""
     return bool(getattr(w, "act8", False))
 
