@@ -67,6 +67,30 @@ HBM_GBPS: list[tuple[str, float]] = [
 MIN_STREAM_BYTES = 256 << 20  # the read stream's least buffer, whatever the cache
 
 
+# glibc's sysconf numbers of _SC_LEVEL2_CACHE_SIZE, _SC_LEVEL3_CACHE_SIZE and _SC_LEVEL4_CACHE_SIZE
+# (bits/confname.h): Python's os.sysconf knows no names for them.
+_GLIBC_SC_CACHE_SIZES = (191, 194, 197)
+
+
+def _libc_cache_sizes() -> list[int]:
+    """The L2, L3 and L4 sizes glibc reports (from cpuid: `getconf -a`'s LEVEL*_CACHE_SIZE), those it
+    knows; none off glibc."""
+    import ctypes
+
+    try:
+        if not (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc"):
+            return []
+    except (ValueError, OSError):  # not glibc
+        return []
+    try:
+        libc = ctypes.CDLL(None)
+    except OSError:
+        return []
+    libc.sysconf.restype = ctypes.c_long
+    libc.sysconf.argtypes = (ctypes.c_int,)
+    return [size for size in (libc.sysconf(n) for n in _GLIBC_SC_CACHE_SIZES) if size > 0]
+
+
 def last_level_cache_bytes(device: torch.device | str = "cpu") -> int | None:
     """The largest cache between this device's cores and its memory (None when unknown): a GPU's
     L2; a CPU's largest as Linux lists it for CPU 0 (sysfs) or the C library reports it (cpuid),
@@ -74,12 +98,7 @@ def last_level_cache_bytes(device: torch.device | str = "cpu") -> int | None:
     device = torch.device(device)
     if device.type == "cuda":
         return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)) or None
-    best = 0
-    for name in ("SC_LEVEL2_CACHE_SIZE", "SC_LEVEL3_CACHE_SIZE", "SC_LEVEL4_CACHE_SIZE"):
-        try:
-            best = max(best, os.sysconf(name))
-        except (ValueError, OSError):  # a name this C library does not know
-            pass
+    best = max(_libc_cache_sizes(), default=0)
     for entry in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*"):
         try:
             with open(os.path.join(entry, "type")) as f:

@@ -19,6 +19,17 @@ from attention.backends.invariant import InvariantTritonAttention
 from attention.metadata import AttentionMetadata
 from moe_serve.kernels.batch_invariant import InvariantTritonExperts, InvariantTritonLinear
 from moe_serve.kernels.grouped_gemm.reference import fused_experts_reference
+from tests.interpreter_dot import rowwise_dot
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _rowwise_dot():
+    """The interpreter's tl.dot a row at a time (tests/interpreter_dot.py: numpy's BLAS is not
+    invariant to a row's place in a tile on every CPU; our kernels are what is tested)."""
+    restore = rowwise_dot()
+    yield
+    restore()
+
 
 SIZES = (3, 33, 70)  # one row tile, two, three (the tiles are 32 rows)
 TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
@@ -157,6 +168,8 @@ def test_mla_token_alone_equals_token_in_any_step():
 
 ENGINE = r"""
 import json, sys
+from tests.interpreter_dot import rowwise_dot
+rowwise_dot()
 from moe_serve import LLM, SamplingParams
 llm = LLM(sys.argv[1], dtype="float32", block_size=4, kv_cache_memory=1 << 20, max_num_batched_tokens=8,
           batch_invariant=True, moe_backend="triton", attention_backend="triton", linear_backend="triton",

@@ -52,7 +52,9 @@ VF_INLINE float dot(const float* a, const void* b, int64_t n, int fmt) {
   vf16 acc = vf_zero();
   for (; i + 16 <= n; i += 16) acc = vf_fma(vf_load(a + i), kv_load(b, i, fmt), acc);
   float s = vf_hsum(acc);
-  for (; i < n; i++) s += a[i] * kv_at(b, i, fmt);
+  /* fused as written: every format's copy rounds the tail alike (left to GCC, `s += a * b` was
+   * contracted in some copies and not in others, by the CPU -march=native tunes for) */
+  for (; i < n; i++) s = fmaf(a[i], kv_at(b, i, fmt), s);
   return s;
 }
 
