@@ -736,26 +736,23 @@ static inline void qa_lane_scales(const float* sp, int64_t c, int64_t C, int64_t
   for (int l = 0; l < QA_LANES; l++) out[l] = sp[(c * C + l * per) / G];
 }
 
-#if QA_VEC == 512
-VF_INLINE __m512 qa_lane_scales_v(const float* sp, int64_t c, int64_t C, int64_t G, int64_t per) {
-  const int64_t lpg = G / per;
-  if (lpg >= QA_LANES) return _mm512_set1_ps(sp[c * C / G]);
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512i idx = lpg == 1 ? lane : _mm512_srli_epi32(lane, lpg == 2 ? 1 : lpg == 4 ? 2 : lpg == 8 ? 3 : 4);
-  const __mmask16 m = (__mmask16)((1u << (QA_LANES / lpg)) - 1u);
-  return _mm512_permutexvar_ps(idx, _mm512_maskz_loadu_ps(m, sp + c * C / G));
+/* Which scale each lane of a step takes, fixed for a weight (worked out once a tile, not per step
+ * and row): step c's groups start at group c * gps where a step holds whole groups (gps > 0), at
+ * c / spg where a group spans spg steps; lane l takes the step's group l >> shift (a group's lanes
+ * 1 << shift of them; shift 4 where a group spans the step: every lane its first group), of the
+ * step's ngroups. */
+typedef struct {
+  int64_t gps, spg;
+  int shift, ngroups;
+} qa_spread_t;
+
+static qa_spread_t qa_spread(int64_t G, int64_t per) {
+  const int64_t lpg = G / per; /* qa_fits: a power of two dividing 16, or a multiple of 16 */
+  if (lpg >= QA_LANES) return (qa_spread_t){0, lpg / QA_LANES, 4, 1};
+  return (qa_spread_t){QA_LANES / lpg, 0, __builtin_ctzll((unsigned long long)lpg), (int)(QA_LANES / lpg)};
 }
-#elif QA_VEC == 256
-/* The scales of lanes 8h..8h+7 at step c. */
-VF_INLINE __m256 qa_lane_scales8(const float* sp, int64_t c, int64_t C, int64_t G, int64_t per, int h) {
-  const int64_t lpg = G / per, first = (c * C + 8 * h * per) / G;
-  if (lpg >= 8) return _mm256_set1_ps(sp[first]);
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const __m256i idx = lpg == 1 ? lane : _mm256_srli_epi32(lane, lpg == 2 ? 1 : 2);
-  const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(8 / lpg)), lane);
-  return _mm256_permutevar8x32_ps(_mm256_maskload_ps(sp + first, m), idx);
-}
-#endif
+
+VF_INLINE int64_t qa_step_group(const qa_spread_t* sp, int64_t c) { return sp->gps ? c * sp->gps : c / sp->spg; }
 
 /* One tile of the int8-activation path: MBC rows (their xq, dl, zc, float group sums xs) against
  * weight rows n..n+nb; spr: the QNB rows' scales as float32. */
@@ -773,12 +770,18 @@ VF_INLINE void qtile_a8(const int8_t* const* xq, const float* const* dl, const i
   VF_UNROLL4 for (int i = 0; i < MBC; i++)
     VF_UNROLL4 for (int j = 0; j < QNB; j++) acc[i][j] = _mm512_setzero_ps();
   const __m512i lo4 = _mm512_set1_epi8(0x0F), x80 = _mm512_set1_epi8((char)0x80);
+  const qa_spread_t spread = qa_spread(G, per);
+  const __m512i sidx = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                         spread.shift);
+  const __mmask16 smask = (__mmask16)((1u << spread.ngroups) - 1u);
   for (int64_t c = 0; c < steps; c++) {
     if (pf) /* the tile QPF on: its QNB rows are QNB * steps lines, QNB of them a step */
       VF_UNROLL4 for (int u = 0; u < QNB; u++) vf_prefetch_l2(pf + (c * QNB + u) * QA_STEP_BYTES);
+    const int64_t g0 = qa_step_group(&spread, c);
     VF_UNROLL4 for (int j = 0; j < QNB; j++) {
       const __m512i b = _mm512_loadu_si512((const void*)(qp[j] + c * QA_STEP_BYTES));
-      const __m512 sv = qa_lane_scales_v(spr[j], c, C, G, per);
+      /* the step's groups' scales spread over their lanes */
+      const __m512 sv = _mm512_permutexvar_ps(sidx, _mm512_maskz_loadu_ps(smask, spr[j] + g0));
       /* int4: the low and high nibbles; int8 without VNNI: the codes less 128, as magnitudes (lo)
        * and signs (neg, moved onto the activations) */
       __m512i lo = b, hi = b;
@@ -808,15 +811,22 @@ VF_INLINE void qtile_a8(const int8_t* const* xq, const float* const* dl, const i
   /* a weight row at a time (the accumulators of a whole tile would not fit 16 registers), each step
    * as two halves of 8 lanes; the rows' other bytes are in L1 from the first row's pass */
   const __m256i lo4 = _mm256_set1_epi8(0x0F), x80 = _mm256_set1_epi8((char)0x80), one16 = _mm256_set1_epi16(1);
+  /* the lanes' scales (qa_spread): half h's first group, its lanes' groups from there, and how many */
+  const qa_spread_t spread = qa_spread(G, per);
+  const __m256i lane8 = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i sidx = _mm256_srlv_epi32(lane8, _mm256_set1_epi32(spread.shift));
+  const __m256i smask = _mm256_cmpgt_epi32(_mm256_set1_epi32(8 >> spread.shift ? 8 >> spread.shift : 1), lane8);
+  const int64_t half_group = 8 >> spread.shift; /* the groups before the second half's first lane */
   for (int j = 0; j < nb; j++) {
     __m256 acc[QMB];
     VF_UNROLL4 for (int i = 0; i < MBC; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t c = 0; c < steps; c++) {
       if (pf && j == 0)
         VF_UNROLL4 for (int u = 0; u < QNB; u++) vf_prefetch_l2(pf + (c * QNB + u) * QA_STEP_BYTES);
+      const int64_t g0 = qa_step_group(&spread, c);
       _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
         const __m256i b = _mm256_loadu_si256((const __m256i*)(qp[j] + c * QA_STEP_BYTES + 32 * h));
-        const __m256 sv = qa_lane_scales8(spr[j], c, C, G, per, h);
+        const __m256 sv = _mm256_permutevar8x32_ps(_mm256_maskload_ps(spr[j] + g0 + h * half_group, smask), sidx);
         const __m256i s8 = _mm256_xor_si256(b, x80);
         const __m256i lo = BITS == 4 ? _mm256_and_si256(b, lo4) : _mm256_abs_epi8(s8);
         const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), lo4);
