@@ -329,8 +329,10 @@ def test_int8_activation_panel_matches_its_arithmetic(bits, G, offsets, isa_vnni
     """Prefill-sized calls with int8 activations: with AVX-512 VNNI, quant.c's int8 panel (blocks of
     16 outputs, 8 activation rows a micro-tile) from its first row count (16), against float64 of the
     rounded arithmetic: whole and partial blocks of outputs (N = 37), whole and partial micro-tiles
-    of rows, one and two threads; other builds take the float panel (or, under its rows, the tiles)."""
-    K, N = 256, 37
+    of rows, one and two threads; other builds take the float panel (or, under its rows, the tiles).
+    With VNNI, K = 256 + G: the rows' dwords are transposed 16 at a time, and for G of 16 and 32 the
+    last 16 are partial."""
+    K, N = 256 + (G if _vnni(isa_vnni) else 0), 37
     g = torch.Generator().manual_seed(bits * 1000 + G)
     w = _with_act8(_packed((N, K), bits, G, offsets, g))
     first = quant.act8_panel_min_rows() or 16

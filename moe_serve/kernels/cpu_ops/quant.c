@@ -1014,6 +1014,31 @@ int64_t quant_act8_panels_run(void) { return qp8_run; }
 int64_t quant_act8_panel_min_rows(void) { return QA_VNNI ? QP_MIN_ROWS : 0; }
 
 #if QA_VNNI
+/* A 16 x 16 matrix of dwords, r[j] its row j, transposed in place (r[t]: column t): pairs of rows
+ * interleaved by dword, then by qword, then the 128-bit lanes of 4 rows' results transposed. */
+static inline void qp_transpose16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) { /* u[i + e], lane k: rows i..i+3 of column 4k + e */
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int e = 0; e < 4; e++) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x44), v1 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xEE);
+    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x44),
+                  v3 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xEE);
+    r[e] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+    r[4 + e] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+    r[8 + e] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+    r[12 + e] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+  }
+}
+
 /* Weight rows n..n+nb (nb <= 16; the others zero) laid out for the panel: pk[(c * 16 + j) * 4 + t] =
  * code 4c + t of row n + j; sc / of: [group][16] scales / offsets (0 past nb; of only with offsets).
  * tmp: the 16 rows' int4 codes widened a byte each (K bytes a row), then their float16 scales
@@ -1043,13 +1068,18 @@ static void qpanel_pack(const qweight_t* w, int64_t n, int nb, int64_t K, uint8_
   }
   const __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __mmask16 live = (__mmask16)((1u << nb) - 1u);
-  /* dword c of the 16 rows: a gather with the rows' distance as the index (rows: K bytes apart in tmp
-   * for int4; rowbytes apart in w->q for int8, whose rows past nb repeat row n and are masked off) */
-  const uint8_t* base = rows[0];
-  const __m512i step = _mm512_mullo_epi32(idx, _mm512_set1_epi32((int)(w->bits == 8 ? rowbytes : K)));
-  for (int64_t c = 0; c < K / 4; c++)
-    _mm512_store_si512((void*)(pk + c * 64), _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, step,
-                                                                          (const void*)(base + 4 * c), 1));
+  /* dwords c..c+15 of the 16 rows (zero past nb), transposed in registers into dword c's 16 rows,
+   * dword c+1's, ...: a gather a dword was as slow as the panel's products on AMD's Zen 5 */
+  const int64_t nd = K / 4;
+  for (int64_t c = 0; c < nd; c += 16) {
+    const int nt = nd - c < 16 ? (int)(nd - c) : 16;
+    const __mmask16 tm = (__mmask16)((1u << nt) - 1u);
+    __m512i r[16];
+    for (int j = 0; j < QP_NB; j++)
+      r[j] = j < nb ? _mm512_maskz_loadu_epi32(tm, (const void*)(rows[j] + 4 * c)) : _mm512_setzero_si512();
+    qp_transpose16(r);
+    for (int t = 0; t < nt; t++) _mm512_store_si512((void*)(pk + (c + t) * 64), r[t]);
+  }
   /* the scales (and offsets) by group, 16 rows side by side: the rows' float32 scales (widened once
    * into tmp's first ng * 16 floats where float16) gathered a group at a time */
   const float* s32 = (const float*)w->scales + n * ng;
