@@ -1144,6 +1144,11 @@ static int qpanel_block(const void* ctx, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; n += QP_NB) {
     const int nb = n1 - n < QP_NB ? (int)(n1 - n) : QP_NB;
     qpanel_pack(c->w, n, nb, K, pk, sc, of, tmp);
+    if (n + QP_NB < n1) { /* the next block's rows into L2 while this one's products run */
+      const int64_t rowbytes = c->w->bits == 8 ? K : K / 2, next = n1 - n - QP_NB < QP_NB ? n1 - n - QP_NB : QP_NB;
+      const uint8_t* q = c->w->q + (n + QP_NB) * rowbytes;
+      for (int64_t o = 0; o < next * rowbytes; o += 64) vf_prefetch_l2(q + o);
+    }
     for (int64_t m0 = 0; m0 < c->M; m0 += QP_R) {
       switch (c->M - m0 < QP_R ? (int)(c->M - m0) : QP_R) {
 #define QPM_(MR) \
