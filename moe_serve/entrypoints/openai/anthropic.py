@@ -15,6 +15,7 @@ from typing import AsyncIterator, Union
 import msgspec
 
 from moe_serve.entrypoints.openai import protocol as P
+from moe_serve.entrypoints.openai.outputs import sse_json
 from moe_serve.entrypoints.openai.serving import BadRequest, OpenAIServing, StreamFailure
 
 # Chat request fields as this API names them, for errors raised on the translated request.
@@ -230,7 +231,7 @@ class MessagesServing:
 
     async def _events(self, msg_id: str, items) -> AsyncIterator[bytes]:
         def event(kind: str, **data) -> bytes:
-            return f"event: {kind}\n".encode() + b"data: " + msgspec.json.encode({"type": kind, **data}) + b"\n\n"
+            return f"event: {kind}\n".encode() + b"data: " + sse_json({"type": kind, **data}) + b"\n\n"
 
         started, index, open_kind, calls = False, -1, None, {}
         finish = stop_str = None

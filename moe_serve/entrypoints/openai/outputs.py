@@ -37,8 +37,24 @@ def _usage(stream, completion_tokens: int | None = None) -> P.UsageInfo:
                        P.PromptTokensDetails(getattr(stream, "num_cached_tokens", 0)))
 
 
+# U+0085, U+2028 and U+2029 as UTF-8: JSON lets them stand raw inside strings, but line readers built
+# on str.splitlines (httpx's iter_lines, Python's io) end a line at each, cutting a data line's JSON
+# in two; a token's text can hold any of them. Escaped, the JSON decodes to the same string, and only
+# a string can hold them.
+_LINE_BREAKS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"))
+
+
+def sse_json(obj) -> bytes:
+    """obj as the JSON of one server-sent event's data line: no byte a line reader could split on."""
+    out = msgspec.json.encode(obj)
+    for raw, escaped in _LINE_BREAKS:
+        if raw in out:
+            out = out.replace(raw, escaped)
+    return out
+
+
 def _sse(obj) -> bytes:
-    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
+    return b"data: " + sse_json(obj) + b"\n\n"
 
 
 def _sse_error(message: str, status: int = 503, type_: str = "ServiceUnavailableError",

@@ -19,6 +19,7 @@ from typing import AsyncIterator, Union
 import msgspec
 
 from moe_serve.entrypoints.openai import protocol as P
+from moe_serve.entrypoints.openai.outputs import sse_json
 from moe_serve.entrypoints.openai.serving import BadRequest, OpenAIServing, StreamFailure
 
 STORE_MAX_ENTRIES = 1024
@@ -276,7 +277,7 @@ class ResponsesServing:
         def event(kind: str, **data) -> bytes:
             data = {"type": kind, "sequence_number": seq[0], **data}
             seq[0] += 1
-            return f"event: {kind}\n".encode() + b"data: " + msgspec.json.encode(data) + b"\n\n"
+            return f"event: {kind}\n".encode() + b"data: " + sse_json(data) + b"\n\n"
 
         def opening() -> list[bytes]:
             start = self._response(req, resp_id, [], None, None, "in_progress")
