@@ -167,6 +167,8 @@ class CoreLoop:
                 if rejected is not None:
                     outs.append(rejected)
             outs += self.core.abort_requests(msg.aborts)
+            # Queued or aborted without a step (generation paused, or asleep): the figures change.
+            self._changed |= bool(msg.new or msg.aborts)
             if self.core.features.deliver(msg):  # a feature's input (KVDone: blocks given back)
                 self._changed = True  # state changed without an output: the front end's figures should say so
 

@@ -40,14 +40,19 @@ def server_for_sigterm(checkpoints):
     s.stop()
 
 
-def _kv_back_to_zero(server, timeout_s: float = 20.0) -> dict:
+def _kv_back_to_zero(server) -> dict:
+    return _wait_for(server, lambda m: m["moe_serve:kv_cache_usage_perc"] == 0
+                     and m["moe_serve:num_requests_running"] == 0, 20.0)
+
+
+def _wait_for(server, cond, timeout_s: float = 60.0) -> dict:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         m = server.metrics()
-        if m["moe_serve:kv_cache_usage_perc"] == 0 and m["moe_serve:num_requests_running"] == 0:
+        if cond(m):
             return m
-        time.sleep(0.2)
-    raise AssertionError(f"KV blocks still in use: {m}")
+        time.sleep(0.05)
+    raise AssertionError(f"metrics never met the condition: {m}")
 
 
 def test_default_body_limit_fits_the_longest_prompt(server):
@@ -109,16 +114,26 @@ def test_sigterm_with_16_streams_and_slow_clients_exits_0_within_30s(server_for_
         except httpx.HTTPError as e:
             results[99] = [f"error {e!r}"]
 
+    # Generation is held while the 17 requests arrive, so they all start in the same step (none gets
+    # a head start it could finish 1000 tokens in while the others are still connecting), and held
+    # again once every stream has its first tokens: at the signal all 17 are mid-generation, however
+    # busy the machine.
+    assert httpx.post(server.url + "/pause_generation", json={}, timeout=10).status_code == 200
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(16)] + [threading.Thread(target=plain)]
     for t in threads:
         t.start()
+    _wait_for(server, lambda m: m["moe_serve:num_requests_waiting"] + m["moe_serve:num_requests_running"] == 17)
+    assert httpx.post(server.url + "/continue_generation", json={}, timeout=10).status_code == 200
     upload = raw_socket(server.url)  # a body that never finishes
     upload.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 500\r\n\r\n{")
     slowloris = raw_socket(server.url)
     slowloris.sendall(b"POST /v1/completions HTTP/1.1\r\n")
     for _ in range(16):  # every stream is generating (well inside its request timeout)
-        assert started.acquire(timeout=20)
-    assert server.metrics()["moe_serve:num_requests_running"] >= 16
+        assert started.acquire(timeout=60)
+    assert httpx.post(server.url + "/pause_generation", json={}, timeout=10).status_code == 200
+    assert server.metrics()["moe_serve:num_requests_running"] == 17
+    chunks = [json.loads(line[6:]) for i in range(16) for line in list(results[i])]
+    assert not any(c["choices"][0]["finish_reason"] for c in chunks), "a stream ended before the signal"
     t0 = time.monotonic()
     server.proc.send_signal(signal.SIGTERM)
     rc = server.proc.wait(30)
