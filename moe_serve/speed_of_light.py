@@ -51,6 +51,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 log = logging.getLogger("moe_serve.speed_of_light")
@@ -389,6 +390,12 @@ class DecodeMeter:
         self._slot_bytes = (torch.tensor(self.bytes.slot_bytes, dtype=torch.int64, device=device)
                             if L else None)
         self._expert_bytes = torch.zeros((), dtype=torch.int64, device=device)
+        # On the CPU the counts are read through numpy views of the same memory: a step's few tiny
+        # torch ops cost more there (each about 10-40 us on caches the weights just streamed past).
+        on_host = L > 0 and torch.device(device).type == "cpu"
+        self._hits_np = self.hits_LS.numpy() if on_host else None
+        self._slot_bytes_np = np.asarray(self.bytes.slot_bytes, dtype=np.int64) if on_host else None
+        self._host_expert_bytes = 0
         moe_ctx.experts_hit_LS = self.hits_LS
         self.window = Window()
         self.fraction = 0.0  # the last closed window's
@@ -402,7 +409,9 @@ class DecodeMeter:
         """Before any step's forward: a step after an idle spell counts from here."""
         if self._turn_end is None:
             self._turn_end = time.perf_counter()
-        if self.hits_LS is not None:
+        if self._hits_np is not None:
+            self._hits_np.fill(0)
+        elif self.hits_LS is not None:
             self.hits_LS.zero_()
 
     def end_step(self, context_lens: list[int] | None) -> None:
@@ -423,7 +432,9 @@ class DecodeMeter:
 
     def _count_decode_step(self, context_lens: list[int], seconds: float) -> None:
         w = self.window
-        if self.hits_LS is not None:  # distinct slots hit per layer, weighted by slot bytes: on the device
+        if self._hits_np is not None:  # distinct slots hit per layer, weighted by slot bytes
+            self._host_expert_bytes += int(np.count_nonzero(self._hits_np[:, 1:], axis=1) @ self._slot_bytes_np)
+        elif self.hits_LS is not None:  # the same on the device, read back once a window
             self._expert_bytes += ((self.hits_LS[:, 1:] > 0).sum(1) * self._slot_bytes).sum()
         w.fixed_bytes += self.bytes.non_expert_bytes + self.bytes.cache_bytes(context_lens)
         w.steps += 1
@@ -437,8 +448,9 @@ class DecodeMeter:
         w = self.window
         if not w.steps:
             return None
-        expert_bytes = int(self._expert_bytes.item())
+        expert_bytes = int(self._expert_bytes.item()) + self._host_expert_bytes
         self._expert_bytes.zero_()
+        self._host_expert_bytes = 0
         total = w.fixed_bytes + expert_bytes
         self.total_bytes += total
         self.total_seconds += w.seconds
