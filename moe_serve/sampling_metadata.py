@@ -151,11 +151,14 @@ class SamplingRows:
         offsets: per sampled row, how many tokens past the row's known ones it samples at (draft
         tokens, which the input batch wrote after them): its output position, min_tokens and
         penalties count those as outputs."""
-        idx_S = torch.tensor(rows, dtype=torch.int64)
         V, c = self.V, self.count
         md = SamplingMetadata()
+        if not any(c[k] > 0 for k in _ANY_ROW):  # greedy rows with no extra: nothing to gather (on a
+            return md  # CPU decode step, each tiny op here costs tens of us on caches gone cold)
+        idx_S = torch.tensor(rows, dtype=torch.int64)
         off_S = torch.tensor(offsets, dtype=torch.int64) if offsets is not None else torch.zeros(len(rows), dtype=torch.int64)
-        out_len_S = (self.num_tokens_R - self.num_prompt_R)[idx_S] + off_S  # output tokens before each row's
+        if c["seeded"] > 0 or c["min_tokens"] > 0:
+            out_len_S = (self.num_tokens_R - self.num_prompt_R)[idx_S] + off_S  # output tokens before each row's
         temperature_S = self.temperature_R[idx_S] if c["random"] > 0 else None
         # Host tensors, so these checks cost no sync: a random row that is mid-prefill this step
         # does not make the others pay for sampling.
@@ -194,6 +197,10 @@ class SamplingRows:
                               (i, g[r], self.token_ids_RL[r, int(known[r]):int(known[r]) + offsets[i]].tolist())
                               for i, r in enumerate(rows) if g[r] is not None] or None
         return md
+
+
+# The features that put anything in a step's SamplingMetadata (SamplingRows.add's names).
+_ANY_ROW = ("random", "penalty", "bias", "min_tokens", "logprobs", "grammar")
 
 
 def _widen(t_RK: torch.Tensor, k: int, fill) -> torch.Tensor:
