@@ -251,7 +251,7 @@ class InputBatch:
         batches = [self._device_batch(dev[per * i:per * (i + 1)], q_lens, seq_lens)
                    for i, (q_lens, seq_lens) in enumerate(lens)]
         k = per * len(groups)
-        if md is not None:
+        if names:
             md = replace(md, **dict(zip(names, dev[k + 1:k + 1 + len(names)])))
         lp = dev[k + 1 + len(names):] if lp_idx else (None, None)
         return StepInputs(batches, dev[k], md, *lp)

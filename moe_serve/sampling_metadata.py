@@ -52,7 +52,12 @@ class SamplingMetadata:
     any_greedy_cpu: bool = True  # host: some row has temperature 0 (else its argmax is not needed)
 
     def tensor_fields(self) -> list[str]:
-        return [f.name for f in fields(self) if not f.name.endswith("_cpu") and not f.name.startswith("grammar_")]
+        """The names of the tensors this step has (the fields that are not None), to move in one copy."""
+        return [name for name in _TENSOR_FIELDS if getattr(self, name) is not None]
+
+
+_TENSOR_FIELDS = tuple(f.name for f in fields(SamplingMetadata)
+                       if not f.name.endswith("_cpu") and not f.name.startswith("grammar_"))
 
 
 class SamplingRows:
