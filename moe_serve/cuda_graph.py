@@ -50,6 +50,11 @@ MAX_CAPTURE_SIZE = 512
 
 
 CPU_MAX_CAPTURE_SIZE = 32
+# CPU recordings of up to this many sequences compute the LM head too, over all their rows (at most
+# 16 x V float32 logits kept a size). Up to 16 rows the eager head runs the same C kernel family for
+# the sampled rows alone (moe_serve/kernels/cpu_ops linear: bf16 dot tiles up to 16 rows; float32
+# up to 4, then panels, and the CPU ladder pads only 9-15 to 16): a row's logits are the same.
+CPU_LOGITS_MAX_ROWS = 16
 
 
 def capture_sizes(max_num_seqs: int, max_capture_size: int | None = None, cpu: bool = False) -> list[int]:
@@ -151,6 +156,10 @@ class DecodeGraphs:
         self.memory_bytes = 0
         self.capture_s = 0.0
         self.record_lazily = False  # the CPU: sizes not recorded yet are recorded by their first step
+        # The CPU: logits of every row (B, V) that a size's recording computes after its forward, and
+        # those of the last replay (None: that step ran eagerly or its recording has none).
+        self.logits: dict[int, torch.Tensor] = {}
+        self.last_logits: torch.Tensor | None = None
 
     def _meta(self, B: int) -> AttentionMetadata:
         # Host lengths at their largest: the split count is fixed by max_model_len, not the step.
@@ -214,6 +223,23 @@ class DecodeGraphs:
             if warm:  # lazily made tables and buffers, before the first recording
                 meta.backend_plans.clear()
                 self.model(ids, pos, meta, step)
+            if self.q == 1 and B <= CPU_LOGITS_MAX_ROWS:
+                head = []  # set once the forward is recorded and the LM head begins
+
+                def forward_and_logits():
+                    h = self.model(ids, pos, meta, step)
+                    head.append(True)
+                    return h, self.model.compute_logits(h)
+
+                try:  # the LM head over every row too: its host work (checks, allocations) leaves the step
+                    meta.backend_plans.clear()
+                    g = CpuGraph()
+                    h, self.logits[B] = g.capture(forward_and_logits)
+                    return g, h
+                except CaptureError as e:
+                    if not head:  # the forward failed: so would a recording of it alone
+                        raise
+                    log.debug("decode batch %d recorded without its LM head: %s", B, e)
             meta.backend_plans.clear()
             g = CpuGraph()
             return g, g.capture(lambda: self.model(ids, pos, meta, step))
@@ -251,10 +277,13 @@ class DecodeGraphs:
             slots_g[:T].copy_(src_slots, non_blocking=True)
         if self.state_slots is not None:
             self.state_slots[:B].copy_(meta.state_slots, non_blocking=True)
+        self.last_logits = None
         if B not in self.graphs:
             if self.record_lazily and B in self.sizes and (out := self._record(B)) is not None:
+                self.last_logits = self.logits.get(B)
                 return out
             return self.model(self.ids[:T], self.pos[:T], self._meta(B), decode_step(T))
         g, out = self.graphs[B]
         g.replay()
+        self.last_logits = self.logits.get(B)
         return out

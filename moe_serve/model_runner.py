@@ -134,6 +134,7 @@ class ModelRunner:
                       self._load_recorder(), split)
         step = self.batch.prepare(pieces, split, pad_to, self.scratch_block, pad_q)
         graphs = self.graphs if pad_q == 1 else self.verify_graphs
+        self._graph_logits = None  # every row's logits, where the step's recording computed them
         if split:
             h = self.model.forward_microbatches(step.batches, moe)
         elif pad_to is not None and graphs is not None:
@@ -142,6 +143,7 @@ class ModelRunner:
             # one-token prompt starts from a zeroed slot instead.
             self._zero_states([self.batch.state_slot_R[p[0]] for p in pieces if p[1] == 0])
             h = graphs.replay(*step.batches[0])
+            self._graph_logits = graphs.last_logits
         else:
             if pad_to is not None:
                 self._log_padding(len(pieces), pad_q, pad_to)
@@ -174,7 +176,10 @@ class ModelRunner:
             if self._bitmask is None:
                 self._bitmask = BitmaskFiller(self.cfg.scheduler.max_num_seqs, self.batch.sampling.V, self.device)
             md.grammar_rows_G, md.grammar_bitmask_GW = self._bitmask.fill(md.grammar_cpu)
-        logits = self.model.compute_logits(h.index_select(0, step.logits_indices_S))
+        if self._graph_logits is not None:
+            logits = self._graph_logits.index_select(0, step.logits_indices_S)
+        else:
+            logits = self.model.compute_logits(h.index_select(0, step.logits_indices_S))
         result = self.sampler(logits, md)
         result.prompt_logprobs = prompt_lps
         return result

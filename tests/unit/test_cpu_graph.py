@@ -37,7 +37,8 @@ def test_cpu_graph_decode_equals_eager(checkpoints, arch, dtype, monkeypatch):
     shrinks through the ladder (padded sizes included: 11 .. 9 -> 16), contexts cross block
     boundaries. Every token and its logprobs equal the eager engine's, and the graphs did run. In
     bfloat16 (float32 activations over bf16 weights and embedding table: the rows' widening is a `to`
-    that inference mode dispatches as an op that may alias its input, and does not)."""
+    that inference mode dispatches as an op that may alias its input, and does not). The recordings
+    hold the LM head over every row (padding's too), which the eager steps run on the sampled rows."""
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 200) for _ in range(rng.randrange(3, 30))] for _ in range(11)]
     eager, none, _ = _generate(checkpoints[arch], True, prompts, 12, dtype)
@@ -45,6 +46,9 @@ def test_cpu_graph_decode_equals_eager(checkpoints, arch, dtype, monkeypatch):
     assert none is None and graphs is not None
     # each size recorded by its first step (1 at start-up), replayed by the next ones
     assert set(graphs.graphs) == set(range(1, 9)) | {16} == set(replays), (sorted(graphs.graphs), sorted(set(replays)))
+    # and each recorded its LM head too: the graphed steps' logits came from the recordings
+    assert set(graphs.logits) == set(graphs.graphs)
+    assert all(graphs.logits[B].shape[0] == B for B in graphs.logits)
     for (toks_e, lp_e), (toks_g, lp_g) in zip(eager, graphed):
         assert toks_g == toks_e
         for a, b in zip(lp_e, lp_g):
@@ -132,7 +136,10 @@ def test_failed_recording_on_first_use_runs_eagerly(checkpoints, monkeypatch, ca
     monkeypatch.setattr(CpuGraph, "capture", capture)
     got, graphs, _ = _generate(checkpoints["qwen3_moe"], False, prompts, 6, monkeypatch=monkeypatch)
     assert got == want
-    assert list(graphs.graphs) == [1] and not graphs.record_lazily and len(calls) == 2
+    # batch 3's recording failed with its LM head, then once more without it (the failure came after
+    # the forward, as far as the recording could tell); nothing was recorded after that
+    assert list(graphs.graphs) == [1] and not graphs.record_lazily and len(calls) == 3
+    assert graphs.logits.keys() == {1}
     assert "CPU recording of decode batch 3 failed" in caplog.text
 
 
