@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import time
 
 import httpx
 import pytest
@@ -57,6 +58,21 @@ def _post(url: str, path: str, body: dict | None = None, timeout: float = 120) -
     return httpx.post(url + path, json=body or {}, timeout=timeout)
 
 
+def _wait_queued(url: str, n: int, timeout_s: float = 120.0) -> None:
+    """Until the ranks hold n requests in all (waiting or running: /metrics sums the ranks)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        m = {}
+        for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                m[name.split("{")[0]] = float(value)
+        if m["moe_serve:num_requests_waiting"] + m["moe_serve:num_requests_running"] >= n:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the ranks never held {n} requests: {m}")
+
+
 def test_ep2_trainer_pushes_mid_stream(job, base, tmp_path):
     from moe_serve.weight_sync import broadcast_tensors, trainer_group
 
@@ -66,10 +82,15 @@ def test_ep2_trainer_pushes_mid_stream(job, base, tmp_path):
     names = sorted(new)
     spec = {"names": names, "dtypes": [str(new[n].dtype) for n in names], "shapes": [list(new[n].shape) for n in names]}
     streams = [Stream(url, p, STREAM_TOKENS) for p in STREAM_PROMPTS]
+    # Held while they arrive, so both start in the same step: neither can finish its tokens while
+    # the other is still connecting, however busy the machine.
+    assert _post(url, "/pause_generation").status_code == 200
     for s in streams:
         s.start()
     with cf.ThreadPoolExecutor(2) as pool:
         try:
+            _wait_queued(url, len(streams))
+            assert _post(url, "/continue_generation").status_code == 200
             for s in streams:
                 assert s.first.wait(120) and s.error is None, s.error
             seen = [len(s.tokens) for s in streams]
